@@ -1,0 +1,328 @@
+//! Cross-executor equivalence: randomized transfers over every supported cell, run on an
+//! executor through the pools API and compared byte for byte with the [`oracle`](crate::oracle).
+//! Used by `hicache-io check`, the property tests and the GPU check script.
+
+use crate::error::{Result, TransferError};
+use crate::exec::Device;
+use crate::geometry::{dsa_bytes_per_token, IoBackend, Layout, LayerMap, PoolKind, Profile};
+use crate::oracle::{self, OracleBuffers};
+use crate::plan::{decide, Op, TableOp};
+use crate::pool::{DevicePool, DevicePoolConfig, HostPool, HostPoolConfig};
+
+/// SplitMix64: small, seedable, no dependency.
+#[derive(Debug, Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed ^ 0x9E37_79B9_7F4A_7C15)
+    }
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in `0..n` (`n > 0`).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n
+    }
+    pub fn pick<T: Copy>(&mut self, xs: &[T]) -> T {
+        xs[self.below(xs.len() as u64) as usize]
+    }
+    pub fn chance(&mut self, percent: u64) -> bool {
+        self.below(100) < percent
+    }
+    pub fn fill(&mut self, buf: &mut [u8]) {
+        for chunk in buf.chunks_mut(8) {
+            let v = self.next_u64().to_le_bytes();
+            chunk.copy_from_slice(&v[..chunk.len()]);
+        }
+    }
+    /// `k` distinct values of `0..n`, in random order.
+    pub fn distinct(&mut self, n: u64, k: u64) -> Vec<u64> {
+        let mut all: Vec<u64> = (0..n).collect();
+        for i in 0..k.min(n) as usize {
+            let j = i + self.below(n - i as u64) as usize;
+            all.swap(i, j);
+        }
+        all.truncate(k.min(n) as usize);
+        all
+    }
+}
+
+/// One cell of the support table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+pub struct Cell {
+    pub kind: PoolKind,
+    pub op: TableOp,
+    pub layout: Layout,
+    pub io: IoBackend,
+}
+
+impl std::fmt::Display for Cell {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {} {} {}", self.kind, self.op.name(), self.layout, self.io)
+    }
+}
+
+/// Every cell, in table order.
+pub fn all_cells() -> Vec<Cell> {
+    let mut v = Vec::new();
+    for kind in PoolKind::ALL {
+        for op in TableOp::ALL {
+            for layout in Layout::ALL {
+                for io in IoBackend::ALL {
+                    v.push(Cell { kind, op, layout, io });
+                }
+            }
+        }
+    }
+    v
+}
+
+/// A random call in one cell: geometry, operation and indices.
+#[derive(Debug, Clone)]
+pub struct Case {
+    pub cell: Cell,
+    pub device: DevicePoolConfig,
+    pub host: HostPoolConfig,
+    pub op: Op,
+    pub host_indices: Vec<i64>,
+    pub device_indices: Vec<i64>,
+    pub seed: u64,
+}
+
+/// Draws a random case for `cell` (small pools; every layout feature exercised: drafts,
+/// sharding, skip-topk layers, negative entries, runs and scattered pages).
+pub fn random_case(cell: Cell, profile: Profile, rng: &mut Rng) -> Case {
+    let seed = rng.next_u64();
+    let kind = cell.kind;
+    let page_size = match kind {
+        // sglang's kernel gate needs an even page for 132 B tokens; extended lifts it.
+        PoolKind::DsaIndexer if profile == Profile::Sglang && cell.io == IoBackend::Kernel => rng.pick(&[2u64, 4, 8]),
+        PoolKind::DsaIndexer => rng.pick(&[1u64, 2, 4, 8]),
+        _ => rng.pick(&[1u64, 2, 4, 8, 16]),
+    };
+    let head_num = if cell.layout == Layout::PageHead { rng.pick(&[1u64, 2, 4]) } else { 1 };
+    let word = if profile == Profile::Sglang { 8 } else { 4 };
+    let bytes_per_token = match kind {
+        PoolKind::DsaIndexer => {
+            // index_head_dim / quant_block_size pairs; 132 B is DeepSeek V3.2.
+            let (d, q) = rng.pick(&[(128u64, 128u64), (16, 8), (8, 4), (32, 16)]);
+            dsa_bytes_per_token(d, q)
+        }
+        _ => head_num * word * rng.pick(&[1u64, 2, 3, 4, 6, 8, 16]),
+    };
+    let layer_num = 1 + rng.below(5) as usize;
+    let mut layers = LayerMap::new(layer_num);
+    if cell.op == TableOp::ShardedBackup {
+        let start = rng.below(layer_num as u64) as usize;
+        let end = start + 1 + rng.below((layer_num - start) as u64) as usize;
+        layers.layer_shard = Some((start, end));
+    }
+    if kind == PoolKind::DsaIndexer {
+        for l in 0..layer_num {
+            layers.skipped[l] = rng.chance(25);
+        }
+    }
+    layers.drafts = rng.below(3) as usize;
+    if layers.host_layers() == 0 {
+        layers.drafts = 1;
+    }
+    let host_pages = 2 + rng.below(10);
+    let device_pages = 2 + rng.below(10);
+    let device = DevicePoolConfig {
+        kind,
+        bytes_per_token,
+        slots: if kind == PoolKind::DsaIndexer { device_pages } else { device_pages * page_size + rng.below(page_size) },
+        page_size,
+        layers: layers.clone(),
+    };
+    let host = HostPoolConfig { layout: cell.layout, size: host_pages * page_size - 1 - rng.below(page_size), head_num, profile };
+    let op = match cell.op {
+        TableOp::Load => {
+            if layers.drafts > 0 && rng.chance(30) {
+                Op::Load { layer_id: layer_num + rng.below(layers.drafts as u64) as usize, is_draft: true }
+            } else {
+                // Sometimes a layer this pool does not own (a defined no-op).
+                Op::Load { layer_id: rng.below(layer_num as u64) as usize, is_draft: false }
+            }
+        }
+        _ => Op::Backup,
+    };
+    let (host_indices, device_indices) = random_indices(kind, cell, page_size, &host, &device, rng);
+    Case { cell, device, host, op, host_indices, device_indices, seed }
+}
+
+fn random_indices(kind: PoolKind, cell: Cell, p: u64, host: &HostPoolConfig, device: &DevicePoolConfig, rng: &mut Rng) -> (Vec<i64>, Vec<i64>) {
+    // Index-space pages: host page_num (MHA/MLA) or indexer pages (DSA).
+    let rounded = (host.size / p + 1) * p;
+    let host_pages = match kind {
+        PoolKind::DsaIndexer => (rounded + p + 1) / p,
+        _ => rounded / p,
+    };
+    let dev_pages = match kind {
+        PoolKind::DsaIndexer => device.slots,
+        _ => device.slots / p,
+    };
+    let token_level = kind != PoolKind::DsaIndexer && cell.layout != Layout::PageFirstDirect && rng.chance(40);
+    let (mut hi, mut di) = (Vec::new(), Vec::new());
+    if token_level {
+        // Scattered token slots (count a multiple of P so that direct accepts it).
+        let n = p * (1 + rng.below(host_pages.min(dev_pages)));
+        let hs = rng.distinct(rounded, n);
+        let contiguous = rng.chance(50);
+        let ds: Vec<u64> = if contiguous {
+            let start = rng.below(device.slots - n + 1);
+            (start..start + n).collect()
+        } else {
+            rng.distinct(device.slots, n)
+        };
+        for k in 0..n as usize {
+            let neg = rng.chance(5);
+            hi.push(if neg { -1 } else { hs[k] as i64 });
+            di.push(ds[k] as i64);
+        }
+    } else {
+        // sglang's test pattern: whole pages in random order, sometimes runs of pages.
+        let n = 1 + rng.below(host_pages.min(dev_pages));
+        let hps = if rng.chance(30) {
+            let start = rng.below(host_pages - n + 1);
+            (start..start + n).collect()
+        } else {
+            rng.distinct(host_pages, n)
+        };
+        let dps = if rng.chance(30) {
+            let start = rng.below(dev_pages - n + 1);
+            (start..start + n).collect()
+        } else {
+            rng.distinct(dev_pages, n)
+        };
+        for k in 0..n as usize {
+            let neg = rng.chance(8);
+            for t in 0..p {
+                hi.push(if neg { -1 } else { (hps[k] * p + t) as i64 });
+                di.push((dps[k] * p + t) as i64);
+            }
+        }
+    }
+    (hi, di)
+}
+
+/// The result of one case.
+#[derive(Debug)]
+pub enum Outcome {
+    /// Ran and matched the oracle byte for byte.
+    Match { bytes: u64 },
+    /// Ran and differed: where the first differing byte is.
+    Mismatch { buffer: String, offset: usize },
+    /// The planner rejected it (the table said yes for the cell, the call said no).
+    Rejected(TransferError),
+}
+
+/// Runs one case on `device` and compares with the oracle.
+pub fn run_case(device: &Device, case: &Case) -> Result<Outcome> {
+    let mut rng = Rng::new(case.seed);
+    let mut dev_pool = DevicePool::new(device, &case.device)?;
+    let mut host_pool = HostPool::new(&dev_pool, &case.host)?;
+    let g = dev_pool.geometry().clone();
+    let comps = g.kind.components();
+    // Random initial contents, mirrored into the oracle's buffers.
+    let mut dev_bytes: Vec<Vec<Vec<u8>>> = (0..comps).map(|_| (0..g.buffer_count()).map(|_| vec![0u8; g.layer_bytes() as usize]).collect()).collect();
+    let mut host_bytes: Vec<Vec<u8>> = (0..comps).map(|_| vec![0u8; host_pool.geometry().buffer_bytes() as usize]).collect();
+    for (c, bufs) in dev_bytes.iter_mut().enumerate() {
+        for (s, b) in bufs.iter_mut().enumerate() {
+            rng.fill(b);
+            dev_pool.write_buffer(c, s, b)?;
+        }
+    }
+    for (c, b) in host_bytes.iter_mut().enumerate() {
+        rng.fill(b);
+        host_pool.write_buffer(c, b)?;
+    }
+    let plan = match host_pool.plan(&dev_pool, &crate::plan::Request { op: case.op, io_backend: case.cell.io, host_indices: &case.host_indices, device_indices: &case.device_indices }) {
+        Ok(p) => p,
+        Err(e) => return Ok(Outcome::Rejected(e)),
+    };
+    let bytes = plan.bytes();
+    let result = match case.op {
+        Op::Load { .. } => host_pool.run(&dev_pool, case.op, case.cell.io, &case.host_indices, &case.device_indices),
+        Op::Backup => host_pool.backup_from_device_all_layer(&dev_pool, &case.host_indices, &case.device_indices, case.cell.io),
+    };
+    result?;
+    dev_pool.device().synchronize()?;
+    oracle::apply(host_pool.pair(), case.op, &case.host_indices, &case.device_indices, OracleBuffers { host: &mut host_bytes, device: &mut dev_bytes });
+    for (c, want) in host_bytes.iter().enumerate() {
+        let got = host_pool.read_buffer(c)?;
+        if let Some(offset) = first_diff(&got, want) {
+            return Ok(Outcome::Mismatch { buffer: format!("host component {c}"), offset });
+        }
+    }
+    for (c, bufs) in dev_bytes.iter().enumerate() {
+        for (s, want) in bufs.iter().enumerate() {
+            let got = dev_pool.read_buffer(c, s)?;
+            if let Some(offset) = first_diff(&got, want) {
+                return Ok(Outcome::Mismatch { buffer: format!("device component {c} buffer {s}"), offset });
+            }
+        }
+    }
+    // Keep the pool alive until compared (and silence unused-mut on some feature sets).
+    let _ = &mut dev_pool;
+    Ok(Outcome::Match { bytes })
+}
+
+fn first_diff(a: &[u8], b: &[u8]) -> Option<usize> {
+    if a.len() != b.len() {
+        return Some(a.len().min(b.len()));
+    }
+    a.iter().zip(b).position(|(x, y)| x != y)
+}
+
+/// Per-cell tally of a check run.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct Tally {
+    pub cases: u64,
+    pub matched: u64,
+    pub mismatched: u64,
+    pub rejected: u64,
+    pub bytes: u64,
+    pub first_failure: Option<String>,
+}
+
+/// The cells `profile` accepts for a typical geometry of each pool kind (the cell's decision
+/// depends on the item only for the DSA `kernel` gate, which random cases re-check).
+pub fn supported_cells(profile: Profile) -> Vec<Cell> {
+    all_cells().into_iter().filter(|c| decide(profile, c.kind, c.op, c.layout, c.io, 8448, 4).is_ok()).collect()
+}
+
+/// Runs `rounds` random cases per supported cell on `device`; `progress` is called after each.
+pub fn check_device(device: &Device, profile: Profile, seed: u64, rounds: u64, mut progress: impl FnMut(Cell, &Tally)) -> Result<Vec<(Cell, Tally)>> {
+    let mut rng = Rng::new(seed);
+    let mut out = Vec::new();
+    for cell in supported_cells(profile) {
+        let mut t = Tally::default();
+        for _ in 0..rounds {
+            let case = random_case(cell, profile, &mut rng);
+            t.cases += 1;
+            match run_case(device, &case)? {
+                Outcome::Match { bytes } => {
+                    t.matched += 1;
+                    t.bytes += bytes;
+                }
+                Outcome::Mismatch { buffer, offset } => {
+                    t.mismatched += 1;
+                    t.first_failure.get_or_insert_with(|| format!("seed {}: {buffer} differs at byte {offset}", case.seed));
+                }
+                Outcome::Rejected(e) => {
+                    t.rejected += 1;
+                    t.first_failure.get_or_insert_with(|| format!("seed {}: rejected: {e}", case.seed));
+                }
+            }
+            progress(cell, &t);
+        }
+        out.push((cell, t));
+    }
+    Ok(out)
+}

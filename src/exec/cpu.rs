@@ -1,0 +1,177 @@
+//! The reference executor: plain host memory, one `copy_nonoverlapping` per item chunk or run.
+//! Large transfers are split over threads by items (destinations are unique, checked by the
+//! planner, so the halves never touch the same bytes).
+
+use std::ptr::NonNull;
+
+use super::{Bindings, Executor};
+use crate::error::{Result, TransferError};
+use crate::plan::{Capabilities, Plan, Step};
+
+/// Below this many bytes a transfer stays on the calling thread (thread start-up costs more).
+const PARALLEL_MIN_BYTES: u64 = 8 << 20;
+
+/// Host memory, zero-initialised lazily (`calloc`), so a large pool does not touch every page
+/// up front.
+pub struct CpuBuffer {
+    ptr: NonNull<u8>,
+    len: usize,
+    // Owns the allocation; all access goes through `ptr`.
+    _owner: Option<Box<[u8]>>,
+}
+
+// SAFETY: the buffer is plain memory; concurrent writes are ruled out by the pools' `&mut`
+// access to destination pools and the planner's unique-destination check.
+unsafe impl Send for CpuBuffer {}
+unsafe impl Sync for CpuBuffer {}
+
+impl CpuBuffer {
+    pub fn zeroed(len: usize) -> CpuBuffer {
+        let mut owner = vec![0u8; len].into_boxed_slice();
+        let ptr = NonNull::new(owner.as_mut_ptr()).unwrap_or(NonNull::dangling());
+        CpuBuffer { ptr, len, _owner: Some(owner) }
+    }
+
+    /// Wraps caller memory.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must be valid for reads and writes for as long as the buffer (and any
+    /// pool holding it) lives, and must not be accessed by anything else during a transfer.
+    pub unsafe fn from_raw(ptr: NonNull<u8>, len: usize) -> CpuBuffer {
+        CpuBuffer { ptr, len, _owner: None }
+    }
+
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+#[derive(Clone, Default)]
+pub struct CpuExecutor {
+    threads: usize,
+}
+
+impl CpuExecutor {
+    pub fn new() -> CpuExecutor {
+        let threads = std::env::var("HICACHE_IO_CPU_THREADS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1))
+            .max(1);
+        CpuExecutor { threads }
+    }
+    /// An executor that uses at most `threads` threads per transfer.
+    pub fn with_threads(threads: usize) -> CpuExecutor {
+        CpuExecutor { threads: threads.max(1) }
+    }
+}
+
+#[derive(Clone, Copy)]
+struct SendPtr(*mut u8);
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+
+impl Executor for CpuExecutor {
+    type Buffer = CpuBuffer;
+
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+    fn describe(&self) -> String {
+        format!("host memory, {} thread(s)", self.threads)
+    }
+    fn capabilities(&self) -> Capabilities {
+        Capabilities { name: "cpu", kernel_word: 4, direct_align: 1 }
+    }
+    fn alloc(&self, bytes: u64) -> Result<CpuBuffer> {
+        let len = usize::try_from(bytes).map_err(|_| TransferError::Executor { backend: "cpu", message: format!("{bytes} bytes exceed the address space") })?;
+        Ok(CpuBuffer::zeroed(len))
+    }
+    fn buffer_len(&self, buf: &CpuBuffer) -> u64 {
+        buf.len as u64
+    }
+    fn write(&self, buf: &CpuBuffer, offset: u64, data: &[u8]) -> Result<()> {
+        // SAFETY: span checked by `Device::write`; `&mut` pool access rules out aliasing.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), buf.as_ptr().add(offset as usize), data.len()) };
+        Ok(())
+    }
+    fn read(&self, buf: &CpuBuffer, offset: u64, out: &mut [u8]) -> Result<()> {
+        // SAFETY: span checked by `Device::read`.
+        unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr().add(offset as usize), out.as_mut_ptr(), out.len()) };
+        Ok(())
+    }
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn execute(&self, plan: &Plan, bufs: &Bindings<'_, CpuBuffer>) -> Result<()> {
+        let threads = if plan.bytes() >= PARALLEL_MIN_BYTES { self.threads } else { 1 };
+        for step in &plan.steps {
+            match step {
+                Step::Gather(g) => {
+                    let launches: Vec<(SendPtr, SendPtr, crate::plan::Addr, crate::plan::Addr)> =
+                        g.launches.iter().map(|l| (SendPtr(bufs.get(l.src.buf).as_ptr()), SendPtr(bufs.get(l.dst.buf).as_ptr()), l.src, l.dst)).collect();
+                    let (chunk, heads) = (g.chunk_bytes as usize, g.heads);
+                    let work = |lo: usize, hi: usize| {
+                        for i in lo..hi {
+                            let (s, d) = (g.src_indices[i], g.dst_indices[i]);
+                            if s < 0 || d < 0 {
+                                continue;
+                            }
+                            for (sp, dp, sa, da) in &launches {
+                                for h in 0..heads {
+                                    // SAFETY: offsets come from a plan validated against the
+                                    // geometry these buffers were sized by.
+                                    unsafe {
+                                        std::ptr::copy_nonoverlapping(sp.0.add(sa.offset(s as u64, h) as usize), dp.0.add(da.offset(d as u64, h) as usize), chunk)
+                                    };
+                                }
+                            }
+                        }
+                    };
+                    split(g.src_indices.len(), threads, &work);
+                }
+                Step::Copy(c) => {
+                    let runs: Vec<(SendPtr, SendPtr, usize, usize, usize)> = c
+                        .runs
+                        .iter()
+                        .map(|r| (SendPtr(bufs.get(r.src).as_ptr()), SendPtr(bufs.get(r.dst).as_ptr()), r.src_offset as usize, r.dst_offset as usize, r.len as usize))
+                        .collect();
+                    let work = |lo: usize, hi: usize| {
+                        for (sp, dp, so, dof, len) in &runs[lo..hi] {
+                            // SAFETY: as above.
+                            unsafe { std::ptr::copy_nonoverlapping(sp.0.add(*so), dp.0.add(*dof), *len) };
+                        }
+                    };
+                    split(runs.len(), threads, &work);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Runs `work(lo, hi)` over `0..n` on up to `threads` scoped threads.
+fn split(n: usize, threads: usize, work: &(dyn Fn(usize, usize) + Sync)) {
+    let threads = threads.min(n).max(1);
+    if threads == 1 {
+        work(0, n);
+        return;
+    }
+    let per = n.div_ceil(threads);
+    std::thread::scope(|s| {
+        for t in 1..threads {
+            let (lo, hi) = (t * per, ((t + 1) * per).min(n));
+            if lo < hi {
+                s.spawn(move || work(lo, hi));
+            }
+        }
+        work(0, per.min(n));
+    });
+}

@@ -1,0 +1,49 @@
+//! # hicache-io
+//!
+//! Moves KV-cache data between a host pool and a device pool with the semantics of sglang's
+//! HiCache transfer layer, on three executors chosen at run time: `cpu` (reference), `wgpu`
+//! (WGSL compute shaders) and `cuda` (copy kernels and DMA copies through cudarc).
+//!
+//! The layers of the crate: [`geometry`] (shapes and offsets), [`plan`] (the one validation
+//! table and the lowering into plans), [`exec`] (executors that only execute), [`pool`]
+//! (sglang-shaped pools), [`oracle`] and [`check`] (byte-for-byte equivalence).
+//!
+//! ```
+//! use hicache_io::{Device, DevicePool, DevicePoolConfig, HostPool, HostPoolConfig, IoBackend, Layout, LayerMap, PoolKind, Profile};
+//!
+//! # fn main() -> Result<(), hicache_io::TransferError> {
+//! let device = Device::cpu(); // or Device::from_env()? for HICACHE_IO_BACKEND=cpu|wgpu|cuda|auto
+//! // MLA device pool: 4 layers of 256 token slots, 1152-byte records, page size 16.
+//! let mut dev = DevicePool::new(&device, &DevicePoolConfig {
+//!     kind: PoolKind::Mla, bytes_per_token: 1152, slots: 256, page_size: 16, layers: LayerMap::new(4),
+//! })?;
+//! let mut host = HostPool::new(&dev, &HostPoolConfig {
+//!     layout: Layout::PageFirst, size: 1024, head_num: 1, profile: Profile::Extended,
+//! })?;
+//! // Back up one page (16 tokens) of every layer, then load layer 2 back elsewhere.
+//! let device_slots: Vec<i64> = (32..48).collect();
+//! let host_slots: Vec<i64> = (160..176).collect();
+//! host.backup_from_device_all_layer(&dev, &host_slots, &device_slots, IoBackend::Kernel)?;
+//! let back: Vec<i64> = (64..80).collect();
+//! host.load_to_device_per_layer(&mut dev, &host_slots, &back, 2, IoBackend::Kernel)?;
+//!
+//! // A combination sglang rejects is an error with sglang's message, and nothing moves:
+//! let err = host.load_to_device_per_layer(&mut dev, &host_slots, &back, 2, IoBackend::Direct).unwrap_err();
+//! assert_eq!(err.to_string(), "Unsupported layout: page_first");
+//! # Ok(()) }
+//! ```
+
+pub mod check;
+pub mod error;
+pub mod exec;
+pub mod geometry;
+pub mod matrix;
+pub mod oracle;
+pub mod plan;
+pub mod pool;
+
+pub use error::{Result, TransferError};
+pub use exec::{BackendKind, Device};
+pub use geometry::{IoBackend, LayerMap, Layout, PoolKind, Profile};
+pub use plan::{Capabilities, Op, Plan, Request};
+pub use pool::{DevicePool, DevicePoolConfig, HostPool, HostPoolConfig};

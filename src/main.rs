@@ -1,0 +1,222 @@
+//! `hicache-io`: info | matrix | check (the main job, also with no arguments).
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use hicache_io::check::{check_device, Tally};
+use hicache_io::exec::{probe_all, BackendKind, Device};
+use hicache_io::geometry::{PoolKind, Profile};
+use hicache_io::matrix::{matrix, render_markdown};
+
+#[derive(Parser)]
+#[command(
+    name = "hicache-io",
+    version,
+    about = "sglang HiCache KV transfers on cpu, wgpu and cuda, with one validation table"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Option<Cmd>,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Executors and devices present here.
+    Info,
+    /// Every cell of pool × operation × layout × io backend: the op it runs or the exact error.
+    Matrix {
+        #[arg(long, default_value = "extended")]
+        profile: Profile,
+        /// Pools to show (mha, mla, dsa); all by default.
+        #[arg(long, value_delimiter = ',')]
+        pool: Vec<PoolKind>,
+        /// Page size the DSA indexer item assumes (132 B/token × this).
+        #[arg(long, default_value_t = 64)]
+        dsa_page_size: u64,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Randomized transfers over every supported cell on each executor, compared byte for byte
+    /// with the oracle. Exit status 1 on any mismatch.
+    Check(CheckArgs),
+}
+
+#[derive(clap::Args, Default)]
+struct CheckArgs {
+    /// Executors to check (cpu, wgpu, cuda); every available one by default.
+    #[arg(long, value_delimiter = ',')]
+    backend: Vec<BackendKind>,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Random cases per cell and executor.
+    #[arg(long, default_value_t = 8)]
+    rounds: u64,
+    #[arg(long, default_value = "extended")]
+    profile: Profile,
+    #[arg(long)]
+    json: bool,
+}
+
+fn main() -> ExitCode {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+    let cli = Cli::parse();
+    match cli.cmd.unwrap_or(Cmd::Check(CheckArgs {
+        seed: 1,
+        rounds: 8,
+        profile: Profile::Extended,
+        ..Default::default()
+    })) {
+        Cmd::Info => info(),
+        Cmd::Matrix {
+            profile,
+            pool,
+            dsa_page_size,
+            json,
+        } => {
+            let pools = if pool.is_empty() {
+                PoolKind::ALL.to_vec()
+            } else {
+                pool
+            };
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&matrix(profile, &pools, dsa_page_size))
+                        .expect("json")
+                );
+            } else {
+                print!("{}", render_markdown(profile, &pools, dsa_page_size));
+            }
+            ExitCode::SUCCESS
+        }
+        Cmd::Check(args) => check(args),
+    }
+}
+
+fn info() -> ExitCode {
+    println!("hicache-io {}", env!("CARGO_PKG_VERSION"));
+    for (kind, dev) in probe_all() {
+        match dev {
+            Ok(d) => {
+                let c = d.capabilities();
+                println!(
+                    "{}: available — {} (kernel word {} B, direct alignment {} B)",
+                    kind.name(),
+                    d.describe(),
+                    c.kernel_word,
+                    c.direct_align
+                );
+            }
+            Err(e) => println!("{e}"),
+        }
+    }
+    ExitCode::SUCCESS
+}
+
+fn check(args: CheckArgs) -> ExitCode {
+    let kinds = if args.backend.is_empty() {
+        BackendKind::ALL.to_vec()
+    } else {
+        args.backend.clone()
+    };
+    let mut devices = Vec::new();
+    for k in kinds {
+        match Device::open(k) {
+            Ok(d) => {
+                println!("{}: {}", k.name(), d.describe());
+                devices.push(d);
+            }
+            Err(e) if args.backend.is_empty() => println!("{e} — skipped"),
+            Err(e) => {
+                eprintln!("{e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    let mut failed = false;
+    let mut report = Vec::new();
+    for dev in &devices {
+        let cells = hicache_io::check::supported_cells(args.profile).len() as u64;
+        let bar = indicatif::ProgressBar::new(cells * args.rounds);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("{prefix:>5} [{bar:40}] {pos}/{len} {msg}")
+                .unwrap()
+                .progress_chars("=> "),
+        );
+        bar.set_prefix(dev.name());
+        let res = check_device(dev, args.profile, args.seed, args.rounds, |cell, _| {
+            bar.inc(1);
+            bar.set_message(cell.to_string());
+        });
+        bar.finish_and_clear();
+        match res {
+            Ok(rows) => report.push((dev.name(), rows)),
+            Err(e) => {
+                eprintln!("{}: {e}", dev.name());
+                failed = true;
+            }
+        }
+    }
+    if args.json {
+        let v: Vec<_> = report.iter().map(|(n, rows)| serde_json::json!({"backend": n, "cells": rows.iter().map(|(c, t)| serde_json::json!({"cell": c, "tally": t})).collect::<Vec<_>>()})).collect();
+        println!("{}", serde_json::to_string_pretty(&v).expect("json"));
+    } else {
+        println!(
+            "\n{:<44} {:>6} {:>9} {:>8} {:>10}  result",
+            "cell (profile ".to_string() + args.profile.name() + ")",
+            "exec",
+            "cases",
+            "matched",
+            "bytes"
+        );
+        for (name, rows) in &report {
+            for (cell, t) in rows {
+                println!(
+                    "{:<44} {:>6} {:>9} {:>8} {:>10}  {}",
+                    cell.to_string(),
+                    name,
+                    t.cases,
+                    t.matched,
+                    t.bytes,
+                    verdict(t)
+                );
+            }
+        }
+    }
+    for (name, rows) in &report {
+        let bad: Vec<&Tally> = rows
+            .iter()
+            .map(|(_, t)| t)
+            .filter(|t| t.matched != t.cases)
+            .collect();
+        let cases: u64 = rows.iter().map(|(_, t)| t.cases).sum();
+        println!(
+            "{name}: {} of {} cells, {cases} cases, {}",
+            rows.len() - bad.len(),
+            rows.len(),
+            if bad.is_empty() {
+                "all match the oracle"
+            } else {
+                "MISMATCHES"
+            }
+        );
+        failed |= !bad.is_empty();
+    }
+    if devices.is_empty() {
+        eprintln!("no executor available");
+        failed = true;
+    }
+    if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    }
+}
+
+fn verdict(t: &Tally) -> String {
+    if t.matched == t.cases {
+        "ok".into()
+    } else {
+        format!("FAIL ({})", t.first_failure.as_deref().unwrap_or("?"))
+    }
+}

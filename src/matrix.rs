@@ -1,0 +1,56 @@
+//! The support matrix as a table: every cell of pool × operation × layout × io backend, with
+//! the op that runs it or the exact error. Generated from [`crate::plan::decide`], never
+//! written by hand (the README's copy is checked by a test).
+
+use crate::check::{all_cells, Cell};
+use crate::geometry::{dsa_bytes_per_token, IoBackend, PoolKind, Profile};
+use crate::plan::{decide, Capabilities, PathInfo};
+
+/// One row: a cell and its outcome (`Ok(path)` or the error text).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct MatrixEntry {
+    pub cell: Cell,
+    pub outcome: Result<PathInfo, String>,
+}
+
+/// The DSA indexer item the matrix assumes: DeepSeek V3.2 (132 B per token) at `page_size`.
+pub fn dsa_item(page_size: u64) -> u64 {
+    dsa_bytes_per_token(128, 128) * page_size
+}
+
+pub fn matrix(profile: Profile, pools: &[PoolKind], dsa_page_size: u64) -> Vec<MatrixEntry> {
+    all_cells()
+        .into_iter()
+        .filter(|c| pools.contains(&c.kind))
+        .map(|cell| {
+            let item = if cell.kind == PoolKind::DsaIndexer { dsa_item(dsa_page_size) } else { 8 };
+            let outcome = decide(profile, cell.kind, cell.op, cell.layout, cell.io, item, Capabilities::PORTABLE.kernel_word).map_err(|e| e.to_string());
+            MatrixEntry { cell, outcome }
+        })
+        .collect()
+}
+
+fn show(o: &Result<PathInfo, String>) -> String {
+    match o {
+        Ok(p) if p.extension => format!("✔ {} *(extended)*", p.op),
+        Ok(p) => format!("✔ `{}`", p.op),
+        Err(e) => format!("✘ \"{e}\""),
+    }
+}
+
+/// Markdown: one row per (pool, op, layout), columns kernel and direct.
+pub fn render_markdown(profile: Profile, pools: &[PoolKind], dsa_page_size: u64) -> String {
+    let m = matrix(profile, pools, dsa_page_size);
+    let mut s = String::new();
+    s.push_str(&format!(
+        "Profile `{profile}`; DSA indexer item = {} B (132 B/token × page size {dsa_page_size}).\n\n",
+        dsa_item(dsa_page_size)
+    ));
+    s.push_str("| pool | operation | layout | kernel | direct |\n|---|---|---|---|---|\n");
+    for pair in m.chunks(2) {
+        let (k, d) = (&pair[0], &pair[1]);
+        debug_assert!(k.cell.io == IoBackend::Kernel && d.cell.io == IoBackend::Direct);
+        s.push_str(&format!("| {} | {} | {} | {} | {} |\n", k.cell.kind, k.cell.op.name(), k.cell.layout, show(&k.outcome), show(&d.outcome)));
+    }
+    s
+}
