@@ -4,7 +4,7 @@
 
 use crate::error::{Result, TransferError};
 use crate::exec::Device;
-use crate::geometry::{dsa_bytes_per_token, IoBackend, Layout, LayerMap, PoolKind, Profile};
+use crate::geometry::{dsa_bytes_per_token, IoBackend, LayerMap, Layout, PoolKind, Profile};
 use crate::oracle::{self, OracleBuffers};
 use crate::plan::{decide, Op, TableOp};
 use crate::pool::{DevicePool, DevicePoolConfig, HostPool, HostPoolConfig};
@@ -156,7 +156,14 @@ pub fn random_case(cell: Cell, profile: Profile, rng: &mut Rng) -> Case {
     Case { cell, device, host, op, host_indices, device_indices, seed }
 }
 
-fn random_indices(kind: PoolKind, cell: Cell, p: u64, host: &HostPoolConfig, device: &DevicePoolConfig, rng: &mut Rng) -> (Vec<i64>, Vec<i64>) {
+fn random_indices(
+    kind: PoolKind,
+    cell: Cell,
+    p: u64,
+    host: &HostPoolConfig,
+    device: &DevicePoolConfig,
+    rng: &mut Rng,
+) -> (Vec<i64>, Vec<i64>) {
     // Index-space pages: host page_num (MHA/MLA) or indexer pages (DSA).
     let rounded = (host.size / p + 1) * p;
     let host_pages = match kind {
@@ -230,7 +237,8 @@ pub fn run_case(device: &Device, case: &Case) -> Result<Outcome> {
     let g = dev_pool.geometry().clone();
     let comps = g.kind.components();
     // Random initial contents, mirrored into the oracle's buffers.
-    let mut dev_bytes: Vec<Vec<Vec<u8>>> = (0..comps).map(|_| (0..g.buffer_count()).map(|_| vec![0u8; g.layer_bytes() as usize]).collect()).collect();
+    let mut dev_bytes: Vec<Vec<Vec<u8>>> =
+        (0..comps).map(|_| (0..g.buffer_count()).map(|_| vec![0u8; g.layer_bytes() as usize]).collect()).collect();
     let mut host_bytes: Vec<Vec<u8>> = (0..comps).map(|_| vec![0u8; host_pool.geometry().buffer_bytes() as usize]).collect();
     for (c, bufs) in dev_bytes.iter_mut().enumerate() {
         for (s, b) in bufs.iter_mut().enumerate() {
@@ -242,7 +250,15 @@ pub fn run_case(device: &Device, case: &Case) -> Result<Outcome> {
         rng.fill(b);
         host_pool.write_buffer(c, b)?;
     }
-    let plan = match host_pool.plan(&dev_pool, &crate::plan::Request { op: case.op, io_backend: case.cell.io, host_indices: &case.host_indices, device_indices: &case.device_indices }) {
+    let plan = match host_pool.plan(
+        &dev_pool,
+        &crate::plan::Request {
+            op: case.op,
+            io_backend: case.cell.io,
+            host_indices: &case.host_indices,
+            device_indices: &case.device_indices,
+        },
+    ) {
         Ok(p) => p,
         Err(e) => return Ok(Outcome::Rejected(e)),
     };
@@ -253,7 +269,13 @@ pub fn run_case(device: &Device, case: &Case) -> Result<Outcome> {
     };
     result?;
     dev_pool.device().synchronize()?;
-    oracle::apply(host_pool.pair(), case.op, &case.host_indices, &case.device_indices, OracleBuffers { host: &mut host_bytes, device: &mut dev_bytes });
+    oracle::apply(
+        host_pool.pair(),
+        case.op,
+        &case.host_indices,
+        &case.device_indices,
+        OracleBuffers { host: &mut host_bytes, device: &mut dev_bytes },
+    );
     for (c, want) in host_bytes.iter().enumerate() {
         let got = host_pool.read_buffer(c)?;
         if let Some(offset) = first_diff(&got, want) {
@@ -298,7 +320,13 @@ pub fn supported_cells(profile: Profile) -> Vec<Cell> {
 }
 
 /// Runs `rounds` random cases per supported cell on `device`; `progress` is called after each.
-pub fn check_device(device: &Device, profile: Profile, seed: u64, rounds: u64, mut progress: impl FnMut(Cell, &Tally)) -> Result<Vec<(Cell, Tally)>> {
+pub fn check_device(
+    device: &Device,
+    profile: Profile,
+    seed: u64,
+    rounds: u64,
+    mut progress: impl FnMut(Cell, &Tally),
+) -> Result<Vec<(Cell, Tally)>> {
     let mut rng = Rng::new(seed);
     let mut out = Vec::new();
     for cell in supported_cells(profile) {

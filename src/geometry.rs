@@ -99,10 +99,7 @@ impl FromStr for Layout {
     type Err = TransferError;
     /// Unknown names fail with sglang's `Unsupported layout: {layout}`.
     fn from_str(s: &str) -> Result<Self> {
-        Layout::ALL
-            .into_iter()
-            .find(|l| l.name() == s)
-            .ok_or_else(|| TransferError::UnsupportedLayout { layout: s.to_string() })
+        Layout::ALL.into_iter().find(|l| l.name() == s).ok_or_else(|| TransferError::UnsupportedLayout { layout: s.to_string() })
     }
 }
 
@@ -242,18 +239,11 @@ impl LayerMap {
             return Err(TransferError::Geometry("layer_num must be positive".into()));
         }
         if self.skipped.len() != self.layer_num {
-            return Err(TransferError::Geometry(format!(
-                "skip list has {} entries for {} layers",
-                self.skipped.len(),
-                self.layer_num
-            )));
+            return Err(TransferError::Geometry(format!("skip list has {} entries for {} layers", self.skipped.len(), self.layer_num)));
         }
         if let Some((s, e)) = self.layer_shard {
             if s >= e || e > self.layer_num {
-                return Err(TransferError::Geometry(format!(
-                    "owned layer range {s}..{e} is empty or exceeds {} layers",
-                    self.layer_num
-                )));
+                return Err(TransferError::Geometry(format!("owned layer range {s}..{e} is empty or exceeds {} layers", self.layer_num)));
             }
         }
         if self.host_layers() == 0 {

@@ -9,11 +9,7 @@ use hicache_io::geometry::{PoolKind, Profile};
 use hicache_io::matrix::{matrix, render_markdown};
 
 #[derive(Parser)]
-#[command(
-    name = "hicache-io",
-    version,
-    about = "sglang HiCache KV transfers on cpu, wgpu and cuda, with one validation table"
-)]
+#[command(name = "hicache-io", version, about = "sglang HiCache KV transfers on cpu, wgpu and cuda, with one validation table")]
 struct Cli {
     #[command(subcommand)]
     cmd: Option<Cmd>,
@@ -60,30 +56,12 @@ struct CheckArgs {
 fn main() -> ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let cli = Cli::parse();
-    match cli.cmd.unwrap_or(Cmd::Check(CheckArgs {
-        seed: 1,
-        rounds: 8,
-        profile: Profile::Extended,
-        ..Default::default()
-    })) {
+    match cli.cmd.unwrap_or(Cmd::Check(CheckArgs { seed: 1, rounds: 8, profile: Profile::Extended, ..Default::default() })) {
         Cmd::Info => info(),
-        Cmd::Matrix {
-            profile,
-            pool,
-            dsa_page_size,
-            json,
-        } => {
-            let pools = if pool.is_empty() {
-                PoolKind::ALL.to_vec()
-            } else {
-                pool
-            };
+        Cmd::Matrix { profile, pool, dsa_page_size, json } => {
+            let pools = if pool.is_empty() { PoolKind::ALL.to_vec() } else { pool };
             if json {
-                println!(
-                    "{}",
-                    serde_json::to_string_pretty(&matrix(profile, &pools, dsa_page_size))
-                        .expect("json")
-                );
+                println!("{}", serde_json::to_string_pretty(&matrix(profile, &pools, dsa_page_size)).expect("json"));
             } else {
                 print!("{}", render_markdown(profile, &pools, dsa_page_size));
             }
@@ -114,11 +92,7 @@ fn info() -> ExitCode {
 }
 
 fn check(args: CheckArgs) -> ExitCode {
-    let kinds = if args.backend.is_empty() {
-        BackendKind::ALL.to_vec()
-    } else {
-        args.backend.clone()
-    };
+    let kinds = if args.backend.is_empty() { BackendKind::ALL.to_vec() } else { args.backend.clone() };
     let mut devices = Vec::new();
     for k in kinds {
         match Device::open(k) {
@@ -138,11 +112,7 @@ fn check(args: CheckArgs) -> ExitCode {
     for dev in &devices {
         let cells = hicache_io::check::supported_cells(args.profile).len() as u64;
         let bar = indicatif::ProgressBar::new(cells * args.rounds);
-        bar.set_style(
-            indicatif::ProgressStyle::with_template("{prefix:>5} [{bar:40}] {pos}/{len} {msg}")
-                .unwrap()
-                .progress_chars("=> "),
-        );
+        bar.set_style(indicatif::ProgressStyle::with_template("{prefix:>5} [{bar:40}] {pos}/{len} {msg}").unwrap().progress_chars("=> "));
         bar.set_prefix(dev.name());
         let res = check_device(dev, args.profile, args.seed, args.rounds, |cell, _| {
             bar.inc(1);
@@ -171,34 +141,18 @@ fn check(args: CheckArgs) -> ExitCode {
         );
         for (name, rows) in &report {
             for (cell, t) in rows {
-                println!(
-                    "{:<44} {:>6} {:>9} {:>8} {:>10}  {}",
-                    cell.to_string(),
-                    name,
-                    t.cases,
-                    t.matched,
-                    t.bytes,
-                    verdict(t)
-                );
+                println!("{:<44} {:>6} {:>9} {:>8} {:>10}  {}", cell.to_string(), name, t.cases, t.matched, t.bytes, verdict(t));
             }
         }
     }
     for (name, rows) in &report {
-        let bad: Vec<&Tally> = rows
-            .iter()
-            .map(|(_, t)| t)
-            .filter(|t| t.matched != t.cases)
-            .collect();
+        let bad: Vec<&Tally> = rows.iter().map(|(_, t)| t).filter(|t| t.matched != t.cases).collect();
         let cases: u64 = rows.iter().map(|(_, t)| t.cases).sum();
         println!(
             "{name}: {} of {} cells, {cases} cases, {}",
             rows.len() - bad.len(),
             rows.len(),
-            if bad.is_empty() {
-                "all match the oracle"
-            } else {
-                "MISMATCHES"
-            }
+            if bad.is_empty() { "all match the oracle" } else { "MISMATCHES" }
         );
         failed |= !bad.is_empty();
     }

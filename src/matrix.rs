@@ -24,7 +24,8 @@ pub fn matrix(profile: Profile, pools: &[PoolKind], dsa_page_size: u64) -> Vec<M
         .filter(|c| pools.contains(&c.kind))
         .map(|cell| {
             let item = if cell.kind == PoolKind::DsaIndexer { dsa_item(dsa_page_size) } else { 8 };
-            let outcome = decide(profile, cell.kind, cell.op, cell.layout, cell.io, item, Capabilities::PORTABLE.kernel_word).map_err(|e| e.to_string());
+            let outcome = decide(profile, cell.kind, cell.op, cell.layout, cell.io, item, Capabilities::PORTABLE.kernel_word)
+                .map_err(|e| e.to_string());
             MatrixEntry { cell, outcome }
         })
         .collect()
@@ -50,7 +51,14 @@ pub fn render_markdown(profile: Profile, pools: &[PoolKind], dsa_page_size: u64)
     for pair in m.chunks(2) {
         let (k, d) = (&pair[0], &pair[1]);
         debug_assert!(k.cell.io == IoBackend::Kernel && d.cell.io == IoBackend::Direct);
-        s.push_str(&format!("| {} | {} | {} | {} | {} |\n", k.cell.kind, k.cell.op.name(), k.cell.layout, show(&k.outcome), show(&d.outcome)));
+        s.push_str(&format!(
+            "| {} | {} | {} | {} | {} |\n",
+            k.cell.kind,
+            k.cell.op.name(),
+            k.cell.layout,
+            show(&k.outcome),
+            show(&d.outcome)
+        ));
     }
     s
 }

@@ -67,7 +67,10 @@ pub fn apply(pair: &PoolPair, op: Op, host_indices: &[i64], device_indices: &[i6
     let h = &pair.host;
     let units: Vec<(i64, i64)> = if h.kind == PoolKind::DsaIndexer {
         let p = h.page_size as usize;
-        (0..host_indices.len() / p).map(|g| (host_indices[g * p], device_indices[g * p])).map(|(a, b)| (a.div_euclid(p as i64), b.div_euclid(p as i64))).collect()
+        (0..host_indices.len() / p)
+            .map(|g| (host_indices[g * p], device_indices[g * p]))
+            .map(|(a, b)| (a.div_euclid(p as i64), b.div_euclid(p as i64)))
+            .collect()
     } else {
         host_indices.iter().copied().zip(device_indices.iter().copied()).collect()
     };

@@ -297,7 +297,9 @@ impl HostGeometry {
         let d = item / h;
         let buf = BufRef::Host { comp };
         match self.layout {
-            Layout::LayerFirst => Addr { buf, base: layer * self.slots() * item, page: 1, page_stride: item, row_stride: 0, head_stride: d },
+            Layout::LayerFirst => {
+                Addr { buf, base: layer * self.slots() * item, page: 1, page_stride: item, row_stride: 0, head_stride: d }
+            }
             Layout::PageFirst => Addr { buf, base: layer * item, page: 1, page_stride: l * item, row_stride: 0, head_stride: d },
             Layout::PageFirstDirect => {
                 let p = self.index_page_size();
@@ -331,7 +333,11 @@ impl DeviceGeometry {
 pub fn plan(profile: Profile, caps: &Capabilities, pair: &PoolPair, req: &Request<'_>) -> Result<Plan> {
     let host = &pair.host;
     let dev = &pair.device;
-    if host.kind != dev.kind || host.item_bytes != dev.item_bytes || host.page_size != dev.page_size || host.layer_num != dev.layers.host_layers() as u64 {
+    if host.kind != dev.kind
+        || host.item_bytes != dev.item_bytes
+        || host.page_size != dev.page_size
+        || host.layer_num != dev.layers.host_layers() as u64
+    {
         return Err(TransferError::Geometry(format!(
             "host pool ({} item {} B, P {}, L {}) was not built for this device pool ({} item {} B, P {}, L {})",
             host.kind,
@@ -439,7 +445,11 @@ pub fn plan(profile: Profile, caps: &Capabilities, pair: &PoolPair, req: &Reques
     if req.io_backend == IoBackend::Direct && caps.direct_align > 1 {
         let a = caps.direct_align;
         if host.item_bytes % a != 0 {
-            return Err(TransferError::Misaligned { what: format!("{} direct copy item bytes", caps.name), value: host.item_bytes, required: a });
+            return Err(TransferError::Misaligned {
+                what: format!("{} direct copy item bytes", caps.name),
+                value: host.item_bytes,
+                required: a,
+            });
         }
     }
 
@@ -598,7 +608,11 @@ fn merge_runs(runs: Vec<Run>) -> Vec<Run> {
     let mut out: Vec<Run> = Vec::with_capacity(runs.len());
     for r in runs {
         if let Some(last) = out.last_mut() {
-            if last.src == r.src && last.dst == r.dst && last.src_offset + last.len == r.src_offset && last.dst_offset + last.len == r.dst_offset {
+            if last.src == r.src
+                && last.dst == r.dst
+                && last.src_offset + last.len == r.src_offset
+                && last.dst_offset + last.len == r.dst_offset
+            {
                 last.len += r.len;
                 continue;
             }

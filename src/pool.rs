@@ -5,7 +5,7 @@
 
 use crate::error::{Result, TransferError};
 use crate::exec::{Bindings, Buffer, Device};
-use crate::geometry::{DeviceGeometry, HostGeometry, IoBackend, Layout, LayerMap, PoolKind, PoolPair, Profile};
+use crate::geometry::{DeviceGeometry, HostGeometry, IoBackend, LayerMap, Layout, PoolKind, PoolPair, Profile};
 use crate::plan::{self, Op, Plan, Request};
 
 /// Device pool: `[comp][buffer]`, each buffer `slots × item` bytes; buffers are the live target
@@ -103,7 +103,7 @@ impl HostPool {
     pub fn new(device_pool: &DevicePool, config: &HostPoolConfig) -> Result<HostPool> {
         let pair = PoolPair::new(device_pool.geometry.clone(), config.layout, config.size, config.head_num)?;
         let device = device_pool.device.clone();
-        let buffers = (0..pair.host.kind.components()).map(|_| device.alloc(pair.host.buffer_bytes())).collect::<Result<Vec<_>>>()?;
+        let buffers = (0..pair.host.kind.components()).map(|_| device.alloc_host(pair.host.buffer_bytes())).collect::<Result<Vec<_>>>()?;
         Ok(HostPool { pair, profile: config.profile, device, buffers })
     }
 
@@ -143,26 +143,54 @@ impl HostPool {
     /// sglang `load_to_device_per_layer`: host layer of `layer_id` → device layer `layer_id`.
     /// A layer the device pool does not own (layer sharding) or a DSA skip-topk layer is a
     /// no-op, as in sglang.
-    pub fn load_to_device_per_layer(&self, device_pool: &mut DevicePool, host_indices: &[i64], device_indices: &[i64], layer_id: usize, io_backend: IoBackend) -> Result<()> {
+    pub fn load_to_device_per_layer(
+        &self,
+        device_pool: &mut DevicePool,
+        host_indices: &[i64],
+        device_indices: &[i64],
+        layer_id: usize,
+        io_backend: IoBackend,
+    ) -> Result<()> {
         self.run(device_pool, Op::Load { layer_id, is_draft: false }, io_backend, host_indices, device_indices)
     }
 
     /// sglang `load_to_device_per_layer(..., is_draft=True)`: `layer_id = layer_num + k` loads
     /// draft pool `k` (host layer `live target layers + k`, device layer 0 of that pool).
-    pub fn load_draft_to_device(&self, device_pool: &mut DevicePool, host_indices: &[i64], device_indices: &[i64], layer_id: usize, io_backend: IoBackend) -> Result<()> {
+    pub fn load_draft_to_device(
+        &self,
+        device_pool: &mut DevicePool,
+        host_indices: &[i64],
+        device_indices: &[i64],
+        layer_id: usize,
+        io_backend: IoBackend,
+    ) -> Result<()> {
         self.run(device_pool, Op::Load { layer_id, is_draft: true }, io_backend, host_indices, device_indices)
     }
 
     /// sglang `backup_from_device_all_layer`: every live layer and draft, device → host; one
     /// step per layer when the device pool is layer-sharded.
-    pub fn backup_from_device_all_layer(&mut self, device_pool: &DevicePool, host_indices: &[i64], device_indices: &[i64], io_backend: IoBackend) -> Result<()> {
+    pub fn backup_from_device_all_layer(
+        &mut self,
+        device_pool: &DevicePool,
+        host_indices: &[i64],
+        device_indices: &[i64],
+        io_backend: IoBackend,
+    ) -> Result<()> {
         self.run(device_pool, Op::Backup, io_backend, host_indices, device_indices)
     }
 
     /// Plans, then executes; nothing moves unless the plan is accepted.
     pub fn run(&self, device_pool: &DevicePool, op: Op, io_backend: IoBackend, host_indices: &[i64], device_indices: &[i64]) -> Result<()> {
         let plan = self.plan(device_pool, &Request { op, io_backend, host_indices, device_indices })?;
-        log::debug!("{:?} {} via {} on {}: {} steps, {} bytes", op, io_backend, plan.path.op, self.device.name(), plan.steps.len(), plan.bytes());
+        log::debug!(
+            "{:?} {} via {} on {}: {} steps, {} bytes",
+            op,
+            io_backend,
+            plan.path.op,
+            self.device.name(),
+            plan.steps.len(),
+            plan.bytes()
+        );
         self.device.execute(&plan, &self.bindings(device_pool))
     }
 
@@ -200,7 +228,13 @@ impl HostPool {
             _ => (g.page_num(), g.page_size * g.layout_dim()),
         };
         if page >= page_count {
-            return Err(TransferError::IndexOutOfRange { side: "host", index, position: 0, bound: page_count * g.page_size, unit: "slots" });
+            return Err(TransferError::IndexOutOfRange {
+                side: "host",
+                index,
+                position: 0,
+                bound: page_count * g.page_size,
+                unit: "slots",
+            });
         }
         Ok((0..g.kind.components()).map(|c| (c, page * span, span)).collect())
     }

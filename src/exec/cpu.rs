@@ -90,7 +90,8 @@ impl Executor for CpuExecutor {
         Capabilities { name: "cpu", kernel_word: 4, direct_align: 1 }
     }
     fn alloc(&self, bytes: u64) -> Result<CpuBuffer> {
-        let len = usize::try_from(bytes).map_err(|_| TransferError::Executor { backend: "cpu", message: format!("{bytes} bytes exceed the address space") })?;
+        let len = usize::try_from(bytes)
+            .map_err(|_| TransferError::Executor { backend: "cpu", message: format!("{bytes} bytes exceed the address space") })?;
         Ok(CpuBuffer::zeroed(len))
     }
     fn buffer_len(&self, buf: &CpuBuffer) -> u64 {
@@ -115,8 +116,11 @@ impl Executor for CpuExecutor {
         for step in &plan.steps {
             match step {
                 Step::Gather(g) => {
-                    let launches: Vec<(SendPtr, SendPtr, crate::plan::Addr, crate::plan::Addr)> =
-                        g.launches.iter().map(|l| (SendPtr(bufs.get(l.src.buf).as_ptr()), SendPtr(bufs.get(l.dst.buf).as_ptr()), l.src, l.dst)).collect();
+                    let launches: Vec<(SendPtr, SendPtr, crate::plan::Addr, crate::plan::Addr)> = g
+                        .launches
+                        .iter()
+                        .map(|l| (SendPtr(bufs.get(l.src.buf).as_ptr()), SendPtr(bufs.get(l.dst.buf).as_ptr()), l.src, l.dst))
+                        .collect();
                     let (chunk, heads) = (g.chunk_bytes as usize, g.heads);
                     let work = |lo: usize, hi: usize| {
                         for i in lo..hi {
@@ -129,7 +133,11 @@ impl Executor for CpuExecutor {
                                     // SAFETY: offsets come from a plan validated against the
                                     // geometry these buffers were sized by.
                                     unsafe {
-                                        std::ptr::copy_nonoverlapping(sp.0.add(sa.offset(s as u64, h) as usize), dp.0.add(da.offset(d as u64, h) as usize), chunk)
+                                        std::ptr::copy_nonoverlapping(
+                                            sp.0.add(sa.offset(s as u64, h) as usize),
+                                            dp.0.add(da.offset(d as u64, h) as usize),
+                                            chunk,
+                                        )
                                     };
                                 }
                             }
@@ -141,7 +149,15 @@ impl Executor for CpuExecutor {
                     let runs: Vec<(SendPtr, SendPtr, usize, usize, usize)> = c
                         .runs
                         .iter()
-                        .map(|r| (SendPtr(bufs.get(r.src).as_ptr()), SendPtr(bufs.get(r.dst).as_ptr()), r.src_offset as usize, r.dst_offset as usize, r.len as usize))
+                        .map(|r| {
+                            (
+                                SendPtr(bufs.get(r.src).as_ptr()),
+                                SendPtr(bufs.get(r.dst).as_ptr()),
+                                r.src_offset as usize,
+                                r.dst_offset as usize,
+                                r.len as usize,
+                            )
+                        })
                         .collect();
                     let work = |lo: usize, hi: usize| {
                         for (sp, dp, so, dof, len) in &runs[lo..hi] {

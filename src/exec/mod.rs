@@ -37,7 +37,13 @@ pub trait Executor {
     /// Adapter / device description for `hicache-io info` and check output.
     fn describe(&self) -> String;
     fn capabilities(&self) -> Capabilities;
+    /// Device-side memory (device pools).
     fn alloc(&self, bytes: u64) -> Result<Self::Buffer>;
+    /// Host-side memory the executor can still address (host pools): pinned and mapped on
+    /// cuda; the same as `alloc` where host and device memory are one kind.
+    fn alloc_host(&self, bytes: u64) -> Result<Self::Buffer> {
+        self.alloc(bytes)
+    }
     fn buffer_len(&self, buf: &Self::Buffer) -> u64;
     fn write(&self, buf: &Self::Buffer, offset: u64, data: &[u8]) -> Result<()>;
     fn read(&self, buf: &Self::Buffer, offset: u64, out: &mut [u8]) -> Result<()>;
@@ -116,7 +122,8 @@ macro_rules! each_backend {
 fn typed<'a, T>(bufs: &Bindings<'a, Buffer>, pick: impl Fn(&'a Buffer) -> Option<&'a T>, name: &'static str) -> Result<Bindings<'a, T>> {
     let err = || TransferError::ExecutorMismatch { host: name.into(), device: "another executor".into() };
     let host = bufs.host.iter().map(|b| pick(b).ok_or_else(err)).collect::<Result<Vec<_>>>()?;
-    let device = bufs.device.iter().map(|c| c.iter().map(|b| pick(b).ok_or_else(err)).collect::<Result<Vec<_>>>()).collect::<Result<Vec<_>>>()?;
+    let device =
+        bufs.device.iter().map(|c| c.iter().map(|b| pick(b).ok_or_else(err)).collect::<Result<Vec<_>>>()).collect::<Result<Vec<_>>>()?;
     Ok(Bindings { host, device })
 }
 
@@ -190,6 +197,17 @@ impl Device {
         }
     }
 
+    /// Host-pool memory (pinned and mapped on cuda).
+    pub fn alloc_host(&self, bytes: u64) -> Result<Buffer> {
+        match self {
+            Device::Cpu(e) => e.alloc_host(bytes).map(Buffer::Cpu),
+            #[cfg(feature = "wgpu")]
+            Device::Wgpu(e) => e.alloc_host(bytes).map(Buffer::Wgpu),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(e) => e.alloc_host(bytes).map(Buffer::Cuda),
+        }
+    }
+
     pub fn buffer_len(&self, buf: &Buffer) -> Result<u64> {
         match (self, buf) {
             (Device::Cpu(e), Buffer::Cpu(b)) => Ok(e.buffer_len(b)),
@@ -231,7 +249,11 @@ impl Device {
     fn check_span(&self, buf: &Buffer, offset: u64, len: u64) -> Result<()> {
         let size = self.buffer_len(buf)?;
         if offset.checked_add(len).is_none_or(|end| end > size) {
-            return Err(TransferError::BufferSize { what: format!("access at offset {offset} of {len} bytes"), expected: offset.saturating_add(len), actual: size });
+            return Err(TransferError::BufferSize {
+                what: format!("access at offset {offset} of {len} bytes"),
+                expected: offset.saturating_add(len),
+                actual: size,
+            });
         }
         Ok(())
     }

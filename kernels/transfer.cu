@@ -1,0 +1,94 @@
+// hicache-io copy kernels: the `kernel` io backend on CUDA.
+//
+// One kernel for every address mode the planner emits. A side's byte address of item `idx`,
+// head chunk `h` is
+//     ptr + base + (idx / page) * page_stride + (idx % page) * row_stride + h * head_stride
+// (layer_first, page_first, page_first_direct, page_head and per-head layer_first are this
+// formula with different strides). `launches` is a device table of (src, dst) sides: one per
+// (layer, component), K before V, so one launch covers every layer like sglang's all-layer ops.
+//
+// Warp per item, strided mapping (item = i * warp_num + warp_id) as in sglang's transfer.cu;
+// index pairs with a negative entry are skipped. Lanes copy 8-byte words with non-coherent
+// loads and L2-cached stores (ld.global.nc / st.global.cg); items whose chunk or addresses are
+// not 8-byte aligned use the 4-byte variant. Host memory is pinned and mapped (UVA).
+// No #include: NVRTC needs no CUDA headers.
+
+typedef unsigned long long u64;
+typedef long long i64;
+typedef unsigned int u32;
+
+struct Side {
+    u64 ptr;
+    u64 base;
+    u64 page;
+    u64 page_stride;
+    u64 row_stride;
+    u64 head_stride;
+};
+
+struct Launch {
+    Side src;
+    Side dst;
+};
+
+__device__ __forceinline__ char* address(const Side& s, u64 idx, u64 head) {
+    return (char*)(s.ptr + s.base + (idx / s.page) * s.page_stride + (idx % s.page) * s.row_stride + head * s.head_stride);
+}
+
+__device__ __forceinline__ void copy_w8(const char* src, char* dst, u64 bytes, u32 lane) {
+    const u64 words = bytes >> 3;
+    for (u64 j = lane; j < words; j += 32) {
+        u64 v;
+        asm volatile("ld.global.nc.b64 %0, [%1];" : "=l"(v) : "l"(src + j * 8));
+        asm volatile("st.global.cg.b64 [%0], %1;" ::"l"(dst + j * 8), "l"(v));
+    }
+}
+
+__device__ __forceinline__ void copy_w4(const char* src, char* dst, u64 bytes, u32 lane) {
+    const u64 words = bytes >> 2;
+    for (u64 j = lane; j < words; j += 32) {
+        u32 v;
+        asm volatile("ld.global.nc.b32 %0, [%1];" : "=r"(v) : "l"(src + j * 4));
+        asm volatile("st.global.cg.b32 [%0], %1;" ::"l"(dst + j * 4), "r"(v));
+    }
+}
+
+template <int WORD>
+__device__ __forceinline__ void gather_impl(const Launch* __restrict__ launches, int n_launches, const i64* __restrict__ src_idx,
+                                            const i64* __restrict__ dst_idx, i64 n_items, u64 heads, u64 chunk_bytes,
+                                            i64 items_per_warp) {
+    const u32 lane = threadIdx.x & 31;
+    const i64 warp_id = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const i64 warp_num = ((i64)gridDim.x * blockDim.x) >> 5;
+    for (i64 i = 0; i < items_per_warp; ++i) {
+        const i64 item = i * warp_num + warp_id;
+        if (item >= n_items) break;
+        const i64 s = src_idx[item];
+        const i64 d = dst_idx[item];
+        if (s < 0 || d < 0) continue;
+        for (int l = 0; l < n_launches; ++l) {
+            const Launch L = launches[l];
+            for (u64 h = 0; h < heads; ++h) {
+                const char* sp = address(L.src, (u64)s, h);
+                char* dp = address(L.dst, (u64)d, h);
+                if (WORD == 8) {
+                    copy_w8(sp, dp, chunk_bytes, lane);
+                } else {
+                    copy_w4(sp, dp, chunk_bytes, lane);
+                }
+            }
+        }
+    }
+}
+
+extern "C" __global__ void hicache_gather_w8(const Launch* __restrict__ launches, int n_launches, const i64* __restrict__ src_idx,
+                                             const i64* __restrict__ dst_idx, i64 n_items, u64 heads, u64 chunk_bytes,
+                                             i64 items_per_warp) {
+    gather_impl<8>(launches, n_launches, src_idx, dst_idx, n_items, heads, chunk_bytes, items_per_warp);
+}
+
+extern "C" __global__ void hicache_gather_w4(const Launch* __restrict__ launches, int n_launches, const i64* __restrict__ src_idx,
+                                             const i64* __restrict__ dst_idx, i64 n_items, u64 heads, u64 chunk_bytes,
+                                             i64 items_per_warp) {
+    gather_impl<4>(launches, n_launches, src_idx, dst_idx, n_items, heads, chunk_bytes, items_per_warp);
+}

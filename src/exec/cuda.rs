@@ -1,0 +1,478 @@
+//! The NVIDIA executor: cudarc (driver API, loaded at run time), the copy kernels of
+//! `kernels/transfer.cu` for io backend `kernel`, and DMA copies for `direct`.
+//!
+//! - Host pools are pinned, mapped host memory (`cuMemHostAlloc(PORTABLE | DEVICEMAP)`, not
+//!   write-combined, so the CPU reads it at full speed); kernels address it through the device
+//!   pointer the driver returns (UVA).
+//! - Device pools: one `cuMemAlloc` per layer buffer.
+//! - Kernels ship embedded: sm_90 and sm_80 cubins and compute_80 PTX (ISA 8.0, drivers ≥ 525),
+//!   built by `scripts/build-kernels.py` and checked by the CI compile gate. No NVRTC needed.
+//! - Transfers are asynchronous on the executor's own stream (never the legacy NULL stream);
+//!   [`CudaExecutor::record`] gives a completion handle, `synchronize` waits.
+//! - `direct` uses `cuMemcpyBatchAsync` when the driver exports it (≥ 12.8, probed without
+//!   panicking), else one `cuMemcpyAsync` per run.
+//!
+//! Without libcuda, a driver or a device, [`CudaExecutor::new`] returns `Unavailable`; nothing
+//! here panics for a missing CUDA.
+
+use std::ffi::{c_void, CString};
+use std::sync::Arc;
+
+use cudarc::driver::result;
+use cudarc::driver::sys;
+use cudarc::driver::{CudaContext, CudaStream, DriverError};
+
+use super::{Bindings, Executor};
+use crate::error::{Result, TransferError};
+use crate::plan::{Addr, Capabilities, GatherStep, Plan, Step};
+
+const PTX_80: &str = include_str!("../../kernels/transfer.compute_80.ptx");
+const CUBIN_80: &[u8] = include_bytes!("../../kernels/transfer.sm_80.cubin");
+const CUBIN_90: &[u8] = include_bytes!("../../kernels/transfer.sm_90.cubin");
+
+fn drv(what: &str, e: DriverError) -> TransferError {
+    TransferError::Executor { backend: "cuda", message: format!("{what}: {e:?}") }
+}
+
+fn unavailable(reason: impl Into<String>) -> TransferError {
+    TransferError::Unavailable { backend: "cuda", reason: reason.into() }
+}
+
+/// Probes the driver without panicking: library → driver version → device count.
+/// Returns the driver version (e.g. 12080) and the device count.
+pub fn probe() -> Result<(i32, i32)> {
+    // SAFETY: only dlopens the candidate library names.
+    if !unsafe { sys::is_culib_present() } {
+        return Err(unavailable("libcuda not found (no NVIDIA driver)"));
+    }
+    let mut version = 0;
+    // SAFETY: plain out-parameter call; the library is present.
+    let rc = unsafe { sys::cuDriverGetVersion(&mut version) };
+    if rc != sys::CUresult::CUDA_SUCCESS {
+        return Err(unavailable(format!("cuDriverGetVersion: {rc:?}")));
+    }
+    result::init().map_err(|e| unavailable(format!("cuInit: {e:?} (driver {version})")))?;
+    let count = CudaContext::device_count().map_err(|e| unavailable(format!("device count: {e:?}")))?;
+    if count == 0 {
+        return Err(unavailable(format!("driver {version} sees no device")));
+    }
+    Ok((version, count))
+}
+
+/// True when the driver exports `cuMemcpyBatchAsync` (checked by symbol, since calling a
+/// missing symbol through cudarc panics).
+fn has_batch_memcpy(driver_version: i32) -> bool {
+    // SAFETY: culib() is only called after is_culib_present() succeeded in `probe`.
+    driver_version >= 12080 && unsafe { sys::culib().get::<unsafe extern "C" fn()>(b"cuMemcpyBatchAsync\0").is_ok() }
+}
+
+/// Grid tuning, sglang's defaults: 2 blocks of 32 warps (so copies leave SMs to the forward
+/// pass). `HICACHE_CUDA_BLOCK_QUOTA` / `HICACHE_CUDA_WARPS_PER_BLOCK` override.
+#[derive(Debug, Clone, Copy)]
+pub struct LaunchTuning {
+    pub block_quota: u32,
+    pub num_warps_per_block: u32,
+}
+
+impl Default for LaunchTuning {
+    fn default() -> Self {
+        let env = |k: &str, d: u32| std::env::var(k).ok().and_then(|v| v.parse().ok()).filter(|v: &u32| *v > 0).unwrap_or(d);
+        LaunchTuning { block_quota: env("HICACHE_CUDA_BLOCK_QUOTA", 2), num_warps_per_block: env("HICACHE_CUDA_WARPS_PER_BLOCK", 32) }
+    }
+}
+
+struct Inner {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    module: sys::CUmodule,
+    f_w8: sys::CUfunction,
+    f_w4: sys::CUfunction,
+    name: String,
+    cc: (i32, i32),
+    driver: i32,
+    image: &'static str,
+    batch: bool,
+    tuning: LaunchTuning,
+}
+
+// SAFETY: CUDA handles are usable from any thread once the context is bound (we bind before
+// every driver call).
+unsafe impl Send for Inner {}
+unsafe impl Sync for Inner {}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        let _ = self.stream.synchronize();
+        // SAFETY: the module was loaded by us and no launch is pending.
+        let _ = unsafe { result::module::unload(self.module) };
+    }
+}
+
+#[derive(Clone)]
+pub struct CudaExecutor {
+    inner: Arc<Inner>,
+}
+
+/// Device memory, or pinned mapped host memory with its device pointer.
+pub struct CudaBuffer {
+    dev_ptr: sys::CUdeviceptr,
+    host_ptr: *mut u8,
+    len: u64,
+    owned: bool,
+    exec: Arc<Inner>,
+}
+
+// SAFETY: raw device/host pointers; access is serialised by the pools' borrow rules and the
+// executor's stream.
+unsafe impl Send for CudaBuffer {}
+unsafe impl Sync for CudaBuffer {}
+
+impl CudaBuffer {
+    /// Device address a kernel or copy uses.
+    pub fn device_ptr(&self) -> sys::CUdeviceptr {
+        self.dev_ptr
+    }
+    pub fn is_host(&self) -> bool {
+        !self.host_ptr.is_null()
+    }
+}
+
+impl Drop for CudaBuffer {
+    fn drop(&mut self) {
+        if !self.owned {
+            return;
+        }
+        let _ = self.exec.ctx.bind_to_thread();
+        // Transfers in flight may still use this memory.
+        let _ = self.exec.stream.synchronize();
+        // SAFETY: allocated by this executor with the matching call.
+        unsafe {
+            if self.host_ptr.is_null() {
+                let _ = result::free_sync(self.dev_ptr);
+            } else {
+                let _ = result::free_host(self.host_ptr as *mut c_void);
+            }
+        }
+    }
+}
+
+/// Completion of everything enqueued before [`CudaExecutor::record`].
+pub struct Completion {
+    event: sys::CUevent,
+    ctx: Arc<CudaContext>,
+}
+
+unsafe impl Send for Completion {}
+
+impl Completion {
+    pub fn wait(&self) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(|e| drv("bind", e))?;
+        // SAFETY: event created and recorded by us.
+        unsafe { result::event::synchronize(self.event) }.map_err(|e| drv("cuEventSynchronize", e))
+    }
+    pub fn is_done(&self) -> bool {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: as above.
+        unsafe { result::event::query(self.event) }.is_ok()
+    }
+}
+
+impl Drop for Completion {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: created by us; destroying a pending event is allowed.
+        let _ = unsafe { result::event::destroy(self.event) };
+    }
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct SideC {
+    ptr: u64,
+    base: u64,
+    page: u64,
+    page_stride: u64,
+    row_stride: u64,
+    head_stride: u64,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct LaunchC {
+    src: SideC,
+    dst: SideC,
+}
+
+fn side(a: &Addr, ptr: u64) -> SideC {
+    SideC { ptr, base: a.base, page: a.page, page_stride: a.page_stride, row_stride: a.row_stride, head_stride: a.head_stride }
+}
+
+impl CudaExecutor {
+    /// Opens device `ordinal`; `Err(Unavailable)` without a driver or device.
+    pub fn new(ordinal: usize) -> Result<CudaExecutor> {
+        CudaExecutor::with_tuning(ordinal, LaunchTuning::default())
+    }
+
+    pub fn with_tuning(ordinal: usize, tuning: LaunchTuning) -> Result<CudaExecutor> {
+        let (driver, count) = probe()?;
+        if ordinal >= count as usize {
+            return Err(unavailable(format!("device {ordinal} requested, {count} present")));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| unavailable(format!("context on device {ordinal}: {e:?}")))?;
+        let stream = ctx.new_stream().map_err(|e| drv("cuStreamCreate", e))?;
+        let name = ctx.name().unwrap_or_else(|_| "?".into());
+        let cc = ctx.compute_capability().map_err(|e| drv("compute capability", e))?;
+        ctx.bind_to_thread().map_err(|e| drv("bind", e))?;
+        // sm_90 cubin on Hopper, sm_80 cubin on Ampere/Ada (binary compatible within major 8),
+        // PTX JIT elsewhere.
+        let ptx = CString::new(PTX_80).map_err(|_| unavailable("embedded PTX has a NUL byte"))?;
+        let (image, ptr): (&'static str, *const c_void) = match cc {
+            (9, 0) => ("sm_90 cubin", CUBIN_90.as_ptr() as *const c_void),
+            (8, _) => ("sm_80 cubin", CUBIN_80.as_ptr() as *const c_void),
+            _ => ("compute_80 PTX (JIT)", ptx.as_ptr() as *const c_void),
+        };
+        // SAFETY: `ptr` is a complete cubin or NUL-terminated PTX image that outlives the call.
+        let module = unsafe { result::module::load_data(ptr) }.map_err(|e| drv(&format!("loading {image}"), e))?;
+        let get = |n: &str| {
+            let c = CString::new(n).expect("name");
+            // SAFETY: module loaded above.
+            unsafe { result::module::get_function(module, c) }.map_err(|e| drv(&format!("function {n}"), e))
+        };
+        let (f_w8, f_w4) = (get("hicache_gather_w8")?, get("hicache_gather_w4")?);
+        let batch = has_batch_memcpy(driver);
+        log::info!("cuda: {name} sm_{}{}, driver {driver}, {image}, batched memcpy {batch}", cc.0, cc.1);
+        Ok(CudaExecutor { inner: Arc::new(Inner { ctx, stream, module, f_w8, f_w4, name, cc, driver, image, batch, tuning }) })
+    }
+
+    /// The executor's stream (raw handle) for callers that order their own work after ours.
+    pub fn cu_stream(&self) -> sys::CUstream {
+        self.inner.stream.cu_stream()
+    }
+
+    /// An event recorded after everything enqueued so far: overlap a layer's load with compute
+    /// and wait on it only when that layer is needed.
+    pub fn record(&self) -> Result<Completion> {
+        self.bind()?;
+        let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(|e| drv("cuEventCreate", e))?;
+        // SAFETY: event and stream are live.
+        unsafe { result::event::record(event, self.cu_stream()) }.map_err(|e| drv("cuEventRecord", e))?;
+        Ok(Completion { event, ctx: self.inner.ctx.clone() })
+    }
+
+    /// Whether `direct` uses `cuMemcpyBatchAsync`.
+    pub fn batched_memcpy(&self) -> bool {
+        self.inner.batch
+    }
+
+    fn bind(&self) -> Result<()> {
+        self.inner.ctx.bind_to_thread().map_err(|e| drv("bind", e))
+    }
+
+    fn gather(&self, g: &GatherStep, bufs: &Bindings<'_, CudaBuffer>) -> Result<()> {
+        let stream = self.cu_stream();
+        let n = g.src_indices.len();
+        let table: Vec<LaunchC> = g
+            .launches
+            .iter()
+            .map(|l| LaunchC { src: side(&l.src, bufs.get(l.src.buf).dev_ptr), dst: side(&l.dst, bufs.get(l.dst.buf).dev_ptr) })
+            .collect();
+        let aligned8 = |a: &Addr, p: u64| [p, a.base, a.page_stride, a.row_stride, a.head_stride].iter().all(|v| v % 8 == 0);
+        let w8 = g.chunk_bytes % 8 == 0
+            && g.launches.iter().all(|l| aligned8(&l.src, bufs.get(l.src.buf).dev_ptr) && aligned8(&l.dst, bufs.get(l.dst.buf).dev_ptr));
+        // Stream-ordered scratch: freed on the stream after the kernel, no host sync.
+        let table_bytes = std::mem::size_of_val(table.as_slice());
+        // SAFETY: sizes match the host slices; all uses are on `stream`; pageable sources are
+        // staged by the driver before the call returns.
+        unsafe {
+            let t = result::malloc_async(stream, table_bytes).map_err(|e| drv("cuMemAllocAsync", e))?;
+            let si = result::malloc_async(stream, n * 8).map_err(|e| drv("cuMemAllocAsync", e))?;
+            let di = result::malloc_async(stream, n * 8).map_err(|e| drv("cuMemAllocAsync", e))?;
+            let table_u8 = std::slice::from_raw_parts(table.as_ptr() as *const u8, table_bytes);
+            result::memcpy_htod_async(t, table_u8, stream).map_err(|e| drv("cuMemcpyHtoDAsync", e))?;
+            result::memcpy_htod_async(si, &g.src_indices[..], stream).map_err(|e| drv("cuMemcpyHtoDAsync", e))?;
+            result::memcpy_htod_async(di, &g.dst_indices[..], stream).map_err(|e| drv("cuMemcpyHtoDAsync", e))?;
+            // sglang's grid: at most block_quota blocks, each warp a strided share of items.
+            let LaunchTuning { block_quota, num_warps_per_block } = self.inner.tuning;
+            let n64 = n as i64;
+            let div_up = |x: i64, y: i64| (x + y - 1) / y;
+            let items_per_warp = div_up(n64, (block_quota * num_warps_per_block) as i64);
+            let blocks = div_up(n64, items_per_warp * num_warps_per_block as i64) as u32;
+            let mut t_arg = t;
+            let mut n_launches = table.len() as i32;
+            let (mut si_arg, mut di_arg) = (si, di);
+            let (mut n_items, mut heads, mut chunk, mut ipw) = (n64, g.heads, g.chunk_bytes, items_per_warp);
+            let mut params: [*mut c_void; 8] = [
+                &mut t_arg as *mut _ as *mut c_void,
+                &mut n_launches as *mut _ as *mut c_void,
+                &mut si_arg as *mut _ as *mut c_void,
+                &mut di_arg as *mut _ as *mut c_void,
+                &mut n_items as *mut _ as *mut c_void,
+                &mut heads as *mut _ as *mut c_void,
+                &mut chunk as *mut _ as *mut c_void,
+                &mut ipw as *mut _ as *mut c_void,
+            ];
+            let f = if w8 { self.inner.f_w8 } else { self.inner.f_w4 };
+            result::launch_kernel(f, (blocks, 1, 1), (num_warps_per_block * 32, 1, 1), 0, stream, &mut params)
+                .map_err(|e| drv("cuLaunchKernel", e))?;
+            for p in [t, si, di] {
+                result::free_async(p, stream).map_err(|e| drv("cuMemFreeAsync", e))?;
+            }
+        }
+        Ok(())
+    }
+
+    fn copies(&self, runs: &[crate::plan::Run], bufs: &Bindings<'_, CudaBuffer>) -> Result<()> {
+        let stream = self.cu_stream();
+        let mut dsts: Vec<sys::CUdeviceptr> = runs.iter().map(|r| bufs.get(r.dst).dev_ptr + r.dst_offset).collect();
+        let mut srcs: Vec<sys::CUdeviceptr> = runs.iter().map(|r| bufs.get(r.src).dev_ptr + r.src_offset).collect();
+        let mut sizes: Vec<usize> = runs.iter().map(|r| r.len as usize).collect();
+        if self.inner.batch && runs.len() > 1 {
+            let src_host = runs.first().is_some_and(|r| bufs.get(r.src).is_host());
+            let loc = |host: bool| sys::CUmemLocation {
+                type_: if host {
+                    sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST
+                } else {
+                    sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE
+                },
+                id: if host { 0 } else { self.inner.ctx.ordinal() as i32 },
+            };
+            let mut attrs = sys::CUmemcpyAttributes {
+                srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+                srcLocHint: loc(src_host),
+                dstLocHint: loc(!src_host),
+                flags: 0,
+            };
+            let mut idx = [0usize];
+            let mut fail = usize::MAX;
+            // SAFETY: arrays of `runs.len()` entries, live for the call (the driver copies the
+            // descriptors); addresses are inside pool allocations (validated plan).
+            let rc = unsafe {
+                sys::cuMemcpyBatchAsync(
+                    dsts.as_mut_ptr(),
+                    srcs.as_mut_ptr(),
+                    sizes.as_mut_ptr(),
+                    runs.len(),
+                    &mut attrs,
+                    idx.as_mut_ptr(),
+                    1,
+                    &mut fail,
+                    stream,
+                )
+            };
+            match rc {
+                sys::CUresult::CUDA_SUCCESS => return Ok(()),
+                sys::CUresult::CUDA_ERROR_NOT_SUPPORTED => {
+                    log::debug!("cuMemcpyBatchAsync: {rc:?}; falling back to one copy per run")
+                }
+                other => {
+                    return Err(TransferError::Executor {
+                        backend: "cuda",
+                        message: format!("cuMemcpyBatchAsync failed at run {fail}: {other:?}"),
+                    })
+                }
+            }
+        }
+        for i in 0..runs.len() {
+            // SAFETY: as above; UVA pointers in either direction.
+            let rc = unsafe { sys::cuMemcpyAsync(dsts[i], srcs[i], sizes[i], stream) };
+            if rc != sys::CUresult::CUDA_SUCCESS {
+                return Err(TransferError::Executor { backend: "cuda", message: format!("cuMemcpyAsync (run {i}): {rc:?}") });
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Executor for CudaExecutor {
+    type Buffer = CudaBuffer;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+    fn describe(&self) -> String {
+        let i = &self.inner;
+        format!(
+            "{} (sm_{}{}, driver {}.{}, kernels: {}, batched memcpy: {}, grid {}×{} warps)",
+            i.name,
+            i.cc.0,
+            i.cc.1,
+            i.driver / 1000,
+            (i.driver % 1000) / 10,
+            i.image,
+            if i.batch { "yes" } else { "no" },
+            i.tuning.block_quota,
+            i.tuning.num_warps_per_block
+        )
+    }
+    fn capabilities(&self) -> Capabilities {
+        Capabilities { name: "cuda", kernel_word: 4, direct_align: 1 }
+    }
+    fn alloc(&self, bytes: u64) -> Result<CudaBuffer> {
+        self.bind()?;
+        let n = bytes.max(1) as usize;
+        // SAFETY: fresh allocation, zeroed before use.
+        let dev_ptr = unsafe {
+            let p = result::malloc_sync(n).map_err(|e| drv(&format!("cuMemAlloc({n})"), e))?;
+            result::memset_d8_sync(p, 0, n).map_err(|e| drv("cuMemsetD8", e))?;
+            p
+        };
+        Ok(CudaBuffer { dev_ptr, host_ptr: std::ptr::null_mut(), len: bytes, owned: true, exec: self.inner.clone() })
+    }
+    fn alloc_host(&self, bytes: u64) -> Result<CudaBuffer> {
+        self.bind()?;
+        let n = bytes.max(1) as usize;
+        // SAFETY: fresh pinned allocation; PORTABLE|DEVICEMAP (not write-combined).
+        unsafe {
+            let host = result::malloc_host(n, sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP)
+                .map_err(|e| drv(&format!("cuMemHostAlloc({n})"), e))?;
+            std::ptr::write_bytes(host as *mut u8, 0, n);
+            let mut dev_ptr = 0;
+            let rc = sys::cuMemHostGetDevicePointer_v2(&mut dev_ptr, host, 0);
+            if rc != sys::CUresult::CUDA_SUCCESS {
+                let _ = result::free_host(host);
+                return Err(TransferError::Executor { backend: "cuda", message: format!("cuMemHostGetDevicePointer: {rc:?}") });
+            }
+            Ok(CudaBuffer { dev_ptr, host_ptr: host as *mut u8, len: bytes, owned: true, exec: self.inner.clone() })
+        }
+    }
+    fn buffer_len(&self, buf: &CudaBuffer) -> u64 {
+        buf.len
+    }
+    fn write(&self, buf: &CudaBuffer, offset: u64, data: &[u8]) -> Result<()> {
+        self.synchronize()?;
+        if buf.is_host() {
+            // SAFETY: span checked by `Device::write`; no transfer in flight after the sync.
+            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), buf.host_ptr.add(offset as usize), data.len()) };
+            Ok(())
+        } else {
+            // SAFETY: span checked.
+            unsafe { result::memcpy_htod_sync(buf.dev_ptr + offset, data) }.map_err(|e| drv("cuMemcpyHtoD", e))
+        }
+    }
+    fn read(&self, buf: &CudaBuffer, offset: u64, out: &mut [u8]) -> Result<()> {
+        self.synchronize()?;
+        if buf.is_host() {
+            // SAFETY: span checked; transfers finished.
+            unsafe { std::ptr::copy_nonoverlapping(buf.host_ptr.add(offset as usize), out.as_mut_ptr(), out.len()) };
+            Ok(())
+        } else {
+            // SAFETY: span checked.
+            unsafe { result::memcpy_dtoh_sync(out, buf.dev_ptr + offset) }.map_err(|e| drv("cuMemcpyDtoH", e))
+        }
+    }
+    fn synchronize(&self) -> Result<()> {
+        self.bind()?;
+        self.inner.stream.synchronize().map_err(|e| drv("cuStreamSynchronize", e))
+    }
+    fn execute(&self, plan: &Plan, bufs: &Bindings<'_, CudaBuffer>) -> Result<()> {
+        self.bind()?;
+        for step in &plan.steps {
+            match step {
+                Step::Gather(g) => self.gather(g, bufs)?,
+                Step::Copy(c) => self.copies(&c.runs, bufs)?,
+            }
+        }
+        Ok(())
+    }
+}

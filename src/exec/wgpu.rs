@@ -1,0 +1,519 @@
+//! The portable executor: wgpu on Vulkan, Metal or DX12 (lavapipe in CI).
+//!
+//! Memory model: every pool buffer, host pool included, is a wgpu storage buffer
+//! (`STORAGE | COPY_SRC | COPY_DST`). The host pool is "host" in the sglang sense (its layout,
+//! its role); the CPU reaches it through `queue.write_buffer` and a `MAP_READ` staging copy.
+//! That works on every adapter; on integrated GPUs and lavapipe the buffer already lives in
+//! system memory. Buffers are capped at `min(max_buffer_size, 4 GiB)` so byte offsets fit the
+//! shader's u32 arithmetic; larger pools are rejected with a typed error at allocation.
+//!
+//! `kernel` = `shaders/gather.wgsl`, one dispatch per (layer, component) launch and per pair
+//! of binding windows: buffers larger than `max_storage_buffer_binding_size` are bound by
+//! range, in windows of whole item chunks aligned to `min_storage_buffer_offset_alignment`.
+//! `direct` = one `copy_buffer_to_buffer` per coalesced run.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use wgpu::util::DeviceExt;
+
+use super::{Bindings, Executor};
+use crate::error::{Result, TransferError};
+use crate::plan::{Addr, Capabilities, GatherStep, Plan, Step};
+
+const SHADER: &str = include_str!("../../shaders/gather.wgsl");
+const WAIT: Duration = Duration::from_secs(120);
+
+fn err(message: impl Into<String>) -> TransferError {
+    TransferError::Executor { backend: "wgpu", message: message.into() }
+}
+
+/// Options for opening the executor.
+#[derive(Debug, Clone, Default)]
+pub struct WgpuOptions {
+    /// Largest binding window in bytes (default: the adapter's storage binding limit). Tests
+    /// set it tiny so that every window edge is crossed.
+    pub max_window: Option<u64>,
+}
+
+struct Inner {
+    device: wgpu::Device,
+    queue: wgpu::Queue,
+    info: wgpu::AdapterInfo,
+    limits: wgpu::Limits,
+    layout: wgpu::BindGroupLayout,
+    /// Pipelines for 4-byte (u32) and 16-byte (vec4<u32>) words.
+    pipe4: wgpu::ComputePipeline,
+    pipe16: wgpu::ComputePipeline,
+    max_window: u64,
+    max_buffer: u64,
+    lost: Arc<Mutex<Option<String>>>,
+}
+
+#[derive(Clone)]
+pub struct WgpuExecutor {
+    inner: Arc<Inner>,
+}
+
+/// A storage buffer (size rounded up to 4 bytes; `len` is the requested size).
+pub struct WgpuBuffer {
+    buffer: wgpu::Buffer,
+    len: u64,
+}
+
+impl WgpuBuffer {
+    pub fn raw(&self) -> &wgpu::Buffer {
+        &self.buffer
+    }
+}
+
+/// Default backends: the native APIs. `WGPU_BACKEND` overrides; GL is not compiled in, so a
+/// missing Vulkan driver is reported instead of silently falling back.
+fn backends() -> wgpu::Backends {
+    (wgpu::Backends::VULKAN | wgpu::Backends::METAL | wgpu::Backends::DX12).with_env()
+}
+
+impl WgpuExecutor {
+    pub fn new() -> Result<WgpuExecutor> {
+        WgpuExecutor::with_options(WgpuOptions::default())
+    }
+
+    pub fn with_options(opts: WgpuOptions) -> Result<WgpuExecutor> {
+        let unavailable = |reason: String| TransferError::Unavailable { backend: "wgpu", reason };
+        let mut desc = wgpu::InstanceDescriptor::new_without_display_handle_from_env();
+        desc.backends = backends();
+        let instance = wgpu::Instance::new(desc);
+        let adapter = match std::env::var("WGPU_ADAPTER_NAME") {
+            // Filter ourselves: wgpu's own helper panics when the name matches nothing.
+            Ok(name) if !name.is_empty() => {
+                let adapters = pollster::block_on(instance.enumerate_adapters(backends()));
+                let want = name.to_lowercase();
+                adapters
+                    .into_iter()
+                    .find(|a| a.get_info().name.to_lowercase().contains(&want))
+                    .ok_or_else(|| unavailable(format!("no adapter matches WGPU_ADAPTER_NAME={name:?}")))?
+            }
+            _ => pollster::block_on(instance.request_adapter(&wgpu::RequestAdapterOptions {
+                power_preference: wgpu::PowerPreference::HighPerformance,
+                force_fallback_adapter: false,
+                compatible_surface: None,
+                apply_limit_buckets: false,
+            }))
+            .map_err(|e| unavailable(e.to_string()))?,
+        };
+        let info = adapter.get_info();
+        let limits = adapter.limits();
+        let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+            label: Some("hicache-io"),
+            required_features: wgpu::Features::empty(),
+            required_limits: limits.clone(),
+            ..Default::default()
+        }))
+        .map_err(|e| unavailable(format!("request_device on {}: {e}", info.name)))?;
+        let lost = Arc::new(Mutex::new(None));
+        let lost2 = lost.clone();
+        device.set_device_lost_callback(move |reason, msg| {
+            *lost2.lock().unwrap() = Some(format!("device lost ({reason:?}): {msg}"));
+        });
+        // Errors are caught with error scopes; never let a stray one panic the process.
+        device.on_uncaptured_error(Arc::new(|e: wgpu::Error| log::error!("wgpu uncaptured error: {e}")));
+
+        let layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+            label: Some("hicache-io gather"),
+            entries: &[
+                bgl_entry(0, wgpu::BufferBindingType::Uniform, true),
+                bgl_entry(1, wgpu::BufferBindingType::Storage { read_only: true }, false),
+                bgl_entry(2, wgpu::BufferBindingType::Storage { read_only: true }, false),
+                bgl_entry(3, wgpu::BufferBindingType::Storage { read_only: false }, false),
+            ],
+        });
+        let pl = device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+            label: Some("hicache-io gather"),
+            bind_group_layouts: &[Some(&layout)],
+            immediate_size: 0,
+        });
+        let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let make = |word: &str| {
+            let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
+                label: Some("gather.wgsl"),
+                source: wgpu::ShaderSource::Wgsl(SHADER.replace("WORD", word).into()),
+            });
+            device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                label: Some("hicache-io gather"),
+                layout: Some(&pl),
+                module: &module,
+                entry_point: Some("main"),
+                compilation_options: Default::default(),
+                cache: None,
+            })
+        };
+        let pipe4 = make("u32");
+        let pipe16 = make("vec4<u32>");
+        if let Some(e) = pollster::block_on(scope.pop()) {
+            return Err(unavailable(format!("shader compilation failed on {}: {e}", info.name)));
+        }
+        let max_window = opts.max_window.unwrap_or(u64::MAX).min(limits.max_storage_buffer_binding_size as u64);
+        let max_buffer = limits.max_buffer_size.min(u32::MAX as u64) & !3;
+        log::info!("wgpu: {} ({:?}, {:?}, driver {} {})", info.name, info.backend, info.device_type, info.driver, info.driver_info);
+        Ok(WgpuExecutor { inner: Arc::new(Inner { device, queue, info, limits, layout, pipe4, pipe16, max_window, max_buffer, lost }) })
+    }
+
+    pub fn device(&self) -> &wgpu::Device {
+        &self.inner.device
+    }
+    pub fn queue(&self) -> &wgpu::Queue {
+        &self.inner.queue
+    }
+    pub fn adapter_info(&self) -> &wgpu::AdapterInfo {
+        &self.inner.info
+    }
+
+    fn check_lost(&self) -> Result<()> {
+        match self.inner.lost.lock().unwrap().clone() {
+            Some(m) => Err(err(m)),
+            None => Ok(()),
+        }
+    }
+
+    fn wait(&self) -> Result<()> {
+        self.inner
+            .device
+            .poll(wgpu::PollType::Wait { submission_index: None, timeout: Some(WAIT) })
+            .map_err(|e| err(format!("waiting for the queue: {e}")))?;
+        self.check_lost()
+    }
+
+    /// Submits `encoder` inside validation and out-of-memory scopes and waits.
+    fn submit(&self, build: impl FnOnce(&mut wgpu::CommandEncoder) -> Result<()>) -> Result<()> {
+        self.check_lost()?;
+        let dev = &self.inner.device;
+        let oom = dev.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+        let val = dev.push_error_scope(wgpu::ErrorFilter::Validation);
+        let mut enc = dev.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("hicache-io") });
+        let built = build(&mut enc);
+        if built.is_ok() {
+            self.inner.queue.submit([enc.finish()]);
+        }
+        let v = pollster::block_on(val.pop());
+        let o = pollster::block_on(oom.pop());
+        built?;
+        if let Some(e) = v.or(o) {
+            return Err(err(e.to_string()));
+        }
+        self.wait()
+    }
+
+    fn gather(
+        &self,
+        g: &GatherStep,
+        bufs: &Bindings<'_, WgpuBuffer>,
+        enc: &mut wgpu::CommandEncoder,
+        keep: &mut Vec<wgpu::Buffer>,
+    ) -> Result<()> {
+        let inner = &self.inner;
+        let n = g.src_indices.len();
+        let pairs: Vec<[i32; 2]> = g
+            .src_indices
+            .iter()
+            .zip(g.dst_indices.iter())
+            .map(|(&s, &d)| {
+                Ok([
+                    i32::try_from(s.max(-1)).map_err(|_| err(format!("index {s} exceeds i32")))?,
+                    i32::try_from(d.max(-1)).map_err(|_| err(format!("index {d} exceeds i32")))?,
+                ])
+            })
+            .collect::<Result<_>>()?;
+        let word: u64 = if g.chunk_bytes % 16 == 0
+            && g.launches.iter().all(|l| {
+                aligned16(&l.src)
+                    && aligned16(&l.dst)
+                    && bufs.get(l.src.buf).buffer.size() % 16 == 0
+                    && bufs.get(l.dst.buf).buffer.size() % 16 == 0
+            }) {
+            16
+        } else {
+            4
+        };
+        let words_per_chunk = g.chunk_bytes / word;
+        let total = n as u64 * g.heads * words_per_chunk;
+        if total > u32::MAX as u64 {
+            return Err(err(format!("{total} words exceed one dispatch; split the transfer")));
+        }
+        let align = inner.limits.min_storage_buffer_offset_alignment as u64;
+        let granule = lcm(lcm(g.chunk_bytes, align), word);
+        let win = inner.max_window / granule * granule;
+        if win == 0 {
+            return Err(TransferError::Misaligned {
+                what: "wgpu binding window (item chunk vs binding limit)".into(),
+                value: inner.max_window,
+                required: granule,
+            });
+        }
+        let index_buf = inner.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some("hicache-io indices"),
+            contents: bytemuck::cast_slice(&pairs),
+            usage: wgpu::BufferUsages::STORAGE,
+        });
+        // One Params record per dispatch, at the uniform offset alignment.
+        let stride = (std::mem::size_of::<Params>() as u64).next_multiple_of(inner.limits.min_uniform_buffer_offset_alignment as u64);
+        let mut dispatches: Vec<(usize, Params, (u64, u64), (u64, u64))> = Vec::new();
+        for (li, l) in g.launches.iter().enumerate() {
+            let (sb, db) = (bufs.get(l.src.buf), bufs.get(l.dst.buf));
+            for sw in windows(sb.buffer.size(), win) {
+                for dw in windows(db.buffer.size(), win) {
+                    let p = Params {
+                        src: side(&l.src, sw)?,
+                        dst: side(&l.dst, dw)?,
+                        n_items: n as u32,
+                        heads: g.heads as u32,
+                        words_per_chunk: words_per_chunk as u32,
+                        word_bytes: word as u32,
+                    };
+                    dispatches.push((li, p, sw, dw));
+                }
+            }
+        }
+        let mut params = vec![0u8; (stride * dispatches.len() as u64) as usize];
+        for (i, (_, p, _, _)) in dispatches.iter().enumerate() {
+            let at = i * stride as usize;
+            params[at..at + std::mem::size_of::<Params>()].copy_from_slice(bytemuck::bytes_of(p));
+        }
+        let param_buf = inner.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some("hicache-io params"),
+            contents: &params,
+            usage: wgpu::BufferUsages::UNIFORM,
+        });
+        let groups: Vec<wgpu::BindGroup> = dispatches
+            .iter()
+            .map(|(li, _, sw, dw)| {
+                let l = &g.launches[*li];
+                inner.device.create_bind_group(&wgpu::BindGroupDescriptor {
+                    label: None,
+                    layout: &inner.layout,
+                    entries: &[
+                        entry(0, &param_buf, 0, std::mem::size_of::<Params>() as u64),
+                        entry(1, &index_buf, 0, index_buf.size()),
+                        entry(2, &bufs.get(l.src.buf).buffer, sw.0, sw.1),
+                        entry(3, &bufs.get(l.dst.buf).buffer, dw.0, dw.1),
+                    ],
+                })
+            })
+            .collect();
+        let workgroups = total.div_ceil(64);
+        let max_x = inner.limits.max_compute_workgroups_per_dimension as u64;
+        let (x, y) = (workgroups.min(max_x), workgroups.div_ceil(max_x));
+        {
+            let mut pass =
+                enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("hicache-io gather"), timestamp_writes: None });
+            pass.set_pipeline(if word == 16 { &inner.pipe16 } else { &inner.pipe4 });
+            for (i, bg) in groups.iter().enumerate() {
+                pass.set_bind_group(0, bg, &[(i as u64 * stride) as u32]);
+                pass.dispatch_workgroups(x as u32, y as u32, 1);
+            }
+        }
+        keep.push(index_buf);
+        keep.push(param_buf);
+        Ok(())
+    }
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct SideParams {
+    base: u32,
+    page: u32,
+    page_stride: u32,
+    row_stride: u32,
+    head_stride: u32,
+    win_start: u32,
+    win_len: u32,
+    _pad: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct Params {
+    src: SideParams,
+    dst: SideParams,
+    n_items: u32,
+    heads: u32,
+    words_per_chunk: u32,
+    word_bytes: u32,
+}
+
+fn side(a: &Addr, (start, len): (u64, u64)) -> Result<SideParams> {
+    let u = |v: u64| u32::try_from(v).map_err(|_| err(format!("offset {v} exceeds u32")));
+    Ok(SideParams {
+        base: u(a.base)?,
+        page: u(a.page)?,
+        page_stride: u(a.page_stride)?,
+        row_stride: u(a.row_stride)?,
+        head_stride: u(a.head_stride)?,
+        win_start: u(start)?,
+        win_len: u(len)?,
+        _pad: 0,
+    })
+}
+
+fn aligned16(a: &Addr) -> bool {
+    [a.base, a.page_stride, a.row_stride, a.head_stride].iter().all(|v| v % 16 == 0)
+}
+
+fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+fn lcm(a: u64, b: u64) -> u64 {
+    a / gcd(a, b) * b
+}
+
+/// Binding windows `(start, len)` covering `size` bytes.
+fn windows(size: u64, win: u64) -> Vec<(u64, u64)> {
+    (0..size.div_ceil(win)).map(|k| (k * win, win.min(size - k * win))).collect()
+}
+
+fn bgl_entry(binding: u32, ty: wgpu::BufferBindingType, dynamic: bool) -> wgpu::BindGroupLayoutEntry {
+    wgpu::BindGroupLayoutEntry {
+        binding,
+        visibility: wgpu::ShaderStages::COMPUTE,
+        ty: wgpu::BindingType::Buffer { ty, has_dynamic_offset: dynamic, min_binding_size: None },
+        count: None,
+    }
+}
+
+fn entry(binding: u32, buffer: &wgpu::Buffer, offset: u64, size: u64) -> wgpu::BindGroupEntry<'_> {
+    wgpu::BindGroupEntry {
+        binding,
+        resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding { buffer, offset, size: wgpu::BufferSize::new(size) }),
+    }
+}
+
+impl Executor for WgpuExecutor {
+    type Buffer = WgpuBuffer;
+
+    fn name(&self) -> &'static str {
+        "wgpu"
+    }
+    fn describe(&self) -> String {
+        let i = &self.inner.info;
+        format!(
+            "{} ({:?}, {:?}, driver {} {}; storage binding {} MiB, buffer {} MiB, offset alignment {})",
+            i.name,
+            i.backend,
+            i.device_type,
+            i.driver,
+            i.driver_info,
+            self.inner.limits.max_storage_buffer_binding_size >> 20,
+            self.inner.limits.max_buffer_size >> 20,
+            self.inner.limits.min_storage_buffer_offset_alignment
+        )
+    }
+    fn capabilities(&self) -> Capabilities {
+        // copy_buffer_to_buffer needs 4-byte offsets and sizes; the shader copies u32 words.
+        Capabilities { name: "wgpu", kernel_word: 4, direct_align: wgpu::COPY_BUFFER_ALIGNMENT }
+    }
+    fn alloc(&self, bytes: u64) -> Result<WgpuBuffer> {
+        let size = bytes.max(4).next_multiple_of(4);
+        if size > self.inner.max_buffer {
+            return Err(TransferError::BufferSize {
+                what: format!("wgpu buffer larger than this adapter allows ({})", self.inner.info.name),
+                expected: self.inner.max_buffer,
+                actual: size,
+            });
+        }
+        let scope = self.inner.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+        let buffer = self.inner.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("hicache-io pool"),
+            size,
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        if let Some(e) = pollster::block_on(scope.pop()) {
+            return Err(err(format!("allocating {size} bytes: {e}")));
+        }
+        Ok(WgpuBuffer { buffer, len: bytes })
+    }
+    fn buffer_len(&self, buf: &WgpuBuffer) -> u64 {
+        buf.len
+    }
+    fn write(&self, buf: &WgpuBuffer, offset: u64, data: &[u8]) -> Result<()> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        let start = offset / 4 * 4;
+        let end = (offset + data.len() as u64).next_multiple_of(4);
+        if start == offset && end == offset + data.len() as u64 {
+            self.inner.queue.write_buffer(&buf.buffer, offset, data);
+        } else {
+            // write_buffer needs 4-byte spans: read-modify-write the edges.
+            let mut span = vec![0u8; (end - start) as usize];
+            self.read_raw(&buf.buffer, start, &mut span)?;
+            span[(offset - start) as usize..][..data.len()].copy_from_slice(data);
+            self.inner.queue.write_buffer(&buf.buffer, start, &span);
+        }
+        self.inner.queue.submit([]);
+        Ok(())
+    }
+    fn read(&self, buf: &WgpuBuffer, offset: u64, out: &mut [u8]) -> Result<()> {
+        if out.is_empty() {
+            return Ok(());
+        }
+        let start = offset / 4 * 4;
+        let end = (offset + out.len() as u64).next_multiple_of(4);
+        let mut span = vec![0u8; (end - start) as usize];
+        self.read_raw(&buf.buffer, start, &mut span)?;
+        out.copy_from_slice(&span[(offset - start) as usize..][..out.len()]);
+        Ok(())
+    }
+    fn synchronize(&self) -> Result<()> {
+        self.wait()
+    }
+    fn execute(&self, plan: &Plan, bufs: &Bindings<'_, WgpuBuffer>) -> Result<()> {
+        let mut keep = Vec::new();
+        self.submit(|enc| {
+            for step in &plan.steps {
+                match step {
+                    Step::Gather(g) => self.gather(g, bufs, enc, &mut keep)?,
+                    Step::Copy(c) => {
+                        for r in &c.runs {
+                            enc.copy_buffer_to_buffer(&bufs.get(r.src).buffer, r.src_offset, &bufs.get(r.dst).buffer, r.dst_offset, r.len);
+                        }
+                    }
+                }
+            }
+            Ok(())
+        })
+    }
+}
+
+impl WgpuExecutor {
+    /// Reads a 4-byte aligned span through a MAP_READ staging buffer.
+    fn read_raw(&self, buffer: &wgpu::Buffer, offset: u64, out: &mut [u8]) -> Result<()> {
+        let size = out.len() as u64;
+        let staging = self.inner.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("hicache-io readback"),
+            size,
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        self.submit(|enc| {
+            enc.copy_buffer_to_buffer(buffer, offset, &staging, 0, size);
+            Ok(())
+        })?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        staging.map_async(wgpu::MapMode::Read, .., move |r| {
+            let _ = tx.send(r);
+        });
+        self.wait()?;
+        rx.recv_timeout(WAIT).map_err(|e| err(format!("map_async: {e}")))?.map_err(|e| err(format!("map_async: {e}")))?;
+        {
+            let view = staging.get_mapped_range(..).map_err(|e| err(format!("get_mapped_range: {e}")))?;
+            out.copy_from_slice(&view);
+        }
+        staging.unmap();
+        Ok(())
+    }
+}
