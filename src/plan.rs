@@ -20,11 +20,22 @@ pub struct Capabilities {
     pub kernel_word: u64,
     /// Alignment of every offset and length of a `direct` copy.
     pub direct_align: u64,
+    /// Largest range a `kernel` step can bind at once (wgpu: the storage binding limit), and the
+    /// alignment of a bound range's start. An item chunk must fit one aligned window.
+    pub max_binding: u64,
+    pub binding_align: u64,
 }
 
 impl Capabilities {
     /// What every executor of this crate supports; used by `hicache-io matrix`.
-    pub const PORTABLE: Capabilities = Capabilities { name: "portable", kernel_word: 4, direct_align: 4 };
+    pub const PORTABLE: Capabilities = Capabilities { name: "portable", kernel_word: 4, direct_align: 4, max_binding: 128 << 20, binding_align: 256 };
+    /// Host-memory executors: no alignment or binding limit.
+    pub const UNLIMITED: Capabilities = Capabilities { name: "unlimited", kernel_word: 4, direct_align: 1, max_binding: u64::MAX, binding_align: 1 };
+
+    /// Bytes a `kernel` window must be a multiple of for chunks of `chunk_bytes`.
+    pub fn window_granule(&self, chunk_bytes: u64) -> u64 {
+        lcm(lcm(chunk_bytes, self.binding_align), self.kernel_word)
+    }
 }
 
 /// The operations of the support table.
@@ -453,6 +464,13 @@ pub fn plan(profile: Profile, caps: &Capabilities, pair: &PoolPair, req: &Reques
         }
     }
 
+    if req.io_backend == IoBackend::Kernel {
+        let granule = caps.window_granule(host.item_bytes / host.head_num);
+        if granule > caps.max_binding {
+            return Err(TransferError::Misaligned { what: format!("{} binding window for {}-byte item chunks", caps.name, host.item_bytes / host.head_num), value: caps.max_binding, required: granule });
+        }
+    }
+
     let comps = host.kind.components() as u8;
     let steps = match req.io_backend {
         IoBackend::Kernel => {
@@ -513,6 +531,22 @@ pub fn plan(profile: Profile, caps: &Capabilities, pair: &PoolPair, req: &Reques
         }
     };
     Ok(Plan { direction, path, steps })
+}
+
+fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+/// Least common multiple (`0` stays `0`).
+pub fn lcm(a: u64, b: u64) -> u64 {
+    if a == 0 || b == 0 {
+        return 0;
+    }
+    a / gcd(a, b) * b
 }
 
 fn layer_error(layer_id: usize, dev: &DeviceGeometry) -> TransferError {

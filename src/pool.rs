@@ -67,8 +67,11 @@ impl DevicePool {
         self.device.read(self.buffer_checked(comp, slot)?, 0, &mut out)?;
         Ok(out)
     }
+    /// Replaces the whole buffer (`data` must be exactly `slots × item` bytes).
     pub fn write_buffer(&mut self, comp: usize, slot: usize, data: &[u8]) -> Result<()> {
-        self.device.write(self.buffer_checked(comp, slot)?, 0, data)
+        let buf = self.buffer_checked(comp, slot)?;
+        exact_size("device layer buffer", self.geometry.layer_bytes(), data)?;
+        self.device.write(buf, 0, data)
     }
     fn buffer_checked(&self, comp: usize, slot: usize) -> Result<&Buffer> {
         self.buffers
@@ -200,8 +203,11 @@ impl HostPool {
         self.device.read(self.buffer_checked(comp)?, 0, &mut out)?;
         Ok(out)
     }
+    /// Replaces the whole component buffer (`data` must be exactly its size).
     pub fn write_buffer(&mut self, comp: usize, data: &[u8]) -> Result<()> {
-        self.device.write(self.buffer_checked(comp)?, 0, data)
+        let buf = self.buffer_checked(comp)?;
+        exact_size("host buffer", self.pair.host.buffer_bytes(), data)?;
+        self.device.write(buf, 0, data)
     }
     fn buffer_checked(&self, comp: usize) -> Result<&Buffer> {
         self.buffers.get(comp).ok_or_else(|| TransferError::Geometry(format!("no host component {comp}")))
@@ -276,4 +282,11 @@ impl HostPool {
         }
         Ok(())
     }
+}
+
+fn exact_size(what: &str, expected: u64, data: &[u8]) -> Result<()> {
+    if data.len() as u64 != expected {
+        return Err(TransferError::BufferSize { what: what.into(), expected, actual: data.len() as u64 });
+    }
+    Ok(())
 }

@@ -87,7 +87,7 @@ impl Executor for CpuExecutor {
         format!("host memory, {} thread(s)", self.threads)
     }
     fn capabilities(&self) -> Capabilities {
-        Capabilities { name: "cpu", kernel_word: 4, direct_align: 1 }
+        Capabilities { name: "cpu", ..Capabilities::UNLIMITED }
     }
     fn alloc(&self, bytes: u64) -> Result<CpuBuffer> {
         let len = usize::try_from(bytes)

@@ -406,7 +406,7 @@ impl Executor for CudaExecutor {
         )
     }
     fn capabilities(&self) -> Capabilities {
-        Capabilities { name: "cuda", kernel_word: 4, direct_align: 1 }
+        Capabilities { name: "cuda", ..Capabilities::UNLIMITED }
     }
     fn alloc(&self, bytes: u64) -> Result<CudaBuffer> {
         self.bind()?;

@@ -19,7 +19,7 @@ use wgpu::util::DeviceExt;
 
 use super::{Bindings, Executor};
 use crate::error::{Result, TransferError};
-use crate::plan::{Addr, Capabilities, GatherStep, Plan, Step};
+use crate::plan::{lcm, Addr, Capabilities, GatherStep, Plan, Step};
 
 const SHADER: &str = include_str!("../../shaders/gather.wgsl");
 const WAIT: Duration = Duration::from_secs(120);
@@ -223,13 +223,12 @@ impl WgpuExecutor {
                 ])
             })
             .collect::<Result<_>>()?;
+        // 16-byte words when every offset allows them and a 16-byte granule fits the window.
+        let base_granule = self.capabilities().window_granule(g.chunk_bytes);
         let word: u64 = if g.chunk_bytes % 16 == 0
-            && g.launches.iter().all(|l| {
-                aligned16(&l.src)
-                    && aligned16(&l.dst)
-                    && bufs.get(l.src.buf).buffer.size() % 16 == 0
-                    && bufs.get(l.dst.buf).buffer.size() % 16 == 0
-            }) {
+            && lcm(base_granule, 16) <= inner.max_window
+            && g.launches.iter().all(|l| aligned16(&l.src) && aligned16(&l.dst) && bufs.get(l.src.buf).buffer.size() % 16 == 0 && bufs.get(l.dst.buf).buffer.size() % 16 == 0)
+        {
             16
         } else {
             4
@@ -359,17 +358,6 @@ fn aligned16(a: &Addr) -> bool {
     [a.base, a.page_stride, a.row_stride, a.head_stride].iter().all(|v| v % 16 == 0)
 }
 
-fn gcd(a: u64, b: u64) -> u64 {
-    if b == 0 {
-        a
-    } else {
-        gcd(b, a % b)
-    }
-}
-fn lcm(a: u64, b: u64) -> u64 {
-    a / gcd(a, b) * b
-}
-
 /// Binding windows `(start, len)` covering `size` bytes.
 fn windows(size: u64, win: u64) -> Vec<(u64, u64)> {
     (0..size.div_ceil(win)).map(|k| (k * win, win.min(size - k * win))).collect()
@@ -413,7 +401,13 @@ impl Executor for WgpuExecutor {
     }
     fn capabilities(&self) -> Capabilities {
         // copy_buffer_to_buffer needs 4-byte offsets and sizes; the shader copies u32 words.
-        Capabilities { name: "wgpu", kernel_word: 4, direct_align: wgpu::COPY_BUFFER_ALIGNMENT }
+        Capabilities {
+            name: "wgpu",
+            kernel_word: 4,
+            direct_align: wgpu::COPY_BUFFER_ALIGNMENT,
+            max_binding: self.inner.max_window,
+            binding_align: self.inner.limits.min_storage_buffer_offset_alignment as u64,
+        }
     }
     fn alloc(&self, bytes: u64) -> Result<WgpuBuffer> {
         let size = bytes.max(4).next_multiple_of(4);

@@ -1,0 +1,38 @@
+//! Shared test helpers: which executors to run on, and when a missing one fails the run.
+#![allow(dead_code)]
+
+use hicache_io::exec::{BackendKind, Device};
+
+/// Every executor present here. A missing wgpu adapter fails when `CI` or
+/// `HICACHE_REQUIRE_WGPU=1` is set, a missing CUDA device when `HICACHE_REQUIRE_CUDA=1`;
+/// otherwise the test prints why it skips that executor.
+pub fn devices() -> Vec<Device> {
+    let mut out = vec![Device::cpu()];
+    for kind in [BackendKind::Wgpu, BackendKind::Cuda] {
+        if let Some(d) = open(kind) {
+            out.push(d);
+        }
+    }
+    out
+}
+
+pub fn required(kind: BackendKind) -> bool {
+    let set = |k: &str| std::env::var(k).is_ok_and(|v| !v.is_empty() && v != "0");
+    match kind {
+        BackendKind::Cpu => true,
+        BackendKind::Wgpu => set("CI") || set("HICACHE_REQUIRE_WGPU"),
+        BackendKind::Cuda => set("HICACHE_REQUIRE_CUDA"),
+    }
+}
+
+/// Opens one executor, or `None` with a printed reason (panics if it is required).
+pub fn open(kind: BackendKind) -> Option<Device> {
+    match Device::open(kind) {
+        Ok(d) => Some(d),
+        Err(e) if required(kind) => panic!("{} is required here but {e}", kind.name()),
+        Err(e) => {
+            eprintln!("skipping {}: {e}", kind.name());
+            None
+        }
+    }
+}
