@@ -33,6 +33,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod bench;
 pub mod check;
 pub mod error;
 pub mod exec;

@@ -35,6 +35,27 @@ enum Cmd {
     /// Randomized transfers over every supported cell on each executor, compared byte for byte
     /// with the oracle. Exit status 1 on any mismatch.
     Check(CheckArgs),
+    /// Throughput per executor, path and item size, with the ratio to the executor's own
+    /// one-copy ceiling measured in the same run and the planning share.
+    Bench(BenchArgs),
+}
+
+#[derive(clap::Args)]
+struct BenchArgs {
+    /// Executors to measure; every available one by default.
+    #[arg(long, value_delimiter = ',')]
+    backend: Vec<BackendKind>,
+    /// The quick subset (the default): random pages, N = 4096, L = 8, 8448/1152/128 B items.
+    #[arg(long, conflicts_with = "full")]
+    quick: bool,
+    /// The whole matrix: 4 item sizes × 3 patterns × N 256/4096 × L 8/61.
+    #[arg(long)]
+    full: bool,
+    /// Time budget per measurement, in milliseconds.
+    #[arg(long, default_value_t = 300)]
+    budget_ms: u64,
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(clap::Args, Default)]
@@ -68,6 +89,73 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Cmd::Check(args) => check(args),
+        Cmd::Bench(args) => bench(args),
+    }
+}
+
+fn open_devices(requested: &[BackendKind]) -> Option<Vec<Device>> {
+    let kinds = if requested.is_empty() { BackendKind::ALL.to_vec() } else { requested.to_vec() };
+    let mut devices = Vec::new();
+    for k in kinds {
+        match Device::open(k) {
+            Ok(d) => {
+                println!("{}: {}", k.name(), d.describe());
+                devices.push(d);
+            }
+            Err(e) if requested.is_empty() => println!("{e} — skipped"),
+            Err(e) => {
+                eprintln!("{e}");
+                return None;
+            }
+        }
+    }
+    Some(devices)
+}
+
+fn bench(args: BenchArgs) -> ExitCode {
+    let _ = args.quick;
+    let Some(devices) = open_devices(&args.backend) else { return ExitCode::FAILURE };
+    let specs = hicache_io::bench::specs(!args.full);
+    let budget = std::time::Duration::from_millis(args.budget_ms);
+    let bar = indicatif::ProgressBar::new((specs.len() * devices.len()) as u64);
+    bar.set_style(indicatif::ProgressStyle::with_template("[{bar:40}] {pos}/{len} {msg}").unwrap().progress_chars("=> "));
+    let mut results = Vec::new();
+    let mut failed = false;
+    for dev in &devices {
+        for spec in &specs {
+            bar.set_message(format!("{} {spec}", dev.name()));
+            match hicache_io::bench::run_spec(dev, spec, budget) {
+                Ok(r) => results.push(r),
+                Err(e) => {
+                    bar.println(format!("{} {spec}: {e}", dev.name()));
+                    failed |= !matches!(e, hicache_io::TransferError::BufferSize { .. });
+                }
+            }
+            bar.inc(1);
+        }
+    }
+    bar.finish_and_clear();
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&results).expect("json"));
+    } else {
+        println!("\n{:<5} {:<52} {:>9} {:>9} {:>10} {:>6} {:>7}", "exec", "cell", "MiB", "GB/s", "ceil GB/s", "ratio", "plan %");
+        for r in &results {
+            println!(
+                "{:<5} {:<52} {:>9.1} {:>9.2} {:>10.2} {:>6.2} {:>7.2}",
+                r.backend,
+                r.spec.to_string(),
+                r.bytes as f64 / (1 << 20) as f64,
+                r.gbps,
+                r.ceiling_gbps,
+                r.ratio,
+                100.0 * r.plan_share
+            );
+        }
+    }
+    if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
     }
 }
 
@@ -92,21 +180,7 @@ fn info() -> ExitCode {
 }
 
 fn check(args: CheckArgs) -> ExitCode {
-    let kinds = if args.backend.is_empty() { BackendKind::ALL.to_vec() } else { args.backend.clone() };
-    let mut devices = Vec::new();
-    for k in kinds {
-        match Device::open(k) {
-            Ok(d) => {
-                println!("{}: {}", k.name(), d.describe());
-                devices.push(d);
-            }
-            Err(e) if args.backend.is_empty() => println!("{e} — skipped"),
-            Err(e) => {
-                eprintln!("{e}");
-                return ExitCode::FAILURE;
-            }
-        }
-    }
+    let Some(devices) = open_devices(&args.backend) else { return ExitCode::FAILURE };
     let mut failed = false;
     let mut report = Vec::new();
     for dev in &devices {

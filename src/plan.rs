@@ -199,7 +199,9 @@ pub struct Addr {
 impl Addr {
     #[inline(always)]
     pub fn offset(&self, idx: u64, head: u64) -> u64 {
-        self.base + (idx / self.page) * self.page_stride + (idx % self.page) * self.row_stride + head * self.head_stride
+        // page == 1 (every layout but page_head / page_first_direct) skips two divisions.
+        let paged = if self.page == 1 { idx * self.page_stride } else { (idx / self.page) * self.page_stride + (idx % self.page) * self.row_stride };
+        self.base + paged + head * self.head_stride
     }
 }
 
@@ -255,6 +257,9 @@ pub enum Direction {
 /// step per layer, like sglang's per-layer calls).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Plan {
+    /// The pools and profile it was validated for (executing it elsewhere is refused).
+    pub pair: Arc<PoolPair>,
+    pub profile: Profile,
     pub direction: Direction,
     pub path: PathInfo,
     pub steps: Vec<Step>,
@@ -372,7 +377,8 @@ pub fn plan(profile: Profile, caps: &Capabilities, pair: &PoolPair, req: &Reques
         Op::Load { .. } => Direction::HostToDevice,
         Op::Backup => Direction::DeviceToHost,
     };
-    let empty = Plan { direction, path: path.clone(), steps: Vec::new() };
+    let shared = Arc::new(pair.clone());
+    let empty = Plan { pair: shared.clone(), profile, direction, path: path.clone(), steps: Vec::new() };
 
     // Layers: (host layer, device slot) pairs, one group per step.
     let layer_groups: Vec<Vec<(u64, u32)>> = match req.op {
@@ -530,7 +536,7 @@ pub fn plan(profile: Profile, caps: &Capabilities, pair: &PoolPair, req: &Reques
                 .collect()
         }
     };
-    Ok(Plan { direction, path, steps })
+    Ok(Plan { pair: shared, profile, direction, path, steps })
 }
 
 fn gcd(a: u64, b: u64) -> u64 {
@@ -563,10 +569,11 @@ fn to_pages(side: &'static str, tokens: &[i64], p: u64) -> Result<Vec<i64>> {
 fn check_whole_pages(side: &'static str, idx: &[i64], p: u64) -> Result<()> {
     for (g, chunk) in idx.chunks(p as usize).enumerate() {
         let first = chunk[0];
+        // Branch-free folds (they vectorise): DSA calls check every token of every page.
         let ok = if first < 0 {
-            chunk.iter().all(|&x| x < 0)
+            chunk.iter().fold(-1i64, |acc, &x| acc & x) < 0
         } else {
-            first % p as i64 == 0 && chunk.iter().enumerate().all(|(k, &x)| x == first + k as i64)
+            first % p as i64 == 0 && chunk.iter().zip(first..).fold(0i64, |acc, (&x, want)| acc | (x ^ want)) == 0
         };
         if !ok {
             return Err(TransferError::NotWholePage {

@@ -6,7 +6,7 @@
 use crate::error::{Result, TransferError};
 use crate::exec::{Bindings, Buffer, Device};
 use crate::geometry::{DeviceGeometry, HostGeometry, IoBackend, LayerMap, Layout, PoolKind, PoolPair, Profile};
-use crate::plan::{self, Op, Plan, Request};
+use crate::plan::{self, Direction, Op, Plan, Request};
 
 /// Device pool: `[comp][buffer]`, each buffer `slots × item` bytes; buffers are the live target
 /// layers in order, then one per draft (MTP) pool.
@@ -182,19 +182,36 @@ impl HostPool {
         self.run(device_pool, Op::Backup, io_backend, host_indices, device_indices)
     }
 
-    /// Plans, then executes; nothing moves unless the plan is accepted.
-    pub fn run(&self, device_pool: &DevicePool, op: Op, io_backend: IoBackend, host_indices: &[i64], device_indices: &[i64]) -> Result<()> {
+    /// Plans, then executes; nothing moves unless the plan is accepted. Callers hold `&mut`
+    /// on the destination pool (the public wrappers enforce it).
+    fn run(&self, device_pool: &DevicePool, op: Op, io_backend: IoBackend, host_indices: &[i64], device_indices: &[i64]) -> Result<()> {
         let plan = self.plan(device_pool, &Request { op, io_backend, host_indices, device_indices })?;
-        log::debug!(
-            "{:?} {} via {} on {}: {} steps, {} bytes",
-            op,
-            io_backend,
-            plan.path.op,
-            self.device.name(),
-            plan.steps.len(),
-            plan.bytes()
-        );
-        self.device.execute(&plan, &self.bindings(device_pool))
+        self.execute(device_pool, &plan)
+    }
+
+    /// Runs a load plan made by [`HostPool::plan`] for these pools (plan once, run many).
+    pub fn execute_load(&self, device_pool: &mut DevicePool, plan: &Plan) -> Result<()> {
+        self.check_plan(plan, Direction::HostToDevice)?;
+        self.execute(device_pool, plan)
+    }
+
+    /// Runs a backup plan made by [`HostPool::plan`] for these pools.
+    pub fn execute_backup(&mut self, device_pool: &DevicePool, plan: &Plan) -> Result<()> {
+        self.check_plan(plan, Direction::DeviceToHost)?;
+        self.execute(device_pool, plan)
+    }
+
+    fn check_plan(&self, plan: &Plan, direction: Direction) -> Result<()> {
+        if plan.direction != direction || *plan.pair != self.pair || plan.profile != self.profile {
+            return Err(TransferError::Geometry("plan was made for other pools, profile or direction".into()));
+        }
+        Ok(())
+    }
+
+    fn execute(&self, device_pool: &DevicePool, plan: &Plan) -> Result<()> {
+        self.check_pair(device_pool)?;
+        log::debug!("{:?} via {} on {}: {} steps, {} bytes", plan.direction, plan.path.op, self.device.name(), plan.steps.len(), plan.bytes());
+        self.device.execute(plan, &self.bindings(device_pool))
     }
 
     /// Raw bytes of component `comp` (0 = K or the only buffer, 1 = V).

@@ -110,6 +110,15 @@ impl Executor for CpuExecutor {
     fn synchronize(&self) -> Result<()> {
         Ok(())
     }
+    fn time_one_copy(&self, bytes: u64, budget: std::time::Duration) -> Result<f64> {
+        let src = vec![1u8; bytes as usize];
+        let mut dst = vec![2u8; bytes as usize];
+        crate::bench::time(budget, || {
+            dst.copy_from_slice(&src);
+            std::hint::black_box(&mut dst);
+            Ok(())
+        })
+    }
 
     fn execute(&self, plan: &Plan, bufs: &Bindings<'_, CpuBuffer>) -> Result<()> {
         let threads = if plan.bytes() >= PARALLEL_MIN_BYTES { self.threads } else { 1 };

@@ -461,6 +461,19 @@ impl Executor for CudaExecutor {
             unsafe { result::memcpy_dtoh_sync(out, buf.dev_ptr + offset) }.map_err(|e| drv("cuMemcpyDtoH", e))
         }
     }
+    fn time_one_copy(&self, bytes: u64, budget: std::time::Duration) -> Result<f64> {
+        let (h, d) = (self.alloc_host(bytes)?, self.alloc(bytes)?);
+        let stream = self.cu_stream();
+        crate::bench::time(budget, || {
+            self.bind()?;
+            // SAFETY: both allocations hold `bytes` bytes.
+            let rc = unsafe { sys::cuMemcpyAsync(d.dev_ptr, h.dev_ptr, bytes as usize, stream) };
+            if rc != sys::CUresult::CUDA_SUCCESS {
+                return Err(TransferError::Executor { backend: "cuda", message: format!("cuMemcpyAsync: {rc:?}") });
+            }
+            self.synchronize()
+        })
+    }
     fn synchronize(&self) -> Result<()> {
         self.bind()?;
         self.inner.stream.synchronize().map_err(|e| drv("cuStreamSynchronize", e))

@@ -52,6 +52,9 @@ pub trait Executor {
     fn execute(&self, plan: &Plan, bufs: &Bindings<'_, Self::Buffer>) -> Result<()>;
     /// Waits for every submitted transfer.
     fn synchronize(&self) -> Result<()>;
+    /// Median seconds of one contiguous copy of `bytes` (the ceiling benchmarks compare with):
+    /// memcpy on cpu, one buffer-to-buffer copy on wgpu, one host-to-device copy on cuda.
+    fn time_one_copy(&self, bytes: u64, budget: std::time::Duration) -> Result<f64>;
 }
 
 /// Which executor, by name.
@@ -185,6 +188,9 @@ impl Device {
     }
     pub fn synchronize(&self) -> Result<()> {
         each_backend!(self, e => e.synchronize())
+    }
+    pub fn time_one_copy(&self, bytes: u64, budget: std::time::Duration) -> Result<f64> {
+        each_backend!(self, e => e.time_one_copy(bytes, budget))
     }
 
     pub fn alloc(&self, bytes: u64) -> Result<Buffer> {

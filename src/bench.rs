@@ -1,0 +1,192 @@
+//! Throughput measurement shared by `hicache-io bench` and the criterion benches: GB/s of bytes
+//! moved, beside the executor's own ceiling measured in the same run (one contiguous copy of the
+//! same bytes), and the planning time as a share of the transfer.
+
+use std::time::{Duration, Instant};
+
+use crate::check::Rng;
+use crate::error::Result;
+use crate::exec::Device;
+use crate::geometry::{IoBackend, LayerMap, Layout, PoolKind, Profile};
+use crate::plan::{Op, Plan, Request};
+use crate::pool::{DevicePool, DevicePoolConfig, HostPool, HostPoolConfig};
+
+/// Which items a transfer touches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Pattern {
+    Contiguous,
+    Random,
+    /// Runs of 4 consecutive items at random places.
+    Runs4,
+}
+
+impl Pattern {
+    pub fn name(self) -> &'static str {
+        match self {
+            Pattern::Contiguous => "contig",
+            Pattern::Random => "random",
+            Pattern::Runs4 => "runs4",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BenchOp {
+    /// One layer, host → device.
+    Load,
+    /// Every layer, device → host.
+    Backup,
+}
+
+/// One benchmark cell. Items of 8448 B are DSA indexer pages (132 B/token × P = 64); other
+/// sizes are MLA records with `P = 1` (each item its own page).
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct BenchSpec {
+    pub item: u64,
+    pub pattern: Pattern,
+    pub items: u64,
+    pub layers: usize,
+    pub op: BenchOp,
+    pub layout: Layout,
+    pub io: IoBackend,
+}
+
+impl std::fmt::Display for BenchSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let op = match self.op {
+            BenchOp::Load => "load",
+            BenchOp::Backup => "backup",
+        };
+        write!(f, "{op} {} {} {}B {} N={} L={}", self.layout, self.io, self.item, self.pattern.name(), self.items, self.layers)
+    }
+}
+
+/// The paths worth timing: kernel on layer_first and page_first, direct on layer_first and
+/// page_first_direct.
+pub const PATHS: [(Layout, IoBackend); 4] = [
+    (Layout::LayerFirst, IoBackend::Kernel),
+    (Layout::PageFirst, IoBackend::Kernel),
+    (Layout::LayerFirst, IoBackend::Direct),
+    (Layout::PageFirstDirect, IoBackend::Direct),
+];
+
+/// The benchmark matrix. `quick`: random pages, N = 4096, L = 8, items 8448 / 1152 / 128 B.
+pub fn specs(quick: bool) -> Vec<BenchSpec> {
+    let mut v = Vec::new();
+    let items: &[u64] = if quick { &[8448, 1152, 128] } else { &[8448, 1152, 656, 128] };
+    let patterns: &[Pattern] = if quick { &[Pattern::Random] } else { &[Pattern::Contiguous, Pattern::Random, Pattern::Runs4] };
+    let counts: &[u64] = if quick { &[4096] } else { &[256, 4096] };
+    let layer_counts: &[usize] = if quick { &[8] } else { &[8, 61] };
+    for &item in items {
+        for &pattern in patterns {
+            for &n in counts {
+                for &layers in layer_counts {
+                    for op in [BenchOp::Load, BenchOp::Backup] {
+                        for (layout, io) in PATHS {
+                            v.push(BenchSpec { item, pattern, items: n, layers, op, layout, io });
+                        }
+                    }
+                }
+            }
+        }
+    }
+    v
+}
+
+/// What one cell measured. Times are medians over the repetitions.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct BenchResult {
+    pub backend: &'static str,
+    pub spec: BenchSpec,
+    pub bytes: u64,
+    pub transfer_s: f64,
+    pub gbps: f64,
+    pub ceiling_gbps: f64,
+    /// `gbps / ceiling_gbps`.
+    pub ratio: f64,
+    pub plan_s: f64,
+    /// Planning time as a share of the transfer time.
+    pub plan_share: f64,
+}
+
+/// A pool pair and the index lists of one cell.
+pub struct Fixture {
+    pub dev: DevicePool,
+    pub host: HostPool,
+    pub host_indices: Vec<i64>,
+    pub device_indices: Vec<i64>,
+    pub op: Op,
+}
+
+impl Fixture {
+    pub fn new(device: &Device, spec: &BenchSpec, seed: u64) -> Result<Fixture> {
+        let dsa = spec.item == 8448;
+        let (kind, per_token, page) = if dsa { (PoolKind::DsaIndexer, 132, 64) } else { (PoolKind::Mla, spec.item, 1) };
+        // 25% more slots than items, so random picks are sparse but pools stay small.
+        let units = spec.items + spec.items / 4 + 4;
+        let dev = DevicePool::new(device, &DevicePoolConfig { kind, bytes_per_token: per_token, slots: units, page_size: page, layers: LayerMap::new(spec.layers) })?;
+        let host = HostPool::new(&dev, &HostPoolConfig { layout: spec.layout, size: units * page, head_num: 1, profile: Profile::Extended })?;
+        let mut rng = Rng::new(seed);
+        let pick = |rng: &mut Rng| -> Vec<u64> {
+            match spec.pattern {
+                Pattern::Contiguous => (0..spec.items).collect(),
+                Pattern::Random => rng.distinct(units - 1, spec.items),
+                Pattern::Runs4 => rng.distinct((units - 1) / 4, spec.items.div_ceil(4)).iter().flat_map(|r| r * 4..r * 4 + 4).take(spec.items as usize).collect(),
+            }
+        };
+        let expand = |units: Vec<u64>| units.iter().flat_map(|u| (u * page..(u + 1) * page).map(|t| t as i64)).collect::<Vec<_>>();
+        let (hi, di) = (expand(pick(&mut rng)), expand(pick(&mut rng)));
+        let op = match spec.op {
+            BenchOp::Load => Op::Load { layer_id: spec.layers / 2, is_draft: false },
+            BenchOp::Backup => Op::Backup,
+        };
+        Ok(Fixture { dev, host, host_indices: hi, device_indices: di, op })
+    }
+
+    pub fn plan(&self, io: IoBackend) -> Result<Plan> {
+        self.host.plan(&self.dev, &Request { op: self.op, io_backend: io, host_indices: &self.host_indices, device_indices: &self.device_indices })
+    }
+
+    /// Executes a plan of this fixture and waits for it.
+    pub fn run(&mut self, plan: &Plan) -> Result<()> {
+        match self.op {
+            Op::Load { .. } => self.host.execute_load(&mut self.dev, plan)?,
+            Op::Backup => self.host.execute_backup(&self.dev, plan)?,
+        }
+        self.dev.device().synchronize()
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// Times `f` at least 3 times and until `budget` is spent (at most 50 times); the median.
+pub fn time(budget: Duration, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    f()?; // warm-up
+    let start = Instant::now();
+    let mut samples = Vec::new();
+    while samples.len() < 3 || (start.elapsed() < budget && samples.len() < 50) {
+        let t = Instant::now();
+        f()?;
+        samples.push(t.elapsed().as_secs_f64());
+    }
+    Ok(median(samples))
+}
+
+/// Measures one cell: transfer, planning and the executor's one-copy ceiling, in one run.
+pub fn run_spec(device: &Device, spec: &BenchSpec, budget: Duration) -> Result<BenchResult> {
+    let mut fx = Fixture::new(device, spec, 7)?;
+    let plan = fx.plan(spec.io)?;
+    let bytes = plan.bytes();
+    let transfer_s = time(budget, || fx.run(&plan))?;
+    let plan_s = time(budget / 4, || fx.plan(spec.io).map(|_| ()))?;
+    drop(fx);
+    let ceiling_s = device.time_one_copy(bytes, budget)?;
+    let gbps = bytes as f64 / transfer_s / 1e9;
+    let ceiling_gbps = bytes as f64 / ceiling_s / 1e9;
+    Ok(BenchResult { backend: device.name(), spec: *spec, bytes, transfer_s, gbps, ceiling_gbps, ratio: gbps / ceiling_gbps, plan_s, plan_share: plan_s / transfer_s })
+}

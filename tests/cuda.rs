@@ -1,0 +1,30 @@
+//! CUDA executor: skips with a printed reason when there is no driver or device (fails instead
+//! with `HICACHE_REQUIRE_CUDA=1`); on a GPU, every supported cell against the oracle.
+
+mod common;
+
+use hicache_io::check::check_device;
+use hicache_io::exec::BackendKind;
+use hicache_io::geometry::Profile;
+
+#[test]
+fn cuda_without_a_gpu_is_unavailable_not_a_panic() {
+    match hicache_io::Device::open(BackendKind::Cuda) {
+        Ok(d) => eprintln!("cuda present: {}", d.describe()),
+        Err(e) => {
+            let msg = e.to_string();
+            assert!(msg.starts_with("cuda: unavailable ("), "{msg}");
+        }
+    }
+}
+
+#[test]
+fn cuda_equals_oracle_on_every_cell() {
+    let Some(device) = common::open(BackendKind::Cuda) else { return };
+    for profile in [Profile::Extended, Profile::Sglang] {
+        let rows = check_device(&device, profile, 3, 6, |_, _| {}).unwrap();
+        for (cell, t) in rows {
+            assert_eq!(t.matched, t.cases, "{cell}: {:?}", t.first_failure);
+        }
+    }
+}
