@@ -126,14 +126,23 @@ impl Fixture {
         let (kind, per_token, page) = if dsa { (PoolKind::DsaIndexer, 132, 64) } else { (PoolKind::Mla, spec.item, 1) };
         // 25% more slots than items, so random picks are sparse but pools stay small.
         let units = spec.items + spec.items / 4 + 4;
-        let dev = DevicePool::new(device, &DevicePoolConfig { kind, bytes_per_token: per_token, slots: units, page_size: page, layers: LayerMap::new(spec.layers) })?;
-        let host = HostPool::new(&dev, &HostPoolConfig { layout: spec.layout, size: units * page, head_num: 1, profile: Profile::Extended })?;
+        let dev = DevicePool::new(
+            device,
+            &DevicePoolConfig { kind, bytes_per_token: per_token, slots: units, page_size: page, layers: LayerMap::new(spec.layers) },
+        )?;
+        let host =
+            HostPool::new(&dev, &HostPoolConfig { layout: spec.layout, size: units * page, head_num: 1, profile: Profile::Extended })?;
         let mut rng = Rng::new(seed);
         let pick = |rng: &mut Rng| -> Vec<u64> {
             match spec.pattern {
                 Pattern::Contiguous => (0..spec.items).collect(),
                 Pattern::Random => rng.distinct(units - 1, spec.items),
-                Pattern::Runs4 => rng.distinct((units - 1) / 4, spec.items.div_ceil(4)).iter().flat_map(|r| r * 4..r * 4 + 4).take(spec.items as usize).collect(),
+                Pattern::Runs4 => rng
+                    .distinct((units - 1) / 4, spec.items.div_ceil(4))
+                    .iter()
+                    .flat_map(|r| r * 4..r * 4 + 4)
+                    .take(spec.items as usize)
+                    .collect(),
             }
         };
         let expand = |units: Vec<u64>| units.iter().flat_map(|u| (u * page..(u + 1) * page).map(|t| t as i64)).collect::<Vec<_>>();
@@ -146,7 +155,10 @@ impl Fixture {
     }
 
     pub fn plan(&self, io: IoBackend) -> Result<Plan> {
-        self.host.plan(&self.dev, &Request { op: self.op, io_backend: io, host_indices: &self.host_indices, device_indices: &self.device_indices })
+        self.host.plan(
+            &self.dev,
+            &Request { op: self.op, io_backend: io, host_indices: &self.host_indices, device_indices: &self.device_indices },
+        )
     }
 
     /// Executes a plan of this fixture and waits for it.
@@ -188,5 +200,15 @@ pub fn run_spec(device: &Device, spec: &BenchSpec, budget: Duration) -> Result<B
     let ceiling_s = device.time_one_copy(bytes, budget)?;
     let gbps = bytes as f64 / transfer_s / 1e9;
     let ceiling_gbps = bytes as f64 / ceiling_s / 1e9;
-    Ok(BenchResult { backend: device.name(), spec: *spec, bytes, transfer_s, gbps, ceiling_gbps, ratio: gbps / ceiling_gbps, plan_s, plan_share: plan_s / transfer_s })
+    Ok(BenchResult {
+        backend: device.name(),
+        spec: *spec,
+        bytes,
+        transfer_s,
+        gbps,
+        ceiling_gbps,
+        ratio: gbps / ceiling_gbps,
+        plan_s,
+        plan_share: plan_s / transfer_s,
+    })
 }

@@ -264,8 +264,12 @@ pub fn run_case(device: &Device, case: &Case) -> Result<Outcome> {
     };
     let bytes = plan.bytes();
     let result = match case.op {
-        Op::Load { layer_id, is_draft: false } => host_pool.load_to_device_per_layer(&mut dev_pool, &case.host_indices, &case.device_indices, layer_id, case.cell.io),
-        Op::Load { layer_id, is_draft: true } => host_pool.load_draft_to_device(&mut dev_pool, &case.host_indices, &case.device_indices, layer_id, case.cell.io),
+        Op::Load { layer_id, is_draft: false } => {
+            host_pool.load_to_device_per_layer(&mut dev_pool, &case.host_indices, &case.device_indices, layer_id, case.cell.io)
+        }
+        Op::Load { layer_id, is_draft: true } => {
+            host_pool.load_draft_to_device(&mut dev_pool, &case.host_indices, &case.device_indices, layer_id, case.cell.io)
+        }
         Op::Backup => host_pool.backup_from_device_all_layer(&dev_pool, &case.host_indices, &case.device_indices, case.cell.io),
     };
     result?;

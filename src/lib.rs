@@ -48,3 +48,8 @@ pub use exec::{BackendKind, Device};
 pub use geometry::{IoBackend, LayerMap, Layout, PoolKind, Profile};
 pub use plan::{Capabilities, Op, Plan, Request};
 pub use pool::{DevicePool, DevicePoolConfig, HostPool, HostPoolConfig};
+
+/// The README's Rust examples compile and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

@@ -210,7 +210,14 @@ impl HostPool {
 
     fn execute(&self, device_pool: &DevicePool, plan: &Plan) -> Result<()> {
         self.check_pair(device_pool)?;
-        log::debug!("{:?} via {} on {}: {} steps, {} bytes", plan.direction, plan.path.op, self.device.name(), plan.steps.len(), plan.bytes());
+        log::debug!(
+            "{:?} via {} on {}: {} steps, {} bytes",
+            plan.direction,
+            plan.path.op,
+            self.device.name(),
+            plan.steps.len(),
+            plan.bytes()
+        );
         self.device.execute(plan, &self.bindings(device_pool))
     }
 

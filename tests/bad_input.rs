@@ -79,7 +79,10 @@ fn token_pools_reject_bad_indices() {
                 &mut p,
                 &format!("{tag} length"),
                 |p| p.host.load_to_device_per_layer(&mut p.dev, &range(0, 8), &range(0, 4), 1, io),
-                |e| matches!(e, TransferError::LengthMismatch { src_len: 8, dst_len: 4 }) && e.to_string() == "Source and destination indices must have the same length",
+                |e| {
+                    matches!(e, TransferError::LengthMismatch { src_len: 8, dst_len: 4 })
+                        && e.to_string() == "Source and destination indices must have the same length"
+                },
             );
             // Out of range in the last page only: no partial write of the earlier pages.
             let mut hi = range(0, 8);
@@ -146,7 +149,9 @@ fn token_pools_reject_bad_indices() {
                 );
             }
             unchanged_ok(&mut p, &format!("{tag} empty"), |p| p.host.load_to_device_per_layer(&mut p.dev, &[], &[], 0, io));
-            unchanged_ok(&mut p, &format!("{tag} all negative"), |p| p.host.backup_from_device_all_layer(&p.dev, &[-1, -1, -1, -1], &range(0, 4), io));
+            unchanged_ok(&mut p, &format!("{tag} all negative"), |p| {
+                p.host.backup_from_device_all_layer(&p.dev, &[-1, -1, -1, -1], &range(0, 4), io)
+            });
         }
     }
 }
@@ -186,8 +191,12 @@ fn dsa_and_sharded_pools() {
             |e| matches!(e, TransferError::ShardedDsaPageFirst),
         );
         // Not owned (layer 0) and skip-topk (layer 2): sglang returns without copying.
-        unchanged_ok(&mut p, &format!("{n} not owned"), |p| p.host.load_to_device_per_layer(&mut p.dev, &range(0, 4), &range(0, 4), 0, IoBackend::Kernel));
-        unchanged_ok(&mut p, &format!("{n} skip-topk"), |p| p.host.load_to_device_per_layer(&mut p.dev, &range(0, 4), &range(0, 4), 2, IoBackend::Kernel));
+        unchanged_ok(&mut p, &format!("{n} not owned"), |p| {
+            p.host.load_to_device_per_layer(&mut p.dev, &range(0, 4), &range(0, 4), 0, IoBackend::Kernel)
+        });
+        unchanged_ok(&mut p, &format!("{n} skip-topk"), |p| {
+            p.host.load_to_device_per_layer(&mut p.dev, &range(0, 4), &range(0, 4), 2, IoBackend::Kernel)
+        });
 
         // sglang's 8-byte kernel check on a token pool (MLA record of 12 B).
         let mut q = pools(&device, PoolKind::Mla, Layout::LayerFirst, 12, 4, Profile::Sglang, LayerMap::new(2));
@@ -199,9 +208,12 @@ fn dsa_and_sharded_pools() {
         );
         // MHA has no sharded path in sglang.
         let mut r = pools(&device, PoolKind::Mha, Layout::LayerFirst, 16, 4, Profile::Sglang, layers.clone());
-        rejected(&mut r, &format!("{n} mha sharded (sglang)"), |p| p.host.backup_from_device_all_layer(&p.dev, &range(0, 4), &range(0, 4), IoBackend::Kernel), |e| {
-            matches!(e, TransferError::ShardedUnsupportedPool { kind: PoolKind::Mha })
-        });
+        rejected(
+            &mut r,
+            &format!("{n} mha sharded (sglang)"),
+            |p| p.host.backup_from_device_all_layer(&p.dev, &range(0, 4), &range(0, 4), IoBackend::Kernel),
+            |e| matches!(e, TransferError::ShardedUnsupportedPool { kind: PoolKind::Mha }),
+        );
     }
 }
 

