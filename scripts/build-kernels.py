@@ -66,7 +66,9 @@ def build(out_dir):
     produced = {}
     for cu in sorted(glob.glob(os.path.join(KERNELS, "*.cu"))):
         stem = os.path.splitext(os.path.basename(cu))[0]
-        ptx = nvrtc_ptx(open(cu).read(), os.path.basename(cu))
+        # An absolute program name: NVRTC otherwise prefixes the working directory in the
+        # -lineinfo `.file` entry, and the artifacts would depend on where the repo lives.
+        ptx = nvrtc_ptx(open(cu).read(), "/hicache-io/kernels/" + os.path.basename(cu))
         ptx_path = os.path.join(out_dir, f"{stem}.compute_80.ptx")
         open(ptx_path, "w").write(ptx)
         produced[ptx_path] = os.path.basename(ptx_path)

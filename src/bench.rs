@@ -113,8 +113,8 @@ pub struct BenchResult {
 
 /// A pool pair and the index lists of one cell.
 pub struct Fixture {
-    pub dev: DevicePool,
-    pub host: HostPool,
+    pub dev: DevicePool<'static>,
+    pub host: HostPool<'static>,
     pub host_indices: Vec<i64>,
     pub device_indices: Vec<i64>,
     pub op: Op,

@@ -51,6 +51,9 @@ struct BenchArgs {
     /// The whole matrix: 4 item sizes × 3 patterns × N 256/4096 × L 8/61.
     #[arg(long)]
     full: bool,
+    /// Item sizes to measure (default: the subset's); e.g. `--items 8448,1152,656`.
+    #[arg(long, value_delimiter = ',')]
+    items: Vec<u64>,
     /// Time budget per measurement, in milliseconds.
     #[arg(long, default_value_t = 300)]
     budget_ms: u64,
@@ -115,7 +118,12 @@ fn open_devices(requested: &[BackendKind]) -> Option<Vec<Device>> {
 fn bench(args: BenchArgs) -> ExitCode {
     let _ = args.quick;
     let Some(devices) = open_devices(&args.backend) else { return ExitCode::FAILURE };
-    let specs = hicache_io::bench::specs(!args.full);
+    let mut specs = hicache_io::bench::specs(!args.full);
+    if !args.items.is_empty() {
+        let base = hicache_io::bench::specs(!args.full);
+        let template: Vec<_> = base.iter().filter(|s| s.item == base[0].item).copied().collect();
+        specs = args.items.iter().flat_map(|&item| template.iter().map(move |s| hicache_io::bench::BenchSpec { item, ..*s })).collect();
+    }
     let budget = std::time::Duration::from_millis(args.budget_ms);
     let bar = indicatif::ProgressBar::new((specs.len() * devices.len()) as u64);
     bar.set_style(indicatif::ProgressStyle::with_template("[{bar:40}] {pos}/{len} {msg}").unwrap().progress_chars("=> "));

@@ -3,6 +3,8 @@
 //! `backup_from_device_all_layer` (layer-sharded when the device pool is) and the storage
 //! helpers of page_first layouts.
 
+use std::marker::PhantomData;
+
 use crate::error::{Result, TransferError};
 use crate::exec::{Bindings, Buffer, Device};
 use crate::geometry::{DeviceGeometry, HostGeometry, IoBackend, LayerMap, Layout, PoolKind, PoolPair, Profile};
@@ -10,10 +12,14 @@ use crate::plan::{self, Direction, Op, Plan, Request};
 
 /// Device pool: `[comp][buffer]`, each buffer `slots × item` bytes; buffers are the live target
 /// layers in order, then one per draft (MTP) pool.
-pub struct DevicePool {
+///
+/// `'m` is the lifetime of borrowed memory (`'static` for pools that own their buffers): a
+/// pool wrapping an engine's slices cannot outlive them.
+pub struct DevicePool<'m> {
     geometry: DeviceGeometry,
     device: Device,
     buffers: Vec<Vec<Buffer>>,
+    _memory: PhantomData<&'m mut [u8]>,
 }
 
 /// Parameters of a device pool.
@@ -39,17 +45,58 @@ impl DevicePoolConfig {
     }
 }
 
-impl DevicePool {
-    pub fn new(device: &Device, config: &DevicePoolConfig) -> Result<DevicePool> {
+impl DevicePool<'static> {
+    /// A pool that owns its buffers, allocated on `device` (zeroed).
+    pub fn new(device: &Device, config: &DevicePoolConfig) -> Result<DevicePool<'static>> {
         DevicePool::with_geometry(device, config.geometry())
     }
 
-    pub fn with_geometry(device: &Device, geometry: DeviceGeometry) -> Result<DevicePool> {
+    pub fn with_geometry(device: &Device, geometry: DeviceGeometry) -> Result<DevicePool<'static>> {
         geometry.validate()?;
         let buffers = (0..geometry.kind.components())
             .map(|_| (0..geometry.buffer_count()).map(|_| device.alloc(geometry.layer_bytes())).collect::<Result<Vec<_>>>())
             .collect::<Result<Vec<_>>>()?;
-        Ok(DevicePool { geometry, device: device.clone(), buffers })
+        Ok(DevicePool { geometry, device: device.clone(), buffers, _memory: PhantomData })
+    }
+
+    /// Wraps existing executor buffers `[component][buffer]` (K, then V for MHA; live target
+    /// layers in order, then drafts), e.g. an engine's `wgpu::Buffer`s via
+    /// [`Buffer::Wgpu`]. Each must hold at least `slots × item` bytes.
+    pub fn from_buffers(device: &Device, config: &DevicePoolConfig, buffers: Vec<Vec<Buffer>>) -> Result<DevicePool<'static>> {
+        DevicePool::wrap(device, config, buffers)
+    }
+}
+
+impl<'m> DevicePool<'m> {
+    /// Wraps an engine's host-memory layer buffers on the cpu executor: `layers[component][buffer]`.
+    /// The pool borrows them for `'m`; sizes are checked before anything moves.
+    pub fn from_cpu_slices(config: &DevicePoolConfig, layers: Vec<Vec<&'m mut [u8]>>) -> Result<DevicePool<'m>> {
+        let buffers = layers
+            .into_iter()
+            .map(|c| {
+                c.into_iter()
+                    // SAFETY: the slice is borrowed mutably for 'm, which the pool's lifetime carries.
+                    .map(|s| {
+                        Buffer::Cpu(unsafe { crate::exec::cpu::CpuBuffer::from_raw(std::ptr::NonNull::from(&mut *s).cast(), s.len()) })
+                    })
+                    .collect()
+            })
+            .collect();
+        DevicePool::wrap(&Device::cpu(), config, buffers)
+    }
+
+    fn wrap(device: &Device, config: &DevicePoolConfig, buffers: Vec<Vec<Buffer>>) -> Result<DevicePool<'m>> {
+        let geometry = config.geometry();
+        geometry.validate()?;
+        check_wrapped(
+            device,
+            &buffers,
+            geometry.kind.components(),
+            geometry.buffer_count(),
+            geometry.layer_bytes(),
+            "device layer buffer",
+        )?;
+        Ok(DevicePool { geometry, device: device.clone(), buffers, _memory: PhantomData })
     }
 
     pub fn geometry(&self) -> &DeviceGeometry {
@@ -93,21 +140,51 @@ pub struct HostPoolConfig {
 }
 
 /// Host pool: one buffer per component in the host layout.
-pub struct HostPool {
+///
+/// `'m` is the lifetime of borrowed memory (`'static` when the pool owns its buffers).
+pub struct HostPool<'m> {
     pair: PoolPair,
     profile: Profile,
     device: Device,
     buffers: Vec<Buffer>,
+    _memory: PhantomData<&'m mut [u8]>,
 }
 
-impl HostPool {
+impl HostPool<'static> {
     /// A host pool for `device_pool`: same kind, item and page size; `L` = live target layers
-    /// plus drafts.
-    pub fn new(device_pool: &DevicePool, config: &HostPoolConfig) -> Result<HostPool> {
+    /// plus drafts. Owns its buffers (pinned and mapped on cuda).
+    pub fn new(device_pool: &DevicePool, config: &HostPoolConfig) -> Result<HostPool<'static>> {
         let pair = PoolPair::new(device_pool.geometry.clone(), config.layout, config.size, config.head_num)?;
         let device = device_pool.device.clone();
         let buffers = (0..pair.host.kind.components()).map(|_| device.alloc_host(pair.host.buffer_bytes())).collect::<Result<Vec<_>>>()?;
-        Ok(HostPool { pair, profile: config.profile, device, buffers })
+        Ok(HostPool { pair, profile: config.profile, device, buffers, _memory: PhantomData })
+    }
+
+    /// Wraps existing executor buffers, one per component (e.g. an engine's registered host
+    /// region on cuda, or `wgpu::Buffer`s). Each must hold at least the layout's bytes.
+    pub fn from_buffers(device_pool: &DevicePool, config: &HostPoolConfig, buffers: Vec<Buffer>) -> Result<HostPool<'static>> {
+        HostPool::wrap(device_pool, config, buffers)
+    }
+}
+
+impl<'m> HostPool<'m> {
+    /// Wraps an engine's host region(s) on the cpu executor, one slice per component.
+    pub fn from_cpu_slices(device_pool: &DevicePool, config: &HostPoolConfig, components: Vec<&'m mut [u8]>) -> Result<HostPool<'m>> {
+        let buffers = components
+            .into_iter()
+            // SAFETY: borrowed mutably for 'm, carried by the pool's lifetime.
+            .map(|s| Buffer::Cpu(unsafe { crate::exec::cpu::CpuBuffer::from_raw(std::ptr::NonNull::from(&mut *s).cast(), s.len()) }))
+            .collect();
+        HostPool::wrap(device_pool, config, buffers)
+    }
+
+    fn wrap(device_pool: &DevicePool, config: &HostPoolConfig, buffers: Vec<Buffer>) -> Result<HostPool<'m>> {
+        let pair = PoolPair::new(device_pool.geometry.clone(), config.layout, config.size, config.head_num)?;
+        let device = device_pool.device.clone();
+        let nested = vec![buffers];
+        check_wrapped(&device, &nested, 1, pair.host.kind.components(), pair.host.buffer_bytes(), "host buffer")?;
+        let buffers = nested.into_iter().next().unwrap_or_default();
+        Ok(HostPool { pair, profile: config.profile, device, buffers, _memory: PhantomData })
     }
 
     pub fn geometry(&self) -> &HostGeometry {
@@ -311,6 +388,26 @@ impl HostPool {
 fn exact_size(what: &str, expected: u64, data: &[u8]) -> Result<()> {
     if data.len() as u64 != expected {
         return Err(TransferError::BufferSize { what: what.into(), expected, actual: data.len() as u64 });
+    }
+    Ok(())
+}
+
+/// Wrapped buffers: the right count, each at least `bytes` long, and of `device`'s executor.
+fn check_wrapped(device: &Device, buffers: &[Vec<Buffer>], outer: usize, inner: usize, bytes: u64, what: &str) -> Result<()> {
+    if buffers.len() != outer || buffers.iter().any(|c| c.len() != inner) {
+        return Err(TransferError::Geometry(format!(
+            "{what}s: expected {outer} × {inner}, got {:?}",
+            buffers.iter().map(|c| c.len()).collect::<Vec<_>>()
+        )));
+    }
+    for (i, c) in buffers.iter().enumerate() {
+        for (j, b) in c.iter().enumerate() {
+            let len = device.buffer_len(b)?;
+            if len < bytes {
+                return Err(TransferError::BufferSize { what: format!("{what} [{i}][{j}]"), expected: bytes, actual: len });
+            }
+            device.check_buffer(b)?;
+        }
     }
     Ok(())
 }

@@ -120,6 +120,8 @@ pub struct CudaBuffer {
     host_ptr: *mut u8,
     len: u64,
     owned: bool,
+    /// Host memory we registered with `cuMemHostRegister` (unregistered on drop).
+    registered: bool,
     exec: Arc<Inner>,
 }
 
@@ -129,6 +131,50 @@ unsafe impl Send for CudaBuffer {}
 unsafe impl Sync for CudaBuffer {}
 
 impl CudaBuffer {
+    /// Wraps an engine's device allocation (one layer buffer).
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must be device memory of `exec`'s context, valid for as long as the buffer
+    /// (and any pool holding it) lives, and not written by others while a transfer runs.
+    pub unsafe fn from_device_ptr(exec: &CudaExecutor, ptr: sys::CUdeviceptr, len: u64) -> CudaBuffer {
+        CudaBuffer { dev_ptr: ptr, host_ptr: std::ptr::null_mut(), len, owned: false, registered: false, exec: exec.inner.clone() }
+    }
+
+    /// Wraps an engine's host region. With `register`, it is page-locked and mapped here
+    /// (`cuMemHostRegister`, undone on drop); otherwise it must already be pinned or registered
+    /// with device mapping.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must be valid host memory for as long as the buffer lives, and not
+    /// accessed by others while a transfer runs.
+    pub unsafe fn from_host_ptr(exec: &CudaExecutor, ptr: *mut u8, len: u64, register: bool) -> Result<CudaBuffer> {
+        exec.bind()?;
+        unsafe {
+            if register {
+                let rc = sys::cuMemHostRegister_v2(
+                    ptr as *mut c_void,
+                    len as usize,
+                    sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP,
+                );
+                if rc != sys::CUresult::CUDA_SUCCESS {
+                    return Err(TransferError::Executor { backend: "cuda", message: format!("cuMemHostRegister({len} bytes): {rc:?}") });
+                }
+            }
+            let mut dev_ptr = 0;
+            let rc = sys::cuMemHostGetDevicePointer_v2(&mut dev_ptr, ptr as *mut c_void, 0);
+            if rc != sys::CUresult::CUDA_SUCCESS {
+                if register {
+                    let _ = sys::cuMemHostUnregister(ptr as *mut c_void);
+                }
+                return Err(TransferError::Executor {
+                    backend: "cuda",
+                    message: format!("host region is not mapped for the device (register it): {rc:?}"),
+                });
+            }
+            Ok(CudaBuffer { dev_ptr, host_ptr: ptr, len, owned: false, registered: register, exec: exec.inner.clone() })
+        }
+    }
+
     /// Device address a kernel or copy uses.
     pub fn device_ptr(&self) -> sys::CUdeviceptr {
         self.dev_ptr
@@ -141,6 +187,12 @@ impl CudaBuffer {
 impl Drop for CudaBuffer {
     fn drop(&mut self) {
         if !self.owned {
+            if self.registered {
+                let _ = self.exec.ctx.bind_to_thread();
+                let _ = self.exec.stream.synchronize();
+                // SAFETY: registered by `from_host_ptr`.
+                let _ = unsafe { sys::cuMemHostUnregister(self.host_ptr as *mut c_void) };
+            }
             return;
         }
         let _ = self.exec.ctx.bind_to_thread();
@@ -221,6 +273,19 @@ impl CudaExecutor {
         }
         let ctx = CudaContext::new(ordinal).map_err(|e| unavailable(format!("context on device {ordinal}: {e:?}")))?;
         let stream = ctx.new_stream().map_err(|e| drv("cuStreamCreate", e))?;
+        CudaExecutor::from_parts(ctx, stream, driver, tuning)
+    }
+
+    /// Runs on the caller's stream (an engine's own; not the legacy NULL stream if `direct`
+    /// should batch). Transfers are enqueued on it and nothing here synchronizes it, except
+    /// pool reads/writes and [`Executor::synchronize`], which wait for it.
+    pub fn from_stream(stream: Arc<CudaStream>, tuning: LaunchTuning) -> Result<CudaExecutor> {
+        let (driver, _) = probe()?;
+        let ctx = stream.context().clone();
+        CudaExecutor::from_parts(ctx, stream, driver, tuning)
+    }
+
+    fn from_parts(ctx: Arc<CudaContext>, stream: Arc<CudaStream>, driver: i32, tuning: LaunchTuning) -> Result<CudaExecutor> {
         let name = ctx.name().unwrap_or_else(|_| "?".into());
         let cc = ctx.compute_capability().map_err(|e| drv("compute capability", e))?;
         ctx.bind_to_thread().map_err(|e| drv("bind", e))?;
@@ -240,7 +305,8 @@ impl CudaExecutor {
             unsafe { result::module::get_function(module, c) }.map_err(|e| drv(&format!("function {n}"), e))
         };
         let (f_w8, f_w4) = (get("hicache_gather_w8")?, get("hicache_gather_w4")?);
-        let batch = has_batch_memcpy(driver);
+        // HICACHE_CUDA_BATCH=0 forces one cuMemcpyAsync per run (to compare in benchmarks).
+        let batch = has_batch_memcpy(driver) && std::env::var("HICACHE_CUDA_BATCH").map_or(true, |v| v != "0");
         log::info!("cuda: {name} sm_{}{}, driver {driver}, {image}, batched memcpy {batch}", cc.0, cc.1);
         Ok(CudaExecutor { inner: Arc::new(Inner { ctx, stream, module, f_w8, f_w4, name, cc, driver, image, batch, tuning }) })
     }
@@ -417,7 +483,7 @@ impl Executor for CudaExecutor {
             result::memset_d8_sync(p, 0, n).map_err(|e| drv("cuMemsetD8", e))?;
             p
         };
-        Ok(CudaBuffer { dev_ptr, host_ptr: std::ptr::null_mut(), len: bytes, owned: true, exec: self.inner.clone() })
+        Ok(CudaBuffer { dev_ptr, host_ptr: std::ptr::null_mut(), len: bytes, owned: true, registered: false, exec: self.inner.clone() })
     }
     fn alloc_host(&self, bytes: u64) -> Result<CudaBuffer> {
         self.bind()?;
@@ -433,11 +499,21 @@ impl Executor for CudaExecutor {
                 let _ = result::free_host(host);
                 return Err(TransferError::Executor { backend: "cuda", message: format!("cuMemHostGetDevicePointer: {rc:?}") });
             }
-            Ok(CudaBuffer { dev_ptr, host_ptr: host as *mut u8, len: bytes, owned: true, exec: self.inner.clone() })
+            Ok(CudaBuffer { dev_ptr, host_ptr: host as *mut u8, len: bytes, owned: true, registered: false, exec: self.inner.clone() })
         }
     }
     fn buffer_len(&self, buf: &CudaBuffer) -> u64 {
         buf.len
+    }
+    fn check_buffer(&self, buf: &CudaBuffer) -> Result<()> {
+        // The copy kernel moves at least 4-byte words.
+        if buf.dev_ptr % 4 != 0 {
+            return Err(TransferError::Misaligned { what: "cuda buffer address".into(), value: buf.dev_ptr, required: 4 });
+        }
+        if !Arc::ptr_eq(&buf.exec, &self.inner) && buf.exec.ctx.cu_ctx() != self.inner.ctx.cu_ctx() {
+            return Err(TransferError::ExecutorMismatch { host: "cuda buffer of another context".into(), device: self.inner.name.clone() });
+        }
+        Ok(())
     }
     fn write(&self, buf: &CudaBuffer, offset: u64, data: &[u8]) -> Result<()> {
         self.synchronize()?;

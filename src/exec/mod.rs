@@ -45,6 +45,10 @@ pub trait Executor {
         self.alloc(bytes)
     }
     fn buffer_len(&self, buf: &Self::Buffer) -> u64;
+    /// Checks a borrowed buffer (usage flags, alignment) before a pool wraps it.
+    fn check_buffer(&self, _buf: &Self::Buffer) -> Result<()> {
+        Ok(())
+    }
     fn write(&self, buf: &Self::Buffer, offset: u64, data: &[u8]) -> Result<()>;
     fn read(&self, buf: &Self::Buffer, offset: u64, out: &mut [u8]) -> Result<()>;
     /// Runs a validated plan. Destination buffers are written through shared references: the
@@ -221,6 +225,19 @@ impl Device {
             (Device::Wgpu(e), Buffer::Wgpu(b)) => Ok(e.buffer_len(b)),
             #[cfg(feature = "cuda")]
             (Device::Cuda(e), Buffer::Cuda(b)) => Ok(e.buffer_len(b)),
+            #[allow(unreachable_patterns)]
+            _ => Err(self.mismatch()),
+        }
+    }
+
+    /// Executor-specific checks of a borrowed buffer.
+    pub fn check_buffer(&self, buf: &Buffer) -> Result<()> {
+        match (self, buf) {
+            (Device::Cpu(e), Buffer::Cpu(b)) => e.check_buffer(b),
+            #[cfg(feature = "wgpu")]
+            (Device::Wgpu(e), Buffer::Wgpu(b)) => e.check_buffer(b),
+            #[cfg(feature = "cuda")]
+            (Device::Cuda(e), Buffer::Cuda(b)) => e.check_buffer(b),
             #[allow(unreachable_patterns)]
             _ => Err(self.mismatch()),
         }

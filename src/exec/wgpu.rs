@@ -68,7 +68,18 @@ impl WgpuBuffer {
     pub fn raw(&self) -> &wgpu::Buffer {
         &self.buffer
     }
+    /// Wraps a caller's buffer (a shared handle: the engine keeps using it). It needs
+    /// `STORAGE | COPY_SRC | COPY_DST`; pools check that when they wrap it.
+    pub fn wrap(buffer: wgpu::Buffer) -> WgpuBuffer {
+        let len = buffer.size();
+        WgpuBuffer { buffer, len }
+    }
 }
+
+/// The usages every pool buffer needs: storage for the shader, copy source and destination for
+/// `direct` runs and host reads/writes.
+pub const REQUIRED_USAGES: wgpu::BufferUsages =
+    wgpu::BufferUsages::STORAGE.union(wgpu::BufferUsages::COPY_SRC).union(wgpu::BufferUsages::COPY_DST);
 
 /// Default backends: the native APIs. `WGPU_BACKEND` overrides; GL is not compiled in, so a
 /// missing Vulkan driver is reported instead of silently falling back.
@@ -120,6 +131,19 @@ impl WgpuExecutor {
         });
         // Errors are caught with error scopes; never let a stray one panic the process.
         device.on_uncaptured_error(Arc::new(|e: wgpu::Error| log::error!("wgpu uncaptured error: {e}")));
+        WgpuExecutor::from_parts(device, queue, opts, lost)
+    }
+
+    /// Runs on the caller's device and queue (an engine's own). Its callbacks stay the
+    /// caller's: errors are caught with error scopes, device loss shows up as a failed wait.
+    pub fn from_device(device: wgpu::Device, queue: wgpu::Queue, opts: WgpuOptions) -> Result<WgpuExecutor> {
+        WgpuExecutor::from_parts(device, queue, opts, Arc::new(Mutex::new(None)))
+    }
+
+    fn from_parts(device: wgpu::Device, queue: wgpu::Queue, opts: WgpuOptions, lost: Arc<Mutex<Option<String>>>) -> Result<WgpuExecutor> {
+        let unavailable = |reason: String| TransferError::Unavailable { backend: "wgpu", reason };
+        let info = device.adapter_info();
+        let limits = device.limits();
 
         let layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
             label: Some("hicache-io gather"),
@@ -472,6 +496,23 @@ impl Executor for WgpuExecutor {
     }
     fn buffer_len(&self, buf: &WgpuBuffer) -> u64 {
         buf.len
+    }
+    fn check_buffer(&self, buf: &WgpuBuffer) -> Result<()> {
+        let have = buf.buffer.usage();
+        let missing = REQUIRED_USAGES - have;
+        if !missing.is_empty() {
+            return Err(TransferError::Geometry(format!(
+                "wgpu buffer lacks usage {missing:?} (has {have:?}; pools need STORAGE | COPY_SRC | COPY_DST)"
+            )));
+        }
+        if buf.buffer.size() > self.inner.max_buffer {
+            return Err(TransferError::BufferSize {
+                what: "wgpu buffer (u32 offsets)".into(),
+                expected: self.inner.max_buffer,
+                actual: buf.buffer.size(),
+            });
+        }
+        Ok(())
     }
     fn write(&self, buf: &WgpuBuffer, offset: u64, data: &[u8]) -> Result<()> {
         if data.is_empty() {
