@@ -82,6 +82,28 @@ fn e1(layout: Layout) -> Result<PathInfo> {
     Err(TransferError::UnsupportedLayout { layout: layout.name().into() })
 }
 
+/// Load and non-sharded backup: the same cells for every pool (page_head only for MHA), named
+/// after sglang's ops (MLA and the DSA indexer use the `_mla` kernels).
+fn plain(kind: PoolKind, op: TableOp, layout: Layout, io: IoBackend) -> Result<PathInfo> {
+    use IoBackend::*;
+    use Layout::*;
+    use TableOp::*;
+    let mla = kind != PoolKind::Mha;
+    let pick = |mha: &'static str, mla_op: &'static str| if mla { mla_op } else { mha };
+    sg(match (op, io, layout) {
+        (Load, Kernel, LayerFirst) => pick("transfer_kv_per_layer", "transfer_kv_per_layer_mla"),
+        (Load, Kernel, PageFirst) => pick("transfer_kv_per_layer_pf_lf", "transfer_kv_per_layer_mla_pf_lf"),
+        (Load, Kernel, PageHead) if !mla => "transfer_kv_per_layer_ph_lf",
+        (Load, Direct, PageFirstDirect) => "transfer_kv_per_layer_direct_pf_lf",
+        (Backup, Kernel, LayerFirst) => pick("transfer_kv_all_layer", "transfer_kv_all_layer_mla"),
+        (Backup, Kernel, PageFirst) => pick("transfer_kv_all_layer_lf_pf", "transfer_kv_all_layer_mla_lf_pf"),
+        (Backup, Kernel, PageHead) if !mla => "transfer_kv_all_layer_lf_ph",
+        (Backup, Direct, PageFirstDirect) => "transfer_kv_all_layer_direct_lf_pf",
+        (Load | Backup, Direct, LayerFirst) => "transfer_kv_direct",
+        _ => return e1(layout),
+    })
+}
+
 /// The validation table (reference §2.6). `item_bytes` matters only for the DSA indexer's
 /// `kernel` gate; `kernel_word` is the executor's word (8 in profile `sglang`).
 pub fn decide(
@@ -95,81 +117,34 @@ pub fn decide(
 ) -> Result<PathInfo> {
     use IoBackend::*;
     use Layout::*;
-    use TableOp::*;
     let extended = profile == Profile::Extended;
     // The host pool cannot even be allocated with page_head unless it is MHA.
     if layout == PageHead && kind != PoolKind::Mha {
         return e1(layout);
     }
-    match kind {
-        PoolKind::DsaIndexer => {
-            // dsa.py: `use_kernel = io_backend == "kernel" and stride % 8 == 0`, else-branch raises.
-            let word = if extended { kernel_word } else { 8 };
-            if io == Kernel && item_bytes % word != 0 {
-                return Err(TransferError::UnsupportedIoBackend { io_backend: "kernel".into() });
-            }
-            match (op, io, layout) {
-                (Load, Kernel, LayerFirst) => sg("transfer_kv_per_layer_mla"),
-                (Load, Kernel, PageFirst) => sg("transfer_kv_per_layer_mla_pf_lf"),
-                (Load, Direct, LayerFirst) => sg("transfer_kv_direct"),
-                (Load, Direct, PageFirstDirect) => sg("transfer_kv_per_layer_direct_pf_lf"),
-                (Backup, Kernel, LayerFirst) => sg("transfer_kv_all_layer_mla"),
-                (Backup, Kernel, PageFirst) => sg("transfer_kv_all_layer_mla_lf_pf"),
-                (Backup, Direct, LayerFirst) => sg("transfer_kv_direct"),
-                (Backup, Direct, PageFirstDirect) => sg("transfer_kv_all_layer_direct_lf_pf"),
-                (ShardedBackup, Kernel, LayerFirst) => sg("transfer_kv_per_layer_mla"),
-                (ShardedBackup, Kernel, PageFirst) if extended => ext("hicache-io: per-layer lf->pf"),
-                (ShardedBackup, Kernel, PageFirst) => Err(TransferError::ShardedDsaPageFirst),
-                (ShardedBackup, Direct, LayerFirst) => sg("transfer_kv_direct"),
-                (ShardedBackup, Direct, PageFirstDirect) if extended => ext("hicache-io: per-layer direct lf->pfd"),
-                (ShardedBackup, Direct, PageFirst) if extended => e1(layout),
-                (ShardedBackup, Direct, _) => Err(TransferError::ShardedDsaDirectLayout { layout }),
-                _ => e1(layout),
-            }
-        }
-        PoolKind::Mla => match (op, io, layout) {
-            (Load, Kernel, LayerFirst) => sg("transfer_kv_per_layer_mla"),
-            (Load, Kernel, PageFirst) => sg("transfer_kv_per_layer_mla_pf_lf"),
-            (Load, Direct, LayerFirst) => sg("transfer_kv_direct"),
-            (Load, Direct, PageFirstDirect) => sg("transfer_kv_per_layer_direct_pf_lf"),
-            (Backup, Kernel, LayerFirst) => sg("transfer_kv_all_layer_mla"),
-            (Backup, Kernel, PageFirst) => sg("transfer_kv_all_layer_mla_lf_pf"),
-            (Backup, Direct, LayerFirst) => sg("transfer_kv_direct"),
-            (Backup, Direct, PageFirstDirect) => sg("transfer_kv_all_layer_direct_lf_pf"),
-            (ShardedBackup, Kernel, LayerFirst) => sg("transfer_kv_per_layer_mla"),
-            (ShardedBackup, Kernel, PageFirst) if extended => ext("hicache-io: per-layer lf->pf"),
-            (ShardedBackup, Kernel, PageFirst) => Err(TransferError::ShardedMlaPageFirst),
-            (ShardedBackup, Kernel, _) => Err(TransferError::ShardedLayout { layout }),
-            (ShardedBackup, Direct, LayerFirst) => sg("transfer_kv_direct"),
-            (ShardedBackup, Direct, PageFirstDirect) if extended => ext("hicache-io: per-layer direct lf->pfd"),
-            (ShardedBackup, Direct, _) if extended => e1(layout),
-            (ShardedBackup, Direct, _) => Err(TransferError::ShardedDirectLayout { layout }),
-            _ => e1(layout),
-        },
-        PoolKind::Mha => {
-            if op == ShardedBackup && !extended {
-                return Err(TransferError::ShardedUnsupportedPool { kind });
-            }
-            let sharded = op == ShardedBackup;
-            match (op, io, layout) {
-                (Load, Kernel, LayerFirst) => sg("transfer_kv_per_layer"),
-                (Load, Kernel, PageFirst) => sg("transfer_kv_per_layer_pf_lf"),
-                (Load, Kernel, PageHead) => sg("transfer_kv_per_layer_ph_lf"),
-                (Load, Direct, LayerFirst) => sg("transfer_kv_direct"),
-                (Load, Direct, PageFirstDirect) => sg("transfer_kv_per_layer_direct_pf_lf"),
-                (_, Kernel, LayerFirst) if sharded => ext("hicache-io: per-layer lf->lf"),
-                (_, Kernel, PageFirst) if sharded => ext("hicache-io: per-layer lf->pf"),
-                (_, Kernel, PageHead) if sharded => ext("hicache-io: per-layer lf->ph"),
-                (_, Direct, LayerFirst) if sharded => ext("hicache-io: per-layer transfer_kv_direct"),
-                (_, Direct, PageFirstDirect) if sharded => ext("hicache-io: per-layer direct lf->pfd"),
-                (Backup, Kernel, LayerFirst) => sg("transfer_kv_all_layer"),
-                (Backup, Kernel, PageFirst) => sg("transfer_kv_all_layer_lf_pf"),
-                (Backup, Kernel, PageHead) => sg("transfer_kv_all_layer_lf_ph"),
-                (Backup, Direct, LayerFirst) => sg("transfer_kv_direct"),
-                (Backup, Direct, PageFirstDirect) => sg("transfer_kv_all_layer_direct_lf_pf"),
-                _ => e1(layout),
-            }
-        }
+    // dsa.py: `use_kernel = io_backend == "kernel" and stride % 8 == 0`, else-branch raises.
+    if kind == PoolKind::DsaIndexer && io == Kernel && item_bytes % if extended { kernel_word } else { 8 } != 0 {
+        return Err(TransferError::UnsupportedIoBackend { io_backend: "kernel".into() });
+    }
+    if op != TableOp::ShardedBackup {
+        return plain(kind, op, layout, io);
+    }
+    // Layer-sharded backups: one per-layer call per owned layer and draft.
+    match (kind, io, layout) {
+        (PoolKind::Mha, _, _) if !extended => Err(TransferError::ShardedUnsupportedPool { kind }),
+        (PoolKind::Mha, Kernel, LayerFirst) => ext("hicache-io: per-layer lf->lf"),
+        (PoolKind::Mha, Kernel, PageHead) => ext("hicache-io: per-layer lf->ph"),
+        (PoolKind::Mha, Direct, LayerFirst) => ext("hicache-io: per-layer transfer_kv_direct"),
+        (_, Kernel, LayerFirst) => sg("transfer_kv_per_layer_mla"),
+        (_, Direct, LayerFirst) => sg("transfer_kv_direct"),
+        (_, Kernel, PageFirst) if extended => ext("hicache-io: per-layer lf->pf"),
+        (_, Direct, PageFirstDirect) if extended => ext("hicache-io: per-layer direct lf->pfd"),
+        (PoolKind::Mla, Kernel, PageFirst) => Err(TransferError::ShardedMlaPageFirst),
+        (PoolKind::Mla, Kernel, _) => Err(TransferError::ShardedLayout { layout }),
+        (PoolKind::Mla, Direct, _) if !extended => Err(TransferError::ShardedDirectLayout { layout }),
+        (PoolKind::DsaIndexer, Kernel, PageFirst) => Err(TransferError::ShardedDsaPageFirst),
+        (PoolKind::DsaIndexer, Direct, _) if !extended => Err(TransferError::ShardedDsaDirectLayout { layout }),
+        _ => e1(layout),
     }
 }
 

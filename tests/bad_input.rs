@@ -8,8 +8,8 @@ use hicache_io::error::TransferError;
 use hicache_io::{Device, DevicePool, DevicePoolConfig, HostPool, HostPoolConfig, IoBackend, LayerMap, Layout, PoolKind, Profile};
 
 struct Pools {
-    dev: DevicePool,
-    host: HostPool,
+    dev: DevicePool<'static>,
+    host: HostPool<'static>,
 }
 
 fn pools(device: &Device, kind: PoolKind, layout: Layout, bytes_per_token: u64, page: u64, profile: Profile, layers: LayerMap) -> Pools {

@@ -28,3 +28,15 @@ fn cuda_equals_oracle_on_every_cell() {
         }
     }
 }
+
+/// With Debian's libcuda1 unpacked and no GPU (set up by `.ci/run`), the driver loads and every
+/// path reports "no device" as an error, never a panic.
+#[test]
+fn cuda_driver_without_device_reports_no_device() {
+    if std::env::var("HICACHE_EXPECT_CUDA_NO_DEVICE").is_err() {
+        return;
+    }
+    let e = hicache_io::Device::open(BackendKind::Cuda).err().expect("no GPU expected here");
+    assert!(e.to_string().contains("CUDA_ERROR_NO_DEVICE"), "{e}");
+    assert!(matches!(hicache_io::Device::auto(), hicache_io::Device::Cpu(_)) || hicache_io::Device::auto().kind() == BackendKind::Wgpu);
+}

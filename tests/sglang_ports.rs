@@ -14,8 +14,8 @@ use hicache_io::{Device, DevicePool, DevicePoolConfig, HostPool, HostPoolConfig,
 const LAYERS: usize = 4;
 
 struct Setup {
-    dev: DevicePool,
-    host: HostPool,
+    dev: DevicePool<'static>,
+    host: HostPool<'static>,
     dev0: Vec<Vec<Vec<u8>>>,
     host0: Vec<Vec<u8>>,
 }
