@@ -506,9 +506,11 @@ pub fn plan(profile: Profile, caps: &Capabilities, pair: &PoolPair, req: &Reques
                         .map(|(c, hl, ds)| (host.addr(c, hl), dev.addr(c, ds, 1)))
                         .collect();
                     let mut runs: Vec<Run> = Vec::with_capacity(spans.len() * addrs.len());
-                    for &(h0, d0, n) in &spans {
-                        let len = n * host.item_bytes;
-                        for (ha, da) in &addrs {
+                    // Layer by layer (each pass stays in one layer's buffers; destinations
+                    // are unique, so the order changes no byte).
+                    for (ha, da) in &addrs {
+                        for &(h0, d0, n) in &spans {
+                            let len = n * host.item_bytes;
                             let (ho, doff) = (ha.offset(h0, 0), da.offset(d0, 0));
                             push_run(
                                 &mut runs,

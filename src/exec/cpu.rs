@@ -179,9 +179,14 @@ impl Executor for CpuExecutor {
                         })
                         .collect();
                     let work = |lo: usize, hi: usize| {
-                        for (sp, dp, so, dof, len) in &runs[lo..hi] {
+                        for k in lo..hi {
+                            if let Some((sp, dp, so, dof, _)) = runs.get(k + PREFETCH_AHEAD) {
+                                prefetch(sp.0.wrapping_add(*so));
+                                prefetch(dp.0.wrapping_add(*dof));
+                            }
+                            let (sp, dp, so, dof, len) = &runs[k];
                             // SAFETY: as above.
-                            unsafe { std::ptr::copy_nonoverlapping(sp.0.add(*so), dp.0.add(*dof), *len) };
+                            unsafe { copy_chunk(sp.0.add(*so), dp.0.add(*dof), *len) };
                         }
                     };
                     split(runs.len(), threads, &work);
@@ -223,21 +228,20 @@ fn prefetch(p: *const u8) {
     let _ = p;
 }
 
-/// Runs `work(lo, hi)` over `0..n` on up to `threads` scoped threads.
+/// Runs `work(lo, hi)` over `0..n` split into up to `threads` pieces on rayon's pool (its
+/// threads stay alive between transfers: spawning per call cost ~10% of a 4 MiB load).
 fn split(n: usize, threads: usize, work: &(dyn Fn(usize, usize) + Sync)) {
+    use rayon::prelude::*;
     let threads = threads.min(n).max(1);
     if threads == 1 {
         work(0, n);
         return;
     }
     let per = n.div_ceil(threads);
-    std::thread::scope(|s| {
-        for t in 1..threads {
-            let (lo, hi) = (t * per, ((t + 1) * per).min(n));
-            if lo < hi {
-                s.spawn(move || work(lo, hi));
-            }
+    (0..threads).into_par_iter().for_each(|t| {
+        let (lo, hi) = (t * per, ((t + 1) * per).min(n));
+        if lo < hi {
+            work(lo, hi);
         }
-        work(0, per.min(n));
     });
 }
