@@ -32,7 +32,9 @@ struct Launch {
 };
 
 __device__ __forceinline__ char* address(const Side& s, u64 idx, u64 head) {
-    return (char*)(s.ptr + s.base + (idx / s.page) * s.page_stride + (idx % s.page) * s.row_stride + head * s.head_stride);
+    // page == 1 (every layout but page_head / page_first_direct): no 64-bit division.
+    const u64 paged = s.page == 1 ? idx * s.page_stride : (idx / s.page) * s.page_stride + (idx % s.page) * s.row_stride;
+    return (char*)(s.ptr + s.base + paged + head * s.head_stride);
 }
 
 __device__ __forceinline__ void copy_w8(const char* src, char* dst, u64 bytes, u32 lane) {
