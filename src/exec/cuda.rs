@@ -278,7 +278,8 @@ impl CudaExecutor {
 
     /// Runs on the caller's stream (an engine's own; not the legacy NULL stream if `direct`
     /// should batch). Transfers are enqueued on it and nothing here synchronizes it, except
-    /// pool reads/writes and [`Executor::synchronize`], which wait for it.
+    /// pool reads/writes, [`Executor::synchronize`] and dropping a buffer this executor
+    /// allocated or registered (its memory may still be in use by a queued copy).
     pub fn from_stream(stream: Arc<CudaStream>, tuning: LaunchTuning) -> Result<CudaExecutor> {
         let (driver, _) = probe()?;
         let ctx = stream.context().clone();
