@@ -85,24 +85,3 @@ pub enum TransferError {
 }
 
 pub type Result<T, E = TransferError> = std::result::Result<T, E>;
-
-impl TransferError {
-    /// True when sglang raises this very error for the same input (so `Display` is its text).
-    pub fn is_sglang_message(&self) -> bool {
-        use TransferError::*;
-        matches!(
-            self,
-            UnsupportedLayout { .. }
-                | UnsupportedIoBackend { .. }
-                | ShardedDsaPageFirst
-                | ShardedDsaDirectLayout { .. }
-                | ShardedMlaPageFirst
-                | ShardedLayout { .. }
-                | ShardedDirectLayout { .. }
-                | DsaUnalignedCount { .. }
-                | LengthMismatch { .. }
-                | PageSizeNotPositive
-                | DirectCountNotPageMultiple { .. }
-        ) || matches!(self, ItemNotWordAligned { word: 8, .. })
-    }
-}

@@ -287,13 +287,6 @@ impl DeviceGeometry {
     }
 }
 
-/// How host pools are sized, sglang-style.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct HostSizing {
-    /// Requested token slots; rounded to `page_num = size / P + 1` pages.
-    pub size: u64,
-}
-
 /// Host pool geometry.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HostGeometry {

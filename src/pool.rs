@@ -330,10 +330,7 @@ impl<'m> HostPool<'m> {
         }
         // Index-granular page: DSA slots are pages already.
         let page = (index / p) as u64;
-        let (page_count, span) = match g.kind {
-            PoolKind::DsaIndexer => (g.slots(), g.layout_dim()),
-            _ => (g.page_num(), g.page_size * g.layout_dim()),
-        };
+        let page_count = g.index_pages();
         if page >= page_count {
             return Err(TransferError::IndexOutOfRange {
                 side: "host",
@@ -343,7 +340,8 @@ impl<'m> HostPool<'m> {
                 unit: "slots",
             });
         }
-        Ok((0..g.kind.components()).map(|c| (c, page * span, span)).collect())
+        let (offset, span) = g.page_span(page);
+        Ok((0..g.kind.components()).map(|c| (c, offset, span)).collect())
     }
 
     /// sglang `get_page_buffer_meta`: spans of the pages whose first tokens are
