@@ -36,11 +36,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         })
         .collect();
 
-    let device = Device::Wgpu(WgpuExecutor::from_device(gpu.clone(), queue.clone(), WgpuOptions::default())?);
+    let exec = WgpuExecutor::from_device(gpu.clone(), queue.clone(), WgpuOptions::default())?;
+    let device = Device::Wgpu(exec.clone());
     let mut dev = DevicePool::from_buffers(
         &device,
         &config,
-        vec![engine_layers.iter().cloned().map(|b| Buffer::Wgpu(WgpuBuffer::wrap(b))).collect()],
+        vec![engine_layers.iter().cloned().map(|b| Buffer::Wgpu(WgpuBuffer::wrap(&exec, b))).collect()],
     )?;
     let mut host =
         HostPool::new(&dev, &HostPoolConfig { layout: Layout::PageFirstDirect, size: 64 * 64, head_num: 1, profile: Profile::Extended })?;

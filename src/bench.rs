@@ -2,14 +2,15 @@
 //! moved, beside the executor's own ceiling measured in the same run (one contiguous copy of the
 //! same bytes), and the planning time as a share of the transfer.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use crate::check::Rng;
 use crate::error::Result;
 use crate::exec::Device;
 use crate::geometry::{IoBackend, LayerMap, Layout, PoolKind, Profile};
 use crate::plan::{Op, Plan, Request};
 use crate::pool::{DevicePool, DevicePoolConfig, HostPool, HostPoolConfig};
+use crate::rng::Rng;
+use crate::timing::time;
 
 /// Which items a transfer touches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -169,24 +170,6 @@ impl Fixture {
         }
         self.dev.device().synchronize()
     }
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
-}
-
-/// Times `f` at least 3 times and until `budget` is spent (at most 50 times); the median.
-pub fn time(budget: Duration, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
-    f()?; // warm-up
-    let start = Instant::now();
-    let mut samples = Vec::new();
-    while samples.len() < 3 || (start.elapsed() < budget && samples.len() < 50) {
-        let t = Instant::now();
-        f()?;
-        samples.push(t.elapsed().as_secs_f64());
-    }
-    Ok(median(samples))
 }
 
 /// Measures one cell: transfer, planning and the executor's one-copy ceiling, in one run.

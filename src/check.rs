@@ -6,81 +6,11 @@ use crate::error::{Result, TransferError};
 use crate::exec::Device;
 use crate::geometry::{dsa_bytes_per_token, IoBackend, LayerMap, Layout, PoolKind, Profile};
 use crate::oracle::{self, OracleBuffers};
-use crate::plan::{decide, Op, TableOp};
+use crate::plan::{decide, kernel_word, Capabilities, Op, TableOp};
 use crate::pool::{DevicePool, DevicePoolConfig, HostPool, HostPoolConfig};
 
-/// SplitMix64: small, seedable, no dependency.
-#[derive(Debug, Clone)]
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Rng {
-        Rng(seed ^ 0x9E37_79B9_7F4A_7C15)
-    }
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in `0..n` (`n > 0`).
-    pub fn below(&mut self, n: u64) -> u64 {
-        self.next_u64() % n
-    }
-    pub fn pick<T: Copy>(&mut self, xs: &[T]) -> T {
-        xs[self.below(xs.len() as u64) as usize]
-    }
-    pub fn chance(&mut self, percent: u64) -> bool {
-        self.below(100) < percent
-    }
-    pub fn fill(&mut self, buf: &mut [u8]) {
-        for chunk in buf.chunks_mut(8) {
-            let v = self.next_u64().to_le_bytes();
-            chunk.copy_from_slice(&v[..chunk.len()]);
-        }
-    }
-    /// `k` distinct values of `0..n`, in random order.
-    pub fn distinct(&mut self, n: u64, k: u64) -> Vec<u64> {
-        let mut all: Vec<u64> = (0..n).collect();
-        for i in 0..k.min(n) as usize {
-            let j = i + self.below(n - i as u64) as usize;
-            all.swap(i, j);
-        }
-        all.truncate(k.min(n) as usize);
-        all
-    }
-}
-
-/// One cell of the support table.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
-pub struct Cell {
-    pub kind: PoolKind,
-    pub op: TableOp,
-    pub layout: Layout,
-    pub io: IoBackend,
-}
-
-impl std::fmt::Display for Cell {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} {} {} {}", self.kind, self.op.name(), self.layout, self.io)
-    }
-}
-
-/// Every cell, in table order.
-pub fn all_cells() -> Vec<Cell> {
-    let mut v = Vec::new();
-    for kind in PoolKind::ALL {
-        for op in TableOp::ALL {
-            for layout in Layout::ALL {
-                for io in IoBackend::ALL {
-                    v.push(Cell { kind, op, layout, io });
-                }
-            }
-        }
-    }
-    v
-}
+pub use crate::plan::{all_cells, Cell};
+pub use crate::rng::Rng;
 
 /// A random call in one cell: geometry, operation and indices.
 #[derive(Debug, Clone)]
@@ -106,7 +36,7 @@ pub fn random_case(cell: Cell, profile: Profile, rng: &mut Rng) -> Case {
         _ => rng.pick(&[1u64, 2, 4, 8, 16]),
     };
     let head_num = if cell.layout == Layout::PageHead { rng.pick(&[1u64, 2, 4]) } else { 1 };
-    let word = if profile == Profile::Sglang { 8 } else { 4 };
+    let word = kernel_word(profile, &Capabilities::PORTABLE);
     let bytes_per_token = match kind {
         PoolKind::DsaIndexer => {
             // index_head_dim / quant_block_size pairs; 132 B is DeepSeek V3.2.
@@ -235,7 +165,7 @@ pub fn run_case(device: &Device, case: &Case) -> Result<Outcome> {
     let mut dev_pool = DevicePool::new(device, &case.device)?;
     let mut host_pool = HostPool::new(&dev_pool, &case.host)?;
     let g = dev_pool.geometry().clone();
-    let comps = g.kind.components();
+    let comps = g.kind().components();
     // Random initial contents, mirrored into the oracle's buffers.
     let mut dev_bytes: Vec<Vec<Vec<u8>>> =
         (0..comps).map(|_| (0..g.buffer_count()).map(|_| vec![0u8; g.layer_bytes() as usize]).collect()).collect();
@@ -319,7 +249,8 @@ pub struct Tally {
 /// The cells `profile` accepts for a typical geometry of each pool kind (the cell's decision
 /// depends on the item only for the DSA `kernel` gate, which random cases re-check).
 pub fn supported_cells(profile: Profile) -> Vec<Cell> {
-    all_cells().into_iter().filter(|c| decide(profile, c.kind, c.op, c.layout, c.io, 8448, 4).is_ok()).collect()
+    let word = kernel_word(profile, &Capabilities::PORTABLE);
+    all_cells().into_iter().filter(|c| decide(profile, *c, crate::matrix::dsa_item(64), word).is_ok()).collect()
 }
 
 /// Runs `rounds` random cases per supported cell on `device`; `progress` is called after each.

@@ -1,6 +1,6 @@
 //! Typed errors. Where sglang raises an error for the same situation, `Display` is sglang's text
-//! verbatim (reference §1.5–1.8, §2.3–2.6); the variants carry the offending values so callers can
-//! match on them instead of parsing strings.
+//! verbatim (its `pool_host` allocators and dispatchers, and the `sgl-kernel` launchers); the
+//! variants carry the offending values so callers can match on them instead of parsing strings.
 
 use crate::geometry::{Layout, PoolKind};
 
@@ -64,18 +64,49 @@ pub enum TransferError {
     /// A layer id that the device pool does not have.
     #[error("layer {layer_id} is out of range: the device pool has {target_layers} target layers and {draft_layers} draft layers")]
     LayerOutOfRange { layer_id: usize, target_layers: usize, draft_layers: usize },
+    /// A pool buffer that does not exist.
+    #[error("no buffer (component {comp}, slot {slot:?}): the pool has {components} components of {slots} buffers")]
+    NoSuchBuffer { comp: usize, slot: Option<usize>, components: usize, slots: usize },
     /// A buffer whose size does not match its geometry.
     #[error("{what}: expected {expected} bytes, got {actual}")]
     BufferSize { what: String, expected: u64, actual: u64 },
     /// A buffer offset or size the executor cannot address.
     #[error("{what}: {value} is not a multiple of the required alignment {required}")]
     Misaligned { what: String, value: u64, required: u64 },
-    /// Invalid geometry (zero sizes, heads not dividing the item, mismatched pools...).
-    #[error("invalid geometry: {0}")]
-    Geometry(String),
-    /// Host and device pools live on different executors.
-    #[error("host pool is on {host} but device pool is on {device}")]
-    ExecutorMismatch { host: String, device: String },
+    /// A `kernel` copy unit (the item, or one head's share of it for page_head) that is not a
+    /// multiple of the word every executor copies: rejected the same way everywhere, rather
+    /// than copied on one executor and truncated or misaligned on another.
+    #[error("{chunk_bytes}-byte copy chunks (item {item_bytes} B / {heads} heads) are not a multiple of the {word}-byte copy word")]
+    ChunkNotWordAligned { chunk_bytes: u64, item_bytes: u64, heads: u64, word: u64 },
+    /// A pool configuration that cannot describe a pool: zero sizes, heads not dividing the
+    /// item, sizes whose arithmetic overflows, too many layers.
+    #[error("invalid configuration: {0}")]
+    InvalidConfig(String),
+    /// A name that parses to nothing (pool kind, profile, executor).
+    #[error("unknown {what} {name:?} (expected one of: {expected})")]
+    UnknownName { what: &'static str, name: String, expected: &'static str },
+    /// A host pool used with a device pool it was not built for.
+    #[error("host pool was built for another device pool ({0})")]
+    PoolMismatch(String),
+    /// A plan executed with pools, a profile, a direction or an executor other than the ones it
+    /// was made for.
+    #[error("plan was made for {0}")]
+    StalePlan(String),
+    /// An item chunk that no binding window of this executor can hold.
+    #[error("{executor}: {chunk_bytes}-byte item chunks need binding windows of {required} bytes, the largest is {window}")]
+    WindowTooSmall { executor: &'static str, chunk_bytes: u64, window: u64, required: u64 },
+    /// Objects of two executor instances mixed in one call (pools, buffers or plans).
+    #[error("executor mismatch: expected {expected}, found {found}")]
+    ExecutorMismatch { expected: String, found: String },
+    /// An allocation refused (by the pool bound or by the allocator), before anything else was
+    /// allocated for the pool.
+    #[error("out of memory: {what} needs {requested} bytes ({limit})")]
+    OutOfMemory { what: String, requested: u64, limit: String },
+    /// A plan of several steps failed at step `failed_step`: steps before it completed (their
+    /// bytes reached the destination), it and the steps after it did not. The source is never
+    /// written. `completed_layers` lists the host layers whose every byte has landed.
+    #[error("transfer failed at step {failed_step} of {total_steps} (layers completed: {completed_layers:?}): {source}")]
+    Partial { failed_step: usize, total_steps: usize, completed_layers: Vec<u64>, source: Box<TransferError> },
     /// An executor that cannot run here (no driver, no adapter, not compiled in).
     #[error("{backend}: unavailable ({reason})")]
     Unavailable { backend: &'static str, reason: String },
@@ -84,4 +115,5 @@ pub enum TransferError {
     Executor { backend: &'static str, message: String },
 }
 
+/// `Result` with [`TransferError`].
 pub type Result<T, E = TransferError> = std::result::Result<T, E>;

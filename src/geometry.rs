@@ -1,6 +1,6 @@
 //! Shapes and byte offsets of sglang's host and device pools. Pure functions, no I/O.
 //!
-//! Symbols (DESIGN.md): `L` host layers, `P` page size in tokens, `size` host token slots,
+//! Symbols: `L` host layers, `P` page size in tokens, `size` host token slots,
 //! item = bytes per (index, layer) — the token stride for MHA/MLA, the page stride for the DSA
 //! indexer — `layout_dim = item × L`, `H` heads and `D = item / H` head bytes (page_head).
 //!
@@ -62,7 +62,7 @@ impl FromStr for PoolKind {
             "mha" => Ok(PoolKind::Mha),
             "mla" => Ok(PoolKind::Mla),
             "dsa" | "dsa_indexer" | "dsa-indexer" => Ok(PoolKind::DsaIndexer),
-            other => Err(TransferError::Geometry(format!("unknown pool kind {other:?} (mha, mla, dsa)"))),
+            other => Err(TransferError::UnknownName { what: "pool kind", name: other.into(), expected: "mha, mla, dsa" }),
         }
     }
 }
@@ -175,7 +175,7 @@ impl FromStr for Profile {
         match s {
             "sglang" => Ok(Profile::Sglang),
             "extended" => Ok(Profile::Extended),
-            other => Err(TransferError::Geometry(format!("unknown profile {other:?} (sglang, extended)"))),
+            other => Err(TransferError::UnknownName { what: "profile", name: other.into(), expected: "sglang, extended" }),
         }
     }
 }
@@ -186,6 +186,10 @@ pub fn dsa_bytes_per_token(index_head_dim: u64, quant_block_size: u64) -> u64 {
     index_head_dim + index_head_dim / quant_block_size * 4
 }
 
+/// Most host layers (live target layers plus drafts) a pool may have. Real models have fewer
+/// than 200; the bound keeps per-layer tables and buffer counts small and their arithmetic exact.
+pub const MAX_LAYERS: usize = 1 << 16;
+
 /// Which layers a device pool holds and how they map to host layers.
 ///
 /// Device layer ids are global model layer ids `0..layer_num`; a layer-sharded pool owns
@@ -193,19 +197,26 @@ pub fn dsa_bytes_per_token(index_head_dim: u64, quant_block_size: u64) -> u64 {
 /// single-layer buffers. Host layers are the live target layers in order, then one per draft.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LayerMap {
+    /// Target layers of the model (`layer_num` in sglang).
     pub layer_num: usize,
+    /// The owned range `start..end` of a layer-sharded pool; `None` owns every layer.
     pub layer_shard: Option<(usize, usize)>,
+    /// `skipped[l]`: DSA skip-topk layer (no buffer, never transferred). One entry per layer.
     pub skipped: Vec<bool>,
+    /// Packed MTP draft pools, one host layer each.
     pub drafts: usize,
 }
 
 impl LayerMap {
+    /// `layer_num` owned layers, none skipped, no drafts.
     pub fn new(layer_num: usize) -> Self {
         LayerMap { layer_num, layer_shard: None, skipped: vec![false; layer_num], drafts: 0 }
     }
+    /// The owned range (every layer when not sharded).
     pub fn owned(&self) -> (usize, usize) {
         self.layer_shard.unwrap_or((0, self.layer_num))
     }
+    /// Whether the pool owns a strict shard of the layers (backups go layer by layer).
     pub fn is_sharded(&self) -> bool {
         self.layer_shard.is_some()
     }
@@ -214,8 +225,10 @@ impl LayerMap {
         let (start, end) = self.owned();
         (start..end).filter(|&l| !self.skipped[l]).collect()
     }
+    /// How many target layers are live.
     pub fn live_count(&self) -> usize {
-        self.live_layers().len()
+        let (start, end) = self.owned();
+        self.skipped[start..end].iter().filter(|s| !**s).count()
     }
     /// Host layer (= device buffer slot) of a live target layer, `None` when the layer is not
     /// owned or skipped (sglang then returns without copying).
@@ -224,7 +237,7 @@ impl LayerMap {
         if layer_id < start || layer_id >= end || self.skipped[layer_id] {
             return None;
         }
-        Some((start..layer_id).filter(|&l| !self.skipped[l]).count())
+        Some(self.skipped[start..layer_id].iter().filter(|s| !**s).count())
     }
     /// Host layer (= device buffer slot) of draft pool `k` (`layer_id = layer_num + k`).
     pub fn draft_slot(&self, k: usize) -> usize {
@@ -234,80 +247,193 @@ impl LayerMap {
     pub fn host_layers(&self) -> usize {
         self.live_count() + self.drafts
     }
+    /// Checks the map once; every count it reports afterwards is exact (no wrap).
     pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(TransferError::InvalidConfig(m));
         if self.layer_num == 0 {
-            return Err(TransferError::Geometry("layer_num must be positive".into()));
+            return bad("layer_num must be positive".into());
         }
         if self.skipped.len() != self.layer_num {
-            return Err(TransferError::Geometry(format!("skip list has {} entries for {} layers", self.skipped.len(), self.layer_num)));
+            return bad(format!("skip list has {} entries for {} layers", self.skipped.len(), self.layer_num));
         }
         if let Some((s, e)) = self.layer_shard {
             if s >= e || e > self.layer_num {
-                return Err(TransferError::Geometry(format!("owned layer range {s}..{e} is empty or exceeds {} layers", self.layer_num)));
+                return bad(format!("owned layer range {s}..{e} is empty or exceeds {} layers", self.layer_num));
             }
         }
+        if self.drafts > MAX_LAYERS || self.live_count() + self.drafts > MAX_LAYERS {
+            return bad(format!("{} live layers + {} drafts exceed the limit of {MAX_LAYERS} host layers", self.live_count(), self.drafts));
+        }
         if self.host_layers() == 0 {
-            return Err(TransferError::Geometry("the pool has no live layer".into()));
+            return bad("the pool has no live layer".into());
         }
         Ok(())
     }
 }
 
+/// Largest page size in tokens (sglang uses 1 to 256); keeps page arithmetic on `i64` token
+/// indices exact.
+pub const MAX_PAGE_SIZE: u64 = 1 << 32;
+
+fn check_page_size(page_size: u64) -> Result<()> {
+    if page_size == 0 {
+        return Err(TransferError::PageSizeNotPositive);
+    }
+    if page_size > MAX_PAGE_SIZE {
+        return Err(TransferError::InvalidConfig(format!("page size {page_size} exceeds {MAX_PAGE_SIZE} tokens")));
+    }
+    Ok(())
+}
+
+/// `a × b`, or an `InvalidConfig` error naming what overflowed.
+pub(crate) fn mul(a: u64, b: u64, what: &str) -> Result<u64> {
+    a.checked_mul(b).ok_or_else(|| TransferError::InvalidConfig(format!("{what} overflows: {a} × {b}")))
+}
+
+/// `a + b`, or an `InvalidConfig` error naming what overflowed.
+pub(crate) fn add(a: u64, b: u64, what: &str) -> Result<u64> {
+    a.checked_add(b).ok_or_else(|| TransferError::InvalidConfig(format!("{what} overflows: {a} + {b}")))
+}
+
+/// A buffer of a pool pair: host component buffer, or device buffer `slot` (live target
+/// layers in order, then drafts) of a component. Component 0 is K (or the only buffer), 1 is V.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BufRef {
+    /// The host pool's buffer of component `comp`.
+    Host { comp: u8 },
+    /// The device pool's buffer `slot` of component `comp`.
+    Device { comp: u8, slot: u32 },
+}
+
+/// Where item `idx`, head chunk `head` of one (buffer, layer) lies: byte offset
+/// `base + (idx / page) × page_stride + (idx % page) × row_stride + head × head_stride`.
+/// One formula covers layer_first (`page = 1`), page_first, page_first_direct and page_head.
+/// Built only by the geometry, so its strides always describe a validated pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Addr {
+    pub(crate) buf: BufRef,
+    pub(crate) base: u64,
+    pub(crate) page: u64,
+    pub(crate) page_stride: u64,
+    pub(crate) row_stride: u64,
+    pub(crate) head_stride: u64,
+}
+
+impl Addr {
+    /// Byte offset of item `idx`, head chunk `head`. Exact for every index below the pool's
+    /// slot count (the planner range-checks indices first).
+    #[inline(always)]
+    pub fn offset(&self, idx: u64, head: u64) -> u64 {
+        // page == 1 (every layout but page_head / page_first_direct) skips two divisions.
+        let paged = if self.page == 1 {
+            idx * self.page_stride
+        } else {
+            (idx / self.page) * self.page_stride + (idx % self.page) * self.row_stride
+        };
+        self.base + paged + head * self.head_stride
+    }
+    /// The buffer this address is in.
+    pub fn buf(&self) -> BufRef {
+        self.buf
+    }
+    /// `(base, page, page_stride, row_stride, head_stride)`, as the copy kernels take them.
+    pub fn strides(&self) -> (u64, u64, u64, u64, u64) {
+        (self.base, self.page, self.page_stride, self.row_stride, self.head_stride)
+    }
+}
+
 /// Device pool geometry: layer_first, one buffer of `slots × item` bytes per live layer and
-/// component.
+/// component. Built by [`DeviceGeometry::new`], which checks every size once.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeviceGeometry {
-    pub kind: PoolKind,
-    /// Bytes per slot: token stride (MHA/MLA) or indexer page stride (DSA).
-    pub item_bytes: u64,
-    /// Slots per layer buffer: tokens (MHA/MLA) or indexer pages (DSA).
-    pub slots: u64,
-    /// Tokens per page `P`.
-    pub page_size: u64,
-    pub layers: LayerMap,
+    kind: PoolKind,
+    item_bytes: u64,
+    slots: u64,
+    page_size: u64,
+    layers: LayerMap,
+    layer_bytes: u64,
+    total_bytes: u64,
 }
 
 impl DeviceGeometry {
+    /// `item_bytes` per slot (token stride, or indexer page stride for DSA), `slots` per layer
+    /// buffer (tokens, or indexer pages), `page_size` tokens per page.
+    pub fn new(kind: PoolKind, item_bytes: u64, slots: u64, page_size: u64, layers: LayerMap) -> Result<Self> {
+        check_page_size(page_size)?;
+        if item_bytes == 0 || slots == 0 {
+            return Err(TransferError::InvalidConfig("device item bytes and slots must be positive".into()));
+        }
+        layers.validate()?;
+        let layer_bytes = mul(slots, item_bytes, "device layer buffer bytes (slots × item)")?;
+        let buffers = (layers.host_layers() * kind.components()) as u64;
+        let total_bytes = mul(layer_bytes, buffers, "device pool bytes (layer bytes × buffers)")?;
+        Ok(DeviceGeometry { kind, item_bytes, slots, page_size, layers, layer_bytes, total_bytes })
+    }
+    /// Pool kind.
+    pub fn kind(&self) -> PoolKind {
+        self.kind
+    }
+    /// Bytes per slot: token stride (MHA/MLA) or indexer page stride (DSA).
+    pub fn item_bytes(&self) -> u64 {
+        self.item_bytes
+    }
+    /// Slots per layer buffer: tokens (MHA/MLA) or indexer pages (DSA).
+    pub fn slots(&self) -> u64 {
+        self.slots
+    }
+    /// Tokens per page `P`.
+    pub fn page_size(&self) -> u64 {
+        self.page_size
+    }
+    /// The layer map.
+    pub fn layers(&self) -> &LayerMap {
+        &self.layers
+    }
     /// Bytes of one layer buffer.
     pub fn layer_bytes(&self) -> u64 {
-        self.slots * self.item_bytes
+        self.layer_bytes
+    }
+    /// Bytes of every buffer together.
+    pub fn total_bytes(&self) -> u64 {
+        self.total_bytes
     }
     /// Buffers per component: live target layers then drafts.
     pub fn buffer_count(&self) -> usize {
         self.layers.host_layers()
     }
-    pub fn validate(&self) -> Result<()> {
-        if self.item_bytes == 0 || self.slots == 0 {
-            return Err(TransferError::Geometry("device item_bytes and slots must be positive".into()));
+    /// Addressing of component `comp`, buffer `slot`; `heads` splits the item for page_head.
+    pub fn addr(&self, comp: u8, slot: u32, heads: u64) -> Addr {
+        Addr {
+            buf: BufRef::Device { comp, slot },
+            base: 0,
+            page: 1,
+            page_stride: self.item_bytes,
+            row_stride: 0,
+            head_stride: self.item_bytes / heads,
         }
-        if self.page_size == 0 {
-            return Err(TransferError::PageSizeNotPositive);
-        }
-        self.layers.validate()
     }
 }
 
-/// Host pool geometry.
+/// Host pool geometry. Built by [`HostGeometry::new`], which rounds the size like sglang and
+/// checks every size once.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HostGeometry {
-    pub kind: PoolKind,
-    pub layout: Layout,
-    /// `P`, tokens per page.
-    pub page_size: u64,
-    /// Token slots after sglang's rounding: `page_num × P`.
-    pub size: u64,
-    /// `L`: live target layers plus one per draft.
-    pub layer_num: u64,
-    /// Bytes per (slot, layer): token stride, or the indexer page stride for DSA.
-    pub item_bytes: u64,
-    /// `H` for page_head (1 otherwise).
-    pub head_num: u64,
+    kind: PoolKind,
+    layout: Layout,
+    page_size: u64,
+    size: u64,
+    layer_num: u64,
+    item_bytes: u64,
+    head_num: u64,
+    slots: u64,
+    buffer_bytes: u64,
 }
 
 impl HostGeometry {
     /// Builds a host geometry the sglang way. `requested_size` is rounded to
     /// `(requested_size / P + 1) × P` token slots. Fails with `Unsupported layout` for
-    /// page_head on MLA/DSA, like sglang's allocator.
+    /// page_head on MLA/DSA, like sglang's allocator, and with `InvalidConfig` for sizes whose
+    /// arithmetic overflows.
     pub fn new(
         kind: PoolKind,
         layout: Layout,
@@ -317,33 +443,70 @@ impl HostGeometry {
         item_bytes: u64,
         head_num: u64,
     ) -> Result<Self> {
-        if page_size == 0 {
-            return Err(TransferError::PageSizeNotPositive);
-        }
+        check_page_size(page_size)?;
         if layer_num == 0 || item_bytes == 0 {
-            return Err(TransferError::Geometry("layer_num and item_bytes must be positive".into()));
+            return Err(TransferError::InvalidConfig("layer_num and item_bytes must be positive".into()));
         }
         if layout == Layout::PageHead {
             if kind != PoolKind::Mha {
                 return Err(TransferError::UnsupportedLayout { layout: layout.name().into() });
             }
-            // sglang's ph arithmetic is exact only when H divides the item (reference §1.4).
+            // sglang's ph arithmetic is exact only when H divides the item.
             if head_num == 0 || item_bytes % head_num != 0 {
-                return Err(TransferError::Geometry(format!(
+                return Err(TransferError::InvalidConfig(format!(
                     "page_head needs head_num ({head_num}) to divide the item ({item_bytes} bytes)"
                 )));
             }
         }
-        let page_num = requested_size / page_size + 1;
+        let page_num = add(requested_size / page_size, 1, "host page count (size / P + 1)")?;
+        let size = mul(page_num, page_size, "host token slots (page_num × P)")?;
+        let slots = match kind {
+            // indexer_page_num = (size + P + 1) / P
+            PoolKind::DsaIndexer => add(size, add(page_size, 1, "indexer page count")?, "indexer page count")? / page_size,
+            _ => size,
+        };
+        let layout_dim = mul(item_bytes, layer_num, "host layout_dim (item × L)")?;
+        let buffer_bytes = mul(slots, layout_dim, "host buffer bytes (slots × item × L)")?;
+        mul(buffer_bytes, kind.components() as u64, "host pool bytes")?;
         Ok(HostGeometry {
             kind,
             layout,
             page_size,
-            size: page_num * page_size,
+            size,
             layer_num,
             item_bytes,
             head_num: if layout == Layout::PageHead { head_num } else { 1 },
+            slots,
+            buffer_bytes,
         })
+    }
+    /// Pool kind.
+    pub fn kind(&self) -> PoolKind {
+        self.kind
+    }
+    /// Host layout.
+    pub fn layout(&self) -> Layout {
+        self.layout
+    }
+    /// `P`, tokens per page.
+    pub fn page_size(&self) -> u64 {
+        self.page_size
+    }
+    /// Token slots after sglang's rounding: `page_num × P`.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+    /// `L`: live target layers plus one per draft.
+    pub fn layer_num(&self) -> u64 {
+        self.layer_num
+    }
+    /// Bytes per (slot, layer): token stride, or the indexer page stride for DSA.
+    pub fn item_bytes(&self) -> u64 {
+        self.item_bytes
+    }
+    /// `H` for page_head (1 otherwise).
+    pub fn head_num(&self) -> u64 {
+        self.head_num
     }
     /// sglang's host `page_num`.
     pub fn page_num(&self) -> u64 {
@@ -352,10 +515,7 @@ impl HostGeometry {
     /// Slots along the index dimension: tokens (MHA/MLA) or indexer pages (DSA:
     /// `indexer_page_num = (size + P + 1) / P`).
     pub fn slots(&self) -> u64 {
-        match self.kind {
-            PoolKind::DsaIndexer => (self.size + self.page_size + 1) / self.page_size,
-            _ => self.size,
-        }
+        self.slots
     }
     /// Stride between consecutive slots in page_first: `item × L`.
     pub fn layout_dim(&self) -> u64 {
@@ -363,13 +523,13 @@ impl HostGeometry {
     }
     /// Bytes of one component buffer.
     pub fn buffer_bytes(&self) -> u64 {
-        self.slots() * self.layout_dim()
+        self.buffer_bytes
     }
     /// Pages of the index dimension in page-granular layouts (pfd/ph: `page_num`; DSA: its
     /// slots are pages already).
     pub fn index_pages(&self) -> u64 {
         match self.kind {
-            PoolKind::DsaIndexer => self.slots(),
+            PoolKind::DsaIndexer => self.slots,
             _ => self.page_num(),
         }
     }
@@ -381,48 +541,61 @@ impl HostGeometry {
             _ => self.page_size,
         }
     }
-    /// Byte offset of the item at (`layer`, `slot`, head chunk `head`) in one component buffer.
-    /// `head` selects bytes `head × item/H ..` of the item (always 0 unless page_head).
-    pub fn item_offset(&self, layer: u64, slot: u64, head: u64) -> u64 {
+    /// Bytes of one head's share of the item (the `kernel` copy unit; the item itself unless
+    /// page_head).
+    pub fn chunk_bytes(&self) -> u64 {
+        self.item_bytes / self.head_num
+    }
+    /// Addressing of component `comp`, host layer `layer`.
+    pub fn addr(&self, comp: u8, layer: u64) -> Addr {
         let item = self.item_bytes;
         let l = self.layer_num;
         let h = self.head_num;
         let d = item / h;
+        let buf = BufRef::Host { comp };
         match self.layout {
-            Layout::LayerFirst => layer * self.slots() * item + slot * item + head * d,
-            Layout::PageFirst => slot * l * item + layer * item + head * d,
+            Layout::LayerFirst => Addr { buf, base: layer * self.slots * item, page: 1, page_stride: item, row_stride: 0, head_stride: d },
+            Layout::PageFirst => Addr { buf, base: layer * item, page: 1, page_stride: l * item, row_stride: 0, head_stride: d },
             Layout::PageFirstDirect => {
                 let p = self.index_page_size();
-                (slot / p) * l * p * item + layer * p * item + (slot % p) * item + head * d
+                Addr { buf, base: layer * p * item, page: p, page_stride: l * p * item, row_stride: item, head_stride: d }
             }
             Layout::PageHead => {
                 let p = self.page_size;
-                (slot / p) * h * p * l * d + head * p * l * d + (slot % p) * l * d + layer * d
+                Addr { buf, base: layer * d, page: p, page_stride: h * p * l * d, row_stride: l * d, head_stride: p * l * d }
             }
         }
     }
-    /// Offset and length of page `page` (index-granular pages) in page_first layouts: the
-    /// storage helpers' flat page (`[P][L][item]` for page_first, `[L][P][item]` for
-    /// page_first_direct).
-    pub fn page_span(&self, page: u64) -> (u64, u64) {
+    /// The storage helpers' flat page `page` (index-granular) of one component, as byte spans
+    /// `(offset, len)` in the order sglang flattens its slice:
+    /// layer_first `[L][P][item]` (one span per layer), page_first `[P][L][item]`,
+    /// page_first_direct `[L][P][item]`, page_head `[H][P][L][D]` (one span each). The DSA
+    /// indexer's page is one slot, so every layout gives `[L][item]`.
+    pub fn flat_page_spans(&self, page: u64) -> Vec<(u64, u64)> {
         let p = self.index_page_size();
-        let len = p * self.layout_dim();
-        (page * len, len)
+        match self.layout {
+            Layout::LayerFirst => {
+                (0..self.layer_num).map(|l| (l * self.slots * self.item_bytes + page * p * self.item_bytes, p * self.item_bytes)).collect()
+            }
+            _ => {
+                let len = p * self.layout_dim();
+                vec![(page * len, len)]
+            }
+        }
     }
 }
 
-/// The geometry of one sglang-shaped pool pair, as used by the checker and benches.
+/// The geometry of one sglang-shaped pool pair, checked to belong together once.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PoolPair {
-    pub host: HostGeometry,
-    pub device: DeviceGeometry,
+    host: HostGeometry,
+    device: DeviceGeometry,
 }
 
 impl PoolPair {
     /// A host geometry built against a device geometry: same kind, item and page size; `L`
     /// from the device's live layers and drafts.
     pub fn new(device: DeviceGeometry, layout: Layout, host_size: u64, head_num: u64) -> Result<Self> {
-        device.validate()?;
         let host = HostGeometry::new(
             device.kind,
             layout,
@@ -434,6 +607,14 @@ impl PoolPair {
         )?;
         Ok(PoolPair { host, device })
     }
+    /// The host side.
+    pub fn host(&self) -> &HostGeometry {
+        &self.host
+    }
+    /// The device side.
+    pub fn device(&self) -> &DeviceGeometry {
+        &self.device
+    }
 }
 
 #[cfg(test)]
@@ -444,7 +625,7 @@ mod tests {
     fn sglang_sizing() {
         let g = HostGeometry::new(PoolKind::Mla, Layout::PageFirst, 64, 1000, 4, 1152, 1).unwrap();
         assert_eq!(g.page_num(), 1000 / 64 + 1);
-        assert_eq!(g.size, 16 * 64);
+        assert_eq!(g.size(), 16 * 64);
         let d = HostGeometry::new(PoolKind::DsaIndexer, Layout::LayerFirst, 64, 1000, 4, 64 * 132, 1).unwrap();
         assert_eq!(d.slots(), (1024 + 64 + 1) / 64);
         assert_eq!(dsa_bytes_per_token(128, 128), 132);
@@ -459,10 +640,16 @@ mod tests {
             for layer in 0..l {
                 for head in 0..h {
                     let sg = (slot / p) * p * page_dim + (page_dim / h) * head * p + ((slot % p) * page_dim) / h + (layer * item) / h;
-                    assert_eq!(g.item_offset(layer, slot, head), sg);
+                    assert_eq!(g.addr(0, layer).offset(slot, head), sg);
                 }
             }
         }
+    }
+
+    #[test]
+    fn overflow_is_a_config_error() {
+        assert!(matches!(HostGeometry::new(PoolKind::Mla, Layout::LayerFirst, 1, u64::MAX, 1, 1, 1), Err(TransferError::InvalidConfig(_))));
+        assert!(matches!(DeviceGeometry::new(PoolKind::Mla, 1 << 32, 1 << 32, 1, LayerMap::new(1)), Err(TransferError::InvalidConfig(_))));
     }
 
     #[test]

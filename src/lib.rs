@@ -42,6 +42,8 @@ pub mod matrix;
 pub mod oracle;
 pub mod plan;
 pub mod pool;
+pub mod rng;
+pub mod timing;
 
 pub use error::{Result, TransferError};
 pub use exec::{BackendKind, Device};

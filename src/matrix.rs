@@ -2,9 +2,9 @@
 //! the op that runs it or the exact error. Generated from [`crate::plan::decide`], never
 //! written by hand (the README's copy is checked by a test).
 
-use crate::check::{all_cells, Cell};
-use crate::geometry::{dsa_bytes_per_token, IoBackend, PoolKind, Profile};
-use crate::plan::{decide, Capabilities, PathInfo};
+use crate::error::{Result, TransferError};
+use crate::geometry::{dsa_bytes_per_token, IoBackend, PoolKind, Profile, MAX_PAGE_SIZE};
+use crate::plan::{all_cells, decide, kernel_word, Capabilities, Cell, PathInfo};
 
 /// One row: a cell and its outcome (`Ok(path)` or the error text).
 #[derive(Debug, Clone, serde::Serialize)]
@@ -18,14 +18,26 @@ pub fn dsa_item(page_size: u64) -> u64 {
     dsa_bytes_per_token(128, 128) * page_size
 }
 
+/// Checks a page size given to the matrix (the DSA item must be a real size).
+pub fn check_dsa_page_size(dsa_page_size: u64) -> Result<()> {
+    if dsa_page_size == 0 {
+        return Err(TransferError::PageSizeNotPositive);
+    }
+    if dsa_page_size > MAX_PAGE_SIZE {
+        return Err(TransferError::InvalidConfig(format!("page size {dsa_page_size} exceeds {MAX_PAGE_SIZE} tokens")));
+    }
+    Ok(())
+}
+
+/// Every cell of the table for `pools`, under the portable capabilities.
 pub fn matrix(profile: Profile, pools: &[PoolKind], dsa_page_size: u64) -> Vec<MatrixEntry> {
+    let word = kernel_word(profile, &Capabilities::PORTABLE);
     all_cells()
         .into_iter()
         .filter(|c| pools.contains(&c.kind))
         .map(|cell| {
             let item = if cell.kind == PoolKind::DsaIndexer { dsa_item(dsa_page_size) } else { 8 };
-            let outcome = decide(profile, cell.kind, cell.op, cell.layout, cell.io, item, Capabilities::PORTABLE.kernel_word)
-                .map_err(|e| e.to_string());
+            let outcome = decide(profile, cell, item, word).map_err(|e| e.to_string());
             MatrixEntry { cell, outcome }
         })
         .collect()

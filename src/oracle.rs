@@ -1,6 +1,7 @@
 //! The oracle: what an accepted call must do to the bytes, written as a plain byte loop from the
-//! shapes in DESIGN.md. It shares no code with the planner or the executors (it reads only the
-//! raw fields of the geometry) and does not validate: ask the planner first.
+//! layout shapes (see [`crate::geometry`]). It shares no code with the planner or the executors
+//! (it reads only the configured sizes of the geometry, never its strides or addresses) and does
+//! not validate: ask the planner first.
 //!
 //! Semantics, the same for both io backends: for each index pair (token slots; for the DSA
 //! indexer, the first token of each page divided by `P`), skipped when either side is negative,
@@ -18,24 +19,24 @@ pub struct OracleBuffers<'a> {
 
 /// Host byte offset of (layer, unit, byte `b` of the item), from the layout shapes.
 fn host_byte(pair: &PoolPair, layer: u64, unit: u64, b: u64) -> u64 {
-    let h = &pair.host;
-    let item = h.item_bytes;
-    let l = h.layer_num;
-    let dsa = h.kind == PoolKind::DsaIndexer;
-    let slots = if dsa { (h.size + h.page_size + 1) / h.page_size } else { h.size };
-    match h.layout {
+    let h = pair.host();
+    let item = h.item_bytes();
+    let l = h.layer_num();
+    let dsa = h.kind() == PoolKind::DsaIndexer;
+    let slots = if dsa { (h.size() + h.page_size() + 1) / h.page_size() } else { h.size() };
+    match h.layout() {
         // [L][slots][item]
         Layout::LayerFirst => (layer * slots + unit) * item + b,
         // [slots][L][item]
         Layout::PageFirst => (unit * l + layer) * item + b,
         // [pages][L][P][item]; the indexer's pages are its slots ([pages][L][1][item])
         Layout::PageFirstDirect => {
-            let p = if dsa { 1 } else { h.page_size };
+            let p = if dsa { 1 } else { h.page_size() };
             (((unit / p) * l + layer) * p + unit % p) * item + b
         }
         // [pages][H][P][L][D]
         Layout::PageHead => {
-            let (p, hn) = (h.page_size, h.head_num);
+            let (p, hn) = (h.page_size(), h.head_num());
             let d = item / hn;
             let (head, within) = (b / d, b % d);
             ((((unit / p) * hn + head) * p + unit % p) * l + layer) * d + within
@@ -45,7 +46,7 @@ fn host_byte(pair: &PoolPair, layer: u64, unit: u64, b: u64) -> u64 {
 
 /// (host layer, device buffer) pairs of an operation.
 fn layer_pairs(pair: &PoolPair, op: Op) -> Vec<(u64, usize)> {
-    let m = &pair.device.layers;
+    let m = pair.device().layers();
     let (start, end) = m.layer_shard.unwrap_or((0, m.layer_num));
     let live: Vec<usize> = (start..end).filter(|&l| !m.skipped[l]).collect();
     let total = live.len() + m.drafts;
@@ -64,9 +65,9 @@ fn layer_pairs(pair: &PoolPair, op: Op) -> Vec<(u64, usize)> {
 
 /// Applies an accepted call to the buffers.
 pub fn apply(pair: &PoolPair, op: Op, host_indices: &[i64], device_indices: &[i64], bufs: OracleBuffers<'_>) {
-    let h = &pair.host;
-    let units: Vec<(i64, i64)> = if h.kind == PoolKind::DsaIndexer {
-        let p = h.page_size as usize;
+    let h = pair.host();
+    let units: Vec<(i64, i64)> = if h.kind() == PoolKind::DsaIndexer {
+        let p = h.page_size() as usize;
         (0..host_indices.len() / p)
             .map(|g| (host_indices[g * p], device_indices[g * p]))
             .map(|(a, b)| (a.div_euclid(p as i64), b.div_euclid(p as i64)))
@@ -74,8 +75,8 @@ pub fn apply(pair: &PoolPair, op: Op, host_indices: &[i64], device_indices: &[i6
     } else {
         host_indices.iter().copied().zip(device_indices.iter().copied()).collect()
     };
-    let comps = if h.kind == PoolKind::Mha { 2 } else { 1 };
-    let item = h.item_bytes;
+    let comps = if h.kind() == PoolKind::Mha { 2 } else { 1 };
+    let item = h.item_bytes();
     for (hu, du) in units {
         if hu < 0 || du < 0 {
             continue;

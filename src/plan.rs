@@ -1,42 +1,83 @@
 //! The one validation table and the lowering of accepted requests into plans.
 //!
-//! [`decide`] is the table: for (profile, pool kind, operation, layout, io backend) it returns
-//! the path sglang would run (named after its op) or the error sglang raises, verbatim.
-//! [`plan`] runs [`decide`], then checks the indices of one call and lowers it into a
-//! [`Plan`]: plain data that every executor runs the same way. Executors never decide support;
-//! their limits reach this module as [`Capabilities`].
+//! [`decide`] is the table: for a profile and a [`Cell`] (pool kind, operation, layout, io
+//! backend) it returns the path sglang would run (named after its op) or the error sglang
+//! raises, verbatim. [`HostPool::plan`](crate::HostPool::plan) checks one call in sglang's order
+//! (see [`plan`]) and lowers it into a [`Plan`]: plain data that every executor runs the same
+//! way. Executors never decide support; their limits reach this module as [`Capabilities`].
+//!
+//! Plans are unforgeable: only this module builds them, their fields are private, and a plan
+//! runs only on the executor instance and pools it was made for.
 
 use std::sync::Arc;
 
 use crate::error::{Result, TransferError};
-use crate::geometry::{DeviceGeometry, HostGeometry, IoBackend, Layout, PoolKind, PoolPair, Profile};
+use crate::geometry::{Addr, BufRef, DeviceGeometry, HostGeometry, IoBackend, LayerMap, Layout, PoolKind, PoolPair, Profile};
 
-/// What an executor can address; read by the planner so that backend limits are rejected here,
-/// in the same place as everything else.
+/// What an executor can address; read by the planner so that backend limits are rejected (or
+/// worked around by splitting) here, in the same place as everything else.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Capabilities {
+    /// Executor name, for messages.
     pub name: &'static str,
-    /// Smallest word the `kernel` path copies (profile `extended`; `sglang` always uses 8).
+    /// Smallest word the `kernel` path copies; every copy chunk must be a multiple of it.
     pub kernel_word: u64,
     /// Alignment of every offset and length of a `direct` copy.
     pub direct_align: u64,
     /// Largest range a `kernel` step can bind at once (wgpu: the storage binding limit), and the
     /// alignment of a bound range's start. An item chunk must fit one aligned window.
     pub max_binding: u64,
+    /// Alignment of a bound window's start.
     pub binding_align: u64,
+    /// Most index pairs one `kernel` step may carry (wgpu: the index table is one binding and
+    /// one dispatch); larger calls are split into several steps.
+    pub max_gather_items: u64,
+    /// Largest index a `kernel` step can address (wgpu: 32-bit signed indices).
+    pub max_index: u64,
+    /// Most bytes a device pool may hold in all (read by the pools before allocating).
+    pub max_pool_bytes: u64,
+    /// Most bytes a host pool may hold in all.
+    pub max_host_pool_bytes: u64,
 }
 
 impl Capabilities {
     /// What every executor of this crate supports; used by `hicache-io matrix`.
-    pub const PORTABLE: Capabilities =
-        Capabilities { name: "portable", kernel_word: 4, direct_align: 4, max_binding: 128 << 20, binding_align: 256 };
+    pub const PORTABLE: Capabilities = Capabilities {
+        name: "portable",
+        kernel_word: 4,
+        direct_align: 4,
+        max_binding: 128 << 20,
+        binding_align: 256,
+        max_gather_items: 1 << 24,
+        max_index: i32::MAX as u64,
+        max_pool_bytes: u64::MAX,
+        max_host_pool_bytes: u64::MAX,
+    };
     /// Host-memory executors: no alignment or binding limit.
-    pub const UNLIMITED: Capabilities =
-        Capabilities { name: "unlimited", kernel_word: 4, direct_align: 1, max_binding: u64::MAX, binding_align: 1 };
+    pub const UNLIMITED: Capabilities = Capabilities {
+        name: "unlimited",
+        kernel_word: 4,
+        direct_align: 1,
+        max_binding: u64::MAX,
+        binding_align: 1,
+        max_gather_items: u64::MAX,
+        max_index: u64::MAX,
+        max_pool_bytes: u64::MAX,
+        max_host_pool_bytes: u64::MAX,
+    };
 
     /// Bytes a `kernel` window must be a multiple of for chunks of `chunk_bytes`.
     pub fn window_granule(&self, chunk_bytes: u64) -> u64 {
         lcm(lcm(chunk_bytes, self.binding_align), self.kernel_word)
+    }
+}
+
+/// The word the launcher check of the `kernel` io backend uses: sglang's 8 bytes in profile
+/// `sglang`, the executor's own word in profile `extended`.
+pub fn kernel_word(profile: Profile, caps: &Capabilities) -> u64 {
+    match profile {
+        Profile::Sglang => 8,
+        Profile::Extended => caps.kernel_word,
     }
 }
 
@@ -53,7 +94,9 @@ pub enum TableOp {
 }
 
 impl TableOp {
+    /// Every operation, in table order.
     pub const ALL: [TableOp; 3] = [TableOp::Load, TableOp::Backup, TableOp::ShardedBackup];
+    /// The name used by `hicache-io matrix`.
     pub fn name(self) -> &'static str {
         match self {
             TableOp::Load => "load",
@@ -61,6 +104,40 @@ impl TableOp {
             TableOp::ShardedBackup => "sharded-backup",
         }
     }
+}
+
+/// One cell of the support table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+pub struct Cell {
+    /// Pool kind.
+    pub kind: PoolKind,
+    /// Operation.
+    pub op: TableOp,
+    /// Host layout.
+    pub layout: Layout,
+    /// io backend.
+    pub io: IoBackend,
+}
+
+impl std::fmt::Display for Cell {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {} {} {}", self.kind, self.op.name(), self.layout, self.io)
+    }
+}
+
+/// Every cell, in table order (pool, operation, layout, io backend).
+pub fn all_cells() -> Vec<Cell> {
+    let mut v = Vec::new();
+    for kind in PoolKind::ALL {
+        for op in TableOp::ALL {
+            for layout in Layout::ALL {
+                for io in IoBackend::ALL {
+                    v.push(Cell { kind, op, layout, io });
+                }
+            }
+        }
+    }
+    v
 }
 
 /// An accepted cell: the op that runs it.
@@ -104,26 +181,19 @@ fn plain(kind: PoolKind, op: TableOp, layout: Layout, io: IoBackend) -> Result<P
     })
 }
 
-/// The validation table (reference §2.6). `item_bytes` matters only for the DSA indexer's
-/// `kernel` gate; `kernel_word` is the executor's word (8 in profile `sglang`).
-pub fn decide(
-    profile: Profile,
-    kind: PoolKind,
-    op: TableOp,
-    layout: Layout,
-    io: IoBackend,
-    item_bytes: u64,
-    kernel_word: u64,
-) -> Result<PathInfo> {
+/// The validation table. `item_bytes` matters only for the DSA indexer's `kernel` gate;
+/// `word` is [`kernel_word`] of the profile and executor.
+pub fn decide(profile: Profile, cell: Cell, item_bytes: u64, word: u64) -> Result<PathInfo> {
     use IoBackend::*;
     use Layout::*;
+    let Cell { kind, op, layout, io } = cell;
     let extended = profile == Profile::Extended;
     // The host pool cannot even be allocated with page_head unless it is MHA.
     if layout == PageHead && kind != PoolKind::Mha {
         return e1(layout);
     }
     // dsa.py: `use_kernel = io_backend == "kernel" and stride % 8 == 0`, else-branch raises.
-    if kind == PoolKind::DsaIndexer && io == Kernel && item_bytes % if extended { kernel_word } else { 8 } != 0 {
+    if kind == PoolKind::DsaIndexer && io == Kernel && item_bytes % word != 0 {
         return Err(TransferError::UnsupportedIoBackend { io_backend: "kernel".into() });
     }
     if op != TableOp::ShardedBackup {
@@ -152,116 +222,157 @@ pub fn decide(
 // Plans
 // ------------------------------------------------------------------------------------------
 
-/// A buffer of the pool pair: host component buffer, or device buffer `slot` (live target
-/// layers in order, then drafts) of a component. Component 0 is K (or the only buffer), 1 is V.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum BufRef {
-    Host { comp: u8 },
-    Device { comp: u8, slot: u32 },
-}
-
-/// Where item `idx`, head chunk `head` of one (buffer, layer) lies: byte offset
-/// `base + (idx / page) × page_stride + (idx % page) × row_stride + head × head_stride`.
-/// One formula covers layer_first (`page = 1`), page_first, page_first_direct and page_head.
+/// One (layer, component) pair of a gather/scatter: where each item is read and written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Addr {
-    pub buf: BufRef,
-    pub base: u64,
-    pub page: u64,
-    pub page_stride: u64,
-    pub row_stride: u64,
-    pub head_stride: u64,
+pub struct AddrPair {
+    pub(crate) src: Addr,
+    pub(crate) dst: Addr,
 }
 
-impl Addr {
-    #[inline(always)]
-    pub fn offset(&self, idx: u64, head: u64) -> u64 {
-        // page == 1 (every layout but page_head / page_first_direct) skips two divisions.
-        let paged = if self.page == 1 {
-            idx * self.page_stride
-        } else {
-            (idx / self.page) * self.page_stride + (idx % self.page) * self.row_stride
-        };
-        self.base + paged + head * self.head_stride
+impl AddrPair {
+    /// The source side.
+    pub fn src(&self) -> &Addr {
+        &self.src
+    }
+    /// The destination side.
+    pub fn dst(&self) -> &Addr {
+        &self.dst
     }
 }
 
-/// One (layer, component) pair of a gather/scatter: source and destination addressing.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Launch {
-    pub src: Addr,
-    pub dst: Addr,
-}
-
 /// `kernel` io backend: for each index pair `i` (item-major; skipped when either index is
-/// negative), for each launch (layers, K then V), for each head `h < heads`, copy `chunk_bytes`
-/// from `src.offset(s_i, h)` to `dst.offset(d_i, h)`.
+/// negative), for each address pair (layers, K then V), for each head `h < heads`, copy
+/// `chunk_bytes` from `src.offset(s_i, h)` to `dst.offset(d_i, h)`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GatherStep {
-    pub src_indices: Arc<[i64]>,
-    pub dst_indices: Arc<[i64]>,
-    pub chunk_bytes: u64,
-    pub heads: u64,
-    pub launches: Vec<Launch>,
+    pub(crate) src_indices: Arc<[i64]>,
+    pub(crate) dst_indices: Arc<[i64]>,
+    pub(crate) chunk_bytes: u64,
+    pub(crate) heads: u64,
+    pub(crate) pairs: Vec<AddrPair>,
+}
+
+impl GatherStep {
+    /// Source indices (negative: skip).
+    pub fn src_indices(&self) -> &[i64] {
+        &self.src_indices
+    }
+    /// Destination indices (negative: skip).
+    pub fn dst_indices(&self) -> &[i64] {
+        &self.dst_indices
+    }
+    /// Bytes per (item, head).
+    pub fn chunk_bytes(&self) -> u64 {
+        self.chunk_bytes
+    }
+    /// Heads per item (1 unless page_head).
+    pub fn heads(&self) -> u64 {
+        self.heads
+    }
+    /// The (layer, component) address pairs, K before V.
+    pub fn pairs(&self) -> &[AddrPair] {
+        &self.pairs
+    }
 }
 
 /// One contiguous byte copy of the `direct` io backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Run {
-    pub src: BufRef,
-    pub src_offset: u64,
-    pub dst: BufRef,
-    pub dst_offset: u64,
-    pub len: u64,
+    pub(crate) src: BufRef,
+    pub(crate) src_offset: u64,
+    pub(crate) dst: BufRef,
+    pub(crate) dst_offset: u64,
+    pub(crate) len: u64,
 }
 
-/// `direct` io backend: coalesced byte runs, copied in order.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CopyStep {
-    pub runs: Vec<Run>,
+impl Run {
+    /// `(src buffer, src offset, dst buffer, dst offset, bytes)`.
+    pub fn parts(&self) -> (BufRef, u64, BufRef, u64, u64) {
+        (self.src, self.src_offset, self.dst, self.dst_offset, self.len)
+    }
 }
 
+/// What one step does.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Step {
+pub enum StepKind {
+    /// A gather/scatter (`kernel`).
     Gather(GatherStep),
-    Copy(CopyStep),
+    /// Coalesced byte runs, copied in order (`direct`).
+    Copy(Vec<Run>),
+}
+
+/// One step of a plan, and the host layers it writes or reads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Step {
+    pub(crate) kind: StepKind,
+    pub(crate) layers: Vec<u64>,
+}
+
+impl Step {
+    /// What the step does.
+    pub fn kind(&self) -> &StepKind {
+        &self.kind
+    }
+    /// Host layers this step moves (a layer split over several steps is listed by each).
+    pub fn layers(&self) -> &[u64] {
+        &self.layers
+    }
 }
 
 /// Host to device (load) or device to host (backup).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub enum Direction {
+    /// Host pool to device pool.
     HostToDevice,
+    /// Device pool to host pool.
     DeviceToHost,
 }
 
 /// The lowered form of one accepted call. Steps run in order (a layer-sharded backup has one
-/// step per layer, like sglang's per-layer calls).
+/// step per layer, like sglang's per-layer calls). Only the planner builds plans.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Plan {
-    /// The pools and profile it was validated for (executing it elsewhere is refused).
-    pub pair: Arc<PoolPair>,
-    pub profile: Profile,
-    pub direction: Direction,
-    pub path: PathInfo,
-    pub steps: Vec<Step>,
+    owner: u64,
+    pair: Arc<PoolPair>,
+    profile: Profile,
+    direction: Direction,
+    path: PathInfo,
+    steps: Vec<Step>,
+    bytes: u64,
 }
 
 impl Plan {
     /// Bytes the plan copies.
     pub fn bytes(&self) -> u64 {
-        self.steps
-            .iter()
-            .map(|s| match s {
-                Step::Gather(g) => {
-                    let live = g.src_indices.iter().zip(g.dst_indices.iter()).filter(|(s, d)| **s >= 0 && **d >= 0).count() as u64;
-                    live * g.launches.len() as u64 * g.heads * g.chunk_bytes
-                }
-                Step::Copy(c) => c.runs.iter().map(|r| r.len).sum(),
-            })
-            .sum()
+        self.bytes
     }
+    /// True when the call is a defined no-op.
     pub fn is_empty(&self) -> bool {
         self.steps.is_empty()
+    }
+    /// The steps, in order.
+    pub fn steps(&self) -> &[Step] {
+        &self.steps
+    }
+    /// The path that runs it (sglang's op name).
+    pub fn path(&self) -> &PathInfo {
+        &self.path
+    }
+    /// Load or backup.
+    pub fn direction(&self) -> Direction {
+        self.direction
+    }
+    /// The profile it was validated under.
+    pub fn profile(&self) -> Profile {
+        self.profile
+    }
+    /// The pool pair it was validated for.
+    pub fn pair(&self) -> &PoolPair {
+        &self.pair
+    }
+    /// The executor instance it runs on.
+    pub(crate) fn owner(&self) -> u64 {
+        self.owner
     }
 }
 
@@ -270,7 +381,12 @@ impl Plan {
 pub enum Op {
     /// `load_to_device_per_layer(layer_id, is_draft)`. For drafts, `layer_id = layer_num + k`
     /// selects draft pool `k` (device layer 0, host layer `live target layers + k`).
-    Load { layer_id: usize, is_draft: bool },
+    Load {
+        /// Model layer id (or `layer_num + k` for draft `k`).
+        layer_id: usize,
+        /// sglang's `is_draft`.
+        is_draft: bool,
+    },
     /// `backup_from_device_all_layer`; layer-sharded when the device pool is.
     Backup,
 }
@@ -279,254 +395,302 @@ pub enum Op {
 /// the token indices are turned into pages here, like sglang).
 #[derive(Debug, Clone, Copy)]
 pub struct Request<'a> {
+    /// Load or backup.
     pub op: Op,
+    /// `kernel` or `direct`.
     pub io_backend: IoBackend,
+    /// Host token slots (negative: skip).
     pub host_indices: &'a [i64],
+    /// Device token slots (negative: skip).
     pub device_indices: &'a [i64],
 }
 
-impl HostGeometry {
-    /// Addressing of component `comp`, host layer `layer`.
-    pub fn addr(&self, comp: u8, layer: u64) -> Addr {
-        let item = self.item_bytes;
-        let l = self.layer_num;
-        let h = self.head_num;
-        let d = item / h;
-        let buf = BufRef::Host { comp };
-        match self.layout {
-            Layout::LayerFirst => {
-                Addr { buf, base: layer * self.slots() * item, page: 1, page_stride: item, row_stride: 0, head_stride: d }
-            }
-            Layout::PageFirst => Addr { buf, base: layer * item, page: 1, page_stride: l * item, row_stride: 0, head_stride: d },
-            Layout::PageFirstDirect => {
-                let p = self.index_page_size();
-                Addr { buf, base: layer * p * item, page: p, page_stride: l * p * item, row_stride: item, head_stride: d }
-            }
-            Layout::PageHead => {
-                let p = self.page_size;
-                Addr { buf, base: layer * d, page: p, page_stride: h * p * l * d, row_stride: l * d, head_stride: p * l * d }
-            }
-        }
-    }
-}
-
-impl DeviceGeometry {
-    /// Addressing of component `comp`, buffer `slot`; `heads` splits the item for page_head.
-    pub fn addr(&self, comp: u8, slot: u32, heads: u64) -> Addr {
-        Addr {
-            buf: BufRef::Device { comp, slot },
-            base: 0,
-            page: 1,
-            page_stride: self.item_bytes,
-            row_stride: 0,
-            head_stride: self.item_bytes / heads,
-        }
-    }
-}
-
-/// Validates one call against the table and its indices, and lowers it. An `Err` means no byte
-/// may move; `Ok` with no steps is a defined no-op (empty indices, a layer this pool does not
-/// own or a DSA skip-topk layer, as in sglang).
-pub fn plan(profile: Profile, caps: &Capabilities, pair: &PoolPair, req: &Request<'_>) -> Result<Plan> {
-    let host = &pair.host;
-    let dev = &pair.device;
-    if host.kind != dev.kind
-        || host.item_bytes != dev.item_bytes
-        || host.page_size != dev.page_size
-        || host.layer_num != dev.layers.host_layers() as u64
-    {
-        return Err(TransferError::Geometry(format!(
-            "host pool ({} item {} B, P {}, L {}) was not built for this device pool ({} item {} B, P {}, L {})",
-            host.kind,
-            host.item_bytes,
-            host.page_size,
-            host.layer_num,
-            dev.kind,
-            dev.item_bytes,
-            dev.page_size,
-            dev.layers.host_layers()
-        )));
-    }
-    let table_op = match req.op {
-        Op::Load { .. } => TableOp::Load,
-        Op::Backup if dev.layers.is_sharded() => TableOp::ShardedBackup,
-        Op::Backup => TableOp::Backup,
-    };
-    let kernel_word = if profile == Profile::Sglang { 8 } else { caps.kernel_word };
-    let path = decide(profile, host.kind, table_op, host.layout, req.io_backend, host.item_bytes, kernel_word)?;
+/// Validates one call and lowers it. An `Err` means no byte may move; `Ok` with no steps is a
+/// defined no-op (empty indices, a layer this pool does not own or a DSA skip-topk layer).
+///
+/// The order of checks follows sglang's pool code, so that the same call fails with the same
+/// message:
+/// 1. layers: a load of a layer this rank does not own, or of a DSA skip-topk layer, returns
+///    (a no-op) before anything else is looked at; a layer id the model does not have, or a
+///    draft id past the drafts, is an error;
+/// 2. DSA indexer: token indices become pages (`Index buffer transfer expects page-aligned
+///    indices for DSA.` when a list is not whole pages) — before the table, as in `dsa.py`;
+/// 3. the table ([`decide`]): layout and io backend;
+/// 4. the launcher checks: equal lengths, the `kernel` word (item, then per-head chunk), the
+///    `direct` page multiple;
+/// 5. an empty call is a no-op;
+/// 6. hicache-io's own checks: index ranges, whole pages, unique destinations, executor
+///    capabilities.
+pub(crate) fn plan(profile: Profile, caps: &Capabilities, owner: u64, pair: &Arc<PoolPair>, req: &Request<'_>) -> Result<Plan> {
+    let (host, dev) = (pair.host(), pair.device());
     let direction = match req.op {
         Op::Load { .. } => Direction::HostToDevice,
         Op::Backup => Direction::DeviceToHost,
     };
-    let shared = Arc::new(pair.clone());
-    let empty = Plan { pair: shared.clone(), profile, direction, path: path.clone(), steps: Vec::new() };
+    let table_op = match req.op {
+        Op::Load { .. } => TableOp::Load,
+        Op::Backup if dev.layers().is_sharded() => TableOp::ShardedBackup,
+        Op::Backup => TableOp::Backup,
+    };
+    let empty = |path: PathInfo| Plan { owner, pair: pair.clone(), profile, direction, path, steps: Vec::new(), bytes: 0 };
+    // 1. Layers.
+    let Some(layer_groups) = resolve_layers(dev, req.op, table_op)? else {
+        return Ok(empty(PathInfo { op: "no-op: layer not owned by this pool", extension: false }));
+    };
+    // 2. DSA pages.
+    let (hi, di) = index_units(host, req)?;
+    // 3. The table.
+    let cell = Cell { kind: host.kind(), op: table_op, layout: host.layout(), io: req.io_backend };
+    let word = kernel_word(profile, caps);
+    let path = decide(profile, cell, host.item_bytes(), word)?;
+    // 4. Launcher checks.
+    launcher_checks(host, caps, word, req.io_backend, &hi, &di)?;
+    // 5. Nothing to move.
+    if hi.is_empty() {
+        return Ok(empty(path));
+    }
+    // 6. Indices and capabilities.
+    check_indices(host, dev, caps, direction, req.io_backend, &hi, &di)?;
+    let (steps, bytes) = match req.io_backend {
+        IoBackend::Kernel => lower_gather(host, dev, caps, direction, &layer_groups, hi, di),
+        IoBackend::Direct => lower_direct(host, dev, direction, &layer_groups, &hi, &di),
+    };
+    Ok(Plan { owner, pair: pair.clone(), profile, direction, path, steps, bytes })
+}
 
-    // Layers: (host layer, device slot) pairs, one group per step.
-    let layer_groups: Vec<Vec<(u64, u32)>> = match req.op {
-        Op::Load { layer_id, is_draft } => {
-            let m = &dev.layers;
-            let slot = if is_draft {
-                match layer_id.checked_sub(m.layer_num).filter(|k| *k < m.drafts) {
-                    Some(k) => m.draft_slot(k),
-                    None => return Err(layer_error(layer_id, dev)),
-                }
-            } else {
-                if layer_id >= m.layer_num {
-                    return Err(layer_error(layer_id, dev));
-                }
-                match m.target_slot(layer_id) {
-                    Some(s) => s,
-                    None => return Ok(empty), // not owned / skip-topk: sglang returns
-                }
-            };
-            vec![vec![(slot as u64, slot as u32)]]
+/// (host layer, device buffer slot) pairs, one group per step; `None` for a defined no-op.
+fn resolve_layers(dev: &DeviceGeometry, op: Op, table_op: TableOp) -> Result<Option<Vec<Vec<(u64, u32)>>>> {
+    let m: &LayerMap = dev.layers();
+    let layer_error = |layer_id| TransferError::LayerOutOfRange { layer_id, target_layers: m.layer_num, draft_layers: m.drafts };
+    Ok(Some(match op {
+        Op::Load { layer_id, is_draft: true } => match layer_id.checked_sub(m.layer_num).filter(|k| *k < m.drafts) {
+            Some(k) => vec![vec![(m.draft_slot(k) as u64, m.draft_slot(k) as u32)]],
+            None => return Err(layer_error(layer_id)),
+        },
+        Op::Load { layer_id, is_draft: false } => {
+            if layer_id >= m.layer_num {
+                return Err(layer_error(layer_id));
+            }
+            match m.target_slot(layer_id) {
+                Some(s) => vec![vec![(s as u64, s as u32)]],
+                None => return Ok(None), // not owned / skip-topk: sglang returns
+            }
         }
         Op::Backup => {
-            let all: Vec<(u64, u32)> = (0..dev.layers.host_layers()).map(|s| (s as u64, s as u32)).collect();
+            let all: Vec<(u64, u32)> = (0..dev.buffer_count()).map(|s| (s as u64, s as u32)).collect();
             if table_op == TableOp::ShardedBackup {
                 all.into_iter().map(|p| vec![p]).collect()
             } else {
                 vec![all]
             }
         }
-    };
+    }))
+}
 
-    // Indices: DSA turns token indices into pages first (dsa.py `_get_indexer_page_indices`).
-    let (hi, di): (Vec<i64>, Vec<i64>) = if host.kind == PoolKind::DsaIndexer {
-        if req.host_indices.is_empty() && req.device_indices.is_empty() {
-            return Ok(empty);
+/// The index lists in index units: token slots, or for the DSA indexer one page per group of
+/// `P` tokens (dsa.py `_get_indexer_page_indices`; empty lists pass through).
+fn index_units(host: &HostGeometry, req: &Request<'_>) -> Result<(Vec<i64>, Vec<i64>)> {
+    if host.kind() != PoolKind::DsaIndexer || (req.host_indices.is_empty() && req.device_indices.is_empty()) {
+        return Ok((req.host_indices.to_vec(), req.device_indices.to_vec()));
+    }
+    let p = host.page_size();
+    for list in [req.host_indices, req.device_indices] {
+        if list.len() as u64 % p != 0 {
+            return Err(TransferError::DsaUnalignedCount { len: list.len(), page_size: p });
         }
-        let p = host.page_size;
-        for list in [req.host_indices, req.device_indices] {
-            if list.len() as u64 % p != 0 {
-                return Err(TransferError::DsaUnalignedCount { len: list.len(), page_size: p });
-            }
-        }
-        (to_pages("host", req.host_indices, p)?, to_pages("device", req.device_indices, p)?)
-    } else {
-        (req.host_indices.to_vec(), req.device_indices.to_vec())
-    };
+    }
+    Ok((to_pages("host", req.host_indices, p)?, to_pages("device", req.device_indices, p)?))
+}
+
+/// The checks sglang's launchers make: equal lengths, the `kernel` word, whole `direct` pages.
+/// The per-head chunk of page_head is checked against the executors' common word too: a chunk
+/// that is not whole words would be truncated (sglang) or misaligned (GPU executors).
+fn launcher_checks(host: &HostGeometry, caps: &Capabilities, word: u64, io: IoBackend, hi: &[i64], di: &[i64]) -> Result<()> {
     if hi.len() != di.len() {
         return Err(TransferError::LengthMismatch { src_len: hi.len(), dst_len: di.len() });
     }
-    let group = host.index_page_size();
-    match req.io_backend {
+    match io {
         IoBackend::Kernel => {
-            if host.item_bytes % kernel_word != 0 {
-                return Err(TransferError::ItemNotWordAligned { item_bytes: host.item_bytes, word: kernel_word });
+            if host.item_bytes() % word != 0 {
+                return Err(TransferError::ItemNotWordAligned { item_bytes: host.item_bytes(), word });
+            }
+            if host.chunk_bytes() % caps.kernel_word != 0 {
+                return Err(TransferError::ChunkNotWordAligned {
+                    chunk_bytes: host.chunk_bytes(),
+                    item_bytes: host.item_bytes(),
+                    heads: host.head_num(),
+                    word: caps.kernel_word,
+                });
             }
         }
         IoBackend::Direct => {
+            let group = host.index_page_size();
             if hi.len() as u64 % group != 0 {
                 return Err(TransferError::DirectCountNotPageMultiple { len: hi.len(), page_size: group });
             }
         }
     }
-    if hi.is_empty() {
-        return Ok(empty);
-    }
-    let unit = if host.kind == PoolKind::DsaIndexer { "pages" } else { "slots" };
-    check_range("host", &hi, host.slots(), unit)?;
-    check_range("device", &di, dev.slots, unit)?;
-    let paged = req.io_backend == IoBackend::Direct && host.layout == Layout::PageFirstDirect && group > 1;
-    if paged {
-        check_whole_pages("host", &hi, group)?;
-        check_whole_pages("device", &di, group)?;
+    Ok(())
+}
+
+/// hicache-io's own checks: ranges, whole pages, unique destinations, executor limits.
+fn check_indices(
+    host: &HostGeometry,
+    dev: &DeviceGeometry,
+    caps: &Capabilities,
+    direction: Direction,
+    io: IoBackend,
+    hi: &[i64],
+    di: &[i64],
+) -> Result<()> {
+    let unit = if host.kind() == PoolKind::DsaIndexer { "pages" } else { "slots" };
+    check_range("host", hi, host.slots(), unit)?;
+    check_range("device", di, dev.slots(), unit)?;
+    let group = host.index_page_size();
+    if io == IoBackend::Direct && host.layout() == Layout::PageFirstDirect && group > 1 {
+        check_whole_pages("host", hi, group)?;
+        check_whole_pages("device", di, group)?;
     }
     let (dst_side, dst_list, dst_bound) = match direction {
-        Direction::HostToDevice => ("device", &di, dev.slots),
-        Direction::DeviceToHost => ("host", &hi, host.slots()),
+        Direction::HostToDevice => ("device", di, dev.slots()),
+        Direction::DeviceToHost => ("host", hi, host.slots()),
     };
-    check_unique(dst_side, dst_list, &hi, &di, dst_bound, unit)?;
-
-    // Direct copies must satisfy the executor's alignment (wgpu: 4 bytes).
-    if req.io_backend == IoBackend::Direct && caps.direct_align > 1 {
-        let a = caps.direct_align;
-        if host.item_bytes % a != 0 {
-            return Err(TransferError::Misaligned {
-                what: format!("{} direct copy item bytes", caps.name),
-                value: host.item_bytes,
-                required: a,
-            });
-        }
-    }
-
-    if req.io_backend == IoBackend::Kernel {
-        let granule = caps.window_granule(host.item_bytes / host.head_num);
-        if granule > caps.max_binding {
-            return Err(TransferError::Misaligned {
-                what: format!("{} binding window for {}-byte item chunks", caps.name, host.item_bytes / host.head_num),
-                value: caps.max_binding,
-                required: granule,
-            });
-        }
-    }
-
-    let comps = host.kind.components() as u8;
-    let steps = match req.io_backend {
-        IoBackend::Kernel => {
-            let heads = host.head_num;
-            let (si, dj): (Arc<[i64]>, Arc<[i64]>) = match direction {
-                Direction::HostToDevice => (hi.into(), di.into()),
-                Direction::DeviceToHost => (di.into(), hi.into()),
-            };
-            layer_groups
-                .iter()
-                .map(|layers| {
-                    let mut launches = Vec::with_capacity(layers.len() * comps as usize);
-                    for &(hl, ds) in layers {
-                        for c in 0..comps {
-                            let h = host.addr(c, hl);
-                            let d = dev.addr(c, ds, heads);
-                            launches.push(match direction {
-                                Direction::HostToDevice => Launch { src: h, dst: d },
-                                Direction::DeviceToHost => Launch { src: d, dst: h },
-                            });
-                        }
-                    }
-                    Step::Gather(GatherStep {
-                        src_indices: si.clone(),
-                        dst_indices: dj.clone(),
-                        chunk_bytes: host.item_bytes / heads,
-                        heads,
-                        launches,
-                    })
-                })
-                .collect()
-        }
+    check_unique(dst_side, dst_list, hi, di, dst_bound, unit)?;
+    match io {
         IoBackend::Direct => {
-            // Runs of consecutive (host, device) pairs (transfer_kv_direct), or whole pages for
-            // page_first_direct (only the first index of each page is read).
-            let spans = if host.layout == Layout::PageFirstDirect { page_spans(&hi, &di, group) } else { coalesce(&hi, &di) };
-            layer_groups
-                .iter()
-                .map(|layers| {
-                    let addrs: Vec<(Addr, Addr)> = (0..comps)
-                        .flat_map(|c| layers.iter().map(move |&(hl, ds)| (c, hl, ds)))
-                        .map(|(c, hl, ds)| (host.addr(c, hl), dev.addr(c, ds, 1)))
-                        .collect();
-                    let mut runs: Vec<Run> = Vec::with_capacity(spans.len() * addrs.len());
-                    // Layer by layer (each pass stays in one layer's buffers; destinations
-                    // are unique, so the order changes no byte).
-                    for (ha, da) in &addrs {
-                        for &(h0, d0, n) in &spans {
-                            let len = n * host.item_bytes;
-                            let (ho, doff) = (ha.offset(h0, 0), da.offset(d0, 0));
-                            push_run(
-                                &mut runs,
-                                match direction {
-                                    Direction::HostToDevice => Run { src: ha.buf, src_offset: ho, dst: da.buf, dst_offset: doff, len },
-                                    Direction::DeviceToHost => Run { src: da.buf, src_offset: doff, dst: ha.buf, dst_offset: ho, len },
-                                },
-                            );
-                        }
-                    }
-                    Step::Copy(CopyStep { runs })
-                })
-                .collect()
+            if host.item_bytes() % caps.direct_align != 0 {
+                return Err(TransferError::Misaligned {
+                    what: format!("{} direct copy item bytes", caps.name),
+                    value: host.item_bytes(),
+                    required: caps.direct_align,
+                });
+            }
         }
+        IoBackend::Kernel => {
+            let granule = caps.window_granule(host.chunk_bytes());
+            if granule > caps.max_binding {
+                return Err(TransferError::WindowTooSmall {
+                    executor: caps.name,
+                    chunk_bytes: host.chunk_bytes(),
+                    window: caps.max_binding,
+                    required: granule,
+                });
+            }
+            // Indices a gather cannot address (a pool larger than the executor's index width).
+            for (side, slots) in [("host", host.slots()), ("device", dev.slots())] {
+                if slots - 1 > caps.max_index {
+                    let list = if side == "host" { hi } else { di };
+                    if let Some(position) = list.iter().position(|&x| x >= 0 && x as u64 > caps.max_index) {
+                        return Err(TransferError::IndexOutOfRange {
+                            side,
+                            index: list[position],
+                            position,
+                            bound: caps.max_index + 1,
+                            unit: "slots (executor index width)",
+                        });
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `kernel` steps: one per layer group, each split into pieces of at most
+/// `caps.max_gather_items` index pairs (destinations are unique, so the split changes no byte).
+fn lower_gather(
+    host: &HostGeometry,
+    dev: &DeviceGeometry,
+    caps: &Capabilities,
+    direction: Direction,
+    layer_groups: &[Vec<(u64, u32)>],
+    hi: Vec<i64>,
+    di: Vec<i64>,
+) -> (Vec<Step>, u64) {
+    let heads = host.head_num();
+    let comps = host.kind().components() as u8;
+    let live = hi.iter().zip(&di).filter(|(h, d)| **h >= 0 && **d >= 0).count() as u64;
+    let (src, dst) = match direction {
+        Direction::HostToDevice => (hi, di),
+        Direction::DeviceToHost => (di, hi),
     };
-    Ok(Plan { pair: shared, profile, direction, path, steps })
+    let per = usize::try_from(caps.max_gather_items.max(1)).unwrap_or(usize::MAX);
+    let pieces: Vec<(Arc<[i64]>, Arc<[i64]>)> = if src.len() <= per {
+        vec![(src.into(), dst.into())]
+    } else {
+        src.chunks(per).zip(dst.chunks(per)).map(|(s, d)| (Arc::from(s), Arc::from(d))).collect()
+    };
+    let mut steps = Vec::with_capacity(layer_groups.len() * pieces.len());
+    let mut layer_count = 0u64;
+    for layers in layer_groups {
+        let mut pairs = Vec::with_capacity(layers.len() * comps as usize);
+        for &(hl, ds) in layers {
+            for c in 0..comps {
+                let (h, d) = (host.addr(c, hl), dev.addr(c, ds, heads));
+                pairs.push(match direction {
+                    Direction::HostToDevice => AddrPair { src: h, dst: d },
+                    Direction::DeviceToHost => AddrPair { src: d, dst: h },
+                });
+            }
+        }
+        layer_count += layers.len() as u64;
+        for (s, d) in &pieces {
+            steps.push(Step {
+                kind: StepKind::Gather(GatherStep {
+                    src_indices: s.clone(),
+                    dst_indices: d.clone(),
+                    chunk_bytes: host.chunk_bytes(),
+                    heads,
+                    pairs: pairs.clone(),
+                }),
+                layers: layers.iter().map(|l| l.0).collect(),
+            });
+        }
+    }
+    (steps, live * layer_count * comps as u64 * host.item_bytes())
+}
+
+/// `direct` steps: runs of consecutive (host, device) pairs (`transfer_kv_direct`), or whole
+/// pages for page_first_direct (only the first index of each page is read), one step per layer
+/// group, layer by layer within it (each pass stays in one layer's buffers; destinations are
+/// unique, so the order changes no byte).
+fn lower_direct(
+    host: &HostGeometry,
+    dev: &DeviceGeometry,
+    direction: Direction,
+    layer_groups: &[Vec<(u64, u32)>],
+    hi: &[i64],
+    di: &[i64],
+) -> (Vec<Step>, u64) {
+    let group = host.index_page_size();
+    let spans = if host.layout() == Layout::PageFirstDirect { page_spans(hi, di, group) } else { coalesce(hi, di) };
+    let comps = host.kind().components() as u8;
+    let mut bytes = 0;
+    let steps = layer_groups
+        .iter()
+        .map(|layers| {
+            let mut runs: Vec<Run> = Vec::with_capacity(spans.len() * layers.len() * comps as usize);
+            for c in 0..comps {
+                for &(hl, ds) in layers {
+                    let (ha, da) = (host.addr(c, hl), dev.addr(c, ds, 1));
+                    for &(h0, d0, n) in &spans {
+                        let len = n * host.item_bytes();
+                        let (ho, doff) = (ha.offset(h0, 0), da.offset(d0, 0));
+                        bytes += len;
+                        push_run(
+                            &mut runs,
+                            match direction {
+                                Direction::HostToDevice => Run { src: ha.buf(), src_offset: ho, dst: da.buf(), dst_offset: doff, len },
+                                Direction::DeviceToHost => Run { src: da.buf(), src_offset: doff, dst: ha.buf(), dst_offset: ho, len },
+                            },
+                        );
+                    }
+                }
+            }
+            Step { kind: StepKind::Copy(runs), layers: layers.iter().map(|l| l.0).collect() }
+        })
+        .collect();
+    (steps, bytes)
 }
 
 fn gcd(a: u64, b: u64) -> u64 {
@@ -537,16 +701,12 @@ fn gcd(a: u64, b: u64) -> u64 {
     }
 }
 
-/// Least common multiple (`0` stays `0`).
+/// Least common multiple (`0` stays `0`; saturates instead of wrapping).
 pub fn lcm(a: u64, b: u64) -> u64 {
     if a == 0 || b == 0 {
         return 0;
     }
-    a / gcd(a, b) * b
-}
-
-fn layer_error(layer_id: usize, dev: &DeviceGeometry) -> TransferError {
-    TransferError::LayerOutOfRange { layer_id, target_layers: dev.layers.layer_num, draft_layers: dev.layers.drafts }
+    (a / gcd(a, b)).saturating_mul(b)
 }
 
 /// Token indices → page indices, one per group of `p` (the group must be a whole page or all
@@ -559,12 +719,13 @@ fn to_pages(side: &'static str, tokens: &[i64], p: u64) -> Result<Vec<i64>> {
 /// Each group of `p` must be a whole page (`k·p .. k·p + p`) or all negative. Only the first
 /// and last entries are read, like sglang reads only the first: reading every token of every
 /// DSA page costs more than the planning budget (4 MiB of indices per 33 MiB moved), and the
-/// interior is never used.
+/// interior is never used. `p` is at most 2^32 (checked by the geometry).
 fn check_whole_pages(side: &'static str, idx: &[i64], p: u64) -> Result<()> {
     let pu = p as usize;
+    let pi = p as i64;
     for (g, chunk) in idx.chunks_exact(pu).enumerate() {
         let (first, last) = (chunk[0], chunk[pu - 1]);
-        let ok = if first < 0 { last < 0 } else { first % p as i64 == 0 && last == first + p as i64 - 1 };
+        let ok = if first < 0 { last < 0 } else { first % pi == 0 && first.checked_add(pi - 1) == Some(last) };
         if !ok {
             return Err(TransferError::NotWholePage { side, start: first, end: last, position: g * pu, page_size: p });
         }
@@ -580,21 +741,43 @@ fn check_range(side: &'static str, idx: &[i64], bound: u64, unit: &'static str) 
 }
 
 /// Rejects a destination written twice by live pairs (an executor-dependent result otherwise).
+/// Indices are already range-checked against `bound`.
 fn check_unique(side: &'static str, dst: &[i64], hi: &[i64], di: &[i64], bound: u64, unit: &'static str) -> Result<()> {
-    let mut seen = vec![0u64; bound.div_ceil(64) as usize];
+    let words = usize::try_from(bound.div_ceil(64)).unwrap_or(usize::MAX);
+    let mut seen: Vec<u64> = Vec::new();
+    // A pool of 2^40 slots would need 128 GiB of bitmap; sort instead when the list is smaller.
+    if seen.try_reserve_exact(words).is_err() || words / 8 > dst.len() + 1024 {
+        return check_unique_sorted(side, dst, hi, di, unit);
+    }
+    seen.resize(words, 0);
     for (i, &d) in dst.iter().enumerate() {
         if hi[i] < 0 || di[i] < 0 {
             continue;
         }
         let (w, b) = ((d as u64 / 64) as usize, d as u64 % 64);
         if seen[w] & (1 << b) != 0 {
-            // Rare path: find where it was first written, for the message.
-            let first = dst[..i].iter().enumerate().position(|(j, &x)| x == d && hi[j] >= 0 && di[j] >= 0).unwrap_or(0);
-            return Err(TransferError::DuplicateDestination { side, unit, index: d, first, second: i });
+            return Err(duplicate(side, dst, hi, di, i, unit));
         }
         seen[w] |= 1 << b;
     }
     Ok(())
+}
+
+fn check_unique_sorted(side: &'static str, dst: &[i64], hi: &[i64], di: &[i64], unit: &'static str) -> Result<()> {
+    let mut live: Vec<(i64, usize)> = (0..dst.len()).filter(|&i| hi[i] >= 0 && di[i] >= 0).map(|i| (dst[i], i)).collect();
+    live.sort_unstable();
+    match live.windows(2).filter(|w| w[0].0 == w[1].0).map(|w| w[1].1).min() {
+        Some(i) => Err(duplicate(side, dst, hi, di, i, unit)),
+        None => Ok(()),
+    }
+}
+
+/// The error for a destination written again at position `second` (rare path: finds where it
+/// was first written, for the message).
+fn duplicate(side: &'static str, dst: &[i64], hi: &[i64], di: &[i64], second: usize, unit: &'static str) -> TransferError {
+    let d = dst[second];
+    let first = dst[..second].iter().enumerate().position(|(j, &x)| x == d && hi[j] >= 0 && di[j] >= 0).unwrap_or(0);
+    TransferError::DuplicateDestination { side, unit, index: d, first, second }
 }
 
 /// `transfer_kv_direct` coalescing: maximal runs where both indices step by one; negative
@@ -650,26 +833,24 @@ mod tests {
     use super::*;
 
     #[test]
-    fn addr_matches_geometry() {
-        for layout in Layout::ALL {
-            for kind in PoolKind::ALL {
-                let (item, heads) = if layout == Layout::PageHead { (64, 4) } else { (48, 1) };
-                let Ok(g) = HostGeometry::new(kind, layout, 4, 30, 3, item, heads) else { continue };
-                for layer in 0..3 {
-                    let a = g.addr(0, layer);
-                    for slot in 0..g.slots() {
-                        for head in 0..g.head_num {
-                            assert_eq!(a.offset(slot, head), g.item_offset(layer, slot, head), "{kind} {layout}");
-                        }
-                    }
-                }
-            }
-        }
-    }
-
-    #[test]
     fn coalescing_like_transfer_kv_direct() {
         assert_eq!(coalesce(&[0, 1, 2, 7, 8], &[10, 11, 5, 6, 7]), vec![(0, 10, 2), (2, 5, 1), (7, 6, 2)]);
         assert_eq!(coalesce(&[0, -1, 2, 3], &[0, 1, 2, 3]), vec![(0, 0, 1), (2, 2, 2)]);
+    }
+
+    #[test]
+    fn whole_pages_near_the_integer_limit() {
+        assert!(check_whole_pages("host", &[i64::MAX - 3, i64::MAX - 2, i64::MAX - 1, i64::MAX], 4).is_ok());
+        // (2^63 - 2) is a multiple of 3 whose page would end past i64::MAX.
+        assert!(check_whole_pages("host", &[i64::MAX - 1, 0, 0], 3).is_err());
+    }
+
+    #[test]
+    fn duplicates_are_found_with_and_without_a_bitmap() {
+        let (hi, di) = ([0i64, 1, 2, 3], [5i64, 9, 5, 7]);
+        let e = check_unique("device", &di, &hi, &di, 10, "slots").unwrap_err();
+        assert!(matches!(e, TransferError::DuplicateDestination { first: 0, second: 2, .. }), "{e:?}");
+        let e = check_unique("device", &di, &hi, &di, 1 << 50, "slots").unwrap_err();
+        assert!(matches!(e, TransferError::DuplicateDestination { first: 0, second: 2, .. }), "{e:?}");
     }
 }

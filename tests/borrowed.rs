@@ -15,7 +15,7 @@ fn contents(case: &Case) -> (Vec<Vec<Vec<u8>>>, Vec<Vec<u8>>) {
     let host = HostPool::new(&owned, &case.host).unwrap();
     let g = owned.geometry();
     let mut rng = Rng::new(case.seed);
-    let comps = g.kind.components();
+    let comps = g.kind().components();
     let mut dev = vec![vec![vec![0u8; g.layer_bytes() as usize]; g.buffer_count()]; comps];
     let mut hst = vec![vec![0u8; host.geometry().buffer_bytes() as usize]; comps];
     dev.iter_mut().flatten().for_each(|b| rng.fill(b));
@@ -47,8 +47,8 @@ fn run_owned(device: &Device, case: &Case) -> (Vec<Vec<Vec<u8>>>, Vec<Vec<u8>>) 
     }
     apply(case, &mut host, &mut dev);
     let g = dev.geometry().clone();
-    let d = (0..g.kind.components()).map(|c| (0..g.buffer_count()).map(|s| dev.read_buffer(c, s).unwrap()).collect()).collect();
-    let h = (0..g.kind.components()).map(|c| host.read_buffer(c).unwrap()).collect();
+    let d = (0..g.kind().components()).map(|c| (0..g.buffer_count()).map(|s| dev.read_buffer(c, s).unwrap()).collect()).collect();
+    let h = (0..g.kind().components()).map(|c| host.read_buffer(c).unwrap()).collect();
     (d, h)
 }
 
@@ -86,7 +86,7 @@ fn cpu_borrowed_buffers_are_validated() {
     let mut layers: Vec<Vec<&mut [u8]>> = dev_mem.iter_mut().map(|c| c.iter_mut().map(|b| b.as_mut_slice()).collect()).collect();
     layers[0].pop();
     let err = DevicePool::from_cpu_slices(&case.device, layers).err().unwrap();
-    assert!(matches!(err, TransferError::Geometry(_)), "{err:?}");
+    assert!(matches!(err, TransferError::InvalidConfig(_)), "{err:?}");
 }
 
 #[cfg(feature = "wgpu")]
@@ -96,7 +96,8 @@ fn wgpu_engine_buffers_match_owned_pools() {
     let Some(Device::Wgpu(probe)) = common::open(BackendKind::Wgpu) else { return };
     // The engine's device, queue and buffers; hicache-io runs on them.
     let (gpu, queue) = (probe.device().clone(), probe.queue().clone());
-    let device = Device::Wgpu(WgpuExecutor::from_device(gpu.clone(), queue.clone(), WgpuOptions::default()).unwrap());
+    let exec = WgpuExecutor::from_device(gpu.clone(), queue.clone(), WgpuOptions::default()).unwrap();
+    let device = Device::Wgpu(exec.clone());
     let make = |bytes: &[u8], usage| {
         let b = gpu.create_buffer(&wgpu::BufferDescriptor {
             label: Some("engine"),
@@ -116,13 +117,13 @@ fn wgpu_engine_buffers_match_owned_pools() {
             let want = run_owned(&device, &case);
             let (dev0, host0) = contents(&case);
             let layers =
-                dev0.iter().map(|c| c.iter().map(|b| Buffer::Wgpu(WgpuBuffer::wrap(make(b, REQUIRED_USAGES)))).collect()).collect();
+                dev0.iter().map(|c| c.iter().map(|b| Buffer::Wgpu(WgpuBuffer::wrap(&exec, make(b, REQUIRED_USAGES)))).collect()).collect();
             let mut dev = DevicePool::from_buffers(&device, &case.device, layers).unwrap();
-            let hosts = host0.iter().map(|b| Buffer::Wgpu(WgpuBuffer::wrap(make(b, REQUIRED_USAGES)))).collect();
+            let hosts = host0.iter().map(|b| Buffer::Wgpu(WgpuBuffer::wrap(&exec, make(b, REQUIRED_USAGES)))).collect();
             let mut host = HostPool::from_buffers(&dev, &case.host, hosts).unwrap();
             apply(&case, &mut host, &mut dev);
             let g = dev.geometry().clone();
-            for c in 0..g.kind.components() {
+            for c in 0..g.kind().components() {
                 assert!(host.read_buffer(c).unwrap() == want.1[c], "{cell}: host {c}");
                 for s in 0..g.buffer_count() {
                     assert!(dev.read_buffer(c, s).unwrap() == want.0[c][s], "{cell}: device {c}/{s}");
@@ -136,7 +137,9 @@ fn wgpu_engine_buffers_match_owned_pools() {
     let layers = dev0
         .iter()
         .map(|c| {
-            c.iter().map(|b| Buffer::Wgpu(WgpuBuffer::wrap(make(b, wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST)))).collect()
+            c.iter()
+                .map(|b| Buffer::Wgpu(WgpuBuffer::wrap(&exec, make(b, wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST))))
+                .collect()
         })
         .collect();
     let err = DevicePool::from_buffers(&device, &case.device, layers).err().unwrap();
@@ -159,8 +162,10 @@ fn cuda_borrowed_memory_skips_without_a_gpu() {
         .map(|c| {
             (0..dev0[c].len())
                 .map(|s| {
-                    let Buffer::Cuda(b) = owned.buffer(c, s) else { unreachable!() };
-                    Buffer::Cuda(unsafe { CudaBuffer::from_device_ptr(&exec, b.device_ptr(), case.device.geometry().layer_bytes()) })
+                    let Ok(Buffer::Cuda(b)) = owned.buffer(c, s) else { unreachable!() };
+                    Buffer::Cuda(unsafe {
+                        CudaBuffer::from_device_ptr(&exec, b.device_ptr(), case.device.geometry().unwrap().layer_bytes())
+                    })
                 })
                 .collect()
         })

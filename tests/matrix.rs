@@ -2,7 +2,7 @@
 //! for both profiles, and the README's copy of `hicache-io matrix` kept in sync.
 
 use hicache_io::geometry::{IoBackend, Layout, PoolKind, Profile};
-use hicache_io::plan::{decide, TableOp};
+use hicache_io::plan::{decide, kernel_word, Capabilities, Cell, TableOp};
 
 const OK: &str = "ok";
 const E1_PF: &str = "Unsupported layout: page_first";
@@ -55,7 +55,7 @@ fn sharded(kind: PoolKind, profile: Profile) -> Vec<(Layout, &'static str, &'sta
 }
 
 fn outcome(profile: Profile, kind: PoolKind, op: TableOp, layout: Layout, io: IoBackend, item: u64) -> String {
-    match decide(profile, kind, op, layout, io, item, 4) {
+    match decide(profile, Cell { kind, op, layout, io }, item, kernel_word(profile, &Capabilities::PORTABLE)) {
         Ok(_) => OK.to_string(),
         Err(e) => e.to_string(),
     }

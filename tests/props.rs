@@ -8,7 +8,7 @@ use hicache_io::check::{all_cells, random_case, run_case, supported_cells, Outco
 use hicache_io::error::TransferError;
 use hicache_io::exec::BackendKind;
 use hicache_io::geometry::{IoBackend, Layout, PoolKind, Profile};
-use hicache_io::plan::{decide, TableOp};
+use hicache_io::plan::{decide, Cell, TableOp};
 use hicache_io::{Device, DevicePool, DevicePoolConfig, HostPool, HostPoolConfig, LayerMap};
 use proptest::prelude::*;
 
@@ -50,14 +50,16 @@ fn gpu_devices() -> &'static [Device] {
 }
 
 /// Every supported cell on wgpu with windows of 64..512 bytes: pools of a few KiB span many
-/// windows, and every item chunk is found in exactly one of them.
+/// windows, and every item chunk is found in exactly one of them. Then with gather steps of at
+/// most 3 index pairs: the planner splits every call, and the bytes are the same.
 #[cfg(feature = "wgpu")]
 #[test]
 fn wgpu_tiny_windows_equal_oracle() {
     use hicache_io::exec::wgpu::{WgpuExecutor, WgpuOptions};
     let mut rng = Rng::new(99);
-    for window in [64u64, 96, 256, 512] {
-        let exec = match WgpuExecutor::with_options(WgpuOptions { max_window: Some(window) }) {
+    // The last setting also splits every call into steps of at most 3 index pairs.
+    for (window, items) in [(64u64, None), (96, None), (256, None), (512, None), (1 << 20, Some(3))] {
+        let exec = match WgpuExecutor::with_options(WgpuOptions { max_window: Some(window), max_gather_items: items }) {
             Ok(e) => e,
             Err(e) if common::required(BackendKind::Wgpu) => panic!("{e}"),
             Err(e) => return eprintln!("skipping: {e}"),
@@ -71,7 +73,7 @@ fn wgpu_tiny_windows_equal_oracle() {
                         Outcome::Match { .. } => {}
                         // Items wider than the window cannot be bound: the planner says so with a
                         // typed error, before anything moves.
-                        Outcome::Rejected(TransferError::Misaligned { required, .. }) if required > window => {}
+                        Outcome::Rejected(TransferError::WindowTooSmall { required, .. }) if required > window => {}
                         Outcome::Rejected(e) => panic!("window {window} {cell}: rejected {e}"),
                         other => panic!("window {window} {cell}: {other:?} ({case:?})"),
                     }
@@ -88,10 +90,10 @@ fn wgpu_tiny_windows_equal_oracle() {
 fn sharded_backup_then_loads_restore_the_device_pool() {
     for device in common::devices() {
         for cell in all_cells().into_iter().filter(|c| c.op == TableOp::ShardedBackup) {
-            if decide(Profile::Extended, cell.kind, cell.op, cell.layout, cell.io, 8448, 4).is_err() {
+            if decide(Profile::Extended, cell, 8448, 4).is_err() {
                 continue;
             }
-            if decide(Profile::Extended, cell.kind, TableOp::Load, cell.layout, cell.io, 8448, 4).is_err() {
+            if decide(Profile::Extended, Cell { op: TableOp::Load, ..cell }, 8448, 4).is_err() {
                 continue;
             }
             for seed in 0..3u64 {
@@ -131,7 +133,7 @@ fn roundtrip(device: &Device, kind: PoolKind, layout: Layout, io: IoBackend, see
         }
     }
     // Device pages 1, 4, 6 go to host pages 9, 2, 5.
-    let pages = |ps: &[i64]| ps.iter().flat_map(|q| (q * p as i64..(q + 1) * p as i64)).collect::<Vec<_>>();
+    let pages = |ps: &[i64]| ps.iter().flat_map(|q| q * p as i64..(q + 1) * p as i64).collect::<Vec<_>>();
     let (dev_idx, host_idx) = (pages(&[1, 4, 6]), pages(&[9, 2, 5]));
     host.backup_from_device_all_layer(&dev, &host_idx, &dev_idx, io).unwrap();
     let mut fresh = DevicePool::new(device, &cfg).unwrap();
@@ -141,7 +143,7 @@ fn roundtrip(device: &Device, kind: PoolKind, layout: Layout, io: IoBackend, see
     for k in 0..layers.drafts {
         host.load_draft_to_device(&mut fresh, &host_idx, &dev_idx, layers.layer_num + k, io).unwrap();
     }
-    let item = g.item_bytes as usize;
+    let item = g.item_bytes() as usize;
     let unit = |t: i64| if kind == PoolKind::DsaIndexer { t as usize / p as usize } else { t as usize };
     let mut i = 0;
     for c in 0..kind.components() {

@@ -2,22 +2,28 @@
 //! Large transfers are split over threads by items (destinations are unique, checked by the
 //! planner, so the halves never touch the same bytes).
 
+use std::alloc::Layout as AllocLayout;
 use std::ptr::NonNull;
 
 use super::{Bindings, Executor};
 use crate::error::{Result, TransferError};
-use crate::plan::{Capabilities, Plan, Step};
+use crate::geometry::Addr;
+use crate::plan::{Capabilities, Step, StepKind};
 
 /// Below this many bytes a transfer stays on the calling thread (thread start-up costs more).
 const PARALLEL_MIN_BYTES: u64 = 1 << 20;
 
-/// Host memory, zero-initialised lazily (`calloc`), so a large pool does not touch every page
-/// up front.
+/// Alignment of owned cpu buffers (a cache line).
+const ALIGN: usize = 64;
+
+/// Host memory, zero-initialised lazily (`alloc_zeroed` asks the OS for zero pages), so a large
+/// pool does not touch every page up front.
 pub struct CpuBuffer {
     ptr: NonNull<u8>,
     len: usize,
-    // Owns the allocation; all access goes through `ptr`.
-    _owner: Option<Box<[u8]>>,
+    /// Owned allocations are freed on drop with this layout; borrowed memory has none.
+    layout: Option<AllocLayout>,
+    owner: u64,
 }
 
 // SAFETY: the buffer is plain memory; concurrent writes are ruled out by the pools' `&mut`
@@ -25,51 +31,83 @@ pub struct CpuBuffer {
 unsafe impl Send for CpuBuffer {}
 unsafe impl Sync for CpuBuffer {}
 
-impl CpuBuffer {
-    pub fn zeroed(len: usize) -> CpuBuffer {
-        let mut owner = vec![0u8; len].into_boxed_slice();
-        let ptr = NonNull::new(owner.as_mut_ptr()).unwrap_or(NonNull::dangling());
-        CpuBuffer { ptr, len, _owner: Some(owner) }
+impl Drop for CpuBuffer {
+    fn drop(&mut self) {
+        if let Some(layout) = self.layout {
+            // SAFETY: allocated by `alloc_zeroed` with this layout in `CpuExecutor::alloc`.
+            unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) };
+        }
     }
+}
 
-    /// Wraps caller memory.
+impl CpuBuffer {
+    /// Wraps caller memory for executor `owner`.
     ///
     /// # Safety
     /// `ptr..ptr+len` must be valid for reads and writes for as long as the buffer (and any
     /// pool holding it) lives, and must not be accessed by anything else during a transfer.
-    pub unsafe fn from_raw(ptr: NonNull<u8>, len: usize) -> CpuBuffer {
-        CpuBuffer { ptr, len, _owner: None }
+    pub(crate) unsafe fn from_raw(ptr: NonNull<u8>, len: usize, owner: u64) -> CpuBuffer {
+        CpuBuffer { ptr, len, layout: None, owner }
     }
 
+    /// Start of the memory.
     pub fn as_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()
     }
+    /// Bytes.
     pub fn len(&self) -> usize {
         self.len
     }
+    /// True for a 0-byte buffer.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
 }
 
-#[derive(Clone, Default)]
+/// The cpu executor: plain host memory, `threads` threads per large transfer.
+#[derive(Clone)]
 pub struct CpuExecutor {
     threads: usize,
+    id: u64,
+}
+
+impl Default for CpuExecutor {
+    fn default() -> Self {
+        CpuExecutor::new()
+    }
 }
 
 impl CpuExecutor {
+    /// Threads from `HICACHE_IO_CPU_THREADS`, else the machine's parallelism.
     pub fn new() -> CpuExecutor {
         let threads = std::env::var("HICACHE_IO_CPU_THREADS")
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1))
             .max(1);
-        CpuExecutor { threads }
+        CpuExecutor::with_threads(threads)
     }
     /// An executor that uses at most `threads` threads per transfer.
     pub fn with_threads(threads: usize) -> CpuExecutor {
-        CpuExecutor { threads: threads.max(1) }
+        CpuExecutor { threads: threads.max(1), id: super::next_executor_id() }
     }
+}
+
+/// Physical memory plus swap, from `/proc/meminfo` (no bound where it cannot be read): a pool
+/// larger than this can never be backed, so it is refused before anything is allocated.
+pub(crate) fn host_memory_bytes() -> u64 {
+    static MEM: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *MEM.get_or_init(|| {
+        let Ok(text) = std::fs::read_to_string("/proc/meminfo") else { return isize::MAX as u64 };
+        let field = |name: &str| -> Option<u64> {
+            let line = text.lines().find(|l| l.starts_with(name))?;
+            line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kib| kib.saturating_mul(1024))
+        };
+        match (field("MemTotal:"), field("SwapTotal:")) {
+            (Some(m), s) => m.saturating_add(s.unwrap_or(0)),
+            _ => isize::MAX as u64,
+        }
+    })
 }
 
 #[derive(Clone, Copy)]
@@ -83,16 +121,32 @@ impl Executor for CpuExecutor {
     fn name(&self) -> &'static str {
         "cpu"
     }
+    fn id(&self) -> u64 {
+        self.id
+    }
+    fn buffer_owner(&self, buf: &CpuBuffer) -> u64 {
+        buf.owner
+    }
     fn describe(&self) -> String {
         format!("host memory, {} thread(s)", self.threads)
     }
     fn capabilities(&self) -> Capabilities {
-        Capabilities { name: "cpu", ..Capabilities::UNLIMITED }
+        Capabilities {
+            name: "cpu",
+            max_pool_bytes: host_memory_bytes(),
+            max_host_pool_bytes: host_memory_bytes(),
+            ..Capabilities::UNLIMITED
+        }
     }
     fn alloc(&self, bytes: u64) -> Result<CpuBuffer> {
-        let len = usize::try_from(bytes)
-            .map_err(|_| TransferError::Executor { backend: "cpu", message: format!("{bytes} bytes exceed the address space") })?;
-        Ok(CpuBuffer::zeroed(len))
+        let oom = |limit: String| TransferError::OutOfMemory { what: "cpu buffer".into(), requested: bytes, limit };
+        let len = usize::try_from(bytes).map_err(|_| oom("exceeds the address space".into()))?;
+        let layout = AllocLayout::from_size_align(len.max(1), ALIGN).map_err(|_| oom("exceeds the address space".into()))?;
+        // SAFETY: the layout has a non-zero size. A null return is a refused allocation, reported
+        // as an error rather than aborting the process.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(ptr).ok_or_else(|| oom("the allocator refused it".into()))?;
+        Ok(CpuBuffer { ptr, len, layout: Some(layout), owner: self.id })
     }
     fn buffer_len(&self, buf: &CpuBuffer) -> u64 {
         buf.len as u64
@@ -113,84 +167,79 @@ impl Executor for CpuExecutor {
     fn time_one_copy(&self, bytes: u64, budget: std::time::Duration) -> Result<f64> {
         let src = vec![1u8; bytes as usize];
         let mut dst = vec![2u8; bytes as usize];
-        crate::bench::time(budget, || {
+        crate::timing::time(budget, || {
             dst.copy_from_slice(&src);
             std::hint::black_box(&mut dst);
             Ok(())
         })
     }
 
-    fn execute(&self, plan: &Plan, bufs: &Bindings<'_, CpuBuffer>) -> Result<()> {
-        let threads = if plan.bytes() >= PARALLEL_MIN_BYTES { self.threads } else { 1 };
-        for step in &plan.steps {
-            match step {
-                Step::Gather(g) => {
-                    let launches: Vec<(SendPtr, SendPtr, crate::plan::Addr, crate::plan::Addr)> = g
-                        .launches
-                        .iter()
-                        .map(|l| (SendPtr(bufs.get(l.src.buf).as_ptr()), SendPtr(bufs.get(l.dst.buf).as_ptr()), l.src, l.dst))
-                        .collect();
-                    let (chunk, heads) = (g.chunk_bytes as usize, g.heads);
-                    // Layer by layer (destinations are unique, so order only affects speed):
-                    // each pass stays within one layer's buffers, measured up to 4x faster than
-                    // item by item for random 128-byte items. Upcoming items are prefetched:
-                    // random small items are latency-bound otherwise.
-                    let (si, di) = (&g.src_indices, &g.dst_indices);
-                    let copy_item = |i: usize, (sp, dp, sa, da): &(SendPtr, SendPtr, crate::plan::Addr, crate::plan::Addr)| {
-                        let (s, d) = (si[i], di[i]);
-                        if s < 0 || d < 0 {
-                            return;
+    fn execute_step(&self, step: &Step, bufs: &Bindings<'_, CpuBuffer>, plan_bytes: u64) -> Result<()> {
+        let threads = if plan_bytes >= PARALLEL_MIN_BYTES { self.threads } else { 1 };
+        match step.kind() {
+            StepKind::Gather(g) => {
+                let pairs: Vec<(SendPtr, SendPtr, Addr, Addr)> = g
+                    .pairs
+                    .iter()
+                    .map(|l| (SendPtr(bufs.get(l.src.buf()).as_ptr()), SendPtr(bufs.get(l.dst.buf()).as_ptr()), l.src, l.dst))
+                    .collect();
+                let (chunk, heads) = (g.chunk_bytes as usize, g.heads);
+                // Layer by layer (destinations are unique, so order only affects speed): each
+                // pass stays within one layer's buffers, measured up to 4x faster than item by
+                // item for random 128-byte items. Upcoming items are prefetched: random small
+                // items are latency-bound otherwise.
+                let (si, di) = (&g.src_indices, &g.dst_indices);
+                let copy_item = |i: usize, (sp, dp, sa, da): &(SendPtr, SendPtr, Addr, Addr)| {
+                    let (s, d) = (si[i], di[i]);
+                    if s < 0 || d < 0 {
+                        return;
+                    }
+                    if let Some(j) = (i + PREFETCH_AHEAD < si.len()).then_some(i + PREFETCH_AHEAD) {
+                        if si[j] >= 0 && di[j] >= 0 {
+                            prefetch(sp.0.wrapping_add(sa.offset(si[j] as u64, 0) as usize));
+                            prefetch(dp.0.wrapping_add(da.offset(di[j] as u64, 0) as usize));
                         }
-                        if let Some(j) = (i + PREFETCH_AHEAD < si.len()).then_some(i + PREFETCH_AHEAD) {
-                            if si[j] >= 0 && di[j] >= 0 {
-                                prefetch(sp.0.wrapping_add(sa.offset(si[j] as u64, 0) as usize));
-                                prefetch(dp.0.wrapping_add(da.offset(di[j] as u64, 0) as usize));
-                            }
+                    }
+                    for h in 0..heads {
+                        // SAFETY: plans are built only by the planner, for these pools: every
+                        // index is range-checked against the geometry the buffers were sized by.
+                        unsafe { copy_chunk(sp.0.add(sa.offset(s as u64, h) as usize), dp.0.add(da.offset(d as u64, h) as usize), chunk) };
+                    }
+                };
+                let work = |lo: usize, hi: usize| {
+                    for l in &pairs {
+                        for i in lo..hi {
+                            copy_item(i, l);
                         }
-                        for h in 0..heads {
-                            // SAFETY: offsets come from a plan validated against the geometry
-                            // these buffers were sized by.
-                            unsafe {
-                                copy_chunk(sp.0.add(sa.offset(s as u64, h) as usize), dp.0.add(da.offset(d as u64, h) as usize), chunk)
-                            };
+                    }
+                };
+                split(g.src_indices.len(), threads, &work);
+            }
+            StepKind::Copy(runs) => {
+                let runs: Vec<(SendPtr, SendPtr, usize, usize, usize)> = runs
+                    .iter()
+                    .map(|r| {
+                        (
+                            SendPtr(bufs.get(r.src).as_ptr()),
+                            SendPtr(bufs.get(r.dst).as_ptr()),
+                            r.src_offset as usize,
+                            r.dst_offset as usize,
+                            r.len as usize,
+                        )
+                    })
+                    .collect();
+                let work = |lo: usize, hi: usize| {
+                    for k in lo..hi {
+                        if let Some((sp, dp, so, dof, _)) = runs.get(k + PREFETCH_AHEAD) {
+                            prefetch(sp.0.wrapping_add(*so));
+                            prefetch(dp.0.wrapping_add(*dof));
                         }
-                    };
-                    let work = |lo: usize, hi: usize| {
-                        for l in &launches {
-                            for i in lo..hi {
-                                copy_item(i, l);
-                            }
-                        }
-                    };
-                    split(g.src_indices.len(), threads, &work);
-                }
-                Step::Copy(c) => {
-                    let runs: Vec<(SendPtr, SendPtr, usize, usize, usize)> = c
-                        .runs
-                        .iter()
-                        .map(|r| {
-                            (
-                                SendPtr(bufs.get(r.src).as_ptr()),
-                                SendPtr(bufs.get(r.dst).as_ptr()),
-                                r.src_offset as usize,
-                                r.dst_offset as usize,
-                                r.len as usize,
-                            )
-                        })
-                        .collect();
-                    let work = |lo: usize, hi: usize| {
-                        for k in lo..hi {
-                            if let Some((sp, dp, so, dof, _)) = runs.get(k + PREFETCH_AHEAD) {
-                                prefetch(sp.0.wrapping_add(*so));
-                                prefetch(dp.0.wrapping_add(*dof));
-                            }
-                            let (sp, dp, so, dof, len) = &runs[k];
-                            // SAFETY: as above.
-                            unsafe { copy_chunk(sp.0.add(*so), dp.0.add(*dof), *len) };
-                        }
-                    };
-                    split(runs.len(), threads, &work);
-                }
+                        let (sp, dp, so, dof, len) = &runs[k];
+                        // SAFETY: as above.
+                        unsafe { copy_chunk(sp.0.add(*so), dp.0.add(*dof), *len) };
+                    }
+                };
+                split(runs.len(), threads, &work);
             }
         }
         Ok(())

@@ -24,7 +24,8 @@ use cudarc::driver::{CudaContext, CudaStream, DriverError};
 
 use super::{Bindings, Executor};
 use crate::error::{Result, TransferError};
-use crate::plan::{Addr, Capabilities, GatherStep, Plan, Step};
+use crate::geometry::Addr;
+use crate::plan::{Capabilities, GatherStep, Step, StepKind};
 
 const PTX_80: &str = include_str!("../../kernels/transfer.compute_80.ptx");
 const CUBIN_80: &[u8] = include_bytes!("../../kernels/transfer.sm_80.cubin");
@@ -93,6 +94,7 @@ struct Inner {
     image: &'static str,
     batch: bool,
     tuning: LaunchTuning,
+    id: u64,
 }
 
 // SAFETY: CUDA handles are usable from any thread once the context is bound (we bind before
@@ -223,10 +225,16 @@ impl Completion {
         // SAFETY: event created and recorded by us.
         unsafe { result::event::synchronize(self.event) }.map_err(|e| drv("cuEventSynchronize", e))
     }
-    pub fn is_done(&self) -> bool {
-        let _ = self.ctx.bind_to_thread();
+    /// `Ok(true)` once done, `Ok(false)` while pending, `Err` when the stream failed (a poller
+    /// must not spin on a dead context).
+    pub fn is_done(&self) -> Result<bool> {
+        self.ctx.bind_to_thread().map_err(|e| drv("bind", e))?;
         // SAFETY: as above.
-        unsafe { result::event::query(self.event) }.is_ok()
+        match unsafe { result::event::query(self.event) } {
+            Ok(()) => Ok(true),
+            Err(DriverError(sys::CUresult::CUDA_ERROR_NOT_READY)) => Ok(false),
+            Err(e) => Err(drv("cuEventQuery", e)),
+        }
     }
 }
 
@@ -309,7 +317,8 @@ impl CudaExecutor {
         // HICACHE_CUDA_BATCH=0 forces one cuMemcpyAsync per run (to compare in benchmarks).
         let batch = has_batch_memcpy(driver) && std::env::var("HICACHE_CUDA_BATCH").map_or(true, |v| v != "0");
         log::info!("cuda: {name} sm_{}{}, driver {driver}, {image}, batched memcpy {batch}", cc.0, cc.1);
-        Ok(CudaExecutor { inner: Arc::new(Inner { ctx, stream, module, f_w8, f_w4, name, cc, driver, image, batch, tuning }) })
+        let id = super::next_executor_id();
+        Ok(CudaExecutor { inner: Arc::new(Inner { ctx, stream, module, f_w8, f_w4, name, cc, driver, image, batch, tuning, id }) })
     }
 
     /// The executor's stream (raw handle) for callers that order their own work after ours.
@@ -340,13 +349,13 @@ impl CudaExecutor {
         let stream = self.cu_stream();
         let n = g.src_indices.len();
         let table: Vec<LaunchC> = g
-            .launches
+            .pairs
             .iter()
             .map(|l| LaunchC { src: side(&l.src, bufs.get(l.src.buf).dev_ptr), dst: side(&l.dst, bufs.get(l.dst.buf).dev_ptr) })
             .collect();
         let aligned8 = |a: &Addr, p: u64| [p, a.base, a.page_stride, a.row_stride, a.head_stride].iter().all(|v| v % 8 == 0);
         let w8 = g.chunk_bytes % 8 == 0
-            && g.launches.iter().all(|l| aligned8(&l.src, bufs.get(l.src.buf).dev_ptr) && aligned8(&l.dst, bufs.get(l.dst.buf).dev_ptr));
+            && g.pairs.iter().all(|l| aligned8(&l.src, bufs.get(l.src.buf).dev_ptr) && aligned8(&l.dst, bufs.get(l.dst.buf).dev_ptr));
         // Stream-ordered scratch: freed on the stream after the kernel, no host sync.
         let table_bytes = std::mem::size_of_val(table.as_slice());
         // SAFETY: sizes match the host slices; all uses are on `stream`; pageable sources are
@@ -457,6 +466,12 @@ impl Executor for CudaExecutor {
     fn name(&self) -> &'static str {
         "cuda"
     }
+    fn id(&self) -> u64 {
+        self.inner.id
+    }
+    fn buffer_owner(&self, buf: &CudaBuffer) -> u64 {
+        buf.exec.id
+    }
     fn describe(&self) -> String {
         let i = &self.inner;
         format!(
@@ -473,15 +488,25 @@ impl Executor for CudaExecutor {
         )
     }
     fn capabilities(&self) -> Capabilities {
-        Capabilities { name: "cuda", ..Capabilities::UNLIMITED }
+        let host = super::cpu::host_memory_bytes();
+        Capabilities { name: "cuda", max_host_pool_bytes: host, ..Capabilities::UNLIMITED }
     }
     fn alloc(&self, bytes: u64) -> Result<CudaBuffer> {
         self.bind()?;
         let n = bytes.max(1) as usize;
-        // SAFETY: fresh allocation, zeroed before use.
+        // SAFETY: fresh allocation, zeroed on the executor's stream, so every later transfer
+        // (stream-ordered after it) sees zeros; the legacy NULL stream would not order against
+        // our non-blocking stream.
         let dev_ptr = unsafe {
-            let p = result::malloc_sync(n).map_err(|e| drv(&format!("cuMemAlloc({n})"), e))?;
-            result::memset_d8_sync(p, 0, n).map_err(|e| drv("cuMemsetD8", e))?;
+            let p = result::malloc_sync(n).map_err(|e| TransferError::OutOfMemory {
+                what: "cuda device buffer".into(),
+                requested: bytes,
+                limit: format!("cuMemAlloc: {e:?}"),
+            })?;
+            if let Err(e) = result::memset_d8_async(p, 0, n, self.cu_stream()) {
+                let _ = result::free_sync(p);
+                return Err(drv("cuMemsetD8Async", e));
+            }
             p
         };
         Ok(CudaBuffer { dev_ptr, host_ptr: std::ptr::null_mut(), len: bytes, owned: true, registered: false, exec: self.inner.clone() })
@@ -491,8 +516,13 @@ impl Executor for CudaExecutor {
         let n = bytes.max(1) as usize;
         // SAFETY: fresh pinned allocation; PORTABLE|DEVICEMAP (not write-combined).
         unsafe {
-            let host = result::malloc_host(n, sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP)
-                .map_err(|e| drv(&format!("cuMemHostAlloc({n})"), e))?;
+            let host = result::malloc_host(n, sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP).map_err(|e| {
+                TransferError::OutOfMemory {
+                    what: "cuda pinned host buffer".into(),
+                    requested: bytes,
+                    limit: format!("cuMemHostAlloc: {e:?}"),
+                }
+            })?;
             std::ptr::write_bytes(host as *mut u8, 0, n);
             let mut dev_ptr = 0;
             let rc = sys::cuMemHostGetDevicePointer_v2(&mut dev_ptr, host, 0);
@@ -511,9 +541,6 @@ impl Executor for CudaExecutor {
         if buf.dev_ptr % 4 != 0 {
             return Err(TransferError::Misaligned { what: "cuda buffer address".into(), value: buf.dev_ptr, required: 4 });
         }
-        if !Arc::ptr_eq(&buf.exec, &self.inner) && buf.exec.ctx.cu_ctx() != self.inner.ctx.cu_ctx() {
-            return Err(TransferError::ExecutorMismatch { host: "cuda buffer of another context".into(), device: self.inner.name.clone() });
-        }
         Ok(())
     }
     fn write(&self, buf: &CudaBuffer, offset: u64, data: &[u8]) -> Result<()> {
@@ -523,8 +550,11 @@ impl Executor for CudaExecutor {
             unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), buf.host_ptr.add(offset as usize), data.len()) };
             Ok(())
         } else {
-            // SAFETY: span checked.
-            unsafe { result::memcpy_htod_sync(buf.dev_ptr + offset, data) }.map_err(|e| drv("cuMemcpyHtoD", e))
+            // On the executor's stream, then waited: a pageable copy on the legacy stream may
+            // return before its DMA lands and is not ordered against our stream.
+            // SAFETY: span checked; `data` outlives the synchronize below.
+            unsafe { result::memcpy_htod_async(buf.dev_ptr + offset, data, self.cu_stream()) }.map_err(|e| drv("cuMemcpyHtoDAsync", e))?;
+            self.synchronize()
         }
     }
     fn read(&self, buf: &CudaBuffer, offset: u64, out: &mut [u8]) -> Result<()> {
@@ -534,14 +564,15 @@ impl Executor for CudaExecutor {
             unsafe { std::ptr::copy_nonoverlapping(buf.host_ptr.add(offset as usize), out.as_mut_ptr(), out.len()) };
             Ok(())
         } else {
-            // SAFETY: span checked.
-            unsafe { result::memcpy_dtoh_sync(out, buf.dev_ptr + offset) }.map_err(|e| drv("cuMemcpyDtoH", e))
+            // SAFETY: span checked; `out` outlives the synchronize below.
+            unsafe { result::memcpy_dtoh_async(out, buf.dev_ptr + offset, self.cu_stream()) }.map_err(|e| drv("cuMemcpyDtoHAsync", e))?;
+            self.synchronize()
         }
     }
     fn time_one_copy(&self, bytes: u64, budget: std::time::Duration) -> Result<f64> {
         let (h, d) = (self.alloc_host(bytes)?, self.alloc(bytes)?);
         let stream = self.cu_stream();
-        crate::bench::time(budget, || {
+        crate::timing::time(budget, || {
             self.bind()?;
             // SAFETY: both allocations hold `bytes` bytes.
             let rc = unsafe { sys::cuMemcpyAsync(d.dev_ptr, h.dev_ptr, bytes as usize, stream) };
@@ -555,14 +586,11 @@ impl Executor for CudaExecutor {
         self.bind()?;
         self.inner.stream.synchronize().map_err(|e| drv("cuStreamSynchronize", e))
     }
-    fn execute(&self, plan: &Plan, bufs: &Bindings<'_, CudaBuffer>) -> Result<()> {
+    fn execute_step(&self, step: &Step, bufs: &Bindings<'_, CudaBuffer>, _plan_bytes: u64) -> Result<()> {
         self.bind()?;
-        for step in &plan.steps {
-            match step {
-                Step::Gather(g) => self.gather(g, bufs)?,
-                Step::Copy(c) => self.copies(&c.runs, bufs)?,
-            }
+        match step.kind() {
+            StepKind::Gather(g) => self.gather(g, bufs),
+            StepKind::Copy(runs) => self.copies(runs, bufs),
         }
-        Ok(())
     }
 }

@@ -5,8 +5,12 @@
 //! The run-time choice is the [`Device`] enum (candle-style): its match arms forward to each
 //! backend's [`Executor`] implementation.
 
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Mutex;
+
 use crate::error::{Result, TransferError};
-use crate::plan::{BufRef, Capabilities, Plan};
+use crate::geometry::BufRef;
+use crate::plan::{Capabilities, Plan, Step};
 
 pub mod cpu;
 #[cfg(feature = "cuda")]
@@ -14,11 +18,18 @@ pub mod cuda;
 #[cfg(feature = "wgpu")]
 pub mod wgpu;
 
+/// A fresh identity for an executor instance: pools, buffers and plans carry it, and objects of
+/// two instances never meet in one call.
+pub(crate) fn next_executor_id() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
 /// Buffers a plan refers to: host component buffers `[comp]` and device buffers
 /// `[comp][slot]`.
 pub struct Bindings<'a, B> {
-    pub host: Vec<&'a B>,
-    pub device: Vec<Vec<&'a B>>,
+    pub(crate) host: Vec<&'a B>,
+    pub(crate) device: Vec<Vec<&'a B>>,
 }
 
 impl<'a, B> Bindings<'a, B> {
@@ -32,8 +43,14 @@ impl<'a, B> Bindings<'a, B> {
 
 /// What a backend implements. Buffers are zero-initialised on allocation.
 pub trait Executor {
+    /// The backend's buffer type.
     type Buffer;
+    /// `cpu`, `wgpu` or `cuda`.
     fn name(&self) -> &'static str;
+    /// This instance's identity (clones share it).
+    fn id(&self) -> u64;
+    /// The identity of the executor instance a buffer belongs to.
+    fn buffer_owner(&self, buf: &Self::Buffer) -> u64;
     /// Adapter / device description for `hicache-io info` and check output.
     fn describe(&self) -> String;
     fn capabilities(&self) -> Capabilities;
@@ -51,9 +68,16 @@ pub trait Executor {
     }
     fn write(&self, buf: &Self::Buffer, offset: u64, data: &[u8]) -> Result<()>;
     fn read(&self, buf: &Self::Buffer, offset: u64, out: &mut [u8]) -> Result<()>;
-    /// Runs a validated plan. Destination buffers are written through shared references: the
-    /// pools hand out `&mut` access to the destination pool, so nothing else aliases it.
-    fn execute(&self, plan: &Plan, bufs: &Bindings<'_, Self::Buffer>) -> Result<()>;
+    /// Runs (or enqueues) one step of a validated plan; `plan_bytes` is the whole plan's size
+    /// (the cpu executor goes parallel above a threshold). Destination buffers are written
+    /// through shared references: the pools hand out `&mut` access to the destination pool, so
+    /// nothing else aliases it.
+    fn execute_step(&self, step: &Step, bufs: &Bindings<'_, Self::Buffer>, plan_bytes: u64) -> Result<()>;
+    /// After the last step of a plan: wait where the executor's contract is synchronous (wgpu),
+    /// nothing where transfers are stream-ordered (cuda) or already done (cpu).
+    fn finish(&self) -> Result<()> {
+        Ok(())
+    }
     /// Waits for every submitted transfer.
     fn synchronize(&self) -> Result<()>;
     /// Median seconds of one contiguous copy of `bytes` (the ceiling benchmarks compare with):
@@ -88,26 +112,32 @@ impl std::str::FromStr for BackendKind {
             "cpu" => Ok(BackendKind::Cpu),
             "wgpu" => Ok(BackendKind::Wgpu),
             "cuda" => Ok(BackendKind::Cuda),
-            other => Err(TransferError::Geometry(format!("unknown executor {other:?} (cpu, wgpu, cuda, auto)"))),
+            other => Err(TransferError::UnknownName { what: "executor", name: other.into(), expected: "cpu, wgpu, cuda, auto" }),
         }
     }
 }
 
-/// An executor chosen at run time.
+/// An executor chosen at run time. Clones share one executor instance (one identity).
 #[derive(Clone)]
 pub enum Device {
+    /// Host memory.
     Cpu(cpu::CpuExecutor),
+    /// WGSL compute shaders.
     #[cfg(feature = "wgpu")]
     Wgpu(wgpu::WgpuExecutor),
+    /// NVIDIA GPUs through cudarc.
     #[cfg(feature = "cuda")]
     Cuda(cuda::CudaExecutor),
 }
 
 /// A buffer of some executor.
 pub enum Buffer {
+    /// Host memory.
     Cpu(cpu::CpuBuffer),
+    /// A wgpu storage buffer.
     #[cfg(feature = "wgpu")]
     Wgpu(wgpu::WgpuBuffer),
+    /// CUDA device memory or pinned mapped host memory.
     #[cfg(feature = "cuda")]
     Cuda(cuda::CudaBuffer),
 }
@@ -127,7 +157,7 @@ macro_rules! each_backend {
 /// Narrows a binding of [`Buffer`]s to one backend's buffers; fails if one belongs to another
 /// executor.
 fn typed<'a, T>(bufs: &Bindings<'a, Buffer>, pick: impl Fn(&'a Buffer) -> Option<&'a T>, name: &'static str) -> Result<Bindings<'a, T>> {
-    let err = || TransferError::ExecutorMismatch { host: name.into(), device: "another executor".into() };
+    let err = || TransferError::ExecutorMismatch { expected: format!("{name} buffers"), found: "a buffer of another executor kind".into() };
     let host = bufs.host.iter().map(|b| pick(b).ok_or_else(err)).collect::<Result<Vec<_>>>()?;
     let device =
         bufs.device.iter().map(|c| c.iter().map(|b| pick(b).ok_or_else(err)).collect::<Result<Vec<_>>>()).collect::<Result<Vec<_>>>()?;
@@ -135,6 +165,7 @@ fn typed<'a, T>(bufs: &Bindings<'a, Buffer>, pick: impl Fn(&'a Buffer) -> Option
 }
 
 impl Device {
+    /// A new cpu executor instance.
     pub fn cpu() -> Device {
         Device::Cpu(cpu::CpuExecutor::new())
     }
@@ -163,7 +194,8 @@ impl Device {
         Device::cpu()
     }
 
-    /// From `HICACHE_IO_BACKEND=cpu|wgpu|cuda|auto` (unset means auto).
+    /// From `HICACHE_IO_BACKEND=cpu|wgpu|cuda|auto` (unset or empty means auto); an unknown
+    /// name is an error.
     pub fn from_env() -> Result<Device> {
         match std::env::var("HICACHE_IO_BACKEND").ok().as_deref() {
             None | Some("") | Some("auto") => Ok(Device::auto()),
@@ -171,6 +203,7 @@ impl Device {
         }
     }
 
+    /// Which executor.
     pub fn kind(&self) -> BackendKind {
         match self {
             Device::Cpu(_) => BackendKind::Cpu,
@@ -181,22 +214,36 @@ impl Device {
         }
     }
 
+    /// `cpu`, `wgpu` or `cuda`.
     pub fn name(&self) -> &'static str {
         each_backend!(self, e => e.name())
     }
+    /// This executor instance's identity (clones share it).
+    pub fn id(&self) -> u64 {
+        each_backend!(self, e => e.id())
+    }
+    /// Name and identity, for messages: `wgpu #3`.
+    pub fn label(&self) -> String {
+        format!("{} #{}", self.name(), self.id())
+    }
+    /// Adapter or device description.
     pub fn describe(&self) -> String {
         each_backend!(self, e => e.describe())
     }
+    /// What the planner may ask of this executor.
     pub fn capabilities(&self) -> Capabilities {
         each_backend!(self, e => e.capabilities())
     }
+    /// Waits for every submitted transfer.
     pub fn synchronize(&self) -> Result<()> {
         each_backend!(self, e => e.synchronize())
     }
+    /// Median seconds of one contiguous copy of `bytes` (the benchmarks' ceiling).
     pub fn time_one_copy(&self, bytes: u64, budget: std::time::Duration) -> Result<f64> {
         each_backend!(self, e => e.time_one_copy(bytes, budget))
     }
 
+    /// Device-side memory of `bytes` bytes, zeroed.
     pub fn alloc(&self, bytes: u64) -> Result<Buffer> {
         match self {
             Device::Cpu(e) => e.alloc(bytes).map(Buffer::Cpu),
@@ -207,7 +254,7 @@ impl Device {
         }
     }
 
-    /// Host-pool memory (pinned and mapped on cuda).
+    /// Host-pool memory (pinned and mapped on cuda), zeroed.
     pub fn alloc_host(&self, bytes: u64) -> Result<Buffer> {
         match self {
             Device::Cpu(e) => e.alloc_host(bytes).map(Buffer::Cpu),
@@ -218,7 +265,9 @@ impl Device {
         }
     }
 
+    /// Bytes a buffer of this executor holds.
     pub fn buffer_len(&self, buf: &Buffer) -> Result<u64> {
+        self.check_owner(buf)?;
         match (self, buf) {
             (Device::Cpu(e), Buffer::Cpu(b)) => Ok(e.buffer_len(b)),
             #[cfg(feature = "wgpu")]
@@ -230,8 +279,26 @@ impl Device {
         }
     }
 
-    /// Executor-specific checks of a borrowed buffer.
+    /// The buffer belongs to this executor instance (not only to an executor of this kind).
+    fn check_owner(&self, buf: &Buffer) -> Result<()> {
+        let owner = match (self, buf) {
+            (Device::Cpu(e), Buffer::Cpu(b)) => e.buffer_owner(b),
+            #[cfg(feature = "wgpu")]
+            (Device::Wgpu(e), Buffer::Wgpu(b)) => e.buffer_owner(b),
+            #[cfg(feature = "cuda")]
+            (Device::Cuda(e), Buffer::Cuda(b)) => e.buffer_owner(b),
+            #[allow(unreachable_patterns)]
+            _ => return Err(self.mismatch()),
+        };
+        if owner != self.id() {
+            return Err(TransferError::ExecutorMismatch { expected: self.label(), found: format!("a buffer of {} #{owner}", self.name()) });
+        }
+        Ok(())
+    }
+
+    /// Executor-specific checks of a borrowed buffer (ownership, usage flags, alignment).
     pub fn check_buffer(&self, buf: &Buffer) -> Result<()> {
+        self.check_owner(buf)?;
         match (self, buf) {
             (Device::Cpu(e), Buffer::Cpu(b)) => e.check_buffer(b),
             #[cfg(feature = "wgpu")]
@@ -243,6 +310,7 @@ impl Device {
         }
     }
 
+    /// Writes `data` at `offset` (checked against the buffer's size).
     pub fn write(&self, buf: &Buffer, offset: u64, data: &[u8]) -> Result<()> {
         self.check_span(buf, offset, data.len() as u64)?;
         match (self, buf) {
@@ -256,6 +324,7 @@ impl Device {
         }
     }
 
+    /// Reads `out.len()` bytes at `offset` (checked against the buffer's size).
     pub fn read(&self, buf: &Buffer, offset: u64, out: &mut [u8]) -> Result<()> {
         self.check_span(buf, offset, out.len() as u64)?;
         match (self, buf) {
@@ -282,11 +351,46 @@ impl Device {
     }
 
     fn mismatch(&self) -> TransferError {
-        TransferError::ExecutorMismatch { host: self.name().into(), device: "a buffer of another executor".into() }
+        TransferError::ExecutorMismatch { expected: self.label(), found: "a buffer of another executor kind".into() }
     }
 
-    /// Runs a plan over pool buffers.
-    pub fn execute(&self, plan: &Plan, bufs: &Bindings<'_, Buffer>) -> Result<()> {
+    /// Arms a one-shot fault for testing recovery: the `after_steps`-th step executed from now
+    /// on by this executor instance (0 = the next one) fails with an executor error before it
+    /// runs. Steps before it complete normally.
+    pub fn inject_fault(&self, after_steps: u64) {
+        let mut faults = FAULTS.lock().unwrap_or_else(|e| e.into_inner());
+        faults.retain(|(id, _)| *id != self.id());
+        faults.push((self.id(), after_steps));
+        FAULTS_ARMED.store(true, Ordering::Release);
+    }
+
+    /// Counts one step against an armed fault; `Err` when it fires.
+    fn fault_point(&self) -> Result<()> {
+        if !FAULTS_ARMED.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let mut faults = FAULTS.lock().unwrap_or_else(|e| e.into_inner());
+        let id = self.id();
+        let Some(pos) = faults.iter().position(|(f, _)| *f == id) else { return Ok(()) };
+        if faults[pos].1 > 0 {
+            faults[pos].1 -= 1;
+            return Ok(());
+        }
+        faults.remove(pos);
+        FAULTS_ARMED.store(!faults.is_empty(), Ordering::Release);
+        Err(TransferError::Executor { backend: self.name(), message: "injected fault".into() })
+    }
+
+    /// Runs a plan over pool buffers, step by step. A plan made for another executor instance
+    /// is refused before anything runs. When a step fails, the steps before it have completed
+    /// (the executor is drained first) and the error names them.
+    pub(crate) fn execute(&self, plan: &Plan, bufs: &Bindings<'_, Buffer>) -> Result<()> {
+        if plan.owner() != self.id() {
+            return Err(TransferError::ExecutorMismatch {
+                expected: self.label(),
+                found: format!("a plan made for executor #{}", plan.owner()),
+            });
+        }
         if plan.is_empty() {
             return Ok(());
         }
@@ -294,22 +398,64 @@ impl Device {
             Device::Cpu(e) => {
                 #[allow(irrefutable_let_patterns)]
                 let b = typed(bufs, |b| if let Buffer::Cpu(x) = b { Some(x) } else { None }, "cpu")?;
-                e.execute(plan, &b)
+                self.run_steps(e, plan, &b)
             }
             #[cfg(feature = "wgpu")]
             Device::Wgpu(e) => {
                 #[allow(irrefutable_let_patterns)]
                 let b = typed(bufs, |b| if let Buffer::Wgpu(x) = b { Some(x) } else { None }, "wgpu")?;
-                e.execute(plan, &b)
+                self.run_steps(e, plan, &b)
             }
             #[cfg(feature = "cuda")]
             Device::Cuda(e) => {
                 #[allow(irrefutable_let_patterns)]
                 let b = typed(bufs, |b| if let Buffer::Cuda(x) = b { Some(x) } else { None }, "cuda")?;
-                e.execute(plan, &b)
+                self.run_steps(e, plan, &b)
             }
         }
     }
+
+    fn run_steps<E: Executor>(&self, e: &E, plan: &Plan, bufs: &Bindings<'_, E::Buffer>) -> Result<()> {
+        let steps = plan.steps();
+        for (k, step) in steps.iter().enumerate() {
+            if let Err(err) = self.fault_point().and_then(|_| e.execute_step(step, bufs, plan.bytes())) {
+                // Drain what was enqueued before the failure, so "completed" is true.
+                let drained = e.finish().is_ok();
+                return Err(partial(steps, k, drained, err));
+            }
+        }
+        e.finish().map_err(|err| partial(steps, steps.len().saturating_sub(1), false, err))
+    }
+}
+
+/// Armed faults: (executor id, steps to let through first). Test support; the flag keeps the
+/// cost at one atomic load per step when nothing is armed.
+static FAULTS: Mutex<Vec<(u64, u64)>> = Mutex::new(Vec::new());
+static FAULTS_ARMED: AtomicBool = AtomicBool::new(false);
+
+/// The error of a plan that failed at step `failed`. A single-step plan returns the executor's
+/// error as it is (nothing completed); otherwise it names the host layers whose every step
+/// completed before the failure (`drained`: the executor confirmed the earlier steps).
+fn partial(steps: &[Step], failed: usize, drained: bool, err: TransferError) -> TransferError {
+    if steps.len() <= 1 {
+        return err;
+    }
+    let mut completed_layers: Vec<u64> = Vec::new();
+    if drained {
+        let pending: std::collections::BTreeSet<u64> = steps[failed..].iter().flat_map(|s| s.layers().iter().copied()).collect();
+        completed_layers = steps[..failed].iter().flat_map(|s| s.layers().iter().copied()).filter(|l| !pending.contains(l)).collect();
+        completed_layers.sort_unstable();
+        completed_layers.dedup();
+    }
+    TransferError::Partial { failed_step: failed, total_steps: steps.len(), completed_layers, source: Box::new(err) }
+}
+
+/// Wraps borrowed host memory as a buffer of cpu executor `exec`. Crate-internal: the pool that
+/// receives it carries the borrow's lifetime (`DevicePool<'m>`, `HostPool<'m>`), so the buffer
+/// never outlives the slice, and the `&mut` borrow rules out other access meanwhile.
+pub(crate) fn borrow_cpu_slice(exec: &cpu::CpuExecutor, s: &mut [u8]) -> Buffer {
+    // SAFETY: see above; the slice is valid for reads and writes for the pool's lifetime.
+    Buffer::Cpu(unsafe { cpu::CpuBuffer::from_raw(std::ptr::NonNull::from(&mut *s).cast(), s.len(), exec.id()) })
 }
 
 /// One line per executor: what is present here and why not.

@@ -7,10 +7,15 @@
 //! system memory. Buffers are capped at `min(max_buffer_size, 4 GiB)` so byte offsets fit the
 //! shader's u32 arithmetic; larger pools are rejected with a typed error at allocation.
 //!
-//! `kernel` = `shaders/gather.wgsl`, one dispatch per (layer, component) launch and per pair
-//! of binding windows: buffers larger than `max_storage_buffer_binding_size` are bound by
+//! `kernel` = `shaders/gather.wgsl`, one dispatch per (layer, component) address pair and per
+//! pair of binding windows: buffers larger than `max_storage_buffer_binding_size` are bound by
 //! range, in windows of whole item chunks aligned to `min_storage_buffer_offset_alignment`.
+//! The index table is one binding and one dispatch, so the planner splits calls with more
+//! pairs than [`Capabilities::max_gather_items`] into several steps.
 //! `direct` = one `copy_buffer_to_buffer` per coalesced run.
+//!
+//! Each step is its own submission; a plan returns after the queue has finished all of them
+//! (transfers are synchronous on this executor).
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -19,7 +24,8 @@ use wgpu::util::DeviceExt;
 
 use super::{Bindings, Executor};
 use crate::error::{Result, TransferError};
-use crate::plan::{lcm, Addr, Capabilities, GatherStep, Plan, Step};
+use crate::geometry::Addr;
+use crate::plan::{lcm, Capabilities, GatherStep, Step, StepKind};
 
 const SHADER: &str = include_str!("../../shaders/gather.wgsl");
 const WAIT: Duration = Duration::from_secs(120);
@@ -34,7 +40,14 @@ pub struct WgpuOptions {
     /// Largest binding window in bytes (default: the adapter's storage binding limit). Tests
     /// set it tiny so that every window edge is crossed.
     pub max_window: Option<u64>,
+    /// Most index pairs per gather step (default: what one index binding and one dispatch
+    /// hold). Tests set it tiny so that calls are split.
+    pub max_gather_items: Option<u64>,
 }
+
+/// Above this many runs in one step, `direct` (one `copy_buffer_to_buffer` each) is far slower
+/// than `kernel` on wgpu; a warning says so once.
+const MANY_RUNS: usize = 100_000;
 
 struct Inner {
     device: wgpu::Device,
@@ -50,29 +63,37 @@ struct Inner {
     /// Invocations per item, at most: 64 on GPUs (coalesced words); 1 on CPU adapters such as
     /// lavapipe, where one SIMD lane per item measured about 2× faster (`HICACHE_WGPU_LANES`).
     max_lanes: u64,
+    max_gather_items: u64,
     lost: Arc<Mutex<Option<String>>>,
+    id: u64,
 }
 
+/// The wgpu executor (one device and queue).
 #[derive(Clone)]
 pub struct WgpuExecutor {
     inner: Arc<Inner>,
 }
 
-/// A storage buffer (size rounded up to 4 bytes; `len` is the requested size).
+/// A storage buffer (size rounded up to 4 bytes; `len` is the requested size) of one executor
+/// instance.
 pub struct WgpuBuffer {
     buffer: wgpu::Buffer,
     len: u64,
+    owner: u64,
 }
 
 impl WgpuBuffer {
+    /// The wgpu buffer.
     pub fn raw(&self) -> &wgpu::Buffer {
         &self.buffer
     }
-    /// Wraps a caller's buffer (a shared handle: the engine keeps using it). It needs
-    /// `STORAGE | COPY_SRC | COPY_DST`; pools check that when they wrap it.
-    pub fn wrap(buffer: wgpu::Buffer) -> WgpuBuffer {
+    /// Wraps a caller's buffer created on `exec`'s device (a shared handle: the engine keeps
+    /// using it). It needs `STORAGE | COPY_SRC | COPY_DST`; pools check that when they wrap it.
+    /// wgpu cannot tell which device a buffer belongs to, so naming the executor is the
+    /// caller's promise; pools then refuse to mix it with any other executor instance.
+    pub fn wrap(exec: &WgpuExecutor, buffer: wgpu::Buffer) -> WgpuBuffer {
         let len = buffer.size();
-        WgpuBuffer { buffer, len }
+        WgpuBuffer { buffer, len, owner: exec.inner.id }
     }
 }
 
@@ -180,6 +201,12 @@ impl WgpuExecutor {
             return Err(unavailable(format!("shader compilation failed on {}: {e}", info.name)));
         }
         let max_window = opts.max_window.unwrap_or(u64::MAX).min(limits.max_storage_buffer_binding_size as u64);
+        // One index pair is 8 bytes of one binding; a dispatch holds u32::MAX invocations at up
+        // to 64 per item.
+        let max_gather_items = (limits.max_storage_buffer_binding_size as u64 / 8)
+            .min(u32::MAX as u64 >> 6)
+            .min(opts.max_gather_items.unwrap_or(u64::MAX))
+            .max(1);
         let max_buffer = limits.max_buffer_size.min(u32::MAX as u64) & !3;
         let default_lanes = if info.device_type == wgpu::DeviceType::Cpu { 1 } else { 64 };
         let max_lanes = std::env::var("HICACHE_WGPU_LANES")
@@ -189,7 +216,21 @@ impl WgpuExecutor {
             .unwrap_or(default_lanes);
         log::info!("wgpu: {} ({:?}, {:?}, driver {} {})", info.name, info.backend, info.device_type, info.driver, info.driver_info);
         Ok(WgpuExecutor {
-            inner: Arc::new(Inner { device, queue, info, limits, layout, pipe4, pipe16, max_window, max_buffer, max_lanes, lost }),
+            inner: Arc::new(Inner {
+                device,
+                queue,
+                info,
+                limits,
+                layout,
+                pipe4,
+                pipe16,
+                max_window,
+                max_buffer,
+                max_lanes,
+                max_gather_items,
+                lost,
+                id: super::next_executor_id(),
+            }),
         })
     }
 
@@ -220,6 +261,12 @@ impl WgpuExecutor {
 
     /// Submits `encoder` inside validation and out-of-memory scopes and waits.
     fn submit(&self, build: impl FnOnce(&mut wgpu::CommandEncoder) -> Result<()>) -> Result<()> {
+        self.submit_nowait(build)?;
+        self.wait()
+    }
+
+    /// Submits `encoder` inside validation and out-of-memory scopes.
+    fn submit_nowait(&self, build: impl FnOnce(&mut wgpu::CommandEncoder) -> Result<()>) -> Result<()> {
         self.check_lost()?;
         let dev = &self.inner.device;
         let oom = dev.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
@@ -235,34 +282,20 @@ impl WgpuExecutor {
         if let Some(e) = v.or(o) {
             return Err(err(e.to_string()));
         }
-        self.wait()
+        Ok(())
     }
 
-    fn gather(
-        &self,
-        g: &GatherStep,
-        bufs: &Bindings<'_, WgpuBuffer>,
-        enc: &mut wgpu::CommandEncoder,
-        keep: &mut Vec<wgpu::Buffer>,
-    ) -> Result<()> {
+    fn gather(&self, g: &GatherStep, bufs: &Bindings<'_, WgpuBuffer>, enc: &mut wgpu::CommandEncoder) -> Result<()> {
         let inner = &self.inner;
         let n = g.src_indices.len();
-        let pairs: Vec<[i32; 2]> = g
-            .src_indices
-            .iter()
-            .zip(g.dst_indices.iter())
-            .map(|(&s, &d)| {
-                Ok([
-                    i32::try_from(s.max(-1)).map_err(|_| err(format!("index {s} exceeds i32")))?,
-                    i32::try_from(d.max(-1)).map_err(|_| err(format!("index {d} exceeds i32")))?,
-                ])
-            })
-            .collect::<Result<_>>()?;
+        // The planner bounds indices by `max_index` (i32) and counts by `max_gather_items`.
+        let pairs: Vec<[i32; 2]> =
+            g.src_indices.iter().zip(g.dst_indices.iter()).map(|(&s, &d)| [s.max(-1) as i32, d.max(-1) as i32]).collect();
         // 16-byte words when every offset allows them and a 16-byte granule fits the window.
         let base_granule = self.capabilities().window_granule(g.chunk_bytes);
         let word: u64 = if g.chunk_bytes % 16 == 0
             && lcm(base_granule, 16) <= inner.max_window
-            && g.launches.iter().all(|l| {
+            && g.pairs.iter().all(|l| {
                 aligned16(&l.src)
                     && aligned16(&l.dst)
                     && bufs.get(l.src.buf).buffer.size() % 16 == 0
@@ -277,19 +310,10 @@ impl WgpuExecutor {
         let max_lanes = inner.max_lanes;
         let lanes_log2 = words_per_chunk.next_power_of_two().min(max_lanes).trailing_zeros();
         let total = (n as u64) << lanes_log2;
-        if total > u32::MAX as u64 {
-            return Err(err(format!("{total} words exceed one dispatch; split the transfer")));
-        }
         let align = inner.limits.min_storage_buffer_offset_alignment as u64;
         let granule = lcm(lcm(g.chunk_bytes, align), word);
-        let win = inner.max_window / granule * granule;
-        if win == 0 {
-            return Err(TransferError::Misaligned {
-                what: "wgpu binding window (item chunk vs binding limit)".into(),
-                value: inner.max_window,
-                required: granule,
-            });
-        }
+        // The planner checked that one granule fits the window (`Capabilities::max_binding`).
+        let win = (inner.max_window / granule * granule).max(granule);
         let index_buf = inner.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
             label: Some("hicache-io indices"),
             contents: bytemuck::cast_slice(&pairs),
@@ -298,7 +322,7 @@ impl WgpuExecutor {
         // One Params record per dispatch, at the uniform offset alignment.
         let stride = (std::mem::size_of::<Params>() as u64).next_multiple_of(inner.limits.min_uniform_buffer_offset_alignment as u64);
         let mut dispatches: Vec<(usize, Params, (u64, u64), (u64, u64))> = Vec::new();
-        for (li, l) in g.launches.iter().enumerate() {
+        for (li, l) in g.pairs.iter().enumerate() {
             let (sb, db) = (bufs.get(l.src.buf), bufs.get(l.dst.buf));
             let (sws, dws) = (windows(sb.buffer.size(), win), windows(db.buffer.size(), win));
             // Only the window pairs that hold an item get a dispatch (one pair for pools that fit
@@ -347,7 +371,7 @@ impl WgpuExecutor {
         let groups: Vec<wgpu::BindGroup> = dispatches
             .iter()
             .map(|(li, _, sw, dw)| {
-                let l = &g.launches[*li];
+                let l = &g.pairs[*li];
                 inner.device.create_bind_group(&wgpu::BindGroupDescriptor {
                     label: None,
                     layout: &inner.layout,
@@ -372,8 +396,7 @@ impl WgpuExecutor {
                 pass.dispatch_workgroups(x as u32, y as u32, 1);
             }
         }
-        keep.push(index_buf);
-        keep.push(param_buf);
+        // wgpu keeps the index and parameter buffers alive until the submission completes.
         Ok(())
     }
 }
@@ -449,6 +472,12 @@ impl Executor for WgpuExecutor {
     fn name(&self) -> &'static str {
         "wgpu"
     }
+    fn id(&self) -> u64 {
+        self.inner.id
+    }
+    fn buffer_owner(&self, buf: &WgpuBuffer) -> u64 {
+        buf.owner
+    }
     fn describe(&self) -> String {
         let i = &self.inner.info;
         format!(
@@ -471,15 +500,19 @@ impl Executor for WgpuExecutor {
             direct_align: wgpu::COPY_BUFFER_ALIGNMENT,
             max_binding: self.inner.max_window,
             binding_align: self.inner.limits.min_storage_buffer_offset_alignment as u64,
+            max_gather_items: self.inner.max_gather_items,
+            max_index: i32::MAX as u64,
+            max_pool_bytes: u64::MAX,
+            max_host_pool_bytes: u64::MAX,
         }
     }
     fn alloc(&self, bytes: u64) -> Result<WgpuBuffer> {
-        let size = bytes.max(4).next_multiple_of(4);
+        let size = bytes.max(4).checked_next_multiple_of(4).unwrap_or(u64::MAX);
         if size > self.inner.max_buffer {
-            return Err(TransferError::BufferSize {
-                what: format!("wgpu buffer larger than this adapter allows ({})", self.inner.info.name),
-                expected: self.inner.max_buffer,
-                actual: size,
+            return Err(TransferError::OutOfMemory {
+                what: format!("one wgpu buffer on {}", self.inner.info.name),
+                requested: bytes,
+                limit: format!("the adapter's largest buffer is {} bytes", self.inner.max_buffer),
             });
         }
         let scope = self.inner.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
@@ -490,9 +523,9 @@ impl Executor for WgpuExecutor {
             mapped_at_creation: false,
         });
         if let Some(e) = pollster::block_on(scope.pop()) {
-            return Err(err(format!("allocating {size} bytes: {e}")));
+            return Err(TransferError::OutOfMemory { what: "wgpu buffer".into(), requested: size, limit: e.to_string() });
         }
-        Ok(WgpuBuffer { buffer, len: bytes })
+        Ok(WgpuBuffer { buffer, len: bytes, owner: self.inner.id })
     }
     fn buffer_len(&self, buf: &WgpuBuffer) -> u64 {
         buf.len
@@ -501,7 +534,7 @@ impl Executor for WgpuExecutor {
         let have = buf.buffer.usage();
         let missing = REQUIRED_USAGES - have;
         if !missing.is_empty() {
-            return Err(TransferError::Geometry(format!(
+            return Err(TransferError::InvalidConfig(format!(
                 "wgpu buffer lacks usage {missing:?} (has {have:?}; pools need STORAGE | COPY_SRC | COPY_DST)"
             )));
         }
@@ -548,28 +581,37 @@ impl Executor for WgpuExecutor {
     fn time_one_copy(&self, bytes: u64, budget: Duration) -> Result<f64> {
         let (a, b) = (self.alloc(bytes)?, self.alloc(bytes)?);
         let size = a.buffer.size();
-        crate::bench::time(budget, || {
+        crate::timing::time(budget, || {
             self.submit(|enc| {
                 enc.copy_buffer_to_buffer(&a.buffer, 0, &b.buffer, 0, size);
                 Ok(())
             })
         })
     }
-    fn execute(&self, plan: &Plan, bufs: &Bindings<'_, WgpuBuffer>) -> Result<()> {
-        let mut keep = Vec::new();
-        self.submit(|enc| {
-            for step in &plan.steps {
-                match step {
-                    Step::Gather(g) => self.gather(g, bufs, enc, &mut keep)?,
-                    Step::Copy(c) => {
-                        for r in &c.runs {
-                            enc.copy_buffer_to_buffer(&bufs.get(r.src).buffer, r.src_offset, &bufs.get(r.dst).buffer, r.dst_offset, r.len);
-                        }
+    fn execute_step(&self, step: &Step, bufs: &Bindings<'_, WgpuBuffer>, _plan_bytes: u64) -> Result<()> {
+        self.submit_nowait(|enc| {
+            match step.kind() {
+                StepKind::Gather(g) => self.gather(g, bufs, enc)?,
+                StepKind::Copy(runs) => {
+                    if runs.len() > MANY_RUNS {
+                        static WARNED: std::sync::Once = std::sync::Once::new();
+                        WARNED.call_once(|| {
+                            log::warn!(
+                                "wgpu: a direct step of {} runs issues one buffer copy per run; the kernel io backend is much faster for scattered items",
+                                runs.len()
+                            )
+                        });
+                    }
+                    for r in runs {
+                        enc.copy_buffer_to_buffer(&bufs.get(r.src).buffer, r.src_offset, &bufs.get(r.dst).buffer, r.dst_offset, r.len);
                     }
                 }
             }
             Ok(())
         })
+    }
+    fn finish(&self) -> Result<()> {
+        self.wait()
     }
 }
 

@@ -1,14 +1,20 @@
 //! sglang-shaped pools: a device pool (layer_first, one buffer per live layer and component)
 //! and a host pool built against it, with `load_to_device_per_layer`,
 //! `backup_from_device_all_layer` (layer-sharded when the device pool is) and the storage
-//! helpers of page_first layouts.
+//! helpers (in [`storage`]).
+//!
+//! Every pool belongs to one executor instance; a call that mixes pools, buffers or plans of
+//! two instances is an `ExecutorMismatch` error before anything moves.
 
 use std::marker::PhantomData;
+use std::sync::Arc;
 
 use crate::error::{Result, TransferError};
 use crate::exec::{Bindings, Buffer, Device};
-use crate::geometry::{DeviceGeometry, HostGeometry, IoBackend, LayerMap, Layout, PoolKind, PoolPair, Profile};
+use crate::geometry::{mul, DeviceGeometry, HostGeometry, IoBackend, LayerMap, Layout, PoolKind, PoolPair, Profile};
 use crate::plan::{self, Direction, Op, Plan, Request};
+
+mod storage;
 
 /// Device pool: `[comp][buffer]`, each buffer `slots × item` bytes; buffers are the live target
 /// layers in order, then one per draft (MTP) pool.
@@ -25,41 +31,54 @@ pub struct DevicePool<'m> {
 /// Parameters of a device pool.
 #[derive(Debug, Clone)]
 pub struct DevicePoolConfig {
+    /// Pool kind.
     pub kind: PoolKind,
     /// Token stride (MHA: `H × D × dtype` per K or V; MLA: the record), or for the DSA indexer
     /// the bytes per token per layer (`dsa_bytes_per_token`); the item becomes `P ×` that.
     pub bytes_per_token: u64,
     /// Tokens (pages for the DSA indexer: tokens / P) per layer buffer.
     pub slots: u64,
+    /// Tokens per page `P`.
     pub page_size: u64,
+    /// Which layers the pool holds.
     pub layers: LayerMap,
 }
 
 impl DevicePoolConfig {
-    pub fn geometry(&self) -> DeviceGeometry {
+    /// The checked geometry this configuration describes.
+    pub fn geometry(&self) -> Result<DeviceGeometry> {
         let item_bytes = match self.kind {
-            PoolKind::DsaIndexer => self.bytes_per_token * self.page_size,
+            PoolKind::DsaIndexer => mul(self.bytes_per_token, self.page_size, "DSA indexer item (bytes per token × P)")?,
             _ => self.bytes_per_token,
         };
-        DeviceGeometry { kind: self.kind, item_bytes, slots: self.slots, page_size: self.page_size, layers: self.layers.clone() }
+        DeviceGeometry::new(self.kind, item_bytes, self.slots, self.page_size, self.layers.clone())
     }
+}
+
+/// Refuses a pool larger than the executor can ever back, before anything is allocated.
+fn check_budget(what: &str, requested: u64, limit: u64) -> Result<()> {
+    if requested > limit {
+        return Err(TransferError::OutOfMemory { what: what.into(), requested, limit: format!("the executor has at most {limit} bytes") });
+    }
+    Ok(())
 }
 
 impl DevicePool<'static> {
     /// A pool that owns its buffers, allocated on `device` (zeroed).
     pub fn new(device: &Device, config: &DevicePoolConfig) -> Result<DevicePool<'static>> {
-        DevicePool::with_geometry(device, config.geometry())
+        DevicePool::with_geometry(device, config.geometry()?)
     }
 
+    /// A pool of `geometry`, owning its buffers.
     pub fn with_geometry(device: &Device, geometry: DeviceGeometry) -> Result<DevicePool<'static>> {
-        geometry.validate()?;
-        let buffers = (0..geometry.kind.components())
+        check_budget("device pool", geometry.total_bytes(), device.capabilities().max_pool_bytes)?;
+        let buffers = (0..geometry.kind().components())
             .map(|_| (0..geometry.buffer_count()).map(|_| device.alloc(geometry.layer_bytes())).collect::<Result<Vec<_>>>())
             .collect::<Result<Vec<_>>>()?;
         Ok(DevicePool { geometry, device: device.clone(), buffers, _memory: PhantomData })
     }
 
-    /// Wraps existing executor buffers `[component][buffer]` (K, then V for MHA; live target
+    /// Wraps existing buffers of `device` `[component][buffer]` (K, then V for MHA; live target
     /// layers in order, then drafts), e.g. an engine's `wgpu::Buffer`s via
     /// [`Buffer::Wgpu`]. Each must hold at least `slots × item` bytes.
     pub fn from_buffers(device: &Device, config: &DevicePoolConfig, buffers: Vec<Vec<Buffer>>) -> Result<DevicePool<'static>> {
@@ -68,74 +87,65 @@ impl DevicePool<'static> {
 }
 
 impl<'m> DevicePool<'m> {
-    /// Wraps an engine's host-memory layer buffers on the cpu executor: `layers[component][buffer]`.
-    /// The pool borrows them for `'m`; sizes are checked before anything moves.
+    /// Wraps an engine's host-memory layer buffers on a new cpu executor:
+    /// `layers[component][buffer]`. The pool borrows them for `'m`; sizes are checked before
+    /// anything moves.
     pub fn from_cpu_slices(config: &DevicePoolConfig, layers: Vec<Vec<&'m mut [u8]>>) -> Result<DevicePool<'m>> {
-        let buffers = layers
-            .into_iter()
-            .map(|c| {
-                c.into_iter()
-                    // SAFETY: the slice is borrowed mutably for 'm, which the pool's lifetime carries.
-                    .map(|s| {
-                        Buffer::Cpu(unsafe { crate::exec::cpu::CpuBuffer::from_raw(std::ptr::NonNull::from(&mut *s).cast(), s.len()) })
-                    })
-                    .collect()
-            })
-            .collect();
-        DevicePool::wrap(&Device::cpu(), config, buffers)
+        let device = Device::cpu();
+        let Device::Cpu(exec) = &device else { unreachable!("Device::cpu is a cpu executor") };
+        let buffers = layers.into_iter().map(|c| c.into_iter().map(|s| crate::exec::borrow_cpu_slice(exec, s)).collect()).collect();
+        DevicePool::wrap(&device, config, buffers)
     }
 
     fn wrap(device: &Device, config: &DevicePoolConfig, buffers: Vec<Vec<Buffer>>) -> Result<DevicePool<'m>> {
-        let geometry = config.geometry();
-        geometry.validate()?;
-        check_wrapped(
-            device,
-            &buffers,
-            geometry.kind.components(),
-            geometry.buffer_count(),
-            geometry.layer_bytes(),
-            "device layer buffer",
-        )?;
+        let geometry = config.geometry()?;
+        let (comps, count) = (geometry.kind().components(), geometry.buffer_count());
+        check_wrapped(device, &buffers, comps, count, geometry.layer_bytes(), "device layer buffer")?;
         Ok(DevicePool { geometry, device: device.clone(), buffers, _memory: PhantomData })
     }
 
+    /// The pool's geometry.
     pub fn geometry(&self) -> &DeviceGeometry {
         &self.geometry
     }
+    /// The executor the pool lives on.
     pub fn device(&self) -> &Device {
         &self.device
     }
     /// Buffer of component `comp` (0 = K or the only buffer, 1 = V) at `slot`.
-    pub fn buffer(&self, comp: usize, slot: usize) -> &Buffer {
-        &self.buffers[comp][slot]
+    pub fn buffer(&self, comp: usize, slot: usize) -> Result<&Buffer> {
+        self.buffers.get(comp).and_then(|c| c.get(slot)).ok_or(TransferError::NoSuchBuffer {
+            comp,
+            slot: Some(slot),
+            components: self.buffers.len(),
+            slots: self.geometry.buffer_count(),
+        })
     }
+    /// A copy of one whole layer buffer.
     pub fn read_buffer(&self, comp: usize, slot: usize) -> Result<Vec<u8>> {
-        let mut out = vec![0u8; self.geometry.layer_bytes() as usize];
-        self.device.read(self.buffer_checked(comp, slot)?, 0, &mut out)?;
+        let buf = self.buffer(comp, slot)?;
+        let mut out = alloc_bytes("device layer buffer copy", self.geometry.layer_bytes())?;
+        self.device.read(buf, 0, &mut out)?;
         Ok(out)
     }
     /// Replaces the whole buffer (`data` must be exactly `slots × item` bytes).
     pub fn write_buffer(&mut self, comp: usize, slot: usize, data: &[u8]) -> Result<()> {
-        let buf = self.buffer_checked(comp, slot)?;
+        let buf = self.buffer(comp, slot)?;
         exact_size("device layer buffer", self.geometry.layer_bytes(), data)?;
         self.device.write(buf, 0, data)
-    }
-    fn buffer_checked(&self, comp: usize, slot: usize) -> Result<&Buffer> {
-        self.buffers
-            .get(comp)
-            .and_then(|c| c.get(slot))
-            .ok_or_else(|| TransferError::Geometry(format!("no device buffer (component {comp}, slot {slot})")))
     }
 }
 
 /// Parameters of a host pool (the rest comes from the device pool).
 #[derive(Debug, Clone)]
 pub struct HostPoolConfig {
+    /// Host layout.
     pub layout: Layout,
     /// Requested token slots (sglang rounds to `(size / P + 1) × P`).
     pub size: u64,
     /// `H` for page_head (MHA); ignored otherwise.
     pub head_num: u64,
+    /// Which table to obey.
     pub profile: Profile,
 }
 
@@ -143,7 +153,7 @@ pub struct HostPoolConfig {
 ///
 /// `'m` is the lifetime of borrowed memory (`'static` when the pool owns its buffers).
 pub struct HostPool<'m> {
-    pair: PoolPair,
+    pair: Arc<PoolPair>,
     profile: Profile,
     device: Device,
     buffers: Vec<Buffer>,
@@ -156,25 +166,29 @@ impl HostPool<'static> {
     pub fn new(device_pool: &DevicePool, config: &HostPoolConfig) -> Result<HostPool<'static>> {
         let pair = PoolPair::new(device_pool.geometry.clone(), config.layout, config.size, config.head_num)?;
         let device = device_pool.device.clone();
-        let buffers = (0..pair.host.kind.components()).map(|_| device.alloc_host(pair.host.buffer_bytes())).collect::<Result<Vec<_>>>()?;
-        Ok(HostPool { pair, profile: config.profile, device, buffers, _memory: PhantomData })
+        let host = pair.host();
+        let comps = host.kind().components() as u64;
+        check_budget("host pool", host.buffer_bytes().saturating_mul(comps), device.capabilities().max_host_pool_bytes)?;
+        let buffers = (0..comps).map(|_| device.alloc_host(host.buffer_bytes())).collect::<Result<Vec<_>>>()?;
+        Ok(HostPool { pair: Arc::new(pair), profile: config.profile, device, buffers, _memory: PhantomData })
     }
 
-    /// Wraps existing executor buffers, one per component (e.g. an engine's registered host
-    /// region on cuda, or `wgpu::Buffer`s). Each must hold at least the layout's bytes.
+    /// Wraps existing buffers of the device pool's executor, one per component (e.g. an
+    /// engine's registered host region on cuda, or `wgpu::Buffer`s). Each must hold at least the
+    /// layout's bytes.
     pub fn from_buffers(device_pool: &DevicePool, config: &HostPoolConfig, buffers: Vec<Buffer>) -> Result<HostPool<'static>> {
         HostPool::wrap(device_pool, config, buffers)
     }
 }
 
 impl<'m> HostPool<'m> {
-    /// Wraps an engine's host region(s) on the cpu executor, one slice per component.
+    /// Wraps an engine's host region(s) on the device pool's cpu executor, one slice per
+    /// component.
     pub fn from_cpu_slices(device_pool: &DevicePool, config: &HostPoolConfig, components: Vec<&'m mut [u8]>) -> Result<HostPool<'m>> {
-        let buffers = components
-            .into_iter()
-            // SAFETY: borrowed mutably for 'm, carried by the pool's lifetime.
-            .map(|s| Buffer::Cpu(unsafe { crate::exec::cpu::CpuBuffer::from_raw(std::ptr::NonNull::from(&mut *s).cast(), s.len()) }))
-            .collect();
+        let Device::Cpu(exec) = &device_pool.device else {
+            return Err(TransferError::ExecutorMismatch { expected: device_pool.device.label(), found: "host memory slices (cpu)".into() });
+        };
+        let buffers = components.into_iter().map(|s| crate::exec::borrow_cpu_slice(exec, s)).collect();
         HostPool::wrap(device_pool, config, buffers)
     }
 
@@ -182,36 +196,45 @@ impl<'m> HostPool<'m> {
         let pair = PoolPair::new(device_pool.geometry.clone(), config.layout, config.size, config.head_num)?;
         let device = device_pool.device.clone();
         let nested = vec![buffers];
-        check_wrapped(&device, &nested, 1, pair.host.kind.components(), pair.host.buffer_bytes(), "host buffer")?;
+        check_wrapped(&device, &nested, 1, pair.host().kind().components(), pair.host().buffer_bytes(), "host buffer")?;
         let buffers = nested.into_iter().next().unwrap_or_default();
-        Ok(HostPool { pair, profile: config.profile, device, buffers, _memory: PhantomData })
+        Ok(HostPool { pair: Arc::new(pair), profile: config.profile, device, buffers, _memory: PhantomData })
     }
 
+    /// The host geometry.
     pub fn geometry(&self) -> &HostGeometry {
-        &self.pair.host
+        self.pair.host()
     }
+    /// Host and device geometry together.
     pub fn pair(&self) -> &PoolPair {
         &self.pair
     }
+    /// The table this pool obeys.
     pub fn profile(&self) -> Profile {
         self.profile
     }
+    /// The executor the pool lives on.
     pub fn device(&self) -> &Device {
         &self.device
     }
 
-    /// Validates and lowers one call without running it.
+    /// Validates and lowers one call without running it (plan once, run many).
     pub fn plan(&self, device_pool: &DevicePool, req: &Request<'_>) -> Result<Plan> {
         self.check_pair(device_pool)?;
-        plan::plan(self.profile, &self.device.capabilities(), &self.pair, req)
+        plan::plan(self.profile, &self.device.capabilities(), self.device.id(), &self.pair, req)
     }
 
+    /// The device pool is of the same executor instance and the geometry this pool was built
+    /// for.
     fn check_pair(&self, device_pool: &DevicePool) -> Result<()> {
-        if device_pool.device.kind() != self.device.kind() {
-            return Err(TransferError::ExecutorMismatch { host: self.device.name().into(), device: device_pool.device.name().into() });
+        if device_pool.device.id() != self.device.id() {
+            return Err(TransferError::ExecutorMismatch {
+                expected: format!("a device pool on {} (the host pool's executor)", self.device.label()),
+                found: format!("a device pool on {}", device_pool.device.label()),
+            });
         }
-        if device_pool.geometry != self.pair.device {
-            return Err(TransferError::Geometry("host pool was built for a different device pool".into()));
+        if device_pool.geometry != *self.pair.device() {
+            return Err(TransferError::PoolMismatch(format!("built for {:?}, called with {:?}", self.pair.device(), device_pool.geometry)));
         }
         Ok(())
     }
@@ -266,33 +289,39 @@ impl<'m> HostPool<'m> {
         self.execute(device_pool, &plan)
     }
 
-    /// Runs a load plan made by [`HostPool::plan`] for these pools (plan once, run many).
+    /// Runs a load plan made by [`HostPool::plan`] for these pools.
     pub fn execute_load(&self, device_pool: &mut DevicePool, plan: &Plan) -> Result<()> {
-        self.check_plan(plan, Direction::HostToDevice)?;
+        self.check_plan(device_pool, plan, Direction::HostToDevice)?;
         self.execute(device_pool, plan)
     }
 
     /// Runs a backup plan made by [`HostPool::plan`] for these pools.
     pub fn execute_backup(&mut self, device_pool: &DevicePool, plan: &Plan) -> Result<()> {
-        self.check_plan(plan, Direction::DeviceToHost)?;
+        self.check_plan(device_pool, plan, Direction::DeviceToHost)?;
         self.execute(device_pool, plan)
     }
 
-    fn check_plan(&self, plan: &Plan, direction: Direction) -> Result<()> {
-        if plan.direction != direction || *plan.pair != self.pair || plan.profile != self.profile {
-            return Err(TransferError::Geometry("plan was made for other pools, profile or direction".into()));
+    fn check_plan(&self, device_pool: &DevicePool, plan: &Plan, direction: Direction) -> Result<()> {
+        self.check_pair(device_pool)?;
+        if plan.direction() != direction {
+            return Err(TransferError::StalePlan(format!("{:?}, run as {direction:?}", plan.direction())));
+        }
+        if plan.profile() != self.profile {
+            return Err(TransferError::StalePlan(format!("profile {}, the pool obeys {}", plan.profile(), self.profile)));
+        }
+        if plan.pair() != &*self.pair {
+            return Err(TransferError::StalePlan("other pools".into()));
         }
         Ok(())
     }
 
     fn execute(&self, device_pool: &DevicePool, plan: &Plan) -> Result<()> {
-        self.check_pair(device_pool)?;
         log::debug!(
             "{:?} via {} on {}: {} steps, {} bytes",
-            plan.direction,
-            plan.path.op,
+            plan.direction(),
+            plan.path().op,
             self.device.name(),
-            plan.steps.len(),
+            plan.steps().len(),
             plan.bytes()
         );
         self.device.execute(plan, &self.bindings(device_pool))
@@ -300,87 +329,31 @@ impl<'m> HostPool<'m> {
 
     /// Raw bytes of component `comp` (0 = K or the only buffer, 1 = V).
     pub fn read_buffer(&self, comp: usize) -> Result<Vec<u8>> {
-        let mut out = vec![0u8; self.pair.host.buffer_bytes() as usize];
-        self.device.read(self.buffer_checked(comp)?, 0, &mut out)?;
+        let buf = self.buffer(comp)?;
+        let mut out = alloc_bytes("host buffer copy", self.pair.host().buffer_bytes())?;
+        self.device.read(buf, 0, &mut out)?;
         Ok(out)
     }
     /// Replaces the whole component buffer (`data` must be exactly its size).
     pub fn write_buffer(&mut self, comp: usize, data: &[u8]) -> Result<()> {
-        let buf = self.buffer_checked(comp)?;
-        exact_size("host buffer", self.pair.host.buffer_bytes(), data)?;
+        let buf = self.buffer(comp)?;
+        exact_size("host buffer", self.pair.host().buffer_bytes(), data)?;
         self.device.write(buf, 0, data)
     }
-    fn buffer_checked(&self, comp: usize) -> Result<&Buffer> {
-        self.buffers.get(comp).ok_or_else(|| TransferError::Geometry(format!("no host component {comp}")))
+    /// Buffer of component `comp`.
+    pub fn buffer(&self, comp: usize) -> Result<&Buffer> {
+        self.buffers.get(comp).ok_or(TransferError::NoSuchBuffer { comp, slot: None, components: self.buffers.len(), slots: 1 })
     }
+}
 
-    // ---- storage helpers (page_first layouts) ----------------------------------------------
-
-    /// The page holding token `index` (a multiple of `P`) as one flat span per component:
-    /// `(component, byte offset, bytes)`. Only layouts where a page is contiguous have this
-    /// (page_first, page_first_direct, page_head), like sglang's `get_page_buffer_meta`.
-    pub fn page_span(&self, index: i64) -> Result<Vec<(usize, u64, u64)>> {
-        let g = &self.pair.host;
-        if g.layout == Layout::LayerFirst {
-            return Err(TransferError::UnsupportedLayout { layout: g.layout.name().into() });
-        }
-        let p = g.page_size as i64;
-        if index < 0 || index % p != 0 {
-            return Err(TransferError::NotWholePage { side: "host", start: index, end: index, position: 0, page_size: g.page_size });
-        }
-        // Index-granular page: DSA slots are pages already.
-        let page = (index / p) as u64;
-        let page_count = g.index_pages();
-        if page >= page_count {
-            return Err(TransferError::IndexOutOfRange {
-                side: "host",
-                index,
-                position: 0,
-                bound: page_count * g.page_size,
-                unit: "slots",
-            });
-        }
-        let (offset, span) = g.page_span(page);
-        Ok((0..g.kind.components()).map(|c| (c, offset, span)).collect())
-    }
-
-    /// sglang `get_page_buffer_meta`: spans of the pages whose first tokens are
-    /// `indices[0], indices[P], …`.
-    pub fn get_page_buffer_meta(&self, indices: &[i64]) -> Result<Vec<(usize, u64, u64)>> {
-        let p = self.pair.host.page_size as usize;
-        let mut out = Vec::new();
-        for first in indices.iter().step_by(p) {
-            out.extend(self.page_span(*first)?);
-        }
-        Ok(out)
-    }
-
-    /// sglang `get_data_page(index, flat=True)`: the page's bytes, K then V.
-    pub fn get_data_page(&self, index: i64) -> Result<Vec<u8>> {
-        let spans = self.page_span(index)?;
-        let mut out = vec![0u8; spans.iter().map(|s| s.2 as usize).sum()];
-        let mut at = 0;
-        for (c, off, len) in spans {
-            self.device.read(&self.buffers[c], off, &mut out[at..at + len as usize])?;
-            at += len as usize;
-        }
-        Ok(out)
-    }
-
-    /// sglang `set_from_flat_data_page(index, data_page)`: the inverse of `get_data_page`.
-    pub fn set_from_flat_data_page(&mut self, index: i64, data: &[u8]) -> Result<()> {
-        let spans = self.page_span(index)?;
-        let total: u64 = spans.iter().map(|s| s.2).sum();
-        if data.len() as u64 != total {
-            return Err(TransferError::BufferSize { what: "flat data page".into(), expected: total, actual: data.len() as u64 });
-        }
-        let mut at = 0;
-        for (c, off, len) in spans {
-            self.device.write(&self.buffers[c], off, &data[at..at + len as usize])?;
-            at += len as usize;
-        }
-        Ok(())
-    }
+/// A zeroed byte vector, or `OutOfMemory` (never an abort).
+fn alloc_bytes(what: &str, bytes: u64) -> Result<Vec<u8>> {
+    let oom = || TransferError::OutOfMemory { what: what.into(), requested: bytes, limit: "the allocator refused it".into() };
+    let n = usize::try_from(bytes).map_err(|_| oom())?;
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| oom())?;
+    v.resize(n, 0);
+    Ok(v)
 }
 
 fn exact_size(what: &str, expected: u64, data: &[u8]) -> Result<()> {
@@ -390,21 +363,22 @@ fn exact_size(what: &str, expected: u64, data: &[u8]) -> Result<()> {
     Ok(())
 }
 
-/// Wrapped buffers: the right count, each at least `bytes` long, and of `device`'s executor.
+/// Wrapped buffers: the right count, each at least `bytes` long, and of `device`'s executor
+/// instance.
 fn check_wrapped(device: &Device, buffers: &[Vec<Buffer>], outer: usize, inner: usize, bytes: u64, what: &str) -> Result<()> {
     if buffers.len() != outer || buffers.iter().any(|c| c.len() != inner) {
-        return Err(TransferError::Geometry(format!(
+        return Err(TransferError::InvalidConfig(format!(
             "{what}s: expected {outer} × {inner}, got {:?}",
             buffers.iter().map(|c| c.len()).collect::<Vec<_>>()
         )));
     }
     for (i, c) in buffers.iter().enumerate() {
         for (j, b) in c.iter().enumerate() {
+            device.check_buffer(b)?;
             let len = device.buffer_len(b)?;
             if len < bytes {
                 return Err(TransferError::BufferSize { what: format!("{what} [{i}][{j}]"), expected: bytes, actual: len });
             }
-            device.check_buffer(b)?;
         }
     }
     Ok(())

@@ -1,0 +1,114 @@
+//! Storage helpers of the host pool (sglang's `get_data_page`, `set_from_flat_data_page`,
+//! `get_dummy_flat_data_page`, `get_page_buffer_meta`), used by L3 storage backends that move
+//! whole pages.
+//!
+//! Support and byte order, per pool kind and layout (a flat page is K's part, then V's for MHA):
+//!
+//! | kind | layout | flat page | `get_page_buffer_meta` per page |
+//! |---|---|---|---|
+//! | MHA | layer_first | `[L][P][item]` | one span per layer and component: K₀, V₀, K₁, V₁, … (`P × item` each) |
+//! | MHA | page_first | `[P][L][item]` | K, V (`L × P × item` each) |
+//! | MHA | page_first_direct | `[L][P][item]` | K, V |
+//! | MHA | page_head | `[H][P][L][D]` | K, V |
+//! | MLA | layer_first | `[L][P][item]` | one span per layer |
+//! | MLA | page_first, page_first_direct | as MHA | one span |
+//! | DSA | layer_first | `[L][item]` (one indexer page per layer) | `Unsupported layout: layer_first` |
+//! | DSA | page_first, page_first_direct | `[L][item]` | one span |
+//!
+//! (page_head exists only for MHA: the other pools cannot be allocated with it.) `index` is a
+//! token slot that starts a page (a multiple of `P`; sglang does not check, and for DSA rounds
+//! down); an unaligned or out-of-range index is an error here.
+
+use super::HostPool;
+use crate::error::{Result, TransferError};
+use crate::geometry::{Layout, PoolKind};
+
+impl HostPool<'_> {
+    /// The flat page starting at token `index`, as `(component, byte offset, bytes)` spans in
+    /// flat order.
+    fn flat_page(&self, index: i64) -> Result<Vec<(usize, u64, u64)>> {
+        let g = self.pair.host();
+        let p = g.page_size();
+        let page_count = g.index_pages();
+        let aligned = u64::try_from(index).ok().filter(|i| i % p == 0);
+        let Some(first) = aligned else {
+            return Err(TransferError::NotWholePage { side: "host", start: index, end: index, position: 0, page_size: p });
+        };
+        let page = first / p;
+        if page >= page_count {
+            return Err(TransferError::IndexOutOfRange {
+                side: "host",
+                index,
+                position: 0,
+                bound: page_count.saturating_mul(p),
+                unit: "slots",
+            });
+        }
+        // Index-granular page: the DSA indexer's slots are pages already.
+        let spans = g.flat_page_spans(page);
+        Ok((0..g.kind().components()).flat_map(|c| spans.iter().map(move |&(off, len)| (c, off, len))).collect())
+    }
+
+    /// Bytes of one flat page (every component).
+    pub fn flat_page_bytes(&self) -> u64 {
+        let g = self.pair.host();
+        g.index_page_size() * g.layout_dim() * g.kind().components() as u64
+    }
+
+    /// sglang `get_data_page(index, flat=True)`: the page's bytes (K then V).
+    pub fn get_data_page(&self, index: i64) -> Result<Vec<u8>> {
+        let spans = self.flat_page(index)?;
+        let mut out = vec![0u8; self.flat_page_bytes() as usize];
+        let mut at = 0;
+        for (c, off, len) in spans {
+            self.device.read(self.buffer(c)?, off, &mut out[at..at + len as usize])?;
+            at += len as usize;
+        }
+        Ok(out)
+    }
+
+    /// sglang `get_dummy_flat_data_page()`: a zeroed page of the flat page's size.
+    pub fn get_dummy_flat_data_page(&self) -> Vec<u8> {
+        vec![0u8; self.flat_page_bytes() as usize]
+    }
+
+    /// sglang `set_from_flat_data_page(index, data_page)`: the inverse of `get_data_page`.
+    pub fn set_from_flat_data_page(&mut self, index: i64, data: &[u8]) -> Result<()> {
+        let spans = self.flat_page(index)?;
+        let total = self.flat_page_bytes();
+        if data.len() as u64 != total {
+            return Err(TransferError::BufferSize { what: "flat data page".into(), expected: total, actual: data.len() as u64 });
+        }
+        let mut at = 0;
+        for (c, off, len) in spans {
+            self.device.write(self.buffer(c)?, off, &data[at..at + len as usize])?;
+            at += len as usize;
+        }
+        Ok(())
+    }
+
+    /// sglang `get_page_buffer_meta(indices)`: `(component, byte offset, bytes)` of the pages
+    /// whose first tokens are `indices[0], indices[P], …` (see the module table for the spans
+    /// of each layout). `indices.len()` must be a multiple of `P`.
+    pub fn get_page_buffer_meta(&self, indices: &[i64]) -> Result<Vec<(usize, u64, u64)>> {
+        let g = self.pair.host();
+        let p = g.page_size();
+        if indices.len() as u64 % p != 0 {
+            return Err(TransferError::DirectCountNotPageMultiple { len: indices.len(), page_size: p });
+        }
+        if g.kind() == PoolKind::DsaIndexer && g.layout() == Layout::LayerFirst {
+            return Err(TransferError::UnsupportedLayout { layout: g.layout().name().into() });
+        }
+        let comps = g.kind().components();
+        let mut out = Vec::new();
+        for &first in indices.iter().step_by(p as usize) {
+            let spans = self.flat_page(first)?;
+            // flat order is component-major; sglang's meta interleaves K and V per span.
+            let per = spans.len() / comps;
+            for k in 0..per {
+                out.extend((0..comps).map(|c| spans[c * per + k]));
+            }
+        }
+        Ok(out)
+    }
+}
