@@ -6,7 +6,7 @@ use crate::error::{Result, TransferError};
 use crate::exec::Device;
 use crate::geometry::{dsa_bytes_per_token, IoBackend, LayerMap, Layout, PoolKind, Profile};
 use crate::oracle::{self, OracleBuffers};
-use crate::plan::{decide, kernel_word, Capabilities, Op, TableOp};
+use crate::plan::{decide, kernel_word, Capabilities, Op, Request, TableOp};
 use crate::pool::{DevicePool, DevicePoolConfig, HostPool, HostPoolConfig};
 
 pub use crate::plan::{all_cells, Cell};
@@ -159,73 +159,85 @@ pub enum Outcome {
     Rejected(TransferError),
 }
 
-/// Runs one case on `device` and compares with the oracle.
-pub fn run_case(device: &Device, case: &Case) -> Result<Outcome> {
-    let mut rng = Rng::new(case.seed);
-    let mut dev_pool = DevicePool::new(device, &case.device)?;
-    let mut host_pool = HostPool::new(&dev_pool, &case.host)?;
-    let g = dev_pool.geometry().clone();
-    let comps = g.kind().components();
-    // Random initial contents, mirrored into the oracle's buffers.
-    let mut dev_bytes: Vec<Vec<Vec<u8>>> =
-        (0..comps).map(|_| (0..g.buffer_count()).map(|_| vec![0u8; g.layer_bytes() as usize]).collect()).collect();
-    let mut host_bytes: Vec<Vec<u8>> = (0..comps).map(|_| vec![0u8; host_pool.geometry().buffer_bytes() as usize]).collect();
-    for (c, bufs) in dev_bytes.iter_mut().enumerate() {
-        for (s, b) in bufs.iter_mut().enumerate() {
-            rng.fill(b);
-            dev_pool.write_buffer(c, s, b)?;
-        }
-    }
-    for (c, b) in host_bytes.iter_mut().enumerate() {
-        rng.fill(b);
-        host_pool.write_buffer(c, b)?;
-    }
-    let plan = match host_pool.plan(
-        &dev_pool,
-        &crate::plan::Request {
-            op: case.op,
-            io_backend: case.cell.io,
-            host_indices: &case.host_indices,
-            device_indices: &case.device_indices,
-        },
-    ) {
-        Ok(p) => p,
-        Err(e) => return Ok(Outcome::Rejected(e)),
-    };
-    let bytes = plan.bytes();
-    let result = match case.op {
-        Op::Load { layer_id, is_draft: false } => {
-            host_pool.load_to_device_per_layer(&mut dev_pool, &case.host_indices, &case.device_indices, layer_id, case.cell.io)
-        }
-        Op::Load { layer_id, is_draft: true } => {
-            host_pool.load_draft_to_device(&mut dev_pool, &case.host_indices, &case.device_indices, layer_id, case.cell.io)
-        }
-        Op::Backup => host_pool.backup_from_device_all_layer(&dev_pool, &case.host_indices, &case.device_indices, case.cell.io),
-    };
-    result?;
-    dev_pool.device().synchronize()?;
-    oracle::apply(
-        host_pool.pair(),
-        case.op,
-        &case.host_indices,
-        &case.device_indices,
-        OracleBuffers { host: &mut host_bytes, device: &mut dev_bytes },
-    );
-    for (c, want) in host_bytes.iter().enumerate() {
-        let got = host_pool.read_buffer(c)?;
-        if let Some(offset) = first_diff(&got, want) {
-            return Ok(Outcome::Mismatch { buffer: format!("host component {c}"), offset });
-        }
-    }
-    for (c, bufs) in dev_bytes.iter().enumerate() {
-        for (s, want) in bufs.iter().enumerate() {
-            let got = dev_pool.read_buffer(c, s)?;
-            if let Some(offset) = first_diff(&got, want) {
-                return Ok(Outcome::Mismatch { buffer: format!("device component {c} buffer {s}"), offset });
+/// A pool pair filled with random bytes, and a mirror of its contents for the oracle.
+pub(crate) struct Mirrored {
+    pub(crate) dev: DevicePool<'static>,
+    pub(crate) host: HostPool<'static>,
+    dev_bytes: Vec<Vec<Vec<u8>>>,
+    host_bytes: Vec<Vec<u8>>,
+}
+
+impl Mirrored {
+    /// Allocates the pools and fills every buffer with random bytes from `seed`.
+    pub(crate) fn new(device: &Device, dc: &DevicePoolConfig, hc: &HostPoolConfig, seed: u64) -> Result<Mirrored> {
+        let mut rng = Rng::new(seed);
+        let mut dev = DevicePool::new(device, dc)?;
+        let mut host = HostPool::new(&dev, hc)?;
+        let g = dev.geometry().clone();
+        let comps = g.kind().components();
+        let mut dev_bytes: Vec<Vec<Vec<u8>>> =
+            (0..comps).map(|_| (0..g.buffer_count()).map(|_| vec![0u8; g.layer_bytes() as usize]).collect()).collect();
+        let mut host_bytes: Vec<Vec<u8>> = (0..comps).map(|_| vec![0u8; host.geometry().buffer_bytes() as usize]).collect();
+        for (c, bufs) in dev_bytes.iter_mut().enumerate() {
+            for (s, b) in bufs.iter_mut().enumerate() {
+                rng.fill(b);
+                dev.write_buffer(c, s, b)?;
             }
         }
+        for (c, b) in host_bytes.iter_mut().enumerate() {
+            rng.fill(b);
+            host.write_buffer(c, b)?;
+        }
+        Ok(Mirrored { dev, host, dev_bytes, host_bytes })
     }
-    Ok(Outcome::Match { bytes })
+
+    /// The pools API call for `op`.
+    pub(crate) fn call(&mut self, op: Op, io: IoBackend, hi: &[i64], di: &[i64]) -> Result<()> {
+        match op {
+            Op::Load { layer_id, is_draft: false } => self.host.load_to_device_per_layer(&mut self.dev, hi, di, layer_id, io),
+            Op::Load { layer_id, is_draft: true } => self.host.load_draft_to_device(&mut self.dev, hi, di, layer_id, io),
+            Op::Backup => self.host.backup_from_device_all_layer(&self.dev, hi, di, io),
+        }
+    }
+
+    /// Applies an accepted call to the mirror.
+    pub(crate) fn apply_oracle(&mut self, op: Op, hi: &[i64], di: &[i64]) {
+        oracle::apply(self.host.pair(), op, hi, di, OracleBuffers { host: &mut self.host_bytes, device: &mut self.dev_bytes });
+    }
+
+    /// Where the pools first differ from the mirror, if anywhere.
+    pub(crate) fn first_mismatch(&self) -> Result<Option<(String, usize)>> {
+        self.dev.device().synchronize()?;
+        for (c, want) in self.host_bytes.iter().enumerate() {
+            if let Some(offset) = first_diff(&self.host.read_buffer(c)?, want) {
+                return Ok(Some((format!("host component {c}"), offset)));
+            }
+        }
+        for (c, bufs) in self.dev_bytes.iter().enumerate() {
+            for (s, want) in bufs.iter().enumerate() {
+                if let Some(offset) = first_diff(&self.dev.read_buffer(c, s)?, want) {
+                    return Ok(Some((format!("device component {c} buffer {s}"), offset)));
+                }
+            }
+        }
+        Ok(None)
+    }
+}
+
+/// Runs one case on `device` and compares with the oracle.
+pub fn run_case(device: &Device, case: &Case) -> Result<Outcome> {
+    let mut m = Mirrored::new(device, &case.device, &case.host, case.seed)?;
+    let req = Request { op: case.op, io_backend: case.cell.io, host_indices: &case.host_indices, device_indices: &case.device_indices };
+    let bytes = match m.host.plan(&m.dev, &req) {
+        Ok(p) => p.bytes(),
+        Err(e) => return Ok(Outcome::Rejected(e)),
+    };
+    m.call(case.op, case.cell.io, &case.host_indices, &case.device_indices)?;
+    m.apply_oracle(case.op, &case.host_indices, &case.device_indices);
+    Ok(match m.first_mismatch()? {
+        Some((buffer, offset)) => Outcome::Mismatch { buffer, offset },
+        None => Outcome::Match { bytes },
+    })
 }
 
 fn first_diff(a: &[u8], b: &[u8]) -> Option<usize> {

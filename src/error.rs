@@ -53,9 +53,9 @@ pub enum TransferError {
     /// An index outside its pool. `side` is "host" or "device"; `position` is its place in the list.
     #[error("{side} index {index} at position {position} is out of range (pool holds {bound} {unit})")]
     IndexOutOfRange { side: &'static str, index: i64, position: usize, bound: u64, unit: &'static str },
-    /// A page group (page_first_direct, DSA) that does not start on a page boundary or does not
-    /// end `page_size - 1` slots later (`start`/`end`: its first and last entries).
-    #[error("{side} indices {start}..={end} at position {position} are not one whole page of {page_size} slots starting at a multiple of {page_size}")]
+    /// A page group (page_first_direct, DSA) that is not one whole page in order, nor all
+    /// negative (`start`/`end`: its first and last entries).
+    #[error("{side} indices {start}..={end} at position {position} are not one whole page of {page_size} consecutive slots starting at a multiple of {page_size}")]
     NotWholePage { side: &'static str, start: i64, end: i64, position: usize, page_size: u64 },
     /// Two entries write the same destination item (the result would depend on ordering, and
     /// differ between executors).

@@ -37,6 +37,7 @@ pub mod bench;
 pub mod check;
 pub mod error;
 pub mod exec;
+pub mod fuzz;
 pub mod geometry;
 pub mod matrix;
 pub mod oracle;

@@ -1,4 +1,7 @@
-//! `hicache-io`: info | matrix | check (the main job, also with no arguments).
+//! `hicache-io`: info | matrix | check (the main job, also with no arguments) | bench.
+//!
+//! Machine-readable output (`--json`) is pure JSON on stdout; progress and human lines go to
+//! stderr.
 
 use std::process::ExitCode;
 
@@ -26,7 +29,7 @@ enum Cmd {
         /// Pools to show (mha, mla, dsa); all by default.
         #[arg(long, value_delimiter = ',')]
         pool: Vec<PoolKind>,
-        /// Page size the DSA indexer item assumes (132 B/token × this).
+        /// Page size the DSA indexer item assumes (132 B/token × this; 1 to 2^32).
         #[arg(long, default_value_t = 64)]
         dsa_page_size: u64,
         #[arg(long)]
@@ -35,6 +38,10 @@ enum Cmd {
     /// Randomized transfers over every supported cell on each executor, compared byte for byte
     /// with the oracle. Exit status 1 on any mismatch.
     Check(CheckArgs),
+    /// Hostile input through the public API (malformed sizes, layers, indices, foreign plans):
+    /// every call must match the oracle or be refused with every byte unchanged, and nothing may
+    /// panic. Exit status 1 otherwise.
+    Fuzz(FuzzArgs),
     /// Throughput per executor, path and item size, with the ratio to the executor's own
     /// one-copy ceiling measured in the same run and the planning share.
     Bench(BenchArgs),
@@ -45,10 +52,8 @@ struct BenchArgs {
     /// Executors to measure; every available one by default.
     #[arg(long, value_delimiter = ',')]
     backend: Vec<BackendKind>,
-    /// The quick subset (the default): random pages, N = 4096, L = 8, 8448/1152/128 B items.
-    #[arg(long, conflicts_with = "full")]
-    quick: bool,
-    /// The whole matrix: 4 item sizes × 3 patterns × N 256/4096 × L 8/61.
+    /// The whole matrix (the default is the quick subset: random pages, N = 4096, L = 8,
+    /// 8448/1152/128 B items): 4 item sizes × 3 patterns × N 256/4096 × L 8/61.
     #[arg(long)]
     full: bool,
     /// Item sizes to measure (default: the subset's); e.g. `--items 8448,1152,656`.
@@ -61,6 +66,20 @@ struct BenchArgs {
     json: bool,
 }
 
+#[derive(clap::Args)]
+struct FuzzArgs {
+    /// Executors to fuzz; every available one by default.
+    #[arg(long, value_delimiter = ',')]
+    backend: Vec<BackendKind>,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Cases per executor (at least 1).
+    #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(1..))]
+    cases: u64,
+    #[arg(long)]
+    json: bool,
+}
+
 #[derive(clap::Args, Default)]
 struct CheckArgs {
     /// Executors to check (cpu, wgpu, cuda); every available one by default.
@@ -68,8 +87,8 @@ struct CheckArgs {
     backend: Vec<BackendKind>,
     #[arg(long, default_value_t = 1)]
     seed: u64,
-    /// Random cases per cell and executor.
-    #[arg(long, default_value_t = 8)]
+    /// Random cases per cell and executor (at least 1).
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..))]
     rounds: u64,
     #[arg(long, default_value = "extended")]
     profile: Profile,
@@ -83,6 +102,10 @@ fn main() -> ExitCode {
     match cli.cmd.unwrap_or(Cmd::Check(CheckArgs { seed: 1, rounds: 8, profile: Profile::Extended, ..Default::default() })) {
         Cmd::Info => info(),
         Cmd::Matrix { profile, pool, dsa_page_size, json } => {
+            if let Err(e) = hicache_io::matrix::check_dsa_page_size(dsa_page_size) {
+                eprintln!("--dsa-page-size {dsa_page_size}: {e}");
+                return ExitCode::from(2);
+            }
             let pools = if pool.is_empty() { PoolKind::ALL.to_vec() } else { pool };
             if json {
                 println!("{}", serde_json::to_string_pretty(&matrix(profile, &pools, dsa_page_size)).expect("json"));
@@ -93,19 +116,35 @@ fn main() -> ExitCode {
         }
         Cmd::Check(args) => check(args),
         Cmd::Bench(args) => bench(args),
+        Cmd::Fuzz(args) => fuzz(args),
     }
 }
 
+/// The executors to run on: `--backend` if given, else `HICACHE_IO_BACKEND` if set (an unknown
+/// name is an error; `auto` means every executor present), else every executor present.
 fn open_devices(requested: &[BackendKind]) -> Option<Vec<Device>> {
-    let kinds = if requested.is_empty() { BackendKind::ALL.to_vec() } else { requested.to_vec() };
+    let mut requested = requested.to_vec();
+    if requested.is_empty() {
+        match std::env::var("HICACHE_IO_BACKEND").ok().as_deref() {
+            None | Some("") | Some("auto") => {}
+            Some(name) => match name.parse::<BackendKind>() {
+                Ok(k) => requested.push(k),
+                Err(e) => {
+                    eprintln!("HICACHE_IO_BACKEND: {e}");
+                    return None;
+                }
+            },
+        }
+    }
+    let kinds = if requested.is_empty() { BackendKind::ALL.to_vec() } else { requested.clone() };
     let mut devices = Vec::new();
     for k in kinds {
         match Device::open(k) {
             Ok(d) => {
-                println!("{}: {}", k.name(), d.describe());
+                eprintln!("{}: {}", k.name(), d.describe());
                 devices.push(d);
             }
-            Err(e) if requested.is_empty() => println!("{e} — skipped"),
+            Err(e) if requested.is_empty() => eprintln!("{e} — skipped"),
             Err(e) => {
                 eprintln!("{e}");
                 return None;
@@ -116,7 +155,6 @@ fn open_devices(requested: &[BackendKind]) -> Option<Vec<Device>> {
 }
 
 fn bench(args: BenchArgs) -> ExitCode {
-    let _ = args.quick;
     let Some(devices) = open_devices(&args.backend) else { return ExitCode::FAILURE };
     let mut specs = hicache_io::bench::specs(!args.full);
     if !args.items.is_empty() {
@@ -125,6 +163,10 @@ fn bench(args: BenchArgs) -> ExitCode {
         specs = args.items.iter().flat_map(|&item| template.iter().map(move |s| hicache_io::bench::BenchSpec { item, ..*s })).collect();
     }
     let budget = std::time::Duration::from_millis(args.budget_ms);
+    if devices.is_empty() {
+        eprintln!("no executor available");
+        return ExitCode::FAILURE;
+    }
     let bar = indicatif::ProgressBar::new((specs.len() * devices.len()) as u64);
     bar.set_style(indicatif::ProgressStyle::with_template("[{bar:40}] {pos}/{len} {msg}").unwrap().progress_chars("=> "));
     let mut results = Vec::new();
@@ -230,12 +272,17 @@ fn check(args: CheckArgs) -> ExitCode {
     for (name, rows) in &report {
         let bad: Vec<&Tally> = rows.iter().map(|(_, t)| t).filter(|t| t.matched != t.cases).collect();
         let cases: u64 = rows.iter().map(|(_, t)| t.cases).sum();
-        println!(
+        let line = format!(
             "{name}: {} of {} cells, {cases} cases, {}",
             rows.len() - bad.len(),
             rows.len(),
             if bad.is_empty() { "all match the oracle" } else { "MISMATCHES" }
         );
+        if args.json {
+            eprintln!("{line}");
+        } else {
+            println!("{line}");
+        }
         failed |= !bad.is_empty();
     }
     if devices.is_empty() {
@@ -246,6 +293,58 @@ fn check(args: CheckArgs) -> ExitCode {
         ExitCode::FAILURE
     } else {
         ExitCode::SUCCESS
+    }
+}
+
+fn fuzz(args: FuzzArgs) -> ExitCode {
+    let Some(devices) = open_devices(&args.backend) else { return ExitCode::FAILURE };
+    if devices.is_empty() {
+        eprintln!("no executor available");
+        return ExitCode::FAILURE;
+    }
+    let mut report = Vec::new();
+    for dev in &devices {
+        let bar = indicatif::ProgressBar::new(args.cases);
+        bar.set_style(indicatif::ProgressStyle::with_template("{prefix:>5} [{bar:40}] {pos}/{len} {msg}").unwrap().progress_chars("=> "));
+        bar.set_prefix(dev.name());
+        let t = hicache_io::fuzz::fuzz_device(dev, args.seed, args.cases, |t| {
+            bar.inc(1);
+            bar.set_message(format!("panics {} corrupted {}", t.panics, t.corrupted));
+        });
+        bar.finish_and_clear();
+        report.push((dev.name(), t));
+    }
+    let mut clean = true;
+    if args.json {
+        let v: Vec<_> = report.iter().map(|(n, t)| serde_json::json!({"backend": n, "tally": t})).collect();
+        println!("{}", serde_json::to_string_pretty(&v).expect("json"));
+    }
+    for (name, t) in &report {
+        let line = format!(
+            "{name}: tried {}, rejected {} ({} configurations, {} calls), matched the oracle {}, large pools checked {}, panics {}, corrupted {}",
+            t.tried,
+            t.rejected_config + t.rejected_call,
+            t.rejected_config,
+            t.rejected_call,
+            t.matched,
+            t.large,
+            t.panics,
+            t.corrupted
+        );
+        if args.json {
+            eprintln!("{line}");
+        } else {
+            println!("{line}");
+        }
+        for f in &t.failures {
+            eprintln!("  {f}");
+        }
+        clean &= t.clean();
+    }
+    if clean {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
     }
 }
 

@@ -66,6 +66,11 @@ fn layer_pairs(pair: &PoolPair, op: Op) -> Vec<(u64, usize)> {
 /// Applies an accepted call to the buffers.
 pub fn apply(pair: &PoolPair, op: Op, host_indices: &[i64], device_indices: &[i64], bufs: OracleBuffers<'_>) {
     let h = pair.host();
+    let layers = layer_pairs(pair, op);
+    // A layer this pool does not own: the call is a no-op whatever its indices say.
+    if layers.is_empty() {
+        return;
+    }
     let units: Vec<(i64, i64)> = if h.kind() == PoolKind::DsaIndexer {
         let p = h.page_size() as usize;
         (0..host_indices.len() / p)
@@ -81,7 +86,7 @@ pub fn apply(pair: &PoolPair, op: Op, host_indices: &[i64], device_indices: &[i6
         if hu < 0 || du < 0 {
             continue;
         }
-        for &(hl, slot) in &layer_pairs(pair, op) {
+        for &(hl, slot) in &layers {
             for c in 0..comps {
                 for b in 0..item {
                     let ho = host_byte(pair, hl, hu as u64, b) as usize;

@@ -329,7 +329,20 @@ pub enum Direction {
 }
 
 /// The lowered form of one accepted call. Steps run in order (a layer-sharded backup has one
-/// step per layer, like sglang's per-layer calls). Only the planner builds plans.
+/// step per layer, like sglang's per-layer calls). Only the planner builds plans, and a plan
+/// runs only with the executor instance and pools it was made for.
+///
+/// Its numbers cannot be edited (they reach pointer arithmetic in the executors):
+/// ```compile_fail
+/// fn forge(plan: &mut hicache_io::Plan) {
+///     plan.steps.clear();
+/// }
+/// ```
+/// ```compile_fail
+/// fn forge(run: &mut hicache_io::plan::Run) {
+///     run.src_offset = 1 << 40;
+/// }
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Plan {
     owner: u64,
@@ -716,18 +729,22 @@ fn to_pages(side: &'static str, tokens: &[i64], p: u64) -> Result<Vec<i64>> {
     Ok(tokens.chunks(p as usize).map(|g| if g[0] < 0 { -1 } else { g[0] / p as i64 }).collect())
 }
 
-/// Each group of `p` must be a whole page (`k·p .. k·p + p`) or all negative. Only the first
-/// and last entries are read, like sglang reads only the first: reading every token of every
-/// DSA page costs more than the planning budget (4 MiB of indices per 33 MiB moved), and the
-/// interior is never used. `p` is at most 2^32 (checked by the geometry).
+/// Each group of `p` must be a whole page (`k·p, k·p + 1, …, k·p + p − 1`) or all negative
+/// (skipped). sglang reads only the first entry of each group and assumes the rest; every entry
+/// is checked here, so that no accepted call means something other than its index list says.
+/// `p` is at most 2^32 (checked by the geometry).
 fn check_whole_pages(side: &'static str, idx: &[i64], p: u64) -> Result<()> {
     let pu = p as usize;
     let pi = p as i64;
     for (g, chunk) in idx.chunks_exact(pu).enumerate() {
-        let (first, last) = (chunk[0], chunk[pu - 1]);
-        let ok = if first < 0 { last < 0 } else { first % pi == 0 && first.checked_add(pi - 1) == Some(last) };
+        let first = chunk[0];
+        let ok = if first < 0 {
+            chunk.iter().all(|&x| x < 0)
+        } else {
+            first % pi == 0 && first.checked_add(pi - 1).is_some() && chunk.iter().zip(0..pi).all(|(&x, k)| x == first + k)
+        };
         if !ok {
-            return Err(TransferError::NotWholePage { side, start: first, end: last, position: g * pu, page_size: p });
+            return Err(TransferError::NotWholePage { side, start: first, end: chunk[pu - 1], position: g * pu, page_size: p });
         }
     }
     Ok(())
@@ -843,6 +860,10 @@ mod tests {
         assert!(check_whole_pages("host", &[i64::MAX - 3, i64::MAX - 2, i64::MAX - 1, i64::MAX], 4).is_ok());
         // (2^63 - 2) is a multiple of 3 whose page would end past i64::MAX.
         assert!(check_whole_pages("host", &[i64::MAX - 1, 0, 0], 3).is_err());
+        // Interior entries count, not only the first and last.
+        assert!(check_whole_pages("host", &[4, 6, 5, 7], 4).is_err());
+        assert!(check_whole_pages("host", &[-1, 2, -1, -1], 4).is_err());
+        assert!(check_whole_pages("host", &[4, 5, 6, 7, -1, -1, -1, -1], 4).is_ok());
     }
 
     #[test]

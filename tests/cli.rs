@@ -51,3 +51,41 @@ fn info_reports_every_executor() {
         assert!(out.contains(name), "{out}");
     }
 }
+
+fn run_env(args: &[&str], env: &[(&str, &str)]) -> (bool, String, String) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_hicache-io"));
+    cmd.args(args);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().expect("run hicache-io");
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+/// Inputs the CLI used to accept silently: an unknown executor name in the environment, a
+/// check of zero cases, a matrix for a 0-token or wrapping page.
+#[test]
+fn cli_refuses_what_it_cannot_honour() {
+    let (ok, _, err) = run_env(&["check", "--rounds", "1"], &[("HICACHE_IO_BACKEND", "garbage")]);
+    assert!(!ok && err.contains("garbage"), "{err}");
+    let (ok, _, err) = run_env(&["check", "--backend", "cpu", "--rounds", "0"], &[]);
+    assert!(!ok, "{err}");
+    for size in ["0", "18446744073709551615"] {
+        let (ok, out, err) = run_env(&["matrix", "--dsa-page-size", size], &[]);
+        assert!(!ok && out.is_empty(), "{size}: {out} {err}");
+    }
+    // HICACHE_IO_BACKEND picks the executor when --backend is absent.
+    let (ok, out, err) = run_env(&["check", "--rounds", "1"], &[("HICACHE_IO_BACKEND", "cpu")]);
+    assert!(ok && out.contains("cpu: ") && !out.contains("wgpu: "), "{out} {err}");
+}
+
+/// `--json` output is JSON alone on stdout (human lines go to stderr).
+#[test]
+fn json_output_parses() {
+    let (ok, out, err) = run_env(&["check", "--backend", "cpu", "--rounds", "1", "--json"], &[]);
+    assert!(ok, "{err}");
+    serde_json::from_str::<serde_json::Value>(&out).unwrap_or_else(|e| panic!("check --json: {e}: {out}"));
+    let (ok, out, err) = run_env(&["bench", "--backend", "cpu", "--items", "128", "--budget-ms", "1", "--json"], &[]);
+    assert!(ok, "{err}");
+    serde_json::from_str::<serde_json::Value>(&out).unwrap_or_else(|e| panic!("bench --json: {e}: {out}"));
+}

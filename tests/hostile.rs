@@ -137,3 +137,16 @@ fn wgpu_giant_item() {
     assert!(r.is_err());
     assert!(w.alloc(u64::MAX).is_err());
 }
+
+/// The bounded fuzz run (`scripts/fuzz.sh` runs the long one): hostile cases through the public
+/// API on every executor present, in a child process so that an abort or a signal is counted.
+#[test]
+fn fuzz_finds_no_panic_and_no_corruption() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_hicache-io"))
+        .args(["fuzz", "--cases", "1500", "--seed", "11"])
+        .output()
+        .expect("run hicache-io fuzz");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "fuzz failed ({:?}):\n{text}", out.status);
+    assert!(text.contains("cpu: tried 1500,") && text.contains("panics 0, corrupted 0"), "{text}");
+}

@@ -159,3 +159,32 @@ fn roundtrip(device: &Device, kind: PoolKind, layout: Layout, io: IoBackend, see
         }
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// page_head (and per-head chunks) of 1, 2, 3, 6, ... bytes: every executor makes the same
+    /// decision — whole 4-byte words move byte for byte, anything else is refused naming the
+    /// chunk and the word.
+    #[test]
+    fn page_head_chunks_are_one_decision(heads in 1u64..5, chunk in prop::sample::select(vec![1u64, 2, 3, 4, 6, 8, 12]), seed in any::<u64>(), backup in any::<bool>()) {
+        let mut rng = Rng::new(seed);
+        let cell = hicache_io::plan::Cell { kind: PoolKind::Mha, op: if backup { TableOp::Backup } else { TableOp::Load }, layout: Layout::PageHead, io: IoBackend::Kernel };
+        let mut case = random_case(cell, Profile::Extended, &mut rng);
+        case.device.bytes_per_token = heads * chunk;
+        case.host.head_num = heads;
+        for device in std::iter::once(&Device::cpu()).chain(gpu_devices()) {
+            match run_case(device, &case).map_err(|e| TestCaseError::fail(format!("{e}")))? {
+                Outcome::Match { .. } => prop_assert!(chunk % 4 == 0, "{}: accepted a {chunk}-byte chunk", device.name()),
+                Outcome::Rejected(TransferError::ChunkNotWordAligned { chunk_bytes, word: 4, .. }) => {
+                    prop_assert!(chunk % 4 != 0 && chunk_bytes == chunk, "{}: refused a {chunk}-byte chunk", device.name())
+                }
+                // The item itself is not whole words: the launcher check (sglang's message) comes first.
+                Outcome::Rejected(TransferError::ItemNotWordAligned { item_bytes, word: 4 }) => {
+                    prop_assert!(item_bytes % 4 != 0 && item_bytes == heads * chunk, "{}: {item_bytes}", device.name())
+                }
+                other => prop_assert!(false, "{} {heads}×{chunk}: {other:?}", device.name()),
+            }
+        }
+    }
+}

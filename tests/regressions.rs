@@ -166,3 +166,39 @@ fn dsa_layer_first_storage_helpers() {
         }
     }
 }
+
+/// An index list larger than one wgpu binding (16,777,217 pairs of 8 bytes > 128 MiB): the
+/// planner splits the call into steps that fit, and every executor moves the same bytes.
+#[test]
+fn index_lists_larger_than_one_binding_are_split() {
+    let n: usize = (1 << 24) + 1;
+    for device in common::devices() {
+        let dc = DevicePoolConfig { kind: PoolKind::Mla, bytes_per_token: 4, slots: n as u64, page_size: 1, layers: LayerMap::new(1) };
+        let hc = HostPoolConfig { layout: Layout::LayerFirst, size: n as u64, head_num: 1, profile: Profile::Extended };
+        let mut dev = DevicePool::new(&device, &dc).unwrap();
+        let mut host = HostPool::new(&dev, &hc).unwrap();
+        let host_words: Vec<u32> = (0..host.geometry().slots() as u32).map(|i| i.wrapping_mul(2_654_435_761)).collect();
+        host.write_buffer(0, bytemuck::cast_slice(&host_words)).unwrap();
+        // Reverse order: device slot i gets host slot n - 1 - i.
+        let hi: Vec<i64> = (0..n as i64).rev().collect();
+        let di: Vec<i64> = (0..n as i64).collect();
+        let plan = host
+            .plan(
+                &dev,
+                &hicache_io::Request {
+                    op: Op::Load { layer_id: 0, is_draft: false },
+                    io_backend: IoBackend::Kernel,
+                    host_indices: &hi,
+                    device_indices: &di,
+                },
+            )
+            .unwrap();
+        let max = device.capabilities().max_gather_items;
+        assert!(plan.steps().len() as u64 >= (n as u64).div_ceil(max), "{}: {} steps", device.name(), plan.steps().len());
+        host.execute_load(&mut dev, &plan).unwrap_or_else(|e| panic!("{}: {e}", device.name()));
+        let got = dev.read_buffer(0, 0).unwrap();
+        let got: &[u32] = bytemuck::cast_slice(&got);
+        let bad = (0..n).find(|&i| got[i] != host_words[n - 1 - i]);
+        assert_eq!(bad, None, "{}: first wrong device slot", device.name());
+    }
+}

@@ -1,0 +1,274 @@
+//! Hostile input, through the public API only: random geometries, layer maps, index lists and
+//! plans, a share of them malformed on purpose (sizes that overflow, absurd allocations, wrong
+//! layers, indices at the integer limits, partial pages, duplicates, plans of other pools).
+//! Every call must either match the oracle byte for byte or return a typed error that leaves
+//! every byte unchanged; a panic is counted (the CLI runs this in a child process too, so an
+//! abort or a signal shows). Used by `hicache-io fuzz`, its test, and `scripts/fuzz.sh`.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use crate::check::{random_case, supported_cells, Mirrored};
+use crate::error::TransferError;
+use crate::exec::Device;
+use crate::geometry::{IoBackend, Layout, Profile};
+use crate::plan::{Op, Request};
+use crate::pool::{DevicePoolConfig, HostPoolConfig};
+use crate::rng::Rng;
+
+/// Pools larger than this are built (to check the configuration) but not filled or moved.
+const FILL_LIMIT: u64 = 4 << 20;
+
+/// Counts of one fuzz run.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct FuzzTally {
+    /// Cases tried.
+    pub tried: u64,
+    /// Configurations refused (pool construction returned an error).
+    pub rejected_config: u64,
+    /// Accepted configurations too large to fill (checked, not moved).
+    pub large: u64,
+    /// Calls that ran and matched the oracle (no-ops included).
+    pub matched: u64,
+    /// Calls refused with a typed error, every byte unchanged.
+    pub rejected_call: u64,
+    /// Panics caught (must be 0).
+    pub panics: u64,
+    /// Accepted calls whose bytes differ from the oracle, or refused calls that changed a byte
+    /// (must be 0).
+    pub corrupted: u64,
+    /// The first failures, for the report.
+    pub failures: Vec<String>,
+}
+
+impl FuzzTally {
+    /// True when nothing panicked and nothing was corrupted.
+    pub fn clean(&self) -> bool {
+        self.panics == 0 && self.corrupted == 0
+    }
+    fn fail(&mut self, what: String) {
+        if self.failures.len() < 10 {
+            self.failures.push(what);
+        }
+    }
+}
+
+const HOSTILE_U64: [u64; 10] = [0, 1, 3, 7, 1 << 32, (1 << 32) - 1, 1 << 40, 1 << 62, u64::MAX, u64::MAX - 1];
+const HOSTILE_I64: [i64; 8] = [-1, -2, i64::MIN, i64::MAX, i64::MAX - 1, 1 << 31, 1 << 32, -(1 << 40)];
+
+fn maybe_u64(rng: &mut Rng, v: u64, percent: u64) -> u64 {
+    if rng.chance(percent) {
+        rng.pick(&HOSTILE_U64)
+    } else {
+        v
+    }
+}
+
+/// Mutates a well-formed case into a possibly hostile one.
+fn mutate(
+    rng: &mut Rng,
+    dc: &mut DevicePoolConfig,
+    hc: &mut HostPoolConfig,
+    op: &mut Op,
+    io: &mut IoBackend,
+    hi: &mut Vec<i64>,
+    di: &mut Vec<i64>,
+) {
+    dc.bytes_per_token = maybe_u64(rng, dc.bytes_per_token, 4);
+    dc.slots = maybe_u64(rng, dc.slots, 4);
+    dc.page_size = maybe_u64(rng, dc.page_size, 3);
+    if rng.chance(3) {
+        dc.layers.drafts = rng.pick(&[usize::MAX, 1 << 40, 1 << 17, 70_000]);
+    }
+    if rng.chance(3) {
+        let n = dc.layers.layer_num;
+        dc.layers.layer_shard = Some(rng.pick(&[(n, n), (2, 1), (0, n + 1), (usize::MAX - 1, usize::MAX)]));
+    }
+    if rng.chance(2) {
+        dc.layers.skipped.push(false);
+    }
+    if rng.chance(2) {
+        dc.layers.layer_num = 0;
+    }
+    hc.size = maybe_u64(rng, hc.size, 4);
+    if rng.chance(5) {
+        hc.head_num = rng.pick(&[0u64, 3, 5, 7, 1 << 40]);
+    }
+    if rng.chance(5) {
+        hc.layout = rng.pick(&Layout::ALL);
+    }
+    if rng.chance(5) {
+        hc.profile = rng.pick(&[Profile::Sglang, Profile::Extended]);
+    }
+    if rng.chance(10) {
+        *io = rng.pick(&IoBackend::ALL);
+    }
+    if rng.chance(8) {
+        let layer_id = rng.pick(&[0usize, 1, 2, 5, 9, usize::MAX]);
+        *op = rng.pick(&[Op::Load { layer_id, is_draft: false }, Op::Load { layer_id, is_draft: true }, Op::Backup]);
+    }
+    // Index lists.
+    for list in [&mut *hi, &mut *di] {
+        if list.is_empty() {
+            continue;
+        }
+        if rng.chance(6) {
+            let at = rng.below(list.len() as u64) as usize;
+            list[at] = rng.pick(&HOSTILE_I64);
+        }
+        if rng.chance(5) {
+            let (a, b) = (rng.below(list.len() as u64) as usize, rng.below(list.len() as u64) as usize);
+            list[a] = list[b];
+        }
+        if rng.chance(4) {
+            list.pop();
+        }
+        if list.is_empty() {
+            continue;
+        }
+        if rng.chance(3) {
+            let at = rng.below(list.len() as u64) as usize;
+            list[at] = list[at].wrapping_add(1);
+        }
+    }
+    if rng.chance(2) {
+        std::mem::swap(hi, di);
+    }
+}
+
+/// Runs `cases` random (partly hostile) cases on `device`; `progress` after each.
+pub fn fuzz_device(device: &Device, seed: u64, cases: u64, mut progress: impl FnMut(&FuzzTally)) -> FuzzTally {
+    let mut t = FuzzTally::default();
+    let mut rng = Rng::new(seed);
+    // A second instance of the same executor, for plans that must not run across instances.
+    let other = Device::open(device.kind()).ok();
+    for _ in 0..cases {
+        let case_seed = rng.next_u64();
+        t.tried += 1;
+        match catch_unwind(AssertUnwindSafe(|| one_case(device, other.as_ref(), case_seed, &mut t))) {
+            Ok(()) => {}
+            Err(p) => {
+                t.panics += 1;
+                let msg =
+                    p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
+                t.fail(format!("seed {case_seed}: panic: {msg}"));
+            }
+        }
+        progress(&t);
+    }
+    t
+}
+
+/// One case: build (maybe refuse) the pools, run one call, check bytes; sometimes a storage
+/// helper round trip and a plan of other pools.
+fn one_case(device: &Device, other_device: Option<&Device>, seed: u64, t: &mut FuzzTally) {
+    let mut rng = Rng::new(seed);
+    let profile = rng.pick(&[Profile::Sglang, Profile::Extended]);
+    let cells = supported_cells(profile);
+    let base = random_case(rng.pick(&cells), profile, &mut rng);
+    let (mut dc, mut hc, mut op, mut io) = (base.device, base.host, base.op, base.cell.io);
+    let (mut hi, mut di) = (base.host_indices, base.device_indices);
+    if rng.chance(70) {
+        mutate(&mut rng, &mut dc, &mut hc, &mut op, &mut io, &mut hi, &mut di);
+    }
+    // Configurations: refused ones are fine; accepted huge ones are built, not filled.
+    let total = dc.geometry().map(|g| g.total_bytes());
+    match total {
+        Err(_) => {
+            if crate::pool::DevicePool::new(device, &dc).is_ok() {
+                t.corrupted += 1;
+                t.fail(format!("seed {seed}: device pool accepted a configuration its geometry refuses"));
+            } else {
+                t.rejected_config += 1;
+            }
+            return;
+        }
+        Ok(bytes) if bytes > FILL_LIMIT => {
+            match crate::pool::DevicePool::new(device, &dc).and_then(|d| crate::pool::HostPool::new(&d, &hc).map(|_| ())) {
+                Ok(()) => t.large += 1,
+                Err(_) => t.rejected_config += 1,
+            }
+            return;
+        }
+        Ok(_) => {}
+    }
+    let host_bytes =
+        crate::pool::DevicePool::new(device, &dc).and_then(|d| crate::pool::HostPool::new(&d, &hc).map(|h| h.geometry().buffer_bytes()));
+    match host_bytes {
+        Err(_) => {
+            t.rejected_config += 1;
+            return;
+        }
+        Ok(b) if b > FILL_LIMIT => {
+            t.large += 1;
+            return;
+        }
+        Ok(_) => {}
+    }
+    let mut m = match Mirrored::new(device, &dc, &hc, seed) {
+        Ok(m) => m,
+        Err(e) => {
+            t.corrupted += 1;
+            t.fail(format!("seed {seed}: pools that were just built could not be filled: {e}"));
+            return;
+        }
+    };
+    let tag = |what: &str| format!("seed {seed}: {what} ({op:?} {io} {} {:?})", hc.layout, dc.kind);
+    match m.call(op, io, &hi, &di) {
+        Ok(()) => {
+            m.apply_oracle(op, &hi, &di);
+            t.matched += 1;
+        }
+        Err(e) => {
+            t.rejected_call += 1;
+            if matches!(e, TransferError::Executor { .. } | TransferError::Partial { .. }) {
+                t.corrupted += 1;
+                t.fail(tag(&format!("an executor failed after validation: {e}")));
+            }
+        }
+    }
+    check_mirror(&m, t, &tag("call"));
+    // Storage helpers: a page read and written back changes nothing.
+    if rng.chance(30) {
+        let some = rng.below(64) as i64;
+        let index = rng.pick(&[0i64, dc.page_size as i64, some, -1, i64::MAX]);
+        if let Ok(page) = m.host.get_data_page(index) {
+            if let Err(e) = m.host.set_from_flat_data_page(index, &page) {
+                t.corrupted += 1;
+                t.fail(tag(&format!("set_from_flat_data_page refused the page get_data_page returned: {e}")));
+            }
+            check_mirror(&m, t, &tag("storage round trip"));
+        }
+        let _ = m.host.get_page_buffer_meta(&hi);
+    }
+    // A plan made for these pools, run on other pools of the same geometry: refused, nothing moves.
+    if let Some(other_device) = other_device.filter(|_| rng.chance(10)) {
+        let req = Request { op, io_backend: io, host_indices: &hi, device_indices: &di };
+        if let Ok(plan) = m.host.plan(&m.dev, &req) {
+            if let Ok(mut other) = Mirrored::new(other_device, &dc, &hc, seed ^ 1) {
+                let r = match op {
+                    Op::Load { .. } => other.host.execute_load(&mut other.dev, &plan),
+                    Op::Backup => other.host.execute_backup(&other.dev, &plan),
+                };
+                if r.is_ok() {
+                    t.corrupted += 1;
+                    t.fail(tag("a plan ran on pools of another executor instance"));
+                }
+                check_mirror(&other, t, &tag("foreign plan"));
+            }
+        }
+    }
+}
+
+fn check_mirror(m: &Mirrored, t: &mut FuzzTally, tag: &str) {
+    match m.first_mismatch() {
+        Ok(None) => {}
+        Ok(Some((buffer, offset))) => {
+            t.corrupted += 1;
+            t.fail(format!("{tag}: {buffer} differs from the oracle at byte {offset}"));
+        }
+        Err(e) => {
+            t.corrupted += 1;
+            t.fail(format!("{tag}: reading back failed: {e}"));
+        }
+    }
+}

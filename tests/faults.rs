@@ -1,0 +1,100 @@
+//! Faults in the middle of a transfer (a test-only fault injector fails the k-th step of an
+//! executor): the error names what completed, completed layers hold the right bytes, layers that
+//! did not complete are untouched, the source is never written, and the next call on the same
+//! pools works. On cpu and wgpu, for loads, backups and layer-sharded backups.
+
+mod common;
+
+use hicache_io::check::Rng;
+use hicache_io::error::TransferError;
+use hicache_io::oracle::{self, OracleBuffers};
+use hicache_io::plan::Op;
+use hicache_io::{Device, DevicePool, DevicePoolConfig, HostPool, HostPoolConfig, IoBackend, LayerMap, Layout, PoolKind, Profile};
+
+const LAYERS: usize = 4;
+
+fn pools(device: &Device, sharded: bool) -> (DevicePool<'static>, HostPool<'static>) {
+    let mut layers = LayerMap::new(LAYERS);
+    if sharded {
+        layers.layer_shard = Some((0, LAYERS));
+    }
+    let dc = DevicePoolConfig { kind: PoolKind::Mla, bytes_per_token: 64, slots: 32, page_size: 4, layers };
+    let mut dev = DevicePool::new(device, &dc).unwrap();
+    let hc = HostPoolConfig { layout: Layout::LayerFirst, size: 32, head_num: 1, profile: Profile::Extended };
+    let mut host = HostPool::new(&dev, &hc).unwrap();
+    let mut rng = Rng::new(9);
+    for s in 0..LAYERS {
+        let mut b = vec![0u8; dev.geometry().layer_bytes() as usize];
+        rng.fill(&mut b);
+        dev.write_buffer(0, s, &b).unwrap();
+    }
+    let mut b = vec![0u8; host.geometry().buffer_bytes() as usize];
+    rng.fill(&mut b);
+    host.write_buffer(0, &b).unwrap();
+    (dev, host)
+}
+
+fn contents(dev: &DevicePool, host: &HostPool) -> (Vec<Vec<Vec<u8>>>, Vec<Vec<u8>>) {
+    (vec![(0..LAYERS).map(|s| dev.read_buffer(0, s).unwrap()).collect()], vec![host.read_buffer(0).unwrap()])
+}
+
+#[test]
+fn sharded_backup_fault_names_completed_layers() {
+    let (hi, di): (Vec<i64>, Vec<i64>) = ((8..16).collect(), (20..28).collect());
+    for device in common::devices() {
+        let n = device.name();
+        for fail_at in 0..LAYERS as u64 {
+            let (dev, mut host) = pools(&device, true);
+            let (dev0, host0) = contents(&dev, &host);
+            let (mut want_dev, mut want_host) = (dev0.clone(), host0.clone());
+            oracle::apply(host.pair(), Op::Backup, &hi, &di, OracleBuffers { host: &mut want_host, device: &mut want_dev });
+            device.inject_fault(fail_at);
+            let err = host.backup_from_device_all_layer(&dev, &hi, &di, IoBackend::Kernel).unwrap_err();
+            let TransferError::Partial { failed_step, total_steps, completed_layers, source } = &err else {
+                panic!("{n}: expected a partial-failure error, got {err:?}")
+            };
+            assert_eq!((*failed_step, *total_steps), (fail_at as usize, LAYERS), "{n}");
+            assert_eq!(completed_layers, &(0..fail_at).collect::<Vec<_>>(), "{n}");
+            assert!(source.to_string().contains("injected fault"), "{n}: {source}");
+            assert!(err.to_string().contains("layers completed"), "{n}: {err}");
+            // Completed layers hold the backup, the others are untouched; the source is untouched.
+            let (dev1, host1) = contents(&dev, &host);
+            assert!(dev1 == dev0, "{n}: the source changed");
+            let layer_bytes = host.geometry().slots() as usize * host.geometry().item_bytes() as usize;
+            for l in 0..LAYERS {
+                let r = l * layer_bytes..(l + 1) * layer_bytes;
+                let expect = if (l as u64) < fail_at { &want_host[0][r.clone()] } else { &host0[0][r.clone()] };
+                assert!(host1[0][r] == *expect, "{n}: fault at {fail_at}, layer {l}");
+            }
+            // The next call on the same pools works and completes the backup.
+            host.backup_from_device_all_layer(&dev, &hi, &di, IoBackend::Kernel).unwrap();
+            assert!(contents(&dev, &host) == (want_dev, want_host), "{n}: retry after fault at {fail_at}");
+        }
+    }
+}
+
+#[test]
+fn single_step_faults_write_nothing_and_pools_stay_usable() {
+    let (hi, di): (Vec<i64>, Vec<i64>) = ((8..16).collect(), (20..28).collect());
+    for device in common::devices() {
+        let n = device.name();
+        for io in IoBackend::ALL {
+            for op in [Op::Backup, Op::Load { layer_id: 2, is_draft: false }] {
+                let (mut dev, mut host) = pools(&device, false);
+                let before = contents(&dev, &host);
+                let (mut want_dev, mut want_host) = before.clone();
+                oracle::apply(host.pair(), op, &hi, &di, OracleBuffers { host: &mut want_host, device: &mut want_dev });
+                device.inject_fault(0);
+                let run = |dev: &mut DevicePool, host: &mut HostPool| match op {
+                    Op::Backup => host.backup_from_device_all_layer(dev, &hi, &di, io),
+                    _ => host.load_to_device_per_layer(dev, &hi, &di, 2, io),
+                };
+                let err = run(&mut dev, &mut host).unwrap_err();
+                assert!(err.to_string().contains("injected fault"), "{n} {io} {op:?}: {err}");
+                assert!(contents(&dev, &host) == before, "{n} {io} {op:?}: a failed step wrote bytes");
+                run(&mut dev, &mut host).unwrap();
+                assert!(contents(&dev, &host) == (want_dev, want_host), "{n} {io} {op:?}: retry");
+            }
+        }
+    }
+}
