@@ -9,8 +9,9 @@ cases="${1:-10000}"
 seed="${2:-7}"
 cargo build --release --quiet
 status=0
+info="$(./target/release/hicache-io info)"
 for backend in cpu wgpu cuda; do
-    if ! ./target/release/hicache-io info | grep -q "^$backend: available"; then
+    if ! grep -q "^$backend: available" <<<"$info"; then
         echo "$backend: not available here, skipped"
         continue
     fi
