@@ -16,13 +16,16 @@ use crate::timing::time;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Pattern {
+    /// Items `0..N` in order.
     Contiguous,
+    /// N distinct items at random.
     Random,
     /// Runs of 4 consecutive items at random places.
     Runs4,
 }
 
 impl Pattern {
+    /// Short name for tables.
     pub fn name(self) -> &'static str {
         match self {
             Pattern::Contiguous => "contig",
@@ -34,6 +37,7 @@ impl Pattern {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
+/// What a benchmark cell moves.
 pub enum BenchOp {
     /// One layer, host → device.
     Load,
@@ -45,12 +49,19 @@ pub enum BenchOp {
 /// sizes are MLA records with `P = 1` (each item its own page).
 #[derive(Debug, Clone, Copy, serde::Serialize)]
 pub struct BenchSpec {
+    /// Item bytes.
     pub item: u64,
+    /// Which items.
     pub pattern: Pattern,
+    /// Items moved (N).
     pub items: u64,
+    /// Layers of the pools (L).
     pub layers: usize,
+    /// Load or backup.
     pub op: BenchOp,
+    /// Host layout.
     pub layout: Layout,
+    /// io backend.
     pub io: IoBackend,
 }
 
@@ -99,14 +110,21 @@ pub fn specs(quick: bool) -> Vec<BenchSpec> {
 /// What one cell measured. Times are medians over the repetitions.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct BenchResult {
+    /// Executor name.
     pub backend: &'static str,
+    /// The cell.
     pub spec: BenchSpec,
+    /// Bytes one transfer moves.
     pub bytes: u64,
+    /// Median seconds of one transfer.
     pub transfer_s: f64,
+    /// Bytes moved per second, in GB/s.
     pub gbps: f64,
+    /// The executor's one-copy ceiling for the same bytes, in GB/s.
     pub ceiling_gbps: f64,
     /// `gbps / ceiling_gbps`.
     pub ratio: f64,
+    /// Median seconds of planning the call.
     pub plan_s: f64,
     /// Planning time as a share of the transfer time.
     pub plan_share: f64,
@@ -114,14 +132,20 @@ pub struct BenchResult {
 
 /// A pool pair and the index lists of one cell.
 pub struct Fixture {
+    /// The device pool.
     pub dev: DevicePool<'static>,
+    /// The host pool.
     pub host: HostPool<'static>,
+    /// Host token indices.
     pub host_indices: Vec<i64>,
+    /// Device token indices.
     pub device_indices: Vec<i64>,
+    /// The operation.
     pub op: Op,
 }
 
 impl Fixture {
+    /// Pools and indices for `spec` on `device`.
     pub fn new(device: &Device, spec: &BenchSpec, seed: u64) -> Result<Fixture> {
         let dsa = spec.item == 8448;
         let (kind, per_token, page) = if dsa { (PoolKind::DsaIndexer, 132, 64) } else { (PoolKind::Mla, spec.item, 1) };
@@ -155,6 +179,7 @@ impl Fixture {
         Ok(Fixture { dev, host, host_indices: hi, device_indices: di, op })
     }
 
+    /// The plan of this fixture's call.
     pub fn plan(&self, io: IoBackend) -> Result<Plan> {
         self.host.plan(
             &self.dev,

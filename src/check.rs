@@ -1,5 +1,5 @@
 //! Cross-executor equivalence: randomized transfers over every supported cell, run on an
-//! executor through the pools API and compared byte for byte with the [`oracle`](crate::oracle).
+//! executor through the pools API and compared byte for byte with the [`crate::oracle`] module.
 //! Used by `hicache-io check`, the property tests and the GPU check script.
 
 use crate::error::{Result, TransferError};
@@ -15,12 +15,19 @@ pub use crate::rng::Rng;
 /// A random call in one cell: geometry, operation and indices.
 #[derive(Debug, Clone)]
 pub struct Case {
+    /// The table cell.
     pub cell: Cell,
+    /// Device pool configuration.
     pub device: DevicePoolConfig,
+    /// Host pool configuration.
     pub host: HostPoolConfig,
+    /// The call.
     pub op: Op,
+    /// Host token indices.
     pub host_indices: Vec<i64>,
+    /// Device token indices.
     pub device_indices: Vec<i64>,
+    /// Seed of the pools' initial contents.
     pub seed: u64,
 }
 
@@ -152,9 +159,17 @@ fn random_indices(
 #[derive(Debug)]
 pub enum Outcome {
     /// Ran and matched the oracle byte for byte.
-    Match { bytes: u64 },
+    Match {
+        /// Bytes moved.
+        bytes: u64,
+    },
     /// Ran and differed: where the first differing byte is.
-    Mismatch { buffer: String, offset: usize },
+    Mismatch {
+        /// Which buffer.
+        buffer: String,
+        /// First differing byte.
+        offset: usize,
+    },
     /// The planner rejected it (the table said yes for the cell, the call said no).
     Rejected(TransferError),
 }
@@ -250,11 +265,17 @@ fn first_diff(a: &[u8], b: &[u8]) -> Option<usize> {
 /// Per-cell tally of a check run.
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct Tally {
+    /// Cases run.
     pub cases: u64,
+    /// Cases that matched the oracle.
     pub matched: u64,
+    /// Cases that differed.
     pub mismatched: u64,
+    /// Cases the planner refused (a failure: the cells are supported ones).
     pub rejected: u64,
+    /// Bytes moved by matching cases.
     pub bytes: u64,
+    /// The first failure, for the report.
     pub first_failure: Option<String>,
 }
 

@@ -10,109 +10,266 @@ pub enum TransferError {
     // ---- sglang's own messages (verbatim Display) -------------------------------------------
     /// sglang `ValueError(f"Unsupported layout: {layout}")` (E1).
     #[error("Unsupported layout: {layout}")]
-    UnsupportedLayout { layout: String },
+    UnsupportedLayout {
+        /// The host layout.
+        layout: String,
+    },
     /// sglang `ValueError(f"Unsupported IO backend: {io_backend}")` (E2). Also the DSA quirk:
     /// `kernel` with an indexer page stride not divisible by 8 (profile `sglang`).
     #[error("Unsupported IO backend: {io_backend}")]
-    UnsupportedIoBackend { io_backend: String },
+    UnsupportedIoBackend {
+        /// The io backend name.
+        io_backend: String,
+    },
     /// dsa.py, layer-sharded `kernel` backup into `page_first`.
     #[error("Layer-sharded DSA indexer HiCache backup with page_first layout is not supported without a per-layer LF->PF kernel.")]
     ShardedDsaPageFirst,
     /// dsa.py, layer-sharded `direct` backup into anything but `layer_first`.
     #[error("Layer-sharded direct DSA indexer backup only supports layer_first layout, got {layout}")]
-    ShardedDsaDirectLayout { layout: Layout },
+    ShardedDsaDirectLayout {
+        /// The host layout.
+        layout: Layout,
+    },
     /// mla.py, layer-sharded `kernel` backup into `page_first` without the JIT kernel.
     #[error("Layer-sharded MLA HiCache backup with page_first layout requires the JIT one-layer kernel.")]
     ShardedMlaPageFirst,
     /// mla.py, layer-sharded `kernel` backup into another layout.
     #[error("Layer-sharded HiCache backup does not support layout: {layout}")]
-    ShardedLayout { layout: Layout },
+    ShardedLayout {
+        /// The host layout.
+        layout: Layout,
+    },
     /// mla.py, layer-sharded `direct` backup into anything but `layer_first`.
     #[error("Layer-sharded direct HiCache backup only supports layer_first layout, got {layout}")]
-    ShardedDirectLayout { layout: Layout },
+    ShardedDirectLayout {
+        /// The host layout.
+        layout: Layout,
+    },
     /// dsa.py `_get_indexer_page_indices`: token count not a multiple of the page size.
     #[error("Index buffer transfer expects page-aligned indices for DSA.")]
-    DsaUnalignedCount { len: usize, page_size: u64 },
+    DsaUnalignedCount {
+        /// Entries in the index list.
+        len: usize,
+        /// Tokens per page `P`.
+        page_size: u64,
+    },
     /// Launcher / `transfer_kv_direct` check: index lists of different lengths.
     #[error("Source and destination indices must have the same length")]
-    LengthMismatch { src_len: usize, dst_len: usize },
+    LengthMismatch {
+        /// Length of the source list.
+        src_len: usize,
+        /// Length of the destination list.
+        dst_len: usize,
+    },
     /// Launcher check for the `kernel` io backend.
     #[error("Item byte size must be divisible by {word}")]
-    ItemNotWordAligned { item_bytes: u64, word: u64 },
+    ItemNotWordAligned {
+        /// Bytes of one item.
+        item_bytes: u64,
+        /// The copy word in bytes.
+        word: u64,
+    },
     /// `transfer_kv_direct` check.
     #[error("Page size must be positive")]
     PageSizeNotPositive,
     /// `transfer_kv_direct` / page_first_direct check.
     #[error("Source indices size must be divisible by page size")]
-    DirectCountNotPageMultiple { len: usize, page_size: u64 },
+    DirectCountNotPageMultiple {
+        /// Entries in the index list.
+        len: usize,
+        /// Tokens per page `P`.
+        page_size: u64,
+    },
 
     // ---- hicache-io's own checks (sglang has none) -------------------------------------------
     /// MHA has no layer-sharded backup branch in sglang (profile `sglang`).
     #[error("Layer-sharded HiCache backup is not supported for {kind} host pools in sglang (use profile extended)")]
-    ShardedUnsupportedPool { kind: PoolKind },
+    ShardedUnsupportedPool {
+        /// The pool kind.
+        kind: PoolKind,
+    },
     /// An index outside its pool. `side` is "host" or "device"; `position` is its place in the list.
     #[error("{side} index {index} at position {position} is out of range (pool holds {bound} {unit})")]
-    IndexOutOfRange { side: &'static str, index: i64, position: usize, bound: u64, unit: &'static str },
+    IndexOutOfRange {
+        /// `"host"` or `"device"`.
+        side: &'static str,
+        /// The offending index.
+        index: i64,
+        /// Its position in the list.
+        position: usize,
+        /// The pool holds indices `0..bound`.
+        bound: u64,
+        /// What an index counts (slots or pages).
+        unit: &'static str,
+    },
     /// A page group (page_first_direct, DSA) that is not one whole page in order, nor all
     /// negative (`start`/`end`: its first and last entries).
     #[error("{side} indices {start}..={end} at position {position} are not one whole page of {page_size} consecutive slots starting at a multiple of {page_size}")]
-    NotWholePage { side: &'static str, start: i64, end: i64, position: usize, page_size: u64 },
+    NotWholePage {
+        /// `"host"` or `"device"`.
+        side: &'static str,
+        /// First entry of the group.
+        start: i64,
+        /// Last entry of the group.
+        end: i64,
+        /// Its position in the list.
+        position: usize,
+        /// Tokens per page `P`.
+        page_size: u64,
+    },
     /// Two entries write the same destination item (the result would depend on ordering, and
     /// differ between executors).
     #[error("{side} destination {unit} {index} is written twice (positions {first} and {second})")]
-    DuplicateDestination { side: &'static str, unit: &'static str, index: i64, first: usize, second: usize },
+    DuplicateDestination {
+        /// `"host"` or `"device"`.
+        side: &'static str,
+        /// What an index counts (slots or pages).
+        unit: &'static str,
+        /// The offending index.
+        index: i64,
+        /// Position of the first write.
+        first: usize,
+        /// Position of the second write.
+        second: usize,
+    },
     /// A layer id that the device pool does not have.
     #[error("layer {layer_id} is out of range: the device pool has {target_layers} target layers and {draft_layers} draft layers")]
-    LayerOutOfRange { layer_id: usize, target_layers: usize, draft_layers: usize },
+    LayerOutOfRange {
+        /// The layer id asked for.
+        layer_id: usize,
+        /// Target layers of the model.
+        target_layers: usize,
+        /// Draft (MTP) pools.
+        draft_layers: usize,
+    },
     /// A pool buffer that does not exist.
     #[error("no buffer (component {comp}, slot {slot:?}): the pool has {components} components of {slots} buffers")]
-    NoSuchBuffer { comp: usize, slot: Option<usize>, components: usize, slots: usize },
+    NoSuchBuffer {
+        /// Component asked for (0 = K or the only buffer, 1 = V).
+        comp: usize,
+        /// Buffer slot asked for (device pools).
+        slot: Option<usize>,
+        /// Components the pool has.
+        components: usize,
+        /// Buffers per component.
+        slots: usize,
+    },
     /// A buffer whose size does not match its geometry.
     #[error("{what}: expected {expected} bytes, got {actual}")]
-    BufferSize { what: String, expected: u64, actual: u64 },
+    BufferSize {
+        /// What was checked.
+        what: String,
+        /// Bytes expected.
+        expected: u64,
+        /// Bytes found.
+        actual: u64,
+    },
     /// A buffer offset or size the executor cannot address.
     #[error("{what}: {value} is not a multiple of the required alignment {required}")]
-    Misaligned { what: String, value: u64, required: u64 },
+    Misaligned {
+        /// What was checked.
+        what: String,
+        /// The value found.
+        value: u64,
+        /// The alignment required.
+        required: u64,
+    },
     /// A `kernel` copy unit (the item, or one head's share of it for page_head) that is not a
     /// multiple of the word every executor copies: rejected the same way everywhere, rather
     /// than copied on one executor and truncated or misaligned on another.
     #[error("{chunk_bytes}-byte copy chunks (item {item_bytes} B / {heads} heads) are not a multiple of the {word}-byte copy word")]
-    ChunkNotWordAligned { chunk_bytes: u64, item_bytes: u64, heads: u64, word: u64 },
+    ChunkNotWordAligned {
+        /// Bytes of one copy chunk.
+        chunk_bytes: u64,
+        /// Bytes of one item.
+        item_bytes: u64,
+        /// Heads per item.
+        heads: u64,
+        /// The copy word in bytes.
+        word: u64,
+    },
     /// A pool configuration that cannot describe a pool: zero sizes, heads not dividing the
     /// item, sizes whose arithmetic overflows, too many layers.
     #[error("invalid configuration: {0}")]
-    InvalidConfig(String),
+    InvalidConfig(#[doc = "What is wrong."] String),
     /// A name that parses to nothing (pool kind, profile, executor).
     #[error("unknown {what} {name:?} (expected one of: {expected})")]
-    UnknownName { what: &'static str, name: String, expected: &'static str },
+    UnknownName {
+        /// What was checked.
+        what: &'static str,
+        /// The name given.
+        name: String,
+        /// Bytes expected.
+        expected: &'static str,
+    },
     /// A host pool used with a device pool it was not built for.
     #[error("host pool was built for another device pool ({0})")]
-    PoolMismatch(String),
+    PoolMismatch(#[doc = "The two geometries."] String),
     /// A plan executed with pools, a profile, a direction or an executor other than the ones it
     /// was made for.
     #[error("plan was made for {0}")]
-    StalePlan(String),
+    StalePlan(#[doc = "What the plan was made for."] String),
     /// An item chunk that no binding window of this executor can hold.
     #[error("{executor}: {chunk_bytes}-byte item chunks need binding windows of {required} bytes, the largest is {window}")]
-    WindowTooSmall { executor: &'static str, chunk_bytes: u64, window: u64, required: u64 },
+    WindowTooSmall {
+        /// The executor.
+        executor: &'static str,
+        /// Bytes of one copy chunk.
+        chunk_bytes: u64,
+        /// The largest window in bytes.
+        window: u64,
+        /// The alignment required.
+        required: u64,
+    },
     /// Objects of two executor instances mixed in one call (pools, buffers or plans).
     #[error("executor mismatch: expected {expected}, found {found}")]
-    ExecutorMismatch { expected: String, found: String },
+    ExecutorMismatch {
+        /// Bytes expected.
+        expected: String,
+        /// What was found instead.
+        found: String,
+    },
     /// An allocation refused (by the pool bound or by the allocator), before anything else was
     /// allocated for the pool.
     #[error("out of memory: {what} needs {requested} bytes ({limit})")]
-    OutOfMemory { what: String, requested: u64, limit: String },
+    OutOfMemory {
+        /// What was checked.
+        what: String,
+        /// Bytes asked for.
+        requested: u64,
+        /// Why they cannot be had.
+        limit: String,
+    },
     /// A plan of several steps failed at step `failed_step`: steps before it completed (their
     /// bytes reached the destination), it and the steps after it did not. The source is never
     /// written. `completed_layers` lists the host layers whose every byte has landed.
     #[error("transfer failed at step {failed_step} of {total_steps} (layers completed: {completed_layers:?}): {source}")]
-    Partial { failed_step: usize, total_steps: usize, completed_layers: Vec<u64>, source: Box<TransferError> },
+    Partial {
+        /// Index of the step that failed.
+        failed_step: usize,
+        /// Steps in the plan.
+        total_steps: usize,
+        /// Host layers whose every step completed.
+        completed_layers: Vec<u64>,
+        /// The failure of that step.
+        source: Box<TransferError>,
+    },
     /// An executor that cannot run here (no driver, no adapter, not compiled in).
     #[error("{backend}: unavailable ({reason})")]
-    Unavailable { backend: &'static str, reason: String },
+    Unavailable {
+        /// Executor name.
+        backend: &'static str,
+        /// Why.
+        reason: String,
+    },
     /// A failure inside an executor after validation (driver error, device lost, timeout).
     #[error("{backend} executor failed: {message}")]
-    Executor { backend: &'static str, message: String },
+    Executor {
+        /// Executor name.
+        backend: &'static str,
+        /// What the driver or API said.
+        message: String,
+    },
 }
 
 /// `Result` with [`TransferError`].

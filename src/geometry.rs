@@ -31,6 +31,7 @@ pub enum PoolKind {
 }
 
 impl PoolKind {
+    /// Every pool kind.
     pub const ALL: [PoolKind; 3] = [PoolKind::Mha, PoolKind::Mla, PoolKind::DsaIndexer];
     /// K and V for MHA, one buffer otherwise.
     pub fn components(self) -> usize {
@@ -40,6 +41,7 @@ impl PoolKind {
             1
         }
     }
+    /// sglang's name.
     pub fn name(self) -> &'static str {
         match self {
             PoolKind::Mha => "mha",
@@ -71,14 +73,20 @@ impl FromStr for PoolKind {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Layout {
+    /// `[L][slots][item]`.
     LayerFirst,
+    /// `[slots][L][item]`.
     PageFirst,
+    /// `[pages][L][P][item]`.
     PageFirstDirect,
+    /// `[pages][H][P][L][D]` (MHA only).
     PageHead,
 }
 
 impl Layout {
+    /// Every layout.
     pub const ALL: [Layout; 4] = [Layout::LayerFirst, Layout::PageFirst, Layout::PageFirstDirect, Layout::PageHead];
+    /// sglang's name.
     pub fn name(self) -> &'static str {
         match self {
             Layout::LayerFirst => "layer_first",
@@ -114,7 +122,9 @@ pub enum IoBackend {
 }
 
 impl IoBackend {
+    /// Both io backends.
     pub const ALL: [IoBackend; 2] = [IoBackend::Kernel, IoBackend::Direct];
+    /// sglang's name.
     pub fn name(self) -> &'static str {
         match self {
             IoBackend::Kernel => "kernel",
@@ -155,6 +165,7 @@ pub enum Profile {
 }
 
 impl Profile {
+    /// sglang's name.
     pub fn name(self) -> &'static str {
         match self {
             Profile::Sglang => "sglang",
@@ -300,9 +311,17 @@ pub(crate) fn add(a: u64, b: u64, what: &str) -> Result<u64> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum BufRef {
     /// The host pool's buffer of component `comp`.
-    Host { comp: u8 },
+    Host {
+        /// Component (0 = K or the only buffer, 1 = V).
+        comp: u8,
+    },
     /// The device pool's buffer `slot` of component `comp`.
-    Device { comp: u8, slot: u32 },
+    Device {
+        /// Component (0 = K or the only buffer, 1 = V).
+        comp: u8,
+        /// Buffer slot: live target layers in order, then drafts.
+        slot: u32,
+    },
 }
 
 /// Where item `idx`, head chunk `head` of one (buffer, layer) lies: byte offset

@@ -33,6 +33,8 @@
 //! # Ok(()) }
 //! ```
 
+#![deny(missing_docs)]
+
 pub mod bench;
 pub mod check;
 pub mod error;

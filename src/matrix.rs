@@ -9,7 +9,9 @@ use crate::plan::{all_cells, decide, kernel_word, Capabilities, Cell, PathInfo};
 /// One row: a cell and its outcome (`Ok(path)` or the error text).
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct MatrixEntry {
+    /// The cell.
     pub cell: Cell,
+    /// The path that runs it, or the error text.
     pub outcome: Result<PathInfo, String>,
 }
 

@@ -13,7 +13,9 @@ use crate::plan::Op;
 
 /// Host bytes per component buffer `[comp]`, device bytes `[comp][buffer]`.
 pub struct OracleBuffers<'a> {
+    /// Host component buffers.
     pub host: &'a mut [Vec<u8>],
+    /// Device buffers, `[comp][slot]`.
     pub device: &'a mut [Vec<Vec<u8>>],
 }
 

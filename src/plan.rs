@@ -3,8 +3,23 @@
 //! [`decide`] is the table: for a profile and a [`Cell`] (pool kind, operation, layout, io
 //! backend) it returns the path sglang would run (named after its op) or the error sglang
 //! raises, verbatim. [`HostPool::plan`](crate::HostPool::plan) checks one call in sglang's order
-//! (see [`plan`]) and lowers it into a [`Plan`]: plain data that every executor runs the same
+//! (in the order listed under "Order of checks" below) and lowers it into a [`Plan`]: plain data that every executor runs the same
 //! way. Executors never decide support; their limits reach this module as [`Capabilities`].
+//!
+//! # Order of checks
+//! sglang's pool code checks a call in this order, and so does the planner, so that the same
+//! call fails with the same message:
+//! 1. layers: a load of a layer this rank does not own, or of a DSA skip-topk layer, is a no-op
+//!    before anything else is looked at; a layer id the model does not have, or a draft id past
+//!    the drafts, is an error;
+//! 2. DSA indexer: token indices become pages (`Index buffer transfer expects page-aligned
+//!    indices for DSA.`), before the table;
+//! 3. the table ([`decide`]): layout and io backend;
+//! 4. the launcher checks: equal lengths, the `kernel` word (item, then per-head chunk), the
+//!    `direct` page multiple;
+//! 5. an empty call is a no-op;
+//! 6. hicache-io's own checks: index ranges, whole pages, unique destinations, executor
+//!    capabilities.
 //!
 //! Plans are unforgeable: only this module builds them, their fields are private, and a plan
 //! runs only on the executor instance and pools it was made for.
@@ -421,7 +436,7 @@ pub struct Request<'a> {
 /// Validates one call and lowers it. An `Err` means no byte may move; `Ok` with no steps is a
 /// defined no-op (empty indices, a layer this pool does not own or a DSA skip-topk layer).
 ///
-/// The order of checks follows sglang's pool code, so that the same call fails with the same
+/// The order of checks (also in the module docs) follows sglang's pool code, so that the same call fails with the same
 /// message:
 /// 1. layers: a load of a layer this rank does not own, or of a DSA skip-topk layer, returns
 ///    (a no-op) before anything else is looked at; a layer id the model does not have, or a
@@ -471,8 +486,11 @@ pub(crate) fn plan(profile: Profile, caps: &Capabilities, owner: u64, pair: &Arc
     Ok(Plan { owner, pair: pair.clone(), profile, direction, path, steps, bytes })
 }
 
-/// (host layer, device buffer slot) pairs, one group per step; `None` for a defined no-op.
-fn resolve_layers(dev: &DeviceGeometry, op: Op, table_op: TableOp) -> Result<Option<Vec<Vec<(u64, u32)>>>> {
+/// (host layer, device buffer slot) pairs, one group per step.
+type LayerGroups = Vec<Vec<(u64, u32)>>;
+
+/// The layers of a call; `None` for a defined no-op.
+fn resolve_layers(dev: &DeviceGeometry, op: Op, table_op: TableOp) -> Result<Option<LayerGroups>> {
     let m: &LayerMap = dev.layers();
     let layer_error = |layer_id| TransferError::LayerOutOfRange { layer_id, target_layers: m.layer_num, draft_layers: m.drafts };
     Ok(Some(match op {
@@ -628,10 +646,10 @@ fn lower_gather(
         Direction::DeviceToHost => (di, hi),
     };
     let per = usize::try_from(caps.max_gather_items.max(1)).unwrap_or(usize::MAX);
-    let pieces: Vec<(Arc<[i64]>, Arc<[i64]>)> = if src.len() <= per {
-        vec![(src.into(), dst.into())]
+    let pieces: Vec<[Arc<[i64]>; 2]> = if src.len() <= per {
+        vec![[src.into(), dst.into()]]
     } else {
-        src.chunks(per).zip(dst.chunks(per)).map(|(s, d)| (Arc::from(s), Arc::from(d))).collect()
+        src.chunks(per).zip(dst.chunks(per)).map(|(s, d)| [Arc::from(s), Arc::from(d)]).collect()
     };
     let mut steps = Vec::with_capacity(layer_groups.len() * pieces.len());
     let mut layer_count = 0u64;
@@ -647,7 +665,7 @@ fn lower_gather(
             }
         }
         layer_count += layers.len() as u64;
-        for (s, d) in &pieces {
+        for [s, d] in &pieces {
             steps.push(Step {
                 kind: StepKind::Gather(GatherStep {
                     src_indices: s.clone(),

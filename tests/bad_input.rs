@@ -140,7 +140,7 @@ fn token_pools_reject_bad_indices() {
                 );
             }
             let other = if layout == Layout::PageFirstDirect { IoBackend::Kernel } else { IoBackend::Direct };
-            if !(layout == Layout::LayerFirst) {
+            if layout != Layout::LayerFirst {
                 rejected(
                     &mut p,
                     &format!("{tag} unsupported cell"),

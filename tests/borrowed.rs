@@ -1,6 +1,7 @@
 //! Borrowed memory: pools that wrap an engine's own buffers behave byte for byte like pools
 //! that own theirs (cpu and wgpu; cuda compiles and skips without a GPU), and undersized,
 //! mis-counted or wrongly-flagged buffers are rejected before any byte moves.
+#![allow(clippy::needless_range_loop, clippy::too_many_arguments)] // index loops mirror sglang's test code
 
 mod common;
 

@@ -1,4 +1,4 @@
-//! The support table against reference §2.6, written out here independently of the planner,
+//! The support table against sglang's pool code, written out here independently of the planner,
 //! for both profiles, and the README's copy of `hicache-io matrix` kept in sync.
 
 use hicache_io::geometry::{IoBackend, Layout, PoolKind, Profile};

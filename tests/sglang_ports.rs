@@ -1,10 +1,11 @@
-//! Ports of sglang's `sgl-kernel/tests/test_kvcacheio.py` parametrizations (reference §4.1):
+//! Ports of sglang's `sgl-kernel/tests/test_kvcacheio.py` parametrizations:
 //! same shapes, same index pattern (whole pages in random order, src and dst disjoint), same
 //! reference helpers, run through the pools API on every executor present, byte for byte.
 //!
 //! sglang's kernel tests copy host→device for both per-layer and all-layer ops; our pools API
 //! has per-layer loads (H2D) and all-layer backups (D2H), so `all_layers` maps to a backup.
 //! bf16 and fp16 move the same bytes, so one dtype (2-byte elements) stands for both.
+#![allow(clippy::needless_range_loop, clippy::too_many_arguments)] // index loops mirror sglang's test code
 
 mod common;
 

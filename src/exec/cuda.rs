@@ -71,7 +71,9 @@ fn has_batch_memcpy(driver_version: i32) -> bool {
 /// pass). `HICACHE_CUDA_BLOCK_QUOTA` / `HICACHE_CUDA_WARPS_PER_BLOCK` override.
 #[derive(Debug, Clone, Copy)]
 pub struct LaunchTuning {
+    /// Blocks per launch, at most.
     pub block_quota: u32,
+    /// Warps per block.
     pub num_warps_per_block: u32,
 }
 
@@ -111,6 +113,7 @@ impl Drop for Inner {
     }
 }
 
+/// The cuda executor: one context and one stream.
 #[derive(Clone)]
 pub struct CudaExecutor {
     inner: Arc<Inner>,
@@ -181,6 +184,7 @@ impl CudaBuffer {
     pub fn device_ptr(&self) -> sys::CUdeviceptr {
         self.dev_ptr
     }
+    /// True for pinned host memory.
     pub fn is_host(&self) -> bool {
         !self.host_ptr.is_null()
     }
@@ -220,6 +224,7 @@ pub struct Completion {
 unsafe impl Send for Completion {}
 
 impl Completion {
+    /// Blocks until the recorded work is done.
     pub fn wait(&self) -> Result<()> {
         self.ctx.bind_to_thread().map_err(|e| drv("bind", e))?;
         // SAFETY: event created and recorded by us.
@@ -274,6 +279,7 @@ impl CudaExecutor {
         CudaExecutor::with_tuning(ordinal, LaunchTuning::default())
     }
 
+    /// Opens device `ordinal` with a grid tuning.
     pub fn with_tuning(ordinal: usize, tuning: LaunchTuning) -> Result<CudaExecutor> {
         let (driver, count) = probe()?;
         if ordinal >= count as usize {

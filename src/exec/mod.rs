@@ -33,6 +33,7 @@ pub struct Bindings<'a, B> {
 }
 
 impl<'a, B> Bindings<'a, B> {
+    /// The buffer `r` names.
     pub fn get(&self, r: BufRef) -> &'a B {
         match r {
             BufRef::Host { comp } => self.host[comp as usize],
@@ -53,6 +54,7 @@ pub trait Executor {
     fn buffer_owner(&self, buf: &Self::Buffer) -> u64;
     /// Adapter / device description for `hicache-io info` and check output.
     fn describe(&self) -> String;
+    /// What the planner may ask of this executor.
     fn capabilities(&self) -> Capabilities;
     /// Device-side memory (device pools).
     fn alloc(&self, bytes: u64) -> Result<Self::Buffer>;
@@ -61,12 +63,15 @@ pub trait Executor {
     fn alloc_host(&self, bytes: u64) -> Result<Self::Buffer> {
         self.alloc(bytes)
     }
+    /// Bytes a buffer holds.
     fn buffer_len(&self, buf: &Self::Buffer) -> u64;
     /// Checks a borrowed buffer (usage flags, alignment) before a pool wraps it.
     fn check_buffer(&self, _buf: &Self::Buffer) -> Result<()> {
         Ok(())
     }
+    /// Writes `data` at `offset` (span already checked).
     fn write(&self, buf: &Self::Buffer, offset: u64, data: &[u8]) -> Result<()>;
+    /// Reads into `out` from `offset` (span already checked), after pending transfers.
     fn read(&self, buf: &Self::Buffer, offset: u64, out: &mut [u8]) -> Result<()>;
     /// Runs (or enqueues) one step of a validated plan; `plan_bytes` is the whole plan's size
     /// (the cpu executor goes parallel above a threshold). Destination buffers are written
@@ -89,13 +94,18 @@ pub trait Executor {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum BackendKind {
+    /// Host memory (the reference).
     Cpu,
+    /// WGSL compute shaders on Vulkan, Metal or DX12.
     Wgpu,
+    /// NVIDIA GPUs.
     Cuda,
 }
 
 impl BackendKind {
+    /// Every executor, in `auto` order reversed.
     pub const ALL: [BackendKind; 3] = [BackendKind::Cpu, BackendKind::Wgpu, BackendKind::Cuda];
+    /// `cpu`, `wgpu` or `cuda`.
     pub fn name(self) -> &'static str {
         match self {
             BackendKind::Cpu => "cpu",

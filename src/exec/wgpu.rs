@@ -109,10 +109,12 @@ fn backends() -> wgpu::Backends {
 }
 
 impl WgpuExecutor {
+    /// The default adapter (`WGPU_BACKEND`, `WGPU_ADAPTER_NAME` choose another).
     pub fn new() -> Result<WgpuExecutor> {
         WgpuExecutor::with_options(WgpuOptions::default())
     }
 
+    /// The default adapter with options.
     pub fn with_options(opts: WgpuOptions) -> Result<WgpuExecutor> {
         let unavailable = |reason: String| TransferError::Unavailable { backend: "wgpu", reason };
         let mut desc = wgpu::InstanceDescriptor::new_without_display_handle_from_env();
@@ -200,13 +202,11 @@ impl WgpuExecutor {
         if let Some(e) = pollster::block_on(scope.pop()) {
             return Err(unavailable(format!("shader compilation failed on {}: {e}", info.name)));
         }
-        let max_window = opts.max_window.unwrap_or(u64::MAX).min(limits.max_storage_buffer_binding_size as u64);
+        let max_window = opts.max_window.unwrap_or(u64::MAX).min(limits.max_storage_buffer_binding_size);
         // One index pair is 8 bytes of one binding; a dispatch holds u32::MAX invocations at up
         // to 64 per item.
-        let max_gather_items = (limits.max_storage_buffer_binding_size as u64 / 8)
-            .min(u32::MAX as u64 >> 6)
-            .min(opts.max_gather_items.unwrap_or(u64::MAX))
-            .max(1);
+        let max_gather_items =
+            (limits.max_storage_buffer_binding_size / 8).min(u32::MAX as u64 >> 6).min(opts.max_gather_items.unwrap_or(u64::MAX)).max(1);
         let max_buffer = limits.max_buffer_size.min(u32::MAX as u64) & !3;
         let default_lanes = if info.device_type == wgpu::DeviceType::Cpu { 1 } else { 64 };
         let max_lanes = std::env::var("HICACHE_WGPU_LANES")
@@ -234,12 +234,15 @@ impl WgpuExecutor {
         })
     }
 
+    /// The wgpu device.
     pub fn device(&self) -> &wgpu::Device {
         &self.inner.device
     }
+    /// The wgpu queue.
     pub fn queue(&self) -> &wgpu::Queue {
         &self.inner.queue
     }
+    /// The adapter.
     pub fn adapter_info(&self) -> &wgpu::AdapterInfo {
         &self.inner.info
     }
@@ -321,7 +324,7 @@ impl WgpuExecutor {
         });
         // One Params record per dispatch, at the uniform offset alignment.
         let stride = (std::mem::size_of::<Params>() as u64).next_multiple_of(inner.limits.min_uniform_buffer_offset_alignment as u64);
-        let mut dispatches: Vec<(usize, Params, (u64, u64), (u64, u64))> = Vec::new();
+        let mut dispatches: Vec<Dispatch> = Vec::new();
         for (li, l) in g.pairs.iter().enumerate() {
             let (sb, db) = (bufs.get(l.src.buf), bufs.get(l.dst.buf));
             let (sws, dws) = (windows(sb.buffer.size(), win), windows(db.buffer.size(), win));
@@ -426,6 +429,9 @@ struct Params {
     lanes_log2: u32,
     _pad: [u32; 3],
 }
+
+/// One dispatch: address pair index, parameters, source and destination windows `(start, len)`.
+type Dispatch = (usize, Params, (u64, u64), (u64, u64));
 
 fn side(a: &Addr, (start, len): (u64, u64)) -> Result<SideParams> {
     let u = |v: u64| u32::try_from(v).map_err(|_| err(format!("offset {v} exceeds u32")));

@@ -1,7 +1,7 @@
 //! sglang-shaped pools: a device pool (layer_first, one buffer per live layer and component)
 //! and a host pool built against it, with `load_to_device_per_layer`,
 //! `backup_from_device_all_layer` (layer-sharded when the device pool is) and the storage
-//! helpers (in [`storage`]).
+//! helpers (`get_data_page` and friends, with their per-layout byte order).
 //!
 //! Every pool belongs to one executor instance; a call that mixes pools, buffers or plans of
 //! two instances is an `ExecutorMismatch` error before anything moves.
