@@ -24,7 +24,6 @@ use cudarc::driver::{CudaContext, CudaStream, DriverError};
 
 use super::{Bindings, Executor};
 use crate::error::{Result, TransferError};
-use crate::geometry::Addr;
 use crate::plan::{Capabilities, GatherStep, Step, StepKind};
 
 const PTX_80: &str = include_str!("../../kernels/transfer.compute_80.ptx");
@@ -67,22 +66,8 @@ fn has_batch_memcpy(driver_version: i32) -> bool {
     driver_version >= 12080 && unsafe { sys::culib().get::<unsafe extern "C" fn()>(b"cuMemcpyBatchAsync\0").is_ok() }
 }
 
-/// Grid tuning, sglang's defaults: 2 blocks of 32 warps (so copies leave SMs to the forward
-/// pass). `HICACHE_CUDA_BLOCK_QUOTA` / `HICACHE_CUDA_WARPS_PER_BLOCK` override.
-#[derive(Debug, Clone, Copy)]
-pub struct LaunchTuning {
-    /// Blocks per launch, at most.
-    pub block_quota: u32,
-    /// Warps per block.
-    pub num_warps_per_block: u32,
-}
-
-impl Default for LaunchTuning {
-    fn default() -> Self {
-        let env = |k: &str, d: u32| std::env::var(k).ok().and_then(|v| v.parse().ok()).filter(|v: &u32| *v > 0).unwrap_or(d);
-        LaunchTuning { block_quota: env("HICACHE_CUDA_BLOCK_QUOTA", 2), num_warps_per_block: env("HICACHE_CUDA_WARPS_PER_BLOCK", 32) }
-    }
-}
+pub use super::cuda_launch::LaunchTuning;
+use super::cuda_launch::gather_launch;
 
 struct Inner {
     ctx: Arc<CudaContext>,
@@ -96,6 +81,8 @@ struct Inner {
     image: &'static str,
     batch: bool,
     tuning: LaunchTuning,
+    /// Threads per block both kernel functions allow (their register use decides it).
+    max_threads: u32,
     id: u64,
 }
 
@@ -251,28 +238,6 @@ impl Drop for Completion {
     }
 }
 
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct SideC {
-    ptr: u64,
-    base: u64,
-    page: u64,
-    page_stride: u64,
-    row_stride: u64,
-    head_stride: u64,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct LaunchC {
-    src: SideC,
-    dst: SideC,
-}
-
-fn side(a: &Addr, ptr: u64) -> SideC {
-    SideC { ptr, base: a.base, page: a.page, page_stride: a.page_stride, row_stride: a.row_stride, head_stride: a.head_stride }
-}
-
 impl CudaExecutor {
     /// Opens device `ordinal`; `Err(Unavailable)` without a driver or device.
     pub fn new(ordinal: usize) -> Result<CudaExecutor> {
@@ -320,11 +285,16 @@ impl CudaExecutor {
             unsafe { result::module::get_function(module, c) }.map_err(|e| drv(&format!("function {n}"), e))
         };
         let (f_w8, f_w4) = (get("hicache_gather_w8")?, get("hicache_gather_w4")?);
+        let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK;
+        // SAFETY: both functions were just resolved from the loaded module.
+        let max_threads = unsafe { [f_w8, f_w4].map(|f| result::function::get_function_attribute(f, attr)) };
+        let max_threads = max_threads.iter().map(|r| r.map(|v| v.max(32) as u32)).collect::<std::result::Result<Vec<_>, _>>().map_err(|e| drv("cuFuncGetAttribute", e))?;
+        let max_threads = max_threads.into_iter().min().unwrap_or(32);
         // HICACHE_CUDA_BATCH=0 forces one cuMemcpyAsync per run (to compare in benchmarks).
         let batch = has_batch_memcpy(driver) && std::env::var("HICACHE_CUDA_BATCH").map_or(true, |v| v != "0");
         log::info!("cuda: {name} sm_{}{}, driver {driver}, {image}, batched memcpy {batch}", cc.0, cc.1);
         let id = super::next_executor_id();
-        Ok(CudaExecutor { inner: Arc::new(Inner { ctx, stream, module, f_w8, f_w4, name, cc, driver, image, batch, tuning, id }) })
+        Ok(CudaExecutor { inner: Arc::new(Inner { ctx, stream, module, f_w8, f_w4, name, cc, driver, image, batch, tuning, max_threads, id }) })
     }
 
     /// The executor's stream (raw handle) for callers that order their own work after ours.
@@ -353,37 +323,24 @@ impl CudaExecutor {
 
     fn gather(&self, g: &GatherStep, bufs: &Bindings<'_, CudaBuffer>) -> Result<()> {
         let stream = self.cu_stream();
-        let n = g.src_indices.len();
-        let table: Vec<LaunchC> = g
-            .pairs
-            .iter()
-            .map(|l| LaunchC { src: side(&l.src, bufs.get(l.src.buf).dev_ptr), dst: side(&l.dst, bufs.get(l.dst.buf).dev_ptr) })
-            .collect();
-        let aligned8 = |a: &Addr, p: u64| [p, a.base, a.page_stride, a.row_stride, a.head_stride].iter().all(|v| v % 8 == 0);
-        let w8 = g.chunk_bytes % 8 == 0
-            && g.pairs.iter().all(|l| aligned8(&l.src, bufs.get(l.src.buf).dev_ptr) && aligned8(&l.dst, bufs.get(l.dst.buf).dev_ptr));
+        let launch = gather_launch(g, |b| bufs.get(b).dev_ptr, self.inner.tuning, self.inner.max_threads)?;
+        let n = launch.n_items as usize;
+        let table_bytes = std::mem::size_of_val(launch.table.as_slice());
         // Stream-ordered scratch: freed on the stream after the kernel, no host sync.
-        let table_bytes = std::mem::size_of_val(table.as_slice());
         // SAFETY: sizes match the host slices; all uses are on `stream`; pageable sources are
         // staged by the driver before the call returns.
         unsafe {
             let t = result::malloc_async(stream, table_bytes).map_err(|e| drv("cuMemAllocAsync", e))?;
             let si = result::malloc_async(stream, n * 8).map_err(|e| drv("cuMemAllocAsync", e))?;
             let di = result::malloc_async(stream, n * 8).map_err(|e| drv("cuMemAllocAsync", e))?;
-            let table_u8 = std::slice::from_raw_parts(table.as_ptr() as *const u8, table_bytes);
+            let table_u8 = std::slice::from_raw_parts(launch.table.as_ptr() as *const u8, table_bytes);
             result::memcpy_htod_async(t, table_u8, stream).map_err(|e| drv("cuMemcpyHtoDAsync", e))?;
-            result::memcpy_htod_async(si, &g.src_indices[..], stream).map_err(|e| drv("cuMemcpyHtoDAsync", e))?;
-            result::memcpy_htod_async(di, &g.dst_indices[..], stream).map_err(|e| drv("cuMemcpyHtoDAsync", e))?;
-            // sglang's grid: at most block_quota blocks, each warp a strided share of items.
-            let LaunchTuning { block_quota, num_warps_per_block } = self.inner.tuning;
-            let n64 = n as i64;
-            let div_up = |x: i64, y: i64| (x + y - 1) / y;
-            let items_per_warp = div_up(n64, (block_quota * num_warps_per_block) as i64);
-            let blocks = div_up(n64, items_per_warp * num_warps_per_block as i64) as u32;
+            result::memcpy_htod_async(si, g.src_indices(), stream).map_err(|e| drv("cuMemcpyHtoDAsync", e))?;
+            result::memcpy_htod_async(di, g.dst_indices(), stream).map_err(|e| drv("cuMemcpyHtoDAsync", e))?;
             let mut t_arg = t;
-            let mut n_launches = table.len() as i32;
+            let mut n_launches = launch.table.len() as i32;
             let (mut si_arg, mut di_arg) = (si, di);
-            let (mut n_items, mut heads, mut chunk, mut ipw) = (n64, g.heads, g.chunk_bytes, items_per_warp);
+            let (mut n_items, mut heads, mut chunk, mut ipw) = (launch.n_items, launch.heads, launch.chunk_bytes, launch.items_per_warp);
             let mut params: [*mut c_void; 8] = [
                 &mut t_arg as *mut _ as *mut c_void,
                 &mut n_launches as *mut _ as *mut c_void,
@@ -394,8 +351,8 @@ impl CudaExecutor {
                 &mut chunk as *mut _ as *mut c_void,
                 &mut ipw as *mut _ as *mut c_void,
             ];
-            let f = if w8 { self.inner.f_w8 } else { self.inner.f_w4 };
-            result::launch_kernel(f, (blocks, 1, 1), (num_warps_per_block * 32, 1, 1), 0, stream, &mut params)
+            let f = if launch.word == 8 { self.inner.f_w8 } else { self.inner.f_w4 };
+            result::launch_kernel(f, (launch.blocks, 1, 1), (launch.threads_per_block, 1, 1), 0, stream, &mut params)
                 .map_err(|e| drv("cuLaunchKernel", e))?;
             for p in [t, si, di] {
                 result::free_async(p, stream).map_err(|e| drv("cuMemFreeAsync", e))?;

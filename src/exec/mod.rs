@@ -15,6 +15,7 @@ use crate::plan::{Capabilities, Plan, Step};
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod cuda_launch;
 #[cfg(feature = "wgpu")]
 pub mod wgpu;
 

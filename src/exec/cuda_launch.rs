@@ -1,0 +1,117 @@
+//! The cuda executor's launch description of a gather step, built without a driver: the
+//! argument structs `kernels/transfer.cu` reads, the copy word and the grid. The executor
+//! launches exactly this; the host emulation test (`tests/kernel_emu.rs`) runs the kernel's
+//! source on the CPU with the same description, so index, struct and grid mistakes show up
+//! without a GPU.
+
+use crate::error::{Result, TransferError};
+use crate::geometry::{Addr, BufRef};
+use crate::plan::GatherStep;
+
+/// Grid tuning, sglang's defaults: 2 blocks of 32 warps (so copies leave SMs to the forward
+/// pass). `HICACHE_CUDA_BLOCK_QUOTA` / `HICACHE_CUDA_WARPS_PER_BLOCK` override.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LaunchTuning {
+    /// Blocks per launch, at most.
+    pub block_quota: u32,
+    /// Warps per block (clamped to what the kernel function allows).
+    pub num_warps_per_block: u32,
+}
+
+impl Default for LaunchTuning {
+    fn default() -> Self {
+        let env = |k: &str, d: u32| std::env::var(k).ok().and_then(|v| v.parse().ok()).filter(|v: &u32| *v > 0).unwrap_or(d);
+        LaunchTuning { block_quota: env("HICACHE_CUDA_BLOCK_QUOTA", 2), num_warps_per_block: env("HICACHE_CUDA_WARPS_PER_BLOCK", 32) }
+    }
+}
+
+/// The kernel's `Side`: 48 bytes, six 64-bit fields.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SideC {
+    /// Base address of the buffer (device pointer, or a host address under emulation).
+    pub ptr: u64,
+    /// The address formula's terms (see [`Addr`]).
+    pub base: u64,
+    /// Items per page.
+    pub page: u64,
+    /// Bytes between pages.
+    pub page_stride: u64,
+    /// Bytes between items within a page.
+    pub row_stride: u64,
+    /// Bytes between head chunks.
+    pub head_stride: u64,
+}
+
+/// The kernel's `Launch`: one (layer, component) address pair, 96 bytes.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LaunchC {
+    /// Where items are read.
+    pub src: SideC,
+    /// Where items are written.
+    pub dst: SideC,
+}
+
+const _: () = assert!(std::mem::size_of::<SideC>() == 48 && std::mem::size_of::<LaunchC>() == 96);
+
+/// Everything one `hicache_gather_w{8,4}` launch takes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GatherLaunch {
+    /// The `launches` table, K before V, layer by layer.
+    pub table: Vec<LaunchC>,
+    /// 8 (`hicache_gather_w8`) or 4 (`hicache_gather_w4`).
+    pub word: u32,
+    /// Grid size.
+    pub blocks: u32,
+    /// Threads per block (`num_warps_per_block × 32`).
+    pub threads_per_block: u32,
+    /// Index pairs.
+    pub n_items: i64,
+    /// Head chunks per item.
+    pub heads: u64,
+    /// Bytes per head chunk.
+    pub chunk_bytes: u64,
+    /// Items each warp visits (strided).
+    pub items_per_warp: i64,
+}
+
+fn side(a: &Addr, ptr: u64) -> SideC {
+    let (base, page, page_stride, row_stride, head_stride) = a.strides();
+    SideC { ptr, base, page, page_stride, row_stride, head_stride }
+}
+
+/// The launch of gather step `g` whose buffers start at `ptr_of(buf)`. `max_threads_per_block`
+/// is the kernel function's limit (`CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK`): more warps than
+/// it allows are clamped, never launched.
+pub fn gather_launch(g: &GatherStep, ptr_of: impl Fn(BufRef) -> u64, tuning: LaunchTuning, max_threads_per_block: u32) -> Result<GatherLaunch> {
+    let chunk = g.chunk_bytes();
+    // The planner guarantees whole 4-byte words (the portable chunk rule); a plan that broke
+    // it would copy misaligned words, a sticky error that kills the context.
+    if chunk % 4 != 0 || chunk == 0 {
+        return Err(TransferError::ChunkNotWordAligned { chunk_bytes: chunk, item_bytes: chunk * g.heads(), heads: g.heads(), word: 4 });
+    }
+    let table: Vec<LaunchC> =
+        g.pairs().iter().map(|l| LaunchC { src: side(l.src(), ptr_of(l.src().buf())), dst: side(l.dst(), ptr_of(l.dst().buf())) }).collect();
+    let aligned8 = |s: &SideC| [s.ptr, s.base, s.page_stride, s.row_stride, s.head_stride].iter().all(|v| v % 8 == 0);
+    let word = if chunk % 8 == 0 && table.iter().all(|l| aligned8(&l.src) && aligned8(&l.dst)) { 8 } else { 4 };
+    if table.iter().any(|l| [l.src.ptr, l.dst.ptr].iter().any(|p| p % 4 != 0)) {
+        return Err(TransferError::Misaligned { what: "cuda buffer address".into(), value: 4, required: 4 });
+    }
+    let warps = tuning.num_warps_per_block.clamp(1, (max_threads_per_block / 32).max(1));
+    let quota = tuning.block_quota.max(1) as i64;
+    let n = g.src_indices().len() as i64;
+    // sglang's grid: at most `block_quota` blocks, each warp a strided share of the items.
+    let items_per_warp = (n.max(1) + quota * warps as i64 - 1) / (quota * warps as i64);
+    let blocks = ((n.max(1) + items_per_warp * warps as i64 - 1) / (items_per_warp * warps as i64)) as u32;
+    Ok(GatherLaunch {
+        table,
+        word,
+        blocks,
+        threads_per_block: warps * 32,
+        n_items: n,
+        heads: g.heads(),
+        chunk_bytes: chunk,
+        items_per_warp,
+    })
+}
