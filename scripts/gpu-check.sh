@@ -1,32 +1,49 @@
 #!/usr/bin/env bash
 # The GPU checks, for a machine with an NVIDIA GPU (one script, under 5 minutes):
-#   1. hicache-io info (driver, device, kernel image, batched memcpy),
+#   1. hicache-io info (driver, device, kernel image, batched memcpy, wgpu adapter),
 #   2. the CUDA executor against the oracle on every supported cell, both profiles,
-#   3. the CUDA tests (when cargo is present) with HICACHE_REQUIRE_CUDA=1,
-#   4. a short bench: kernel vs direct (batched and per-run copies), H2D loads and D2H backups,
+#   3. the CUDA engine example (borrowed engine memory, completion handles, layer overlap),
+#   4. the CUDA tests (when cargo is present) with HICACHE_REQUIRE_CUDA=1,
+#   5. hostile input on cuda (fuzz, 2,000 cases),
+#   6. wgpu on the real GPU when its Vulkan driver is present (check),
+#   7. a short bench: kernel vs direct (batched and per-run copies), H2D loads and D2H backups,
 #      DSA pages of 8448 B and MLA records of 1152 B and 656 B, 4096 random pages.
-# Uses $HICACHE_IO_BIN (default target/release/hicache-io), building it if cargo is present.
-set -euo pipefail
+# Uses $HICACHE_IO_BIN (default target/release/hicache-io) and $HICACHE_IO_EXAMPLE (default
+# target/release/examples/cuda_engine), building them if cargo is present. Writes logs and
+# JSON under $OUT when it is set (else the current folder).
+set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-.}"
 bin="${HICACHE_IO_BIN:-target/release/hicache-io}"
+example="${HICACHE_IO_EXAMPLE:-target/release/examples/cuda_engine}"
 if command -v cargo >/dev/null; then
-    cargo build --release --quiet
+    cargo build --release --quiet --bin hicache-io --example cuda_engine || exit 2
 fi
 [ -x "$bin" ] || { echo "no $bin and no cargo to build it" >&2; exit 2; }
 export HICACHE_REQUIRE_CUDA=1 RUST_LOG="${RUST_LOG:-info}"
+status=0
+step() { echo "== $1"; shift; "$@" || { echo "FAILED ($?): $*"; status=1; }; }
 
-echo "== info"
-"$bin" info
-echo "== check: cuda vs oracle, every supported cell"
-"$bin" check --backend cuda --rounds 20 --seed 1
-"$bin" check --backend cuda --rounds 10 --seed 2 --profile sglang
+step "info" "$bin" info
+step "check: cuda vs oracle, every supported cell (extended)" "$bin" check --backend cuda --rounds 20 --seed 1
+step "check: cuda vs oracle, every supported cell (sglang)" "$bin" check --backend cuda --rounds 10 --seed 2 --profile sglang
+if [ -x "$example" ]; then
+    step "example: cuda_engine" "$example"
+else
+    echo "== example: $example missing (build it with cargo build --release --example cuda_engine)"
+    status=1
+fi
 if command -v cargo >/dev/null; then
-    echo "== cuda tests"
-    cargo test --release --quiet --test cuda --test borrowed --test sglang_ports
+    step "cuda tests" cargo test --release --quiet --test cuda --test borrowed --test sglang_ports --test faults
+fi
+step "fuzz: cuda" "$bin" fuzz --backend cuda --cases 2000 --seed 3
+if "$bin" info | grep -q "^wgpu: available"; then
+    step "check: wgpu on this GPU" "$bin" check --backend wgpu --rounds 4 --seed 4
 fi
 echo "== bench: batched direct copies"
-"$bin" bench --backend cuda --items 8448,1152,656 --budget-ms 200 --json > "$out/bench-cuda-batched.json"
-"$bin" bench --backend cuda --items 8448,1152,656 --budget-ms 200 | tail -n +2
-echo "== bench: one cuMemcpyAsync per run (HICACHE_CUDA_BATCH=0), direct paths only"
-HICACHE_CUDA_BATCH=0 "$bin" bench --backend cuda --items 8448,1152,656 --budget-ms 200 | grep -E "exec|direct"
+"$bin" bench --backend cuda --items 8448,1152,656 --budget-ms 200 --json > "$out/bench-cuda-batched.json" || status=1
+"$bin" bench --backend cuda --items 8448,1152,656 --budget-ms 200 || status=1
+echo "== bench: one cuMemcpyAsync per run (HICACHE_CUDA_BATCH=0)"
+HICACHE_CUDA_BATCH=0 "$bin" bench --backend cuda --items 8448,1152,656 --budget-ms 200 --json > "$out/bench-cuda-per-run.json" || status=1
+echo "gpu-check: $([ $status = 0 ] && echo PASSED || echo FAILED)"
+exit $status

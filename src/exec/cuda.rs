@@ -7,16 +7,23 @@
 //! - Device pools: one `cuMemAlloc` per layer buffer.
 //! - Kernels ship embedded: sm_90 and sm_80 cubins and compute_80 PTX (ISA 8.0, drivers ≥ 525),
 //!   built by `scripts/build-kernels.py` and checked by the CI compile gate. No NVRTC needed.
-//! - Transfers are asynchronous on the executor's own stream (never the legacy NULL stream);
-//!   [`CudaExecutor::record`] gives a completion handle, `synchronize` waits.
-//! - `direct` uses `cuMemcpyBatchAsync` when the driver exports it (≥ 12.8, probed without
-//!   panicking), else one `cuMemcpyAsync` per run.
+//! - Ordering: everything this executor does to device memory — zeroing new buffers, pool
+//!   writes and reads, gather tables, kernels and copies — is enqueued on the executor's one
+//!   stream (its own non-blocking stream, or the caller's with [`CudaExecutor::from_stream`]), so
+//!   stream order is program order. Transfers return once enqueued; pool reads and writes,
+//!   [`Executor::synchronize`], dropping a buffer (owned or borrowed) and dropping the executor
+//!   wait for the stream. [`CudaExecutor::record`] gives a completion handle.
+//! - `kernel`: each gather step uploads its index lists and address-pair table once, through one
+//!   pinned staging buffer, into a device scratch area reused across steps and calls (the steps
+//!   of a layer-sharded backup share their index lists and upload only their table).
+//! - `direct` uses `cuMemcpyBatchAsync` (resolved by ABI version 12.8, in calls of at most 4096
+//!   copies; not on the default streams, which it rejects), else one `cuMemcpyAsync` per run.
 //!
 //! Without libcuda, a driver or a device, [`CudaExecutor::new`] returns `Unavailable`; nothing
 //! here panics for a missing CUDA.
 
 use std::ffi::{c_void, CString};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::result;
 use cudarc::driver::sys;
@@ -59,15 +66,63 @@ pub fn probe() -> Result<(i32, i32)> {
     Ok((version, count))
 }
 
-/// True when the driver exports `cuMemcpyBatchAsync` (checked by symbol, since calling a
-/// missing symbol through cudarc panics).
-fn has_batch_memcpy(driver_version: i32) -> bool {
-    // SAFETY: culib() is only called after is_culib_present() succeeded in `probe`.
-    driver_version >= 12080 && unsafe { sys::culib().get::<unsafe extern "C" fn()>(b"cuMemcpyBatchAsync\0").is_ok() }
+/// `cuMemcpyBatchAsync` with the CUDA 12.8 signature (with `failIdx`).
+type BatchFn = unsafe extern "C" fn(
+    *mut sys::CUdeviceptr,
+    *mut sys::CUdeviceptr,
+    *mut usize,
+    usize,
+    *mut sys::CUmemcpyAttributes,
+    *mut usize,
+    usize,
+    *mut usize,
+    sys::CUstream,
+) -> sys::CUresult;
+
+/// Resolves `cuMemcpyBatchAsync` *by ABI version* (12.8) through `cuGetProcAddress`, so a 13.x
+/// driver's renamed `_v2` entry point (a different signature) can never be picked up by name.
+/// `None` when the driver is older or does not provide it; nothing here panics for a missing
+/// symbol (cudarc's loader would).
+fn batch_memcpy_fn(driver_version: i32) -> Option<BatchFn> {
+    type GetProcV2 = unsafe extern "C" fn(*const std::ffi::c_char, *mut *mut c_void, i32, u64, *mut i32) -> sys::CUresult;
+    type GetProcV1 = unsafe extern "C" fn(*const std::ffi::c_char, *mut *mut c_void, i32, u64) -> sys::CUresult;
+    if driver_version < 12080 {
+        return None;
+    }
+    let name = c"cuMemcpyBatchAsync";
+    let mut pfn: *mut c_void = std::ptr::null_mut();
+    // SAFETY: culib() is only called after is_culib_present() succeeded in `probe`; the symbols'
+    // signatures are the driver API's; flags 0 = CU_GET_PROC_ADDRESS_DEFAULT.
+    let rc = unsafe {
+        let lib = sys::culib();
+        if let Ok(f) = lib.get::<GetProcV2>(b"cuGetProcAddress_v2\0") {
+            let mut status = 0;
+            f(name.as_ptr(), &mut pfn, 12080, 0, &mut status)
+        } else if let Ok(f) = lib.get::<GetProcV1>(b"cuGetProcAddress\0") {
+            f(name.as_ptr(), &mut pfn, 12080, 0)
+        } else {
+            return None;
+        }
+    };
+    if rc != sys::CUresult::CUDA_SUCCESS || pfn.is_null() {
+        return None;
+    }
+    // SAFETY: the driver returned the 12.8-ABI entry point for this name.
+    Some(unsafe { std::mem::transmute::<*mut c_void, BatchFn>(pfn) })
+}
+
+/// Most copies one `cuMemcpyBatchAsync` call carries: drivers have crashed or hung near 52k
+/// descriptors per call, and a 61-layer page_first_direct backup has hundreds of thousands.
+const BATCH_MAX: usize = 4096;
+
+/// The legacy NULL stream and the per-thread default stream, which `cuMemcpyBatchAsync` rejects.
+fn is_default_stream(s: sys::CUstream) -> bool {
+    // NULL, CU_STREAM_LEGACY (0x1), CU_STREAM_PER_THREAD (0x2).
+    (s as usize) <= 2
 }
 
 pub use super::cuda_launch::LaunchTuning;
-use super::cuda_launch::gather_launch;
+use super::cuda_launch::{gather_launch, GatherLaunch};
 
 struct Inner {
     ctx: Arc<CudaContext>,
@@ -79,8 +134,10 @@ struct Inner {
     cc: (i32, i32),
     driver: i32,
     image: &'static str,
-    batch: bool,
+    batch: Option<BatchFn>,
     tuning: LaunchTuning,
+    /// Index tables and address pairs of gather steps, uploaded once per step.
+    scratch: Mutex<Scratch>,
     /// Threads per block both kernel functions allow (their register use decides it).
     max_threads: u32,
     id: u64,
@@ -95,6 +152,7 @@ impl Drop for Inner {
     fn drop(&mut self) {
         let _ = self.ctx.bind_to_thread();
         let _ = self.stream.synchronize();
+        self.scratch.get_mut().unwrap_or_else(|e| e.into_inner()).free();
         // SAFETY: the module was loaded by us and no launch is pending.
         let _ = unsafe { result::module::unload(self.module) };
     }
@@ -180,9 +238,11 @@ impl CudaBuffer {
 impl Drop for CudaBuffer {
     fn drop(&mut self) {
         if !self.owned {
+            // A queued copy may still use the engine's memory: the engine frees it once the
+            // pool is dropped, so wait here first.
+            let _ = self.exec.ctx.bind_to_thread();
+            let _ = self.exec.stream.synchronize();
             if self.registered {
-                let _ = self.exec.ctx.bind_to_thread();
-                let _ = self.exec.stream.synchronize();
                 // SAFETY: registered by `from_host_ptr`.
                 let _ = unsafe { sys::cuMemHostUnregister(self.host_ptr as *mut c_void) };
             }
@@ -268,6 +328,9 @@ impl CudaExecutor {
     fn from_parts(ctx: Arc<CudaContext>, stream: Arc<CudaStream>, driver: i32, tuning: LaunchTuning) -> Result<CudaExecutor> {
         let name = ctx.name().unwrap_or_else(|_| "?".into());
         let cc = ctx.compute_capability().map_err(|e| drv("compute capability", e))?;
+        if cc.0 < 8 {
+            return Err(unavailable(format!("{name} is sm_{}{}; the kernels need sm_80 or newer", cc.0, cc.1)));
+        }
         ctx.bind_to_thread().map_err(|e| drv("bind", e))?;
         // sm_90 cubin on Hopper, sm_80 cubin on Ampere/Ada (binary compatible within major 8),
         // PTX JIT elsewhere.
@@ -278,7 +341,8 @@ impl CudaExecutor {
             _ => ("compute_80 PTX (JIT)", ptx.as_ptr() as *const c_void),
         };
         // SAFETY: `ptr` is a complete cubin or NUL-terminated PTX image that outlives the call.
-        let module = unsafe { result::module::load_data(ptr) }.map_err(|e| drv(&format!("loading {image}"), e))?;
+        let module = unsafe { result::module::load_data(ptr) }
+            .map_err(|e| unavailable(format!("loading {image}: {e:?} (the PTX needs a driver of version 525 or newer)")))?;
         let get = |n: &str| {
             let c = CString::new(n).expect("name");
             // SAFETY: module loaded above.
@@ -288,13 +352,34 @@ impl CudaExecutor {
         let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK;
         // SAFETY: both functions were just resolved from the loaded module.
         let max_threads = unsafe { [f_w8, f_w4].map(|f| result::function::get_function_attribute(f, attr)) };
-        let max_threads = max_threads.iter().map(|r| r.map(|v| v.max(32) as u32)).collect::<std::result::Result<Vec<_>, _>>().map_err(|e| drv("cuFuncGetAttribute", e))?;
+        let max_threads = max_threads
+            .iter()
+            .map(|r| r.map(|v| v.max(32) as u32))
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(|e| drv("cuFuncGetAttribute", e))?;
         let max_threads = max_threads.into_iter().min().unwrap_or(32);
         // HICACHE_CUDA_BATCH=0 forces one cuMemcpyAsync per run (to compare in benchmarks).
-        let batch = has_batch_memcpy(driver) && std::env::var("HICACHE_CUDA_BATCH").map_or(true, |v| v != "0");
-        log::info!("cuda: {name} sm_{}{}, driver {driver}, {image}, batched memcpy {batch}", cc.0, cc.1);
+        let batch = batch_memcpy_fn(driver).filter(|_| std::env::var("HICACHE_CUDA_BATCH").map_or(true, |v| v != "0"));
+        log::info!("cuda: {name} sm_{}{}, driver {driver}, {image}, batched memcpy {}", cc.0, cc.1, batch.is_some());
         let id = super::next_executor_id();
-        Ok(CudaExecutor { inner: Arc::new(Inner { ctx, stream, module, f_w8, f_w4, name, cc, driver, image, batch, tuning, max_threads, id }) })
+        Ok(CudaExecutor {
+            inner: Arc::new(Inner {
+                ctx,
+                stream,
+                module,
+                f_w8,
+                f_w4,
+                name,
+                cc,
+                driver,
+                image,
+                batch,
+                tuning,
+                scratch: Mutex::new(Scratch::default()),
+                max_threads,
+                id,
+            }),
+        })
     }
 
     /// The executor's stream (raw handle) for callers that order their own work after ours.
@@ -312,9 +397,9 @@ impl CudaExecutor {
         Ok(Completion { event, ctx: self.inner.ctx.clone() })
     }
 
-    /// Whether `direct` uses `cuMemcpyBatchAsync`.
+    /// Whether `direct` uses `cuMemcpyBatchAsync` (not on the default streams, which it rejects).
     pub fn batched_memcpy(&self) -> bool {
-        self.inner.batch
+        self.inner.batch.is_some() && !is_default_stream(self.cu_stream())
     }
 
     fn bind(&self) -> Result<()> {
@@ -324,41 +409,26 @@ impl CudaExecutor {
     fn gather(&self, g: &GatherStep, bufs: &Bindings<'_, CudaBuffer>) -> Result<()> {
         let stream = self.cu_stream();
         let launch = gather_launch(g, |b| bufs.get(b).dev_ptr, self.inner.tuning, self.inner.max_threads)?;
-        let n = launch.n_items as usize;
-        let table_bytes = std::mem::size_of_val(launch.table.as_slice());
-        // Stream-ordered scratch: freed on the stream after the kernel, no host sync.
-        // SAFETY: sizes match the host slices; all uses are on `stream`; pageable sources are
-        // staged by the driver before the call returns.
-        unsafe {
-            let t = result::malloc_async(stream, table_bytes).map_err(|e| drv("cuMemAllocAsync", e))?;
-            let si = result::malloc_async(stream, n * 8).map_err(|e| drv("cuMemAllocAsync", e))?;
-            let di = result::malloc_async(stream, n * 8).map_err(|e| drv("cuMemAllocAsync", e))?;
-            let table_u8 = std::slice::from_raw_parts(launch.table.as_ptr() as *const u8, table_bytes);
-            result::memcpy_htod_async(t, table_u8, stream).map_err(|e| drv("cuMemcpyHtoDAsync", e))?;
-            result::memcpy_htod_async(si, g.src_indices(), stream).map_err(|e| drv("cuMemcpyHtoDAsync", e))?;
-            result::memcpy_htod_async(di, g.dst_indices(), stream).map_err(|e| drv("cuMemcpyHtoDAsync", e))?;
-            let mut t_arg = t;
-            let mut n_launches = launch.table.len() as i32;
-            let (mut si_arg, mut di_arg) = (si, di);
-            let (mut n_items, mut heads, mut chunk, mut ipw) = (launch.n_items, launch.heads, launch.chunk_bytes, launch.items_per_warp);
-            let mut params: [*mut c_void; 8] = [
-                &mut t_arg as *mut _ as *mut c_void,
-                &mut n_launches as *mut _ as *mut c_void,
-                &mut si_arg as *mut _ as *mut c_void,
-                &mut di_arg as *mut _ as *mut c_void,
-                &mut n_items as *mut _ as *mut c_void,
-                &mut heads as *mut _ as *mut c_void,
-                &mut chunk as *mut _ as *mut c_void,
-                &mut ipw as *mut _ as *mut c_void,
-            ];
-            let f = if launch.word == 8 { self.inner.f_w8 } else { self.inner.f_w4 };
-            result::launch_kernel(f, (launch.blocks, 1, 1), (launch.threads_per_block, 1, 1), 0, stream, &mut params)
-                .map_err(|e| drv("cuLaunchKernel", e))?;
-            for p in [t, si, di] {
-                result::free_async(p, stream).map_err(|e| drv("cuMemFreeAsync", e))?;
-            }
-        }
-        Ok(())
+        let mut scratch = self.inner.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let args = scratch.upload(stream, g, &launch)?;
+        let [mut t_arg, mut si_arg, mut di_arg] = args;
+        let mut n_launches = launch.table.len() as i32;
+        let (mut n_items, mut heads, mut chunk, mut ipw) = (launch.n_items, launch.heads, launch.chunk_bytes, launch.items_per_warp);
+        let mut params: [*mut c_void; 8] = [
+            &mut t_arg as *mut _ as *mut c_void,
+            &mut n_launches as *mut _ as *mut c_void,
+            &mut si_arg as *mut _ as *mut c_void,
+            &mut di_arg as *mut _ as *mut c_void,
+            &mut n_items as *mut _ as *mut c_void,
+            &mut heads as *mut _ as *mut c_void,
+            &mut chunk as *mut _ as *mut c_void,
+            &mut ipw as *mut _ as *mut c_void,
+        ];
+        let f = if launch.word == 8 { self.inner.f_w8 } else { self.inner.f_w4 };
+        // SAFETY: the arguments match the kernel's signature; the tables live in the scratch
+        // area, which later uploads overwrite only in stream order (after this kernel).
+        unsafe { result::launch_kernel(f, (launch.blocks, 1, 1), (launch.threads_per_block, 1, 1), 0, stream, &mut params) }
+            .map_err(|e| drv("cuLaunchKernel", e))
     }
 
     fn copies(&self, runs: &[crate::plan::Run], bufs: &Bindings<'_, CudaBuffer>) -> Result<()> {
@@ -366,7 +436,8 @@ impl CudaExecutor {
         let mut dsts: Vec<sys::CUdeviceptr> = runs.iter().map(|r| bufs.get(r.dst).dev_ptr + r.dst_offset).collect();
         let mut srcs: Vec<sys::CUdeviceptr> = runs.iter().map(|r| bufs.get(r.src).dev_ptr + r.src_offset).collect();
         let mut sizes: Vec<usize> = runs.iter().map(|r| r.len as usize).collect();
-        if self.inner.batch && runs.len() > 1 {
+        let mut done = 0;
+        if let Some(batch) = self.inner.batch.filter(|_| runs.len() > 1 && !is_default_stream(stream)) {
             let src_host = runs.first().is_some_and(|r| bufs.get(r.src).is_host());
             let loc = |host: bool| sys::CUmemLocation {
                 type_: if host {
@@ -382,37 +453,42 @@ impl CudaExecutor {
                 dstLocHint: loc(!src_host),
                 flags: 0,
             };
-            let mut idx = [0usize];
-            let mut fail = usize::MAX;
-            // SAFETY: arrays of `runs.len()` entries, live for the call (the driver copies the
-            // descriptors); addresses are inside pool allocations (validated plan).
-            let rc = unsafe {
-                sys::cuMemcpyBatchAsync(
-                    dsts.as_mut_ptr(),
-                    srcs.as_mut_ptr(),
-                    sizes.as_mut_ptr(),
-                    runs.len(),
-                    &mut attrs,
-                    idx.as_mut_ptr(),
-                    1,
-                    &mut fail,
-                    stream,
-                )
-            };
-            match rc {
-                sys::CUresult::CUDA_SUCCESS => return Ok(()),
-                sys::CUresult::CUDA_ERROR_NOT_SUPPORTED => {
-                    log::debug!("cuMemcpyBatchAsync: {rc:?}; falling back to one copy per run")
-                }
-                other => {
-                    return Err(TransferError::Executor {
-                        backend: "cuda",
-                        message: format!("cuMemcpyBatchAsync failed at run {fail}: {other:?}"),
-                    })
+            while done < runs.len() {
+                let n = (runs.len() - done).min(BATCH_MAX);
+                let mut idx = [0usize];
+                let mut fail = usize::MAX;
+                // SAFETY: arrays of at least `done + n` entries, live for the call (the driver
+                // copies the descriptors); addresses are inside pool allocations (validated plan).
+                let rc = unsafe {
+                    batch(
+                        dsts[done..].as_mut_ptr(),
+                        srcs[done..].as_mut_ptr(),
+                        sizes[done..].as_mut_ptr(),
+                        n,
+                        &mut attrs,
+                        idx.as_mut_ptr(),
+                        1,
+                        &mut fail,
+                        stream,
+                    )
+                };
+                match rc {
+                    sys::CUresult::CUDA_SUCCESS => done += n,
+                    // Not for this stream or these memory kinds: one copy per run instead.
+                    sys::CUresult::CUDA_ERROR_NOT_SUPPORTED | sys::CUresult::CUDA_ERROR_INVALID_VALUE => {
+                        log::debug!("cuMemcpyBatchAsync: {rc:?}; falling back to one copy per run");
+                        break;
+                    }
+                    other => {
+                        return Err(TransferError::Executor {
+                            backend: "cuda",
+                            message: format!("cuMemcpyBatchAsync failed at run {}: {other:?}", done + fail.min(n)),
+                        })
+                    }
                 }
             }
         }
-        for i in 0..runs.len() {
+        for i in done..runs.len() {
             // SAFETY: as above; UVA pointers in either direction.
             let rc = unsafe { sys::cuMemcpyAsync(dsts[i], srcs[i], sizes[i], stream) };
             if rc != sys::CUresult::CUDA_SUCCESS {
@@ -420,6 +496,130 @@ impl CudaExecutor {
             }
         }
         Ok(())
+    }
+}
+
+/// Device scratch for gather steps (index lists and the address-pair table) and the pinned
+/// staging buffer they are uploaded through. Reused across steps and calls: growing is the only
+/// allocation, and a step whose index lists are the ones already on the device (the steps of a
+/// layer-sharded backup share them) uploads only its table.
+struct Scratch {
+    dev: sys::CUdeviceptr,
+    dev_cap: usize,
+    host: *mut u8,
+    host_cap: usize,
+    /// Recorded after the last copy out of `host`; the CPU waits on it before writing `host`
+    /// again (only that copy, never the transfers queued after it).
+    staged: Option<sys::CUevent>,
+    /// The index lists now in `dev`. Holding them keeps their allocations alive, so an equal
+    /// pointer always means the same contents.
+    indices: Option<[Arc<[i64]>; 2]>,
+}
+
+// SAFETY: raw driver handles, used only under the executor's mutex with the context bound.
+unsafe impl Send for Scratch {}
+
+impl Default for Scratch {
+    fn default() -> Self {
+        Scratch { dev: 0, dev_cap: 0, host: std::ptr::null_mut(), host_cap: 0, staged: None, indices: None }
+    }
+}
+
+impl Scratch {
+    /// Uploads what gather step `g` needs; returns the device addresses of the address-pair
+    /// table, the source indices and the destination indices.
+    fn upload(&mut self, stream: sys::CUstream, g: &GatherStep, launch: &GatherLaunch) -> Result<[sys::CUdeviceptr; 3]> {
+        let n = g.src_indices().len();
+        let index_bytes = n * 8;
+        let table_bytes = std::mem::size_of_val(launch.table.as_slice());
+        // Device layout: [src indices][dst indices][table], each 256-byte aligned.
+        let align = |x: usize| x.next_multiple_of(256);
+        let (si_off, di_off, t_off) = (0, align(index_bytes), 2 * align(index_bytes));
+        let dev_need = t_off + align(table_bytes);
+        let reuse = self.dev_cap >= dev_need
+            && self.indices.as_ref().is_some_and(|[s, d]| Arc::ptr_eq(s, &g.src_indices) && Arc::ptr_eq(d, &g.dst_indices));
+        let stage_bytes = if reuse { table_bytes } else { t_off + table_bytes };
+        // SAFETY: all driver calls on live handles with the context bound by the caller.
+        unsafe {
+            if self.dev_cap < dev_need {
+                // The old area may still be read by queued kernels: wait before freeing it.
+                result::stream::synchronize(stream).map_err(|e| drv("cuStreamSynchronize", e))?;
+                if self.dev != 0 {
+                    let _ = result::free_sync(self.dev);
+                    self.dev = 0;
+                    self.dev_cap = 0;
+                }
+                let cap = dev_need.next_power_of_two();
+                self.dev = result::malloc_sync(cap).map_err(|e| TransferError::OutOfMemory {
+                    what: "cuda gather scratch".into(),
+                    requested: cap as u64,
+                    limit: format!("cuMemAlloc: {e:?}"),
+                })?;
+                self.dev_cap = cap;
+                self.indices = None;
+            }
+            // The CPU may write the staging buffer only once the previous upload has left it.
+            if let Some(ev) = self.staged {
+                result::event::synchronize(ev).map_err(|e| drv("cuEventSynchronize", e))?;
+            }
+            if self.host_cap < stage_bytes {
+                if !self.host.is_null() {
+                    let _ = result::free_host(self.host as *mut c_void);
+                    self.host = std::ptr::null_mut();
+                    self.host_cap = 0;
+                }
+                let cap = stage_bytes.next_power_of_two();
+                self.host = result::malloc_host(cap, 0).map_err(|e| TransferError::OutOfMemory {
+                    what: "cuda pinned staging".into(),
+                    requested: cap as u64,
+                    limit: format!("cuMemHostAlloc: {e:?}"),
+                })? as *mut u8;
+                self.host_cap = cap;
+            }
+            let table_src = std::slice::from_raw_parts(launch.table.as_ptr() as *const u8, table_bytes);
+            let (dst, at) = if reuse {
+                std::ptr::copy_nonoverlapping(table_src.as_ptr(), self.host, table_bytes);
+                (self.dev + t_off as u64, 0)
+            } else {
+                std::ptr::copy_nonoverlapping(g.src_indices().as_ptr() as *const u8, self.host.add(si_off), index_bytes);
+                std::ptr::copy_nonoverlapping(g.dst_indices().as_ptr() as *const u8, self.host.add(di_off), index_bytes);
+                std::ptr::copy_nonoverlapping(table_src.as_ptr(), self.host.add(t_off), table_bytes);
+                (self.dev, 0)
+            };
+            let rc = sys::cuMemcpyHtoDAsync_v2(dst, self.host.add(at) as *const c_void, stage_bytes, stream);
+            if rc != sys::CUresult::CUDA_SUCCESS {
+                self.indices = None;
+                return Err(TransferError::Executor { backend: "cuda", message: format!("cuMemcpyHtoDAsync (gather tables): {rc:?}") });
+            }
+            let ev = match self.staged {
+                Some(ev) => ev,
+                None => {
+                    let ev = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(|e| drv("cuEventCreate", e))?;
+                    self.staged = Some(ev);
+                    ev
+                }
+            };
+            result::event::record(ev, stream).map_err(|e| drv("cuEventRecord", e))?;
+        }
+        self.indices = Some([g.src_indices.clone(), g.dst_indices.clone()]);
+        Ok([self.dev + t_off as u64, self.dev + si_off as u64, self.dev + di_off as u64])
+    }
+
+    /// Frees everything (the stream has been synchronized).
+    fn free(&mut self) {
+        // SAFETY: handles allocated by `upload`; nothing queued uses them any more.
+        unsafe {
+            if self.dev != 0 {
+                let _ = result::free_sync(self.dev);
+            }
+            if !self.host.is_null() {
+                let _ = result::free_host(self.host as *mut c_void);
+            }
+            if let Some(ev) = self.staged.take() {
+                let _ = result::event::destroy(ev);
+            }
+        }
+        *self = Scratch::default();
     }
 }
 
@@ -445,7 +645,7 @@ impl Executor for CudaExecutor {
             i.driver / 1000,
             (i.driver % 1000) / 10,
             i.image,
-            if i.batch { "yes" } else { "no" },
+            if self.batched_memcpy() { "yes" } else { "no" },
             i.tuning.block_quota,
             i.tuning.num_warps_per_block
         )
