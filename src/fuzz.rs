@@ -170,48 +170,7 @@ fn one_case(device: &Device, other_device: Option<&Device>, seed: u64, t: &mut F
     if rng.chance(70) {
         mutate(&mut rng, &mut dc, &mut hc, &mut op, &mut io, &mut hi, &mut di);
     }
-    // Configurations: refused ones are fine; accepted huge ones are built, not filled.
-    let total = dc.geometry().map(|g| g.total_bytes());
-    match total {
-        Err(_) => {
-            if crate::pool::DevicePool::new(device, &dc).is_ok() {
-                t.corrupted += 1;
-                t.fail(format!("seed {seed}: device pool accepted a configuration its geometry refuses"));
-            } else {
-                t.rejected_config += 1;
-            }
-            return;
-        }
-        Ok(bytes) if bytes > FILL_LIMIT => {
-            match crate::pool::DevicePool::new(device, &dc).and_then(|d| crate::pool::HostPool::new(&d, &hc).map(|_| ())) {
-                Ok(()) => t.large += 1,
-                Err(_) => t.rejected_config += 1,
-            }
-            return;
-        }
-        Ok(_) => {}
-    }
-    let host_bytes =
-        crate::pool::DevicePool::new(device, &dc).and_then(|d| crate::pool::HostPool::new(&d, &hc).map(|h| h.geometry().buffer_bytes()));
-    match host_bytes {
-        Err(_) => {
-            t.rejected_config += 1;
-            return;
-        }
-        Ok(b) if b > FILL_LIMIT => {
-            t.large += 1;
-            return;
-        }
-        Ok(_) => {}
-    }
-    let mut m = match Mirrored::new(device, &dc, &hc, seed) {
-        Ok(m) => m,
-        Err(e) => {
-            t.corrupted += 1;
-            t.fail(format!("seed {seed}: pools that were just built could not be filled: {e}"));
-            return;
-        }
-    };
+    let Some(mut m) = build(device, &dc, &hc, seed, t) else { return };
     let tag = |what: &str| format!("seed {seed}: {what} ({op:?} {io} {} {:?})", hc.layout, dc.kind);
     match m.call(op, io, &hi, &di) {
         Ok(()) => {
@@ -255,6 +214,52 @@ fn one_case(device: &Device, other_device: Option<&Device>, seed: u64, t: &mut F
                 }
                 check_mirror(&other, t, &tag("foreign plan"));
             }
+        }
+    }
+}
+
+/// Builds the pools of a case: `None` (counted) when the configuration is refused or too large
+/// to fill; a refusal by the pools that the geometry accepted, or the reverse, is a corruption.
+fn build(device: &Device, dc: &DevicePoolConfig, hc: &HostPoolConfig, seed: u64, t: &mut FuzzTally) -> Option<Mirrored> {
+    let pools =
+        || crate::pool::DevicePool::new(device, dc).and_then(|d| crate::pool::HostPool::new(&d, hc).map(|h| h.geometry().buffer_bytes()));
+    match dc.geometry().map(|g| g.total_bytes()) {
+        Err(_) => {
+            if crate::pool::DevicePool::new(device, dc).is_ok() {
+                t.corrupted += 1;
+                t.fail(format!("seed {seed}: device pool accepted a configuration its geometry refuses"));
+            } else {
+                t.rejected_config += 1;
+            }
+            return None;
+        }
+        // Accepted huge pools are built (to check the configuration), not filled.
+        Ok(bytes) if bytes > FILL_LIMIT => {
+            match pools() {
+                Ok(_) => t.large += 1,
+                Err(_) => t.rejected_config += 1,
+            }
+            return None;
+        }
+        Ok(_) => {}
+    }
+    match pools() {
+        Err(_) => {
+            t.rejected_config += 1;
+            return None;
+        }
+        Ok(b) if b > FILL_LIMIT => {
+            t.large += 1;
+            return None;
+        }
+        Ok(_) => {}
+    }
+    match Mirrored::new(device, dc, hc, seed) {
+        Ok(m) => Some(m),
+        Err(e) => {
+            t.corrupted += 1;
+            t.fail(format!("seed {seed}: pools that were just built could not be filled: {e}"));
+            None
         }
     }
 }

@@ -288,79 +288,22 @@ impl WgpuExecutor {
         Ok(())
     }
 
+    /// Encodes one gather step: an index table, one parameter record per dispatch, one
+    /// dispatch per (address pair, window pair) that holds an item.
     fn gather(&self, g: &GatherStep, bufs: &Bindings<'_, WgpuBuffer>, enc: &mut wgpu::CommandEncoder) -> Result<()> {
         let inner = &self.inner;
-        let n = g.src_indices.len();
+        let (word, lanes_log2) = self.word_and_lanes(g, bufs);
         // The planner bounds indices by `max_index` (i32) and counts by `max_gather_items`.
         let pairs: Vec<[i32; 2]> =
             g.src_indices.iter().zip(g.dst_indices.iter()).map(|(&s, &d)| [s.max(-1) as i32, d.max(-1) as i32]).collect();
-        // 16-byte words when every offset allows them and a 16-byte granule fits the window.
-        let base_granule = self.capabilities().window_granule(g.chunk_bytes);
-        let word: u64 = if g.chunk_bytes % 16 == 0
-            && lcm(base_granule, 16) <= inner.max_window
-            && g.pairs.iter().all(|l| {
-                aligned16(&l.src)
-                    && aligned16(&l.dst)
-                    && bufs.get(l.src.buf).buffer.size() % 16 == 0
-                    && bufs.get(l.dst.buf).buffer.size() % 16 == 0
-            }) {
-            16
-        } else {
-            4
-        };
-        let words_per_chunk = g.chunk_bytes / word;
-        // About one invocation per word, a power of two from 1 to 64 per item.
-        let max_lanes = inner.max_lanes;
-        let lanes_log2 = words_per_chunk.next_power_of_two().min(max_lanes).trailing_zeros();
-        let total = (n as u64) << lanes_log2;
-        let align = inner.limits.min_storage_buffer_offset_alignment as u64;
-        let granule = lcm(lcm(g.chunk_bytes, align), word);
-        // The planner checked that one granule fits the window (`Capabilities::max_binding`).
-        let win = (inner.max_window / granule * granule).max(granule);
         let index_buf = inner.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
             label: Some("hicache-io indices"),
             contents: bytemuck::cast_slice(&pairs),
             usage: wgpu::BufferUsages::STORAGE,
         });
+        let dispatches = self.dispatches(g, bufs, word, lanes_log2)?;
         // One Params record per dispatch, at the uniform offset alignment.
         let stride = (std::mem::size_of::<Params>() as u64).next_multiple_of(inner.limits.min_uniform_buffer_offset_alignment as u64);
-        let mut dispatches: Vec<Dispatch> = Vec::new();
-        for (li, l) in g.pairs.iter().enumerate() {
-            let (sb, db) = (bufs.get(l.src.buf), bufs.get(l.dst.buf));
-            let (sws, dws) = (windows(sb.buffer.size(), win), windows(db.buffer.size(), win));
-            // Only the window pairs that hold an item get a dispatch (one pair for pools that fit
-            // one binding, the common case).
-            let mut used: Vec<(usize, usize)> = if sws.len() == 1 && dws.len() == 1 {
-                vec![(0, 0)]
-            } else {
-                let mut v = Vec::new();
-                for (&s, &d) in g.src_indices.iter().zip(g.dst_indices.iter()) {
-                    if s < 0 || d < 0 {
-                        continue;
-                    }
-                    for h in 0..g.heads {
-                        v.push(((l.src.offset(s as u64, h) / win) as usize, (l.dst.offset(d as u64, h) / win) as usize));
-                    }
-                }
-                v
-            };
-            used.sort_unstable();
-            used.dedup();
-            for (si, di) in used {
-                let (sw, dw) = (sws[si], dws[di]);
-                let p = Params {
-                    src: side(&l.src, sw)?,
-                    dst: side(&l.dst, dw)?,
-                    n_items: n as u32,
-                    heads: g.heads as u32,
-                    words_per_chunk: words_per_chunk as u32,
-                    word_shift: word.trailing_zeros(),
-                    lanes_log2,
-                    _pad: [0; 3],
-                };
-                dispatches.push((li, p, sw, dw));
-            }
-        }
         let mut params = vec![0u8; (stride * dispatches.len() as u64) as usize];
         for (i, (_, p, _, _)) in dispatches.iter().enumerate() {
             let at = i * stride as usize;
@@ -387,20 +330,75 @@ impl WgpuExecutor {
                 })
             })
             .collect();
-        let workgroups = total.div_ceil(64);
+        let workgroups = ((pairs.len() as u64) << lanes_log2).div_ceil(64);
         let max_x = inner.limits.max_compute_workgroups_per_dimension as u64;
         let (x, y) = (workgroups.min(max_x), workgroups.div_ceil(max_x));
-        {
-            let mut pass =
-                enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("hicache-io gather"), timestamp_writes: None });
-            pass.set_pipeline(if word == 16 { &inner.pipe16 } else { &inner.pipe4 });
-            for (i, bg) in groups.iter().enumerate() {
-                pass.set_bind_group(0, bg, &[(i as u64 * stride) as u32]);
-                pass.dispatch_workgroups(x as u32, y as u32, 1);
-            }
+        let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("hicache-io gather"), timestamp_writes: None });
+        pass.set_pipeline(if word == 16 { &inner.pipe16 } else { &inner.pipe4 });
+        for (i, bg) in groups.iter().enumerate() {
+            pass.set_bind_group(0, bg, &[(i as u64 * stride) as u32]);
+            pass.dispatch_workgroups(x as u32, y as u32, 1);
         }
         // wgpu keeps the index and parameter buffers alive until the submission completes.
         Ok(())
+    }
+
+    /// The shader's word (16 bytes when every offset, size and the window allow, else 4) and
+    /// invocations per item (`2^lanes_log2`: about one per word, 1 to `max_lanes`).
+    fn word_and_lanes(&self, g: &GatherStep, bufs: &Bindings<'_, WgpuBuffer>) -> (u64, u32) {
+        let inner = &self.inner;
+        let base_granule = self.capabilities().window_granule(g.chunk_bytes);
+        let fits16 = |a: &Addr| aligned16(a) && bufs.get(a.buf).buffer.size() % 16 == 0;
+        let word: u64 = if g.chunk_bytes % 16 == 0
+            && lcm(base_granule, 16) <= inner.max_window
+            && g.pairs.iter().all(|l| fits16(&l.src) && fits16(&l.dst))
+        {
+            16
+        } else {
+            4
+        };
+        let lanes_log2 = (g.chunk_bytes / word).next_power_of_two().min(inner.max_lanes).trailing_zeros();
+        (word, lanes_log2)
+    }
+
+    /// One dispatch per address pair and per pair of binding windows that holds an item (one
+    /// pair for pools that fit one binding, the common case). Windows are whole granules
+    /// (`lcm(chunk, offset alignment, word)`), so an item chunk never straddles an edge.
+    fn dispatches(&self, g: &GatherStep, bufs: &Bindings<'_, WgpuBuffer>, word: u64, lanes_log2: u32) -> Result<Vec<Dispatch>> {
+        let inner = &self.inner;
+        let granule = lcm(lcm(g.chunk_bytes, inner.limits.min_storage_buffer_offset_alignment as u64), word);
+        // The planner checked that one granule fits the window (`Capabilities::max_binding`).
+        let win = (inner.max_window / granule * granule).max(granule);
+        let mut out = Vec::new();
+        for (li, l) in g.pairs.iter().enumerate() {
+            let (sws, dws) = (windows(bufs.get(l.src.buf).buffer.size(), win), windows(bufs.get(l.dst.buf).buffer.size(), win));
+            let mut used: Vec<(usize, usize)> = if sws.len() == 1 && dws.len() == 1 {
+                vec![(0, 0)]
+            } else {
+                let live = g.src_indices.iter().zip(g.dst_indices.iter()).filter(|(s, d)| **s >= 0 && **d >= 0);
+                live.flat_map(|(&s, &d)| {
+                    (0..g.heads).map(move |h| ((l.src.offset(s as u64, h) / win) as usize, (l.dst.offset(d as u64, h) / win) as usize))
+                })
+                .collect()
+            };
+            used.sort_unstable();
+            used.dedup();
+            for (si, di) in used {
+                let (sw, dw) = (sws[si], dws[di]);
+                let p = Params {
+                    src: side(&l.src, sw)?,
+                    dst: side(&l.dst, dw)?,
+                    n_items: g.src_indices.len() as u32,
+                    heads: g.heads as u32,
+                    words_per_chunk: (g.chunk_bytes / word) as u32,
+                    word_shift: word.trailing_zeros(),
+                    lanes_log2,
+                    _pad: [0; 3],
+                };
+                out.push((li, p, sw, dw));
+            }
+        }
+        Ok(out)
     }
 }
 
