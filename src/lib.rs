@@ -4,9 +4,23 @@
 //! HiCache transfer layer, on three executors chosen at run time: `cpu` (reference), `wgpu`
 //! (WGSL compute shaders) and `cuda` (copy kernels and DMA copies through cudarc).
 //!
-//! The layers of the crate: [`geometry`] (shapes and offsets), [`plan`] (the one validation
-//! table and the lowering into plans), [`exec`] (executors that only execute), [`pool`]
-//! (sglang-shaped pools), [`oracle`] and [`check`] (byte-for-byte equivalence).
+//! The layers of the crate, each importing only from the ones before it: [`geometry`] (shapes,
+//! checked sizes and byte addresses), [`plan`] (the one validation table, the order of checks
+//! and the lowering into plans), [`exec`] (executors that only execute), [`pool`]
+//! (sglang-shaped pools); then the tools: [`oracle`], [`check`] and [`fuzz`] (byte-for-byte
+//! equivalence and hostile input), [`bench`](mod@bench) and [`matrix`].
+//!
+//! # Vocabulary
+//! | word | meaning |
+//! |---|---|
+//! | executor | a backend that moves bytes: `cpu`, `wgpu` or `cuda` ([`exec::Executor`]; which one: [`BackendKind`]) |
+//! | [`Device`] | a handle to one executor *instance*, chosen at run time; clones share its identity, and pools, buffers and plans of two instances never mix |
+//! | io backend | sglang's `kernel` (gather/scatter copy kernel) or `direct` (one copy per coalesced run): [`IoBackend`] |
+//! | `L` | host layers: owned target layers (minus DSA skip-topk layers), then one per MTP draft pool |
+//! | `P` | page size in tokens |
+//! | item | bytes per (index, layer): the token stride for MHA/MLA, the indexer page for DSA |
+//! | `H`, `D` | heads and head bytes of page_head (`D = item / H`, the per-head copy chunk) |
+//! | plan, step | the planner's lowered form of one accepted call; a plan runs step by step |
 //!
 //! ```
 //! use hicache_io::{Device, DevicePool, DevicePoolConfig, HostPool, HostPoolConfig, IoBackend, Layout, LayerMap, PoolKind, Profile};
