@@ -11,7 +11,16 @@
 // index pairs with a negative entry are skipped. Lanes copy 8-byte words with non-coherent
 // loads and L2-cached stores (ld.global.nc / st.global.cg); items whose chunk or addresses are
 // not 8-byte aligned use the 4-byte variant. Host memory is pinned and mapped (UVA).
-// No #include: NVRTC needs no CUDA headers.
+// No #include for NVRTC: it needs no CUDA headers.
+//
+// Host emulation (tests/kernel_emu.rs): with HICACHE_HOST_EMULATION defined, g++ compiles this
+// file for the CPU. kernels/host_emulation.h supplies threadIdx / blockIdx / blockDim / gridDim
+// as variables its launcher sets while it walks the grid, and checked plain loads and stores in
+// place of the inline PTX below.
+
+#ifdef HICACHE_HOST_EMULATION
+#include "host_emulation.h"
+#endif
 
 typedef unsigned long long u64;
 typedef long long i64;
@@ -37,21 +46,57 @@ __device__ __forceinline__ char* address(const Side& s, u64 idx, u64 head) {
     return (char*)(s.ptr + s.base + paged + head * s.head_stride);
 }
 
+// The copy words: non-coherent loads (sources are read-only for the kernel's lifetime) and
+// stores cached in L2 only.
+__device__ __forceinline__ u64 ld_nc_b64(const char* p) {
+#ifdef HICACHE_HOST_EMULATION
+    return hicache_emu_load<u64>(p);
+#else
+    u64 v;
+    asm volatile("ld.global.nc.b64 %0, [%1];" : "=l"(v) : "l"(p));
+    return v;
+#endif
+}
+
+__device__ __forceinline__ void st_cg_b64(char* p, u64 v) {
+#ifdef HICACHE_HOST_EMULATION
+    hicache_emu_store<u64>(p, v);
+#else
+    asm volatile("st.global.cg.b64 [%0], %1;" ::"l"(p), "l"(v));
+#endif
+}
+
+__device__ __forceinline__ u32 ld_nc_b32(const char* p) {
+#ifdef HICACHE_HOST_EMULATION
+    return hicache_emu_load<u32>(p);
+#else
+    u32 v;
+    asm volatile("ld.global.nc.b32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+#endif
+}
+
+__device__ __forceinline__ void st_cg_b32(char* p, u32 v) {
+#ifdef HICACHE_HOST_EMULATION
+    hicache_emu_store<u32>(p, v);
+#else
+    asm volatile("st.global.cg.b32 [%0], %1;" ::"l"(p), "r"(v));
+#endif
+}
+
 __device__ __forceinline__ void copy_w8(const char* src, char* dst, u64 bytes, u32 lane) {
     const u64 words = bytes >> 3;
     for (u64 j = lane; j < words; j += 32) {
-        u64 v;
-        asm volatile("ld.global.nc.b64 %0, [%1];" : "=l"(v) : "l"(src + j * 8));
-        asm volatile("st.global.cg.b64 [%0], %1;" ::"l"(dst + j * 8), "l"(v));
+        const u64 v = ld_nc_b64(src + j * 8);
+        st_cg_b64(dst + j * 8, v);
     }
 }
 
 __device__ __forceinline__ void copy_w4(const char* src, char* dst, u64 bytes, u32 lane) {
     const u64 words = bytes >> 2;
     for (u64 j = lane; j < words; j += 32) {
-        u32 v;
-        asm volatile("ld.global.nc.b32 %0, [%1];" : "=r"(v) : "l"(src + j * 4));
-        asm volatile("st.global.cg.b32 [%0], %1;" ::"l"(dst + j * 4), "r"(v));
+        const u32 v = ld_nc_b32(src + j * 4);
+        st_cg_b32(dst + j * 4, v);
     }
 }
 
@@ -83,14 +128,16 @@ __device__ __forceinline__ void gather_impl(const Launch* __restrict__ launches,
     }
 }
 
-extern "C" __global__ void hicache_gather_w8(const Launch* __restrict__ launches, int n_launches, const i64* __restrict__ src_idx,
-                                             const i64* __restrict__ dst_idx, i64 n_items, u64 heads, u64 chunk_bytes,
-                                             i64 items_per_warp) {
+// __launch_bounds__(1024): 32 warps per block (sglang's default) must always launch, so ptxas
+// keeps to 64 registers per thread (65536 per SM on sm_80 / sm_90); the compile gate checks it.
+extern "C" __global__ void __launch_bounds__(1024) hicache_gather_w8(const Launch* __restrict__ launches, int n_launches,
+                                                                     const i64* __restrict__ src_idx, const i64* __restrict__ dst_idx,
+                                                                     i64 n_items, u64 heads, u64 chunk_bytes, i64 items_per_warp) {
     gather_impl<8>(launches, n_launches, src_idx, dst_idx, n_items, heads, chunk_bytes, items_per_warp);
 }
 
-extern "C" __global__ void hicache_gather_w4(const Launch* __restrict__ launches, int n_launches, const i64* __restrict__ src_idx,
-                                             const i64* __restrict__ dst_idx, i64 n_items, u64 heads, u64 chunk_bytes,
-                                             i64 items_per_warp) {
+extern "C" __global__ void __launch_bounds__(1024) hicache_gather_w4(const Launch* __restrict__ launches, int n_launches,
+                                                                     const i64* __restrict__ src_idx, const i64* __restrict__ dst_idx,
+                                                                     i64 n_items, u64 heads, u64 chunk_bytes, i64 items_per_warp) {
     gather_impl<4>(launches, n_launches, src_idx, dst_idx, n_items, heads, chunk_bytes, items_per_warp);
 }

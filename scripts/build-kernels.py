@@ -3,7 +3,8 @@
 
     python3 scripts/build-kernels.py            # regenerate kernels/*.ptx and *.cubin
     python3 scripts/build-kernels.py --check    # compile gate: fail on errors, register spills,
-                                                # or committed artifacts that differ
+                                                # more than 64 registers per thread, or
+                                                # committed artifacts that differ
 
 NVRTC 12.0 emits PTX ISA 8.0 (loads on drivers >= 525); ptxas 12.0 assembles sm_80 and sm_90
 cubins from the same compute_80 PTX. Needs `pip install nvidia-cuda-nvrtc-cu12==12.0.140
@@ -20,6 +21,8 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNELS = os.path.join(ROOT, "kernels")
 ARCHS = ["sm_80", "sm_90"]
+# The kernels are __launch_bounds__(1024): 65536 registers per SM over 1024 threads.
+MAX_REGISTERS = 64
 
 
 def site_file(pattern):
@@ -59,7 +62,15 @@ def ptxas(ptx_path, arch, out):
     spills = [m for m in re.findall(r"(\d+) bytes spill (?:stores|loads)", report) if int(m) != 0]
     if spills:
         sys.exit(f"ptxas {arch}: register spills:\n{report}")
-    return report
+    # One "Compiling entry function 'name' for 'sm_XX'" block per kernel, with its "Used N registers".
+    entries = re.findall(r"^ptxas info\s*: Compiling entry function '(\w+)'", report, re.M)
+    registers = dict(re.findall(r"Compiling entry function '(\w+)'.*?Used (\d+) registers", report, re.S))
+    if not entries or sorted(entries) != sorted(registers):
+        sys.exit(f"ptxas {arch}: cannot read the register count of every kernel:\n{report}")
+    over = [f"{name} uses {n}" for name, n in registers.items() if int(n) > MAX_REGISTERS]
+    if over:
+        sys.exit(f"ptxas {arch}: more than {MAX_REGISTERS} registers per thread ({', '.join(over)}):\n{report}")
+    return {name: int(n) for name, n in registers.items()}
 
 
 def build(out_dir):
@@ -74,11 +85,10 @@ def build(out_dir):
         produced[ptx_path] = os.path.basename(ptx_path)
         for arch in ARCHS:
             cubin = os.path.join(out_dir, f"{stem}.{arch}.cubin")
-            report = ptxas(ptx_path, arch, cubin)
+            registers = ptxas(ptx_path, arch, cubin)
             produced[cubin] = os.path.basename(cubin)
-            for line in report.splitlines():
-                if "registers" in line or "spill" in line:
-                    print(f"{stem} {arch}: {line.strip()}")
+            for name, n in sorted(registers.items()):
+                print(f"{stem} {arch} {name}: {n} registers (at most {MAX_REGISTERS}), no spills")
     return produced
 
 
@@ -89,7 +99,7 @@ def main():
             stale = [name for path, name in produced.items() if not os.path.exists(os.path.join(KERNELS, name)) or open(path, "rb").read() != open(os.path.join(KERNELS, name), "rb").read()]
             if stale:
                 sys.exit(f"stale embedded CUDA artifacts (run python3 scripts/build-kernels.py): {', '.join(stale)}")
-        print("cuda compile gate: ok (no errors, no spills, artifacts fresh)")
+        print(f"cuda compile gate: ok (no errors, no spills, at most {MAX_REGISTERS} registers, artifacts fresh)")
     else:
         build(KERNELS)
         print("artifacts written to kernels/")
