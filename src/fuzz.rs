@@ -33,6 +33,9 @@ pub struct FuzzTally {
     pub rejected_call: u64,
     /// Panics caught (must be 0).
     pub panics: u64,
+    /// Well-formed calls (unmutated random cases of supported cells) that were refused (must
+    /// be 0: a planner that refuses too much is as wrong as one that accepts too much).
+    pub refused_well_formed: u64,
     /// Accepted calls whose bytes differ from the oracle, or refused calls that changed a byte
     /// (must be 0).
     pub corrupted: u64,
@@ -43,7 +46,7 @@ pub struct FuzzTally {
 impl FuzzTally {
     /// True when nothing panicked and nothing was corrupted.
     pub fn clean(&self) -> bool {
-        self.panics == 0 && self.corrupted == 0
+        self.panics == 0 && self.corrupted == 0 && self.refused_well_formed == 0
     }
     fn fail(&mut self, what: String) {
         if self.failures.len() < 10 {
@@ -167,7 +170,8 @@ fn one_case(device: &Device, other_device: Option<&Device>, seed: u64, t: &mut F
     let base = random_case(rng.pick(&cells), profile, &mut rng);
     let (mut dc, mut hc, mut op, mut io) = (base.device, base.host, base.op, base.cell.io);
     let (mut hi, mut di) = (base.host_indices, base.device_indices);
-    if rng.chance(70) {
+    let mutated = rng.chance(70);
+    if mutated {
         mutate(&mut rng, &mut dc, &mut hc, &mut op, &mut io, &mut hi, &mut di);
     }
     let Some(mut m) = build(device, &dc, &hc, seed, t) else { return };
@@ -179,6 +183,10 @@ fn one_case(device: &Device, other_device: Option<&Device>, seed: u64, t: &mut F
         }
         Err(e) => {
             t.rejected_call += 1;
+            if !mutated {
+                t.refused_well_formed += 1;
+                t.fail(tag(&format!("a well-formed call was refused: {e}")));
+            }
             if matches!(e, TransferError::Executor { .. } | TransferError::Partial { .. }) {
                 t.corrupted += 1;
                 t.fail(tag(&format!("an executor failed after validation: {e}")));

@@ -321,7 +321,7 @@ fn fuzz(args: FuzzArgs) -> ExitCode {
     }
     for (name, t) in &report {
         let line = format!(
-            "{name}: tried {}, rejected {} ({} configurations, {} calls), matched the oracle {}, large pools checked {}, panics {}, corrupted {}",
+            "{name}: tried {}, rejected {} ({} configurations, {} calls), matched the oracle {}, large pools checked {}, panics {}, corrupted {}, well-formed refused {}",
             t.tried,
             t.rejected_config + t.rejected_call,
             t.rejected_config,
@@ -329,7 +329,8 @@ fn fuzz(args: FuzzArgs) -> ExitCode {
             t.matched,
             t.large,
             t.panics,
-            t.corrupted
+            t.corrupted,
+            t.refused_well_formed
         );
         if args.json {
             eprintln!("{line}");

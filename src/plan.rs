@@ -13,7 +13,7 @@
 //!    before anything else is looked at; a layer id the model does not have, or a draft id past
 //!    the drafts, is an error;
 //! 2. DSA indexer: token indices become pages (`Index buffer transfer expects page-aligned
-//!    indices for DSA.`), before the table;
+//!    indices for DSA.` when a list is not a whole number of pages), before the table;
 //! 3. the table ([`decide`]): layout and io backend;
 //! 4. the launcher checks: equal lengths, the `kernel` word (item, then per-head chunk), the
 //!    `direct` page multiple;
@@ -345,7 +345,8 @@ pub enum Direction {
 
 /// The lowered form of one accepted call. Steps run in order (a layer-sharded backup has one
 /// step per layer, like sglang's per-layer calls). Only the planner builds plans, and a plan
-/// runs only with the executor instance and pools it was made for.
+/// runs only on the executor instance it was made for, with pools of the geometry and profile
+/// it was validated for.
 ///
 /// Its numbers cannot be edited (they reach pointer arithmetic in the executors):
 /// ```compile_fail
@@ -442,7 +443,8 @@ pub struct Request<'a> {
 ///    (a no-op) before anything else is looked at; a layer id the model does not have, or a
 ///    draft id past the drafts, is an error;
 /// 2. DSA indexer: token indices become pages (`Index buffer transfer expects page-aligned
-///    indices for DSA.` when a list is not whole pages) — before the table, as in `dsa.py`;
+///    indices for DSA.` when a list is not a whole number of pages) — before the table, as in
+///    `dsa.py`;
 /// 3. the table ([`decide`]): layout and io backend;
 /// 4. the launcher checks: equal lengths, the `kernel` word (item, then per-head chunk), the
 ///    `direct` page multiple;
@@ -478,6 +480,10 @@ pub(crate) fn plan(profile: Profile, caps: &Capabilities, owner: u64, pair: &Arc
         return Ok(empty(path));
     }
     // 6. Indices and capabilities.
+    if host.kind() == PoolKind::DsaIndexer {
+        check_whole_pages("host", req.host_indices, host.page_size())?;
+        check_whole_pages("device", req.device_indices, host.page_size())?;
+    }
     check_indices(host, dev, caps, direction, req.io_backend, &hi, &di)?;
     let (steps, bytes) = match req.io_backend {
         IoBackend::Kernel => lower_gather(host, dev, caps, direction, &layer_groups, hi, di),
@@ -530,7 +536,7 @@ fn index_units(host: &HostGeometry, req: &Request<'_>) -> Result<(Vec<i64>, Vec<
             return Err(TransferError::DsaUnalignedCount { len: list.len(), page_size: p });
         }
     }
-    Ok((to_pages("host", req.host_indices, p)?, to_pages("device", req.device_indices, p)?))
+    Ok((to_pages(req.host_indices, p), to_pages(req.device_indices, p)))
 }
 
 /// The checks sglang's launchers make: equal lengths, the `kernel` word, whole `direct` pages.
@@ -740,11 +746,11 @@ pub fn lcm(a: u64, b: u64) -> u64 {
     (a / gcd(a, b)).saturating_mul(b)
 }
 
-/// Token indices → page indices, one per group of `p` (the group must be a whole page or all
-/// negative, which skips it).
-fn to_pages(side: &'static str, tokens: &[i64], p: u64) -> Result<Vec<i64>> {
-    check_whole_pages(side, tokens, p)?;
-    Ok(tokens.chunks(p as usize).map(|g| if g[0] < 0 { -1 } else { g[0] / p as i64 }).collect())
+/// Token indices → page indices, one per group of `p`, from the group's first token like
+/// sglang (`[:, 0] // P`; negative stays negative). Whether each group really is a whole page is
+/// checked later, with hicache-io's own checks, so that sglang's errors come first.
+fn to_pages(tokens: &[i64], p: u64) -> Vec<i64> {
+    tokens.chunks(p as usize).map(|g| g[0].div_euclid(p as i64)).collect()
 }
 
 /// Each group of `p` must be a whole page (`k·p, k·p + 1, …, k·p + p − 1`) or all negative

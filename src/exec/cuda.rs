@@ -13,9 +13,10 @@
 //!   stream order is program order. Transfers return once enqueued; pool reads and writes,
 //!   [`Executor::synchronize`], dropping a buffer (owned or borrowed) and dropping the executor
 //!   wait for the stream. [`CudaExecutor::record`] gives a completion handle.
-//! - `kernel`: each gather step uploads its index lists and address-pair table once, through one
-//!   pinned staging buffer, into a device scratch area reused across steps and calls (the steps
-//!   of a layer-sharded backup share their index lists and upload only their table).
+//! - `kernel`: each gather step uploads its index lists and address-pair table once, through
+//!   pinned staging slots used round-robin (the CPU waits only for the upload eight steps back),
+//!   into a device scratch area reused across steps and calls (the steps of a layer-sharded
+//!   backup share their index lists and upload only their table).
 //! - `direct` uses `cuMemcpyBatchAsync` (resolved by ABI version 12.8, in calls of at most 4096
 //!   copies; not on the default streams, which it rejects), else one `cuMemcpyAsync` per run.
 //!
@@ -382,6 +383,11 @@ impl CudaExecutor {
         })
     }
 
+    /// Waits for everything enqueued on the executor's stream.
+    pub fn synchronize(&self) -> Result<()> {
+        Executor::synchronize(self)
+    }
+
     /// The executor's stream (raw handle) for callers that order their own work after ours.
     pub fn cu_stream(&self) -> sys::CUstream {
         self.inner.stream.cu_stream()
@@ -499,31 +505,43 @@ impl CudaExecutor {
     }
 }
 
+/// Pinned staging slots used round-robin: the CPU waits only for the upload `STAGING_SLOTS`
+/// steps back, never for the transfers queued in between, so enqueueing stays asynchronous.
+const STAGING_SLOTS: usize = 8;
+
+/// One pinned staging buffer and the event recorded after the copy out of it.
+struct Slot {
+    host: *mut u8,
+    cap: usize,
+    event: Option<sys::CUevent>,
+    /// A copy out of `host` was enqueued and may not have run yet.
+    pending: bool,
+}
+
+impl Default for Slot {
+    fn default() -> Self {
+        Slot { host: std::ptr::null_mut(), cap: 0, event: None, pending: false }
+    }
+}
+
 /// Device scratch for gather steps (index lists and the address-pair table) and the pinned
-/// staging buffer they are uploaded through. Reused across steps and calls: growing is the only
+/// staging slots they are uploaded through. Reused across steps and calls: growing is the only
 /// allocation, and a step whose index lists are the ones already on the device (the steps of a
-/// layer-sharded backup share them) uploads only its table.
+/// layer-sharded backup share them) uploads only its table. Later uploads overwrite the device
+/// area only in stream order, after the kernels that read it.
+#[derive(Default)]
 struct Scratch {
     dev: sys::CUdeviceptr,
     dev_cap: usize,
-    host: *mut u8,
-    host_cap: usize,
-    /// Recorded after the last copy out of `host`; the CPU waits on it before writing `host`
-    /// again (only that copy, never the transfers queued after it).
-    staged: Option<sys::CUevent>,
+    slots: [Slot; STAGING_SLOTS],
+    next: usize,
     /// The index lists now in `dev`. Holding them keeps their allocations alive, so an equal
-    /// pointer always means the same contents.
+    /// pointer always means the same contents. `None` whenever an upload did not complete.
     indices: Option<[Arc<[i64]>; 2]>,
 }
 
 // SAFETY: raw driver handles, used only under the executor's mutex with the context bound.
 unsafe impl Send for Scratch {}
-
-impl Default for Scratch {
-    fn default() -> Self {
-        Scratch { dev: 0, dev_cap: 0, host: std::ptr::null_mut(), host_cap: 0, staged: None, indices: None }
-    }
-}
 
 impl Scratch {
     /// Uploads what gather step `g` needs; returns the device addresses of the address-pair
@@ -538,6 +556,8 @@ impl Scratch {
         let dev_need = t_off + align(table_bytes);
         let reuse = self.dev_cap >= dev_need
             && self.indices.as_ref().is_some_and(|[s, d]| Arc::ptr_eq(s, &g.src_indices) && Arc::ptr_eq(d, &g.dst_indices));
+        // Until this upload is enqueued and recorded, the device area holds nothing reusable.
+        self.indices = None;
         let stage_bytes = if reuse { table_bytes } else { t_off + table_bytes };
         // SAFETY: all driver calls on live handles with the context bound by the caller.
         unsafe {
@@ -556,50 +576,52 @@ impl Scratch {
                     limit: format!("cuMemAlloc: {e:?}"),
                 })?;
                 self.dev_cap = cap;
-                self.indices = None;
             }
-            // The CPU may write the staging buffer only once the previous upload has left it.
-            if let Some(ev) = self.staged {
+            let slot = &mut self.slots[self.next];
+            self.next = (self.next + 1) % STAGING_SLOTS;
+            // The CPU may rewrite this slot only once its previous upload has left it.
+            if let (true, Some(ev)) = (slot.pending, slot.event) {
                 result::event::synchronize(ev).map_err(|e| drv("cuEventSynchronize", e))?;
             }
-            if self.host_cap < stage_bytes {
-                if !self.host.is_null() {
-                    let _ = result::free_host(self.host as *mut c_void);
-                    self.host = std::ptr::null_mut();
-                    self.host_cap = 0;
+            slot.pending = false;
+            if slot.event.is_none() {
+                slot.event = Some(result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(|e| drv("cuEventCreate", e))?);
+            }
+            if slot.cap < stage_bytes {
+                if !slot.host.is_null() {
+                    let _ = result::free_host(slot.host as *mut c_void);
+                    slot.host = std::ptr::null_mut();
+                    slot.cap = 0;
                 }
                 let cap = stage_bytes.next_power_of_two();
-                self.host = result::malloc_host(cap, 0).map_err(|e| TransferError::OutOfMemory {
+                slot.host = result::malloc_host(cap, 0).map_err(|e| TransferError::OutOfMemory {
                     what: "cuda pinned staging".into(),
                     requested: cap as u64,
                     limit: format!("cuMemHostAlloc: {e:?}"),
                 })? as *mut u8;
-                self.host_cap = cap;
+                slot.cap = cap;
             }
-            let table_src = std::slice::from_raw_parts(launch.table.as_ptr() as *const u8, table_bytes);
-            let (dst, at) = if reuse {
-                std::ptr::copy_nonoverlapping(table_src.as_ptr(), self.host, table_bytes);
-                (self.dev + t_off as u64, 0)
+            let table_src = launch.table.as_ptr() as *const u8;
+            let dst = if reuse {
+                std::ptr::copy_nonoverlapping(table_src, slot.host, table_bytes);
+                self.dev + t_off as u64
             } else {
-                std::ptr::copy_nonoverlapping(g.src_indices().as_ptr() as *const u8, self.host.add(si_off), index_bytes);
-                std::ptr::copy_nonoverlapping(g.dst_indices().as_ptr() as *const u8, self.host.add(di_off), index_bytes);
-                std::ptr::copy_nonoverlapping(table_src.as_ptr(), self.host.add(t_off), table_bytes);
-                (self.dev, 0)
+                std::ptr::copy_nonoverlapping(g.src_indices().as_ptr() as *const u8, slot.host.add(si_off), index_bytes);
+                std::ptr::copy_nonoverlapping(g.dst_indices().as_ptr() as *const u8, slot.host.add(di_off), index_bytes);
+                std::ptr::copy_nonoverlapping(table_src, slot.host.add(t_off), table_bytes);
+                self.dev
             };
-            let rc = sys::cuMemcpyHtoDAsync_v2(dst, self.host.add(at) as *const c_void, stage_bytes, stream);
+            let rc = sys::cuMemcpyHtoDAsync_v2(dst, slot.host as *const c_void, stage_bytes, stream);
             if rc != sys::CUresult::CUDA_SUCCESS {
-                self.indices = None;
                 return Err(TransferError::Executor { backend: "cuda", message: format!("cuMemcpyHtoDAsync (gather tables): {rc:?}") });
             }
-            let ev = match self.staged {
-                Some(ev) => ev,
-                None => {
-                    let ev = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(|e| drv("cuEventCreate", e))?;
-                    self.staged = Some(ev);
-                    ev
-                }
-            };
-            result::event::record(ev, stream).map_err(|e| drv("cuEventRecord", e))?;
+            slot.pending = true;
+            if let Err(e) = result::event::record(slot.event.unwrap_or(std::ptr::null_mut()), stream) {
+                // Without the event the slot's reuse cannot be ordered: drain the stream.
+                let _ = result::stream::synchronize(stream);
+                slot.pending = false;
+                return Err(drv("cuEventRecord", e));
+            }
         }
         self.indices = Some([g.src_indices.clone(), g.dst_indices.clone()]);
         Ok([self.dev + t_off as u64, self.dev + si_off as u64, self.dev + di_off as u64])
@@ -612,11 +634,13 @@ impl Scratch {
             if self.dev != 0 {
                 let _ = result::free_sync(self.dev);
             }
-            if !self.host.is_null() {
-                let _ = result::free_host(self.host as *mut c_void);
-            }
-            if let Some(ev) = self.staged.take() {
-                let _ = result::event::destroy(ev);
+            for slot in &mut self.slots {
+                if !slot.host.is_null() {
+                    let _ = result::free_host(slot.host as *mut c_void);
+                }
+                if let Some(ev) = slot.event.take() {
+                    let _ = result::event::destroy(ev);
+                }
             }
         }
         *self = Scratch::default();

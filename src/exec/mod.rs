@@ -28,7 +28,7 @@ pub(crate) fn next_executor_id() -> u64 {
 
 /// Buffers a plan refers to: host component buffers `[comp]` and device buffers
 /// `[comp][slot]`.
-pub struct Bindings<'a, B> {
+pub(crate) struct Bindings<'a, B> {
     pub(crate) host: Vec<&'a B>,
     pub(crate) device: Vec<Vec<&'a B>>,
 }
@@ -43,8 +43,10 @@ impl<'a, B> Bindings<'a, B> {
     }
 }
 
-/// What a backend implements. Buffers are zero-initialised on allocation.
-pub trait Executor {
+/// What a backend implements. Buffers are zero-initialised on allocation. Crate-internal: its
+/// reads and writes go through shared buffer references, so only [`Device`] (which checks spans)
+/// and the pools (which hold `&mut` on every destination) may call them.
+pub(crate) trait Executor {
     /// The backend's buffer type.
     type Buffer;
     /// `cpu`, `wgpu` or `cuda`.
@@ -321,8 +323,9 @@ impl Device {
         }
     }
 
-    /// Writes `data` at `offset` (checked against the buffer's size).
-    pub fn write(&self, buf: &Buffer, offset: u64, data: &[u8]) -> Result<()> {
+    /// Writes `data` at `offset` (checked against the buffer's size). Crate-internal: callers
+    /// must hold the buffer exclusively (the pools' `write_buffer` takes `&mut self`).
+    pub(crate) fn write(&self, buf: &Buffer, offset: u64, data: &[u8]) -> Result<()> {
         self.check_span(buf, offset, data.len() as u64)?;
         match (self, buf) {
             (Device::Cpu(e), Buffer::Cpu(b)) => e.write(b, offset, data),
@@ -335,8 +338,9 @@ impl Device {
         }
     }
 
-    /// Reads `out.len()` bytes at `offset` (checked against the buffer's size).
-    pub fn read(&self, buf: &Buffer, offset: u64, out: &mut [u8]) -> Result<()> {
+    /// Reads `out.len()` bytes at `offset` (checked against the buffer's size). Crate-internal:
+    /// no transfer may be writing the buffer meanwhile (the pools' borrows ensure it).
+    pub(crate) fn read(&self, buf: &Buffer, offset: u64, out: &mut [u8]) -> Result<()> {
         self.check_span(buf, offset, out.len() as u64)?;
         match (self, buf) {
             (Device::Cpu(e), Buffer::Cpu(b)) => e.read(b, offset, out),
@@ -430,8 +434,10 @@ impl Device {
         let steps = plan.steps();
         for (k, step) in steps.iter().enumerate() {
             if let Err(err) = self.fault_point().and_then(|_| e.execute_step(step, bufs, plan.bytes())) {
-                // Drain what was enqueued before the failure, so "completed" is true.
-                let drained = e.finish().is_ok();
+                // Drain what was enqueued before the failure (stream-ordered executors too), so
+                // "completed" is true: a sticky device error fails the drain, and then nothing is
+                // reported complete.
+                let drained = e.finish().and_then(|_| e.synchronize()).is_ok();
                 return Err(partial(steps, k, drained, err));
             }
         }

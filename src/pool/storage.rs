@@ -58,7 +58,7 @@ impl HostPool<'_> {
     /// sglang `get_data_page(index, flat=True)`: the page's bytes (K then V).
     pub fn get_data_page(&self, index: i64) -> Result<Vec<u8>> {
         let spans = self.flat_page(index)?;
-        let mut out = vec![0u8; self.flat_page_bytes() as usize];
+        let mut out = super::alloc_bytes("flat data page", self.flat_page_bytes())?;
         let mut at = 0;
         for (c, off, len) in spans {
             self.device.read(self.buffer(c)?, off, &mut out[at..at + len as usize])?;
@@ -68,8 +68,8 @@ impl HostPool<'_> {
     }
 
     /// sglang `get_dummy_flat_data_page()`: a zeroed page of the flat page's size.
-    pub fn get_dummy_flat_data_page(&self) -> Vec<u8> {
-        vec![0u8; self.flat_page_bytes() as usize]
+    pub fn get_dummy_flat_data_page(&self) -> Result<Vec<u8>> {
+        super::alloc_bytes("dummy flat data page", self.flat_page_bytes())
     }
 
     /// sglang `set_from_flat_data_page(index, data_page)`: the inverse of `get_data_page`.
