@@ -13,7 +13,7 @@
 //! # Vocabulary
 //! | word | meaning |
 //! |---|---|
-//! | executor | a backend that moves bytes: `cpu`, `wgpu` or `cuda` ([`exec::Executor`]; which one: [`BackendKind`]) |
+//! | executor | a backend that moves bytes: `cpu`, `wgpu` or `cuda` (which one: [`BackendKind`]) |
 //! | [`Device`] | a handle to one executor *instance*, chosen at run time; clones share its identity, and pools, buffers and plans of two instances never mix |
 //! | io backend | sglang's `kernel` (gather/scatter copy kernel) or `direct` (one copy per coalesced run): [`IoBackend`] |
 //! | `L` | host layers: owned target layers (minus DSA skip-topk layers), then one per MTP draft pool |
@@ -63,10 +63,10 @@ pub mod rng;
 pub mod timing;
 
 pub use error::{Result, TransferError};
-pub use exec::{BackendKind, Device};
+pub use exec::{BackendKind, Completion, Device};
 pub use geometry::{IoBackend, LayerMap, Layout, PoolKind, Profile};
 pub use plan::{Capabilities, Op, Plan, Request};
-pub use pool::{DevicePool, DevicePoolConfig, HostPool, HostPoolConfig};
+pub use pool::{DevicePool, DevicePoolConfig, HostPool, HostPoolConfig, LayerLoads, Transfer};
 
 /// The README's Rust examples compile and run as doctests.
 #[cfg(doctest)]

@@ -366,7 +366,7 @@ pub struct Plan {
     profile: Profile,
     direction: Direction,
     path: PathInfo,
-    steps: Vec<Step>,
+    steps: Arc<[Step]>,
     bytes: u64,
 }
 
@@ -382,6 +382,10 @@ impl Plan {
     /// The steps, in order.
     pub fn steps(&self) -> &[Step] {
         &self.steps
+    }
+    /// The steps, shared (a queued transfer holds them).
+    pub(crate) fn shared_steps(&self) -> Arc<[Step]> {
+        self.steps.clone()
     }
     /// The path that runs it (sglang's op name).
     pub fn path(&self) -> &PathInfo {
@@ -462,7 +466,7 @@ pub(crate) fn plan(profile: Profile, caps: &Capabilities, owner: u64, pair: &Arc
         Op::Backup if dev.layers().is_sharded() => TableOp::ShardedBackup,
         Op::Backup => TableOp::Backup,
     };
-    let empty = |path: PathInfo| Plan { owner, pair: pair.clone(), profile, direction, path, steps: Vec::new(), bytes: 0 };
+    let empty = |path: PathInfo| Plan { owner, pair: pair.clone(), profile, direction, path, steps: Arc::from([]), bytes: 0 };
     // 1. Layers.
     let Some(layer_groups) = resolve_layers(dev, req.op, table_op)? else {
         return Ok(empty(PathInfo { op: "no-op: layer not owned by this pool", extension: false }));
@@ -489,7 +493,7 @@ pub(crate) fn plan(profile: Profile, caps: &Capabilities, owner: u64, pair: &Arc
         IoBackend::Kernel => lower_gather(host, dev, caps, direction, &layer_groups, hi, di),
         IoBackend::Direct => lower_direct(host, dev, direction, &layer_groups, &hi, &di),
     };
-    Ok(Plan { owner, pair: pair.clone(), profile, direction, path, steps, bytes })
+    Ok(Plan { owner, pair: pair.clone(), profile, direction, path, steps: steps.into(), bytes })
 }
 
 /// (host layer, device buffer slot) pairs, one group per step.

@@ -1,14 +1,21 @@
 //! The reference executor: plain host memory, one `copy_nonoverlapping` per item chunk or run.
 //! Large transfers are split over threads by items (destinations are unique, checked by the
 //! planner, so the halves never touch the same bytes).
+//!
+//! Ordering works like a GPU stream: transfers run in submission order. A synchronous call on
+//! an idle executor runs on the caller's thread; an asynchronous one (or any call while others
+//! are queued) runs on the executor's worker thread, started on first use. Everything that
+//! touches pool memory from outside a transfer — reads, writes, dropping a buffer — first waits
+//! for the queue, so a transfer never races with them, whatever happens to its handle.
 
 use std::alloc::Layout as AllocLayout;
 use std::ptr::NonNull;
+use std::sync::{mpsc, Arc, Condvar, Mutex};
 
 use super::{Bindings, Executor};
 use crate::error::{Result, TransferError};
-use crate::geometry::Addr;
-use crate::plan::{Capabilities, Step, StepKind};
+use crate::geometry::{Addr, BufRef};
+use crate::plan::{Capabilities, Plan, Step, StepKind};
 
 /// Below this many bytes a transfer stays on the calling thread (thread start-up costs more).
 const PARALLEL_MIN_BYTES: u64 = 1 << 20;
@@ -24,6 +31,8 @@ pub struct CpuBuffer {
     /// Owned allocations are freed on drop with this layout; borrowed memory has none.
     layout: Option<AllocLayout>,
     owner: u64,
+    /// The owning executor's queue: dropping waits for queued transfers that may use the memory.
+    queue: Arc<CpuQueue>,
 }
 
 // SAFETY: the buffer is plain memory; concurrent writes are ruled out by the pools' `&mut`
@@ -33,6 +42,7 @@ unsafe impl Sync for CpuBuffer {}
 
 impl Drop for CpuBuffer {
     fn drop(&mut self) {
+        self.queue.idle();
         if let Some(layout) = self.layout {
             // SAFETY: allocated by `alloc_zeroed` with this layout in `CpuExecutor::alloc`.
             unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) };
@@ -46,8 +56,8 @@ impl CpuBuffer {
     /// # Safety
     /// `ptr..ptr+len` must be valid for reads and writes for as long as the buffer (and any
     /// pool holding it) lives, and must not be accessed by anything else during a transfer.
-    pub(crate) unsafe fn from_raw(ptr: NonNull<u8>, len: usize, owner: u64) -> CpuBuffer {
-        CpuBuffer { ptr, len, layout: None, owner }
+    pub(crate) unsafe fn from_raw(ptr: NonNull<u8>, len: usize, exec: &CpuExecutor) -> CpuBuffer {
+        CpuBuffer { ptr, len, layout: None, owner: exec.id, queue: exec.queue.clone() }
     }
 
     /// Start of the memory.
@@ -64,11 +74,136 @@ impl CpuBuffer {
     }
 }
 
-/// The cpu executor: plain host memory, `threads` threads per large transfer.
+/// The cpu executor: plain host memory, `threads` threads per large transfer, one ordered
+/// queue of transfers.
 #[derive(Clone)]
 pub struct CpuExecutor {
     threads: usize,
     id: u64,
+    queue: Arc<CpuQueue>,
+}
+
+type Job = Box<dyn FnOnce() + Send>;
+
+/// Transfers in submission order on one worker thread; tickets count them.
+pub(crate) struct CpuQueue {
+    state: Mutex<QueueState>,
+    done: Condvar,
+    /// Started on the first queued job.
+    worker: Mutex<Option<mpsc::Sender<Job>>>,
+}
+
+#[derive(Default)]
+struct QueueState {
+    submitted: u64,
+    completed: u64,
+    /// The first job that failed (a panic in a copy: a bug) and its ticket.
+    failed: Option<(u64, String)>,
+}
+
+impl CpuQueue {
+    fn new() -> Arc<CpuQueue> {
+        Arc::new(CpuQueue { state: Mutex::new(QueueState::default()), done: Condvar::new(), worker: Mutex::new(None) })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, QueueState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn is_idle(&self) -> bool {
+        let st = self.lock();
+        st.completed == st.submitted
+    }
+
+    /// Queues `job`; returns its ticket.
+    fn enqueue(self: &Arc<Self>, job: Job) -> Result<u64> {
+        let mut worker = self.worker.lock().unwrap_or_else(|e| e.into_inner());
+        if worker.is_none() {
+            let (tx, rx) = mpsc::channel::<Job>();
+            let queue = Arc::downgrade(self);
+            std::thread::Builder::new()
+                .name("hicache-io cpu".into())
+                .spawn(move || {
+                    for job in rx {
+                        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
+                        let Some(q) = queue.upgrade() else { return };
+                        let mut st = q.lock();
+                        st.completed += 1;
+                        if let Err(p) = outcome {
+                            let msg = p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned());
+                            let ticket = st.completed;
+                            st.failed.get_or_insert((ticket, msg.unwrap_or_default()));
+                        }
+                        q.done.notify_all();
+                    }
+                })
+                .map_err(|e| TransferError::Executor { backend: "cpu", message: format!("starting the worker thread: {e}") })?;
+            *worker = Some(tx);
+        }
+        let ticket = {
+            let mut st = self.lock();
+            st.submitted += 1;
+            st.submitted
+        };
+        let sent = worker.as_ref().map(|tx| tx.send(job).is_ok()).unwrap_or(false);
+        if !sent {
+            let mut st = self.lock();
+            st.completed += 1;
+            st.failed.get_or_insert((ticket, "the worker thread is gone".into()));
+            self.done.notify_all();
+        }
+        Ok(ticket)
+    }
+
+    /// Waits until the job with `ticket` (and every job before it) has run.
+    pub(crate) fn wait(&self, ticket: u64) -> Result<()> {
+        let mut st = self.lock();
+        while st.completed < ticket {
+            st = self.done.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+        match &st.failed {
+            Some((t, msg)) if *t <= ticket => {
+                Err(TransferError::Executor { backend: "cpu", message: format!("a queued transfer panicked: {msg}") })
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Waits until nothing is queued.
+    pub(crate) fn idle(&self) {
+        let mut st = self.lock();
+        while st.completed < st.submitted {
+            st = self.done.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// The ticket of the last queued job.
+    pub(crate) fn last_ticket(&self) -> u64 {
+        self.lock().submitted
+    }
+}
+
+impl Drop for CpuQueue {
+    fn drop(&mut self) {
+        // Closing the channel ends the worker.
+        self.worker.get_mut().unwrap_or_else(|e| e.into_inner()).take();
+    }
+}
+
+/// A ticket on a cpu executor's queue (the cpu form of a completion handle).
+#[derive(Clone)]
+pub(crate) struct CpuTicket {
+    pub(crate) queue: Arc<CpuQueue>,
+    pub(crate) ticket: u64,
+}
+
+impl CpuTicket {
+    pub(crate) fn wait(&self) -> Result<()> {
+        self.queue.wait(self.ticket)
+    }
+    pub(crate) fn is_done(&self) -> bool {
+        self.queue.lock().completed >= self.ticket
+    }
 }
 
 impl Default for CpuExecutor {
@@ -89,7 +224,7 @@ impl CpuExecutor {
     }
     /// An executor that uses at most `threads` threads per transfer.
     pub fn with_threads(threads: usize) -> CpuExecutor {
-        CpuExecutor { threads: threads.max(1), id: super::next_executor_id() }
+        CpuExecutor { threads: threads.max(1), id: super::next_executor_id(), queue: CpuQueue::new() }
     }
 }
 
@@ -146,23 +281,32 @@ impl Executor for CpuExecutor {
         // as an error rather than aborting the process.
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
         let ptr = NonNull::new(ptr).ok_or_else(|| oom("the allocator refused it".into()))?;
-        Ok(CpuBuffer { ptr, len, layout: Some(layout), owner: self.id })
+        Ok(CpuBuffer { ptr, len, layout: Some(layout), owner: self.id, queue: self.queue.clone() })
     }
     fn buffer_len(&self, buf: &CpuBuffer) -> u64 {
         buf.len as u64
     }
     fn write(&self, buf: &CpuBuffer, offset: u64, data: &[u8]) -> Result<()> {
-        // SAFETY: span checked by `Device::write`; `&mut` pool access rules out aliasing.
+        self.queue.idle();
+        // SAFETY: span checked by `Device::write`; `&mut` pool access rules out aliasing; no
+        // queued transfer runs any more.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), buf.as_ptr().add(offset as usize), data.len()) };
         Ok(())
     }
     fn read(&self, buf: &CpuBuffer, offset: u64, out: &mut [u8]) -> Result<()> {
-        // SAFETY: span checked by `Device::read`.
+        self.queue.idle();
+        // SAFETY: span checked by `Device::read`; no queued transfer runs any more.
         unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr().add(offset as usize), out.as_mut_ptr(), out.len()) };
         Ok(())
     }
     fn synchronize(&self) -> Result<()> {
-        Ok(())
+        self.queue.wait(self.queue.last_ticket())
+    }
+    fn finish(&self) -> Result<()> {
+        self.synchronize()
+    }
+    fn completion(&self) -> Result<super::Completion> {
+        Ok(super::Completion::cpu(CpuTicket { queue: self.queue.clone(), ticket: self.queue.last_ticket() }))
     }
     fn time_one_copy(&self, bytes: u64, budget: std::time::Duration) -> Result<f64> {
         let src = vec![1u8; bytes as usize];
@@ -174,75 +318,95 @@ impl Executor for CpuExecutor {
         })
     }
 
-    fn execute_step(&self, step: &Step, bufs: &Bindings<'_, CpuBuffer>, plan_bytes: u64) -> Result<()> {
-        let threads = if plan_bytes >= PARALLEL_MIN_BYTES { self.threads } else { 1 };
-        match step.kind() {
-            StepKind::Gather(g) => {
-                let pairs: Vec<(SendPtr, SendPtr, Addr, Addr)> = g
-                    .pairs
-                    .iter()
-                    .map(|l| (SendPtr(bufs.get(l.src.buf()).as_ptr()), SendPtr(bufs.get(l.dst.buf()).as_ptr()), l.src, l.dst))
-                    .collect();
-                let (chunk, heads) = (g.chunk_bytes as usize, g.heads);
-                // Layer by layer (destinations are unique, so order only affects speed): each
-                // pass stays within one layer's buffers, measured up to 4x faster than item by
-                // item for random 128-byte items. Upcoming items are prefetched: random small
-                // items are latency-bound otherwise.
-                let (si, di) = (&g.src_indices, &g.dst_indices);
-                let copy_item = |i: usize, (sp, dp, sa, da): &(SendPtr, SendPtr, Addr, Addr)| {
-                    let (s, d) = (si[i], di[i]);
-                    if s < 0 || d < 0 {
-                        return;
-                    }
-                    if let Some(j) = (i + PREFETCH_AHEAD < si.len()).then_some(i + PREFETCH_AHEAD) {
-                        if si[j] >= 0 && di[j] >= 0 {
-                            prefetch(sp.0.wrapping_add(sa.offset(si[j] as u64, 0) as usize));
-                            prefetch(dp.0.wrapping_add(da.offset(di[j] as u64, 0) as usize));
-                        }
-                    }
-                    for h in 0..heads {
-                        // SAFETY: plans are built only by the planner, for these pools: every
-                        // index is range-checked against the geometry the buffers were sized by.
-                        unsafe { copy_chunk(sp.0.add(sa.offset(s as u64, h) as usize), dp.0.add(da.offset(d as u64, h) as usize), chunk) };
-                    }
-                };
-                let work = |lo: usize, hi: usize| {
-                    for l in &pairs {
-                        for i in lo..hi {
-                            copy_item(i, l);
-                        }
-                    }
-                };
-                split(g.src_indices.len(), threads, &work);
-            }
-            StepKind::Copy(runs) => {
-                let runs: Vec<(SendPtr, SendPtr, usize, usize, usize)> = runs
-                    .iter()
-                    .map(|r| {
-                        (
-                            SendPtr(bufs.get(r.src).as_ptr()),
-                            SendPtr(bufs.get(r.dst).as_ptr()),
-                            r.src_offset as usize,
-                            r.dst_offset as usize,
-                            r.len as usize,
-                        )
-                    })
-                    .collect();
-                let work = |lo: usize, hi: usize| {
-                    for k in lo..hi {
-                        if let Some((sp, dp, so, dof, _)) = runs.get(k + PREFETCH_AHEAD) {
-                            prefetch(sp.0.wrapping_add(*so));
-                            prefetch(dp.0.wrapping_add(*dof));
-                        }
-                        let (sp, dp, so, dof, len) = &runs[k];
-                        // SAFETY: as above.
-                        unsafe { copy_chunk(sp.0.add(*so), dp.0.add(*dof), *len) };
-                    }
-                };
-                split(runs.len(), threads, &work);
-            }
+    fn execute_step(&self, plan: &Plan, k: usize, bufs: &Bindings<'_, CpuBuffer>, enqueue: bool) -> Result<()> {
+        let threads = if plan.bytes() >= PARALLEL_MIN_BYTES { self.threads } else { 1 };
+        let raw = RawBindings {
+            host: bufs.host.iter().map(|b| SendPtr(b.as_ptr())).collect(),
+            device: bufs.device.iter().map(|c| c.iter().map(|b| SendPtr(b.as_ptr())).collect()).collect(),
+        };
+        if !enqueue && self.queue.is_idle() {
+            run_step(&plan.steps()[k], &raw, threads);
+            return Ok(());
         }
+        // On the worker, after everything queued before it. The buffers outlive the job: every
+        // way to free or touch them waits for the queue first.
+        let steps = plan.shared_steps();
+        self.queue.enqueue(Box::new(move || run_step(&steps[k], &raw, threads)))?;
         Ok(())
+    }
+}
+
+/// Buffer addresses of a plan's bindings, `[comp]` and `[comp][slot]`.
+struct RawBindings {
+    host: Vec<SendPtr>,
+    device: Vec<Vec<SendPtr>>,
+}
+
+impl RawBindings {
+    fn get(&self, r: BufRef) -> *mut u8 {
+        match r {
+            BufRef::Host { comp } => self.host[comp as usize].0,
+            BufRef::Device { comp, slot } => self.device[comp as usize][slot as usize].0,
+        }
+    }
+}
+
+/// Runs one step over raw buffer addresses.
+fn run_step(step: &Step, bufs: &RawBindings, threads: usize) {
+    match step.kind() {
+        StepKind::Gather(g) => {
+            let pairs: Vec<(SendPtr, SendPtr, Addr, Addr)> =
+                g.pairs.iter().map(|l| (SendPtr(bufs.get(l.src.buf())), SendPtr(bufs.get(l.dst.buf())), l.src, l.dst)).collect();
+            let (chunk, heads) = (g.chunk_bytes as usize, g.heads);
+            // Layer by layer (destinations are unique, so order only affects speed): each pass
+            // stays within one layer's buffers, measured up to 4x faster than item by item for
+            // random 128-byte items. Upcoming items are prefetched: random small items are
+            // latency-bound otherwise.
+            let (si, di) = (&g.src_indices, &g.dst_indices);
+            let copy_item = |i: usize, (sp, dp, sa, da): &(SendPtr, SendPtr, Addr, Addr)| {
+                let (s, d) = (si[i], di[i]);
+                if s < 0 || d < 0 {
+                    return;
+                }
+                if let Some(j) = (i + PREFETCH_AHEAD < si.len()).then_some(i + PREFETCH_AHEAD) {
+                    if si[j] >= 0 && di[j] >= 0 {
+                        prefetch(sp.0.wrapping_add(sa.offset(si[j] as u64, 0) as usize));
+                        prefetch(dp.0.wrapping_add(da.offset(di[j] as u64, 0) as usize));
+                    }
+                }
+                for h in 0..heads {
+                    // SAFETY: plans are built only by the planner, for these pools: every index
+                    // is range-checked against the geometry the buffers were sized by.
+                    unsafe { copy_chunk(sp.0.add(sa.offset(s as u64, h) as usize), dp.0.add(da.offset(d as u64, h) as usize), chunk) };
+                }
+            };
+            let work = |lo: usize, hi: usize| {
+                for l in &pairs {
+                    for i in lo..hi {
+                        copy_item(i, l);
+                    }
+                }
+            };
+            split(g.src_indices.len(), threads, &work);
+        }
+        StepKind::Copy(runs) => {
+            let runs: Vec<(SendPtr, SendPtr, usize, usize, usize)> = runs
+                .iter()
+                .map(|r| (SendPtr(bufs.get(r.src)), SendPtr(bufs.get(r.dst)), r.src_offset as usize, r.dst_offset as usize, r.len as usize))
+                .collect();
+            let work = |lo: usize, hi: usize| {
+                for k in lo..hi {
+                    if let Some((sp, dp, so, dof, _)) = runs.get(k + PREFETCH_AHEAD) {
+                        prefetch(sp.0.wrapping_add(*so));
+                        prefetch(dp.0.wrapping_add(*dof));
+                    }
+                    let (sp, dp, so, dof, len) = &runs[k];
+                    // SAFETY: as above.
+                    unsafe { copy_chunk(sp.0.add(*so), dp.0.add(*dof), *len) };
+                }
+            };
+            split(runs.len(), threads, &work);
+        }
     }
 }
 

@@ -11,7 +11,7 @@
 //!   writes and reads, gather tables, kernels and copies — is enqueued on the executor's one
 //!   stream (its own non-blocking stream, or the caller's with [`CudaExecutor::from_stream`]), so
 //!   stream order is program order. Transfers return once enqueued; pool reads and writes,
-//!   [`Executor::synchronize`], dropping a buffer (owned or borrowed) and dropping the executor
+//!   [`CudaExecutor::synchronize`], dropping a buffer (owned or borrowed) and dropping the executor
 //!   wait for the stream. [`CudaExecutor::record`] gives a completion handle.
 //! - `kernel`: each gather step uploads its index lists and address-pair table once, through
 //!   pinned staging slots used round-robin (the CPU waits only for the upload eight steps back),
@@ -32,7 +32,7 @@ use cudarc::driver::{CudaContext, CudaStream, DriverError};
 
 use super::{Bindings, Executor};
 use crate::error::{Result, TransferError};
-use crate::plan::{Capabilities, GatherStep, Step, StepKind};
+use crate::plan::{Capabilities, GatherStep, Plan, StepKind};
 
 const PTX_80: &str = include_str!("../../kernels/transfer.compute_80.ptx");
 const CUBIN_80: &[u8] = include_bytes!("../../kernels/transfer.sm_80.cubin");
@@ -318,7 +318,7 @@ impl CudaExecutor {
 
     /// Runs on the caller's stream (an engine's own; not the legacy NULL stream if `direct`
     /// should batch). Transfers are enqueued on it and nothing here synchronizes it, except
-    /// pool reads/writes, [`Executor::synchronize`] and dropping a buffer this executor
+    /// pool reads/writes, [`CudaExecutor::synchronize`] and dropping a buffer this executor
     /// allocated or registered (its memory may still be in use by a queued copy).
     pub fn from_stream(stream: Arc<CudaStream>, tuning: LaunchTuning) -> Result<CudaExecutor> {
         let (driver, _) = probe()?;
@@ -773,9 +773,12 @@ impl Executor for CudaExecutor {
         self.bind()?;
         self.inner.stream.synchronize().map_err(|e| drv("cuStreamSynchronize", e))
     }
-    fn execute_step(&self, step: &Step, bufs: &Bindings<'_, CudaBuffer>, _plan_bytes: u64) -> Result<()> {
+    fn completion(&self) -> Result<super::Completion> {
+        self.record().map(super::Completion::cuda)
+    }
+    fn execute_step(&self, plan: &Plan, k: usize, bufs: &Bindings<'_, CudaBuffer>, _enqueue: bool) -> Result<()> {
         self.bind()?;
-        match step.kind() {
+        match plan.steps()[k].kind() {
             StepKind::Gather(g) => self.gather(g, bufs),
             StepKind::Copy(runs) => self.copies(runs, bufs),
         }

@@ -3,7 +3,7 @@
 //! [`Capabilities`] and the planner reads them.
 //!
 //! The run-time choice is the [`Device`] enum (candle-style): its match arms forward to each
-//! backend's [`Executor`] implementation.
+//! backend's implementation of the crate-internal `Executor` trait.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -11,6 +11,61 @@ use std::sync::Mutex;
 use crate::error::{Result, TransferError};
 use crate::geometry::BufRef;
 use crate::plan::{Capabilities, Plan, Step};
+
+/// Completion of transfers enqueued on one executor: wait for them, or poll. On cpu a ticket on
+/// the executor's queue, on wgpu a queue submission, on cuda an event on the executor's stream.
+pub struct Completion {
+    kind: CompletionKind,
+}
+
+enum CompletionKind {
+    Done,
+    Cpu(cpu::CpuTicket),
+    #[cfg(feature = "wgpu")]
+    Wgpu(wgpu::WgpuExecutor, Option<::wgpu::SubmissionIndex>),
+    #[cfg(feature = "cuda")]
+    Cuda(cuda::Completion),
+}
+
+impl Completion {
+    /// Nothing to wait for.
+    pub fn done() -> Completion {
+        Completion { kind: CompletionKind::Done }
+    }
+    pub(crate) fn cpu(t: cpu::CpuTicket) -> Completion {
+        Completion { kind: CompletionKind::Cpu(t) }
+    }
+    #[cfg(feature = "wgpu")]
+    pub(crate) fn wgpu(e: wgpu::WgpuExecutor, index: Option<::wgpu::SubmissionIndex>) -> Completion {
+        Completion { kind: CompletionKind::Wgpu(e, index) }
+    }
+    #[cfg(feature = "cuda")]
+    pub(crate) fn cuda(c: cuda::Completion) -> Completion {
+        Completion { kind: CompletionKind::Cuda(c) }
+    }
+    /// Blocks until the transfers are done; their error, if one failed.
+    pub fn wait(&self) -> Result<()> {
+        match &self.kind {
+            CompletionKind::Done => Ok(()),
+            CompletionKind::Cpu(t) => t.wait(),
+            #[cfg(feature = "wgpu")]
+            CompletionKind::Wgpu(e, index) => e.wait_for(index.clone()),
+            #[cfg(feature = "cuda")]
+            CompletionKind::Cuda(c) => c.wait(),
+        }
+    }
+    /// `Ok(true)` once done, `Ok(false)` while pending, `Err` when the executor failed.
+    pub fn is_done(&self) -> Result<bool> {
+        match &self.kind {
+            CompletionKind::Done => Ok(true),
+            CompletionKind::Cpu(t) => Ok(t.is_done()),
+            #[cfg(feature = "wgpu")]
+            CompletionKind::Wgpu(e, index) => e.is_done(index.clone()),
+            #[cfg(feature = "cuda")]
+            CompletionKind::Cuda(c) => c.is_done(),
+        }
+    }
+}
 
 pub mod cpu;
 #[cfg(feature = "cuda")]
@@ -76,11 +131,13 @@ pub(crate) trait Executor {
     fn write(&self, buf: &Self::Buffer, offset: u64, data: &[u8]) -> Result<()>;
     /// Reads into `out` from `offset` (span already checked), after pending transfers.
     fn read(&self, buf: &Self::Buffer, offset: u64, out: &mut [u8]) -> Result<()>;
-    /// Runs (or enqueues) one step of a validated plan; `plan_bytes` is the whole plan's size
-    /// (the cpu executor goes parallel above a threshold). Destination buffers are written
+    /// Runs or enqueues step `k` of a validated plan (`enqueue`: the caller wants it queued
+    /// even where it could run at once; cpu runs synchronous calls on an idle queue inline). Destination buffers are written
     /// through shared references: the pools hand out `&mut` access to the destination pool, so
     /// nothing else aliases it.
-    fn execute_step(&self, step: &Step, bufs: &Bindings<'_, Self::Buffer>, plan_bytes: u64) -> Result<()>;
+    fn execute_step(&self, plan: &Plan, k: usize, bufs: &Bindings<'_, Self::Buffer>, enqueue: bool) -> Result<()>;
+    /// A handle on everything enqueued so far.
+    fn completion(&self) -> Result<Completion>;
     /// After the last step of a plan: wait where the executor's contract is synchronous (wgpu),
     /// nothing where transfers are stream-ordered (cuda) or already done (cpu).
     fn finish(&self) -> Result<()> {
@@ -396,10 +453,19 @@ impl Device {
         Err(TransferError::Executor { backend: self.name(), message: "injected fault".into() })
     }
 
-    /// Runs a plan over pool buffers, step by step. A plan made for another executor instance
-    /// is refused before anything runs. When a step fails, the steps before it have completed
-    /// (the executor is drained first) and the error names them.
+    /// Runs a plan over pool buffers, step by step, and waits for it. A plan made for another
+    /// executor instance is refused before anything runs. When a step fails, the steps before
+    /// it have completed (the executor is drained first) and the error names them.
     pub(crate) fn execute(&self, plan: &Plan, bufs: &Bindings<'_, Buffer>) -> Result<()> {
+        self.dispatch(plan, bufs, false).map(|_| ())
+    }
+
+    /// Enqueues a plan and returns its completion without waiting.
+    pub(crate) fn execute_async(&self, plan: &Plan, bufs: &Bindings<'_, Buffer>) -> Result<Completion> {
+        self.dispatch(plan, bufs, true)
+    }
+
+    fn dispatch(&self, plan: &Plan, bufs: &Bindings<'_, Buffer>, enqueue: bool) -> Result<Completion> {
         if plan.owner() != self.id() {
             return Err(TransferError::ExecutorMismatch {
                 expected: self.label(),
@@ -407,33 +473,33 @@ impl Device {
             });
         }
         if plan.is_empty() {
-            return Ok(());
+            return Ok(Completion::done());
         }
         match self {
             Device::Cpu(e) => {
                 #[allow(irrefutable_let_patterns)]
                 let b = typed(bufs, |b| if let Buffer::Cpu(x) = b { Some(x) } else { None }, "cpu")?;
-                self.run_steps(e, plan, &b)
+                self.run_steps(e, plan, &b, enqueue)
             }
             #[cfg(feature = "wgpu")]
             Device::Wgpu(e) => {
                 #[allow(irrefutable_let_patterns)]
                 let b = typed(bufs, |b| if let Buffer::Wgpu(x) = b { Some(x) } else { None }, "wgpu")?;
-                self.run_steps(e, plan, &b)
+                self.run_steps(e, plan, &b, enqueue)
             }
             #[cfg(feature = "cuda")]
             Device::Cuda(e) => {
                 #[allow(irrefutable_let_patterns)]
                 let b = typed(bufs, |b| if let Buffer::Cuda(x) = b { Some(x) } else { None }, "cuda")?;
-                self.run_steps(e, plan, &b)
+                self.run_steps(e, plan, &b, enqueue)
             }
         }
     }
 
-    fn run_steps<E: Executor>(&self, e: &E, plan: &Plan, bufs: &Bindings<'_, E::Buffer>) -> Result<()> {
+    fn run_steps<E: Executor>(&self, e: &E, plan: &Plan, bufs: &Bindings<'_, E::Buffer>, enqueue: bool) -> Result<Completion> {
         let steps = plan.steps();
-        for (k, step) in steps.iter().enumerate() {
-            if let Err(err) = self.fault_point().and_then(|_| e.execute_step(step, bufs, plan.bytes())) {
+        for k in 0..steps.len() {
+            if let Err(err) = self.fault_point().and_then(|_| e.execute_step(plan, k, bufs, enqueue)) {
                 // Drain what was enqueued before the failure (stream-ordered executors too), so
                 // "completed" is true: a sticky device error fails the drain, and then nothing is
                 // reported complete.
@@ -441,7 +507,11 @@ impl Device {
                 return Err(partial(steps, k, drained, err));
             }
         }
-        e.finish().map_err(|err| partial(steps, steps.len().saturating_sub(1), false, err))
+        if enqueue {
+            return e.completion();
+        }
+        e.finish().map_err(|err| partial(steps, steps.len().saturating_sub(1), false, err))?;
+        Ok(Completion::done())
     }
 }
 
@@ -472,7 +542,7 @@ fn partial(steps: &[Step], failed: usize, drained: bool, err: TransferError) -> 
 /// never outlives the slice, and the `&mut` borrow rules out other access meanwhile.
 pub(crate) fn borrow_cpu_slice(exec: &cpu::CpuExecutor, s: &mut [u8]) -> Buffer {
     // SAFETY: see above; the slice is valid for reads and writes for the pool's lifetime.
-    Buffer::Cpu(unsafe { cpu::CpuBuffer::from_raw(std::ptr::NonNull::from(&mut *s).cast(), s.len(), exec.id()) })
+    Buffer::Cpu(unsafe { cpu::CpuBuffer::from_raw(std::ptr::NonNull::from(&mut *s).cast(), s.len(), exec) })
 }
 
 /// One line per executor: what is present here and why not.

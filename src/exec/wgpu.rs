@@ -25,7 +25,7 @@ use wgpu::util::DeviceExt;
 use super::{Bindings, Executor};
 use crate::error::{Result, TransferError};
 use crate::geometry::Addr;
-use crate::plan::{lcm, Capabilities, GatherStep, Step, StepKind};
+use crate::plan::{lcm, Capabilities, GatherStep, Plan, StepKind};
 
 const SHADER: &str = include_str!("../../shaders/gather.wgsl");
 const WAIT: Duration = Duration::from_secs(120);
@@ -66,6 +66,8 @@ struct Inner {
     max_gather_items: u64,
     lost: Arc<Mutex<Option<String>>>,
     id: u64,
+    /// The last transfer submission (what a completion handle waits for).
+    last: Mutex<Option<wgpu::SubmissionIndex>>,
 }
 
 /// The wgpu executor (one device and queue).
@@ -230,6 +232,7 @@ impl WgpuExecutor {
                 max_gather_items,
                 lost,
                 id: super::next_executor_id(),
+                last: Mutex::new(None),
             }),
         })
     }
@@ -255,11 +258,29 @@ impl WgpuExecutor {
     }
 
     fn wait(&self) -> Result<()> {
+        self.wait_for(None)
+    }
+
+    /// Waits for submission `index` (everything submitted when `None`).
+    pub(crate) fn wait_for(&self, index: Option<wgpu::SubmissionIndex>) -> Result<()> {
         self.inner
             .device
-            .poll(wgpu::PollType::Wait { submission_index: None, timeout: Some(WAIT) })
+            .poll(wgpu::PollType::Wait { submission_index: index, timeout: Some(WAIT) })
             .map_err(|e| err(format!("waiting for the queue: {e}")))?;
         self.check_lost()
+    }
+
+    /// Whether submission `index` has completed (polls without blocking).
+    pub(crate) fn is_done(&self, index: Option<wgpu::SubmissionIndex>) -> Result<bool> {
+        self.check_lost()?;
+        let status = self.inner.device.poll(wgpu::PollType::Poll).map_err(|e| err(format!("polling the queue: {e}")))?;
+        match index {
+            None => Ok(status.is_queue_empty()),
+            // A poll that leaves the queue non-empty does not say which submissions are done;
+            // a zero-timeout wait for this one does.
+            Some(i) => Ok(status.is_queue_empty()
+                || self.inner.device.poll(wgpu::PollType::Wait { submission_index: Some(i), timeout: Some(Duration::ZERO) }).is_ok()),
+        }
     }
 
     /// Submits `encoder` inside validation and out-of-memory scopes and waits.
@@ -277,7 +298,8 @@ impl WgpuExecutor {
         let mut enc = dev.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("hicache-io") });
         let built = build(&mut enc);
         if built.is_ok() {
-            self.inner.queue.submit([enc.finish()]);
+            let index = self.inner.queue.submit([enc.finish()]);
+            *self.inner.last.lock().unwrap_or_else(|e| e.into_inner()) = Some(index);
         }
         let v = pollster::block_on(val.pop());
         let o = pollster::block_on(oom.pop());
@@ -592,9 +614,9 @@ impl Executor for WgpuExecutor {
             })
         })
     }
-    fn execute_step(&self, step: &Step, bufs: &Bindings<'_, WgpuBuffer>, _plan_bytes: u64) -> Result<()> {
+    fn execute_step(&self, plan: &Plan, k: usize, bufs: &Bindings<'_, WgpuBuffer>, _enqueue: bool) -> Result<()> {
         self.submit_nowait(|enc| {
-            match step.kind() {
+            match plan.steps()[k].kind() {
                 StepKind::Gather(g) => self.gather(g, bufs, enc)?,
                 StepKind::Copy(runs) => {
                     if runs.len() > MANY_RUNS {
@@ -616,6 +638,10 @@ impl Executor for WgpuExecutor {
     }
     fn finish(&self) -> Result<()> {
         self.wait()
+    }
+    fn completion(&self) -> Result<super::Completion> {
+        let last = self.inner.last.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        Ok(super::Completion::wgpu(self.clone(), last))
     }
 }
 

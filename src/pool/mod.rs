@@ -10,7 +10,7 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 use crate::error::{Result, TransferError};
-use crate::exec::{Bindings, Buffer, Device};
+use crate::exec::{Bindings, Buffer, Completion, Device};
 use crate::geometry::{mul, DeviceGeometry, HostGeometry, IoBackend, LayerMap, Layout, PoolKind, PoolPair, Profile};
 use crate::plan::{self, Direction, Op, Plan, Request};
 
@@ -178,6 +178,157 @@ impl HostPool<'static> {
     /// layout's bytes.
     pub fn from_buffers(device_pool: &DevicePool, config: &HostPoolConfig, buffers: Vec<Buffer>) -> Result<HostPool<'static>> {
         HostPool::wrap(device_pool, config, buffers)
+    }
+}
+
+/// A transfer in flight (see [`HostPool::load_to_device_per_layer_async`]). It keeps the pools
+/// it moves between borrowed until it is waited on, so safe code cannot read or write them
+/// mid-transfer; dropping it waits too.
+///
+/// ```compile_fail
+/// # use hicache_io::*;
+/// # fn f(host: &HostPool<'static>, dev: &mut DevicePool<'static>) -> Result<()> {
+/// let t = host.load_to_device_per_layer_async(dev, &[0], &[1], 0, IoBackend::Kernel)?;
+/// let bytes = dev.read_buffer(0, 0)?; // refused: the transfer still borrows the device pool
+/// t.wait()
+/// # }
+/// ```
+#[must_use = "a transfer is waited on when dropped; keep it to overlap work with it"]
+pub struct Transfer<'a> {
+    completion: Option<Completion>,
+    _pools: PhantomData<&'a mut ()>,
+}
+
+impl Transfer<'_> {
+    /// Blocks until the transfer has landed.
+    pub fn wait(mut self) -> Result<()> {
+        self.completion.take().map_or(Ok(()), |c| c.wait())
+    }
+    /// `Ok(true)` once landed, `Ok(false)` while in flight.
+    pub fn is_done(&self) -> Result<bool> {
+        self.completion.as_ref().map_or(Ok(true), |c| c.is_done())
+    }
+}
+
+impl Drop for Transfer<'_> {
+    fn drop(&mut self) {
+        if let Some(Err(e)) = self.completion.take().map(|c| c.wait()) {
+            log::error!("a transfer dropped without waiting failed: {e}");
+        }
+    }
+}
+
+/// Every owned layer (and draft) of a device pool loaded in order, one completion per layer
+/// (see [`HostPool::load_layers`]). Waiting for layer `i` never waits for layer `i + 1`.
+/// Keeps both pools borrowed until every layer has landed; dropping it waits for all of them.
+#[must_use = "dropping the loads waits for all of them"]
+pub struct LayerLoads<'a> {
+    layers: Vec<(usize, Completion)>,
+    _pools: PhantomData<&'a mut ()>,
+}
+
+impl LayerLoads<'_> {
+    /// Layer ids in load order: owned live target layers, then `layer_num + k` per draft.
+    pub fn layer_ids(&self) -> Vec<usize> {
+        self.layers.iter().map(|(l, _)| *l).collect()
+    }
+    fn find(&self, layer_id: usize) -> Result<&Completion> {
+        self.layers.iter().find(|(l, _)| *l == layer_id).map(|(_, c)| c).ok_or(TransferError::LayerOutOfRange {
+            layer_id,
+            target_layers: self.layers.len(),
+            draft_layers: 0,
+        })
+    }
+    /// Blocks until layer `layer_id` has landed (and the layers loaded before it).
+    pub fn wait_layer(&self, layer_id: usize) -> Result<()> {
+        self.find(layer_id)?.wait()
+    }
+    /// Whether layer `layer_id` has landed.
+    pub fn is_layer_done(&self, layer_id: usize) -> Result<bool> {
+        self.find(layer_id)?.is_done()
+    }
+    /// Blocks until every layer has landed.
+    pub fn wait(mut self) -> Result<()> {
+        let layers = std::mem::take(&mut self.layers);
+        layers.last().map_or(Ok(()), |(_, c)| c.wait())
+    }
+}
+
+impl Drop for LayerLoads<'_> {
+    fn drop(&mut self) {
+        if let Some(Err(e)) = self.layers.last().map(|(_, c)| c.wait()) {
+            log::error!("layer loads dropped without waiting failed: {e}");
+        }
+    }
+}
+
+/// Asynchronous transfers: only for pools that own their memory (`'static`), so a transfer in
+/// flight can never outlive memory it writes, whatever happens to its handle.
+impl HostPool<'static> {
+    /// [`HostPool::load_to_device_per_layer`] without waiting: the load is enqueued on the
+    /// executor (cpu: its worker thread; wgpu: a queue submission; cuda: its stream) and the
+    /// handle completes when it has landed. Validation happens before this returns, as for the
+    /// synchronous call.
+    pub fn load_to_device_per_layer_async<'a>(
+        &'a self,
+        device_pool: &'a mut DevicePool<'static>,
+        host_indices: &[i64],
+        device_indices: &[i64],
+        layer_id: usize,
+        io_backend: IoBackend,
+    ) -> Result<Transfer<'a>> {
+        let plan =
+            self.plan(device_pool, &Request { op: Op::Load { layer_id, is_draft: false }, io_backend, host_indices, device_indices })?;
+        let completion = self.device.execute_async(&plan, &self.bindings(device_pool))?;
+        Ok(Transfer { completion: Some(completion), _pools: PhantomData })
+    }
+
+    /// [`HostPool::backup_from_device_all_layer`] without waiting.
+    pub fn backup_from_device_all_layer_async<'a>(
+        &'a mut self,
+        device_pool: &'a DevicePool<'static>,
+        host_indices: &[i64],
+        device_indices: &[i64],
+        io_backend: IoBackend,
+    ) -> Result<Transfer<'a>> {
+        let plan = self.plan(device_pool, &Request { op: Op::Backup, io_backend, host_indices, device_indices })?;
+        let completion = self.device.execute_async(&plan, &self.bindings(device_pool))?;
+        Ok(Transfer { completion: Some(completion), _pools: PhantomData })
+    }
+
+    /// Layer-wise loading, as sglang's loader overlaps it with the forward pass: loads the same
+    /// indices into every owned live layer in order, then every draft pool, each its own
+    /// transfer, and returns at once. Every layer is validated before the first one moves.
+    pub fn load_layers<'a>(
+        &'a self,
+        device_pool: &'a mut DevicePool<'static>,
+        host_indices: &[i64],
+        device_indices: &[i64],
+        io_backend: IoBackend,
+    ) -> Result<LayerLoads<'a>> {
+        let m = device_pool.geometry.layers().clone();
+        let ops = m
+            .live_layers()
+            .into_iter()
+            .map(|l| (l, Op::Load { layer_id: l, is_draft: false }))
+            .chain((0..m.drafts).map(|k| (m.layer_num + k, Op::Load { layer_id: m.layer_num + k, is_draft: true })));
+        let plans = ops
+            .map(|(l, op)| self.plan(device_pool, &Request { op, io_backend, host_indices, device_indices }).map(|p| (l, p)))
+            .collect::<Result<Vec<_>>>()?;
+        let mut layers = Vec::with_capacity(plans.len());
+        for (l, plan) in &plans {
+            match self.device.execute_async(plan, &self.bindings(device_pool)) {
+                Ok(c) => layers.push((*l, c)),
+                Err(e) => {
+                    // Layers already enqueued still land; wait for them so the error is final.
+                    if let Some((_, c)) = layers.last() {
+                        let _ = c.wait();
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(LayerLoads { layers, _pools: PhantomData })
     }
 }
 
