@@ -197,6 +197,97 @@ impl Fixture {
     }
 }
 
+/// What `hicache-io bench --pipeline` measured on one executor.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct PipelineResult {
+    /// Executor name.
+    pub backend: &'static str,
+    /// Layers loaded.
+    pub layers: usize,
+    /// Bytes per layer load.
+    pub layer_bytes: u64,
+    /// Stand-in compute per layer, seconds.
+    pub compute_s: f64,
+    /// Every layer loaded (synchronously), then every layer's compute.
+    pub sequential_s: f64,
+    /// Layers loaded layer by layer while each layer's compute waits only for its own layer.
+    pub pipelined_s: f64,
+    /// From issuing the loads to layer 0 being usable.
+    pub first_layer_s: f64,
+    /// Total load time (sequential run).
+    pub load_s: f64,
+    /// `(sequential − pipelined) / min(total load, total compute)`: 1 hides the shorter side
+    /// completely, 0 hides nothing.
+    pub overlap: f64,
+}
+
+/// A busy loop of `d` on this thread (the stand-in for a layer's forward pass).
+fn spin(d: Duration) {
+    let t = std::time::Instant::now();
+    while t.elapsed() < d {
+        std::hint::spin_loop();
+    }
+}
+
+/// Layer-wise loading against load-then-compute: DSA indexer pages (8448 B) of `items` random
+/// pages into `layers` layers; the stand-in compute is a busy loop on the calling thread of
+/// `compute` per layer (`None`: as long as one layer's load, so neither side dominates).
+pub fn pipeline(device: &Device, layers: usize, items: u64, compute: Option<Duration>) -> Result<PipelineResult> {
+    let spec = BenchSpec {
+        item: 8448,
+        pattern: Pattern::Random,
+        items,
+        layers,
+        op: BenchOp::Load,
+        layout: Layout::PageFirst,
+        io: IoBackend::Kernel,
+    };
+    let mut fx = Fixture::new(device, &spec, 11)?;
+    let (hi, di) = (fx.host_indices.clone(), fx.device_indices.clone());
+    let load_all = |fx: &mut Fixture| -> Result<()> {
+        for l in 0..layers {
+            fx.host.load_to_device_per_layer(&mut fx.dev, &hi, &di, l, IoBackend::Kernel)?;
+        }
+        fx.dev.device().synchronize()
+    };
+    load_all(&mut fx)?; // warm-up
+    let t = std::time::Instant::now();
+    load_all(&mut fx)?;
+    let load_s = t.elapsed().as_secs_f64();
+    let compute = compute.unwrap_or(Duration::from_secs_f64(load_s / layers as f64));
+    let t = std::time::Instant::now();
+    load_all(&mut fx)?;
+    for _ in 0..layers {
+        spin(compute);
+    }
+    let sequential_s = t.elapsed().as_secs_f64();
+    let t = std::time::Instant::now();
+    let loads = fx.host.load_layers(&mut fx.dev, &hi, &di, IoBackend::Kernel)?;
+    let mut first_layer_s = 0.0;
+    for (i, l) in loads.layer_ids().into_iter().enumerate() {
+        loads.wait_layer(l)?;
+        if i == 0 {
+            first_layer_s = t.elapsed().as_secs_f64();
+        }
+        spin(compute);
+    }
+    loads.wait()?;
+    let pipelined_s = t.elapsed().as_secs_f64();
+    let compute_s = compute.as_secs_f64();
+    let hidden = (sequential_s - pipelined_s) / load_s.min(compute_s * layers as f64);
+    Ok(PipelineResult {
+        backend: device.name(),
+        layers,
+        layer_bytes: items * 8448,
+        compute_s,
+        sequential_s,
+        pipelined_s,
+        first_layer_s,
+        load_s,
+        overlap: hidden,
+    })
+}
+
 /// Measures one cell: transfer, planning and the executor's one-copy ceiling, in one run.
 pub fn run_spec(device: &Device, spec: &BenchSpec, budget: Duration) -> Result<BenchResult> {
     let mut fx = Fixture::new(device, spec, 7)?;

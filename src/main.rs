@@ -62,6 +62,14 @@ struct BenchArgs {
     /// Time budget per measurement, in milliseconds.
     #[arg(long, default_value_t = 300)]
     budget_ms: u64,
+    /// Layer-wise loading against load-then-compute instead: 8 layers of 1024 random DSA pages,
+    /// a busy-loop stand-in compute per layer on the calling thread.
+    #[arg(long)]
+    pipeline: bool,
+    /// Stand-in compute per layer for `--pipeline`, in microseconds (default: one layer's load
+    /// time).
+    #[arg(long)]
+    compute_us: Option<u64>,
     #[arg(long)]
     json: bool,
 }
@@ -96,7 +104,30 @@ struct CheckArgs {
     json: bool,
 }
 
+/// Mesa's Vulkan device-select layer prints "XDG_RUNTIME_DIR is invalid or not set" on machines
+/// without a runtime dir (containers, CI), which reads like an error. Give this process a private
+/// one when it has none; real driver errors still print.
+fn ensure_runtime_dir() {
+    let valid = std::env::var_os("XDG_RUNTIME_DIR").is_some_and(|d| std::path::Path::new(&d).is_dir());
+    if valid {
+        return;
+    }
+    let user = std::env::var("USER").unwrap_or_else(|_| "user".into());
+    let dir = std::env::temp_dir().join(format!("hicache-io-runtime-{user}"));
+    let made = std::fs::create_dir_all(&dir).is_ok();
+    #[cfg(unix)]
+    if made {
+        use std::os::unix::fs::PermissionsExt;
+        let _ = std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700));
+    }
+    if made {
+        // Single-threaded here: nothing else reads the environment yet.
+        std::env::set_var("XDG_RUNTIME_DIR", &dir);
+    }
+}
+
 fn main() -> ExitCode {
+    ensure_runtime_dir();
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let cli = Cli::parse();
     match cli.cmd.unwrap_or(Cmd::Check(CheckArgs { seed: 1, rounds: 8, profile: Profile::Extended, ..Default::default() })) {
@@ -156,6 +187,9 @@ fn open_devices(requested: &[BackendKind]) -> Option<Vec<Device>> {
 
 fn bench(args: BenchArgs) -> ExitCode {
     let Some(devices) = open_devices(&args.backend) else { return ExitCode::FAILURE };
+    if args.pipeline {
+        return bench_pipeline(&devices, &args);
+    }
     let mut specs = hicache_io::bench::specs(!args.full);
     if !args.items.is_empty() {
         let base = hicache_io::bench::specs(!args.full);
@@ -207,6 +241,43 @@ fn bench(args: BenchArgs) -> ExitCode {
     } else {
         ExitCode::SUCCESS
     }
+}
+
+fn bench_pipeline(devices: &[Device], args: &BenchArgs) -> ExitCode {
+    let compute = args.compute_us.map(std::time::Duration::from_micros);
+    let mut results = Vec::new();
+    for dev in devices {
+        match hicache_io::bench::pipeline(dev, 8, 1024, compute) {
+            Ok(r) => results.push(r),
+            Err(e) => {
+                eprintln!("{}: {e}", dev.name());
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&results).expect("json"));
+        return ExitCode::SUCCESS;
+    }
+    println!(
+        "{:<5} {:>6} {:>9} {:>11} {:>10} {:>10} {:>10} {:>11} {:>8}",
+        "exec", "layers", "MiB/layer", "compute ms", "load ms", "seq ms", "pipe ms", "first ms", "overlap"
+    );
+    for r in &results {
+        println!(
+            "{:<5} {:>6} {:>9.1} {:>11.2} {:>10.2} {:>10.2} {:>10.2} {:>11.2} {:>8.2}",
+            r.backend,
+            r.layers,
+            r.layer_bytes as f64 / (1 << 20) as f64,
+            r.compute_s * 1e3 * r.layers as f64,
+            r.load_s * 1e3,
+            r.sequential_s * 1e3,
+            r.pipelined_s * 1e3,
+            r.first_layer_s * 1e3,
+            r.overlap
+        );
+    }
+    ExitCode::SUCCESS
 }
 
 fn info() -> ExitCode {

@@ -88,4 +88,17 @@ fn json_output_parses() {
     let (ok, out, err) = run_env(&["bench", "--backend", "cpu", "--items", "128", "--budget-ms", "1", "--json"], &[]);
     assert!(ok, "{err}");
     serde_json::from_str::<serde_json::Value>(&out).unwrap_or_else(|e| panic!("bench --json: {e}: {out}"));
+    let (ok, out, err) = run_env(&["bench", "--pipeline", "--backend", "cpu", "--compute-us", "200", "--json"], &[]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("bench --pipeline --json: {e}: {out}"));
+    assert_eq!(v[0]["layers"], 8, "{out}");
+}
+
+/// Without a runtime dir (containers, CI) Mesa's Vulkan layer used to print an error-looking
+/// warning on every run; the CLI gives itself one.
+#[test]
+fn no_runtime_dir_warning() {
+    let out = Command::new(env!("CARGO_BIN_EXE_hicache-io")).arg("info").env_remove("XDG_RUNTIME_DIR").output().expect("run hicache-io");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && !text.contains("XDG_RUNTIME_DIR"), "{text}");
 }

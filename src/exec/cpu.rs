@@ -250,6 +250,13 @@ struct SendPtr(*mut u8);
 unsafe impl Send for SendPtr {}
 unsafe impl Sync for SendPtr {}
 
+impl SendPtr {
+    /// The address (a method, so closures capture the whole `Send` wrapper).
+    fn get(self) -> *mut u8 {
+        self.0
+    }
+}
+
 impl Executor for CpuExecutor {
     type Buffer = CpuBuffer;
 
@@ -308,11 +315,23 @@ impl Executor for CpuExecutor {
     fn completion(&self) -> Result<super::Completion> {
         Ok(super::Completion::cpu(CpuTicket { queue: self.queue.clone(), ticket: self.queue.last_ticket() }))
     }
+    /// One contiguous copy of the same bytes with the threads a transfer of that size uses
+    /// (so the ratio compares like with like).
     fn time_one_copy(&self, bytes: u64, budget: std::time::Duration) -> Result<f64> {
         let src = vec![1u8; bytes as usize];
         let mut dst = vec![2u8; bytes as usize];
+        let threads = if bytes >= PARALLEL_MIN_BYTES { self.threads } else { 1 };
+        let per = (bytes as usize).div_ceil(threads.max(1)).max(1);
         crate::timing::time(budget, || {
-            dst.copy_from_slice(&src);
+            let (s, d) = (SendPtr(src.as_ptr() as *mut u8), SendPtr(dst.as_mut_ptr()));
+            let n = src.len();
+            split(threads, threads, &|lo, hi| {
+                for t in lo..hi {
+                    let (a, b) = ((t * per).min(n), ((t + 1) * per).min(n));
+                    // SAFETY: disjoint ranges of two live vectors of `n` bytes.
+                    unsafe { std::ptr::copy_nonoverlapping(s.get().add(a), d.get().add(a), b - a) };
+                }
+            });
             std::hint::black_box(&mut dst);
             Ok(())
         })
@@ -328,8 +347,10 @@ impl Executor for CpuExecutor {
             run_step(&plan.steps()[k], &raw, threads);
             return Ok(());
         }
-        // On the worker, after everything queued before it. The buffers outlive the job: every
-        // way to free or touch them waits for the queue first.
+        // On the worker, after everything queued before it, with one thread fewer: the caller's
+        // thread is free to compute meanwhile (that is why it queued). The buffers outlive the
+        // job: every way to free or touch them waits for the queue first.
+        let threads = threads.min(self.threads.saturating_sub(1)).max(1);
         let steps = plan.shared_steps();
         self.queue.enqueue(Box::new(move || run_step(&steps[k], &raw, threads)))?;
         Ok(())

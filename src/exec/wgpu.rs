@@ -138,7 +138,14 @@ impl WgpuExecutor {
                 compatible_surface: None,
                 apply_limit_buckets: false,
             }))
-            .map_err(|e| unavailable(e.to_string()))?,
+            .map_err(|e| {
+                let hint = if cfg!(target_os = "linux") {
+                    "; no Vulkan driver? on Debian/Ubuntu: apt-get install mesa-vulkan-drivers"
+                } else {
+                    ""
+                };
+                unavailable(format!("{e}{hint}"))
+            })?,
         };
         let info = adapter.get_info();
         let limits = adapter.limits();
