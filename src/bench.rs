@@ -114,6 +114,8 @@ pub struct BenchResult {
     pub backend: &'static str,
     /// The cell.
     pub spec: BenchSpec,
+    /// The io backend that ran (what `auto` chose).
+    pub io_used: IoBackend,
     /// Bytes one transfer moves.
     pub bytes: u64,
     /// Median seconds of one transfer.
@@ -313,6 +315,7 @@ pub fn run_spec(device: &Device, spec: &BenchSpec, budget: Duration) -> Result<B
     let mut fx = Fixture::new(device, spec, 7)?;
     let plan = fx.plan(spec.io)?;
     let bytes = plan.bytes();
+    let io_used = plan.io_backend();
     let transfer_s = time(budget, || fx.run(&plan))?;
     let plan_s = time(budget / 4, || fx.plan(spec.io).map(|_| ()))?;
     drop(fx);
@@ -322,6 +325,7 @@ pub fn run_spec(device: &Device, spec: &BenchSpec, budget: Duration) -> Result<B
     Ok(BenchResult {
         backend: device.name(),
         spec: *spec,
+        io_used,
         bytes,
         transfer_s,
         gbps,

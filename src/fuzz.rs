@@ -103,7 +103,7 @@ fn mutate(
         hc.profile = rng.pick(&[Profile::Sglang, Profile::Extended]);
     }
     if rng.chance(10) {
-        *io = rng.pick(&IoBackend::ALL);
+        *io = rng.pick(&[IoBackend::Kernel, IoBackend::Direct, IoBackend::Auto]);
     }
     if rng.chance(8) {
         let layer_id = rng.pick(&[0usize, 1, 2, 5, 9, usize::MAX]);

@@ -119,16 +119,21 @@ pub enum IoBackend {
     Kernel,
     /// Copy engine: one copy per coalesced run (`transfer_kv_direct`, `*_direct_*`).
     Direct,
+    /// hicache-io's choice per call (profile `extended` only): `kernel` or `direct`, whichever
+    /// the executor's calibration says is faster for the call's item size and run length, among
+    /// the ones the table allows.
+    Auto,
 }
 
 impl IoBackend {
-    /// Both io backends.
+    /// The two concrete io backends (the table's columns; `Auto` picks one of them).
     pub const ALL: [IoBackend; 2] = [IoBackend::Kernel, IoBackend::Direct];
     /// sglang's name.
     pub fn name(self) -> &'static str {
         match self {
             IoBackend::Kernel => "kernel",
             IoBackend::Direct => "direct",
+            IoBackend::Auto => "auto",
         }
     }
 }
@@ -147,6 +152,7 @@ impl FromStr for IoBackend {
         match s {
             "kernel" => Ok(IoBackend::Kernel),
             "direct" => Ok(IoBackend::Direct),
+            "auto" => Ok(IoBackend::Auto),
             other => Err(TransferError::UnsupportedIoBackend { io_backend: other.to_string() }),
         }
     }

@@ -62,6 +62,10 @@ struct BenchArgs {
     /// Time budget per measurement, in milliseconds.
     #[arg(long, default_value_t = 300)]
     budget_ms: u64,
+    /// `auto`: the cells where both io backends are supported (layer_first), each with kernel,
+    /// direct and auto, auto's choice, and auto's throughput over the better fixed path.
+    #[arg(long)]
+    io: Option<hicache_io::IoBackend>,
     /// Layer-wise loading against load-then-compute instead: 8 layers of 1024 random DSA pages,
     /// a busy-loop stand-in compute per layer on the calling thread.
     #[arg(long)]
@@ -190,6 +194,9 @@ fn bench(args: BenchArgs) -> ExitCode {
     if args.pipeline {
         return bench_pipeline(&devices, &args);
     }
+    if args.io == Some(hicache_io::IoBackend::Auto) {
+        return bench_auto(&devices, &args);
+    }
     let mut specs = hicache_io::bench::specs(!args.full);
     if !args.items.is_empty() {
         let base = hicache_io::bench::specs(!args.full);
@@ -241,6 +248,63 @@ fn bench(args: BenchArgs) -> ExitCode {
     } else {
         ExitCode::SUCCESS
     }
+}
+
+fn bench_auto(devices: &[Device], args: &BenchArgs) -> ExitCode {
+    use hicache_io::bench::{run_spec, specs, BenchSpec};
+    use hicache_io::{IoBackend, Layout};
+    let items: Vec<u64> = if args.items.is_empty() { vec![8448, 1152, 128] } else { args.items.clone() };
+    let base: Vec<BenchSpec> =
+        specs(true).into_iter().filter(|s| s.layout == Layout::LayerFirst && s.io == IoBackend::Kernel && s.item == 8448).collect();
+    let budget = std::time::Duration::from_millis(args.budget_ms);
+    let mut rows = Vec::new();
+    for dev in devices {
+        // Calibrate before timing, so the first auto cell does not pay for it.
+        let _ = dev.calibrated_capabilities();
+        for &item in &items {
+            for b in &base {
+                let mut r = Vec::new();
+                for io in [IoBackend::Kernel, IoBackend::Direct, IoBackend::Auto] {
+                    match run_spec(dev, &BenchSpec { item, io, ..*b }, budget) {
+                        Ok(x) => r.push(x),
+                        Err(e) => {
+                            eprintln!("{} {item} {io}: {e}", dev.name());
+                            return ExitCode::FAILURE;
+                        }
+                    }
+                }
+                rows.push(r);
+            }
+        }
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&rows).expect("json"));
+        return ExitCode::SUCCESS;
+    }
+    println!(
+        "{:<5} {:<44} {:>11} {:>11} {:>9} {:>7} {:>12} {:>13}",
+        "exec", "cell", "kernel GB/s", "direct GB/s", "auto GB/s", "chose", "auto / best", "choice / best"
+    );
+    for r in &rows {
+        let (k, d, a) = (&r[0], &r[1], &r[2]);
+        let spec = BenchSpec { io: IoBackend::Auto, ..a.spec };
+        let best = k.gbps.max(d.gbps);
+        // The chosen path's own measurement over the better one: the quality of the choice,
+        // free of the run-to-run noise between two timings of the same path.
+        let chosen = if a.io_used == IoBackend::Kernel { k.gbps } else { d.gbps };
+        println!(
+            "{:<5} {:<44} {:>11.2} {:>11.2} {:>9.2} {:>7} {:>12.2} {:>13.2}",
+            a.backend,
+            spec.to_string(),
+            k.gbps,
+            d.gbps,
+            a.gbps,
+            a.io_used.name(),
+            a.gbps / best,
+            chosen / best
+        );
+    }
+    ExitCode::SUCCESS
 }
 
 fn bench_pipeline(devices: &[Device], args: &BenchArgs) -> ExitCode {

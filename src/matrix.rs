@@ -31,18 +31,27 @@ pub fn check_dsa_page_size(dsa_page_size: u64) -> Result<()> {
     Ok(())
 }
 
-/// Every cell of the table for `pools`, under the portable capabilities.
+/// Every cell of the table for `pools`, under the portable capabilities: per (pool, operation,
+/// layout) the `kernel`, `direct` and `auto` entries. `auto` names the path it takes when only
+/// one is allowed, and `kernel or direct` where the executor's calibration decides per call.
 pub fn matrix(profile: Profile, pools: &[PoolKind], dsa_page_size: u64) -> Vec<MatrixEntry> {
     let word = kernel_word(profile, &Capabilities::PORTABLE);
-    all_cells()
-        .into_iter()
-        .filter(|c| pools.contains(&c.kind))
-        .map(|cell| {
-            let item = if cell.kind == PoolKind::DsaIndexer { dsa_item(dsa_page_size) } else { 8 };
-            let outcome = decide(profile, cell, item, word).map_err(|e| e.to_string());
-            MatrixEntry { cell, outcome }
-        })
-        .collect()
+    let mut out = Vec::new();
+    for pair in all_cells().into_iter().filter(|c| pools.contains(&c.kind)).collect::<Vec<_>>().chunks(2) {
+        let item = if pair[0].kind == PoolKind::DsaIndexer { dsa_item(dsa_page_size) } else { 8 };
+        let entries: Vec<MatrixEntry> =
+            pair.iter().map(|&cell| MatrixEntry { cell, outcome: decide(profile, cell, item, word).map_err(|e| e.to_string()) }).collect();
+        let auto = match (profile, &entries[0].outcome, &entries[1].outcome) {
+            (Profile::Sglang, _, _) => Err("Unsupported IO backend: auto".to_string()),
+            (_, Ok(_), Ok(_)) => Ok(PathInfo { op: "kernel or direct (calibrated per call)", extension: true }),
+            (_, Ok(_), Err(_)) => Ok(PathInfo { op: "kernel", extension: true }),
+            (_, Err(_), Ok(_)) => Ok(PathInfo { op: "direct", extension: true }),
+            (_, Err(e), Err(_)) => Err(e.clone()),
+        };
+        out.extend(entries);
+        out.push(MatrixEntry { cell: Cell { io: IoBackend::Auto, ..pair[0] }, outcome: auto });
+    }
+    out
 }
 
 fn show(o: &Result<PathInfo, String>) -> String {
@@ -53,7 +62,7 @@ fn show(o: &Result<PathInfo, String>) -> String {
     }
 }
 
-/// Markdown: one row per (pool, op, layout), columns kernel and direct.
+/// Markdown: one row per (pool, op, layout), columns kernel, direct and auto.
 pub fn render_markdown(profile: Profile, pools: &[PoolKind], dsa_page_size: u64) -> String {
     let m = matrix(profile, pools, dsa_page_size);
     let mut s = String::new();
@@ -61,17 +70,18 @@ pub fn render_markdown(profile: Profile, pools: &[PoolKind], dsa_page_size: u64)
         "Profile `{profile}`; DSA indexer item = {} B (132 B/token × page size {dsa_page_size}).\n\n",
         dsa_item(dsa_page_size)
     ));
-    s.push_str("| pool | operation | layout | kernel | direct |\n|---|---|---|---|---|\n");
-    for pair in m.chunks(2) {
-        let (k, d) = (&pair[0], &pair[1]);
-        debug_assert!(k.cell.io == IoBackend::Kernel && d.cell.io == IoBackend::Direct);
+    s.push_str("| pool | operation | layout | kernel | direct | auto |\n|---|---|---|---|---|---|\n");
+    for row in m.chunks(3) {
+        let (k, d, a) = (&row[0], &row[1], &row[2]);
+        debug_assert!(k.cell.io == IoBackend::Kernel && d.cell.io == IoBackend::Direct && a.cell.io == IoBackend::Auto);
         s.push_str(&format!(
-            "| {} | {} | {} | {} | {} |\n",
+            "| {} | {} | {} | {} | {} | {} |\n",
             k.cell.kind,
             k.cell.op.name(),
             k.cell.layout,
             show(&k.outcome),
-            show(&d.outcome)
+            show(&d.outcome),
+            show(&a.outcome)
         ));
     }
     s

@@ -53,6 +53,63 @@ pub struct Capabilities {
     pub max_pool_bytes: u64,
     /// Most bytes a host pool may hold in all.
     pub max_host_pool_bytes: u64,
+    /// Which io backend `auto` picks, by item size and run length.
+    pub auto: AutoTable,
+}
+
+/// The faster io backend by steps of one or several layers, item size and mean run length
+/// (consecutive items), for `auto`: measured per executor (see `hicache-io bench --io auto`), or
+/// [`AutoTable::DEFAULT`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct AutoTable {
+    /// `direct[m][i][r]`: `direct` is faster for steps of one layer (`m = 0`, loads) or of
+    /// several (`m = 1`, backups), items near `AUTO_ITEMS[i]` bytes, runs near `AUTO_RUNS[r]`.
+    pub direct: [[[bool; 4]; 6]; 2],
+    /// True when measured on this executor (false: the default rule).
+    pub calibrated: bool,
+}
+
+/// Item sizes of the `auto` table, bytes (MLA records and DSA pages among them).
+pub const AUTO_ITEMS: [u64; 6] = [128, 656, 1152, 4096, 8448, 16384];
+/// Run lengths of the `auto` table, items.
+pub const AUTO_RUNS: [u64; 4] = [1, 4, 16, 64];
+
+impl AutoTable {
+    /// Before calibration: `direct` once a run is at least 8 KiB (a copy per run then costs
+    /// less than the gather's per-item work on every executor measured).
+    pub const DEFAULT: AutoTable = {
+        let mut direct = [[[false; 4]; 6]; 2];
+        let mut m = 0;
+        while m < 2 {
+            let mut i = 0;
+            while i < 6 {
+                let mut r = 0;
+                while r < 4 {
+                    direct[m][i][r] = AUTO_ITEMS[i] * AUTO_RUNS[r] >= 8192;
+                    r += 1;
+                }
+                i += 1;
+            }
+            m += 1;
+        }
+        AutoTable { direct, calibrated: false }
+    };
+
+    /// The faster io backend for steps of `layers` layers, `item_bytes` items in runs of
+    /// `mean_run` items (nearest table cell on a log scale).
+    pub fn choose(&self, layers: usize, item_bytes: u64, mean_run: f64) -> IoBackend {
+        let near = |grid: &[u64], v: f64| {
+            let lv = v.max(1.0).log2();
+            (0..grid.len())
+                .min_by(|&a, &b| ((grid[a] as f64).log2() - lv).abs().total_cmp(&((grid[b] as f64).log2() - lv).abs()))
+                .unwrap_or(0)
+        };
+        if self.direct[usize::from(layers > 1)][near(&AUTO_ITEMS, item_bytes as f64)][near(&AUTO_RUNS, mean_run)] {
+            IoBackend::Direct
+        } else {
+            IoBackend::Kernel
+        }
+    }
 }
 
 impl Capabilities {
@@ -67,6 +124,7 @@ impl Capabilities {
         max_index: i32::MAX as u64,
         max_pool_bytes: u64::MAX,
         max_host_pool_bytes: u64::MAX,
+        auto: AutoTable::DEFAULT,
     };
     /// Host-memory executors: no alignment or binding limit.
     pub const UNLIMITED: Capabilities = Capabilities {
@@ -79,6 +137,7 @@ impl Capabilities {
         max_index: u64::MAX,
         max_pool_bytes: u64::MAX,
         max_host_pool_bytes: u64::MAX,
+        auto: AutoTable::DEFAULT,
     };
 
     /// Bytes a `kernel` window must be a multiple of for chunks of `chunk_bytes`.
@@ -366,6 +425,7 @@ pub struct Plan {
     profile: Profile,
     direction: Direction,
     path: PathInfo,
+    io: IoBackend,
     steps: Arc<[Step]>,
     bytes: u64,
 }
@@ -390,6 +450,10 @@ impl Plan {
     /// The path that runs it (sglang's op name).
     pub fn path(&self) -> &PathInfo {
         &self.path
+    }
+    /// The io backend that runs it (`auto` resolved to `kernel` or `direct`).
+    pub fn io_backend(&self) -> IoBackend {
+        self.io
     }
     /// Load or backup.
     pub fn direction(&self) -> Direction {
@@ -456,6 +520,53 @@ pub struct Request<'a> {
 /// 6. hicache-io's own checks: index ranges, whole pages, unique destinations, executor
 ///    capabilities.
 pub(crate) fn plan(profile: Profile, caps: &Capabilities, owner: u64, pair: &Arc<PoolPair>, req: &Request<'_>) -> Result<Plan> {
+    if req.io_backend != IoBackend::Auto {
+        return plan_io(profile, caps, owner, pair, req);
+    }
+    // `auto`: the calibrated choice first; if the table or a check refuses it, the other one;
+    // if both are refused, the first refusal (the call is wrong whichever path it takes).
+    if profile == Profile::Sglang {
+        return Err(TransferError::UnsupportedIoBackend { io_backend: "auto".into() });
+    }
+    // Layers per step: a load moves one; a backup all of them, or one per step when sharded.
+    let layers = match req.op {
+        Op::Backup if !pair.device().layers().is_sharded() => pair.device().buffer_count(),
+        _ => 1,
+    };
+    let preferred = match index_units(pair.host(), req) {
+        Ok((hi, di)) => caps.auto.choose(layers, pair.host().item_bytes(), mean_run(&hi, &di)),
+        Err(_) => IoBackend::Kernel,
+    };
+    let other = if preferred == IoBackend::Kernel { IoBackend::Direct } else { IoBackend::Kernel };
+    match plan_io(profile, caps, owner, pair, &Request { io_backend: preferred, ..*req }) {
+        Ok(p) => Ok(p),
+        Err(first) => plan_io(profile, caps, owner, pair, &Request { io_backend: other, ..*req }).map_err(|_| first),
+    }
+}
+
+/// Mean length of the runs `transfer_kv_direct` would coalesce (live pairs per run).
+pub(crate) fn mean_run(hi: &[i64], di: &[i64]) -> f64 {
+    let mut live = 0u64;
+    let mut runs = 0u64;
+    for i in 0..hi.len().min(di.len()) {
+        if hi[i] < 0 || di[i] < 0 {
+            continue;
+        }
+        live += 1;
+        let continues = i > 0 && hi[i - 1] >= 0 && di[i - 1] >= 0 && hi[i] - hi[i - 1] == 1 && di[i] - di[i - 1] == 1;
+        if !continues {
+            runs += 1;
+        }
+    }
+    if runs == 0 {
+        1.0
+    } else {
+        live as f64 / runs as f64
+    }
+}
+
+/// [`plan`] for a concrete io backend.
+fn plan_io(profile: Profile, caps: &Capabilities, owner: u64, pair: &Arc<PoolPair>, req: &Request<'_>) -> Result<Plan> {
     let (host, dev) = (pair.host(), pair.device());
     let direction = match req.op {
         Op::Load { .. } => Direction::HostToDevice,
@@ -466,7 +577,8 @@ pub(crate) fn plan(profile: Profile, caps: &Capabilities, owner: u64, pair: &Arc
         Op::Backup if dev.layers().is_sharded() => TableOp::ShardedBackup,
         Op::Backup => TableOp::Backup,
     };
-    let empty = |path: PathInfo| Plan { owner, pair: pair.clone(), profile, direction, path, steps: Arc::from([]), bytes: 0 };
+    let io = req.io_backend;
+    let empty = |path: PathInfo| Plan { owner, pair: pair.clone(), profile, direction, path, io, steps: Arc::from([]), bytes: 0 };
     // 1. Layers.
     let Some(layer_groups) = resolve_layers(dev, req.op, table_op)? else {
         return Ok(empty(PathInfo { op: "no-op: layer not owned by this pool", extension: false }));
@@ -491,9 +603,9 @@ pub(crate) fn plan(profile: Profile, caps: &Capabilities, owner: u64, pair: &Arc
     check_indices(host, dev, caps, direction, req.io_backend, &hi, &di)?;
     let (steps, bytes) = match req.io_backend {
         IoBackend::Kernel => lower_gather(host, dev, caps, direction, &layer_groups, hi, di),
-        IoBackend::Direct => lower_direct(host, dev, direction, &layer_groups, &hi, &di),
+        _ => lower_direct(host, dev, direction, &layer_groups, &hi, &di),
     };
-    Ok(Plan { owner, pair: pair.clone(), profile, direction, path, steps: steps.into(), bytes })
+    Ok(Plan { owner, pair: pair.clone(), profile, direction, path, io, steps: steps.into(), bytes })
 }
 
 /// (host layer, device buffer slot) pairs, one group per step.
@@ -564,7 +676,7 @@ fn launcher_checks(host: &HostGeometry, caps: &Capabilities, word: u64, io: IoBa
                 });
             }
         }
-        IoBackend::Direct => {
+        IoBackend::Direct | IoBackend::Auto => {
             let group = host.index_page_size();
             if hi.len() as u64 % group != 0 {
                 return Err(TransferError::DirectCountNotPageMultiple { len: hi.len(), page_size: group });
@@ -598,7 +710,7 @@ fn check_indices(
     };
     check_unique(dst_side, dst_list, hi, di, dst_bound, unit)?;
     match io {
-        IoBackend::Direct => {
+        IoBackend::Direct | IoBackend::Auto => {
             if host.item_bytes() % caps.direct_align != 0 {
                 return Err(TransferError::Misaligned {
                     what: format!("{} direct copy item bytes", caps.name),
@@ -879,6 +991,17 @@ fn push_run(runs: &mut Vec<Run>, r: Run) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn auto_default_rule_and_nearest_cells() {
+        let t = AutoTable::DEFAULT;
+        assert_eq!(t.choose(1, 128.0 as u64, 1.0), IoBackend::Kernel);
+        assert_eq!(t.choose(1, 8448, 1.0), IoBackend::Direct);
+        assert_eq!(t.choose(8, 1152, 64.0), IoBackend::Direct);
+        assert_eq!(t.choose(8, 1152, 2.0), IoBackend::Kernel);
+        assert!((mean_run(&[0, 1, 2, 9], &[5, 6, 7, 1]) - 2.0).abs() < 1e-9);
+        assert!((mean_run(&[0, -1, 2], &[0, 1, 2]) - 1.0).abs() < 1e-9);
+    }
 
     #[test]
     fn coalescing_like_transfer_kv_direct() {

@@ -67,6 +67,7 @@ impl Completion {
     }
 }
 
+mod calibrate;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -300,9 +301,21 @@ impl Device {
     pub fn describe(&self) -> String {
         each_backend!(self, e => e.describe())
     }
-    /// What the planner may ask of this executor.
+    /// What the planner may ask of this executor (the `auto` table as calibrated so far).
     pub fn capabilities(&self) -> Capabilities {
-        each_backend!(self, e => e.capabilities())
+        let mut caps = each_backend!(self, e => e.capabilities());
+        if let Some(t) = calibrate::cached(self.id()) {
+            caps.auto = t;
+        }
+        caps
+    }
+
+    /// [`Device::capabilities`] with the `auto` table measured: on first use per executor
+    /// instance (at most about a second, or read from the cache file of this adapter).
+    pub fn calibrated_capabilities(&self) -> Capabilities {
+        let mut caps = each_backend!(self, e => e.capabilities());
+        caps.auto = calibrate::table(self, caps);
+        caps
     }
     /// Waits for every submitted transfer.
     pub fn synchronize(&self) -> Result<()> {

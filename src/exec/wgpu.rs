@@ -537,6 +537,7 @@ impl Executor for WgpuExecutor {
             max_index: i32::MAX as u64,
             max_pool_bytes: u64::MAX,
             max_host_pool_bytes: u64::MAX,
+            auto: crate::plan::AutoTable::DEFAULT,
         }
     }
     fn alloc(&self, bytes: u64) -> Result<WgpuBuffer> {

@@ -372,7 +372,8 @@ impl<'m> HostPool<'m> {
     /// Validates and lowers one call without running it (plan once, run many).
     pub fn plan(&self, device_pool: &DevicePool, req: &Request<'_>) -> Result<Plan> {
         self.check_pair(device_pool)?;
-        plan::plan(self.profile, &self.device.capabilities(), self.device.id(), &self.pair, req)
+        let caps = if req.io_backend == IoBackend::Auto { self.device.calibrated_capabilities() } else { self.device.capabilities() };
+        plan::plan(self.profile, &caps, self.device.id(), &self.pair, req)
     }
 
     /// The device pool is of the same executor instance and the geometry this pool was built
