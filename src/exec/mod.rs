@@ -22,7 +22,7 @@ enum CompletionKind {
     Done,
     Cpu(cpu::CpuTicket),
     #[cfg(feature = "wgpu")]
-    Wgpu(wgpu::WgpuExecutor, Option<::wgpu::SubmissionIndex>),
+    Wgpu(wgpu::WgpuExecutor, wgpu::Mark),
     #[cfg(feature = "cuda")]
     Cuda(cuda::Completion),
 }
@@ -36,8 +36,8 @@ impl Completion {
         Completion { kind: CompletionKind::Cpu(t) }
     }
     #[cfg(feature = "wgpu")]
-    pub(crate) fn wgpu(e: wgpu::WgpuExecutor, index: Option<::wgpu::SubmissionIndex>) -> Completion {
-        Completion { kind: CompletionKind::Wgpu(e, index) }
+    pub(crate) fn wgpu(e: wgpu::WgpuExecutor, mark: wgpu::Mark) -> Completion {
+        Completion { kind: CompletionKind::Wgpu(e, mark) }
     }
     #[cfg(feature = "cuda")]
     pub(crate) fn cuda(c: cuda::Completion) -> Completion {
@@ -49,7 +49,7 @@ impl Completion {
             CompletionKind::Done => Ok(()),
             CompletionKind::Cpu(t) => t.wait(),
             #[cfg(feature = "wgpu")]
-            CompletionKind::Wgpu(e, index) => e.wait_for(index.clone()),
+            CompletionKind::Wgpu(e, mark) => e.wait_for(mark),
             #[cfg(feature = "cuda")]
             CompletionKind::Cuda(c) => c.wait(),
         }
@@ -60,7 +60,7 @@ impl Completion {
             CompletionKind::Done => Ok(true),
             CompletionKind::Cpu(t) => Ok(t.is_done()),
             #[cfg(feature = "wgpu")]
-            CompletionKind::Wgpu(e, index) => e.is_done(index.clone()),
+            CompletionKind::Wgpu(e, mark) => e.is_done(mark),
             #[cfg(feature = "cuda")]
             CompletionKind::Cuda(c) => c.is_done(),
         }

@@ -14,8 +14,12 @@
 //! pairs than [`Capabilities::max_gather_items`] into several steps.
 //! `direct` = one `copy_buffer_to_buffer` per coalesced run.
 //!
-//! Each step is its own submission; a plan returns after the queue has finished all of them
-//! (transfers are synchronous on this executor).
+//! Each step is its own submission. A synchronous plan returns after the queue has finished all
+//! of them. An asynchronous one is encoded on the caller's thread and submitted by the
+//! executor's submit thread (started on first use): some drivers, lavapipe among them, run the
+//! work inside `vkQueueSubmit`, and the caller's thread is meant to be free meanwhile. Every
+//! synchronous operation (a plan, a read, a write) first waits until the submit thread has
+//! submitted what it was given, so the queue keeps program order.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -66,8 +70,57 @@ struct Inner {
     max_gather_items: u64,
     lost: Arc<Mutex<Option<String>>>,
     id: u64,
-    /// The last transfer submission (what a completion handle waits for).
-    last: Mutex<Option<wgpu::SubmissionIndex>>,
+    /// The last transfer (what a completion handle waits for).
+    last: Mutex<Mark>,
+    submitter: Arc<Submitter>,
+}
+
+/// A point in the queue: a submission, or the `n`-th command buffer given to the submit thread.
+#[derive(Clone, Debug)]
+pub(crate) enum Mark {
+    None,
+    Index(wgpu::SubmissionIndex),
+    Ticket(u64),
+}
+
+/// The submit thread's state: tickets given and submitted, and their submission indices.
+#[derive(Default)]
+struct Submitter {
+    state: Mutex<SubmitState>,
+    submitted_cv: std::sync::Condvar,
+    tx: Mutex<Option<std::sync::mpsc::Sender<(u64, wgpu::CommandBuffer)>>>,
+}
+
+#[derive(Default)]
+struct SubmitState {
+    queued: u64,
+    submitted: u64,
+    /// Recent tickets' submissions (pruned to the last 4096).
+    indices: std::collections::BTreeMap<u64, wgpu::SubmissionIndex>,
+}
+
+impl Submitter {
+    fn lock(&self) -> std::sync::MutexGuard<'_, SubmitState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+    /// Waits until every command buffer given so far has been submitted.
+    fn drain(&self) {
+        let mut st = self.lock();
+        while st.submitted < st.queued {
+            st = self.submitted_cv.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+    /// Waits until ticket `t` is submitted; its submission.
+    fn index_of(&self, t: u64) -> Option<wgpu::SubmissionIndex> {
+        let mut st = self.lock();
+        while st.submitted < t {
+            st = self.submitted_cv.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+        st.indices.get(&t).cloned()
+    }
+    fn is_submitted(&self, t: u64) -> bool {
+        self.lock().submitted >= t
+    }
 }
 
 /// The wgpu executor (one device and queue).
@@ -239,7 +292,8 @@ impl WgpuExecutor {
                 max_gather_items,
                 lost,
                 id: super::next_executor_id(),
-                last: Mutex::new(None),
+                last: Mutex::new(Mark::None),
+                submitter: Arc::new(Submitter::default()),
             }),
         })
     }
@@ -265,11 +319,11 @@ impl WgpuExecutor {
     }
 
     fn wait(&self) -> Result<()> {
-        self.wait_for(None)
+        self.inner.submitter.drain();
+        self.wait_index(None)
     }
 
-    /// Waits for submission `index` (everything submitted when `None`).
-    pub(crate) fn wait_for(&self, index: Option<wgpu::SubmissionIndex>) -> Result<()> {
+    fn wait_index(&self, index: Option<wgpu::SubmissionIndex>) -> Result<()> {
         self.inner
             .device
             .poll(wgpu::PollType::Wait { submission_index: index, timeout: Some(WAIT) })
@@ -277,17 +331,80 @@ impl WgpuExecutor {
         self.check_lost()
     }
 
-    /// Whether submission `index` has completed (polls without blocking).
-    pub(crate) fn is_done(&self, index: Option<wgpu::SubmissionIndex>) -> Result<bool> {
-        self.check_lost()?;
-        let status = self.inner.device.poll(wgpu::PollType::Poll).map_err(|e| err(format!("polling the queue: {e}")))?;
-        match index {
-            None => Ok(status.is_queue_empty()),
-            // A poll that leaves the queue non-empty does not say which submissions are done;
-            // a zero-timeout wait for this one does.
-            Some(i) => Ok(status.is_queue_empty()
-                || self.inner.device.poll(wgpu::PollType::Wait { submission_index: Some(i), timeout: Some(Duration::ZERO) }).is_ok()),
+    /// Waits for the transfers up to `mark`.
+    pub(crate) fn wait_for(&self, mark: &Mark) -> Result<()> {
+        match mark {
+            Mark::None => self.check_lost(),
+            Mark::Index(i) => self.wait_index(Some(i.clone())),
+            Mark::Ticket(t) => match self.inner.submitter.index_of(*t) {
+                Some(i) => self.wait_index(Some(i)),
+                None => self.wait(),
+            },
         }
+    }
+
+    /// Whether the transfers up to `mark` have completed (polls without blocking).
+    pub(crate) fn is_done(&self, mark: &Mark) -> Result<bool> {
+        self.check_lost()?;
+        let index = match mark {
+            Mark::None => return Ok(true),
+            Mark::Index(i) => i.clone(),
+            Mark::Ticket(t) => {
+                if !self.inner.submitter.is_submitted(*t) {
+                    return Ok(false);
+                }
+                match self.inner.submitter.index_of(*t) {
+                    Some(i) => i,
+                    None => return Ok(true),
+                }
+            }
+        };
+        let status = self.inner.device.poll(wgpu::PollType::Poll).map_err(|e| err(format!("polling the queue: {e}")))?;
+        // A poll that leaves the queue non-empty does not say which submissions are done; a
+        // zero-timeout wait for this one does.
+        Ok(status.is_queue_empty()
+            || self.inner.device.poll(wgpu::PollType::Wait { submission_index: Some(index), timeout: Some(Duration::ZERO) }).is_ok())
+    }
+
+    /// Hands an encoded command buffer to the submit thread (started on first use).
+    fn submit_later(&self, cb: wgpu::CommandBuffer) -> Result<u64> {
+        let sub = &self.inner.submitter;
+        let mut tx = sub.tx.lock().unwrap_or_else(|e| e.into_inner());
+        if tx.is_none() {
+            let (send, recv) = std::sync::mpsc::channel::<(u64, wgpu::CommandBuffer)>();
+            let queue = self.inner.queue.clone();
+            let shared = Arc::downgrade(sub);
+            std::thread::Builder::new()
+                .name("hicache-io wgpu submit".into())
+                .spawn(move || {
+                    for (ticket, cb) in recv {
+                        let index = queue.submit([cb]);
+                        let Some(s) = shared.upgrade() else { return };
+                        let mut st = s.lock();
+                        st.indices.insert(ticket, index);
+                        while st.indices.len() > 4096 {
+                            st.indices.pop_first();
+                        }
+                        st.submitted = ticket;
+                        s.submitted_cv.notify_all();
+                    }
+                })
+                .map_err(|e| err(format!("starting the submit thread: {e}")))?;
+            *tx = Some(send);
+        }
+        let ticket = {
+            let mut st = sub.lock();
+            st.queued += 1;
+            st.queued
+        };
+        if tx.as_ref().map(|t| t.send((ticket, cb)).is_err()).unwrap_or(true) {
+            // The thread is gone: count the ticket as submitted-nothing so nobody waits forever.
+            let mut st = sub.lock();
+            st.submitted = st.submitted.max(ticket);
+            sub.submitted_cv.notify_all();
+            return Err(err("the submit thread is gone"));
+        }
+        Ok(ticket)
     }
 
     /// Submits `encoder` inside validation and out-of-memory scopes and waits.
@@ -296,21 +413,43 @@ impl WgpuExecutor {
         self.wait()
     }
 
-    /// Submits `encoder` inside validation and out-of-memory scopes.
+    /// Submits `encoder` inside validation and out-of-memory scopes; with `later`, hands it to
+    /// the submit thread instead (encoding errors are still caught here).
     fn submit_nowait(&self, build: impl FnOnce(&mut wgpu::CommandEncoder) -> Result<()>) -> Result<()> {
+        self.encode_and_submit(false, build)
+    }
+
+    fn encode_and_submit(&self, later: bool, build: impl FnOnce(&mut wgpu::CommandEncoder) -> Result<()>) -> Result<()> {
         self.check_lost()?;
+        if !later {
+            // Program order: what the submit thread holds goes first.
+            self.inner.submitter.drain();
+        }
         let dev = &self.inner.device;
         let oom = dev.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
         let val = dev.push_error_scope(wgpu::ErrorFilter::Validation);
         let mut enc = dev.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("hicache-io") });
         let built = build(&mut enc);
+        let mut handed = Ok(());
         if built.is_ok() {
-            let index = self.inner.queue.submit([enc.finish()]);
-            *self.inner.last.lock().unwrap_or_else(|e| e.into_inner()) = Some(index);
+            let cb = enc.finish();
+            let mark = if later {
+                match self.submit_later(cb) {
+                    Ok(t) => Mark::Ticket(t),
+                    Err(e) => {
+                        handed = Err(e);
+                        Mark::None
+                    }
+                }
+            } else {
+                Mark::Index(self.inner.queue.submit([cb]))
+            };
+            *self.inner.last.lock().unwrap_or_else(|e| e.into_inner()) = mark;
         }
         let v = pollster::block_on(val.pop());
         let o = pollster::block_on(oom.pop());
         built?;
+        handed?;
         if let Some(e) = v.or(o) {
             return Err(err(e.to_string()));
         }
@@ -585,6 +724,8 @@ impl Executor for WgpuExecutor {
         if data.is_empty() {
             return Ok(());
         }
+        // `write_buffer` lands before the next submission: queued transfers go first.
+        self.inner.submitter.drain();
         let start = offset / 4 * 4;
         let end = (offset + data.len() as u64).next_multiple_of(4);
         if start == offset && end == offset + data.len() as u64 {
@@ -622,8 +763,8 @@ impl Executor for WgpuExecutor {
             })
         })
     }
-    fn execute_step(&self, plan: &Plan, k: usize, bufs: &Bindings<'_, WgpuBuffer>, _enqueue: bool) -> Result<()> {
-        self.submit_nowait(|enc| {
+    fn execute_step(&self, plan: &Plan, k: usize, bufs: &Bindings<'_, WgpuBuffer>, enqueue: bool) -> Result<()> {
+        self.encode_and_submit(enqueue, |enc| {
             match plan.steps()[k].kind() {
                 StepKind::Gather(g) => self.gather(g, bufs, enc)?,
                 StepKind::Copy(runs) => {
