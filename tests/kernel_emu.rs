@@ -232,22 +232,9 @@ fn run_case(emu: &Emulator, case: &Case, tuning: LaunchTuning, tamper: impl Fn(&
                 ranges.push(Range { start, len, flags });
             }
         }
-        // The eight kernel arguments, as the executor passes them to cuLaunchKernel.
-        let mut table = launch.table.as_ptr() as u64;
-        let mut n_launches = launch.table.len() as i32;
-        let mut src_idx = g.src_indices().as_ptr() as u64;
-        let mut dst_idx = g.dst_indices().as_ptr() as u64;
-        let (mut n_items, mut heads, mut chunk, mut ipw) = (launch.n_items, launch.heads, launch.chunk_bytes, launch.items_per_warp);
-        let mut params: [*mut c_void; 8] = [
-            &mut table as *mut _ as *mut c_void,
-            &mut n_launches as *mut _ as *mut c_void,
-            &mut src_idx as *mut _ as *mut c_void,
-            &mut dst_idx as *mut _ as *mut c_void,
-            &mut n_items as *mut _ as *mut c_void,
-            &mut heads as *mut _ as *mut c_void,
-            &mut chunk as *mut _ as *mut c_void,
-            &mut ipw as *mut _ as *mut c_void,
-        ];
+        // The eight kernel arguments, built by the executor's own code.
+        let mut args = launch.args(launch.table.as_ptr() as u64, g.src_indices().as_ptr() as u64, g.dst_indices().as_ptr() as u64);
+        let mut params = args.params();
         let kernel = match launch.word {
             8 => emu.w8,
             4 => emu.w4,

@@ -417,19 +417,9 @@ impl CudaExecutor {
         let launch = gather_launch(g, |b| bufs.get(b).dev_ptr, self.inner.tuning, self.inner.max_threads)?;
         let mut scratch = self.inner.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let args = scratch.upload(stream, g, &launch)?;
-        let [mut t_arg, mut si_arg, mut di_arg] = args;
-        let mut n_launches = launch.table.len() as i32;
-        let (mut n_items, mut heads, mut chunk, mut ipw) = (launch.n_items, launch.heads, launch.chunk_bytes, launch.items_per_warp);
-        let mut params: [*mut c_void; 8] = [
-            &mut t_arg as *mut _ as *mut c_void,
-            &mut n_launches as *mut _ as *mut c_void,
-            &mut si_arg as *mut _ as *mut c_void,
-            &mut di_arg as *mut _ as *mut c_void,
-            &mut n_items as *mut _ as *mut c_void,
-            &mut heads as *mut _ as *mut c_void,
-            &mut chunk as *mut _ as *mut c_void,
-            &mut ipw as *mut _ as *mut c_void,
-        ];
+        let [table, src_idx, dst_idx] = args;
+        let mut kernel_args = launch.args(table, src_idx, dst_idx);
+        let mut params = kernel_args.params();
         let f = if launch.word == 8 { self.inner.f_w8 } else { self.inner.f_w4 };
         // SAFETY: the arguments match the kernel's signature; the tables live in the scratch
         // area, which later uploads overwrite only in stream order (after this kernel).

@@ -76,6 +76,61 @@ pub struct GatherLaunch {
     pub items_per_warp: i64,
 }
 
+/// The kernels' eight arguments, in their order: the address-pair table, its length, the index
+/// lists, the item count, heads, chunk bytes and items per warp.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KernelArgs {
+    /// Address of the `launches` table.
+    pub table: u64,
+    /// Entries in it.
+    pub n_launches: i32,
+    /// Address of the source indices (`i64`).
+    pub src_idx: u64,
+    /// Address of the destination indices (`i64`).
+    pub dst_idx: u64,
+    /// Index pairs.
+    pub n_items: i64,
+    /// Head chunks per item.
+    pub heads: u64,
+    /// Bytes per head chunk.
+    pub chunk_bytes: u64,
+    /// Items each warp visits.
+    pub items_per_warp: i64,
+}
+
+impl KernelArgs {
+    /// Pointers to each argument, as `cuLaunchKernel` takes them (valid while `self` is).
+    pub fn params(&mut self) -> [*mut std::ffi::c_void; 8] {
+        use std::ffi::c_void;
+        [
+            &mut self.table as *mut _ as *mut c_void,
+            &mut self.n_launches as *mut _ as *mut c_void,
+            &mut self.src_idx as *mut _ as *mut c_void,
+            &mut self.dst_idx as *mut _ as *mut c_void,
+            &mut self.n_items as *mut _ as *mut c_void,
+            &mut self.heads as *mut _ as *mut c_void,
+            &mut self.chunk_bytes as *mut _ as *mut c_void,
+            &mut self.items_per_warp as *mut _ as *mut c_void,
+        ]
+    }
+}
+
+impl GatherLaunch {
+    /// The kernel arguments of this launch, with the table and index lists at these addresses.
+    pub fn args(&self, table: u64, src_idx: u64, dst_idx: u64) -> KernelArgs {
+        KernelArgs {
+            table,
+            n_launches: self.table.len() as i32,
+            src_idx,
+            dst_idx,
+            n_items: self.n_items,
+            heads: self.heads,
+            chunk_bytes: self.chunk_bytes,
+            items_per_warp: self.items_per_warp,
+        }
+    }
+}
+
 fn side(a: &Addr, ptr: u64) -> SideC {
     let (base, page, page_stride, row_stride, head_stride) = a.strides();
     SideC { ptr, base, page, page_stride, row_stride, head_stride }
