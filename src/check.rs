@@ -215,6 +215,16 @@ impl Mirrored {
         }
     }
 
+    /// The asynchronous form of the call (waited on before returning); draft loads have none
+    /// and run synchronously.
+    pub(crate) fn call_async(&mut self, op: Op, io: IoBackend, hi: &[i64], di: &[i64]) -> Result<()> {
+        match op {
+            Op::Load { layer_id, is_draft: false } => self.host.load_to_device_per_layer_async(&mut self.dev, hi, di, layer_id, io)?.wait(),
+            Op::Backup => self.host.backup_from_device_all_layer_async(&self.dev, hi, di, io)?.wait(),
+            Op::Load { is_draft: true, .. } => self.call(op, io, hi, di),
+        }
+    }
+
     /// Applies an accepted call to the mirror.
     pub(crate) fn apply_oracle(&mut self, op: Op, hi: &[i64], di: &[i64]) {
         oracle::apply(self.host.pair(), op, hi, di, OracleBuffers { host: &mut self.host_bytes, device: &mut self.dev_bytes });

@@ -176,7 +176,9 @@ fn one_case(device: &Device, other_device: Option<&Device>, seed: u64, t: &mut F
     }
     let Some(mut m) = build(device, &dc, &hc, seed, t) else { return };
     let tag = |what: &str| format!("seed {seed}: {what} ({op:?} {io} {} {:?})", hc.layout, dc.kind);
-    match m.call(op, io, &hi, &di) {
+    // A fifth of the calls go through the asynchronous API (enqueued, then waited on).
+    let result = if rng.chance(20) { m.call_async(op, io, &hi, &di) } else { m.call(op, io, &hi, &di) };
+    match result {
         Ok(()) => {
             m.apply_oracle(op, &hi, &di);
             t.matched += 1;
