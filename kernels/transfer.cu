@@ -84,9 +84,22 @@ __device__ __forceinline__ void st_cg_b32(char* p, u32 v) {
 #endif
 }
 
+// Each lane keeps four loads in flight before their stores where the chunk is long enough
+// (8448-byte DSA pages: 33 words per lane), then finishes one word at a time.
 __device__ __forceinline__ void copy_w8(const char* src, char* dst, u64 bytes, u32 lane) {
     const u64 words = bytes >> 3;
-    for (u64 j = lane; j < words; j += 32) {
+    u64 j = lane;
+    for (; j + 96 < words; j += 128) {
+        const u64 a = ld_nc_b64(src + j * 8);
+        const u64 b = ld_nc_b64(src + (j + 32) * 8);
+        const u64 c = ld_nc_b64(src + (j + 64) * 8);
+        const u64 d = ld_nc_b64(src + (j + 96) * 8);
+        st_cg_b64(dst + j * 8, a);
+        st_cg_b64(dst + (j + 32) * 8, b);
+        st_cg_b64(dst + (j + 64) * 8, c);
+        st_cg_b64(dst + (j + 96) * 8, d);
+    }
+    for (; j < words; j += 32) {
         const u64 v = ld_nc_b64(src + j * 8);
         st_cg_b64(dst + j * 8, v);
     }
@@ -94,7 +107,18 @@ __device__ __forceinline__ void copy_w8(const char* src, char* dst, u64 bytes, u
 
 __device__ __forceinline__ void copy_w4(const char* src, char* dst, u64 bytes, u32 lane) {
     const u64 words = bytes >> 2;
-    for (u64 j = lane; j < words; j += 32) {
+    u64 j = lane;
+    for (; j + 96 < words; j += 128) {
+        const u32 a = ld_nc_b32(src + j * 4);
+        const u32 b = ld_nc_b32(src + (j + 32) * 4);
+        const u32 c = ld_nc_b32(src + (j + 64) * 4);
+        const u32 d = ld_nc_b32(src + (j + 96) * 4);
+        st_cg_b32(dst + j * 4, a);
+        st_cg_b32(dst + (j + 32) * 4, b);
+        st_cg_b32(dst + (j + 64) * 4, c);
+        st_cg_b32(dst + (j + 96) * 4, d);
+    }
+    for (; j < words; j += 32) {
         const u32 v = ld_nc_b32(src + j * 4);
         st_cg_b32(dst + j * 4, v);
     }
