@@ -73,6 +73,20 @@ struct Inner {
     /// The last transfer (what a completion handle waits for).
     last: Mutex<Mark>,
     submitter: Arc<Submitter>,
+    /// The submit thread, joined on drop so that it never outlives the device (it holds a queue
+    /// handle; dropping the last one on another thread while the process exits can crash the
+    /// driver).
+    submit_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // Closing the channel ends the thread once it has submitted what it holds.
+        self.submitter.tx.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(t) = self.submit_thread.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = t.join();
+        }
+    }
 }
 
 /// A point in the queue: a submission, or the `n`-th command buffer given to the submit thread.
@@ -294,6 +308,7 @@ impl WgpuExecutor {
                 id: super::next_executor_id(),
                 last: Mutex::new(Mark::None),
                 submitter: Arc::new(Submitter::default()),
+                submit_thread: Mutex::new(None),
             }),
         })
     }
@@ -374,7 +389,7 @@ impl WgpuExecutor {
             let (send, recv) = std::sync::mpsc::channel::<(u64, wgpu::CommandBuffer)>();
             let queue = self.inner.queue.clone();
             let shared = Arc::downgrade(sub);
-            std::thread::Builder::new()
+            let handle = std::thread::Builder::new()
                 .name("hicache-io wgpu submit".into())
                 .spawn(move || {
                     for (ticket, cb) in recv {
@@ -390,6 +405,7 @@ impl WgpuExecutor {
                     }
                 })
                 .map_err(|e| err(format!("starting the submit thread: {e}")))?;
+            *self.inner.submit_thread.lock().unwrap_or_else(|e| e.into_inner()) = Some(handle);
             *tx = Some(send);
         }
         let ticket = {
