@@ -84,43 +84,33 @@ __device__ __forceinline__ void st_cg_b32(char* p, u32 v) {
 #endif
 }
 
-// Each lane keeps four loads in flight before their stores where the chunk is long enough
-// (8448-byte DSA pages: 33 words per lane), then finishes one word at a time.
-__device__ __forceinline__ void copy_w8(const char* src, char* dst, u64 bytes, u32 lane) {
-    const u64 words = bytes >> 3;
-    u64 j = lane;
-    for (; j + 96 < words; j += 128) {
-        const u64 a = ld_nc_b64(src + j * 8);
-        const u64 b = ld_nc_b64(src + (j + 32) * 8);
-        const u64 c = ld_nc_b64(src + (j + 64) * 8);
-        const u64 d = ld_nc_b64(src + (j + 96) * 8);
-        st_cg_b64(dst + j * 8, a);
-        st_cg_b64(dst + (j + 32) * 8, b);
-        st_cg_b64(dst + (j + 64) * 8, c);
-        st_cg_b64(dst + (j + 96) * 8, d);
-    }
-    for (; j < words; j += 32) {
-        const u64 v = ld_nc_b64(src + j * 8);
-        st_cg_b64(dst + j * 8, v);
-    }
-}
+// The two word sizes behind one name, so that one copy loop serves both.
+__device__ __forceinline__ u64 ld_nc(const u64* p) { return ld_nc_b64((const char*)p); }
+__device__ __forceinline__ u32 ld_nc(const u32* p) { return ld_nc_b32((const char*)p); }
+__device__ __forceinline__ void st_cg(u64* p, u64 v) { st_cg_b64((char*)p, v); }
+__device__ __forceinline__ void st_cg(u32* p, u32 v) { st_cg_b32((char*)p, v); }
 
-__device__ __forceinline__ void copy_w4(const char* src, char* dst, u64 bytes, u32 lane) {
-    const u64 words = bytes >> 2;
+// Lane `lane` of a warp copies words lane, lane + 32, ... of a chunk. Each lane keeps four loads
+// in flight before their stores where the chunk is long enough (8448-byte DSA pages: 33 8-byte
+// words per lane), then finishes one word at a time.
+template <typename W>
+__device__ __forceinline__ void copy_words(const char* src, char* dst, u64 bytes, u32 lane) {
+    const W* s = (const W*)src;
+    W* d = (W*)dst;
+    const u64 words = bytes / sizeof(W);
     u64 j = lane;
     for (; j + 96 < words; j += 128) {
-        const u32 a = ld_nc_b32(src + j * 4);
-        const u32 b = ld_nc_b32(src + (j + 32) * 4);
-        const u32 c = ld_nc_b32(src + (j + 64) * 4);
-        const u32 d = ld_nc_b32(src + (j + 96) * 4);
-        st_cg_b32(dst + j * 4, a);
-        st_cg_b32(dst + (j + 32) * 4, b);
-        st_cg_b32(dst + (j + 64) * 4, c);
-        st_cg_b32(dst + (j + 96) * 4, d);
+        const W a = ld_nc(s + j);
+        const W b = ld_nc(s + j + 32);
+        const W c = ld_nc(s + j + 64);
+        const W e = ld_nc(s + j + 96);
+        st_cg(d + j, a);
+        st_cg(d + j + 32, b);
+        st_cg(d + j + 64, c);
+        st_cg(d + j + 96, e);
     }
     for (; j < words; j += 32) {
-        const u32 v = ld_nc_b32(src + j * 4);
-        st_cg_b32(dst + j * 4, v);
+        st_cg(d + j, ld_nc(s + j));
     }
 }
 
@@ -143,9 +133,9 @@ __device__ __forceinline__ void gather_impl(const Launch* __restrict__ launches,
                 const char* sp = address(L.src, (u64)s, h);
                 char* dp = address(L.dst, (u64)d, h);
                 if (WORD == 8) {
-                    copy_w8(sp, dp, chunk_bytes, lane);
+                    copy_words<u64>(sp, dp, chunk_bytes, lane);
                 } else {
-                    copy_w4(sp, dp, chunk_bytes, lane);
+                    copy_words<u32>(sp, dp, chunk_bytes, lane);
                 }
             }
         }
