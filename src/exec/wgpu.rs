@@ -393,10 +393,17 @@ impl WgpuExecutor {
                 .name("hicache-io wgpu submit".into())
                 .spawn(move || {
                     for (ticket, cb) in recv {
-                        let index = queue.submit([cb]);
+                        // A panic inside wgpu must not leave waiters hanging: the ticket still
+                        // counts as handled (without an index, a wait then waits for the queue).
+                        let index = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| queue.submit([cb])));
                         let Some(s) = shared.upgrade() else { return };
                         let mut st = s.lock();
-                        st.indices.insert(ticket, index);
+                        match index {
+                            Ok(index) => {
+                                st.indices.insert(ticket, index);
+                            }
+                            Err(_) => log::error!("wgpu: a queue submission panicked"),
+                        }
                         while st.indices.len() > 4096 {
                             st.indices.pop_first();
                         }
