@@ -538,10 +538,32 @@ pub(crate) fn plan(profile: Profile, caps: &Capabilities, owner: u64, pair: &Arc
         Err(_) => IoBackend::Kernel,
     };
     let other = if preferred == IoBackend::Kernel { IoBackend::Direct } else { IoBackend::Kernel };
-    match plan_io(profile, caps, owner, pair, &Request { io_backend: preferred, ..*req }) {
-        Ok(p) => Ok(p),
-        Err(first) => plan_io(profile, caps, owner, pair, &Request { io_backend: other, ..*req }).map_err(|_| first),
+    // Only paths the table allows are tried, so a refusal is never the table's when the other
+    // path is allowed; with neither allowed, the preferred path reports the table's refusal.
+    let table_op = match req.op {
+        Op::Load { .. } => TableOp::Load,
+        Op::Backup if pair.device().layers().is_sharded() => TableOp::ShardedBackup,
+        Op::Backup => TableOp::Backup,
+    };
+    let host = pair.host();
+    let allowed = |io: IoBackend| {
+        let cell = Cell { kind: host.kind(), op: table_op, layout: host.layout(), io };
+        decide(profile, cell, host.item_bytes(), kernel_word(profile, caps)).is_ok()
+    };
+    let candidates: Vec<IoBackend> = [preferred, other].into_iter().filter(|&io| allowed(io)).collect();
+    if candidates.is_empty() {
+        return plan_io(profile, caps, owner, pair, &Request { io_backend: preferred, ..*req });
     }
+    let mut first = None;
+    for io in candidates {
+        match plan_io(profile, caps, owner, pair, &Request { io_backend: io, ..*req }) {
+            Ok(p) => return Ok(p),
+            Err(e) => {
+                first.get_or_insert(e);
+            }
+        }
+    }
+    Err(first.unwrap_or(TransferError::UnsupportedIoBackend { io_backend: "auto".into() }))
 }
 
 /// Mean length of the runs `transfer_kv_direct` would coalesce (live pairs per run).

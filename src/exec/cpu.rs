@@ -85,6 +85,11 @@ pub struct CpuExecutor {
 
 type Job = Box<dyn FnOnce() + Send>;
 
+thread_local! {
+    /// True on an executor's worker thread.
+    static ON_WORKER: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
 /// Transfers in submission order on one worker thread; tickets count them.
 pub(crate) struct CpuQueue {
     state: Mutex<QueueState>,
@@ -124,6 +129,7 @@ impl CpuQueue {
             std::thread::Builder::new()
                 .name("hicache-io cpu".into())
                 .spawn(move || {
+                    ON_WORKER.with(|w| w.set(true));
                     for job in rx {
                         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
                         let Some(q) = queue.upgrade() else { return };
@@ -169,10 +175,11 @@ impl CpuQueue {
         }
     }
 
-    /// Waits until nothing is queued.
+    /// Waits until everything queued so far has run (not what others queue meanwhile).
     pub(crate) fn idle(&self) {
         let mut st = self.lock();
-        while st.completed < st.submitted {
+        let target = st.submitted;
+        while st.completed < target {
             st = self.done.wait(st).unwrap_or_else(|e| e.into_inner());
         }
     }
@@ -472,6 +479,20 @@ fn split(n: usize, threads: usize, work: &(dyn Fn(usize, usize) + Sync)) {
         return;
     }
     let per = n.div_ceil(threads);
+    // Queued transfers do not use rayon's shared pool: callers blocked on this queue from inside
+    // rayon tasks could otherwise hold every pool thread while the job waits for one.
+    if ON_WORKER.with(|w| w.get()) {
+        std::thread::scope(|s| {
+            for t in 1..threads {
+                let (lo, hi) = (t * per, ((t + 1) * per).min(n));
+                if lo < hi {
+                    s.spawn(move || work(lo, hi));
+                }
+            }
+            work(0, per.min(n));
+        });
+        return;
+    }
     (0..threads).into_par_iter().for_each(|t| {
         let (lo, hi) = (t * per, ((t + 1) * per).min(n));
         if lo < hi {

@@ -22,7 +22,7 @@ enum CompletionKind {
     Done,
     Cpu(cpu::CpuTicket),
     #[cfg(feature = "wgpu")]
-    Wgpu(wgpu::WgpuExecutor, wgpu::Mark),
+    Wgpu(wgpu::WgpuExecutor, u64),
     #[cfg(feature = "cuda")]
     Cuda(cuda::Completion),
 }
@@ -36,8 +36,8 @@ impl Completion {
         Completion { kind: CompletionKind::Cpu(t) }
     }
     #[cfg(feature = "wgpu")]
-    pub(crate) fn wgpu(e: wgpu::WgpuExecutor, mark: wgpu::Mark) -> Completion {
-        Completion { kind: CompletionKind::Wgpu(e, mark) }
+    pub(crate) fn wgpu(e: wgpu::WgpuExecutor, ticket: u64) -> Completion {
+        Completion { kind: CompletionKind::Wgpu(e, ticket) }
     }
     #[cfg(feature = "cuda")]
     pub(crate) fn cuda(c: cuda::Completion) -> Completion {
@@ -49,7 +49,7 @@ impl Completion {
             CompletionKind::Done => Ok(()),
             CompletionKind::Cpu(t) => t.wait(),
             #[cfg(feature = "wgpu")]
-            CompletionKind::Wgpu(e, mark) => e.wait_for(mark),
+            CompletionKind::Wgpu(e, ticket) => e.wait_for(*ticket),
             #[cfg(feature = "cuda")]
             CompletionKind::Cuda(c) => c.wait(),
         }
@@ -60,7 +60,7 @@ impl Completion {
             CompletionKind::Done => Ok(true),
             CompletionKind::Cpu(t) => Ok(t.is_done()),
             #[cfg(feature = "wgpu")]
-            CompletionKind::Wgpu(e, mark) => e.is_done(mark),
+            CompletionKind::Wgpu(e, ticket) => e.is_done(*ticket),
             #[cfg(feature = "cuda")]
             CompletionKind::Cuda(c) => c.is_done(),
         }
@@ -451,7 +451,7 @@ impl Device {
 
     /// Counts one step against an armed fault; `Err` when it fires.
     fn fault_point(&self) -> Result<()> {
-        if !FAULTS_ARMED.load(Ordering::Acquire) {
+        if !FAULTS_ARMED.load(Ordering::Acquire) || UNFAULTED.with(|u| u.get()) {
             return Ok(());
         }
         let mut faults = FAULTS.lock().unwrap_or_else(|e| e.into_inner());
@@ -471,6 +471,14 @@ impl Device {
     /// it have completed (the executor is drained first) and the error names them.
     pub(crate) fn execute(&self, plan: &Plan, bufs: &Bindings<'_, Buffer>) -> Result<()> {
         self.dispatch(plan, bufs, false).map(|_| ())
+    }
+
+    /// [`Device::execute`] past any armed fault (the calibration's own runs must not use it up).
+    pub(crate) fn execute_unfaulted(&self, plan: &Plan, bufs: &Bindings<'_, Buffer>) -> Result<()> {
+        UNFAULTED.with(|u| u.set(true));
+        let r = self.execute(plan, bufs);
+        UNFAULTED.with(|u| u.set(false));
+        r
     }
 
     /// Enqueues a plan and returns its completion without waiting.
@@ -521,7 +529,10 @@ impl Device {
             }
         }
         if enqueue {
-            return e.completion();
+            // Without a handle nobody could wait for what was queued: drain it before failing.
+            return e.completion().inspect_err(|_| {
+                let _ = e.synchronize();
+            });
         }
         e.finish().map_err(|err| partial(steps, steps.len().saturating_sub(1), false, err))?;
         Ok(Completion::done())
@@ -532,6 +543,11 @@ impl Device {
 /// cost at one atomic load per step when nothing is armed.
 static FAULTS: Mutex<Vec<(u64, u64)>> = Mutex::new(Vec::new());
 static FAULTS_ARMED: AtomicBool = AtomicBool::new(false);
+
+thread_local! {
+    /// Set while the executor runs its own calibration plans.
+    static UNFAULTED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
 
 /// The error of a plan that failed at step `failed`. A single-step plan returns the executor's
 /// error as it is (nothing completed); otherwise it names the host layers whose every step

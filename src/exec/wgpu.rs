@@ -70,8 +70,6 @@ struct Inner {
     max_gather_items: u64,
     lost: Arc<Mutex<Option<String>>>,
     id: u64,
-    /// The last transfer (what a completion handle waits for).
-    last: Mutex<Mark>,
     submitter: Arc<Submitter>,
     /// The submit thread, joined on drop so that it never outlives the device (it holds a queue
     /// handle; dropping the last one on another thread while the process exits can crash the
@@ -89,14 +87,6 @@ impl Drop for Inner {
     }
 }
 
-/// A point in the queue: a submission, or the `n`-th command buffer given to the submit thread.
-#[derive(Clone, Debug)]
-pub(crate) enum Mark {
-    None,
-    Index(wgpu::SubmissionIndex),
-    Ticket(u64),
-}
-
 /// The submit thread's state: tickets given and submitted, and their submission indices.
 #[derive(Default)]
 struct Submitter {
@@ -111,26 +101,34 @@ struct SubmitState {
     submitted: u64,
     /// Recent tickets' submissions (pruned to the last 4096).
     indices: std::collections::BTreeMap<u64, wgpu::SubmissionIndex>,
+    /// Tickets whose submission failed, and why (pruned likewise).
+    failed: std::collections::BTreeMap<u64, String>,
 }
 
 impl Submitter {
     fn lock(&self) -> std::sync::MutexGuard<'_, SubmitState> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
-    /// Waits until every command buffer given so far has been submitted.
+    /// Waits until every command buffer given so far has been submitted (not what others give
+    /// meanwhile).
     fn drain(&self) {
         let mut st = self.lock();
-        while st.submitted < st.queued {
+        let target = st.queued;
+        while st.submitted < target {
             st = self.submitted_cv.wait(st).unwrap_or_else(|e| e.into_inner());
         }
     }
-    /// Waits until ticket `t` is submitted; its submission.
-    fn index_of(&self, t: u64) -> Option<wgpu::SubmissionIndex> {
+    /// Waits until ticket `t` is submitted; its submission (`Err` when it failed, `None` when
+    /// it is too old to be remembered).
+    fn index_of(&self, t: u64) -> Result<Option<wgpu::SubmissionIndex>> {
         let mut st = self.lock();
         while st.submitted < t {
             st = self.submitted_cv.wait(st).unwrap_or_else(|e| e.into_inner());
         }
-        st.indices.get(&t).cloned()
+        if let Some(e) = st.failed.get(&t) {
+            return Err(err(format!("submitting a queued transfer: {e}")));
+        }
+        Ok(st.indices.get(&t).cloned())
     }
     fn is_submitted(&self, t: u64) -> bool {
         self.lock().submitted >= t
@@ -306,7 +304,6 @@ impl WgpuExecutor {
                 max_gather_items,
                 lost,
                 id: super::next_executor_id(),
-                last: Mutex::new(Mark::None),
                 submitter: Arc::new(Submitter::default()),
                 submit_thread: Mutex::new(None),
             }),
@@ -346,39 +343,31 @@ impl WgpuExecutor {
         self.check_lost()
     }
 
-    /// Waits for the transfers up to `mark`.
-    pub(crate) fn wait_for(&self, mark: &Mark) -> Result<()> {
-        match mark {
-            Mark::None => self.check_lost(),
-            Mark::Index(i) => self.wait_index(Some(i.clone())),
-            Mark::Ticket(t) => match self.inner.submitter.index_of(*t) {
-                Some(i) => self.wait_index(Some(i)),
-                None => self.wait(),
-            },
+    /// Waits for the transfers up to ticket `t` of the submit thread.
+    pub(crate) fn wait_for(&self, t: u64) -> Result<()> {
+        match self.inner.submitter.index_of(t)? {
+            Some(i) => self.wait_index(Some(i)),
+            None => self.wait(),
         }
     }
 
-    /// Whether the transfers up to `mark` have completed (polls without blocking).
-    pub(crate) fn is_done(&self, mark: &Mark) -> Result<bool> {
+    /// Whether the transfers up to ticket `t` have completed (polls without blocking).
+    pub(crate) fn is_done(&self, t: u64) -> Result<bool> {
         self.check_lost()?;
-        let index = match mark {
-            Mark::None => return Ok(true),
-            Mark::Index(i) => i.clone(),
-            Mark::Ticket(t) => {
-                if !self.inner.submitter.is_submitted(*t) {
-                    return Ok(false);
-                }
-                match self.inner.submitter.index_of(*t) {
-                    Some(i) => i,
-                    None => return Ok(true),
-                }
-            }
-        };
+        if !self.inner.submitter.is_submitted(t) {
+            return Ok(false);
+        }
         let status = self.inner.device.poll(wgpu::PollType::Poll).map_err(|e| err(format!("polling the queue: {e}")))?;
-        // A poll that leaves the queue non-empty does not say which submissions are done; a
-        // zero-timeout wait for this one does.
-        Ok(status.is_queue_empty()
-            || self.inner.device.poll(wgpu::PollType::Wait { submission_index: Some(index), timeout: Some(Duration::ZERO) }).is_ok())
+        Ok(match self.inner.submitter.index_of(t)? {
+            // A poll that leaves the queue non-empty does not say which submissions are done; a
+            // zero-timeout wait for this one does.
+            Some(index) => {
+                status.is_queue_empty()
+                    || self.inner.device.poll(wgpu::PollType::Wait { submission_index: Some(index), timeout: Some(Duration::ZERO) }).is_ok()
+            }
+            // Too old to be remembered: done once the queue is empty.
+            None => status.is_queue_empty(),
+        })
     }
 
     /// Hands an encoded command buffer to the submit thread (started on first use).
@@ -388,21 +377,33 @@ impl WgpuExecutor {
         if tx.is_none() {
             let (send, recv) = std::sync::mpsc::channel::<(u64, wgpu::CommandBuffer)>();
             let queue = self.inner.queue.clone();
+            let device = self.inner.device.clone();
             let shared = Arc::downgrade(sub);
             let handle = std::thread::Builder::new()
                 .name("hicache-io wgpu submit".into())
                 .spawn(move || {
                     for (ticket, cb) in recv {
-                        // A panic inside wgpu must not leave waiters hanging: the ticket still
-                        // counts as handled (without an index, a wait then waits for the queue).
+                        // Error scopes are per thread: this one catches what the submission of
+                        // this command buffer reports, and its waiters get it as an error. A panic
+                        // inside wgpu must not leave them hanging either.
+                        let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
                         let index = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| queue.submit([cb])));
+                        let error = pollster::block_on(scope.pop());
                         let Some(s) = shared.upgrade() else { return };
                         let mut st = s.lock();
-                        match index {
-                            Ok(index) => {
+                        match (index, error) {
+                            (Ok(index), None) => {
                                 st.indices.insert(ticket, index);
                             }
-                            Err(_) => log::error!("wgpu: a queue submission panicked"),
+                            (Ok(_), Some(e)) => {
+                                st.failed.insert(ticket, e.to_string());
+                            }
+                            (Err(_), _) => {
+                                st.failed.insert(ticket, "the queue submission panicked".into());
+                            }
+                        }
+                        while st.failed.len() > 4096 {
+                            st.failed.pop_first();
                         }
                         while st.indices.len() > 4096 {
                             st.indices.pop_first();
@@ -456,18 +457,11 @@ impl WgpuExecutor {
         let mut handed = Ok(());
         if built.is_ok() {
             let cb = enc.finish();
-            let mark = if later {
-                match self.submit_later(cb) {
-                    Ok(t) => Mark::Ticket(t),
-                    Err(e) => {
-                        handed = Err(e);
-                        Mark::None
-                    }
-                }
+            if later {
+                handed = self.submit_later(cb).map(|_| ());
             } else {
-                Mark::Index(self.inner.queue.submit([cb]))
-            };
-            *self.inner.last.lock().unwrap_or_else(|e| e.into_inner()) = mark;
+                self.inner.queue.submit([cb]);
+            }
         }
         let v = pollster::block_on(val.pop());
         let o = pollster::block_on(oom.pop());
@@ -812,8 +806,10 @@ impl Executor for WgpuExecutor {
         self.wait()
     }
     fn completion(&self) -> Result<super::Completion> {
-        let last = self.inner.last.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        Ok(super::Completion::wgpu(self.clone(), last))
+        // Called after an asynchronous plan, all of whose steps went to the submit thread: the
+        // newest ticket (possibly another thread's later one: waiting for it waits no less).
+        let newest = self.inner.submitter.lock().queued;
+        Ok(super::Completion::wgpu(self.clone(), newest))
     }
 }
 
