@@ -249,7 +249,8 @@ impl Mirrored {
     }
 }
 
-/// Runs one case on `device` and compares with the oracle.
+/// Runs one case on `device` and compares with the oracle. One case in four (by seed) goes
+/// through the asynchronous API (enqueued, then waited on), so both paths are checked.
 pub fn run_case(device: &Device, case: &Case) -> Result<Outcome> {
     let mut m = Mirrored::new(device, &case.device, &case.host, case.seed)?;
     let req = Request { op: case.op, io_backend: case.cell.io, host_indices: &case.host_indices, device_indices: &case.device_indices };
@@ -257,7 +258,11 @@ pub fn run_case(device: &Device, case: &Case) -> Result<Outcome> {
         Ok(p) => p.bytes(),
         Err(e) => return Ok(Outcome::Rejected(e)),
     };
-    m.call(case.op, case.cell.io, &case.host_indices, &case.device_indices)?;
+    if case.seed % 4 == 0 {
+        m.call_async(case.op, case.cell.io, &case.host_indices, &case.device_indices)?;
+    } else {
+        m.call(case.op, case.cell.io, &case.host_indices, &case.device_indices)?;
+    }
     m.apply_oracle(case.op, &case.host_indices, &case.device_indices);
     Ok(match m.first_mismatch()? {
         Some((buffer, offset)) => Outcome::Mismatch { buffer, offset },
@@ -302,6 +307,19 @@ pub fn check_device(
     profile: Profile,
     seed: u64,
     rounds: u64,
+    progress: impl FnMut(Cell, &Tally),
+) -> Result<Vec<(Cell, Tally)>> {
+    check_device_io(device, profile, seed, rounds, None, progress)
+}
+
+/// [`check_device`], every call made with io backend `io` when given (`auto`: the cell's table
+/// row decides, and the calibration where both paths are allowed).
+pub fn check_device_io(
+    device: &Device,
+    profile: Profile,
+    seed: u64,
+    rounds: u64,
+    io: Option<IoBackend>,
     mut progress: impl FnMut(Cell, &Tally),
 ) -> Result<Vec<(Cell, Tally)>> {
     let mut rng = Rng::new(seed);
@@ -309,7 +327,10 @@ pub fn check_device(
     for cell in supported_cells(profile) {
         let mut t = Tally::default();
         for _ in 0..rounds {
-            let case = random_case(cell, profile, &mut rng);
+            let mut case = random_case(cell, profile, &mut rng);
+            if let Some(io) = io {
+                case.cell.io = io;
+            }
             t.cases += 1;
             match run_case(device, &case)? {
                 Outcome::Match { bytes } => {

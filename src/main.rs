@@ -6,7 +6,7 @@
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use hicache_io::check::{check_device, Tally};
+use hicache_io::check::Tally;
 use hicache_io::exec::{probe_all, BackendKind, Device};
 use hicache_io::geometry::{PoolKind, Profile};
 use hicache_io::matrix::{matrix, render_markdown};
@@ -104,6 +104,9 @@ struct CheckArgs {
     rounds: u64,
     #[arg(long, default_value = "extended")]
     profile: Profile,
+    /// Make every call with this io backend (e.g. `auto`) instead of each cell's own.
+    #[arg(long)]
+    io: Option<hicache_io::IoBackend>,
     #[arg(long)]
     json: bool,
 }
@@ -365,6 +368,10 @@ fn info() -> ExitCode {
 }
 
 fn check(args: CheckArgs) -> ExitCode {
+    if args.io == Some(hicache_io::IoBackend::Auto) && args.profile == Profile::Sglang {
+        eprintln!("--io auto: the auto io backend exists only in profile extended (sglang answers \"Unsupported IO backend: auto\")");
+        return ExitCode::from(2);
+    }
     let Some(devices) = open_devices(&args.backend) else { return ExitCode::FAILURE };
     let mut failed = false;
     let mut report = Vec::new();
@@ -373,7 +380,7 @@ fn check(args: CheckArgs) -> ExitCode {
         let bar = indicatif::ProgressBar::new(cells * args.rounds);
         bar.set_style(indicatif::ProgressStyle::with_template("{prefix:>5} [{bar:40}] {pos}/{len} {msg}").unwrap().progress_chars("=> "));
         bar.set_prefix(dev.name());
-        let res = check_device(dev, args.profile, args.seed, args.rounds, |cell, _| {
+        let res = hicache_io::check::check_device_io(dev, args.profile, args.seed, args.rounds, args.io, |cell, _| {
             bar.inc(1);
             bar.set_message(cell.to_string());
         });

@@ -17,6 +17,11 @@ fn check_cpu_passes() {
     assert!(out.contains("cpu: 39 of 39 cells"), "{out}");
     let (ok, out) = run(&["check", "--backend", "cpu", "--rounds", "3", "--profile", "sglang"]);
     assert!(ok && out.contains("all match the oracle"), "{out}");
+    // Every cell again with the auto io backend (the table's path, or the calibrated one).
+    let (ok, out) = run(&["check", "--backend", "cpu", "--rounds", "2", "--io", "auto"]);
+    assert!(ok && out.contains("cpu: 39 of 39 cells"), "{out}");
+    let (ok, out) = run(&["check", "--backend", "cpu", "--io", "auto", "--profile", "sglang"]);
+    assert!(!ok && out.contains("profile extended"), "{out}");
 }
 
 #[test]
