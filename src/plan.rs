@@ -540,11 +540,7 @@ pub(crate) fn plan(profile: Profile, caps: &Capabilities, owner: u64, pair: &Arc
     let other = if preferred == IoBackend::Kernel { IoBackend::Direct } else { IoBackend::Kernel };
     // Only paths the table allows are tried, so a refusal is never the table's when the other
     // path is allowed; with neither allowed, the preferred path reports the table's refusal.
-    let table_op = match req.op {
-        Op::Load { .. } => TableOp::Load,
-        Op::Backup if pair.device().layers().is_sharded() => TableOp::ShardedBackup,
-        Op::Backup => TableOp::Backup,
-    };
+    let table_op = table_op(req.op, pair.device());
     let host = pair.host();
     let allowed = |io: IoBackend| {
         let cell = Cell { kind: host.kind(), op: table_op, layout: host.layout(), io };
@@ -564,6 +560,15 @@ pub(crate) fn plan(profile: Profile, caps: &Capabilities, owner: u64, pair: &Arc
         }
     }
     Err(first.unwrap_or(TransferError::UnsupportedIoBackend { io_backend: "auto".into() }))
+}
+
+/// The table's operation of a call: a backup of a layer-sharded device pool is its own row.
+fn table_op(op: Op, dev: &DeviceGeometry) -> TableOp {
+    match op {
+        Op::Load { .. } => TableOp::Load,
+        Op::Backup if dev.layers().is_sharded() => TableOp::ShardedBackup,
+        Op::Backup => TableOp::Backup,
+    }
 }
 
 /// Mean length of the runs `transfer_kv_direct` would coalesce (live pairs per run).
@@ -594,11 +599,7 @@ fn plan_io(profile: Profile, caps: &Capabilities, owner: u64, pair: &Arc<PoolPai
         Op::Load { .. } => Direction::HostToDevice,
         Op::Backup => Direction::DeviceToHost,
     };
-    let table_op = match req.op {
-        Op::Load { .. } => TableOp::Load,
-        Op::Backup if dev.layers().is_sharded() => TableOp::ShardedBackup,
-        Op::Backup => TableOp::Backup,
-    };
+    let table_op = table_op(req.op, dev);
     let io = req.io_backend;
     let empty = |path: PathInfo| Plan { owner, pair: pair.clone(), profile, direction, path, io, steps: Arc::from([]), bytes: 0 };
     // 1. Layers.

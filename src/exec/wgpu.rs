@@ -433,16 +433,12 @@ impl WgpuExecutor {
 
     /// Submits `encoder` inside validation and out-of-memory scopes and waits.
     fn submit(&self, build: impl FnOnce(&mut wgpu::CommandEncoder) -> Result<()>) -> Result<()> {
-        self.submit_nowait(build)?;
+        self.encode_and_submit(false, build)?;
         self.wait()
     }
 
     /// Submits `encoder` inside validation and out-of-memory scopes; with `later`, hands it to
     /// the submit thread instead (encoding errors are still caught here).
-    fn submit_nowait(&self, build: impl FnOnce(&mut wgpu::CommandEncoder) -> Result<()>) -> Result<()> {
-        self.encode_and_submit(false, build)
-    }
-
     fn encode_and_submit(&self, later: bool, build: impl FnOnce(&mut wgpu::CommandEncoder) -> Result<()>) -> Result<()> {
         self.check_lost()?;
         if !later {

@@ -277,10 +277,7 @@ impl HostPool<'static> {
         layer_id: usize,
         io_backend: IoBackend,
     ) -> Result<Transfer<'a>> {
-        let plan =
-            self.plan(device_pool, &Request { op: Op::Load { layer_id, is_draft: false }, io_backend, host_indices, device_indices })?;
-        let completion = self.device.execute_async(&plan, &self.bindings(device_pool))?;
-        Ok(Transfer { completion: Some(completion), _pools: PhantomData })
+        self.run_async(device_pool, Op::Load { layer_id, is_draft: false }, io_backend, host_indices, device_indices)
     }
 
     /// [`HostPool::backup_from_device_all_layer`] without waiting.
@@ -291,7 +288,19 @@ impl HostPool<'static> {
         device_indices: &[i64],
         io_backend: IoBackend,
     ) -> Result<Transfer<'a>> {
-        let plan = self.plan(device_pool, &Request { op: Op::Backup, io_backend, host_indices, device_indices })?;
+        self.run_async(device_pool, Op::Backup, io_backend, host_indices, device_indices)
+    }
+
+    /// Plans, then enqueues; the public wrappers give the handle the borrows it must hold.
+    fn run_async<'a>(
+        &self,
+        device_pool: &DevicePool,
+        op: Op,
+        io_backend: IoBackend,
+        host_indices: &[i64],
+        device_indices: &[i64],
+    ) -> Result<Transfer<'a>> {
+        let plan = self.plan(device_pool, &Request { op, io_backend, host_indices, device_indices })?;
         let completion = self.device.execute_async(&plan, &self.bindings(device_pool))?;
         Ok(Transfer { completion: Some(completion), _pools: PhantomData })
     }
