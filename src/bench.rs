@@ -193,7 +193,7 @@ impl Fixture {
     pub fn run(&mut self, plan: &Plan) -> Result<()> {
         match self.op {
             Op::Load { .. } => self.host.execute_load(&mut self.dev, plan)?,
-            Op::Backup => self.host.execute_backup(&self.dev, plan)?,
+            Op::Backup | Op::BackupLayer { .. } => self.host.execute_backup(&self.dev, plan)?,
         }
         self.dev.device().synchronize()
     }

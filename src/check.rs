@@ -87,6 +87,15 @@ pub fn random_case(cell: Cell, profile: Profile, rng: &mut Rng) -> Case {
                 Op::Load { layer_id: rng.below(layer_num as u64) as usize, is_draft: false }
             }
         }
+        // A per-layer backup takes the sharded backup's row: one case in three, sometimes of a
+        // layer the pool does not own, sometimes of a draft.
+        TableOp::ShardedBackup if rng.chance(33) => {
+            if layers.drafts > 0 && rng.chance(30) {
+                Op::BackupLayer { layer_id: layer_num + rng.below(layers.drafts as u64) as usize, is_draft: true }
+            } else {
+                Op::BackupLayer { layer_id: rng.below(layer_num as u64) as usize, is_draft: false }
+            }
+        }
         _ => Op::Backup,
     };
     let (host_indices, device_indices) = random_indices(kind, cell, page_size, &host, &device, rng);
@@ -212,6 +221,7 @@ impl Mirrored {
             Op::Load { layer_id, is_draft: false } => self.host.load_to_device_per_layer(&mut self.dev, hi, di, layer_id, io),
             Op::Load { layer_id, is_draft: true } => self.host.load_draft_to_device(&mut self.dev, hi, di, layer_id, io),
             Op::Backup => self.host.backup_from_device_all_layer(&self.dev, hi, di, io),
+            Op::BackupLayer { layer_id, is_draft } => self.host.backup_from_device_per_layer(&self.dev, hi, di, layer_id, is_draft, io),
         }
     }
 
@@ -221,7 +231,7 @@ impl Mirrored {
         match op {
             Op::Load { layer_id, is_draft: false } => self.host.load_to_device_per_layer_async(&mut self.dev, hi, di, layer_id, io)?.wait(),
             Op::Backup => self.host.backup_from_device_all_layer_async(&self.dev, hi, di, io)?.wait(),
-            Op::Load { is_draft: true, .. } => self.call(op, io, hi, di),
+            Op::Load { is_draft: true, .. } | Op::BackupLayer { .. } => self.call(op, io, hi, di),
         }
     }
 

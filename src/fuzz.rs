@@ -107,7 +107,13 @@ fn mutate(
     }
     if rng.chance(8) {
         let layer_id = rng.pick(&[0usize, 1, 2, 5, 9, usize::MAX]);
-        *op = rng.pick(&[Op::Load { layer_id, is_draft: false }, Op::Load { layer_id, is_draft: true }, Op::Backup]);
+        *op = rng.pick(&[
+            Op::Load { layer_id, is_draft: false },
+            Op::Load { layer_id, is_draft: true },
+            Op::Backup,
+            Op::BackupLayer { layer_id, is_draft: false },
+            Op::BackupLayer { layer_id, is_draft: true },
+        ]);
     }
     // Index lists.
     for list in [&mut *hi, &mut *di] {
@@ -216,7 +222,7 @@ fn one_case(device: &Device, other_device: Option<&Device>, seed: u64, t: &mut F
             if let Ok(mut other) = Mirrored::new(other_device, &dc, &hc, seed ^ 1) {
                 let r = match op {
                     Op::Load { .. } => other.host.execute_load(&mut other.dev, &plan),
-                    Op::Backup => other.host.execute_backup(&other.dev, &plan),
+                    Op::Backup | Op::BackupLayer { .. } => other.host.execute_backup(&other.dev, &plan),
                 };
                 if r.is_ok() {
                     t.corrupted += 1;

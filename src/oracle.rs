@@ -54,14 +54,16 @@ fn layer_pairs(pair: &PoolPair, op: Op) -> Vec<(u64, usize)> {
     let total = live.len() + m.drafts;
     match op {
         Op::Backup => (0..total).map(|i| (i as u64, i)).collect(),
-        Op::Load { layer_id, is_draft: true } => {
+        Op::Load { layer_id, is_draft: true } | Op::BackupLayer { layer_id, is_draft: true } => {
             let k = layer_id - m.layer_num;
             vec![((live.len() + k) as u64, live.len() + k)]
         }
-        Op::Load { layer_id, is_draft: false } => match live.iter().position(|&l| l == layer_id) {
-            Some(i) => vec![(i as u64, i)],
-            None => vec![],
-        },
+        Op::Load { layer_id, is_draft: false } | Op::BackupLayer { layer_id, is_draft: false } => {
+            match live.iter().position(|&l| l == layer_id) {
+                Some(i) => vec![(i as u64, i)],
+                None => vec![],
+            }
+        }
     }
 }
 
@@ -95,7 +97,7 @@ pub fn apply(pair: &PoolPair, op: Op, host_indices: &[i64], device_indices: &[i6
                     let dof = (du as u64 * item + b) as usize;
                     match op {
                         Op::Load { .. } => bufs.device[c][slot][dof] = bufs.host[c][ho],
-                        Op::Backup => bufs.host[c][ho] = bufs.device[c][slot][dof],
+                        Op::Backup | Op::BackupLayer { .. } => bufs.host[c][ho] = bufs.device[c][slot][dof],
                     }
                 }
             }

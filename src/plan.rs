@@ -486,6 +486,26 @@ pub enum Op {
     },
     /// `backup_from_device_all_layer`; layer-sharded when the device pool is.
     Backup,
+    /// `backup_from_device_per_layer`: one device layer → its host layer (what sglang lacks: a
+    /// per-layer backup, e.g. to overlap a layer's backup with the next layer's compute). It
+    /// takes the layer-sharded backup's row of the table (that backup runs the same per-layer
+    /// path), and a layer the pool does not own is a no-op, as for loads.
+    BackupLayer {
+        /// Model layer id (or `layer_num + k` for draft `k`).
+        layer_id: usize,
+        /// A draft (MTP) pool's layer.
+        is_draft: bool,
+    },
+}
+
+impl Op {
+    /// Load or backup.
+    pub fn direction(self) -> Direction {
+        match self {
+            Op::Load { .. } => Direction::HostToDevice,
+            Op::Backup | Op::BackupLayer { .. } => Direction::DeviceToHost,
+        }
+    }
 }
 
 /// One call: operation, io backend and the two index lists (token slots; for the DSA indexer
@@ -568,6 +588,7 @@ fn table_op(op: Op, dev: &DeviceGeometry) -> TableOp {
         Op::Load { .. } => TableOp::Load,
         Op::Backup if dev.layers().is_sharded() => TableOp::ShardedBackup,
         Op::Backup => TableOp::Backup,
+        Op::BackupLayer { .. } => TableOp::ShardedBackup,
     }
 }
 
@@ -595,10 +616,7 @@ pub(crate) fn mean_run(hi: &[i64], di: &[i64]) -> f64 {
 /// [`plan`] for a concrete io backend.
 fn plan_io(profile: Profile, caps: &Capabilities, owner: u64, pair: &Arc<PoolPair>, req: &Request<'_>) -> Result<Plan> {
     let (host, dev) = (pair.host(), pair.device());
-    let direction = match req.op {
-        Op::Load { .. } => Direction::HostToDevice,
-        Op::Backup => Direction::DeviceToHost,
-    };
+    let direction = req.op.direction();
     let table_op = table_op(req.op, dev);
     let io = req.io_backend;
     let empty = |path: PathInfo| Plan { owner, pair: pair.clone(), profile, direction, path, io, steps: Arc::from([]), bytes: 0 };
@@ -639,18 +657,22 @@ fn resolve_layers(dev: &DeviceGeometry, op: Op, table_op: TableOp) -> Result<Opt
     let m: &LayerMap = dev.layers();
     let layer_error = |layer_id| TransferError::LayerOutOfRange { layer_id, target_layers: m.layer_num, draft_layers: m.drafts };
     Ok(Some(match op {
-        Op::Load { layer_id, is_draft: true } => match layer_id.checked_sub(m.layer_num).filter(|k| *k < m.drafts) {
-            Some(k) => vec![vec![(m.draft_slot(k) as u64, m.draft_slot(k) as u32)]],
-            None => return Err(layer_error(layer_id)),
-        },
-        Op::Load { layer_id, is_draft: false } => {
-            if layer_id >= m.layer_num {
-                return Err(layer_error(layer_id));
-            }
-            match m.target_slot(layer_id) {
-                Some(s) => vec![vec![(s as u64, s as u32)]],
-                None => return Ok(None), // not owned / skip-topk: sglang returns
-            }
+        Op::Load { layer_id, is_draft } | Op::BackupLayer { layer_id, is_draft } => {
+            let slot = if is_draft {
+                match layer_id.checked_sub(m.layer_num).filter(|k| *k < m.drafts) {
+                    Some(k) => m.draft_slot(k),
+                    None => return Err(layer_error(layer_id)),
+                }
+            } else {
+                if layer_id >= m.layer_num {
+                    return Err(layer_error(layer_id));
+                }
+                match m.target_slot(layer_id) {
+                    Some(s) => s,
+                    None => return Ok(None), // not owned / skip-topk: sglang returns
+                }
+            };
+            vec![vec![(slot as u64, slot as u32)]]
         }
         Op::Backup => {
             let all: Vec<(u64, u32)> = (0..dev.buffer_count()).map(|s| (s as u64, s as u32)).collect();

@@ -30,6 +30,7 @@ fn apply(case: &Case, host: &mut HostPool, dev: &mut DevicePool) {
         Op::Load { layer_id, is_draft: false } => host.load_to_device_per_layer(dev, hi, di, layer_id, io).unwrap(),
         Op::Load { layer_id, is_draft: true } => host.load_draft_to_device(dev, hi, di, layer_id, io).unwrap(),
         Op::Backup => host.backup_from_device_all_layer(dev, hi, di, io).unwrap(),
+        Op::BackupLayer { layer_id, is_draft } => host.backup_from_device_per_layer(dev, hi, di, layer_id, is_draft, io).unwrap(),
     }
 }
 

@@ -87,6 +87,7 @@ fn single_step_faults_write_nothing_and_pools_stay_usable() {
                 device.inject_fault(0);
                 let run = |dev: &mut DevicePool, host: &mut HostPool| match op {
                     Op::Backup => host.backup_from_device_all_layer(dev, &hi, &di, io),
+                    Op::BackupLayer { layer_id, is_draft } => host.backup_from_device_per_layer(dev, &hi, &di, layer_id, is_draft, io),
                     _ => host.load_to_device_per_layer(dev, &hi, &di, 2, io),
                 };
                 let err = run(&mut dev, &mut host).unwrap_err();

@@ -54,6 +54,7 @@ impl Pools {
             Op::Load { layer_id, is_draft: false } => self.host.load_to_device_per_layer(&mut self.dev, hi, di, layer_id, io),
             Op::Load { layer_id, is_draft: true } => self.host.load_draft_to_device(&mut self.dev, hi, di, layer_id, io),
             Op::Backup => self.host.backup_from_device_all_layer(&self.dev, hi, di, io),
+            Op::BackupLayer { layer_id, is_draft } => self.host.backup_from_device_per_layer(&self.dev, hi, di, layer_id, is_draft, io),
         }
     }
     /// Runs the call; on success compares every byte with the oracle, on failure asserts that

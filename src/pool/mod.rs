@@ -443,6 +443,22 @@ impl<'m> HostPool<'m> {
         self.run(device_pool, Op::Backup, io_backend, host_indices, device_indices)
     }
 
+    /// One layer of `backup_from_device_all_layer`, device → host (what sglang lacks: its
+    /// per-layer LF→PF path). `is_draft` with `layer_id = layer_num + k` backs up draft pool
+    /// `k`. It follows the layer-sharded backup's row of the table (profile `sglang` refuses
+    /// what sglang's sharded backup refuses); a layer the device pool does not own is a no-op.
+    pub fn backup_from_device_per_layer(
+        &mut self,
+        device_pool: &DevicePool,
+        host_indices: &[i64],
+        device_indices: &[i64],
+        layer_id: usize,
+        is_draft: bool,
+        io_backend: IoBackend,
+    ) -> Result<()> {
+        self.run(device_pool, Op::BackupLayer { layer_id, is_draft }, io_backend, host_indices, device_indices)
+    }
+
     /// Plans, then executes; nothing moves unless the plan is accepted. Callers hold `&mut`
     /// on the destination pool (the public wrappers enforce it).
     fn run(&self, device_pool: &DevicePool, op: Op, io_backend: IoBackend, host_indices: &[i64], device_indices: &[i64]) -> Result<()> {
