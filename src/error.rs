@@ -81,7 +81,37 @@ pub enum TransferError {
         page_size: u64,
     },
 
+    /// All-layer launcher check: the source layer table's length against `num_layers`
+    /// (`which` is `"k "` for the MHA ops, empty for MLA).
+    #[error("Number of layers in source {which}tensor does not match num_layers")]
+    NumLayersMismatch {
+        /// `"k "` (MHA) or `""` (MLA).
+        which: &'static str,
+        /// The `num_layers` argument.
+        num_layers: i64,
+        /// Entries in the source layer table.
+        table_len: usize,
+    },
+    /// `transfer_kv_direct` check: the two layer lists differ in length.
+    #[error("Source and destination layers must have the same number of layers")]
+    LayerListMismatch {
+        /// Source layers.
+        src_len: usize,
+        /// Destination layers.
+        dst_len: usize,
+    },
+
     // ---- hicache-io's own checks (sglang has none) -------------------------------------------
+    /// A tensor argument of a `kvcacheio` op that cannot be what the op reads or writes: too
+    /// small, a shape that disagrees with the sizes passed, memory the executor cannot address,
+    /// or a destination that overlaps another argument.
+    #[error("{arg}: {reason}")]
+    BadTensor {
+        /// The argument's name (sglang's), with its list position.
+        arg: String,
+        /// What is wrong.
+        reason: String,
+    },
     /// MHA has no layer-sharded backup branch in sglang (profile `sglang`).
     #[error("Layer-sharded HiCache backup is not supported for {kind} host pools in sglang (use profile extended)")]
     ShardedUnsupportedPool {

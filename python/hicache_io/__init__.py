@@ -1,0 +1,39 @@
+"""hicache-io: sglang HiCache host<->device KV-cache transfers on cpu, wgpu and cuda.
+
+- :mod:`hicache_io.kvcacheio` -- ``sgl_kernel.kvcacheio``'s thirteen ops under the same names
+  and arguments, over any array that speaks DLPack (numpy, torch CPU tensors), plus the
+  per-layer ``page_first`` / ``page_first_direct`` backups sglang lacks.
+- :class:`Device`, :class:`DevicePool`, :class:`HostPool` -- the pools with sglang's method
+  names, on an executor chosen by name (``"cpu"``, ``"wgpu"``, ``"cuda"``) or ``"auto"``.
+- :func:`matrix`, :func:`check` -- what ``hicache-io matrix --json`` and ``hicache-io check
+  --json`` print, as data.
+
+Errors are the exception classes sglang raises for the same condition with its message text:
+``ValueError`` from the pools' dispatch (``Unsupported layout: ...``), ``RuntimeError`` from the
+kernels' checks (``Source and destination indices must have the same length``), and for the
+checks sglang does not make, ``IndexError`` (an index outside its array or pool) or
+``ValueError``. A call that raises has moved no byte.
+"""
+
+import json as _json
+from typing import Any, Dict, List, Optional, Sequence
+
+from . import _native, kvcacheio
+from ._native import Device, DevicePool, HostPool
+
+__all__ = ["Device", "DevicePool", "HostPool", "kvcacheio", "matrix", "check"]
+__version__ = "0.1.0"
+
+
+def matrix(profile: str = "extended", pools: Optional[Sequence[str]] = None, dsa_page_size: int = 64) -> List[Dict[str, Any]]:
+    """The support matrix: one entry per (pool, op, layout, io backend) cell with the path that
+    runs it (``{"Ok": {...}}``) or sglang's error text (``{"Err": "..."}``)."""
+    return _json.loads(_native.matrix_json(profile, list(pools) if pools is not None else None, dsa_page_size))
+
+
+def check(device: "Device | str" = "cpu", profile: str = "extended", rounds: int = 4, seed: int = 1, io_backend: Optional[str] = None) -> List[Dict[str, Any]]:
+    """Random cases in every supported cell on ``device``, each compared byte for byte with the
+    oracle: one ``{"cell": ..., "tally": {"cases", "matched", "mismatched", "rejected", ...}}``
+    per cell."""
+    dev = Device(device) if isinstance(device, str) else device
+    return _json.loads(_native.check_json(dev, profile, rounds, seed, io_backend))

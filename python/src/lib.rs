@@ -1,0 +1,898 @@
+//! `hicache_io._native`: the Python bindings. Arrays arrive through DLPack (`__dlpack__`), or
+//! numpy's `__array_interface__` for read-only sources; errors become the exception classes
+//! sglang raises for the same condition, with its message text; transfers release the GIL.
+
+#![allow(clippy::too_many_arguments)] // sglang's signatures
+
+use std::ffi::c_void;
+use std::sync::OnceLock;
+
+use hicache_io::kvcacheio::{self as kv, Memory, RawTensor};
+use hicache_io::{Device, DevicePool, DevicePoolConfig, HostPool, HostPoolConfig, IoBackend, LayerMap, Profile, TransferError};
+use pyo3::exceptions::{PyIndexError, PyMemoryError, PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList, PyTuple};
+
+// ---- errors ------------------------------------------------------------------------------
+
+/// sglang's pools raise `ValueError`; sgl-kernel's `TORCH_CHECK`s raise `RuntimeError`.
+fn py_err(e: TransferError) -> PyErr {
+    use TransferError as E;
+    let msg = e.to_string();
+    match e {
+        E::LengthMismatch { .. }
+        | E::ItemNotWordAligned { .. }
+        | E::PageSizeNotPositive
+        | E::DirectCountNotPageMultiple { .. }
+        | E::NumLayersMismatch { .. }
+        | E::LayerListMismatch { .. }
+        | E::Unavailable { .. }
+        | E::Executor { .. }
+        | E::Partial { .. } => PyRuntimeError::new_err(msg),
+        E::IndexOutOfRange { .. } | E::LayerOutOfRange { .. } | E::NoSuchBuffer { .. } => PyIndexError::new_err(msg),
+        E::OutOfMemory { .. } => PyMemoryError::new_err(msg),
+        _ => PyValueError::new_err(msg),
+    }
+}
+
+trait IntoPy<T> {
+    fn py(self) -> PyResult<T>;
+}
+
+impl<T> IntoPy<T> for hicache_io::Result<T> {
+    fn py(self) -> PyResult<T> {
+        self.map_err(py_err)
+    }
+}
+
+// ---- DLPack ------------------------------------------------------------------------------
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct DlDevice {
+    device_type: i32,
+    device_id: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct DlDataType {
+    code: u8,
+    bits: u8,
+    lanes: u16,
+}
+
+#[repr(C)]
+struct DlTensor {
+    data: *mut c_void,
+    device: DlDevice,
+    ndim: i32,
+    dtype: DlDataType,
+    shape: *const i64,
+    strides: *const i64,
+    byte_offset: u64,
+}
+
+const DL_CPU: i32 = 1;
+const DL_CUDA: i32 = 2;
+const DL_CUDA_HOST: i32 = 3;
+const DL_INT: u8 = 0;
+const DL_UINT: u8 = 1;
+
+/// An array argument, kept alive (its capsule or the array) while an op runs.
+struct Held {
+    raw: RawTensor,
+    /// DLPack type code and bits per element.
+    dtype: (u8, u8),
+    device_type: i32,
+    writable: bool,
+    _keep: Py<PyAny>,
+}
+
+impl Held {
+    fn is_int64(&self) -> bool {
+        self.dtype == (DL_INT, 64)
+    }
+}
+
+fn view(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Held> {
+    match obj.call_method0("__dlpack__") {
+        Ok(cap) => from_capsule(&cap, name),
+        Err(dl_err) => match obj.getattr("__array_interface__") {
+            Ok(ai) => from_array_interface(obj, &ai, name),
+            Err(_) => Err(PyTypeError::new_err(format!("{name}: expected an array that speaks DLPack ({dl_err})"))),
+        },
+    }
+}
+
+fn from_capsule(cap: &Bound<'_, PyAny>, name: &str) -> PyResult<Held> {
+    // SAFETY: a `dltensor` capsule holds a DLManagedTensor whose first member is the DLTensor;
+    // the capsule (kept in `Held`) keeps it alive and frees it when collected, since it is
+    // never renamed to `used_dltensor`.
+    let t = unsafe {
+        let p = pyo3::ffi::PyCapsule_GetPointer(cap.as_ptr(), c"dltensor".as_ptr());
+        if p.is_null() {
+            return Err(PyErr::take(cap.py()).unwrap_or_else(|| PyTypeError::new_err(format!("{name}: not a DLPack capsule"))));
+        }
+        &*(p as *const DlTensor)
+    };
+    let ndim = usize::try_from(t.ndim).map_err(|_| PyValueError::new_err(format!("{name}: negative ndim")))?;
+    // SAFETY: DLPack gives `ndim` shape entries and, when non-null, `ndim` strides.
+    let shape: Vec<i64> = if ndim == 0 { vec![] } else { unsafe { std::slice::from_raw_parts(t.shape, ndim) }.to_vec() };
+    let strides: Option<Vec<i64>> =
+        if t.strides.is_null() || ndim == 0 { None } else { Some(unsafe { std::slice::from_raw_parts(t.strides, ndim) }.to_vec()) };
+    let elem = (t.dtype.bits as u64 * t.dtype.lanes as u64).div_ceil(8);
+    let addr = (t.data as u64).checked_add(t.byte_offset).ok_or_else(|| PyValueError::new_err(format!("{name}: address overflows")))?;
+    let memory = match t.device.device_type {
+        DL_CPU | DL_CUDA_HOST => Memory::Host,
+        DL_CUDA => Memory::CudaDevice,
+        other => return Err(PyValueError::new_err(format!("{name}: DLPack device type {other} is not host or CUDA memory"))),
+    };
+    let raw = described(name, addr, &shape, strides.as_deref(), elem, memory)?;
+    Ok(Held { raw, dtype: (t.dtype.code, t.dtype.bits), device_type: t.device.device_type, writable: true, _keep: cap.clone().unbind() })
+}
+
+/// numpy's `__array_interface__` (read-only arrays, which DLPack cannot export).
+fn from_array_interface(obj: &Bound<'_, PyAny>, ai: &Bound<'_, PyAny>, name: &str) -> PyResult<Held> {
+    let (ptr, readonly): (u64, bool) = ai.get_item("data")?.extract()?;
+    let shape: Vec<i64> = ai.get_item("shape")?.extract()?;
+    let strides: Option<Vec<i64>> = ai.get_item("strides")?.extract()?;
+    let typestr: String = ai.get_item("typestr")?.extract()?;
+    let kind = typestr.chars().nth(1).unwrap_or('?');
+    let size: u64 =
+        typestr.get(2..).and_then(|s| s.parse().ok()).ok_or_else(|| PyTypeError::new_err(format!("{name}: dtype {typestr}")))?;
+    let code = match kind {
+        'i' => DL_INT,
+        'u' => DL_UINT,
+        'f' => 2,
+        _ => 255,
+    };
+    let raw = described(name, ptr, &shape, strides.as_deref(), size, Memory::Host)?;
+    Ok(Held { raw, dtype: (code, (size * 8) as u8), device_type: DL_CPU, writable: !readonly, _keep: obj.clone().unbind() })
+}
+
+/// A contiguous tensor's byte span (strides in elements; only C order, dimensions of extent 1
+/// may have any stride).
+fn described(name: &str, addr: u64, shape: &[i64], strides: Option<&[i64]>, elem: u64, memory: Memory) -> PyResult<RawTensor> {
+    let dims: Vec<u64> = shape
+        .iter()
+        .map(|&d| u64::try_from(d))
+        .collect::<Result<_, _>>()
+        .map_err(|_| PyValueError::new_err(format!("{name}: negative extent")))?;
+    let count =
+        dims.iter().try_fold(1u64, |a, &d| a.checked_mul(d)).ok_or_else(|| PyValueError::new_err(format!("{name}: size overflows")))?;
+    if let Some(strides) = strides {
+        let mut want = 1i64;
+        for (i, &d) in shape.iter().enumerate().rev() {
+            if d != 1 && strides[i] != want {
+                return Err(PyValueError::new_err(format!(
+                    "{name}: must be contiguous (C order), got strides {strides:?} for shape {shape:?}"
+                )));
+            }
+            want = want.saturating_mul(d);
+        }
+    }
+    let len = count.checked_mul(elem).ok_or_else(|| PyValueError::new_err(format!("{name}: size overflows")))?;
+    // SAFETY: the span is the array's own memory, kept alive by `Held` for the op; the ops
+    // refuse destinations that overlap another argument.
+    Ok(unsafe { RawTensor::new(addr, len, dims, memory) })
+}
+
+/// A destination array: writable.
+fn dst_view(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Held> {
+    let h = view(obj, name)?;
+    if !h.writable {
+        return Err(PyValueError::new_err(format!("{name}: destination array is read-only")));
+    }
+    Ok(h)
+}
+
+/// Index list: an int64 array (sglang's type check and message), or a sequence of ints.
+fn index_list(obj: &Bound<'_, PyAny>, side: &str) -> PyResult<Vec<i64>> {
+    if obj.hasattr("__dlpack__")? || obj.hasattr("__array_interface__")? {
+        let h = view(obj, &format!("{} indices", side.to_lowercase()))?;
+        if !h.is_int64() {
+            return Err(PyRuntimeError::new_err(format!("{side} indices must be of type long")));
+        }
+        if h.device_type != DL_CPU && h.device_type != DL_CUDA_HOST {
+            return Err(PyValueError::new_err(format!("{side} indices: index lists are read on the host; pass a CPU array")));
+        }
+        let n = h.raw.len() / 8;
+        if n == 0 {
+            return Ok(vec![]);
+        }
+        // SAFETY: `n` int64 values of a live host array (kept by `h`); read unaligned in case a
+        // view starts off an 8-byte boundary.
+        let p = h.raw.addr() as *const i64;
+        return Ok((0..n as usize).map(|i| unsafe { p.add(i).read_unaligned() }).collect());
+    }
+    obj.extract::<Vec<i64>>().map_err(|_| PyTypeError::new_err(format!("{side} indices must be an int64 array or a sequence of ints")))
+}
+
+/// A layer argument: a list of arrays (every index bounds-checked), or sglang's table of layer
+/// base addresses (a 1-D int64/uint64 host array), trusted like sglang: each layer's extent is
+/// what the largest index needs (`extent` bytes).
+fn layers(obj: &Bound<'_, PyAny>, name: &str, writes: bool, extent: u64) -> PyResult<Vec<Held>> {
+    if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() {
+        return obj
+            .try_iter()?
+            .enumerate()
+            .map(|(j, x)| {
+                let n = format!("{name}[{j}]");
+                if writes {
+                    dst_view(&x?, &n)
+                } else {
+                    view(&x?, &n)
+                }
+            })
+            .collect();
+    }
+    let table = view(obj, name)?;
+    if !(table.dtype == (DL_INT, 64) || table.dtype == (DL_UINT, 64)) || table.raw.dims().len() != 1 {
+        return Err(PyTypeError::new_err(format!("{name}: expected a list of arrays or a 1-D int64 table of layer addresses")));
+    }
+    if table.device_type != DL_CPU {
+        return Err(PyValueError::new_err(format!(
+            "{name}: a layer address table must be host memory here; pass a list of arrays instead"
+        )));
+    }
+    let p = table.raw.addr() as *const u64;
+    (0..table.raw.dims()[0] as usize)
+        .map(|j| {
+            // SAFETY: entry `j` of a live host table.
+            let addr = unsafe { p.add(j).read_unaligned() };
+            // SAFETY: sglang's contract for layer tables: the caller vouches for each layer.
+            let raw = unsafe { RawTensor::new(addr, extent, vec![], Memory::Host) };
+            Ok(Held { raw, dtype: (DL_UINT, 8), device_type: DL_CPU, writable: true, _keep: obj.clone().unbind() })
+        })
+        .collect()
+}
+
+/// Bytes a pointer-table layer must hold for `idx` items of `item` bytes.
+fn extent_for(idx: &[i64], item: i64) -> u64 {
+    let top = idx.iter().copied().filter(|&i| i >= 0).max().map_or(1, |m| m as u64 + 1);
+    top.saturating_mul(item.max(1) as u64)
+}
+
+// ---- executors ---------------------------------------------------------------------------
+
+/// One cpu executor for the kvcacheio ops of this process.
+fn cpu() -> &'static Device {
+    static CPU: OnceLock<Device> = OnceLock::new();
+    CPU.get_or_init(Device::cpu)
+}
+
+/// The executor for the ops' arrays: host arrays run on the cpu executor.
+fn executor_for(args: &[&Held]) -> PyResult<Device> {
+    if args.iter().all(|h| h.device_type == DL_CPU) {
+        return Ok(cpu().clone());
+    }
+    Err(PyValueError::new_err(
+        "hicache_io.kvcacheio runs host (CPU) arrays on the cpu executor; CUDA arrays are not accepted by this build \
+         of the Python package yet (use the Rust API's cuda executor)",
+    ))
+}
+
+fn raws(hs: &[Held]) -> Vec<RawTensor> {
+    hs.iter().map(|h| h.raw.clone()).collect()
+}
+
+// ---- kvcacheio ---------------------------------------------------------------------------
+
+#[pyfunction]
+#[pyo3(signature = (src_k, dst_k, src_v, dst_v, src_indices, dst_indices, item_size))]
+fn transfer_kv_per_layer(
+    py: Python<'_>,
+    src_k: &Bound<'_, PyAny>,
+    dst_k: &Bound<'_, PyAny>,
+    src_v: &Bound<'_, PyAny>,
+    dst_v: &Bound<'_, PyAny>,
+    src_indices: &Bound<'_, PyAny>,
+    dst_indices: &Bound<'_, PyAny>,
+    item_size: i64,
+) -> PyResult<()> {
+    let (si, di) = (index_list(src_indices, "Source")?, index_list(dst_indices, "Destination")?);
+    let (sk, dk, sv, dv) = (view(src_k, "src_k")?, dst_view(dst_k, "dst_k")?, view(src_v, "src_v")?, dst_view(dst_v, "dst_v")?);
+    let dev = executor_for(&[&sk, &dk, &sv, &dv])?;
+    py.detach(|| kv::transfer_kv_per_layer(&dev, &sk.raw, &dk.raw, &sv.raw, &dv.raw, &si, &di, item_size)).py()
+}
+
+#[pyfunction]
+#[pyo3(signature = (src_k, dst_k, src_v, dst_v, src_indices, dst_indices, layer_id, item_size, src_layout_dim))]
+fn transfer_kv_per_layer_pf_lf(
+    py: Python<'_>,
+    src_k: &Bound<'_, PyAny>,
+    dst_k: &Bound<'_, PyAny>,
+    src_v: &Bound<'_, PyAny>,
+    dst_v: &Bound<'_, PyAny>,
+    src_indices: &Bound<'_, PyAny>,
+    dst_indices: &Bound<'_, PyAny>,
+    layer_id: i64,
+    item_size: i64,
+    src_layout_dim: i64,
+) -> PyResult<()> {
+    let (si, di) = (index_list(src_indices, "Source")?, index_list(dst_indices, "Destination")?);
+    let (sk, dk, sv, dv) = (view(src_k, "src_k")?, dst_view(dst_k, "dst_k")?, view(src_v, "src_v")?, dst_view(dst_v, "dst_v")?);
+    let dev = executor_for(&[&sk, &dk, &sv, &dv])?;
+    py.detach(|| kv::transfer_kv_per_layer_pf_lf(&dev, &sk.raw, &dk.raw, &sv.raw, &dv.raw, &si, &di, layer_id, item_size, src_layout_dim))
+        .py()
+}
+
+#[pyfunction]
+#[pyo3(signature = (src_k, dst_k, src_v, dst_v, src_indices, dst_indices, layer_id, item_size, src_layout_dim, page_size, head_num))]
+fn transfer_kv_per_layer_ph_lf(
+    py: Python<'_>,
+    src_k: &Bound<'_, PyAny>,
+    dst_k: &Bound<'_, PyAny>,
+    src_v: &Bound<'_, PyAny>,
+    dst_v: &Bound<'_, PyAny>,
+    src_indices: &Bound<'_, PyAny>,
+    dst_indices: &Bound<'_, PyAny>,
+    layer_id: i64,
+    item_size: i64,
+    src_layout_dim: i64,
+    page_size: i64,
+    head_num: i64,
+) -> PyResult<()> {
+    let (si, di) = (index_list(src_indices, "Source")?, index_list(dst_indices, "Destination")?);
+    let (sk, dk, sv, dv) = (view(src_k, "src_k")?, dst_view(dst_k, "dst_k")?, view(src_v, "src_v")?, dst_view(dst_v, "dst_v")?);
+    let dev = executor_for(&[&sk, &dk, &sv, &dv])?;
+    py.detach(|| {
+        kv::transfer_kv_per_layer_ph_lf(
+            &dev,
+            &sk.raw,
+            &dk.raw,
+            &sv.raw,
+            &dv.raw,
+            &si,
+            &di,
+            layer_id,
+            item_size,
+            src_layout_dim,
+            page_size,
+            head_num,
+        )
+    })
+    .py()
+}
+
+#[pyfunction]
+#[pyo3(signature = (src_k_layers, dst_k_layers, src_v_layers, dst_v_layers, src_indices, dst_indices, item_size, num_layers))]
+fn transfer_kv_all_layer(
+    py: Python<'_>,
+    src_k_layers: &Bound<'_, PyAny>,
+    dst_k_layers: &Bound<'_, PyAny>,
+    src_v_layers: &Bound<'_, PyAny>,
+    dst_v_layers: &Bound<'_, PyAny>,
+    src_indices: &Bound<'_, PyAny>,
+    dst_indices: &Bound<'_, PyAny>,
+    item_size: i64,
+    num_layers: i64,
+) -> PyResult<()> {
+    let (si, di) = (index_list(src_indices, "Source")?, index_list(dst_indices, "Destination")?);
+    let (se, de) = (extent_for(&si, item_size), extent_for(&di, item_size));
+    let sk = layers(src_k_layers, "src_k_layers", false, se)?;
+    let dk = layers(dst_k_layers, "dst_k_layers", true, de)?;
+    let sv = layers(src_v_layers, "src_v_layers", false, se)?;
+    let dv = layers(dst_v_layers, "dst_v_layers", true, de)?;
+    let dev = executor_for(&sk.iter().chain(&dk).chain(&sv).chain(&dv).collect::<Vec<_>>())?;
+    let (sk, dk, sv, dv) = (raws(&sk), raws(&dk), raws(&sv), raws(&dv));
+    py.detach(|| kv::transfer_kv_all_layer(&dev, &sk, &dk, &sv, &dv, &si, &di, item_size, num_layers)).py()
+}
+
+#[pyfunction]
+#[pyo3(signature = (src_k_layers, dst_k, src_v_layers, dst_v, src_indices, dst_indices, item_size, dst_layout_dim, num_layers))]
+fn transfer_kv_all_layer_lf_pf(
+    py: Python<'_>,
+    src_k_layers: &Bound<'_, PyAny>,
+    dst_k: &Bound<'_, PyAny>,
+    src_v_layers: &Bound<'_, PyAny>,
+    dst_v: &Bound<'_, PyAny>,
+    src_indices: &Bound<'_, PyAny>,
+    dst_indices: &Bound<'_, PyAny>,
+    item_size: i64,
+    dst_layout_dim: i64,
+    num_layers: i64,
+) -> PyResult<()> {
+    let (si, di) = (index_list(src_indices, "Source")?, index_list(dst_indices, "Destination")?);
+    let se = extent_for(&si, item_size);
+    let (sk, sv) = (layers(src_k_layers, "src_k_layers", false, se)?, layers(src_v_layers, "src_v_layers", false, se)?);
+    let (dk, dv) = (dst_view(dst_k, "dst_k")?, dst_view(dst_v, "dst_v")?);
+    let dev = executor_for(&sk.iter().chain(&sv).chain([&dk, &dv]).collect::<Vec<_>>())?;
+    let (sk, sv) = (raws(&sk), raws(&sv));
+    py.detach(|| kv::transfer_kv_all_layer_lf_pf(&dev, &sk, &dk.raw, &sv, &dv.raw, &si, &di, item_size, dst_layout_dim, num_layers)).py()
+}
+
+#[pyfunction]
+#[pyo3(signature = (src_k_layers, dst_k, src_v_layers, dst_v, src_indices, dst_indices, item_size, dst_layout_dim, num_layers, page_size, head_num))]
+fn transfer_kv_all_layer_lf_ph(
+    py: Python<'_>,
+    src_k_layers: &Bound<'_, PyAny>,
+    dst_k: &Bound<'_, PyAny>,
+    src_v_layers: &Bound<'_, PyAny>,
+    dst_v: &Bound<'_, PyAny>,
+    src_indices: &Bound<'_, PyAny>,
+    dst_indices: &Bound<'_, PyAny>,
+    item_size: i64,
+    dst_layout_dim: i64,
+    num_layers: i64,
+    page_size: i64,
+    head_num: i64,
+) -> PyResult<()> {
+    let (si, di) = (index_list(src_indices, "Source")?, index_list(dst_indices, "Destination")?);
+    let se = extent_for(&si, item_size);
+    let (sk, sv) = (layers(src_k_layers, "src_k_layers", false, se)?, layers(src_v_layers, "src_v_layers", false, se)?);
+    let (dk, dv) = (dst_view(dst_k, "dst_k")?, dst_view(dst_v, "dst_v")?);
+    let dev = executor_for(&sk.iter().chain(&sv).chain([&dk, &dv]).collect::<Vec<_>>())?;
+    let (sk, sv) = (raws(&sk), raws(&sv));
+    py.detach(|| {
+        kv::transfer_kv_all_layer_lf_ph(
+            &dev,
+            &sk,
+            &dk.raw,
+            &sv,
+            &dv.raw,
+            &si,
+            &di,
+            item_size,
+            dst_layout_dim,
+            num_layers,
+            page_size,
+            head_num,
+        )
+    })
+    .py()
+}
+
+#[pyfunction]
+#[pyo3(signature = (src, dst, src_indices, dst_indices, item_size))]
+fn transfer_kv_per_layer_mla(
+    py: Python<'_>,
+    src: &Bound<'_, PyAny>,
+    dst: &Bound<'_, PyAny>,
+    src_indices: &Bound<'_, PyAny>,
+    dst_indices: &Bound<'_, PyAny>,
+    item_size: i64,
+) -> PyResult<()> {
+    let (si, di) = (index_list(src_indices, "Source")?, index_list(dst_indices, "Destination")?);
+    let (s, d) = (view(src, "src")?, dst_view(dst, "dst")?);
+    let dev = executor_for(&[&s, &d])?;
+    py.detach(|| kv::transfer_kv_per_layer_mla(&dev, &s.raw, &d.raw, &si, &di, item_size)).py()
+}
+
+#[pyfunction]
+#[pyo3(signature = (src, dst, src_indices, dst_indices, layer_id, item_size, src_layout_dim))]
+fn transfer_kv_per_layer_mla_pf_lf(
+    py: Python<'_>,
+    src: &Bound<'_, PyAny>,
+    dst: &Bound<'_, PyAny>,
+    src_indices: &Bound<'_, PyAny>,
+    dst_indices: &Bound<'_, PyAny>,
+    layer_id: i64,
+    item_size: i64,
+    src_layout_dim: i64,
+) -> PyResult<()> {
+    let (si, di) = (index_list(src_indices, "Source")?, index_list(dst_indices, "Destination")?);
+    let (s, d) = (view(src, "src")?, dst_view(dst, "dst")?);
+    let dev = executor_for(&[&s, &d])?;
+    py.detach(|| kv::transfer_kv_per_layer_mla_pf_lf(&dev, &s.raw, &d.raw, &si, &di, layer_id, item_size, src_layout_dim)).py()
+}
+
+#[pyfunction]
+#[pyo3(signature = (src_layers, dst_layers, src_indices, dst_indices, item_size, num_layers))]
+fn transfer_kv_all_layer_mla(
+    py: Python<'_>,
+    src_layers: &Bound<'_, PyAny>,
+    dst_layers: &Bound<'_, PyAny>,
+    src_indices: &Bound<'_, PyAny>,
+    dst_indices: &Bound<'_, PyAny>,
+    item_size: i64,
+    num_layers: i64,
+) -> PyResult<()> {
+    let (si, di) = (index_list(src_indices, "Source")?, index_list(dst_indices, "Destination")?);
+    let s = layers(src_layers, "src_layers", false, extent_for(&si, item_size))?;
+    let d = layers(dst_layers, "dst_layers", true, extent_for(&di, item_size))?;
+    let dev = executor_for(&s.iter().chain(&d).collect::<Vec<_>>())?;
+    let (s, d) = (raws(&s), raws(&d));
+    py.detach(|| kv::transfer_kv_all_layer_mla(&dev, &s, &d, &si, &di, item_size, num_layers)).py()
+}
+
+#[pyfunction]
+#[pyo3(signature = (src_layers, dst, src_indices, dst_indices, item_size, dst_layout_dim, num_layers))]
+fn transfer_kv_all_layer_mla_lf_pf(
+    py: Python<'_>,
+    src_layers: &Bound<'_, PyAny>,
+    dst: &Bound<'_, PyAny>,
+    src_indices: &Bound<'_, PyAny>,
+    dst_indices: &Bound<'_, PyAny>,
+    item_size: i64,
+    dst_layout_dim: i64,
+    num_layers: i64,
+) -> PyResult<()> {
+    let (si, di) = (index_list(src_indices, "Source")?, index_list(dst_indices, "Destination")?);
+    let s = layers(src_layers, "src_layers", false, extent_for(&si, item_size))?;
+    let d = dst_view(dst, "dst")?;
+    let dev = executor_for(&s.iter().chain([&d]).collect::<Vec<_>>())?;
+    let s = raws(&s);
+    py.detach(|| kv::transfer_kv_all_layer_mla_lf_pf(&dev, &s, &d.raw, &si, &di, item_size, dst_layout_dim, num_layers)).py()
+}
+
+/// A direct op's list of arrays (sglang passes Python lists of tensors).
+fn array_list(obj: &Bound<'_, PyAny>, name: &str, writes: bool) -> PyResult<Vec<Held>> {
+    if !(obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>()) {
+        return Err(PyTypeError::new_err(format!("{name}: expected a list of arrays")));
+    }
+    layers(obj, name, writes, 0)
+}
+
+#[pyfunction]
+#[pyo3(signature = (src_layers, dst_layers, src_indices, dst_indices, page_size))]
+fn transfer_kv_direct(
+    py: Python<'_>,
+    src_layers: &Bound<'_, PyAny>,
+    dst_layers: &Bound<'_, PyAny>,
+    src_indices: &Bound<'_, PyAny>,
+    dst_indices: &Bound<'_, PyAny>,
+    page_size: i64,
+) -> PyResult<()> {
+    let (si, di) = (index_list(src_indices, "Source")?, index_list(dst_indices, "Destination")?);
+    let (s, d) = (array_list(src_layers, "src_layers", false)?, array_list(dst_layers, "dst_layers", true)?);
+    let dev = executor_for(&s.iter().chain(&d).collect::<Vec<_>>())?;
+    let (s, d) = (raws(&s), raws(&d));
+    py.detach(|| kv::transfer_kv_direct(&dev, &s, &d, &si, &di, page_size)).py()
+}
+
+#[pyfunction]
+#[pyo3(signature = (src_ptrs, dst_ptrs, src_indices, dst_indices, layer_id, page_size))]
+fn transfer_kv_per_layer_direct_pf_lf(
+    py: Python<'_>,
+    src_ptrs: &Bound<'_, PyAny>,
+    dst_ptrs: &Bound<'_, PyAny>,
+    src_indices: &Bound<'_, PyAny>,
+    dst_indices: &Bound<'_, PyAny>,
+    layer_id: i64,
+    page_size: i64,
+) -> PyResult<()> {
+    let (si, di) = (index_list(src_indices, "Source")?, index_list(dst_indices, "Destination")?);
+    let (s, d) = (array_list(src_ptrs, "src_ptrs", false)?, array_list(dst_ptrs, "dst_ptrs", true)?);
+    let dev = executor_for(&s.iter().chain(&d).collect::<Vec<_>>())?;
+    let (s, d) = (raws(&s), raws(&d));
+    py.detach(|| kv::transfer_kv_per_layer_direct_pf_lf(&dev, &s, &d, &si, &di, layer_id, page_size)).py()
+}
+
+#[pyfunction]
+#[pyo3(signature = (src_ptrs, dst_ptrs, src_indices, dst_indices, page_size))]
+fn transfer_kv_all_layer_direct_lf_pf(
+    py: Python<'_>,
+    src_ptrs: &Bound<'_, PyAny>,
+    dst_ptrs: &Bound<'_, PyAny>,
+    src_indices: &Bound<'_, PyAny>,
+    dst_indices: &Bound<'_, PyAny>,
+    page_size: i64,
+) -> PyResult<()> {
+    let (si, di) = (index_list(src_indices, "Source")?, index_list(dst_indices, "Destination")?);
+    let (s, d) = (array_list(src_ptrs, "src_ptrs", false)?, array_list(dst_ptrs, "dst_ptrs", true)?);
+    let dev = executor_for(&s.iter().chain(&d).collect::<Vec<_>>())?;
+    let (s, d) = (raws(&s), raws(&d));
+    py.detach(|| kv::transfer_kv_all_layer_direct_lf_pf(&dev, &s, &d, &si, &di, page_size)).py()
+}
+
+#[pyfunction]
+#[pyo3(signature = (src_k, dst_k, src_v, dst_v, src_indices, dst_indices, layer_id, item_size, dst_layout_dim))]
+fn transfer_kv_per_layer_lf_pf(
+    py: Python<'_>,
+    src_k: &Bound<'_, PyAny>,
+    dst_k: &Bound<'_, PyAny>,
+    src_v: &Bound<'_, PyAny>,
+    dst_v: &Bound<'_, PyAny>,
+    src_indices: &Bound<'_, PyAny>,
+    dst_indices: &Bound<'_, PyAny>,
+    layer_id: i64,
+    item_size: i64,
+    dst_layout_dim: i64,
+) -> PyResult<()> {
+    let (si, di) = (index_list(src_indices, "Source")?, index_list(dst_indices, "Destination")?);
+    let (sk, dk, sv, dv) = (view(src_k, "src_k")?, dst_view(dst_k, "dst_k")?, view(src_v, "src_v")?, dst_view(dst_v, "dst_v")?);
+    let dev = executor_for(&[&sk, &dk, &sv, &dv])?;
+    py.detach(|| kv::transfer_kv_per_layer_lf_pf(&dev, &sk.raw, &dk.raw, &sv.raw, &dv.raw, &si, &di, layer_id, item_size, dst_layout_dim))
+        .py()
+}
+
+#[pyfunction]
+#[pyo3(signature = (src, dst, src_indices, dst_indices, layer_id, item_size, dst_layout_dim))]
+fn transfer_kv_per_layer_mla_lf_pf(
+    py: Python<'_>,
+    src: &Bound<'_, PyAny>,
+    dst: &Bound<'_, PyAny>,
+    src_indices: &Bound<'_, PyAny>,
+    dst_indices: &Bound<'_, PyAny>,
+    layer_id: i64,
+    item_size: i64,
+    dst_layout_dim: i64,
+) -> PyResult<()> {
+    let (si, di) = (index_list(src_indices, "Source")?, index_list(dst_indices, "Destination")?);
+    let (s, d) = (view(src, "src")?, dst_view(dst, "dst")?);
+    let dev = executor_for(&[&s, &d])?;
+    py.detach(|| kv::transfer_kv_per_layer_mla_lf_pf(&dev, &s.raw, &d.raw, &si, &di, layer_id, item_size, dst_layout_dim)).py()
+}
+
+#[pyfunction]
+#[pyo3(signature = (src_ptrs, dst_ptrs, src_indices, dst_indices, layer_id, page_size))]
+fn transfer_kv_per_layer_direct_lf_pf(
+    py: Python<'_>,
+    src_ptrs: &Bound<'_, PyAny>,
+    dst_ptrs: &Bound<'_, PyAny>,
+    src_indices: &Bound<'_, PyAny>,
+    dst_indices: &Bound<'_, PyAny>,
+    layer_id: i64,
+    page_size: i64,
+) -> PyResult<()> {
+    let (si, di) = (index_list(src_indices, "Source")?, index_list(dst_indices, "Destination")?);
+    let (s, d) = (array_list(src_ptrs, "src_ptrs", false)?, array_list(dst_ptrs, "dst_ptrs", true)?);
+    let dev = executor_for(&s.iter().chain(&d).collect::<Vec<_>>())?;
+    let (s, d) = (raws(&s), raws(&d));
+    py.detach(|| kv::transfer_kv_per_layer_direct_lf_pf(&dev, &s, &d, &si, &di, layer_id, page_size)).py()
+}
+
+// ---- pools -------------------------------------------------------------------------------
+
+/// An executor instance: `"cpu"`, `"wgpu"`, `"cuda"` or `"auto"`.
+#[pyclass(name = "Device", module = "hicache_io")]
+struct PyDevice {
+    inner: Device,
+}
+
+#[pymethods]
+impl PyDevice {
+    #[new]
+    #[pyo3(signature = (name = "auto"))]
+    fn new(py: Python<'_>, name: &str) -> PyResult<Self> {
+        let inner = py.detach(|| match name {
+            "auto" => Ok(Device::auto()),
+            other => other.parse().and_then(Device::open),
+        });
+        Ok(PyDevice { inner: inner.py()? })
+    }
+    /// `cpu`, `wgpu` or `cuda`.
+    #[getter]
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    /// Adapter / device description.
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+    fn __repr__(&self) -> String {
+        format!("Device({:?}: {})", self.inner.name(), self.inner.describe())
+    }
+}
+
+fn parse<T: std::str::FromStr<Err = TransferError>>(s: &str) -> PyResult<T> {
+    s.parse().py()
+}
+
+/// A device pool (layer_first, one buffer per live layer and component), zero-initialised.
+#[pyclass(name = "DevicePool", module = "hicache_io")]
+struct PyDevicePool {
+    inner: DevicePool<'static>,
+}
+
+#[pymethods]
+impl PyDevicePool {
+    #[new]
+    #[pyo3(signature = (device, kind, bytes_per_token, slots, page_size, layer_num, layer_shard = None, skipped = None, drafts = 0))]
+    fn new(
+        py: Python<'_>,
+        device: &PyDevice,
+        kind: &str,
+        bytes_per_token: u64,
+        slots: u64,
+        page_size: u64,
+        layer_num: usize,
+        layer_shard: Option<(usize, usize)>,
+        skipped: Option<Vec<bool>>,
+        drafts: usize,
+    ) -> PyResult<Self> {
+        let layers = LayerMap { layer_num, layer_shard, skipped: skipped.unwrap_or_else(|| vec![false; layer_num]), drafts };
+        let config = DevicePoolConfig { kind: parse(kind)?, bytes_per_token, slots, page_size, layers };
+        let dev = device.inner.clone();
+        Ok(PyDevicePool { inner: py.detach(|| DevicePool::new(&dev, &config)).py()? })
+    }
+    /// Bytes per slot (the indexer page for the DSA indexer).
+    #[getter]
+    fn item_bytes(&self) -> u64 {
+        self.inner.geometry().item_bytes()
+    }
+    /// Slots per layer buffer.
+    #[getter]
+    fn slots(&self) -> u64 {
+        self.inner.geometry().slots()
+    }
+    /// Buffers per component (live target layers, then drafts).
+    #[getter]
+    fn buffer_count(&self) -> usize {
+        self.inner.geometry().buffer_count()
+    }
+    /// A copy of buffer `slot` of component `comp`, as bytes.
+    fn read_buffer<'py>(&self, py: Python<'py>, comp: usize, slot: usize) -> PyResult<Bound<'py, PyBytes>> {
+        let v = py.detach(|| self.inner.read_buffer(comp, slot)).py()?;
+        Ok(PyBytes::new(py, &v))
+    }
+    /// Replaces buffer `slot` of component `comp` (exactly its size, any bytes-like object).
+    fn write_buffer(&mut self, py: Python<'_>, comp: usize, slot: usize, data: Vec<u8>) -> PyResult<()> {
+        py.detach(|| self.inner.write_buffer(comp, slot, &data)).py()
+    }
+}
+
+/// A host pool in one of sglang's layouts, for a device pool.
+#[pyclass(name = "HostPool", module = "hicache_io")]
+struct PyHostPool {
+    inner: HostPool<'static>,
+}
+
+fn io(name: &str) -> PyResult<IoBackend> {
+    parse(name)
+}
+
+#[pymethods]
+impl PyHostPool {
+    #[new]
+    #[pyo3(signature = (device_pool, layout, size, head_num = 1, profile = "extended"))]
+    fn new(py: Python<'_>, device_pool: &PyDevicePool, layout: &str, size: u64, head_num: u64, profile: &str) -> PyResult<Self> {
+        let config = HostPoolConfig { layout: parse(layout)?, size, head_num, profile: parse::<Profile>(profile)? };
+        Ok(PyHostPool { inner: py.detach(|| HostPool::new(&device_pool.inner, &config)).py()? })
+    }
+    #[pyo3(signature = (device_pool, host_indices, device_indices, layer_id, io_backend = "kernel"))]
+    fn load_to_device_per_layer(
+        &self,
+        py: Python<'_>,
+        device_pool: &mut PyDevicePool,
+        host_indices: &Bound<'_, PyAny>,
+        device_indices: &Bound<'_, PyAny>,
+        layer_id: usize,
+        io_backend: &str,
+    ) -> PyResult<()> {
+        let (hi, di, io) = (index_list(host_indices, "Host")?, index_list(device_indices, "Device")?, io(io_backend)?);
+        let dev = &mut device_pool.inner;
+        py.detach(|| self.inner.load_to_device_per_layer(dev, &hi, &di, layer_id, io)).py()
+    }
+    #[pyo3(signature = (device_pool, host_indices, device_indices, layer_id, io_backend = "kernel"))]
+    fn load_draft_to_device(
+        &self,
+        py: Python<'_>,
+        device_pool: &mut PyDevicePool,
+        host_indices: &Bound<'_, PyAny>,
+        device_indices: &Bound<'_, PyAny>,
+        layer_id: usize,
+        io_backend: &str,
+    ) -> PyResult<()> {
+        let (hi, di, io) = (index_list(host_indices, "Host")?, index_list(device_indices, "Device")?, io(io_backend)?);
+        let dev = &mut device_pool.inner;
+        py.detach(|| self.inner.load_draft_to_device(dev, &hi, &di, layer_id, io)).py()
+    }
+    #[pyo3(signature = (device_pool, host_indices, device_indices, io_backend = "kernel"))]
+    fn backup_from_device_all_layer(
+        &mut self,
+        py: Python<'_>,
+        device_pool: &PyDevicePool,
+        host_indices: &Bound<'_, PyAny>,
+        device_indices: &Bound<'_, PyAny>,
+        io_backend: &str,
+    ) -> PyResult<()> {
+        let (hi, di, io) = (index_list(host_indices, "Host")?, index_list(device_indices, "Device")?, io(io_backend)?);
+        let host = &mut self.inner;
+        py.detach(|| host.backup_from_device_all_layer(&device_pool.inner, &hi, &di, io)).py()
+    }
+    #[pyo3(signature = (device_pool, host_indices, device_indices, layer_id, io_backend = "kernel", is_draft = false))]
+    fn backup_from_device_per_layer(
+        &mut self,
+        py: Python<'_>,
+        device_pool: &PyDevicePool,
+        host_indices: &Bound<'_, PyAny>,
+        device_indices: &Bound<'_, PyAny>,
+        layer_id: usize,
+        io_backend: &str,
+        is_draft: bool,
+    ) -> PyResult<()> {
+        let (hi, di, io) = (index_list(host_indices, "Host")?, index_list(device_indices, "Device")?, io(io_backend)?);
+        let host = &mut self.inner;
+        py.detach(|| host.backup_from_device_per_layer(&device_pool.inner, &hi, &di, layer_id, is_draft, io)).py()
+    }
+    /// sglang `get_data_page(index, flat=True)`: the flat page as bytes.
+    fn get_data_page<'py>(&self, py: Python<'py>, index: i64) -> PyResult<Bound<'py, PyBytes>> {
+        let v = py.detach(|| self.inner.get_data_page(index)).py()?;
+        Ok(PyBytes::new(py, &v))
+    }
+    /// sglang `get_dummy_flat_data_page()`: zeros of one flat page.
+    fn get_dummy_flat_data_page<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let v = self.inner.get_dummy_flat_data_page().py()?;
+        Ok(PyBytes::new(py, &v))
+    }
+    /// sglang `set_from_flat_data_page(index, data_page)`.
+    fn set_from_flat_data_page(&mut self, py: Python<'_>, index: i64, data_page: Vec<u8>) -> PyResult<()> {
+        let host = &mut self.inner;
+        py.detach(|| host.set_from_flat_data_page(index, &data_page)).py()
+    }
+    /// sglang `get_page_buffer_meta(indices)`: `(component, byte offset, bytes)` per span.
+    fn get_page_buffer_meta(&self, indices: &Bound<'_, PyAny>) -> PyResult<Vec<(usize, u64, u64)>> {
+        let idx = index_list(indices, "Host")?;
+        self.inner.get_page_buffer_meta(&idx).py()
+    }
+    /// A copy of component `comp`'s buffer, as bytes.
+    fn read_buffer<'py>(&self, py: Python<'py>, comp: usize) -> PyResult<Bound<'py, PyBytes>> {
+        let v = py.detach(|| self.inner.read_buffer(comp)).py()?;
+        Ok(PyBytes::new(py, &v))
+    }
+    /// Replaces component `comp`'s buffer (exactly its size).
+    fn write_buffer(&mut self, py: Python<'_>, comp: usize, data: Vec<u8>) -> PyResult<()> {
+        let host = &mut self.inner;
+        py.detach(|| host.write_buffer(comp, &data)).py()
+    }
+    /// Bytes of one component buffer.
+    #[getter]
+    fn buffer_bytes(&self) -> u64 {
+        self.inner.geometry().buffer_bytes()
+    }
+    /// Token slots after sglang's rounding.
+    #[getter]
+    fn size(&self) -> u64 {
+        self.inner.geometry().size()
+    }
+    /// Host layers `L`.
+    #[getter]
+    fn layer_num(&self) -> u64 {
+        self.inner.geometry().layer_num()
+    }
+}
+
+// ---- tools -------------------------------------------------------------------------------
+
+/// `hicache-io matrix --json`, as a JSON string.
+#[pyfunction]
+#[pyo3(signature = (profile = "extended", pools = None, dsa_page_size = 64))]
+fn matrix_json(profile: &str, pools: Option<Vec<String>>, dsa_page_size: u64) -> PyResult<String> {
+    hicache_io::matrix::check_dsa_page_size(dsa_page_size).py()?;
+    let pools = match pools {
+        Some(p) => p.iter().map(|s| parse(s)).collect::<PyResult<Vec<_>>>()?,
+        None => hicache_io::PoolKind::ALL.to_vec(),
+    };
+    let m = hicache_io::matrix::matrix(parse(profile)?, &pools, dsa_page_size);
+    serde_json::to_string(&m).map_err(|e| PyRuntimeError::new_err(e.to_string()))
+}
+
+/// `hicache-io check --json` for one executor, as a JSON string.
+#[pyfunction]
+#[pyo3(signature = (device, profile = "extended", rounds = 4, seed = 1, io_backend = None))]
+fn check_json(py: Python<'_>, device: &PyDevice, profile: &str, rounds: u64, seed: u64, io_backend: Option<&str>) -> PyResult<String> {
+    let (profile, io) = (parse::<Profile>(profile)?, io_backend.map(io).transpose()?);
+    let dev = device.inner.clone();
+    let rows = py.detach(|| hicache_io::check::check_device_io(&dev, profile, seed, rounds, io, |_, _| {})).py()?;
+    let v: Vec<_> = rows.iter().map(|(c, t)| serde_json::json!({"cell": c, "tally": t})).collect();
+    serde_json::to_string(&v).map_err(|e| PyRuntimeError::new_err(e.to_string()))
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyDevice>()?;
+    m.add_class::<PyDevicePool>()?;
+    m.add_class::<PyHostPool>()?;
+    m.add_function(wrap_pyfunction!(matrix_json, m)?)?;
+    m.add_function(wrap_pyfunction!(check_json, m)?)?;
+    m.add_function(wrap_pyfunction!(transfer_kv_per_layer, m)?)?;
+    m.add_function(wrap_pyfunction!(transfer_kv_per_layer_pf_lf, m)?)?;
+    m.add_function(wrap_pyfunction!(transfer_kv_per_layer_ph_lf, m)?)?;
+    m.add_function(wrap_pyfunction!(transfer_kv_all_layer, m)?)?;
+    m.add_function(wrap_pyfunction!(transfer_kv_all_layer_lf_pf, m)?)?;
+    m.add_function(wrap_pyfunction!(transfer_kv_all_layer_lf_ph, m)?)?;
+    m.add_function(wrap_pyfunction!(transfer_kv_per_layer_mla, m)?)?;
+    m.add_function(wrap_pyfunction!(transfer_kv_per_layer_mla_pf_lf, m)?)?;
+    m.add_function(wrap_pyfunction!(transfer_kv_all_layer_mla, m)?)?;
+    m.add_function(wrap_pyfunction!(transfer_kv_all_layer_mla_lf_pf, m)?)?;
+    m.add_function(wrap_pyfunction!(transfer_kv_direct, m)?)?;
+    m.add_function(wrap_pyfunction!(transfer_kv_per_layer_direct_pf_lf, m)?)?;
+    m.add_function(wrap_pyfunction!(transfer_kv_all_layer_direct_lf_pf, m)?)?;
+    m.add_function(wrap_pyfunction!(transfer_kv_per_layer_lf_pf, m)?)?;
+    m.add_function(wrap_pyfunction!(transfer_kv_per_layer_mla_lf_pf, m)?)?;
+    m.add_function(wrap_pyfunction!(transfer_kv_per_layer_direct_lf_pf, m)?)?;
+    Ok(())
+}

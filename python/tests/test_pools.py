@@ -1,0 +1,153 @@
+"""The pools from Python on cpu and wgpu (lavapipe in CI): every host layout against a numpy
+model of its shape, sglang's errors with its exception class and nothing moved, the seed
+(a layer-sharded DSA indexer backup into page_first), and ``matrix`` / ``check`` as data."""
+
+import os
+
+import numpy as np
+import pytest
+
+import hicache_io
+from hicache_io import Device, DevicePool, HostPool
+
+SEED_MESSAGE = "Layer-sharded DSA indexer HiCache backup with page_first layout is not supported without a per-layer LF->PF kernel."
+
+
+def device(name):
+    try:
+        return Device(name)
+    except RuntimeError as e:
+        required = os.environ.get("CI") or os.environ.get("HICACHE_REQUIRE_WGPU")
+        if name == "wgpu" and required:
+            raise
+        pytest.skip(f"{name}: {e}")
+
+
+EXECUTORS = ["cpu", "wgpu"]
+ITEM, PAGE, LAYERS, HEADS = 64, 4, 3, 2
+
+
+def host_view(buf, layout, size, item=ITEM, layers=LAYERS, page=PAGE, heads=HEADS):
+    """The host buffer as ``[token][layer][item]`` bytes, whatever its layout."""
+    b = np.frombuffer(buf, np.uint8)
+    pages = size // page
+    if layout == "layer_first":
+        return b.reshape(layers, size, item).transpose(1, 0, 2)
+    if layout == "page_first":
+        return b.reshape(size, layers, item)
+    if layout == "page_first_direct":
+        return b.reshape(pages, layers, page, item).transpose(0, 2, 1, 3).reshape(size, layers, item)
+    if layout == "page_head":
+        d = item // heads
+        return b.reshape(pages, heads, page, layers, d).transpose(0, 2, 3, 1, 4).reshape(size, layers, item)
+    raise AssertionError(layout)
+
+
+def filled_pools(dev, layout, profile="extended", kind="mha"):
+    dpool = DevicePool(dev, kind, ITEM, 64, PAGE, LAYERS)
+    hpool = HostPool(dpool, layout, 60, head_num=HEADS if layout == "page_head" else 1, profile=profile)
+    rng = np.random.default_rng(9)
+    comps = 2 if kind == "mha" else 1
+    layers = [[rng.integers(0, 256, 64 * ITEM, dtype=np.uint8) for _ in range(LAYERS)] for _ in range(comps)]
+    for c in range(comps):
+        for s in range(LAYERS):
+            dpool.write_buffer(c, s, layers[c][s].tobytes())
+    return dpool, hpool, layers
+
+
+IO = {"layer_first": "kernel", "page_first": "kernel", "page_first_direct": "direct", "page_head": "kernel"}
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+@pytest.mark.parametrize("layout", list(IO))
+def test_backup_then_load_every_layout(executor, layout):
+    dev = device(executor)
+    dpool, hpool, layers = filled_pools(dev, layout)
+    di = np.arange(8, 16, dtype=np.int64)
+    hi = np.arange(20, 28, dtype=np.int64)
+    hpool.backup_from_device_all_layer(dpool, hi, di, IO[layout])
+    for c in range(2):
+        view = host_view(hpool.read_buffer(c), layout, hpool.size)
+        for s in range(LAYERS):
+            want = layers[c][s].reshape(64, ITEM)[di]
+            np.testing.assert_array_equal(view[hi, s], want)
+    # Load layer 1 into other device slots.
+    back = np.arange(40, 48, dtype=np.int64)
+    hpool.load_to_device_per_layer(dpool, hi, back, 1, IO[layout])
+    got = np.frombuffer(dpool.read_buffer(0, 1), np.uint8).reshape(64, ITEM)
+    np.testing.assert_array_equal(got[back], layers[0][1].reshape(64, ITEM)[di])
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_sglang_errors_move_nothing(executor):
+    dev = device(executor)
+    dpool, hpool, _ = filled_pools(dev, "page_first", profile="sglang")
+    before = hpool.read_buffer(0)
+    idx = np.arange(4, dtype=np.int64)
+    with pytest.raises(ValueError, match="^Unsupported layout: page_first$"):
+        hpool.backup_from_device_all_layer(dpool, idx, idx, "direct")
+    with pytest.raises(RuntimeError, match="^Source and destination indices must have the same length$"):
+        hpool.backup_from_device_all_layer(dpool, idx, idx[:3], "kernel")
+    with pytest.raises(IndexError):
+        hpool.backup_from_device_all_layer(dpool, idx + 100, idx, "kernel")
+    with pytest.raises(ValueError, match="^Unsupported IO backend: auto$"):
+        hpool.backup_from_device_all_layer(dpool, idx, idx, "auto")
+    assert hpool.read_buffer(0) == before
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_the_seed_layer_sharded_dsa_page_first_backup(executor):
+    dev = device(executor)
+    page = 4
+    item = 132 * page  # DeepSeek V3.2's indexer: 132 B per token per layer, one page per item
+
+    def pools(profile):
+        d = DevicePool(dev, "dsa", 132, 8, page, 4, layer_shard=(2, 4))
+        return d, HostPool(d, "page_first", 32, profile=profile)
+
+    tokens_dev = np.arange(8, 16, dtype=np.int64)   # device pages 2, 3
+    tokens_host = np.arange(20, 28, dtype=np.int64)  # host pages 5, 6
+    d, h = pools("sglang")
+    with pytest.raises(ValueError) as e:
+        h.backup_from_device_all_layer(d, tokens_host, tokens_dev, "kernel")
+    assert str(e.value) == SEED_MESSAGE
+    d, h = pools("extended")
+    rng = np.random.default_rng(1)
+    data = [rng.integers(0, 256, 8 * item, dtype=np.uint8) for _ in range(2)]
+    for s in range(2):
+        d.write_buffer(0, s, data[s].tobytes())
+    h.backup_from_device_all_layer(d, tokens_host, tokens_dev, "kernel")
+    view = np.frombuffer(h.read_buffer(0), np.uint8).reshape(-1, 2, item)
+    for s in range(2):
+        np.testing.assert_array_equal(view[5:7, s], data[s].reshape(8, item)[2:4])
+
+
+def test_executors_agree_byte_for_byte():
+    wgpu = device("wgpu")
+    out = []
+    for dev in (Device("cpu"), wgpu):
+        dpool, hpool, _ = filled_pools(dev, "page_head")
+        hpool.backup_from_device_all_layer(dpool, np.arange(4, 12), np.arange(30, 38), "kernel")
+        hpool.backup_from_device_per_layer(dpool, np.arange(12, 16), np.arange(0, 4), 2)
+        out.append((hpool.read_buffer(0), hpool.read_buffer(1)))
+    assert out[0] == out[1]
+
+
+def test_storage_helpers_round_trip():
+    dpool, hpool, _ = filled_pools(Device("cpu"), "page_first")
+    hpool.backup_from_device_all_layer(dpool, np.arange(8, 12), np.arange(0, 4))
+    page = hpool.get_data_page(8)
+    assert len(page) == len(hpool.get_dummy_flat_data_page())
+    hpool.set_from_flat_data_page(16, page)
+    assert hpool.get_data_page(16) == page
+    meta = hpool.get_page_buffer_meta(np.arange(16, 20))
+    assert [m[0] for m in meta] == [0, 1]
+
+
+def test_matrix_and_check_as_data():
+    cells = hicache_io.matrix(profile="sglang", pools=["dsa"], dsa_page_size=64)
+    assert any(SEED_MESSAGE == c["outcome"].get("Err") for c in cells)
+    rows = hicache_io.check("cpu", rounds=1)
+    assert rows and all(r["tally"]["matched"] == r["tally"]["cases"] == 1 for r in rows)
+    with pytest.raises(ValueError, match="unknown"):
+        Device("tpu")

@@ -1,0 +1,875 @@
+//! sglang's `sgl_kernel.kvcacheio` transfer ops over caller memory, with the same names and
+//! argument order, on the cpu and cuda executors.
+//!
+//! Each op is a pool call in disguise: its tensors are wrapped as a device pool (the layer-first
+//! side) and a host pool (the layout side) of exactly their sizes, and the call goes through the
+//! one planner, so it obeys the same table, order of checks and messages as the pools, and adds
+//! what sglang's ops lack: every index is range-checked against the tensor it addresses, and
+//! destinations must be unique and must not overlap another argument. Nothing moves unless every
+//! check of every layer passes.
+//!
+//! Sizes are in bytes (`item_size`, `src_layout_dim`, `dst_layout_dim`), as in sgl-kernel since
+//! its layer-table refactor. The launch tuning arguments (`block_quota`, `num_warps_per_block`)
+//! are the executor's business and are not taken here.
+//!
+//! | op | device side | host side | call |
+//! |---|---|---|---|
+//! | [`transfer_kv_per_layer`], [`transfer_kv_per_layer_mla`] | `dst` layer | `src` layer (layer_first, one layer) | load |
+//! | [`transfer_kv_per_layer_pf_lf`], [`transfer_kv_per_layer_mla_pf_lf`] | `dst` layer | `src` page_first | load of `layer_id` |
+//! | [`transfer_kv_per_layer_ph_lf`] | `dst` layer | `src` page_head | load of `layer_id` |
+//! | [`transfer_kv_all_layer`], [`transfer_kv_all_layer_mla`], [`transfer_kv_direct`] | `dst[j]` | `src[j]` | one load per layer |
+//! | [`transfer_kv_all_layer_lf_pf`], [`transfer_kv_all_layer_mla_lf_pf`] | `src` layers | `dst` page_first | backup |
+//! | [`transfer_kv_all_layer_lf_ph`] | `src` layers | `dst` page_head | backup |
+//! | [`transfer_kv_per_layer_direct_pf_lf`] | `dst` layers | `src` page_first_direct | load of `layer_id` |
+//! | [`transfer_kv_all_layer_direct_lf_pf`] | `src` layers | `dst` page_first_direct | backup |
+//! | [`transfer_kv_per_layer_lf_pf`], [`transfer_kv_per_layer_mla_lf_pf`], [`transfer_kv_per_layer_direct_lf_pf`] | `src` layer | `dst` page_first / page_first_direct | per-layer backup (not in sglang) |
+//!
+//! The last row is what sglang lacks (its seed error): a one-layer backup into page_first or
+//! page_first_direct, for layer-sharded and layer-wise backups. It runs under profile
+//! `extended`; the thirteen sglang ops run under profile `sglang`.
+
+#![allow(clippy::too_many_arguments)] // sglang's signatures
+
+use std::ptr::NonNull;
+
+use crate::exec::{Buffer, Device};
+use crate::geometry::{IoBackend, LayerMap, Layout, PoolKind, Profile};
+use crate::plan::{Op, Plan, Request};
+use crate::pool::{DevicePool, DevicePoolConfig, HostPool, HostPoolConfig};
+use crate::{Result, TransferError};
+
+/// Where a tensor's memory is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Memory {
+    /// Host memory (pinned or mapped for the cuda executor).
+    Host,
+    /// CUDA device memory.
+    CudaDevice,
+}
+
+/// One tensor argument: `len` contiguous bytes at `addr`, with its shape in elements (the
+/// direct ops slice along dimension 0, and read page_first_direct pages from dimensions 1–2).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RawTensor {
+    addr: u64,
+    len: u64,
+    dims: Vec<u64>,
+    memory: Memory,
+}
+
+impl RawTensor {
+    /// Describes caller memory.
+    ///
+    /// # Safety
+    /// `addr..addr + len` must be valid for reads and writes, in `memory`, until the op that
+    /// receives it returns, and nothing else may access it meanwhile. The ops wait for their
+    /// copies before returning (the cuda executor: the copies are ordered on its stream, and the
+    /// op returns after enqueueing them, as sgl-kernel does).
+    pub unsafe fn new(addr: u64, len: u64, dims: Vec<u64>, memory: Memory) -> RawTensor {
+        RawTensor { addr, len, dims, memory }
+    }
+    /// Bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+    /// True when it holds no byte.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Shape in elements.
+    pub fn dims(&self) -> &[u64] {
+        &self.dims
+    }
+    /// Start address.
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+    /// Bytes of one row along dimension 0 (the whole tensor for a scalar).
+    fn row_bytes(&self) -> u64 {
+        match self.dims.first() {
+            Some(&rows) if rows > 0 => self.len / rows,
+            _ => self.len,
+        }
+    }
+}
+
+/// A named argument.
+#[derive(Clone)]
+struct Arg<'a> {
+    name: String,
+    t: &'a RawTensor,
+}
+
+fn arg(name: impl Into<String>, t: &RawTensor) -> Arg<'_> {
+    Arg { name: name.into(), t }
+}
+
+fn bad(arg: &str, reason: impl Into<String>) -> TransferError {
+    TransferError::BadTensor { arg: arg.into(), reason: reason.into() }
+}
+
+/// Wraps one tensor as a buffer of `device`, without owning it.
+fn wrap(device: &Device, a: &Arg<'_>) -> Result<Buffer> {
+    let t = a.t;
+    let Some(ptr) = NonNull::new(t.addr as *mut u8) else { return Err(bad(&a.name, "null data pointer")) };
+    let len = usize::try_from(t.len).map_err(|_| bad(&a.name, "larger than the address space"))?;
+    if t.addr.checked_add(t.len).is_none() {
+        return Err(bad(&a.name, "address range wraps"));
+    }
+    match device {
+        Device::Cpu(e) => {
+            if t.memory != Memory::Host {
+                return Err(bad(&a.name, "the cpu executor moves host memory only"));
+            }
+            // SAFETY: the caller of `RawTensor::new` vouches for the span; the buffer is dropped
+            // before the op returns.
+            Ok(Buffer::Cpu(unsafe { crate::exec::cpu::CpuBuffer::from_raw(ptr, len, e) }))
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(e) => {
+            use crate::exec::cuda::CudaBuffer;
+            // SAFETY: as above; host memory must be pinned or registered (refused otherwise).
+            Ok(Buffer::Cuda(match t.memory {
+                Memory::CudaDevice => unsafe { CudaBuffer::from_device_ptr(e, t.addr, t.len) },
+                Memory::Host => unsafe { CudaBuffer::from_host_ptr(e, ptr.as_ptr(), t.len, false)? },
+            }))
+        }
+        #[cfg(feature = "wgpu")]
+        Device::Wgpu(_) => Err(bad(&a.name, "the wgpu executor moves between its own pools only (use DevicePool / HostPool)")),
+    }
+}
+
+/// Refuses a destination that overlaps any other argument (the result would depend on the
+/// order of the copies, and differ between executors).
+fn check_overlaps(reads: &[Arg<'_>], writes: &[Arg<'_>]) -> Result<()> {
+    let span = |t: &RawTensor| (t.memory, t.addr, t.addr.saturating_add(t.len));
+    for (i, w) in writes.iter().enumerate() {
+        let (wm, ws, we) = span(w.t);
+        let others = reads.iter().chain(writes.iter().enumerate().filter(|(j, _)| *j != i).map(|(_, a)| a));
+        for o in others {
+            let (om, os, oe) = span(o.t);
+            if wm == om && ws < oe && os < we && w.t.len > 0 && o.t.len > 0 {
+                return Err(bad(&w.name, format!("destination overlaps {}", o.name)));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Slots of `item` bytes that every tensor holds (the smallest).
+fn common_slots(args: &[&Arg<'_>], item: u64) -> Result<u64> {
+    let mut slots = u64::MAX;
+    for a in args {
+        let n = a.t.len / item.max(1);
+        if n == 0 {
+            return Err(bad(&a.name, format!("{} bytes hold no {item}-byte item", a.t.len)));
+        }
+        slots = slots.min(n);
+    }
+    Ok(slots)
+}
+
+/// The layer-first side: `layers[comp][slot]` (every slot of a component may be the same tensor
+/// when the op touches one layer only; the plan then addresses that slot alone).
+fn device_pool(device: &Device, kind: PoolKind, item: u64, page_size: u64, layers: &[Vec<&Arg<'_>>]) -> Result<DevicePool<'static>> {
+    let all: Vec<&Arg<'_>> = layers.iter().flatten().copied().collect();
+    let slots = common_slots(&all, item)?;
+    let count = layers.first().map_or(0, |c| c.len());
+    let buffers = layers.iter().map(|c| c.iter().map(|a| wrap(device, a)).collect::<Result<Vec<_>>>()).collect::<Result<Vec<_>>>()?;
+    let config = DevicePoolConfig { kind, bytes_per_token: item, slots, page_size, layers: LayerMap::new(count) };
+    DevicePool::from_buffers(device, &config, buffers)
+}
+
+/// The layout side: one tensor per component holding `slots` token slots (a multiple of the
+/// device pool's page size).
+fn host_pool(
+    dev: &DevicePool,
+    layout: Layout,
+    head_num: u64,
+    profile: Profile,
+    comps: &[&Arg<'_>],
+    slots: u64,
+) -> Result<HostPool<'static>> {
+    let p = dev.geometry().page_size();
+    if slots < p || slots % p != 0 {
+        return Err(bad(&comps[0].name, format!("holds {slots} token slots, not a positive multiple of the page size {p}")));
+    }
+    let buffers = comps.iter().map(|a| wrap(dev.device(), a)).collect::<Result<Vec<_>>>()?;
+    // HostPool rounds a requested size up to (size / P + 1) × P: ask for one page less.
+    HostPool::from_buffers(dev, &HostPoolConfig { layout, size: slots - p, head_num, profile }, buffers)
+}
+
+/// A layout dimension in layers: `layout_dim / item`, which must be whole.
+fn layers_of(name: &str, layout_dim: i64, item: u64) -> Result<u64> {
+    let dim = positive(name, layout_dim)?;
+    if dim % item != 0 {
+        return Err(bad(name, format!("{dim} is not a multiple of item_size {item}")));
+    }
+    Ok(dim / item)
+}
+
+fn positive(name: &str, v: i64) -> Result<u64> {
+    u64::try_from(v).ok().filter(|&v| v > 0).ok_or_else(|| bad(name, format!("must be positive, got {v}")))
+}
+
+/// `item_size` as bytes; zero and negative sizes are refused.
+fn item_bytes(item_size: i64) -> Result<u64> {
+    positive("item_size", item_size)
+}
+
+/// sgl-kernel's launcher checks of the `kernel` ops, in its order (equal lengths, then the
+/// 8-byte item), before any tensor is looked at; the planner makes them again, with the same
+/// outcome, for the pools it builds. Returns the item in bytes.
+fn launcher(hi: &[i64], di: &[i64], item_size: i64) -> Result<u64> {
+    if hi.len() != di.len() {
+        return Err(TransferError::LengthMismatch { src_len: hi.len(), dst_len: di.len() });
+    }
+    if item_size % 8 != 0 {
+        return Err(TransferError::ItemNotWordAligned { item_bytes: item_size as u64, word: 8 });
+    }
+    item_bytes(item_size)
+}
+
+/// One pool pair and its validated plan.
+struct Call {
+    dev: DevicePool<'static>,
+    host: HostPool<'static>,
+    plan: Plan,
+}
+
+impl Call {
+    fn new(dev: DevicePool<'static>, host: HostPool<'static>, op: Op, io: IoBackend, hi: &[i64], di: &[i64]) -> Result<Call> {
+        let plan = host.plan(&dev, &Request { op, io_backend: io, host_indices: hi, device_indices: di })?;
+        Ok(Call { dev, host, plan })
+    }
+}
+
+/// Runs calls that were all validated first, in order; waits for the last.
+fn run_all(calls: Vec<Call>) -> Result<()> {
+    for mut c in calls {
+        match c.plan.direction() {
+            crate::plan::Direction::HostToDevice => c.host.execute_load(&mut c.dev, &c.plan)?,
+            crate::plan::Direction::DeviceToHost => c.host.execute_backup(&c.dev, &c.plan)?,
+        }
+    }
+    Ok(())
+}
+
+/// The K and V components of an MHA op.
+fn kv<'a>(k: &'a RawTensor, v: &'a RawTensor, k_name: &str, v_name: &str) -> [Arg<'a>; 2] {
+    [arg(k_name, k), arg(v_name, v)]
+}
+
+// ---- one-layer loads ---------------------------------------------------------------------
+
+/// `transfer_kv_per_layer`: one layer, layer_first to layer_first. `src_k[s]`, `src_v[s]`
+/// (items of `item_size` bytes) → `dst_k[d]`, `dst_v[d]`; negative indices are skipped.
+pub fn transfer_kv_per_layer(
+    device: &Device,
+    src_k: &RawTensor,
+    dst_k: &RawTensor,
+    src_v: &RawTensor,
+    dst_v: &RawTensor,
+    src_indices: &[i64],
+    dst_indices: &[i64],
+    item_size: i64,
+) -> Result<()> {
+    let item = launcher(src_indices, dst_indices, item_size)?;
+    let src = kv(src_k, src_v, "src_k", "src_v");
+    let dst = kv(dst_k, dst_v, "dst_k", "dst_v");
+    check_overlaps(&src, &dst)?;
+    let call = lf_pair(device, PoolKind::Mha, item, &[&src[0], &src[1]], &[&dst[0], &dst[1]], IoBackend::Kernel, src_indices, dst_indices)?;
+    run_all(vec![call])
+}
+
+/// `transfer_kv_per_layer_mla`: [`transfer_kv_per_layer`] with one buffer.
+pub fn transfer_kv_per_layer_mla(
+    device: &Device,
+    src: &RawTensor,
+    dst: &RawTensor,
+    src_indices: &[i64],
+    dst_indices: &[i64],
+    item_size: i64,
+) -> Result<()> {
+    let item = launcher(src_indices, dst_indices, item_size)?;
+    let (s, d) = (arg("src", src), arg("dst", dst));
+    check_overlaps(std::slice::from_ref(&s), std::slice::from_ref(&d))?;
+    let call = lf_pair(device, PoolKind::Mla, item, &[&s], &[&d], IoBackend::Kernel, src_indices, dst_indices)?;
+    run_all(vec![call])
+}
+
+/// One layer_first layer to another: the source as a one-layer layer_first host pool, the
+/// destination as a one-layer device pool.
+fn lf_pair(
+    device: &Device,
+    kind: PoolKind,
+    item: u64,
+    src: &[&Arg<'_>],
+    dst: &[&Arg<'_>],
+    io: IoBackend,
+    hi: &[i64],
+    di: &[i64],
+) -> Result<Call> {
+    let dev = device_pool(device, kind, item, 1, &dst.iter().map(|a| vec![*a]).collect::<Vec<_>>())?;
+    let slots = common_slots(src, item)?;
+    let host = host_pool(&dev, Layout::LayerFirst, 1, Profile::Sglang, src, slots)?;
+    Call::new(dev, host, Op::Load { layer_id: 0, is_draft: false }, io, hi, di)
+}
+
+/// A device pool of `layers` slots per component where every slot is the caller's one layer
+/// (the plan of a one-layer call addresses slot `layer_id` alone).
+fn one_layer_device(device: &Device, kind: PoolKind, item: u64, page: u64, layers: u64, comps: &[&Arg<'_>]) -> Result<DevicePool<'static>> {
+    let n = usize::try_from(layers)
+        .ok()
+        .filter(|&n| n <= crate::geometry::MAX_LAYERS)
+        .ok_or_else(|| bad(&comps[0].name, format!("{layers} layers exceed the limit of {}", crate::geometry::MAX_LAYERS)))?;
+    device_pool(device, kind, item, page, &comps.iter().map(|a| vec![*a; n]).collect::<Vec<_>>())
+}
+
+fn layer_index(layer_id: i64) -> Result<usize> {
+    usize::try_from(layer_id).map_err(|_| bad("layer_id", format!("must not be negative, got {layer_id}")))
+}
+
+/// `transfer_kv_per_layer_pf_lf`: layer `layer_id` of a page_first host buffer
+/// (`[slots][L][item]`, `src_layout_dim = L × item_size`) → one layer_first device layer.
+pub fn transfer_kv_per_layer_pf_lf(
+    device: &Device,
+    src_k: &RawTensor,
+    dst_k: &RawTensor,
+    src_v: &RawTensor,
+    dst_v: &RawTensor,
+    src_indices: &[i64],
+    dst_indices: &[i64],
+    layer_id: i64,
+    item_size: i64,
+    src_layout_dim: i64,
+) -> Result<()> {
+    let src = kv(src_k, src_v, "src_k", "src_v");
+    let dst = kv(dst_k, dst_v, "dst_k", "dst_v");
+    paged_load(device, PoolKind::Mha, Layout::PageFirst, &src, &dst, src_indices, dst_indices, layer_id, item_size, src_layout_dim, 1, 1)
+}
+
+/// `transfer_kv_per_layer_mla_pf_lf`: [`transfer_kv_per_layer_pf_lf`] with one buffer.
+pub fn transfer_kv_per_layer_mla_pf_lf(
+    device: &Device,
+    src: &RawTensor,
+    dst: &RawTensor,
+    src_indices: &[i64],
+    dst_indices: &[i64],
+    layer_id: i64,
+    item_size: i64,
+    src_layout_dim: i64,
+) -> Result<()> {
+    let (s, d) = ([arg("src", src)], [arg("dst", dst)]);
+    paged_load(device, PoolKind::Mla, Layout::PageFirst, &s, &d, src_indices, dst_indices, layer_id, item_size, src_layout_dim, 1, 1)
+}
+
+/// `transfer_kv_per_layer_ph_lf`: layer `layer_id` of a page_head host buffer
+/// (`[pages][head_num][page_size][L][item / head_num]`) → one layer_first device layer.
+pub fn transfer_kv_per_layer_ph_lf(
+    device: &Device,
+    src_k: &RawTensor,
+    dst_k: &RawTensor,
+    src_v: &RawTensor,
+    dst_v: &RawTensor,
+    src_indices: &[i64],
+    dst_indices: &[i64],
+    layer_id: i64,
+    item_size: i64,
+    src_layout_dim: i64,
+    page_size: i64,
+    head_num: i64,
+) -> Result<()> {
+    let src = kv(src_k, src_v, "src_k", "src_v");
+    let dst = kv(dst_k, dst_v, "dst_k", "dst_v");
+    let p = positive("page_size", page_size)?;
+    let h = positive("head_num", head_num)?;
+    paged_load(device, PoolKind::Mha, Layout::PageHead, &src, &dst, src_indices, dst_indices, layer_id, item_size, src_layout_dim, p, h)
+}
+
+/// Host slots of a page_first / page_head buffer: whole pages of `P × layout_dim` bytes.
+fn paged_slots(comps: &[&Arg<'_>], layout_dim: u64, p: u64) -> Result<u64> {
+    let page = layout_dim.checked_mul(p).ok_or_else(|| bad(&comps[0].name, "page bytes overflow"))?;
+    Ok(common_slots(comps, page)? * p)
+}
+
+/// A load of `layer_id` from a page_first / page_head host buffer (`kernel`).
+fn paged_load(
+    device: &Device,
+    kind: PoolKind,
+    layout: Layout,
+    src: &[Arg<'_>],
+    dst: &[Arg<'_>],
+    hi: &[i64],
+    di: &[i64],
+    layer_id: i64,
+    item_size: i64,
+    src_layout_dim: i64,
+    page: u64,
+    heads: u64,
+) -> Result<()> {
+    let item = launcher(hi, di, item_size)?;
+    let layers = layers_of("src_layout_dim", src_layout_dim, item)?;
+    let layer_id = layer_index(layer_id)?;
+    check_overlaps(src, dst)?;
+    let dst_refs: Vec<&Arg<'_>> = dst.iter().collect();
+    let src_refs: Vec<&Arg<'_>> = src.iter().collect();
+    let dev = one_layer_device(device, kind, item, page, layers, &dst_refs)?;
+    let slots = paged_slots(&src_refs, item * layers, page)?;
+    let host = host_pool(&dev, layout, heads, Profile::Sglang, &src_refs, slots)?;
+    run_all(vec![Call::new(dev, host, Op::Load { layer_id, is_draft: false }, IoBackend::Kernel, hi, di)?])
+}
+
+// ---- all-layer copies between layer lists ------------------------------------------------
+
+/// `transfer_kv_all_layer`: every layer `j < num_layers`, `src_*_layers[j]` → `dst_*_layers[j]`
+/// (layer_first both sides; sglang passes device tables of layer base pointers).
+pub fn transfer_kv_all_layer(
+    device: &Device,
+    src_k_layers: &[RawTensor],
+    dst_k_layers: &[RawTensor],
+    src_v_layers: &[RawTensor],
+    dst_v_layers: &[RawTensor],
+    src_indices: &[i64],
+    dst_indices: &[i64],
+    item_size: i64,
+    num_layers: i64,
+) -> Result<()> {
+    if num_layers != src_k_layers.len() as i64 {
+        return Err(TransferError::NumLayersMismatch { which: "k ", num_layers, table_len: src_k_layers.len() });
+    }
+    let lists =
+        [("src_k_layers", src_k_layers), ("src_v_layers", src_v_layers), ("dst_k_layers", dst_k_layers), ("dst_v_layers", dst_v_layers)];
+    layer_lists(device, PoolKind::Mha, &lists, IoBackend::Kernel, src_indices, dst_indices, Some(item_size))
+}
+
+/// `transfer_kv_all_layer_mla`: [`transfer_kv_all_layer`] with one buffer per layer.
+pub fn transfer_kv_all_layer_mla(
+    device: &Device,
+    src_layers: &[RawTensor],
+    dst_layers: &[RawTensor],
+    src_indices: &[i64],
+    dst_indices: &[i64],
+    item_size: i64,
+    num_layers: i64,
+) -> Result<()> {
+    if num_layers != src_layers.len() as i64 {
+        return Err(TransferError::NumLayersMismatch { which: "", num_layers, table_len: src_layers.len() });
+    }
+    let lists = [("src_layers", src_layers), ("dst_layers", dst_layers)];
+    layer_lists(device, PoolKind::Mla, &lists, IoBackend::Kernel, src_indices, dst_indices, Some(item_size))
+}
+
+/// `transfer_kv_direct`: for every layer `j`, the coalesced runs of consecutive index pairs,
+/// `src_layers[j]` → `dst_layers[j]` (rows along dimension 0). `page_size` only gates the
+/// index count, as in sglang.
+pub fn transfer_kv_direct(
+    device: &Device,
+    src_layers: &[RawTensor],
+    dst_layers: &[RawTensor],
+    src_indices: &[i64],
+    dst_indices: &[i64],
+    page_size: i64,
+) -> Result<()> {
+    if src_layers.len() != dst_layers.len() {
+        return Err(TransferError::LayerListMismatch { src_len: src_layers.len(), dst_len: dst_layers.len() });
+    }
+    direct_counts(src_indices, dst_indices, page_size)?;
+    let lists = [("src_layers", src_layers), ("dst_layers", dst_layers)];
+    layer_lists(device, PoolKind::Mla, &lists, IoBackend::Direct, src_indices, dst_indices, None)
+}
+
+/// The checks of sglang's direct ops, in their order.
+fn direct_counts(hi: &[i64], di: &[i64], page_size: i64) -> Result<()> {
+    if hi.len() != di.len() {
+        return Err(TransferError::LengthMismatch { src_len: hi.len(), dst_len: di.len() });
+    }
+    if page_size <= 0 {
+        return Err(TransferError::PageSizeNotPositive);
+    }
+    if hi.len() as u64 % page_size as u64 != 0 {
+        return Err(TransferError::DirectCountNotPageMultiple { len: hi.len(), page_size: page_size as u64 });
+    }
+    Ok(())
+}
+
+/// Layer `j` of the source lists → layer `j` of the destination lists, one pool pair per layer
+/// (`lists`: source components, then destination components).
+fn layer_lists(
+    device: &Device,
+    kind: PoolKind,
+    lists: &[(&str, &[RawTensor])],
+    io: IoBackend,
+    hi: &[i64],
+    di: &[i64],
+    item_size: Option<i64>,
+) -> Result<()> {
+    // `kernel`: sglang's item; `direct`: each layer's own row bytes.
+    let item = match item_size {
+        Some(size) => Some(launcher(hi, di, size)?),
+        None => None,
+    };
+    let layers = lists[0].1.len();
+    for (name, l) in lists {
+        if l.len() != layers {
+            return Err(bad(name, format!("has {} layers, the source has {layers}", l.len())));
+        }
+    }
+    let comps = kind.components();
+    let named: Vec<Vec<Arg<'_>>> =
+        lists.iter().map(|(name, l)| l.iter().enumerate().map(|(j, t)| arg(format!("{name}[{j}]"), t)).collect()).collect();
+    let (reads, writes): (Vec<&Vec<Arg<'_>>>, Vec<&Vec<Arg<'_>>>) = (named[..comps].iter().collect(), named[comps..].iter().collect());
+    check_overlaps(
+        &reads.iter().flat_map(|l| l.iter().cloned()).collect::<Vec<_>>(),
+        &writes.iter().flat_map(|l| l.iter().cloned()).collect::<Vec<_>>(),
+    )?;
+    if io == IoBackend::Direct {
+        for j in 0..layers {
+            for c in 0..comps {
+                let (s, d) = (&reads[c][j], &writes[c][j]);
+                if s.t.row_bytes() != d.t.row_bytes() {
+                    return Err(bad(&d.name, format!("rows of {} bytes, the source's are {}", d.t.row_bytes(), s.t.row_bytes())));
+                }
+            }
+        }
+    }
+    // Every layer is validated before the first one moves.
+    let calls = (0..layers)
+        .map(|j| {
+            let src: Vec<&Arg<'_>> = reads.iter().map(|l| &l[j]).collect();
+            let dst: Vec<&Arg<'_>> = writes.iter().map(|l| &l[j]).collect();
+            let item = item.map_or_else(|| positive(&src[0].name, src[0].t.row_bytes() as i64), Ok)?;
+            lf_pair(device, kind, item, &src, &dst, io, hi, di)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    run_all(calls)
+}
+
+// ---- all-layer backups into a layout -----------------------------------------------------
+
+/// `transfer_kv_all_layer_lf_pf`: every layer of the source lists → its layer of a page_first
+/// host buffer (`dst_layout_dim = num_layers × item_size`).
+pub fn transfer_kv_all_layer_lf_pf(
+    device: &Device,
+    src_k_layers: &[RawTensor],
+    dst_k: &RawTensor,
+    src_v_layers: &[RawTensor],
+    dst_v: &RawTensor,
+    src_indices: &[i64],
+    dst_indices: &[i64],
+    item_size: i64,
+    dst_layout_dim: i64,
+    num_layers: i64,
+) -> Result<()> {
+    if num_layers != src_k_layers.len() as i64 {
+        return Err(TransferError::NumLayersMismatch { which: "k ", num_layers, table_len: src_k_layers.len() });
+    }
+    let dst = kv(dst_k, dst_v, "dst_k", "dst_v");
+    let src = [("src_k_layers", src_k_layers), ("src_v_layers", src_v_layers)];
+    layout_backup(device, PoolKind::Mha, Layout::PageFirst, &src, &dst, src_indices, dst_indices, item_size, dst_layout_dim, 1, 1)
+}
+
+/// `transfer_kv_all_layer_mla_lf_pf`: [`transfer_kv_all_layer_lf_pf`] with one buffer.
+pub fn transfer_kv_all_layer_mla_lf_pf(
+    device: &Device,
+    src_layers: &[RawTensor],
+    dst: &RawTensor,
+    src_indices: &[i64],
+    dst_indices: &[i64],
+    item_size: i64,
+    dst_layout_dim: i64,
+    num_layers: i64,
+) -> Result<()> {
+    if num_layers != src_layers.len() as i64 {
+        return Err(TransferError::NumLayersMismatch { which: "", num_layers, table_len: src_layers.len() });
+    }
+    let d = [arg("dst", dst)];
+    layout_backup(
+        device,
+        PoolKind::Mla,
+        Layout::PageFirst,
+        &[("src_layers", src_layers)],
+        &d,
+        src_indices,
+        dst_indices,
+        item_size,
+        dst_layout_dim,
+        1,
+        1,
+    )
+}
+
+/// `transfer_kv_all_layer_lf_ph`: every layer → its layer of a page_head host buffer.
+pub fn transfer_kv_all_layer_lf_ph(
+    device: &Device,
+    src_k_layers: &[RawTensor],
+    dst_k: &RawTensor,
+    src_v_layers: &[RawTensor],
+    dst_v: &RawTensor,
+    src_indices: &[i64],
+    dst_indices: &[i64],
+    item_size: i64,
+    dst_layout_dim: i64,
+    num_layers: i64,
+    page_size: i64,
+    head_num: i64,
+) -> Result<()> {
+    if num_layers != src_k_layers.len() as i64 {
+        return Err(TransferError::NumLayersMismatch { which: "k ", num_layers, table_len: src_k_layers.len() });
+    }
+    let p = positive("page_size", page_size)?;
+    let h = positive("head_num", head_num)?;
+    let dst = kv(dst_k, dst_v, "dst_k", "dst_v");
+    let src = [("src_k_layers", src_k_layers), ("src_v_layers", src_v_layers)];
+    layout_backup(device, PoolKind::Mha, Layout::PageHead, &src, &dst, src_indices, dst_indices, item_size, dst_layout_dim, p, h)
+}
+
+/// An all-layer backup of layer lists into a page_first / page_head host buffer (`kernel`).
+fn layout_backup(
+    device: &Device,
+    kind: PoolKind,
+    layout: Layout,
+    src: &[(&str, &[RawTensor])],
+    dst: &[Arg<'_>],
+    hi: &[i64],
+    di: &[i64],
+    item_size: i64,
+    dst_layout_dim: i64,
+    page: u64,
+    heads: u64,
+) -> Result<()> {
+    let item = launcher(hi, di, item_size)?;
+    let layers = layers_of("dst_layout_dim", dst_layout_dim, item)?;
+    let named = named_lists(src, layers)?;
+    check_overlaps(&named.iter().flatten().cloned().collect::<Vec<_>>(), dst)?;
+    let dev = device_pool(device, kind, item, page, &named.iter().map(|l| l.iter().collect()).collect::<Vec<_>>())?;
+    let dst_refs: Vec<&Arg<'_>> = dst.iter().collect();
+    let slots = paged_slots(&dst_refs, item * layers, page)?;
+    let host = host_pool(&dev, layout, heads, Profile::Sglang, &dst_refs, slots)?;
+    let (h, d) = backup_lists(hi, di);
+    run_all(vec![Call::new(dev, host, Op::Backup, IoBackend::Kernel, h, d)?])
+}
+
+/// A backup's (host, device) index lists from the op's (src = device, dst = host) lists.
+fn backup_lists<'a>(src_indices: &'a [i64], dst_indices: &'a [i64]) -> (&'a [i64], &'a [i64]) {
+    (dst_indices, src_indices)
+}
+
+/// Source layer lists with their names; each must hold `layers` tensors (sglang's layout_dim
+/// says how many layers the host buffer has).
+fn named_lists<'a>(lists: &[(&str, &'a [RawTensor])], layers: u64) -> Result<Vec<Vec<Arg<'a>>>> {
+    lists
+        .iter()
+        .map(|(name, l)| {
+            if l.len() as u64 != layers {
+                return Err(bad(name, format!("has {} layers, the layout dimension holds {layers}", l.len())));
+            }
+            Ok(l.iter().enumerate().map(|(j, t)| arg(format!("{name}[{j}]"), t)).collect())
+        })
+        .collect()
+}
+
+// ---- page_first_direct -------------------------------------------------------------------
+
+/// A page_first_direct host buffer's geometry from its shape `[pages][L][P][...]`:
+/// `(layers, token slots, bytes per token)`.
+fn pfd_shape(a: &Arg<'_>, page_size: u64) -> Result<(u64, u64, u64)> {
+    let d = a.t.dims();
+    if d.len() < 3 || d[2] != page_size || d[..3].contains(&0) {
+        return Err(bad(&a.name, format!("shape {d:?} is not [pages, layers, page_size = {page_size}, ...]")));
+    }
+    let tokens = d[0].checked_mul(d[1]).and_then(|x| x.checked_mul(d[2])).ok_or_else(|| bad(&a.name, "shape overflows"))?;
+    if a.t.len % tokens != 0 {
+        return Err(bad(&a.name, format!("{} bytes are not whole tokens of shape {d:?}", a.t.len)));
+    }
+    Ok((d[1], d[0] * d[2], a.t.len / tokens))
+}
+
+/// Splits sglang's direct pointer list `[K layers…, V layers…]` (or one MLA list) into
+/// components; `mla` is decided from the other list's length, as sglang does.
+fn split_layers<'a>(name: &str, list: &'a [RawTensor], mla: bool) -> Result<Vec<Vec<Arg<'a>>>> {
+    let comps = if mla { 1 } else { 2 };
+    if list.is_empty() || list.len() % comps != 0 {
+        return Err(bad(name, format!("{} tensors do not split into {comps} equal component lists", list.len())));
+    }
+    let n = list.len() / comps;
+    Ok((0..comps).map(|c| (0..n).map(|j| arg(format!("{name}[{}]", c * n + j), &list[c * n + j])).collect()).collect())
+}
+
+/// The page_first_direct components: one (MLA) or two (MHA) host tensors of one shape.
+fn pfd_host<'a>(name: &str, list: &'a [RawTensor], page: u64) -> Result<(Vec<Arg<'a>>, (u64, u64, u64))> {
+    if list.is_empty() || list.len() > 2 {
+        return Err(bad(name, format!("expected 1 (MLA) or 2 (K, V) page_first_direct buffers, got {}", list.len())));
+    }
+    let args: Vec<Arg<'a>> = list.iter().enumerate().map(|(i, t)| arg(format!("{name}[{i}]"), t)).collect();
+    let shape = pfd_shape(&args[0], page)?;
+    for a in &args[1..] {
+        if pfd_shape(a, page)? != shape {
+            return Err(bad(&a.name, format!("shape {:?} differs from {}'s", a.t.dims(), args[0].name)));
+        }
+    }
+    Ok((args, shape))
+}
+
+/// `transfer_kv_per_layer_direct_pf_lf`: layer `layer_id + j` of a page_first_direct host buffer
+/// → device layer `j` (`src_ptrs`: `[K]` or `[K, V]` host buffers `[pages][L][P][...]`;
+/// `dst_ptrs`: the device layers, K then V). Whole pages only; page-aligned indices.
+pub fn transfer_kv_per_layer_direct_pf_lf(
+    device: &Device,
+    src_ptrs: &[RawTensor],
+    dst_ptrs: &[RawTensor],
+    src_indices: &[i64],
+    dst_indices: &[i64],
+    layer_id: i64,
+    page_size: i64,
+) -> Result<()> {
+    direct_counts(src_indices, dst_indices, page_size)?;
+    let p = page_size as u64;
+    let (host_args, (layers, slots, item)) = pfd_host("src_ptrs", src_ptrs, p)?;
+    let dev_lists = split_layers("dst_ptrs", dst_ptrs, host_args.len() == 1)?;
+    let layer_id = layer_index(layer_id)?;
+    check_overlaps(&host_args, &dev_lists.iter().flatten().cloned().collect::<Vec<_>>())?;
+    let kind = if host_args.len() == 1 { PoolKind::Mla } else { PoolKind::Mha };
+    let host_refs: Vec<&Arg<'_>> = host_args.iter().collect();
+    // Device layer j is host layer layer_id + j: one call per device layer, each validated first.
+    let calls = (0..dev_lists[0].len())
+        .map(|j| {
+            let comps: Vec<&Arg<'_>> = dev_lists.iter().map(|l| &l[j]).collect();
+            for a in &comps {
+                if a.t.row_bytes() != item {
+                    return Err(bad(&a.name, format!("rows of {} bytes, the host's tokens are {item}", a.t.row_bytes())));
+                }
+            }
+            let dev = one_layer_device(device, kind, item, p, layers, &comps)?;
+            let host = host_pool(&dev, Layout::PageFirstDirect, 1, Profile::Sglang, &host_refs, slots)?;
+            Call::new(dev, host, Op::Load { layer_id: layer_id + j, is_draft: false }, IoBackend::Direct, src_indices, dst_indices)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    run_all(calls)
+}
+
+/// `transfer_kv_all_layer_direct_lf_pf`: every device layer → its layer of a page_first_direct
+/// host buffer (`src_ptrs`: K layers then V layers, or the MLA layers; `dst_ptrs`: `[K]` or
+/// `[K, V]` host buffers `[pages][L][P][...]`).
+pub fn transfer_kv_all_layer_direct_lf_pf(
+    device: &Device,
+    src_ptrs: &[RawTensor],
+    dst_ptrs: &[RawTensor],
+    src_indices: &[i64],
+    dst_indices: &[i64],
+    page_size: i64,
+) -> Result<()> {
+    direct_counts(src_indices, dst_indices, page_size)?;
+    let p = page_size as u64;
+    let (host_args, (layers, slots, item)) = pfd_host("dst_ptrs", dst_ptrs, p)?;
+    let dev_lists = split_layers("src_ptrs", src_ptrs, host_args.len() == 1)?;
+    if dev_lists[0].len() as u64 != layers {
+        return Err(bad("src_ptrs", format!("{} layers per component, the host buffers hold {layers}", dev_lists[0].len())));
+    }
+    check_rows(&dev_lists, item)?;
+    check_overlaps(&dev_lists.iter().flatten().cloned().collect::<Vec<_>>(), &host_args)?;
+    let kind = if host_args.len() == 1 { PoolKind::Mla } else { PoolKind::Mha };
+    let dev = device_pool(device, kind, item, p, &dev_lists.iter().map(|l| l.iter().collect()).collect::<Vec<_>>())?;
+    let host = host_pool(&dev, Layout::PageFirstDirect, 1, Profile::Sglang, &host_args.iter().collect::<Vec<_>>(), slots)?;
+    let (hi, di) = backup_lists(src_indices, dst_indices);
+    run_all(vec![Call::new(dev, host, Op::Backup, IoBackend::Direct, hi, di)?])
+}
+
+fn check_rows(lists: &[Vec<Arg<'_>>], item: u64) -> Result<()> {
+    for a in lists.iter().flatten() {
+        if a.t.row_bytes() != item {
+            return Err(bad(&a.name, format!("rows of {} bytes, the host's tokens are {item}", a.t.row_bytes())));
+        }
+    }
+    Ok(())
+}
+
+// ---- what sglang lacks: one-layer backups into page_first / page_first_direct ------------
+
+/// One device layer → layer `layer_id` of a page_first host buffer (`dst_layout_dim =
+/// L × item_size`). sglang has no such op ("without a per-layer LF->PF kernel"); profile
+/// `extended`.
+pub fn transfer_kv_per_layer_lf_pf(
+    device: &Device,
+    src_k: &RawTensor,
+    dst_k: &RawTensor,
+    src_v: &RawTensor,
+    dst_v: &RawTensor,
+    src_indices: &[i64],
+    dst_indices: &[i64],
+    layer_id: i64,
+    item_size: i64,
+    dst_layout_dim: i64,
+) -> Result<()> {
+    let src = kv(src_k, src_v, "src_k", "src_v");
+    let dst = kv(dst_k, dst_v, "dst_k", "dst_v");
+    layer_backup(device, PoolKind::Mha, &src, &dst, src_indices, dst_indices, layer_id, item_size, dst_layout_dim)
+}
+
+/// [`transfer_kv_per_layer_lf_pf`] with one buffer (MLA, and the DSA indexer with page items).
+pub fn transfer_kv_per_layer_mla_lf_pf(
+    device: &Device,
+    src: &RawTensor,
+    dst: &RawTensor,
+    src_indices: &[i64],
+    dst_indices: &[i64],
+    layer_id: i64,
+    item_size: i64,
+    dst_layout_dim: i64,
+) -> Result<()> {
+    let (s, d) = ([arg("src", src)], [arg("dst", dst)]);
+    layer_backup(device, PoolKind::Mla, &s, &d, src_indices, dst_indices, layer_id, item_size, dst_layout_dim)
+}
+
+fn layer_backup(
+    device: &Device,
+    kind: PoolKind,
+    src: &[Arg<'_>],
+    dst: &[Arg<'_>],
+    hi: &[i64],
+    di: &[i64],
+    layer_id: i64,
+    item_size: i64,
+    dst_layout_dim: i64,
+) -> Result<()> {
+    let item = launcher(hi, di, item_size)?;
+    let layers = layers_of("dst_layout_dim", dst_layout_dim, item)?;
+    let layer_id = layer_index(layer_id)?;
+    check_overlaps(src, dst)?;
+    let dev = one_layer_device(device, kind, item, 1, layers, &src.iter().collect::<Vec<_>>())?;
+    let dst_refs: Vec<&Arg<'_>> = dst.iter().collect();
+    let slots = paged_slots(&dst_refs, item * layers, 1)?;
+    let host = host_pool(&dev, Layout::PageFirst, 1, Profile::Extended, &dst_refs, slots)?;
+    let (h, d) = backup_lists(hi, di);
+    run_all(vec![Call::new(dev, host, Op::BackupLayer { layer_id, is_draft: false }, IoBackend::Kernel, h, d)?])
+}
+
+/// One device layer → layer `layer_id` of a page_first_direct host buffer, whole pages
+/// (`src_ptrs`: `[K, V]` or `[C]` device layer; `dst_ptrs`: `[K, V]` or `[C]` host buffers
+/// `[pages][L][P][...]`). sglang only backs up all layers this way; profile `extended`.
+pub fn transfer_kv_per_layer_direct_lf_pf(
+    device: &Device,
+    src_ptrs: &[RawTensor],
+    dst_ptrs: &[RawTensor],
+    src_indices: &[i64],
+    dst_indices: &[i64],
+    layer_id: i64,
+    page_size: i64,
+) -> Result<()> {
+    direct_counts(src_indices, dst_indices, page_size)?;
+    let p = page_size as u64;
+    let (host_args, (layers, slots, item)) = pfd_host("dst_ptrs", dst_ptrs, p)?;
+    let dev_lists = split_layers("src_ptrs", src_ptrs, host_args.len() == 1)?;
+    if dev_lists[0].len() != 1 {
+        return Err(bad("src_ptrs", format!("one device layer per component expected, got {}", dev_lists[0].len())));
+    }
+    check_rows(&dev_lists, item)?;
+    let layer_id = layer_index(layer_id)?;
+    check_overlaps(&dev_lists.iter().flatten().cloned().collect::<Vec<_>>(), &host_args)?;
+    let kind = if host_args.len() == 1 { PoolKind::Mla } else { PoolKind::Mha };
+    let comps: Vec<&Arg<'_>> = dev_lists.iter().map(|l| &l[0]).collect();
+    let dev = one_layer_device(device, kind, item, p, layers, &comps)?;
+    let host = host_pool(&dev, Layout::PageFirstDirect, 1, Profile::Extended, &host_args.iter().collect::<Vec<_>>(), slots)?;
+    let (hi, di) = backup_lists(src_indices, dst_indices);
+    run_all(vec![Call::new(dev, host, Op::BackupLayer { layer_id, is_draft: false }, IoBackend::Direct, hi, di)?])
+}
