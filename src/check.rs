@@ -268,7 +268,7 @@ pub fn run_case(device: &Device, case: &Case) -> Result<Outcome> {
         Ok(p) => p.bytes(),
         Err(e) => return Ok(Outcome::Rejected(e)),
     };
-    if case.seed % 4 == 0 {
+    if case.seed.is_multiple_of(4) {
         m.call_async(case.op, case.cell.io, &case.host_indices, &case.device_indices)?;
     } else {
         m.call(case.op, case.cell.io, &case.host_indices, &case.device_indices)?;

@@ -477,7 +477,7 @@ impl HostGeometry {
                 return Err(TransferError::UnsupportedLayout { layout: layout.name().into() });
             }
             // sglang's ph arithmetic is exact only when H divides the item.
-            if head_num == 0 || item_bytes % head_num != 0 {
+            if head_num == 0 || !item_bytes.is_multiple_of(head_num) {
                 return Err(TransferError::InvalidConfig(format!(
                     "page_head needs head_num ({head_num}) to divide the item ({item_bytes} bytes)"
                 )));

@@ -191,7 +191,7 @@ fn host_pool(
     slots: u64,
 ) -> Result<HostPool<'static>> {
     let p = dev.geometry().page_size();
-    if slots < p || slots % p != 0 {
+    if slots < p || !slots.is_multiple_of(p) {
         return Err(bad(&comps[0].name, format!("holds {slots} token slots, not a positive multiple of the page size {p}")));
     }
     let buffers = comps.iter().map(|a| wrap(dev.device(), a)).collect::<Result<Vec<_>>>()?;
@@ -487,7 +487,7 @@ fn direct_counts(hi: &[i64], di: &[i64], page_size: i64) -> Result<()> {
     if page_size <= 0 {
         return Err(TransferError::PageSizeNotPositive);
     }
-    if hi.len() as u64 % page_size as u64 != 0 {
+    if !(hi.len() as u64).is_multiple_of(page_size as u64) {
         return Err(TransferError::DirectCountNotPageMultiple { len: hi.len(), page_size: page_size as u64 });
     }
     Ok(())
@@ -679,7 +679,7 @@ fn pfd_shape(a: &Arg<'_>, page_size: u64) -> Result<(u64, u64, u64)> {
         return Err(bad(&a.name, format!("shape {d:?} is not [pages, layers, page_size = {page_size}, ...]")));
     }
     let tokens = d[0].checked_mul(d[1]).and_then(|x| x.checked_mul(d[2])).ok_or_else(|| bad(&a.name, "shape overflows"))?;
-    if a.t.len % tokens != 0 {
+    if !a.t.len.is_multiple_of(tokens) {
         return Err(bad(&a.name, format!("{} bytes are not whole tokens of shape {d:?}", a.t.len)));
     }
     Ok((d[1], d[0] * d[2], a.t.len / tokens))
@@ -689,7 +689,7 @@ fn pfd_shape(a: &Arg<'_>, page_size: u64) -> Result<(u64, u64, u64)> {
 /// components; `mla` is decided from the other list's length, as sglang does.
 fn split_layers<'a>(name: &str, list: &'a [RawTensor], mla: bool) -> Result<Vec<Vec<Arg<'a>>>> {
     let comps = if mla { 1 } else { 2 };
-    if list.is_empty() || list.len() % comps != 0 {
+    if list.is_empty() || !list.len().is_multiple_of(comps) {
         return Err(bad(name, format!("{} tensors do not split into {comps} equal component lists", list.len())));
     }
     let n = list.len() / comps;

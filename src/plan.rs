@@ -267,7 +267,7 @@ pub fn decide(profile: Profile, cell: Cell, item_bytes: u64, word: u64) -> Resul
         return e1(layout);
     }
     // dsa.py: `use_kernel = io_backend == "kernel" and stride % 8 == 0`, else-branch raises.
-    if kind == PoolKind::DsaIndexer && io == Kernel && item_bytes % word != 0 {
+    if kind == PoolKind::DsaIndexer && io == Kernel && !item_bytes.is_multiple_of(word) {
         return Err(TransferError::UnsupportedIoBackend { io_backend: "kernel".into() });
     }
     if op != TableOp::ShardedBackup {
@@ -693,7 +693,7 @@ fn index_units(host: &HostGeometry, req: &Request<'_>) -> Result<(Vec<i64>, Vec<
     }
     let p = host.page_size();
     for list in [req.host_indices, req.device_indices] {
-        if list.len() as u64 % p != 0 {
+        if !(list.len() as u64).is_multiple_of(p) {
             return Err(TransferError::DsaUnalignedCount { len: list.len(), page_size: p });
         }
     }
@@ -709,10 +709,10 @@ fn launcher_checks(host: &HostGeometry, caps: &Capabilities, word: u64, io: IoBa
     }
     match io {
         IoBackend::Kernel => {
-            if host.item_bytes() % word != 0 {
+            if !host.item_bytes().is_multiple_of(word) {
                 return Err(TransferError::ItemNotWordAligned { item_bytes: host.item_bytes(), word });
             }
-            if host.chunk_bytes() % caps.kernel_word != 0 {
+            if !host.chunk_bytes().is_multiple_of(caps.kernel_word) {
                 return Err(TransferError::ChunkNotWordAligned {
                     chunk_bytes: host.chunk_bytes(),
                     item_bytes: host.item_bytes(),
@@ -723,7 +723,7 @@ fn launcher_checks(host: &HostGeometry, caps: &Capabilities, word: u64, io: IoBa
         }
         IoBackend::Direct | IoBackend::Auto => {
             let group = host.index_page_size();
-            if hi.len() as u64 % group != 0 {
+            if !(hi.len() as u64).is_multiple_of(group) {
                 return Err(TransferError::DirectCountNotPageMultiple { len: hi.len(), page_size: group });
             }
         }
@@ -756,7 +756,7 @@ fn check_indices(
     check_unique(dst_side, dst_list, hi, di, dst_bound, unit)?;
     match io {
         IoBackend::Direct | IoBackend::Auto => {
-            if host.item_bytes() % caps.direct_align != 0 {
+            if !host.item_bytes().is_multiple_of(caps.direct_align) {
                 return Err(TransferError::Misaligned {
                     what: format!("{} direct copy item bytes", caps.name),
                     value: host.item_bytes(),

@@ -715,7 +715,7 @@ impl Executor for CudaExecutor {
     }
     fn check_buffer(&self, buf: &CudaBuffer) -> Result<()> {
         // The copy kernel moves at least 4-byte words.
-        if buf.dev_ptr % 4 != 0 {
+        if !buf.dev_ptr.is_multiple_of(4) {
             return Err(TransferError::Misaligned { what: "cuda buffer address".into(), value: buf.dev_ptr, required: 4 });
         }
         Ok(())

@@ -148,7 +148,7 @@ pub fn gather_launch(
     let chunk = g.chunk_bytes();
     // The planner guarantees whole 4-byte words (the portable chunk rule); a plan that broke
     // it would copy misaligned words, a sticky error that kills the context.
-    if chunk % 4 != 0 || chunk == 0 {
+    if !chunk.is_multiple_of(4) || chunk == 0 {
         return Err(TransferError::ChunkNotWordAligned { chunk_bytes: chunk, item_bytes: chunk * g.heads(), heads: g.heads(), word: 4 });
     }
     let table: Vec<LaunchC> = g
@@ -157,7 +157,7 @@ pub fn gather_launch(
         .map(|l| LaunchC { src: side(l.src(), ptr_of(l.src().buf())), dst: side(l.dst(), ptr_of(l.dst().buf())) })
         .collect();
     let aligned8 = |s: &SideC| [s.ptr, s.base, s.page_stride, s.row_stride, s.head_stride].iter().all(|v| v % 8 == 0);
-    let word = if chunk % 8 == 0 && table.iter().all(|l| aligned8(&l.src) && aligned8(&l.dst)) { 8 } else { 4 };
+    let word = if chunk.is_multiple_of(8) && table.iter().all(|l| aligned8(&l.src) && aligned8(&l.dst)) { 8 } else { 4 };
     if table.iter().any(|l| [l.src.ptr, l.dst.ptr].iter().any(|p| p % 4 != 0)) {
         return Err(TransferError::Misaligned { what: "cuda buffer address".into(), value: 4, required: 4 });
     }

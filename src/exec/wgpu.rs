@@ -529,8 +529,8 @@ impl WgpuExecutor {
     fn word_and_lanes(&self, g: &GatherStep, bufs: &Bindings<'_, WgpuBuffer>) -> (u64, u32) {
         let inner = &self.inner;
         let base_granule = self.capabilities().window_granule(g.chunk_bytes);
-        let fits16 = |a: &Addr| aligned16(a) && bufs.get(a.buf).buffer.size() % 16 == 0;
-        let word: u64 = if g.chunk_bytes % 16 == 0
+        let fits16 = |a: &Addr| aligned16(a) && bufs.get(a.buf).buffer.size().is_multiple_of(16);
+        let word: u64 = if g.chunk_bytes.is_multiple_of(16)
             && lcm(base_granule, 16) <= inner.max_window
             && g.pairs.iter().all(|l| fits16(&l.src) && fits16(&l.dst))
         {

@@ -93,7 +93,7 @@ impl HostPool<'_> {
     pub fn get_page_buffer_meta(&self, indices: &[i64]) -> Result<Vec<(usize, u64, u64)>> {
         let g = self.pair.host();
         let p = g.page_size();
-        if indices.len() as u64 % p != 0 {
+        if !(indices.len() as u64).is_multiple_of(p) {
             return Err(TransferError::DirectCountNotPageMultiple { len: indices.len(), page_size: p });
         }
         if g.kind() == PoolKind::DsaIndexer && g.layout() == Layout::LayerFirst {
