@@ -7,7 +7,10 @@
 #   5. hostile input on cuda (fuzz, 2,000 cases),
 #   6. wgpu on the real GPU when its Vulkan driver is present (check),
 #   7. a short bench: kernel vs direct (batched and per-run copies), H2D loads and D2H backups,
-#      DSA pages of 8448 B and MLA records of 1152 B and 656 B, 4096 random pages.
+#      DSA pages of 8448 B and MLA records of 1152 B and 656 B, 4096 random pages,
+#   8. the Python package on CUDA tensors (torch), when a wheel is given in $HICACHE_IO_WHEEL
+#      (build it with `maturin build --release -m python/Cargo.toml`; installed --no-deps into a
+#      venv that sees the system's torch).
 # Uses $HICACHE_IO_BIN (default target/release/hicache-io) and $HICACHE_IO_EXAMPLE (default
 # target/release/examples/cuda_engine), building them if cargo is present. Writes logs and
 # JSON under $OUT when it is set (else the current folder).
@@ -45,5 +48,15 @@ echo "== bench: batched direct copies"
 "$bin" bench --backend cuda --items 8448,1152,656 --budget-ms 200 || status=1
 echo "== bench: one cuMemcpyAsync per run (HICACHE_CUDA_BATCH=0)"
 HICACHE_CUDA_BATCH=0 "$bin" bench --backend cuda --items 8448,1152,656 --budget-ms 200 --json > "$out/bench-cuda-per-run.json" || status=1
+if [ -n "${HICACHE_IO_WHEEL:-}" ]; then
+    echo "== python: kvcacheio on CUDA tensors (torch)"
+    pyenv="$(mktemp -d)/venv"
+    python3 -m venv --system-site-packages "$pyenv" && "$pyenv/bin/pip" install -q --no-deps --no-index "$HICACHE_IO_WHEEL" || status=1
+    if "$pyenv/bin/python" -c "import pytest" 2>/dev/null; then
+        step "pytest python/tests/test_cuda.py" "$pyenv/bin/python" -m pytest -q python/tests/test_cuda.py
+    else
+        step "python/tests/test_cuda.py (as a script)" "$pyenv/bin/python" python/tests/test_cuda.py
+    fi
+fi
 echo "gpu-check: $([ $status = 0 ] && echo PASSED || echo FAILED)"
 exit $status

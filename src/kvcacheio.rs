@@ -61,10 +61,13 @@ impl RawTensor {
     /// Describes caller memory.
     ///
     /// # Safety
-    /// `addr..addr + len` must be valid for reads and writes, in `memory`, until the op that
-    /// receives it returns, and nothing else may access it meanwhile. The ops wait for their
-    /// copies before returning (the cuda executor: the copies are ordered on its stream, and the
-    /// op returns after enqueueing them, as sgl-kernel does).
+    /// `addr..addr + len` must be valid for reads and writes, in `memory`, and nothing else may
+    /// access it while the op's copies run. On the cpu executor the op returns after its copies.
+    /// On the cuda executor it returns once they are enqueued on the executor's stream, as
+    /// sgl-kernel's ops do on torch's current stream: the memory must stay valid until that
+    /// stream reaches them, and work on other streams must be ordered with it by the caller
+    /// (an executor made with `CudaExecutor::from_stream` on the caller's stream needs nothing
+    /// more).
     pub unsafe fn new(addr: u64, len: u64, dims: Vec<u64>, memory: Memory) -> RawTensor {
         RawTensor { addr, len, dims, memory }
     }
@@ -127,12 +130,11 @@ fn wrap(device: &Device, a: &Arg<'_>) -> Result<Buffer> {
         }
         #[cfg(feature = "cuda")]
         Device::Cuda(e) => {
-            use crate::exec::cuda::CudaBuffer;
-            // SAFETY: as above; host memory must be pinned or registered (refused otherwise).
-            Ok(Buffer::Cuda(match t.memory {
-                Memory::CudaDevice => unsafe { CudaBuffer::from_device_ptr(e, t.addr, t.len) },
-                Memory::Host => unsafe { CudaBuffer::from_host_ptr(e, ptr.as_ptr(), t.len, false)? },
-            }))
+            // SAFETY: as above, and the op's copies are ordered on the executor's stream (the
+            // caller's, for an executor made with `CudaExecutor::from_stream`); host memory must
+            // be pinned or registered (refused otherwise).
+            let b = unsafe { crate::exec::cuda::CudaBuffer::stream_ordered(e, t.addr, t.len, t.memory == Memory::CudaDevice)? };
+            Ok(Buffer::Cuda(b))
         }
         #[cfg(feature = "wgpu")]
         Device::Wgpu(_) => Err(bad(&a.name, "the wgpu executor moves between its own pools only (use DevicePool / HostPool)")),
@@ -224,10 +226,11 @@ fn launcher(hi: &[i64], di: &[i64], item_size: i64) -> Result<u64> {
     if hi.len() != di.len() {
         return Err(TransferError::LengthMismatch { src_len: hi.len(), dst_len: di.len() });
     }
-    if item_size % 8 != 0 {
-        return Err(TransferError::ItemNotWordAligned { item_bytes: item_size as u64, word: 8 });
+    let item = item_bytes(item_size)?;
+    if !item.is_multiple_of(8) {
+        return Err(TransferError::ItemNotWordAligned { item_bytes: item, word: 8 });
     }
-    item_bytes(item_size)
+    Ok(item)
 }
 
 /// One pool pair and its validated plan.
@@ -244,12 +247,22 @@ impl Call {
     }
 }
 
-/// Runs calls that were all validated first, in order; waits for the last.
+/// Runs calls that were all validated first, in order. A failure after the first call (an
+/// executor error, never a validation error) is `Partial`, naming the calls (one per layer)
+/// that completed.
 fn run_all(calls: Vec<Call>) -> Result<()> {
-    for mut c in calls {
-        match c.plan.direction() {
-            crate::plan::Direction::HostToDevice => c.host.execute_load(&mut c.dev, &c.plan)?,
-            crate::plan::Direction::DeviceToHost => c.host.execute_backup(&c.dev, &c.plan)?,
+    let total = calls.len();
+    for (k, mut c) in calls.into_iter().enumerate() {
+        let r = match c.plan.direction() {
+            crate::plan::Direction::HostToDevice => c.host.execute_load(&mut c.dev, &c.plan),
+            crate::plan::Direction::DeviceToHost => c.host.execute_backup(&c.dev, &c.plan),
+        };
+        if let Err(e) = r {
+            if k == 0 {
+                return Err(e);
+            }
+            let completed_layers = (0..k as u64).collect();
+            return Err(TransferError::Partial { failed_step: k, total_steps: total, completed_layers, source: Box::new(e) });
         }
     }
     Ok(())
@@ -382,9 +395,20 @@ pub fn transfer_kv_per_layer_ph_lf(
 ) -> Result<()> {
     let src = kv(src_k, src_v, "src_k", "src_v");
     let dst = kv(dst_k, dst_v, "dst_k", "dst_v");
-    let p = positive("page_size", page_size)?;
-    let h = positive("head_num", head_num)?;
-    paged_load(device, PoolKind::Mha, Layout::PageHead, &src, &dst, src_indices, dst_indices, layer_id, item_size, src_layout_dim, p, h)
+    paged_load(
+        device,
+        PoolKind::Mha,
+        Layout::PageHead,
+        &src,
+        &dst,
+        src_indices,
+        dst_indices,
+        layer_id,
+        item_size,
+        src_layout_dim,
+        page_size,
+        head_num,
+    )
 }
 
 /// Host slots of a page_first / page_head buffer: whole pages of `P × layout_dim` bytes.
@@ -405,10 +429,11 @@ fn paged_load(
     layer_id: i64,
     item_size: i64,
     src_layout_dim: i64,
-    page: u64,
-    heads: u64,
+    page_size: i64,
+    head_num: i64,
 ) -> Result<()> {
     let item = launcher(hi, di, item_size)?;
+    let (page, heads) = (positive("page_size", page_size)?, positive("head_num", head_num)?);
     let layers = layers_of("src_layout_dim", src_layout_dim, item)?;
     let layer_id = layer_index(layer_id)?;
     check_overlaps(src, dst)?;
@@ -421,6 +446,16 @@ fn paged_load(
 }
 
 // ---- all-layer copies between layer lists ------------------------------------------------
+
+/// sgl-kernel's first check of the all-layer `kernel` ops: the source layer table holds
+/// `num_layers` entries (`mla`: the MLA ops' wording). Bindings that read their arguments
+/// before calling an op make it first too, so that it keeps its place in sglang's order.
+pub fn check_num_layers(mla: bool, num_layers: i64, table_len: usize) -> Result<()> {
+    if num_layers != table_len as i64 {
+        return Err(TransferError::NumLayersMismatch { which: if mla { "" } else { "k " }, num_layers, table_len });
+    }
+    Ok(())
+}
 
 /// `transfer_kv_all_layer`: every layer `j < num_layers`, `src_*_layers[j]` → `dst_*_layers[j]`
 /// (layer_first both sides; sglang passes device tables of layer base pointers).
@@ -435,9 +470,7 @@ pub fn transfer_kv_all_layer(
     item_size: i64,
     num_layers: i64,
 ) -> Result<()> {
-    if num_layers != src_k_layers.len() as i64 {
-        return Err(TransferError::NumLayersMismatch { which: "k ", num_layers, table_len: src_k_layers.len() });
-    }
+    check_num_layers(false, num_layers, src_k_layers.len())?;
     let lists =
         [("src_k_layers", src_k_layers), ("src_v_layers", src_v_layers), ("dst_k_layers", dst_k_layers), ("dst_v_layers", dst_v_layers)];
     layer_lists(device, PoolKind::Mha, &lists, IoBackend::Kernel, src_indices, dst_indices, Some(item_size))
@@ -453,9 +486,7 @@ pub fn transfer_kv_all_layer_mla(
     item_size: i64,
     num_layers: i64,
 ) -> Result<()> {
-    if num_layers != src_layers.len() as i64 {
-        return Err(TransferError::NumLayersMismatch { which: "", num_layers, table_len: src_layers.len() });
-    }
+    check_num_layers(true, num_layers, src_layers.len())?;
     let lists = [("src_layers", src_layers), ("dst_layers", dst_layers)];
     layer_lists(device, PoolKind::Mla, &lists, IoBackend::Kernel, src_indices, dst_indices, Some(item_size))
 }
@@ -561,9 +592,7 @@ pub fn transfer_kv_all_layer_lf_pf(
     dst_layout_dim: i64,
     num_layers: i64,
 ) -> Result<()> {
-    if num_layers != src_k_layers.len() as i64 {
-        return Err(TransferError::NumLayersMismatch { which: "k ", num_layers, table_len: src_k_layers.len() });
-    }
+    check_num_layers(false, num_layers, src_k_layers.len())?;
     let dst = kv(dst_k, dst_v, "dst_k", "dst_v");
     let src = [("src_k_layers", src_k_layers), ("src_v_layers", src_v_layers)];
     layout_backup(device, PoolKind::Mha, Layout::PageFirst, &src, &dst, src_indices, dst_indices, item_size, dst_layout_dim, 1, 1)
@@ -580,9 +609,7 @@ pub fn transfer_kv_all_layer_mla_lf_pf(
     dst_layout_dim: i64,
     num_layers: i64,
 ) -> Result<()> {
-    if num_layers != src_layers.len() as i64 {
-        return Err(TransferError::NumLayersMismatch { which: "", num_layers, table_len: src_layers.len() });
-    }
+    check_num_layers(true, num_layers, src_layers.len())?;
     let d = [arg("dst", dst)];
     layout_backup(
         device,
@@ -614,14 +641,22 @@ pub fn transfer_kv_all_layer_lf_ph(
     page_size: i64,
     head_num: i64,
 ) -> Result<()> {
-    if num_layers != src_k_layers.len() as i64 {
-        return Err(TransferError::NumLayersMismatch { which: "k ", num_layers, table_len: src_k_layers.len() });
-    }
-    let p = positive("page_size", page_size)?;
-    let h = positive("head_num", head_num)?;
+    check_num_layers(false, num_layers, src_k_layers.len())?;
     let dst = kv(dst_k, dst_v, "dst_k", "dst_v");
     let src = [("src_k_layers", src_k_layers), ("src_v_layers", src_v_layers)];
-    layout_backup(device, PoolKind::Mha, Layout::PageHead, &src, &dst, src_indices, dst_indices, item_size, dst_layout_dim, p, h)
+    layout_backup(
+        device,
+        PoolKind::Mha,
+        Layout::PageHead,
+        &src,
+        &dst,
+        src_indices,
+        dst_indices,
+        item_size,
+        dst_layout_dim,
+        page_size,
+        head_num,
+    )
 }
 
 /// An all-layer backup of layer lists into a page_first / page_head host buffer (`kernel`).
@@ -635,10 +670,11 @@ fn layout_backup(
     di: &[i64],
     item_size: i64,
     dst_layout_dim: i64,
-    page: u64,
-    heads: u64,
+    page_size: i64,
+    head_num: i64,
 ) -> Result<()> {
     let item = launcher(hi, di, item_size)?;
+    let (page, heads) = (positive("page_size", page_size)?, positive("head_num", head_num)?);
     let layers = layers_of("dst_layout_dim", dst_layout_dim, item)?;
     let named = named_lists(src, layers)?;
     check_overlaps(&named.iter().flatten().cloned().collect::<Vec<_>>(), dst)?;

@@ -73,11 +73,23 @@ struct DlTensor {
     byte_offset: u64,
 }
 
+/// DLPack ≥ 1.0's `DLManagedTensorVersioned` (capsule `dltensor_versioned`), which can say
+/// read-only.
+#[repr(C)]
+struct DlManagedTensorVersioned {
+    version: [u32; 2],
+    manager_ctx: *mut c_void,
+    deleter: *mut c_void,
+    flags: u64,
+    dl_tensor: DlTensor,
+}
+
 const DL_CPU: i32 = 1;
 const DL_CUDA: i32 = 2;
 const DL_CUDA_HOST: i32 = 3;
 const DL_INT: u8 = 0;
 const DL_UINT: u8 = 1;
+const DL_FLAG_READ_ONLY: u64 = 1;
 
 /// An array argument, kept alive (its capsule or the array) while an op runs.
 struct Held {
@@ -85,6 +97,7 @@ struct Held {
     /// DLPack type code and bits per element.
     dtype: (u8, u8),
     device_type: i32,
+    device_id: i32,
     writable: bool,
     _keep: Py<PyAny>,
 }
@@ -93,54 +106,128 @@ impl Held {
     fn is_int64(&self) -> bool {
         self.dtype == (DL_INT, 64)
     }
+    fn on_host(&self) -> bool {
+        self.device_type == DL_CPU || self.device_type == DL_CUDA_HOST
+    }
 }
 
-fn view(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Held> {
-    match obj.call_method0("__dlpack__") {
-        Ok(cap) => from_capsule(&cap, name),
-        Err(dl_err) => match obj.getattr("__array_interface__") {
-            Ok(ai) => from_array_interface(obj, &ai, name),
-            Err(_) => Err(PyTypeError::new_err(format!("{name}: expected an array that speaks DLPack ({dl_err})"))),
-        },
+/// The stream a CUDA array is handed over on: the executor's (the caller's current stream).
+#[derive(Clone, Copy)]
+struct Ctx {
+    stream: Option<u64>,
+}
+
+/// Reads an array through DLPack (versioned first, so read-only arrays say so), or numpy's
+/// `__array_interface__` where DLPack is refused (e.g. non-native byte order).
+fn view(obj: &Bound<'_, PyAny>, name: &str, ctx: Ctx) -> PyResult<Held> {
+    let py = obj.py();
+    if obj.hasattr("__dlpack__")? {
+        let device: Option<(i32, i32)> = obj.call_method0("__dlpack_device__").ok().and_then(|d| d.extract().ok());
+        let kw = pyo3::types::PyDict::new(py);
+        kw.set_item("max_version", (1, 0))?;
+        if matches!(device, Some((DL_CUDA, _))) {
+            // DLPack: the consumer's stream; the producer orders its pending work before it.
+            kw.set_item("stream", ctx.stream.unwrap_or(1))?;
+        }
+        let cap = match obj.call_method("__dlpack__", (), Some(&kw)) {
+            Ok(c) => Ok(c),
+            // Producers older than DLPack 1.0 take no max_version.
+            Err(e) if e.is_instance_of::<PyTypeError>(py) => {
+                kw.del_item("max_version")?;
+                obj.call_method("__dlpack__", (), Some(&kw))
+            }
+            Err(e) => Err(e),
+        };
+        match cap {
+            Ok(cap) => return from_capsule(&cap, name),
+            Err(e) if !obj.hasattr("__array_interface__")? => {
+                return Err(PyTypeError::new_err(format!("{name}: DLPack export failed ({e})")))
+            }
+            Err(_) => {}
+        }
+    }
+    match obj.getattr("__array_interface__") {
+        Ok(ai) => from_array_interface(obj, &ai, name),
+        Err(_) => Err(PyTypeError::new_err(format!("{name}: expected an array that speaks DLPack"))),
     }
 }
 
 fn from_capsule(cap: &Bound<'_, PyAny>, name: &str) -> PyResult<Held> {
-    // SAFETY: a `dltensor` capsule holds a DLManagedTensor whose first member is the DLTensor;
-    // the capsule (kept in `Held`) keeps it alive and frees it when collected, since it is
-    // never renamed to `used_dltensor`.
-    let t = unsafe {
-        let p = pyo3::ffi::PyCapsule_GetPointer(cap.as_ptr(), c"dltensor".as_ptr());
-        if p.is_null() {
+    // SAFETY: the capsule's name says which DLPack struct it holds; the capsule (kept in
+    // `Held`) keeps it alive and frees it when collected, since it is never renamed `used_*`.
+    let (t, flags) = unsafe {
+        let cname = pyo3::ffi::PyCapsule_GetName(cap.as_ptr());
+        if cname.is_null() {
             return Err(PyErr::take(cap.py()).unwrap_or_else(|| PyTypeError::new_err(format!("{name}: not a DLPack capsule"))));
         }
-        &*(p as *const DlTensor)
+        let versioned = std::ffi::CStr::from_ptr(cname) == c"dltensor_versioned";
+        let p = pyo3::ffi::PyCapsule_GetPointer(cap.as_ptr(), cname);
+        if p.is_null() {
+            return Err(PyErr::take(cap.py()).unwrap_or_else(|| PyTypeError::new_err(format!("{name}: empty DLPack capsule"))));
+        }
+        if versioned {
+            let m = &*(p as *const DlManagedTensorVersioned);
+            if m.version[0] != 1 {
+                return Err(PyTypeError::new_err(format!("{name}: DLPack {}.{} is not supported", m.version[0], m.version[1])));
+            }
+            (&m.dl_tensor, m.flags)
+        } else {
+            // DLManagedTensor starts with its DLTensor.
+            (&*(p as *const DlTensor), 0)
+        }
     };
     let ndim = usize::try_from(t.ndim).map_err(|_| PyValueError::new_err(format!("{name}: negative ndim")))?;
     // SAFETY: DLPack gives `ndim` shape entries and, when non-null, `ndim` strides.
     let shape: Vec<i64> = if ndim == 0 { vec![] } else { unsafe { std::slice::from_raw_parts(t.shape, ndim) }.to_vec() };
     let strides: Option<Vec<i64>> =
         if t.strides.is_null() || ndim == 0 { None } else { Some(unsafe { std::slice::from_raw_parts(t.strides, ndim) }.to_vec()) };
-    let elem = (t.dtype.bits as u64 * t.dtype.lanes as u64).div_ceil(8);
+    let bits = t.dtype.bits as u64 * t.dtype.lanes as u64;
+    if bits == 0 || !bits.is_multiple_of(8) {
+        return Err(PyValueError::new_err(format!("{name}: {bits}-bit elements are not whole bytes")));
+    }
     let addr = (t.data as u64).checked_add(t.byte_offset).ok_or_else(|| PyValueError::new_err(format!("{name}: address overflows")))?;
     let memory = match t.device.device_type {
         DL_CPU | DL_CUDA_HOST => Memory::Host,
         DL_CUDA => Memory::CudaDevice,
         other => return Err(PyValueError::new_err(format!("{name}: DLPack device type {other} is not host or CUDA memory"))),
     };
-    let raw = described(name, addr, &shape, strides.as_deref(), elem, memory)?;
-    Ok(Held { raw, dtype: (t.dtype.code, t.dtype.bits), device_type: t.device.device_type, writable: true, _keep: cap.clone().unbind() })
+    let raw = described(name, addr, &shape, strides.as_deref(), bits / 8, memory)?;
+    Ok(Held {
+        raw,
+        dtype: (t.dtype.code, t.dtype.bits),
+        device_type: t.device.device_type,
+        device_id: t.device.device_id,
+        writable: flags & DL_FLAG_READ_ONLY == 0,
+        _keep: cap.clone().unbind(),
+    })
 }
 
-/// numpy's `__array_interface__` (read-only arrays, which DLPack cannot export).
+/// numpy's `__array_interface__` (strides in bytes; native byte order only).
 fn from_array_interface(obj: &Bound<'_, PyAny>, ai: &Bound<'_, PyAny>, name: &str) -> PyResult<Held> {
     let (ptr, readonly): (u64, bool) = ai.get_item("data")?.extract()?;
     let shape: Vec<i64> = ai.get_item("shape")?.extract()?;
-    let strides: Option<Vec<i64>> = ai.get_item("strides")?.extract()?;
+    let strides: Option<Vec<i64>> = ai.get_item("strides").ok().map(|s| s.extract()).transpose()?.flatten();
     let typestr: String = ai.get_item("typestr")?.extract()?;
+    let order = typestr.chars().next().unwrap_or('?');
+    let foreign = if cfg!(target_endian = "little") { '>' } else { '<' };
     let kind = typestr.chars().nth(1).unwrap_or('?');
-    let size: u64 =
-        typestr.get(2..).and_then(|s| s.parse().ok()).ok_or_else(|| PyTypeError::new_err(format!("{name}: dtype {typestr}")))?;
+    let size: u64 = typestr
+        .get(2..)
+        .and_then(|s| s.parse().ok())
+        .filter(|&s| s > 0)
+        .ok_or_else(|| PyTypeError::new_err(format!("{name}: dtype {typestr}")))?;
+    if order == foreign && size > 1 {
+        return Err(PyValueError::new_err(format!("{name}: byte order {typestr} is not this machine's")));
+    }
+    let strides = match strides {
+        Some(st) => {
+            if st.iter().any(|&b| b % size as i64 != 0) {
+                return Err(PyValueError::new_err(format!("{name}: strides {st:?} are not whole elements")));
+            }
+            Some(st.iter().map(|&b| b / size as i64).collect::<Vec<_>>())
+        }
+        None => None,
+    };
     let code = match kind {
         'i' => DL_INT,
         'u' => DL_UINT,
@@ -148,7 +235,14 @@ fn from_array_interface(obj: &Bound<'_, PyAny>, ai: &Bound<'_, PyAny>, name: &st
         _ => 255,
     };
     let raw = described(name, ptr, &shape, strides.as_deref(), size, Memory::Host)?;
-    Ok(Held { raw, dtype: (code, (size * 8) as u8), device_type: DL_CPU, writable: !readonly, _keep: obj.clone().unbind() })
+    Ok(Held {
+        raw,
+        dtype: (code, (size * 8).min(255) as u8),
+        device_type: DL_CPU,
+        device_id: 0,
+        writable: !readonly,
+        _keep: obj.clone().unbind(),
+    })
 }
 
 /// A contiguous tensor's byte span (strides in elements; only C order, dimensions of extent 1
@@ -162,6 +256,9 @@ fn described(name: &str, addr: u64, shape: &[i64], strides: Option<&[i64]>, elem
     let count =
         dims.iter().try_fold(1u64, |a, &d| a.checked_mul(d)).ok_or_else(|| PyValueError::new_err(format!("{name}: size overflows")))?;
     if let Some(strides) = strides {
+        if strides.len() != shape.len() {
+            return Err(PyValueError::new_err(format!("{name}: {} strides for {} dimensions", strides.len(), shape.len())));
+        }
         let mut want = 1i64;
         for (i, &d) in shape.iter().enumerate().rev() {
             if d != 1 && strides[i] != want {
@@ -179,40 +276,40 @@ fn described(name: &str, addr: u64, shape: &[i64], strides: Option<&[i64]>, elem
 }
 
 /// A destination array: writable.
-fn dst_view(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Held> {
-    let h = view(obj, name)?;
+fn dst_view(obj: &Bound<'_, PyAny>, name: &str, ctx: Ctx) -> PyResult<Held> {
+    let h = view(obj, name, ctx)?;
     if !h.writable {
         return Err(PyValueError::new_err(format!("{name}: destination array is read-only")));
     }
     Ok(h)
 }
 
-/// Index list: an int64 array (sglang's type check and message), or a sequence of ints.
-fn index_list(obj: &Bound<'_, PyAny>, side: &str) -> PyResult<Vec<i64>> {
+/// Index list: an int64 array (sglang's type check and message), or a sequence of ints. The
+/// planner reads indices on the host: a CUDA index array is copied on the executor's stream,
+/// which waits for it (pass host indices to avoid that).
+fn index_list(obj: &Bound<'_, PyAny>, side: &str, ctx: Ctx) -> PyResult<Vec<i64>> {
     if obj.hasattr("__dlpack__")? || obj.hasattr("__array_interface__")? {
-        let h = view(obj, &format!("{} indices", side.to_lowercase()))?;
+        let h = view(obj, &format!("{} indices", side.to_lowercase()), ctx)?;
         if !h.is_int64() {
             return Err(PyRuntimeError::new_err(format!("{side} indices must be of type long")));
         }
-        if h.device_type != DL_CPU && h.device_type != DL_CUDA_HOST {
-            return Err(PyValueError::new_err(format!("{side} indices: index lists are read on the host; pass a CPU array")));
-        }
-        let n = h.raw.len() / 8;
-        if n == 0 {
-            return Ok(vec![]);
+        let n = (h.raw.len() / 8) as usize;
+        if h.device_type == DL_CUDA {
+            let bytes = read_cuda(&h, ctx)?;
+            return Ok(bytes.chunks_exact(8).map(|c| i64::from_ne_bytes(c.try_into().expect("8 bytes"))).collect());
         }
         // SAFETY: `n` int64 values of a live host array (kept by `h`); read unaligned in case a
         // view starts off an 8-byte boundary.
         let p = h.raw.addr() as *const i64;
-        return Ok((0..n as usize).map(|i| unsafe { p.add(i).read_unaligned() }).collect());
+        return Ok((0..n).map(|i| unsafe { p.add(i).read_unaligned() }).collect());
     }
     obj.extract::<Vec<i64>>().map_err(|_| PyTypeError::new_err(format!("{side} indices must be an int64 array or a sequence of ints")))
 }
 
 /// A layer argument: a list of arrays (every index bounds-checked), or sglang's table of layer
-/// base addresses (a 1-D int64/uint64 host array), trusted like sglang: each layer's extent is
-/// what the largest index needs (`extent` bytes).
-fn layers(obj: &Bound<'_, PyAny>, name: &str, writes: bool, extent: u64) -> PyResult<Vec<Held>> {
+/// base addresses (a 1-D int64/uint64 array), trusted like sglang: each layer's extent is what
+/// the largest index needs (`extent` bytes). A table on the GPU holds device addresses.
+fn layers(obj: &Bound<'_, PyAny>, name: &str, writes: bool, extent: u64, ctx: Ctx) -> PyResult<Vec<Held>> {
     if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() {
         return obj
             .try_iter()?
@@ -220,30 +317,31 @@ fn layers(obj: &Bound<'_, PyAny>, name: &str, writes: bool, extent: u64) -> PyRe
             .map(|(j, x)| {
                 let n = format!("{name}[{j}]");
                 if writes {
-                    dst_view(&x?, &n)
+                    dst_view(&x?, &n, ctx)
                 } else {
-                    view(&x?, &n)
+                    view(&x?, &n, ctx)
                 }
             })
             .collect();
     }
-    let table = view(obj, name)?;
+    let table = view(obj, name, ctx)?;
     if !(table.dtype == (DL_INT, 64) || table.dtype == (DL_UINT, 64)) || table.raw.dims().len() != 1 {
         return Err(PyTypeError::new_err(format!("{name}: expected a list of arrays or a 1-D int64 table of layer addresses")));
     }
-    if table.device_type != DL_CPU {
-        return Err(PyValueError::new_err(format!(
-            "{name}: a layer address table must be host memory here; pass a list of arrays instead"
-        )));
-    }
-    let p = table.raw.addr() as *const u64;
-    (0..table.raw.dims()[0] as usize)
-        .map(|j| {
-            // SAFETY: entry `j` of a live host table.
-            let addr = unsafe { p.add(j).read_unaligned() };
+    let entries: Vec<u64> = if table.device_type == DL_CUDA {
+        read_cuda(&table, ctx)?.chunks_exact(8).map(|c| u64::from_ne_bytes(c.try_into().expect("8 bytes"))).collect()
+    } else {
+        let p = table.raw.addr() as *const u64;
+        // SAFETY: entries of a live host table.
+        (0..table.raw.dims()[0] as usize).map(|j| unsafe { p.add(j).read_unaligned() }).collect()
+    };
+    let (memory, device_type) = if table.device_type == DL_CUDA { (Memory::CudaDevice, DL_CUDA) } else { (Memory::Host, DL_CPU) };
+    entries
+        .into_iter()
+        .map(|addr| {
             // SAFETY: sglang's contract for layer tables: the caller vouches for each layer.
-            let raw = unsafe { RawTensor::new(addr, extent, vec![], Memory::Host) };
-            Ok(Held { raw, dtype: (DL_UINT, 8), device_type: DL_CPU, writable: true, _keep: obj.clone().unbind() })
+            let raw = unsafe { RawTensor::new(addr, extent, vec![], memory) };
+            Ok(Held { raw, dtype: (DL_UINT, 8), device_type, device_id: table.device_id, writable: true, _keep: obj.clone().unbind() })
         })
         .collect()
 }
@@ -254,6 +352,22 @@ fn extent_for(idx: &[i64], item: i64) -> u64 {
     top.saturating_mul(item.max(1) as u64)
 }
 
+/// Bytes of any bytes-like object or host array.
+fn data_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u8>> {
+    if let Ok(b) = obj.cast::<PyBytes>() {
+        return Ok(b.as_bytes().to_vec());
+    }
+    let h = view(obj, name, Ctx { stream: None })?;
+    if !h.on_host() {
+        return Err(PyValueError::new_err(format!("{name}: pass host memory")));
+    }
+    if h.raw.is_empty() {
+        return Ok(vec![]);
+    }
+    // SAFETY: a live host array of `len` bytes (kept by `h`).
+    Ok(unsafe { std::slice::from_raw_parts(h.raw.addr() as *const u8, h.raw.len() as usize) }.to_vec())
+}
+
 // ---- executors ---------------------------------------------------------------------------
 
 /// One cpu executor for the kvcacheio ops of this process.
@@ -262,15 +376,58 @@ fn cpu() -> &'static Device {
     CPU.get_or_init(Device::cpu)
 }
 
-/// The executor for the ops' arrays: host arrays run on the cpu executor.
-fn executor_for(args: &[&Held]) -> PyResult<Device> {
-    if args.iter().all(|h| h.device_type == DL_CPU) {
-        return Ok(cpu().clone());
+/// The cuda executor on (device, stream), one per pair for the process.
+#[cfg(feature = "cuda")]
+fn cuda(device_id: i32, stream: u64) -> PyResult<Device> {
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+    static CUDA: OnceLock<Mutex<HashMap<(i32, u64), Device>>> = OnceLock::new();
+    let mut map = CUDA.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(d) = map.get(&(device_id, stream)) {
+        return Ok(d.clone());
     }
-    Err(PyValueError::new_err(
-        "hicache_io.kvcacheio runs host (CPU) arrays on the cpu executor; CUDA arrays are not accepted by this build \
-         of the Python package yet (use the Rust API's cuda executor)",
-    ))
+    let ordinal = usize::try_from(device_id).map_err(|_| PyValueError::new_err(format!("CUDA device id {device_id}")))?;
+    // SAFETY: the stream is the caller's current stream on that device (see kvcacheio.py).
+    let exec = unsafe { hicache_io::exec::cuda::CudaExecutor::on_raw_stream(ordinal, stream, Default::default()) }.py()?;
+    let d = Device::Cuda(exec);
+    map.insert((device_id, stream), d.clone());
+    Ok(d)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda(_device_id: i32, _stream: u64) -> PyResult<Device> {
+    Err(PyRuntimeError::new_err("cuda: unavailable (this build has no cuda executor)"))
+}
+
+/// Device bytes of a CUDA index list or layer table, read on the caller's stream.
+fn read_cuda(h: &Held, ctx: Ctx) -> PyResult<Vec<u8>> {
+    let dev = cuda(h.device_id, ctx.stream.unwrap_or(1))?;
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(e) = &dev {
+        // SAFETY: a live device array of `len` bytes (kept by `h`) on that device.
+        return unsafe { e.read_device(h.raw.addr(), h.raw.len()) }.py();
+    }
+    let _ = dev;
+    Err(PyRuntimeError::new_err("cuda: unavailable"))
+}
+
+/// The executor for an op's arrays: host arrays run on the cpu executor; CUDA arrays on the
+/// cuda executor of their device, on the caller's stream, with any host arrays pinned.
+fn executor_for(args: &[&Held], ctx: Ctx) -> PyResult<Device> {
+    let Some(gpu) = args.iter().find(|h| h.device_type == DL_CUDA) else {
+        return Ok(cpu().clone());
+    };
+    for h in args {
+        if h.device_type == DL_CPU {
+            return Err(PyValueError::new_err(
+                "host arrays next to CUDA arrays must be pinned (torch: pin_memory(); DLPack device kDLCUDAHost)",
+            ));
+        }
+        if h.device_type == DL_CUDA && h.device_id != gpu.device_id {
+            return Err(PyValueError::new_err(format!("CUDA arrays on devices {} and {}", gpu.device_id, h.device_id)));
+        }
+    }
+    cuda(gpu.device_id, ctx.stream.unwrap_or(1))
 }
 
 fn raws(hs: &[Held]) -> Vec<RawTensor> {
@@ -280,7 +437,7 @@ fn raws(hs: &[Held]) -> Vec<RawTensor> {
 // ---- kvcacheio ---------------------------------------------------------------------------
 
 #[pyfunction]
-#[pyo3(signature = (src_k, dst_k, src_v, dst_v, src_indices, dst_indices, item_size))]
+#[pyo3(signature = (src_k, dst_k, src_v, dst_v, src_indices, dst_indices, item_size, *, stream = None))]
 fn transfer_kv_per_layer(
     py: Python<'_>,
     src_k: &Bound<'_, PyAny>,
@@ -290,15 +447,18 @@ fn transfer_kv_per_layer(
     src_indices: &Bound<'_, PyAny>,
     dst_indices: &Bound<'_, PyAny>,
     item_size: i64,
+    stream: Option<u64>,
 ) -> PyResult<()> {
-    let (si, di) = (index_list(src_indices, "Source")?, index_list(dst_indices, "Destination")?);
-    let (sk, dk, sv, dv) = (view(src_k, "src_k")?, dst_view(dst_k, "dst_k")?, view(src_v, "src_v")?, dst_view(dst_v, "dst_v")?);
-    let dev = executor_for(&[&sk, &dk, &sv, &dv])?;
+    let ctx = Ctx { stream };
+    let (si, di) = (index_list(src_indices, "Source", ctx)?, index_list(dst_indices, "Destination", ctx)?);
+    let (sk, dk, sv, dv) =
+        (view(src_k, "src_k", ctx)?, dst_view(dst_k, "dst_k", ctx)?, view(src_v, "src_v", ctx)?, dst_view(dst_v, "dst_v", ctx)?);
+    let dev = executor_for(&[&sk, &dk, &sv, &dv], ctx)?;
     py.detach(|| kv::transfer_kv_per_layer(&dev, &sk.raw, &dk.raw, &sv.raw, &dv.raw, &si, &di, item_size)).py()
 }
 
 #[pyfunction]
-#[pyo3(signature = (src_k, dst_k, src_v, dst_v, src_indices, dst_indices, layer_id, item_size, src_layout_dim))]
+#[pyo3(signature = (src_k, dst_k, src_v, dst_v, src_indices, dst_indices, layer_id, item_size, src_layout_dim, *, stream = None))]
 fn transfer_kv_per_layer_pf_lf(
     py: Python<'_>,
     src_k: &Bound<'_, PyAny>,
@@ -310,16 +470,19 @@ fn transfer_kv_per_layer_pf_lf(
     layer_id: i64,
     item_size: i64,
     src_layout_dim: i64,
+    stream: Option<u64>,
 ) -> PyResult<()> {
-    let (si, di) = (index_list(src_indices, "Source")?, index_list(dst_indices, "Destination")?);
-    let (sk, dk, sv, dv) = (view(src_k, "src_k")?, dst_view(dst_k, "dst_k")?, view(src_v, "src_v")?, dst_view(dst_v, "dst_v")?);
-    let dev = executor_for(&[&sk, &dk, &sv, &dv])?;
+    let ctx = Ctx { stream };
+    let (si, di) = (index_list(src_indices, "Source", ctx)?, index_list(dst_indices, "Destination", ctx)?);
+    let (sk, dk, sv, dv) =
+        (view(src_k, "src_k", ctx)?, dst_view(dst_k, "dst_k", ctx)?, view(src_v, "src_v", ctx)?, dst_view(dst_v, "dst_v", ctx)?);
+    let dev = executor_for(&[&sk, &dk, &sv, &dv], ctx)?;
     py.detach(|| kv::transfer_kv_per_layer_pf_lf(&dev, &sk.raw, &dk.raw, &sv.raw, &dv.raw, &si, &di, layer_id, item_size, src_layout_dim))
         .py()
 }
 
 #[pyfunction]
-#[pyo3(signature = (src_k, dst_k, src_v, dst_v, src_indices, dst_indices, layer_id, item_size, src_layout_dim, page_size, head_num))]
+#[pyo3(signature = (src_k, dst_k, src_v, dst_v, src_indices, dst_indices, layer_id, item_size, src_layout_dim, page_size, head_num, *, stream = None))]
 fn transfer_kv_per_layer_ph_lf(
     py: Python<'_>,
     src_k: &Bound<'_, PyAny>,
@@ -333,10 +496,13 @@ fn transfer_kv_per_layer_ph_lf(
     src_layout_dim: i64,
     page_size: i64,
     head_num: i64,
+    stream: Option<u64>,
 ) -> PyResult<()> {
-    let (si, di) = (index_list(src_indices, "Source")?, index_list(dst_indices, "Destination")?);
-    let (sk, dk, sv, dv) = (view(src_k, "src_k")?, dst_view(dst_k, "dst_k")?, view(src_v, "src_v")?, dst_view(dst_v, "dst_v")?);
-    let dev = executor_for(&[&sk, &dk, &sv, &dv])?;
+    let ctx = Ctx { stream };
+    let (si, di) = (index_list(src_indices, "Source", ctx)?, index_list(dst_indices, "Destination", ctx)?);
+    let (sk, dk, sv, dv) =
+        (view(src_k, "src_k", ctx)?, dst_view(dst_k, "dst_k", ctx)?, view(src_v, "src_v", ctx)?, dst_view(dst_v, "dst_v", ctx)?);
+    let dev = executor_for(&[&sk, &dk, &sv, &dv], ctx)?;
     py.detach(|| {
         kv::transfer_kv_per_layer_ph_lf(
             &dev,
@@ -357,7 +523,7 @@ fn transfer_kv_per_layer_ph_lf(
 }
 
 #[pyfunction]
-#[pyo3(signature = (src_k_layers, dst_k_layers, src_v_layers, dst_v_layers, src_indices, dst_indices, item_size, num_layers))]
+#[pyo3(signature = (src_k_layers, dst_k_layers, src_v_layers, dst_v_layers, src_indices, dst_indices, item_size, num_layers, *, stream = None))]
 fn transfer_kv_all_layer(
     py: Python<'_>,
     src_k_layers: &Bound<'_, PyAny>,
@@ -368,20 +534,24 @@ fn transfer_kv_all_layer(
     dst_indices: &Bound<'_, PyAny>,
     item_size: i64,
     num_layers: i64,
+    stream: Option<u64>,
 ) -> PyResult<()> {
-    let (si, di) = (index_list(src_indices, "Source")?, index_list(dst_indices, "Destination")?);
+    let ctx = Ctx { stream };
+    // sgl-kernel checks the layer count before anything else.
+    kv::check_num_layers(false, num_layers, src_k_layers.len()?).py()?;
+    let (si, di) = (index_list(src_indices, "Source", ctx)?, index_list(dst_indices, "Destination", ctx)?);
     let (se, de) = (extent_for(&si, item_size), extent_for(&di, item_size));
-    let sk = layers(src_k_layers, "src_k_layers", false, se)?;
-    let dk = layers(dst_k_layers, "dst_k_layers", true, de)?;
-    let sv = layers(src_v_layers, "src_v_layers", false, se)?;
-    let dv = layers(dst_v_layers, "dst_v_layers", true, de)?;
-    let dev = executor_for(&sk.iter().chain(&dk).chain(&sv).chain(&dv).collect::<Vec<_>>())?;
+    let sk = layers(src_k_layers, "src_k_layers", false, se, ctx)?;
+    let dk = layers(dst_k_layers, "dst_k_layers", true, de, ctx)?;
+    let sv = layers(src_v_layers, "src_v_layers", false, se, ctx)?;
+    let dv = layers(dst_v_layers, "dst_v_layers", true, de, ctx)?;
+    let dev = executor_for(&sk.iter().chain(&dk).chain(&sv).chain(&dv).collect::<Vec<_>>(), ctx)?;
     let (sk, dk, sv, dv) = (raws(&sk), raws(&dk), raws(&sv), raws(&dv));
     py.detach(|| kv::transfer_kv_all_layer(&dev, &sk, &dk, &sv, &dv, &si, &di, item_size, num_layers)).py()
 }
 
 #[pyfunction]
-#[pyo3(signature = (src_k_layers, dst_k, src_v_layers, dst_v, src_indices, dst_indices, item_size, dst_layout_dim, num_layers))]
+#[pyo3(signature = (src_k_layers, dst_k, src_v_layers, dst_v, src_indices, dst_indices, item_size, dst_layout_dim, num_layers, *, stream = None))]
 fn transfer_kv_all_layer_lf_pf(
     py: Python<'_>,
     src_k_layers: &Bound<'_, PyAny>,
@@ -393,18 +563,22 @@ fn transfer_kv_all_layer_lf_pf(
     item_size: i64,
     dst_layout_dim: i64,
     num_layers: i64,
+    stream: Option<u64>,
 ) -> PyResult<()> {
-    let (si, di) = (index_list(src_indices, "Source")?, index_list(dst_indices, "Destination")?);
+    let ctx = Ctx { stream };
+    // sgl-kernel checks the layer count before anything else.
+    kv::check_num_layers(false, num_layers, src_k_layers.len()?).py()?;
+    let (si, di) = (index_list(src_indices, "Source", ctx)?, index_list(dst_indices, "Destination", ctx)?);
     let se = extent_for(&si, item_size);
-    let (sk, sv) = (layers(src_k_layers, "src_k_layers", false, se)?, layers(src_v_layers, "src_v_layers", false, se)?);
-    let (dk, dv) = (dst_view(dst_k, "dst_k")?, dst_view(dst_v, "dst_v")?);
-    let dev = executor_for(&sk.iter().chain(&sv).chain([&dk, &dv]).collect::<Vec<_>>())?;
+    let (sk, sv) = (layers(src_k_layers, "src_k_layers", false, se, ctx)?, layers(src_v_layers, "src_v_layers", false, se, ctx)?);
+    let (dk, dv) = (dst_view(dst_k, "dst_k", ctx)?, dst_view(dst_v, "dst_v", ctx)?);
+    let dev = executor_for(&sk.iter().chain(&sv).chain([&dk, &dv]).collect::<Vec<_>>(), ctx)?;
     let (sk, sv) = (raws(&sk), raws(&sv));
     py.detach(|| kv::transfer_kv_all_layer_lf_pf(&dev, &sk, &dk.raw, &sv, &dv.raw, &si, &di, item_size, dst_layout_dim, num_layers)).py()
 }
 
 #[pyfunction]
-#[pyo3(signature = (src_k_layers, dst_k, src_v_layers, dst_v, src_indices, dst_indices, item_size, dst_layout_dim, num_layers, page_size, head_num))]
+#[pyo3(signature = (src_k_layers, dst_k, src_v_layers, dst_v, src_indices, dst_indices, item_size, dst_layout_dim, num_layers, page_size, head_num, *, stream = None))]
 fn transfer_kv_all_layer_lf_ph(
     py: Python<'_>,
     src_k_layers: &Bound<'_, PyAny>,
@@ -418,12 +592,16 @@ fn transfer_kv_all_layer_lf_ph(
     num_layers: i64,
     page_size: i64,
     head_num: i64,
+    stream: Option<u64>,
 ) -> PyResult<()> {
-    let (si, di) = (index_list(src_indices, "Source")?, index_list(dst_indices, "Destination")?);
+    let ctx = Ctx { stream };
+    // sgl-kernel checks the layer count before anything else.
+    kv::check_num_layers(false, num_layers, src_k_layers.len()?).py()?;
+    let (si, di) = (index_list(src_indices, "Source", ctx)?, index_list(dst_indices, "Destination", ctx)?);
     let se = extent_for(&si, item_size);
-    let (sk, sv) = (layers(src_k_layers, "src_k_layers", false, se)?, layers(src_v_layers, "src_v_layers", false, se)?);
-    let (dk, dv) = (dst_view(dst_k, "dst_k")?, dst_view(dst_v, "dst_v")?);
-    let dev = executor_for(&sk.iter().chain(&sv).chain([&dk, &dv]).collect::<Vec<_>>())?;
+    let (sk, sv) = (layers(src_k_layers, "src_k_layers", false, se, ctx)?, layers(src_v_layers, "src_v_layers", false, se, ctx)?);
+    let (dk, dv) = (dst_view(dst_k, "dst_k", ctx)?, dst_view(dst_v, "dst_v", ctx)?);
+    let dev = executor_for(&sk.iter().chain(&sv).chain([&dk, &dv]).collect::<Vec<_>>(), ctx)?;
     let (sk, sv) = (raws(&sk), raws(&sv));
     py.detach(|| {
         kv::transfer_kv_all_layer_lf_ph(
@@ -445,7 +623,7 @@ fn transfer_kv_all_layer_lf_ph(
 }
 
 #[pyfunction]
-#[pyo3(signature = (src, dst, src_indices, dst_indices, item_size))]
+#[pyo3(signature = (src, dst, src_indices, dst_indices, item_size, *, stream = None))]
 fn transfer_kv_per_layer_mla(
     py: Python<'_>,
     src: &Bound<'_, PyAny>,
@@ -453,15 +631,17 @@ fn transfer_kv_per_layer_mla(
     src_indices: &Bound<'_, PyAny>,
     dst_indices: &Bound<'_, PyAny>,
     item_size: i64,
+    stream: Option<u64>,
 ) -> PyResult<()> {
-    let (si, di) = (index_list(src_indices, "Source")?, index_list(dst_indices, "Destination")?);
-    let (s, d) = (view(src, "src")?, dst_view(dst, "dst")?);
-    let dev = executor_for(&[&s, &d])?;
+    let ctx = Ctx { stream };
+    let (si, di) = (index_list(src_indices, "Source", ctx)?, index_list(dst_indices, "Destination", ctx)?);
+    let (s, d) = (view(src, "src", ctx)?, dst_view(dst, "dst", ctx)?);
+    let dev = executor_for(&[&s, &d], ctx)?;
     py.detach(|| kv::transfer_kv_per_layer_mla(&dev, &s.raw, &d.raw, &si, &di, item_size)).py()
 }
 
 #[pyfunction]
-#[pyo3(signature = (src, dst, src_indices, dst_indices, layer_id, item_size, src_layout_dim))]
+#[pyo3(signature = (src, dst, src_indices, dst_indices, layer_id, item_size, src_layout_dim, *, stream = None))]
 fn transfer_kv_per_layer_mla_pf_lf(
     py: Python<'_>,
     src: &Bound<'_, PyAny>,
@@ -471,15 +651,17 @@ fn transfer_kv_per_layer_mla_pf_lf(
     layer_id: i64,
     item_size: i64,
     src_layout_dim: i64,
+    stream: Option<u64>,
 ) -> PyResult<()> {
-    let (si, di) = (index_list(src_indices, "Source")?, index_list(dst_indices, "Destination")?);
-    let (s, d) = (view(src, "src")?, dst_view(dst, "dst")?);
-    let dev = executor_for(&[&s, &d])?;
+    let ctx = Ctx { stream };
+    let (si, di) = (index_list(src_indices, "Source", ctx)?, index_list(dst_indices, "Destination", ctx)?);
+    let (s, d) = (view(src, "src", ctx)?, dst_view(dst, "dst", ctx)?);
+    let dev = executor_for(&[&s, &d], ctx)?;
     py.detach(|| kv::transfer_kv_per_layer_mla_pf_lf(&dev, &s.raw, &d.raw, &si, &di, layer_id, item_size, src_layout_dim)).py()
 }
 
 #[pyfunction]
-#[pyo3(signature = (src_layers, dst_layers, src_indices, dst_indices, item_size, num_layers))]
+#[pyo3(signature = (src_layers, dst_layers, src_indices, dst_indices, item_size, num_layers, *, stream = None))]
 fn transfer_kv_all_layer_mla(
     py: Python<'_>,
     src_layers: &Bound<'_, PyAny>,
@@ -488,17 +670,21 @@ fn transfer_kv_all_layer_mla(
     dst_indices: &Bound<'_, PyAny>,
     item_size: i64,
     num_layers: i64,
+    stream: Option<u64>,
 ) -> PyResult<()> {
-    let (si, di) = (index_list(src_indices, "Source")?, index_list(dst_indices, "Destination")?);
-    let s = layers(src_layers, "src_layers", false, extent_for(&si, item_size))?;
-    let d = layers(dst_layers, "dst_layers", true, extent_for(&di, item_size))?;
-    let dev = executor_for(&s.iter().chain(&d).collect::<Vec<_>>())?;
+    let ctx = Ctx { stream };
+    // sgl-kernel checks the layer count before anything else.
+    kv::check_num_layers(true, num_layers, src_layers.len()?).py()?;
+    let (si, di) = (index_list(src_indices, "Source", ctx)?, index_list(dst_indices, "Destination", ctx)?);
+    let s = layers(src_layers, "src_layers", false, extent_for(&si, item_size), ctx)?;
+    let d = layers(dst_layers, "dst_layers", true, extent_for(&di, item_size), ctx)?;
+    let dev = executor_for(&s.iter().chain(&d).collect::<Vec<_>>(), ctx)?;
     let (s, d) = (raws(&s), raws(&d));
     py.detach(|| kv::transfer_kv_all_layer_mla(&dev, &s, &d, &si, &di, item_size, num_layers)).py()
 }
 
 #[pyfunction]
-#[pyo3(signature = (src_layers, dst, src_indices, dst_indices, item_size, dst_layout_dim, num_layers))]
+#[pyo3(signature = (src_layers, dst, src_indices, dst_indices, item_size, dst_layout_dim, num_layers, *, stream = None))]
 fn transfer_kv_all_layer_mla_lf_pf(
     py: Python<'_>,
     src_layers: &Bound<'_, PyAny>,
@@ -508,25 +694,29 @@ fn transfer_kv_all_layer_mla_lf_pf(
     item_size: i64,
     dst_layout_dim: i64,
     num_layers: i64,
+    stream: Option<u64>,
 ) -> PyResult<()> {
-    let (si, di) = (index_list(src_indices, "Source")?, index_list(dst_indices, "Destination")?);
-    let s = layers(src_layers, "src_layers", false, extent_for(&si, item_size))?;
-    let d = dst_view(dst, "dst")?;
-    let dev = executor_for(&s.iter().chain([&d]).collect::<Vec<_>>())?;
+    let ctx = Ctx { stream };
+    // sgl-kernel checks the layer count before anything else.
+    kv::check_num_layers(true, num_layers, src_layers.len()?).py()?;
+    let (si, di) = (index_list(src_indices, "Source", ctx)?, index_list(dst_indices, "Destination", ctx)?);
+    let s = layers(src_layers, "src_layers", false, extent_for(&si, item_size), ctx)?;
+    let d = dst_view(dst, "dst", ctx)?;
+    let dev = executor_for(&s.iter().chain([&d]).collect::<Vec<_>>(), ctx)?;
     let s = raws(&s);
     py.detach(|| kv::transfer_kv_all_layer_mla_lf_pf(&dev, &s, &d.raw, &si, &di, item_size, dst_layout_dim, num_layers)).py()
 }
 
 /// A direct op's list of arrays (sglang passes Python lists of tensors).
-fn array_list(obj: &Bound<'_, PyAny>, name: &str, writes: bool) -> PyResult<Vec<Held>> {
+fn array_list(obj: &Bound<'_, PyAny>, name: &str, writes: bool, ctx: Ctx) -> PyResult<Vec<Held>> {
     if !(obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>()) {
         return Err(PyTypeError::new_err(format!("{name}: expected a list of arrays")));
     }
-    layers(obj, name, writes, 0)
+    layers(obj, name, writes, 0, ctx)
 }
 
 #[pyfunction]
-#[pyo3(signature = (src_layers, dst_layers, src_indices, dst_indices, page_size))]
+#[pyo3(signature = (src_layers, dst_layers, src_indices, dst_indices, page_size, *, stream = None))]
 fn transfer_kv_direct(
     py: Python<'_>,
     src_layers: &Bound<'_, PyAny>,
@@ -534,16 +724,18 @@ fn transfer_kv_direct(
     src_indices: &Bound<'_, PyAny>,
     dst_indices: &Bound<'_, PyAny>,
     page_size: i64,
+    stream: Option<u64>,
 ) -> PyResult<()> {
-    let (si, di) = (index_list(src_indices, "Source")?, index_list(dst_indices, "Destination")?);
-    let (s, d) = (array_list(src_layers, "src_layers", false)?, array_list(dst_layers, "dst_layers", true)?);
-    let dev = executor_for(&s.iter().chain(&d).collect::<Vec<_>>())?;
+    let ctx = Ctx { stream };
+    let (si, di) = (index_list(src_indices, "Source", ctx)?, index_list(dst_indices, "Destination", ctx)?);
+    let (s, d) = (array_list(src_layers, "src_layers", false, ctx)?, array_list(dst_layers, "dst_layers", true, ctx)?);
+    let dev = executor_for(&s.iter().chain(&d).collect::<Vec<_>>(), ctx)?;
     let (s, d) = (raws(&s), raws(&d));
     py.detach(|| kv::transfer_kv_direct(&dev, &s, &d, &si, &di, page_size)).py()
 }
 
 #[pyfunction]
-#[pyo3(signature = (src_ptrs, dst_ptrs, src_indices, dst_indices, layer_id, page_size))]
+#[pyo3(signature = (src_ptrs, dst_ptrs, src_indices, dst_indices, layer_id, page_size, *, stream = None))]
 fn transfer_kv_per_layer_direct_pf_lf(
     py: Python<'_>,
     src_ptrs: &Bound<'_, PyAny>,
@@ -552,16 +744,18 @@ fn transfer_kv_per_layer_direct_pf_lf(
     dst_indices: &Bound<'_, PyAny>,
     layer_id: i64,
     page_size: i64,
+    stream: Option<u64>,
 ) -> PyResult<()> {
-    let (si, di) = (index_list(src_indices, "Source")?, index_list(dst_indices, "Destination")?);
-    let (s, d) = (array_list(src_ptrs, "src_ptrs", false)?, array_list(dst_ptrs, "dst_ptrs", true)?);
-    let dev = executor_for(&s.iter().chain(&d).collect::<Vec<_>>())?;
+    let ctx = Ctx { stream };
+    let (si, di) = (index_list(src_indices, "Source", ctx)?, index_list(dst_indices, "Destination", ctx)?);
+    let (s, d) = (array_list(src_ptrs, "src_ptrs", false, ctx)?, array_list(dst_ptrs, "dst_ptrs", true, ctx)?);
+    let dev = executor_for(&s.iter().chain(&d).collect::<Vec<_>>(), ctx)?;
     let (s, d) = (raws(&s), raws(&d));
     py.detach(|| kv::transfer_kv_per_layer_direct_pf_lf(&dev, &s, &d, &si, &di, layer_id, page_size)).py()
 }
 
 #[pyfunction]
-#[pyo3(signature = (src_ptrs, dst_ptrs, src_indices, dst_indices, page_size))]
+#[pyo3(signature = (src_ptrs, dst_ptrs, src_indices, dst_indices, page_size, *, stream = None))]
 fn transfer_kv_all_layer_direct_lf_pf(
     py: Python<'_>,
     src_ptrs: &Bound<'_, PyAny>,
@@ -569,16 +763,18 @@ fn transfer_kv_all_layer_direct_lf_pf(
     src_indices: &Bound<'_, PyAny>,
     dst_indices: &Bound<'_, PyAny>,
     page_size: i64,
+    stream: Option<u64>,
 ) -> PyResult<()> {
-    let (si, di) = (index_list(src_indices, "Source")?, index_list(dst_indices, "Destination")?);
-    let (s, d) = (array_list(src_ptrs, "src_ptrs", false)?, array_list(dst_ptrs, "dst_ptrs", true)?);
-    let dev = executor_for(&s.iter().chain(&d).collect::<Vec<_>>())?;
+    let ctx = Ctx { stream };
+    let (si, di) = (index_list(src_indices, "Source", ctx)?, index_list(dst_indices, "Destination", ctx)?);
+    let (s, d) = (array_list(src_ptrs, "src_ptrs", false, ctx)?, array_list(dst_ptrs, "dst_ptrs", true, ctx)?);
+    let dev = executor_for(&s.iter().chain(&d).collect::<Vec<_>>(), ctx)?;
     let (s, d) = (raws(&s), raws(&d));
     py.detach(|| kv::transfer_kv_all_layer_direct_lf_pf(&dev, &s, &d, &si, &di, page_size)).py()
 }
 
 #[pyfunction]
-#[pyo3(signature = (src_k, dst_k, src_v, dst_v, src_indices, dst_indices, layer_id, item_size, dst_layout_dim))]
+#[pyo3(signature = (src_k, dst_k, src_v, dst_v, src_indices, dst_indices, layer_id, item_size, dst_layout_dim, *, stream = None))]
 fn transfer_kv_per_layer_lf_pf(
     py: Python<'_>,
     src_k: &Bound<'_, PyAny>,
@@ -590,16 +786,19 @@ fn transfer_kv_per_layer_lf_pf(
     layer_id: i64,
     item_size: i64,
     dst_layout_dim: i64,
+    stream: Option<u64>,
 ) -> PyResult<()> {
-    let (si, di) = (index_list(src_indices, "Source")?, index_list(dst_indices, "Destination")?);
-    let (sk, dk, sv, dv) = (view(src_k, "src_k")?, dst_view(dst_k, "dst_k")?, view(src_v, "src_v")?, dst_view(dst_v, "dst_v")?);
-    let dev = executor_for(&[&sk, &dk, &sv, &dv])?;
+    let ctx = Ctx { stream };
+    let (si, di) = (index_list(src_indices, "Source", ctx)?, index_list(dst_indices, "Destination", ctx)?);
+    let (sk, dk, sv, dv) =
+        (view(src_k, "src_k", ctx)?, dst_view(dst_k, "dst_k", ctx)?, view(src_v, "src_v", ctx)?, dst_view(dst_v, "dst_v", ctx)?);
+    let dev = executor_for(&[&sk, &dk, &sv, &dv], ctx)?;
     py.detach(|| kv::transfer_kv_per_layer_lf_pf(&dev, &sk.raw, &dk.raw, &sv.raw, &dv.raw, &si, &di, layer_id, item_size, dst_layout_dim))
         .py()
 }
 
 #[pyfunction]
-#[pyo3(signature = (src, dst, src_indices, dst_indices, layer_id, item_size, dst_layout_dim))]
+#[pyo3(signature = (src, dst, src_indices, dst_indices, layer_id, item_size, dst_layout_dim, *, stream = None))]
 fn transfer_kv_per_layer_mla_lf_pf(
     py: Python<'_>,
     src: &Bound<'_, PyAny>,
@@ -609,15 +808,17 @@ fn transfer_kv_per_layer_mla_lf_pf(
     layer_id: i64,
     item_size: i64,
     dst_layout_dim: i64,
+    stream: Option<u64>,
 ) -> PyResult<()> {
-    let (si, di) = (index_list(src_indices, "Source")?, index_list(dst_indices, "Destination")?);
-    let (s, d) = (view(src, "src")?, dst_view(dst, "dst")?);
-    let dev = executor_for(&[&s, &d])?;
+    let ctx = Ctx { stream };
+    let (si, di) = (index_list(src_indices, "Source", ctx)?, index_list(dst_indices, "Destination", ctx)?);
+    let (s, d) = (view(src, "src", ctx)?, dst_view(dst, "dst", ctx)?);
+    let dev = executor_for(&[&s, &d], ctx)?;
     py.detach(|| kv::transfer_kv_per_layer_mla_lf_pf(&dev, &s.raw, &d.raw, &si, &di, layer_id, item_size, dst_layout_dim)).py()
 }
 
 #[pyfunction]
-#[pyo3(signature = (src_ptrs, dst_ptrs, src_indices, dst_indices, layer_id, page_size))]
+#[pyo3(signature = (src_ptrs, dst_ptrs, src_indices, dst_indices, layer_id, page_size, *, stream = None))]
 fn transfer_kv_per_layer_direct_lf_pf(
     py: Python<'_>,
     src_ptrs: &Bound<'_, PyAny>,
@@ -626,10 +827,12 @@ fn transfer_kv_per_layer_direct_lf_pf(
     dst_indices: &Bound<'_, PyAny>,
     layer_id: i64,
     page_size: i64,
+    stream: Option<u64>,
 ) -> PyResult<()> {
-    let (si, di) = (index_list(src_indices, "Source")?, index_list(dst_indices, "Destination")?);
-    let (s, d) = (array_list(src_ptrs, "src_ptrs", false)?, array_list(dst_ptrs, "dst_ptrs", true)?);
-    let dev = executor_for(&s.iter().chain(&d).collect::<Vec<_>>())?;
+    let ctx = Ctx { stream };
+    let (si, di) = (index_list(src_indices, "Source", ctx)?, index_list(dst_indices, "Destination", ctx)?);
+    let (s, d) = (array_list(src_ptrs, "src_ptrs", false, ctx)?, array_list(dst_ptrs, "dst_ptrs", true, ctx)?);
+    let dev = executor_for(&s.iter().chain(&d).collect::<Vec<_>>(), ctx)?;
     let (s, d) = (raws(&s), raws(&d));
     py.detach(|| kv::transfer_kv_per_layer_direct_lf_pf(&dev, &s, &d, &si, &di, layer_id, page_size)).py()
 }
@@ -719,7 +922,8 @@ impl PyDevicePool {
         Ok(PyBytes::new(py, &v))
     }
     /// Replaces buffer `slot` of component `comp` (exactly its size, any bytes-like object).
-    fn write_buffer(&mut self, py: Python<'_>, comp: usize, slot: usize, data: Vec<u8>) -> PyResult<()> {
+    fn write_buffer(&mut self, py: Python<'_>, comp: usize, slot: usize, data: &Bound<'_, PyAny>) -> PyResult<()> {
+        let data = data_arg(data, "data")?;
         py.detach(|| self.inner.write_buffer(comp, slot, &data)).py()
     }
 }
@@ -752,7 +956,11 @@ impl PyHostPool {
         layer_id: usize,
         io_backend: &str,
     ) -> PyResult<()> {
-        let (hi, di, io) = (index_list(host_indices, "Host")?, index_list(device_indices, "Device")?, io(io_backend)?);
+        let (hi, di, io) = (
+            index_list(host_indices, "Host", Ctx { stream: None })?,
+            index_list(device_indices, "Device", Ctx { stream: None })?,
+            io(io_backend)?,
+        );
         let dev = &mut device_pool.inner;
         py.detach(|| self.inner.load_to_device_per_layer(dev, &hi, &di, layer_id, io)).py()
     }
@@ -766,7 +974,11 @@ impl PyHostPool {
         layer_id: usize,
         io_backend: &str,
     ) -> PyResult<()> {
-        let (hi, di, io) = (index_list(host_indices, "Host")?, index_list(device_indices, "Device")?, io(io_backend)?);
+        let (hi, di, io) = (
+            index_list(host_indices, "Host", Ctx { stream: None })?,
+            index_list(device_indices, "Device", Ctx { stream: None })?,
+            io(io_backend)?,
+        );
         let dev = &mut device_pool.inner;
         py.detach(|| self.inner.load_draft_to_device(dev, &hi, &di, layer_id, io)).py()
     }
@@ -779,7 +991,11 @@ impl PyHostPool {
         device_indices: &Bound<'_, PyAny>,
         io_backend: &str,
     ) -> PyResult<()> {
-        let (hi, di, io) = (index_list(host_indices, "Host")?, index_list(device_indices, "Device")?, io(io_backend)?);
+        let (hi, di, io) = (
+            index_list(host_indices, "Host", Ctx { stream: None })?,
+            index_list(device_indices, "Device", Ctx { stream: None })?,
+            io(io_backend)?,
+        );
         let host = &mut self.inner;
         py.detach(|| host.backup_from_device_all_layer(&device_pool.inner, &hi, &di, io)).py()
     }
@@ -794,7 +1010,11 @@ impl PyHostPool {
         io_backend: &str,
         is_draft: bool,
     ) -> PyResult<()> {
-        let (hi, di, io) = (index_list(host_indices, "Host")?, index_list(device_indices, "Device")?, io(io_backend)?);
+        let (hi, di, io) = (
+            index_list(host_indices, "Host", Ctx { stream: None })?,
+            index_list(device_indices, "Device", Ctx { stream: None })?,
+            io(io_backend)?,
+        );
         let host = &mut self.inner;
         py.detach(|| host.backup_from_device_per_layer(&device_pool.inner, &hi, &di, layer_id, is_draft, io)).py()
     }
@@ -809,13 +1029,14 @@ impl PyHostPool {
         Ok(PyBytes::new(py, &v))
     }
     /// sglang `set_from_flat_data_page(index, data_page)`.
-    fn set_from_flat_data_page(&mut self, py: Python<'_>, index: i64, data_page: Vec<u8>) -> PyResult<()> {
+    fn set_from_flat_data_page(&mut self, py: Python<'_>, index: i64, data_page: &Bound<'_, PyAny>) -> PyResult<()> {
+        let data_page = data_arg(data_page, "data_page")?;
         let host = &mut self.inner;
         py.detach(|| host.set_from_flat_data_page(index, &data_page)).py()
     }
     /// sglang `get_page_buffer_meta(indices)`: `(component, byte offset, bytes)` per span.
     fn get_page_buffer_meta(&self, indices: &Bound<'_, PyAny>) -> PyResult<Vec<(usize, u64, u64)>> {
-        let idx = index_list(indices, "Host")?;
+        let idx = index_list(indices, "Host", Ctx { stream: None })?;
         self.inner.get_page_buffer_meta(&idx).py()
     }
     /// A copy of component `comp`'s buffer, as bytes.
@@ -824,7 +1045,8 @@ impl PyHostPool {
         Ok(PyBytes::new(py, &v))
     }
     /// Replaces component `comp`'s buffer (exactly its size).
-    fn write_buffer(&mut self, py: Python<'_>, comp: usize, data: Vec<u8>) -> PyResult<()> {
+    fn write_buffer(&mut self, py: Python<'_>, comp: usize, data: &Bound<'_, PyAny>) -> PyResult<()> {
+        let data = data_arg(data, "data")?;
         let host = &mut self.inner;
         py.detach(|| host.write_buffer(comp, &data)).py()
     }

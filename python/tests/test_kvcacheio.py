@@ -342,3 +342,13 @@ def test_page_first_direct_pages_must_be_whole():
     with pytest.raises(ValueError, match="not one whole page"):
         kv.transfer_kv_all_layer_direct_lf_pf(dev, host, np.array([4, 5, 7, 6]), np.array([0, 1, 2, 3]), 4)
     assert not host[0].any()
+
+
+def test_foreign_byte_order_and_odd_strides_are_refused():
+    src = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
+    dst = np.zeros_like(src)
+    with pytest.raises(ValueError, match="byte order"):
+        kv.transfer_kv_per_layer_mla(src, dst, np.array([1, 128], dtype=">i8"), np.array([2, 3]), 32)
+    with pytest.raises(ValueError, match="contiguous"):
+        kv.transfer_kv_per_layer_mla(src[::2], dst, [1], [2], 32)
+    assert not dst.any()

@@ -151,3 +151,14 @@ def test_matrix_and_check_as_data():
     assert rows and all(r["tally"]["matched"] == r["tally"]["cases"] == 1 for r in rows)
     with pytest.raises(ValueError, match="unknown"):
         Device("tpu")
+
+
+def test_pool_buffers_take_arrays_and_bytes():
+    dpool = DevicePool(Device("cpu"), "mla", 16, 8, 1, 1)
+    data = np.arange(128, dtype=np.uint8)
+    dpool.write_buffer(0, 0, data)
+    assert dpool.read_buffer(0, 0) == data.tobytes()
+    dpool.write_buffer(0, 0, bytes(128))
+    assert dpool.read_buffer(0, 0) == bytes(128)
+    with pytest.raises(ValueError, match="expected 128 bytes"):
+        dpool.write_buffer(0, 0, bytes(127))

@@ -42,6 +42,10 @@ fn drv(what: &str, e: DriverError) -> TransferError {
     TransferError::Executor { backend: "cuda", message: format!("{what}: {e:?}") }
 }
 
+fn drv_msg(m: &str) -> TransferError {
+    TransferError::Executor { backend: "cuda", message: m.into() }
+}
+
 fn unavailable(reason: impl Into<String>) -> TransferError {
     TransferError::Unavailable { backend: "cuda", reason: reason.into() }
 }
@@ -173,6 +177,9 @@ pub struct CudaBuffer {
     owned: bool,
     /// Host memory we registered with `cuMemHostRegister` (unregistered on drop).
     registered: bool,
+    /// Borrowed for one stream-ordered op (`kvcacheio`): the caller keeps the memory alive
+    /// until the stream reaches it, as for any op on its stream, so dropping does not wait.
+    stream_ordered: bool,
     exec: Arc<Inner>,
 }
 
@@ -188,7 +195,15 @@ impl CudaBuffer {
     /// `ptr..ptr+len` must be device memory of `exec`'s context, valid for as long as the buffer
     /// (and any pool holding it) lives, and not written by others while a transfer runs.
     pub unsafe fn from_device_ptr(exec: &CudaExecutor, ptr: sys::CUdeviceptr, len: u64) -> CudaBuffer {
-        CudaBuffer { dev_ptr: ptr, host_ptr: std::ptr::null_mut(), len, owned: false, registered: false, exec: exec.inner.clone() }
+        CudaBuffer {
+            dev_ptr: ptr,
+            host_ptr: std::ptr::null_mut(),
+            len,
+            owned: false,
+            registered: false,
+            stream_ordered: false,
+            exec: exec.inner.clone(),
+        }
     }
 
     /// Wraps an engine's host region. With `register`, it is page-locked and mapped here
@@ -222,8 +237,32 @@ impl CudaBuffer {
                     message: format!("host region is not mapped for the device (register it): {rc:?}"),
                 });
             }
-            Ok(CudaBuffer { dev_ptr, host_ptr: ptr, len, owned: false, registered: register, exec: exec.inner.clone() })
+            Ok(CudaBuffer {
+                dev_ptr,
+                host_ptr: ptr,
+                len,
+                owned: false,
+                registered: register,
+                stream_ordered: false,
+                exec: exec.inner.clone(),
+            })
         }
+    }
+
+    /// [`CudaBuffer::from_device_ptr`] / [`CudaBuffer::from_host_ptr`] (never registering)
+    /// for one stream-ordered `kvcacheio` op: dropping it does not wait for the stream.
+    ///
+    /// # Safety
+    /// As for those, and the memory must stay valid until the executor's stream has run every
+    /// copy enqueued on it meanwhile.
+    pub(crate) unsafe fn stream_ordered(exec: &CudaExecutor, ptr: u64, len: u64, device_memory: bool) -> Result<CudaBuffer> {
+        let mut b = if device_memory {
+            unsafe { CudaBuffer::from_device_ptr(exec, ptr, len) }
+        } else {
+            unsafe { CudaBuffer::from_host_ptr(exec, ptr as *mut u8, len, false)? }
+        };
+        b.stream_ordered = true;
+        Ok(b)
     }
 
     /// Device address a kernel or copy uses.
@@ -238,6 +277,9 @@ impl CudaBuffer {
 
 impl Drop for CudaBuffer {
     fn drop(&mut self) {
+        if self.stream_ordered {
+            return;
+        }
         if !self.owned {
             // A queued copy may still use the engine's memory: the engine frees it once the
             // pool is dropped, so wait here first.
@@ -324,6 +366,43 @@ impl CudaExecutor {
         let (driver, _) = probe()?;
         let ctx = stream.context().clone();
         CudaExecutor::from_parts(ctx, stream, driver, tuning)
+    }
+
+    /// Runs on a stream another library owns (torch's current stream, say), given as its raw
+    /// handle, on device `ordinal`'s primary context (the one the CUDA runtime uses).
+    ///
+    /// # Safety
+    /// `raw_stream` must be a valid stream of that context (or a default-stream handle) for as
+    /// long as the executor lives.
+    pub unsafe fn on_raw_stream(ordinal: usize, raw_stream: u64, tuning: LaunchTuning) -> Result<CudaExecutor> {
+        let (_, count) = probe()?;
+        if ordinal >= count as usize {
+            return Err(unavailable(format!("device {ordinal} requested, {count} present")));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| unavailable(format!("context on device {ordinal}: {e:?}")))?;
+        // SAFETY: the caller vouches for the handle.
+        let stream = unsafe { ctx.wrap_borrowed_stream(raw_stream as sys::CUstream) };
+        CudaExecutor::from_stream(stream, tuning)
+    }
+
+    /// Copies `len` bytes of device memory at `ptr` to the host, ordered after the work on the
+    /// executor's stream, and waits for that stream (index lists the planner must read).
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` must be device memory of this executor's context.
+    pub unsafe fn read_device(&self, ptr: u64, len: u64) -> Result<Vec<u8>> {
+        self.bind()?;
+        let n = usize::try_from(len).map_err(|_| drv_msg("read_device: length exceeds the address space"))?;
+        let mut out = vec![0u8; n];
+        if n > 0 {
+            // SAFETY: `out` holds `n` bytes; the caller vouches for the device span.
+            let rc = unsafe { sys::cuMemcpyDtoHAsync_v2(out.as_mut_ptr() as *mut c_void, ptr, n, self.cu_stream()) };
+            if rc != sys::CUresult::CUDA_SUCCESS {
+                return Err(TransferError::Executor { backend: "cuda", message: format!("cuMemcpyDtoHAsync: {rc:?}") });
+            }
+        }
+        self.synchronize()?;
+        Ok(out)
     }
 
     fn from_parts(ctx: Arc<CudaContext>, stream: Arc<CudaStream>, driver: i32, tuning: LaunchTuning) -> Result<CudaExecutor> {
@@ -686,7 +765,15 @@ impl Executor for CudaExecutor {
             }
             p
         };
-        Ok(CudaBuffer { dev_ptr, host_ptr: std::ptr::null_mut(), len: bytes, owned: true, registered: false, exec: self.inner.clone() })
+        Ok(CudaBuffer {
+            dev_ptr,
+            host_ptr: std::ptr::null_mut(),
+            len: bytes,
+            owned: true,
+            registered: false,
+            stream_ordered: false,
+            exec: self.inner.clone(),
+        })
     }
     fn alloc_host(&self, bytes: u64) -> Result<CudaBuffer> {
         self.bind()?;
@@ -707,7 +794,15 @@ impl Executor for CudaExecutor {
                 let _ = result::free_host(host);
                 return Err(TransferError::Executor { backend: "cuda", message: format!("cuMemHostGetDevicePointer: {rc:?}") });
             }
-            Ok(CudaBuffer { dev_ptr, host_ptr: host as *mut u8, len: bytes, owned: true, registered: false, exec: self.inner.clone() })
+            Ok(CudaBuffer {
+                dev_ptr,
+                host_ptr: host as *mut u8,
+                len: bytes,
+                owned: true,
+                registered: false,
+                stream_ordered: false,
+                exec: self.inner.clone(),
+            })
         }
     }
     fn buffer_len(&self, buf: &CudaBuffer) -> u64 {
