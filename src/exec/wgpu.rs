@@ -47,6 +47,31 @@ pub struct WgpuOptions {
     /// Most index pairs per gather step (default: what one index binding and one dispatch
     /// hold). Tests set it tiny so that calls are split.
     pub max_gather_items: Option<u64>,
+    /// Host pools in host-visible memory (`MAPPABLE_PRIMARY_BUFFERS`): `None` uses it where the
+    /// adapter has it, unless `HICACHE_WGPU_MAPPED_HOST=0`; `Some(false)` never does.
+    pub mapped_host: Option<bool>,
+}
+
+/// Where a pool's memory is, as `info` reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PoolMemory {
+    /// GPU memory the CPU cannot map (a discrete GPU's VRAM).
+    DeviceLocal,
+    /// System memory the GPU reaches over the bus (a mapped `MAPPABLE_PRIMARY_BUFFERS` buffer).
+    HostVisible,
+    /// One memory for both (integrated GPUs, CPU adapters such as lavapipe).
+    Unified,
+}
+
+impl PoolMemory {
+    /// `device-local`, `host-visible` or `unified`.
+    pub fn name(self) -> &'static str {
+        match self {
+            PoolMemory::DeviceLocal => "device-local",
+            PoolMemory::HostVisible => "host-visible",
+            PoolMemory::Unified => "unified",
+        }
+    }
 }
 
 /// Above this many runs in one step, `direct` (one `copy_buffer_to_buffer` each) is far slower
@@ -68,6 +93,8 @@ struct Inner {
     /// lavapipe, where one SIMD lane per item measured about 2× faster (`HICACHE_WGPU_LANES`).
     max_lanes: u64,
     max_gather_items: u64,
+    /// Host pools are allocated mappable (host-visible); their CPU reads and writes map them.
+    mapped_host: bool,
     lost: Arc<Mutex<Option<String>>>,
     id: u64,
     submitter: Arc<Submitter>,
@@ -214,9 +241,12 @@ impl WgpuExecutor {
         };
         let info = adapter.get_info();
         let limits = adapter.limits();
+        let mapped = wgpu::Features::MAPPABLE_PRIMARY_BUFFERS;
+        let want_mapped = opts.mapped_host.unwrap_or_else(|| std::env::var("HICACHE_WGPU_MAPPED_HOST").map_or(true, |v| v != "0"));
+        let features = if want_mapped && adapter.features().contains(mapped) { mapped } else { wgpu::Features::empty() };
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("hicache-io"),
-            required_features: wgpu::Features::empty(),
+            required_features: features,
             required_limits: limits.clone(),
             ..Default::default()
         }))
@@ -288,6 +318,9 @@ impl WgpuExecutor {
             .and_then(|v| v.parse::<u64>().ok())
             .filter(|v| v.is_power_of_two() && *v <= 64)
             .unwrap_or(default_lanes);
+        // `from_device`: the caller's device decides; `with_options` asked for the feature only
+        // where wanted and present.
+        let mapped_host = opts.mapped_host != Some(false) && device.features().contains(wgpu::Features::MAPPABLE_PRIMARY_BUFFERS);
         log::info!("wgpu: {} ({:?}, {:?}, driver {} {})", info.name, info.backend, info.device_type, info.driver, info.driver_info);
         Ok(WgpuExecutor {
             inner: Arc::new(Inner {
@@ -302,12 +335,32 @@ impl WgpuExecutor {
                 max_buffer,
                 max_lanes,
                 max_gather_items,
+                mapped_host,
                 lost,
                 id: super::next_executor_id(),
                 submitter: Arc::new(Submitter::default()),
                 submit_thread: Mutex::new(None),
             }),
         })
+    }
+
+    /// Where device pools live: unified memory on integrated and CPU adapters, else the GPU's.
+    pub fn device_pool_memory(&self) -> PoolMemory {
+        match self.inner.info.device_type {
+            wgpu::DeviceType::IntegratedGpu | wgpu::DeviceType::Cpu => PoolMemory::Unified,
+            _ => PoolMemory::DeviceLocal,
+        }
+    }
+    /// Where host pools live: host-visible when mapped (`MAPPABLE_PRIMARY_BUFFERS`), unified
+    /// on integrated and CPU adapters, else the GPU's memory (the adapter cannot map storage
+    /// buffers: host pools then take VRAM, and their CPU reads and writes go through staging
+    /// copies).
+    pub fn host_pool_memory(&self) -> PoolMemory {
+        match self.device_pool_memory() {
+            PoolMemory::Unified => PoolMemory::Unified,
+            _ if self.inner.mapped_host => PoolMemory::HostVisible,
+            m => m,
+        }
     }
 
     /// The wgpu device.
@@ -666,7 +719,7 @@ impl Executor for WgpuExecutor {
     fn describe(&self) -> String {
         let i = &self.inner.info;
         format!(
-            "{} ({:?}, {:?}, driver {} {}; storage binding {} MiB, buffer {} MiB, offset alignment {})",
+            "{} ({:?}, {:?}, driver {} {}; storage binding {} MiB, buffer {} MiB, offset alignment {}; device pools {}, host pools {}{})",
             i.name,
             i.backend,
             i.device_type,
@@ -674,7 +727,10 @@ impl Executor for WgpuExecutor {
             i.driver_info,
             self.inner.limits.max_storage_buffer_binding_size >> 20,
             self.inner.limits.max_buffer_size >> 20,
-            self.inner.limits.min_storage_buffer_offset_alignment
+            self.inner.limits.min_storage_buffer_offset_alignment,
+            self.device_pool_memory().name(),
+            self.host_pool_memory().name(),
+            if self.inner.mapped_host { ", mapped" } else { " (no MAPPABLE_PRIMARY_BUFFERS: staged host reads and writes)" }
         )
     }
     fn capabilities(&self) -> Capabilities {
@@ -693,25 +749,12 @@ impl Executor for WgpuExecutor {
         }
     }
     fn alloc(&self, bytes: u64) -> Result<WgpuBuffer> {
-        let size = bytes.max(4).checked_next_multiple_of(4).unwrap_or(u64::MAX);
-        if size > self.inner.max_buffer {
-            return Err(TransferError::OutOfMemory {
-                what: format!("one wgpu buffer on {}", self.inner.info.name),
-                requested: bytes,
-                limit: format!("the adapter's largest buffer is {} bytes", self.inner.max_buffer),
-            });
-        }
-        let scope = self.inner.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
-        let buffer = self.inner.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("hicache-io pool"),
-            size,
-            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        });
-        if let Some(e) = pollster::block_on(scope.pop()) {
-            return Err(TransferError::OutOfMemory { what: "wgpu buffer".into(), requested: size, limit: e.to_string() });
-        }
-        Ok(WgpuBuffer { buffer, len: bytes, owner: self.inner.id })
+        self.alloc_with(bytes, REQUIRED_USAGES)
+    }
+    fn alloc_host(&self, bytes: u64) -> Result<WgpuBuffer> {
+        let map =
+            if self.inner.mapped_host { wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::MAP_WRITE } else { wgpu::BufferUsages::empty() };
+        self.alloc_with(bytes, REQUIRED_USAGES | map)
     }
     fn buffer_len(&self, buf: &WgpuBuffer) -> u64 {
         buf.len
@@ -737,6 +780,9 @@ impl Executor for WgpuExecutor {
         if data.is_empty() {
             return Ok(());
         }
+        if buf.buffer.usage().contains(wgpu::BufferUsages::MAP_WRITE) {
+            return self.write_mapped(&buf.buffer, offset, data);
+        }
         // `write_buffer` lands before the next submission: queued transfers go first.
         self.inner.submitter.drain();
         let start = offset / 4 * 4;
@@ -755,6 +801,9 @@ impl Executor for WgpuExecutor {
     fn read(&self, buf: &WgpuBuffer, offset: u64, out: &mut [u8]) -> Result<()> {
         if out.is_empty() {
             return Ok(());
+        }
+        if buf.buffer.usage().contains(wgpu::BufferUsages::MAP_READ) {
+            return self.read_mapped(&buf.buffer, offset, out);
         }
         let start = offset / 4 * 4;
         let end = (offset + out.len() as u64).next_multiple_of(4);
@@ -810,6 +859,93 @@ impl Executor for WgpuExecutor {
 }
 
 impl WgpuExecutor {
+    /// A zeroed pool buffer of `bytes` (rounded up to 4) with `usage`.
+    fn alloc_with(&self, bytes: u64, usage: wgpu::BufferUsages) -> Result<WgpuBuffer> {
+        let size = bytes.max(4).checked_next_multiple_of(4).unwrap_or(u64::MAX);
+        if size > self.inner.max_buffer {
+            return Err(TransferError::OutOfMemory {
+                what: format!("one wgpu buffer on {}", self.inner.info.name),
+                requested: bytes,
+                limit: format!("the adapter's largest buffer is {} bytes", self.inner.max_buffer),
+            });
+        }
+        let scope = self.inner.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+        let buffer = self.inner.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("hicache-io pool"),
+            size,
+            usage,
+            mapped_at_creation: false,
+        });
+        if let Some(e) = pollster::block_on(scope.pop()) {
+            return Err(TransferError::OutOfMemory { what: "wgpu buffer".into(), requested: size, limit: e.to_string() });
+        }
+        Ok(WgpuBuffer { buffer, len: bytes, owner: self.inner.id })
+    }
+
+    /// Maps `[start, end)` of a mappable (host-visible) buffer (`start` a multiple of 8, `end`
+    /// of 4), runs `f` on it and unmaps. Mapping waits for the GPU work that uses the buffer,
+    /// and nothing is submitted while it is mapped (writes hold the pool's `&mut`, reads drain
+    /// the queue first), so a mapped pool is never bound for GPU work.
+    fn mapped<T>(
+        &self,
+        buffer: &wgpu::Buffer,
+        start: u64,
+        end: u64,
+        mode: wgpu::MapMode,
+        f: impl FnOnce(&wgpu::BufferSlice<'_>) -> Result<T>,
+    ) -> Result<T> {
+        self.inner.submitter.drain();
+        let slice = buffer.slice(start..end);
+        let (tx, rx) = std::sync::mpsc::channel();
+        slice.map_async(mode, move |r| {
+            let _ = tx.send(r);
+        });
+        self.wait()?;
+        rx.recv_timeout(WAIT).map_err(|e| err(format!("map_async: {e}")))?.map_err(|e| err(format!("map_async: {e}")))?;
+        let r = f(&slice);
+        buffer.unmap();
+        r
+    }
+
+    /// The map-aligned span around `[offset, offset + len)`.
+    fn map_span(buffer: &wgpu::Buffer, offset: u64, len: u64) -> (u64, u64) {
+        let start = offset / wgpu::MAP_ALIGNMENT * wgpu::MAP_ALIGNMENT;
+        (start, (offset + len).next_multiple_of(wgpu::COPY_BUFFER_ALIGNMENT).min(buffer.size()))
+    }
+
+    /// Reads through the mapping of a host-visible buffer (no staging copy).
+    fn read_mapped(&self, buffer: &wgpu::Buffer, offset: u64, out: &mut [u8]) -> Result<()> {
+        let (start, end) = Self::map_span(buffer, offset, out.len() as u64);
+        self.mapped(buffer, start, end, wgpu::MapMode::Read, |slice| {
+            let view = slice.get_mapped_range().map_err(|e| err(format!("get_mapped_range: {e}")))?;
+            let at = (offset - start) as usize;
+            out.copy_from_slice(&view[at..at + out.len()]);
+            Ok(())
+        })
+    }
+
+    /// Writes through the mapping of a host-visible buffer (no staging copy). The mapping is
+    /// write-only: a span that does not start and end on map boundaries is read first and
+    /// written whole.
+    fn write_mapped(&self, buffer: &wgpu::Buffer, offset: u64, data: &[u8]) -> Result<()> {
+        let (start, end) = Self::map_span(buffer, offset, data.len() as u64);
+        let patched;
+        let span: &[u8] = if start == offset && end == offset + data.len() as u64 {
+            data
+        } else {
+            let mut whole = vec![0u8; (end - start) as usize];
+            self.read_mapped(buffer, start, &mut whole)?;
+            whole[(offset - start) as usize..][..data.len()].copy_from_slice(data);
+            patched = whole;
+            &patched
+        };
+        self.mapped(buffer, start, end, wgpu::MapMode::Write, |slice| {
+            let mut view = slice.get_mapped_range_mut().map_err(|e| err(format!("get_mapped_range_mut: {e}")))?;
+            view.copy_from_slice(span);
+            Ok(())
+        })
+    }
+
     /// Reads a 4-byte aligned span through a MAP_READ staging buffer.
     fn read_raw(&self, buffer: &wgpu::Buffer, offset: u64, out: &mut [u8]) -> Result<()> {
         let size = out.len() as u64;
