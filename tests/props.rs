@@ -59,7 +59,7 @@ fn wgpu_tiny_windows_equal_oracle() {
     let mut rng = Rng::new(99);
     // The last setting also splits every call into steps of at most 3 index pairs.
     for (window, items) in [(64u64, None), (96, None), (256, None), (512, None), (1 << 20, Some(3))] {
-        let exec = match WgpuExecutor::with_options(WgpuOptions { max_window: Some(window), max_gather_items: items }) {
+        let exec = match WgpuExecutor::with_options(WgpuOptions { max_window: Some(window), max_gather_items: items, ..Default::default() }) {
             Ok(e) => e,
             Err(e) if common::required(BackendKind::Wgpu) => panic!("{e}"),
             Err(e) => return eprintln!("skipping: {e}"),
