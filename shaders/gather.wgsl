@@ -4,10 +4,14 @@
 // head chunk `h` is
 //     base + (idx / page) * page_stride + (idx % page) * row_stride + h * head_stride
 // (layer_first, page_first, page_first_direct, page_head and per-head layer_first are all this
-// formula with different strides). Offsets are in bytes, relative to the buffer start; each
-// side binds a window [win_start, win_start + win_len) of its buffer (pools larger than the
-// storage binding limit are walked window by window) and only items inside both windows are
-// copied by this dispatch.
+// formula with different strides). Each side binds a window of one buffer segment (pools larger
+// than one buffer are split into segments, and segments larger than the storage binding limit
+// are walked window by window); only item chunks inside both windows are copied by a dispatch.
+// Offsets can exceed 32 bits across a segmented pool, so the shader never forms them: the host
+// gives each side the range [unit_lo, unit_hi) of units (`idx / page`) whose bytes can touch
+// the window and `rel0`, the window-relative offset of unit `unit_lo` (possibly negative,
+// wrapped); a chunk's window-relative offset is then small, and it is in the window when it is
+// below `win_len` (a negative one wraps above it).
 //
 // Shape: `2^lanes_log2` invocations per item (a power of two up to 64, about one per word of
 // the item chunk): small items pack many per workgroup (a workgroup per 128-byte item wastes
@@ -16,14 +20,14 @@
 // done once per (item, head), not per word. Index pairs with a negative entry are skipped.
 
 struct Side {
-    base: u32,
+    rel0: u32,
     page: u32,
     page_stride: u32,
     row_stride: u32,
     head_stride: u32,
-    win_start: u32,
+    unit_lo: u32,
+    unit_hi: u32,
     win_len: u32,
-    _pad: u32,
 }
 
 struct Params {
@@ -44,11 +48,19 @@ struct Params {
 @group(0) @binding(2) var<storage, read> src: array<WORD>;
 @group(0) @binding(3) var<storage, read_write> dst: array<WORD>;
 
-fn offset_of(s: Side, idx: u32, head: u32) -> u32 {
-    if (s.page == 1u) {
-        return s.base + idx * s.page_stride + head * s.head_stride;
+// Window-relative offset of item `idx`'s first chunk (wrapping), or 0xffffffff when its unit
+// cannot touch the window.
+fn rel_of(s: Side, idx: u32) -> u32 {
+    var unit = idx;
+    var within = 0u;
+    if (s.page != 1u) {
+        unit = idx / s.page;
+        within = (idx % s.page) * s.row_stride;
     }
-    return s.base + (idx / s.page) * s.page_stride + (idx % s.page) * s.row_stride + head * s.head_stride;
+    if (unit < s.unit_lo || unit >= s.unit_hi) {
+        return 0xffffffffu;
+    }
+    return s.rel0 + (unit - s.unit_lo) * s.page_stride + within;
 }
 
 @compute @workgroup_size(64)
@@ -64,19 +76,20 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     if (pair.x < 0 || pair.y < 0) {
         return;
     }
+    let s0 = rel_of(params.src, u32(pair.x));
+    let d0 = rel_of(params.dst, u32(pair.y));
+    if (s0 == 0xffffffffu || d0 == 0xffffffffu) {
+        return;
+    }
     for (var head = 0u; head < params.heads; head++) {
-        let so = offset_of(params.src, u32(pair.x), head);
-        let d_o = offset_of(params.dst, u32(pair.y), head);
-        // Items never straddle a window edge (windows are multiples of the chunk), so testing
-        // the chunk start is enough.
-        if (so < params.src.win_start || so - params.src.win_start >= params.src.win_len) {
+        let so = s0 + head * params.src.head_stride;
+        let d_o = d0 + head * params.dst.head_stride;
+        // Windows are whole chunks: a chunk starting inside one lies inside it.
+        if (so >= params.src.win_len || d_o >= params.dst.win_len) {
             continue;
         }
-        if (d_o < params.dst.win_start || d_o - params.dst.win_start >= params.dst.win_len) {
-            continue;
-        }
-        let sw = (so - params.src.win_start) >> params.word_shift;
-        let dw = (d_o - params.dst.win_start) >> params.word_shift;
+        let sw = so >> params.word_shift;
+        let dw = d_o >> params.word_shift;
         for (var w = lane; w < params.words_per_chunk; w += lanes) {
             dst[dw + w] = src[sw + w];
         }

@@ -59,7 +59,8 @@ fn wgpu_tiny_windows_equal_oracle() {
     let mut rng = Rng::new(99);
     // The last setting also splits every call into steps of at most 3 index pairs.
     for (window, items) in [(64u64, None), (96, None), (256, None), (512, None), (1 << 20, Some(3))] {
-        let exec = match WgpuExecutor::with_options(WgpuOptions { max_window: Some(window), max_gather_items: items, ..Default::default() }) {
+        let exec = match WgpuExecutor::with_options(WgpuOptions { max_window: Some(window), max_gather_items: items, ..Default::default() })
+        {
             Ok(e) => e,
             Err(e) if common::required(BackendKind::Wgpu) => panic!("{e}"),
             Err(e) => return eprintln!("skipping: {e}"),
@@ -80,6 +81,41 @@ fn wgpu_tiny_windows_equal_oracle() {
                 }
             }
         }
+    }
+}
+
+/// Every supported cell on wgpu with pools split into segments of about 1–4 KiB (and windows
+/// smaller than a segment): every pool of a case spans many segments, each chunk lies in one,
+/// `direct` runs are split at segment edges, and the bytes equal the oracle's.
+#[cfg(feature = "wgpu")]
+#[test]
+fn wgpu_tiny_segments_equal_oracle() {
+    use hicache_io::exec::wgpu::{WgpuExecutor, WgpuOptions};
+    let mut rng = Rng::new(7);
+    for (segment, window) in [(1024u64, 1u64 << 20), (2048, 256), (4096, 1024)] {
+        let opts = WgpuOptions { max_segment: Some(segment), max_window: Some(window), ..Default::default() };
+        let exec = match WgpuExecutor::with_options(opts) {
+            Ok(e) => e,
+            Err(e) if common::required(BackendKind::Wgpu) => panic!("{e}"),
+            Err(e) => return eprintln!("skipping: {e}"),
+        };
+        let device = Device::Wgpu(exec);
+        let mut segmented = 0;
+        for profile in [Profile::Extended, Profile::Sglang] {
+            for cell in supported_cells(profile) {
+                for _ in 0..3 {
+                    let case = random_case(cell, profile, &mut rng);
+                    match run_case(&device, &case) {
+                        Ok(Outcome::Match { .. }) => segmented += 1,
+                        // An item wider than a segment cannot be placed: refused before anything moves.
+                        Err(TransferError::OutOfMemory { .. }) => {}
+                        Ok(Outcome::Rejected(TransferError::WindowTooSmall { required, .. })) if required > window => {}
+                        other => panic!("segment {segment} window {window} {cell}: {other:?} ({case:?})"),
+                    }
+                }
+            }
+        }
+        assert!(segmented > 150, "segment {segment}: only {segmented} cases ran");
     }
 }
 

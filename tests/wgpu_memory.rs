@@ -57,3 +57,57 @@ fn mapped_host_pools_move_the_same_bytes() {
     }
     assert!(mapped.describe().contains("host pools"), "{}", mapped.describe());
 }
+
+/// A host pool larger than the adapter's largest buffer (lavapipe: 2 GiB), end to end: pages
+/// past the first segment are backed up (kernel and direct), read as flat pages and loaded back.
+#[test]
+fn host_pool_larger_than_one_buffer() {
+    let Some((device, exec)) = wgpu(None) else { return };
+    let max_buffer = exec.device().limits().max_buffer_size;
+    let (item, layers, page) = (1152u64, 4usize, 64u64);
+    // Enough tokens for a page_first host pool 1.25× the largest buffer (at least 2.5 GB here).
+    let tokens = (max_buffer * 5 / 4).max(2_500_000_000) / (item * layers as u64) / page * page;
+    let cfg =
+        DevicePoolConfig { kind: PoolKind::Mla, bytes_per_token: item, slots: 4 * page, page_size: page, layers: LayerMap::new(layers) };
+    let mut dev = DevicePool::new(&device, &cfg).unwrap();
+    let data: Vec<Vec<u8>> = (0..layers).map(|l| (0..4 * page * item).map(|i| (i * 13 + l as u64 * 101) as u8).collect()).collect();
+    for (l, d) in data.iter().enumerate() {
+        dev.write_buffer(0, l, d).unwrap();
+    }
+    for (layout, io) in [(Layout::PageFirst, IoBackend::Kernel), (Layout::PageFirstDirect, IoBackend::Direct)] {
+        let mut host = HostPool::new(&dev, &HostPoolConfig { layout, size: tokens, head_num: 1, profile: Profile::Extended }).unwrap();
+        let bytes = host.geometry().buffer_bytes();
+        assert!(bytes > max_buffer, "{bytes} bytes fit one buffer of {max_buffer}");
+        if let Buffer::Wgpu(b) = host.buffer(0).unwrap() {
+            assert!(b.segments().len() >= 2, "{layout}: {} segment(s)", b.segments().len());
+        }
+        // Device pages 1 and 3 -> the last two host pages (far past the first segment).
+        let last = host.geometry().size() / page - 1;
+        let host_tokens: Vec<i64> = ((last - 1) * page..(last + 1) * page).map(|t| t as i64).collect();
+        let dev_tokens: Vec<i64> = (page..2 * page).chain(3 * page..4 * page).map(|t| t as i64).collect();
+        host.backup_from_device_all_layer(&dev, &host_tokens, &dev_tokens, io).unwrap();
+        // The flat page of host page `last` holds device page 3 of every layer.
+        let flat = host.get_data_page(host_tokens[page as usize]).unwrap();
+        let per_layer = |l: usize| data[l][(3 * page * item) as usize..(4 * page * item) as usize].to_vec();
+        let mut want = Vec::new();
+        match layout {
+            // [P][L][item]
+            Layout::PageFirst => {
+                for t in 0..page as usize {
+                    for d in &data {
+                        want.extend_from_slice(&d[(3 * page as usize + t) * item as usize..][..item as usize]);
+                    }
+                }
+            }
+            // [L][P][item]
+            _ => (0..layers).for_each(|l| want.extend(per_layer(l))),
+        }
+        assert!(flat == want, "{layout}: the last host page differs");
+        // And back into device page 0 of layer 2.
+        let mut back = DevicePool::new(&device, &cfg).unwrap();
+        let page0: Vec<i64> = (0..page as i64).collect();
+        host.load_to_device_per_layer(&mut back, &host_tokens[page as usize..], &page0, 2, io).unwrap();
+        let got = back.read_buffer(0, 2).unwrap();
+        assert!(got[..(page * item) as usize] == per_layer(2)[..], "{layout}: load from the last page differs");
+    }
+}

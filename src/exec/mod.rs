@@ -122,6 +122,17 @@ pub(crate) trait Executor {
     fn alloc_host(&self, bytes: u64) -> Result<Self::Buffer> {
         self.alloc(bytes)
     }
+    /// A pool buffer of `bytes` whose copy chunks are multiples of `unit` bytes at multiples of
+    /// `unit` (an executor that splits large pools keeps each chunk in one piece); host memory
+    /// for host pools.
+    fn alloc_pool(&self, bytes: u64, unit: u64, host: bool) -> Result<Self::Buffer> {
+        let _ = unit;
+        if host {
+            self.alloc_host(bytes)
+        } else {
+            self.alloc(bytes)
+        }
+    }
     /// Bytes a buffer holds.
     fn buffer_len(&self, buf: &Self::Buffer) -> u64;
     /// Checks a borrowed buffer (usage flags, alignment) before a pool wraps it.
@@ -334,6 +345,18 @@ impl Device {
             Device::Wgpu(e) => e.alloc(bytes).map(Buffer::Wgpu),
             #[cfg(feature = "cuda")]
             Device::Cuda(e) => e.alloc(bytes).map(Buffer::Cuda),
+        }
+    }
+
+    /// A pool buffer (see the executor trait): `unit` is the pool's copy chunk, so an executor
+    /// that splits a pool larger than its largest buffer never splits a chunk.
+    pub(crate) fn alloc_pool(&self, bytes: u64, unit: u64, host: bool) -> Result<Buffer> {
+        match self {
+            Device::Cpu(e) => e.alloc_pool(bytes, unit, host).map(Buffer::Cpu),
+            #[cfg(feature = "wgpu")]
+            Device::Wgpu(e) => e.alloc_pool(bytes, unit, host).map(Buffer::Wgpu),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(e) => e.alloc_pool(bytes, unit, host).map(Buffer::Cuda),
         }
     }
 

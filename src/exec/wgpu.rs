@@ -47,6 +47,9 @@ pub struct WgpuOptions {
     /// Most index pairs per gather step (default: what one index binding and one dispatch
     /// hold). Tests set it tiny so that calls are split.
     pub max_gather_items: Option<u64>,
+    /// Largest buffer per pool segment (default: the adapter's largest buffer). Tests set it
+    /// tiny so that every segment edge is crossed.
+    pub max_segment: Option<u64>,
     /// Host pools in host-visible memory (`MAPPABLE_PRIMARY_BUFFERS`): `None` uses it where the
     /// adapter has it, unless `HICACHE_WGPU_MAPPED_HOST=0`; `Some(false)` never does.
     pub mapped_host: Option<bool>,
@@ -89,6 +92,8 @@ struct Inner {
     pipe16: wgpu::ComputePipeline,
     max_window: u64,
     max_buffer: u64,
+    /// Largest segment of a pool buffer (at most `max_buffer`).
+    max_segment: u64,
     /// Invocations per item, at most: 64 on GPUs (coalesced words); 1 on CPU adapters such as
     /// lavapipe, where one SIMD lane per item measured about 2× faster (`HICACHE_WGPU_LANES`).
     max_lanes: u64,
@@ -168,18 +173,46 @@ pub struct WgpuExecutor {
     inner: Arc<Inner>,
 }
 
-/// A storage buffer (size rounded up to 4 bytes; `len` is the requested size) of one executor
-/// instance.
+/// A pool buffer of one executor instance: one storage buffer, or for a pool larger than the
+/// adapter's largest buffer, segments of `seg` bytes (the last one shorter) that hold whole copy
+/// chunks, so that no chunk straddles two. Sizes are rounded up to 4 bytes; `len` is the
+/// requested size.
 pub struct WgpuBuffer {
-    buffer: wgpu::Buffer,
+    segments: Vec<wgpu::Buffer>,
+    seg: u64,
     len: u64,
     owner: u64,
 }
 
 impl WgpuBuffer {
-    /// The wgpu buffer.
+    /// The (first) wgpu buffer; [`WgpuBuffer::segments`] lists all of a segmented pool's.
     pub fn raw(&self) -> &wgpu::Buffer {
-        &self.buffer
+        &self.segments[0]
+    }
+    /// The segments, in order: byte `o` of the pool is byte `o % seg` of segment `o / seg`.
+    pub fn segments(&self) -> &[wgpu::Buffer] {
+        &self.segments
+    }
+    /// Bytes per segment (every segment but the last).
+    pub fn segment_bytes(&self) -> u64 {
+        self.seg
+    }
+    fn usage(&self) -> wgpu::BufferUsages {
+        self.segments[0].usage()
+    }
+    /// `[offset, offset + len)` split at segment edges: `(segment, offset in it, bytes, offset
+    /// in the span)`.
+    fn pieces(&self, offset: u64, len: u64) -> Vec<(usize, u64, u64, u64)> {
+        let mut out = Vec::new();
+        let mut at = 0;
+        while at < len {
+            let o = offset + at;
+            let (k, within) = ((o / self.seg) as usize, o % self.seg);
+            let n = (self.seg - within).min(len - at);
+            out.push((k, within, n, at));
+            at += n;
+        }
+        out
     }
     /// Wraps a caller's buffer created on `exec`'s device (a shared handle: the engine keeps
     /// using it). It needs `STORAGE | COPY_SRC | COPY_DST`; pools check that when they wrap it.
@@ -187,7 +220,7 @@ impl WgpuBuffer {
     /// caller's promise; pools then refuse to mix it with any other executor instance.
     pub fn wrap(exec: &WgpuExecutor, buffer: wgpu::Buffer) -> WgpuBuffer {
         let len = buffer.size();
-        WgpuBuffer { buffer, len, owner: exec.inner.id }
+        WgpuBuffer { segments: vec![buffer], seg: len.max(1), len, owner: exec.inner.id }
     }
 }
 
@@ -312,6 +345,7 @@ impl WgpuExecutor {
         let max_gather_items =
             (limits.max_storage_buffer_binding_size / 8).min(u32::MAX as u64 >> 6).min(opts.max_gather_items.unwrap_or(u64::MAX)).max(1);
         let max_buffer = limits.max_buffer_size.min(u32::MAX as u64) & !3;
+        let max_segment = opts.max_segment.unwrap_or(max_buffer).min(max_buffer);
         let default_lanes = if info.device_type == wgpu::DeviceType::Cpu { 1 } else { 64 };
         let max_lanes = std::env::var("HICACHE_WGPU_LANES")
             .ok()
@@ -333,6 +367,7 @@ impl WgpuExecutor {
                 pipe16,
                 max_window,
                 max_buffer,
+                max_segment,
                 max_lanes,
                 max_gather_items,
                 mapped_host,
@@ -558,8 +593,8 @@ impl WgpuExecutor {
                     entries: &[
                         entry(0, &param_buf, 0, std::mem::size_of::<Params>() as u64),
                         entry(1, &index_buf, 0, index_buf.size()),
-                        entry(2, &bufs.get(l.src.buf).buffer, sw.0, sw.1),
-                        entry(3, &bufs.get(l.dst.buf).buffer, dw.0, dw.1),
+                        entry(2, &bufs.get(l.src.buf).segments[sw.seg], sw.start, sw.len),
+                        entry(3, &bufs.get(l.dst.buf).segments[dw.seg], dw.start, dw.len),
                     ],
                 })
             })
@@ -582,7 +617,7 @@ impl WgpuExecutor {
     fn word_and_lanes(&self, g: &GatherStep, bufs: &Bindings<'_, WgpuBuffer>) -> (u64, u32) {
         let inner = &self.inner;
         let base_granule = self.capabilities().window_granule(g.chunk_bytes);
-        let fits16 = |a: &Addr| aligned16(a) && bufs.get(a.buf).buffer.size().is_multiple_of(16);
+        let fits16 = |a: &Addr| aligned16(a) && bufs.get(a.buf).segments.iter().all(|b| b.size().is_multiple_of(16));
         let word: u64 = if g.chunk_bytes.is_multiple_of(16)
             && lcm(base_granule, 16) <= inner.max_window
             && g.pairs.iter().all(|l| fits16(&l.src) && fits16(&l.dst))
@@ -596,8 +631,8 @@ impl WgpuExecutor {
     }
 
     /// One dispatch per address pair and per pair of binding windows that holds an item (one
-    /// pair for pools that fit one binding, the common case). Windows are whole granules
-    /// (`lcm(chunk, offset alignment, word)`), so an item chunk never straddles an edge.
+    /// pair for pools that fit one binding, the common case). Windows tile each segment in whole
+    /// granules (`lcm(chunk, offset alignment, word)`), so an item chunk never straddles an edge.
     fn dispatches(&self, g: &GatherStep, bufs: &Bindings<'_, WgpuBuffer>, word: u64, lanes_log2: u32) -> Result<Vec<Dispatch>> {
         let inner = &self.inner;
         let granule = lcm(lcm(g.chunk_bytes, inner.limits.min_storage_buffer_offset_alignment as u64), word);
@@ -605,13 +640,15 @@ impl WgpuExecutor {
         let win = (inner.max_window / granule * granule).max(granule);
         let mut out = Vec::new();
         for (li, l) in g.pairs.iter().enumerate() {
-            let (sws, dws) = (windows(bufs.get(l.src.buf).buffer.size(), win), windows(bufs.get(l.dst.buf).buffer.size(), win));
+            let (sb, db) = (bufs.get(l.src.buf), bufs.get(l.dst.buf));
+            let (sws, dws) = (windows(sb, win), windows(db, win));
             let mut used: Vec<(usize, usize)> = if sws.len() == 1 && dws.len() == 1 {
                 vec![(0, 0)]
             } else {
                 let live = g.src_indices.iter().zip(g.dst_indices.iter()).filter(|(s, d)| **s >= 0 && **d >= 0);
                 live.flat_map(|(&s, &d)| {
-                    (0..g.heads).map(move |h| ((l.src.offset(s as u64, h) / win) as usize, (l.dst.offset(d as u64, h) / win) as usize))
+                    (0..g.heads)
+                        .map(move |h| (window_of(sb, win, l.src.offset(s as u64, h)), window_of(db, win, l.dst.offset(d as u64, h))))
                 })
                 .collect()
             };
@@ -620,8 +657,8 @@ impl WgpuExecutor {
             for (si, di) in used {
                 let (sw, dw) = (sws[si], dws[di]);
                 let p = Params {
-                    src: side(&l.src, sw)?,
-                    dst: side(&l.dst, dw)?,
+                    src: side(&l.src, &sw)?,
+                    dst: side(&l.dst, &dw)?,
                     n_items: g.src_indices.len() as u32,
                     heads: g.heads as u32,
                     words_per_chunk: (g.chunk_bytes / word) as u32,
@@ -639,14 +676,14 @@ impl WgpuExecutor {
 #[repr(C)]
 #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
 struct SideParams {
-    base: u32,
+    rel0: u32,
     page: u32,
     page_stride: u32,
     row_stride: u32,
     head_stride: u32,
-    win_start: u32,
+    unit_lo: u32,
+    unit_hi: u32,
     win_len: u32,
-    _pad: u32,
 }
 
 #[repr(C)]
@@ -662,20 +699,39 @@ struct Params {
     _pad: [u32; 3],
 }
 
-/// One dispatch: address pair index, parameters, source and destination windows `(start, len)`.
-type Dispatch = (usize, Params, (u64, u64), (u64, u64));
+/// One binding window: `len` bytes at `start` of segment `seg`, `abs` bytes into the pool.
+#[derive(Debug, Clone, Copy)]
+struct Window {
+    seg: usize,
+    start: u64,
+    len: u64,
+    abs: u64,
+}
 
-fn side(a: &Addr, (start, len): (u64, u64)) -> Result<SideParams> {
-    let u = |v: u64| u32::try_from(v).map_err(|_| err(format!("offset {v} exceeds u32")));
+/// One dispatch: address pair index, parameters, source and destination windows.
+type Dispatch = (usize, Params, Window, Window);
+
+/// A side's parameters for one window: the units (`idx / page`) whose bytes can touch it and
+/// the window-relative offset of the first (wrapped when negative). A unit's bytes for one
+/// address lie within `page_stride` bytes of its start, so the range holds every unit with a
+/// chunk inside the window, and relative offsets stay within a few windows of zero.
+fn side(a: &Addr, w: &Window) -> Result<SideParams> {
+    let u = |v: u64| u32::try_from(v).map_err(|_| err(format!("stride {v} exceeds u32")));
+    let ps = a.page_stride.max(1);
+    let (lo_b, hi_b) = (w.abs, w.abs + w.len);
+    let unit_lo = if lo_b > a.base { (lo_b - a.base) / ps } else { 0 };
+    let unit_hi = if hi_b > a.base { (hi_b - a.base).div_ceil(ps) } else { 0 };
+    let cap = |v: u64| v.min(u32::MAX as u64) as u32;
+    let rel0 = (a.base as i128 + unit_lo as i128 * ps as i128 - lo_b as i128) as u32;
     Ok(SideParams {
-        base: u(a.base)?,
+        rel0,
         page: u(a.page)?,
         page_stride: u(a.page_stride)?,
         row_stride: u(a.row_stride)?,
         head_stride: u(a.head_stride)?,
-        win_start: u(start)?,
-        win_len: u(len)?,
-        _pad: 0,
+        unit_lo: cap(unit_lo),
+        unit_hi: cap(unit_hi),
+        win_len: u(w.len)?,
     })
 }
 
@@ -683,9 +739,42 @@ fn aligned16(a: &Addr) -> bool {
     [a.base, a.page_stride, a.row_stride, a.head_stride].iter().all(|v| v % 16 == 0)
 }
 
-/// Binding windows `(start, len)` covering `size` bytes.
-fn windows(size: u64, win: u64) -> Vec<(u64, u64)> {
-    (0..size.div_ceil(win)).map(|k| (k * win, win.min(size - k * win))).collect()
+/// One `direct` run, split where either side crosses a segment edge.
+fn copy_run(enc: &mut wgpu::CommandEncoder, src: &WgpuBuffer, src_offset: u64, dst: &WgpuBuffer, dst_offset: u64, len: u64) {
+    let mut at = 0;
+    while at < len {
+        let (so, d_o) = (src_offset + at, dst_offset + at);
+        let n = (src.seg - so % src.seg).min(dst.seg - d_o % dst.seg).min(len - at);
+        enc.copy_buffer_to_buffer(
+            &src.segments[(so / src.seg) as usize],
+            so % src.seg,
+            &dst.segments[(d_o / dst.seg) as usize],
+            d_o % dst.seg,
+            n,
+        );
+        at += n;
+    }
+}
+
+/// Binding windows of `win` bytes tiling each segment of `b` (the last of each shorter).
+fn windows(b: &WgpuBuffer, win: u64) -> Vec<Window> {
+    let mut out = Vec::new();
+    for (k, seg) in b.segments.iter().enumerate() {
+        let size = seg.size();
+        out.extend((0..size.div_ceil(win)).map(|j| Window {
+            seg: k,
+            start: j * win,
+            len: win.min(size - j * win),
+            abs: k as u64 * b.seg + j * win,
+        }));
+    }
+    out
+}
+
+/// Index (into [`windows`]) of the window holding byte `offset` of `b`.
+fn window_of(b: &WgpuBuffer, win: u64, offset: u64) -> usize {
+    let per_seg = b.seg.div_ceil(win) as usize;
+    (offset / b.seg) as usize * per_seg + ((offset % b.seg) / win) as usize
 }
 
 fn bgl_entry(binding: u32, ty: wgpu::BufferBindingType, dynamic: bool) -> wgpu::BindGroupLayoutEntry {
@@ -749,67 +838,49 @@ impl Executor for WgpuExecutor {
         }
     }
     fn alloc(&self, bytes: u64) -> Result<WgpuBuffer> {
-        self.alloc_with(bytes, REQUIRED_USAGES)
+        self.alloc_with(bytes, 4, REQUIRED_USAGES)
     }
     fn alloc_host(&self, bytes: u64) -> Result<WgpuBuffer> {
-        let map =
-            if self.inner.mapped_host { wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::MAP_WRITE } else { wgpu::BufferUsages::empty() };
-        self.alloc_with(bytes, REQUIRED_USAGES | map)
+        self.alloc_pool(bytes, 4, true)
+    }
+    fn alloc_pool(&self, bytes: u64, unit: u64, host: bool) -> Result<WgpuBuffer> {
+        let map = if host && self.inner.mapped_host {
+            wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::MAP_WRITE
+        } else {
+            wgpu::BufferUsages::empty()
+        };
+        self.alloc_with(bytes, unit, REQUIRED_USAGES | map)
     }
     fn buffer_len(&self, buf: &WgpuBuffer) -> u64 {
         buf.len
     }
     fn check_buffer(&self, buf: &WgpuBuffer) -> Result<()> {
-        let have = buf.buffer.usage();
+        let have = buf.usage();
         let missing = REQUIRED_USAGES - have;
         if !missing.is_empty() {
             return Err(TransferError::InvalidConfig(format!(
                 "wgpu buffer lacks usage {missing:?} (has {have:?}; pools need STORAGE | COPY_SRC | COPY_DST)"
             )));
         }
-        if buf.buffer.size() > self.inner.max_buffer {
+        if let Some(big) = buf.segments.iter().find(|b| b.size() > self.inner.max_buffer) {
             return Err(TransferError::BufferSize {
                 what: "wgpu buffer (u32 offsets)".into(),
                 expected: self.inner.max_buffer,
-                actual: buf.buffer.size(),
+                actual: big.size(),
             });
         }
         Ok(())
     }
     fn write(&self, buf: &WgpuBuffer, offset: u64, data: &[u8]) -> Result<()> {
-        if data.is_empty() {
-            return Ok(());
-        }
-        if buf.buffer.usage().contains(wgpu::BufferUsages::MAP_WRITE) {
-            return self.write_mapped(&buf.buffer, offset, data);
-        }
-        // `write_buffer` lands before the next submission: queued transfers go first.
-        self.inner.submitter.drain();
-        let start = offset / 4 * 4;
-        let end = (offset + data.len() as u64).next_multiple_of(4);
-        if start == offset && end == offset + data.len() as u64 {
-            self.inner.queue.write_buffer(&buf.buffer, offset, data);
-        } else {
-            // write_buffer needs 4-byte spans: read-modify-write the edges.
-            let mut span = vec![0u8; (end - start) as usize];
-            self.read_raw(&buf.buffer, start, &mut span)?;
-            span[(offset - start) as usize..][..data.len()].copy_from_slice(data);
-            self.inner.queue.write_buffer(&buf.buffer, start, &span);
+        for (k, within, n, at) in buf.pieces(offset, data.len() as u64) {
+            self.write_segment(&buf.segments[k], within, &data[at as usize..(at + n) as usize])?;
         }
         Ok(())
     }
     fn read(&self, buf: &WgpuBuffer, offset: u64, out: &mut [u8]) -> Result<()> {
-        if out.is_empty() {
-            return Ok(());
+        for (k, within, n, at) in buf.pieces(offset, out.len() as u64) {
+            self.read_segment(&buf.segments[k], within, &mut out[at as usize..(at + n) as usize])?;
         }
-        if buf.buffer.usage().contains(wgpu::BufferUsages::MAP_READ) {
-            return self.read_mapped(&buf.buffer, offset, out);
-        }
-        let start = offset / 4 * 4;
-        let end = (offset + out.len() as u64).next_multiple_of(4);
-        let mut span = vec![0u8; (end - start) as usize];
-        self.read_raw(&buf.buffer, start, &mut span)?;
-        out.copy_from_slice(&span[(offset - start) as usize..][..out.len()]);
         Ok(())
     }
     fn synchronize(&self) -> Result<()> {
@@ -817,10 +888,10 @@ impl Executor for WgpuExecutor {
     }
     fn time_one_copy(&self, bytes: u64, budget: Duration) -> Result<f64> {
         let (a, b) = (self.alloc(bytes)?, self.alloc(bytes)?);
-        let size = a.buffer.size();
+        let size = a.raw().size();
         crate::timing::time(budget, || {
             self.submit(|enc| {
-                enc.copy_buffer_to_buffer(&a.buffer, 0, &b.buffer, 0, size);
+                enc.copy_buffer_to_buffer(a.raw(), 0, b.raw(), 0, size);
                 Ok(())
             })
         })
@@ -840,7 +911,7 @@ impl Executor for WgpuExecutor {
                         });
                     }
                     for r in runs {
-                        enc.copy_buffer_to_buffer(&bufs.get(r.src).buffer, r.src_offset, &bufs.get(r.dst).buffer, r.dst_offset, r.len);
+                        copy_run(enc, bufs.get(r.src), r.src_offset, bufs.get(r.dst), r.dst_offset, r.len);
                     }
                 }
             }
@@ -859,27 +930,78 @@ impl Executor for WgpuExecutor {
 }
 
 impl WgpuExecutor {
-    /// A zeroed pool buffer of `bytes` (rounded up to 4) with `usage`.
-    fn alloc_with(&self, bytes: u64, usage: wgpu::BufferUsages) -> Result<WgpuBuffer> {
-        let size = bytes.max(4).checked_next_multiple_of(4).unwrap_or(u64::MAX);
-        if size > self.inner.max_buffer {
+    /// A zeroed pool buffer of `bytes` (rounded up to 4) with `usage`: one buffer, or segments
+    /// of a multiple of `lcm(unit, binding alignment, 16)` bytes when it exceeds the largest
+    /// segment (`unit`: the copy chunk, so that no chunk straddles two segments).
+    fn alloc_with(&self, bytes: u64, unit: u64, usage: wgpu::BufferUsages) -> Result<WgpuBuffer> {
+        let inner = &self.inner;
+        let size = bytes.max(4).checked_next_multiple_of(4).ok_or_else(|| err("buffer size overflows"))?;
+        let granule = lcm(lcm(unit.max(1), inner.limits.min_storage_buffer_offset_alignment as u64), 16);
+        let seg = if size <= inner.max_segment { size } else { inner.max_segment / granule * granule };
+        if seg == 0 {
             return Err(TransferError::OutOfMemory {
-                what: format!("one wgpu buffer on {}", self.inner.info.name),
-                requested: bytes,
-                limit: format!("the adapter's largest buffer is {} bytes", self.inner.max_buffer),
+                what: format!("one wgpu buffer segment on {}", inner.info.name),
+                requested: granule,
+                limit: format!("the largest buffer per segment is {} bytes", inner.max_segment),
             });
         }
-        let scope = self.inner.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
-        let buffer = self.inner.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("hicache-io pool"),
-            size,
-            usage,
-            mapped_at_creation: false,
-        });
+        let count = size.div_ceil(seg);
+        let scope = inner.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+        let segments: Vec<wgpu::Buffer> = (0..count)
+            .map(|k| {
+                inner.device.create_buffer(&wgpu::BufferDescriptor {
+                    label: Some("hicache-io pool"),
+                    size: seg.min(size - k * seg),
+                    usage,
+                    mapped_at_creation: false,
+                })
+            })
+            .collect();
         if let Some(e) = pollster::block_on(scope.pop()) {
             return Err(TransferError::OutOfMemory { what: "wgpu buffer".into(), requested: size, limit: e.to_string() });
         }
-        Ok(WgpuBuffer { buffer, len: bytes, owner: self.inner.id })
+        if count > 1 {
+            log::debug!("wgpu: a {size}-byte pool in {count} segments of {seg} bytes");
+        }
+        Ok(WgpuBuffer { segments, seg, len: bytes, owner: inner.id })
+    }
+
+    fn write_segment(&self, buffer: &wgpu::Buffer, offset: u64, data: &[u8]) -> Result<()> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        if buffer.usage().contains(wgpu::BufferUsages::MAP_WRITE) {
+            return self.write_mapped(buffer, offset, data);
+        }
+        // `write_buffer` lands before the next submission: queued transfers go first.
+        self.inner.submitter.drain();
+        let start = offset / 4 * 4;
+        let end = (offset + data.len() as u64).next_multiple_of(4);
+        if start == offset && end == offset + data.len() as u64 {
+            self.inner.queue.write_buffer(buffer, offset, data);
+        } else {
+            // write_buffer needs 4-byte spans: read-modify-write the edges.
+            let mut span = vec![0u8; (end - start) as usize];
+            self.read_raw(buffer, start, &mut span)?;
+            span[(offset - start) as usize..][..data.len()].copy_from_slice(data);
+            self.inner.queue.write_buffer(buffer, start, &span);
+        }
+        Ok(())
+    }
+
+    fn read_segment(&self, buffer: &wgpu::Buffer, offset: u64, out: &mut [u8]) -> Result<()> {
+        if out.is_empty() {
+            return Ok(());
+        }
+        if buffer.usage().contains(wgpu::BufferUsages::MAP_READ) {
+            return self.read_mapped(buffer, offset, out);
+        }
+        let start = offset / 4 * 4;
+        let end = (offset + out.len() as u64).next_multiple_of(4);
+        let mut span = vec![0u8; (end - start) as usize];
+        self.read_raw(buffer, start, &mut span)?;
+        out.copy_from_slice(&span[(offset - start) as usize..][..out.len()]);
+        Ok(())
     }
 
     /// Maps `[start, end)` of a mappable (host-visible) buffer (`start` a multiple of 8, `end`

@@ -73,7 +73,11 @@ impl DevicePool<'static> {
     pub fn with_geometry(device: &Device, geometry: DeviceGeometry) -> Result<DevicePool<'static>> {
         check_budget("device pool", geometry.total_bytes(), device.capabilities().max_pool_bytes)?;
         let buffers = (0..geometry.kind().components())
-            .map(|_| (0..geometry.buffer_count()).map(|_| device.alloc(geometry.layer_bytes())).collect::<Result<Vec<_>>>())
+            .map(|_| {
+                (0..geometry.buffer_count())
+                    .map(|_| device.alloc_pool(geometry.layer_bytes(), geometry.item_bytes(), false))
+                    .collect::<Result<Vec<_>>>()
+            })
             .collect::<Result<Vec<_>>>()?;
         Ok(DevicePool { geometry, device: device.clone(), buffers, _memory: PhantomData })
     }
@@ -169,7 +173,7 @@ impl HostPool<'static> {
         let host = pair.host();
         let comps = host.kind().components() as u64;
         check_budget("host pool", host.buffer_bytes().saturating_mul(comps), device.capabilities().max_host_pool_bytes)?;
-        let buffers = (0..comps).map(|_| device.alloc_host(host.buffer_bytes())).collect::<Result<Vec<_>>>()?;
+        let buffers = (0..comps).map(|_| device.alloc_pool(host.buffer_bytes(), host.chunk_bytes(), true)).collect::<Result<Vec<_>>>()?;
         Ok(HostPool { pair: Arc::new(pair), profile: config.profile, device, buffers, _memory: PhantomData })
     }
 
