@@ -53,6 +53,9 @@ pub struct Capabilities {
     pub max_pool_bytes: u64,
     /// Most bytes a host pool may hold in all.
     pub max_host_pool_bytes: u64,
+    /// Largest buffer of one pool segment: a pool buffer above it is split into segments of
+    /// whole copy chunks (see [`Capabilities::segment_bytes`]); `u64::MAX` keeps one buffer.
+    pub max_segment: u64,
     /// Which io backend `auto` picks, by item size and run length.
     pub auto: AutoTable,
 }
@@ -124,6 +127,7 @@ impl Capabilities {
         max_index: i32::MAX as u64,
         max_pool_bytes: u64::MAX,
         max_host_pool_bytes: u64::MAX,
+        max_segment: u64::MAX,
         auto: AutoTable::DEFAULT,
     };
     /// Host-memory executors: no alignment or binding limit.
@@ -137,8 +141,22 @@ impl Capabilities {
         max_index: u64::MAX,
         max_pool_bytes: u64::MAX,
         max_host_pool_bytes: u64::MAX,
+        max_segment: u64::MAX,
         auto: AutoTable::DEFAULT,
     };
+
+    /// The segment size of a pool buffer of `bytes` whose copy chunks are `chunk_bytes` (at
+    /// multiples of it): `bytes` when it fits one buffer, else the largest multiple of
+    /// `lcm(chunk, binding alignment, 16)` within `max_segment`, so that no chunk straddles two
+    /// segments and every binding window and 16-byte word stays inside one. `None` when one
+    /// chunk does not fit a segment.
+    pub fn segment_bytes(&self, bytes: u64, chunk_bytes: u64) -> Option<u64> {
+        if bytes <= self.max_segment {
+            return Some(bytes);
+        }
+        let granule = lcm(lcm(chunk_bytes.max(1), self.binding_align.max(1)), 16);
+        Some(self.max_segment / granule * granule).filter(|&s| s > 0)
+    }
 
     /// Bytes a `kernel` window must be a multiple of for chunks of `chunk_bytes`.
     pub fn window_granule(&self, chunk_bytes: u64) -> u64 {

@@ -122,11 +122,11 @@ pub(crate) trait Executor {
     fn alloc_host(&self, bytes: u64) -> Result<Self::Buffer> {
         self.alloc(bytes)
     }
-    /// A pool buffer of `bytes` whose copy chunks are multiples of `unit` bytes at multiples of
-    /// `unit` (an executor that splits large pools keeps each chunk in one piece); host memory
-    /// for host pools.
-    fn alloc_pool(&self, bytes: u64, unit: u64, host: bool) -> Result<Self::Buffer> {
-        let _ = unit;
+    /// A pool buffer of `bytes` in segments of `segment` bytes (the pool's choice from
+    /// [`Capabilities::max_segment`]; executors without a segment limit never get one below
+    /// `bytes`); host memory for host pools.
+    fn alloc_pool(&self, bytes: u64, segment: u64, host: bool) -> Result<Self::Buffer> {
+        let _ = segment;
         if host {
             self.alloc_host(bytes)
         } else {
@@ -348,15 +348,21 @@ impl Device {
         }
     }
 
-    /// A pool buffer (see the executor trait): `unit` is the pool's copy chunk, so an executor
-    /// that splits a pool larger than its largest buffer never splits a chunk.
-    pub(crate) fn alloc_pool(&self, bytes: u64, unit: u64, host: bool) -> Result<Buffer> {
+    /// A pool buffer whose copy chunks are `chunk_bytes` (at multiples of it), in the segments
+    /// the executor's [`Capabilities::max_segment`] calls for, so that no chunk straddles two.
+    pub(crate) fn alloc_pool(&self, bytes: u64, chunk_bytes: u64, host: bool) -> Result<Buffer> {
+        let caps = self.capabilities();
+        let segment = caps.segment_bytes(bytes, chunk_bytes).ok_or_else(|| TransferError::OutOfMemory {
+            what: format!("one segment of a {bytes}-byte pool on {}", self.label()),
+            requested: chunk_bytes,
+            limit: format!("a segment holds at most {} bytes", caps.max_segment),
+        })?;
         match self {
-            Device::Cpu(e) => e.alloc_pool(bytes, unit, host).map(Buffer::Cpu),
+            Device::Cpu(e) => e.alloc_pool(bytes, segment, host).map(Buffer::Cpu),
             #[cfg(feature = "wgpu")]
-            Device::Wgpu(e) => e.alloc_pool(bytes, unit, host).map(Buffer::Wgpu),
+            Device::Wgpu(e) => e.alloc_pool(bytes, segment, host).map(Buffer::Wgpu),
             #[cfg(feature = "cuda")]
-            Device::Cuda(e) => e.alloc_pool(bytes, unit, host).map(Buffer::Cuda),
+            Device::Cuda(e) => e.alloc_pool(bytes, segment, host).map(Buffer::Cuda),
         }
     }
 

@@ -840,22 +840,23 @@ impl Executor for WgpuExecutor {
             // out-of-memory error from its error scope).
             max_pool_bytes: super::cpu::host_memory_bytes(),
             max_host_pool_bytes: super::cpu::host_memory_bytes(),
+            max_segment: self.inner.max_segment,
             auto: crate::plan::AutoTable::DEFAULT,
         }
     }
     fn alloc(&self, bytes: u64) -> Result<WgpuBuffer> {
-        self.alloc_with(bytes, 4, REQUIRED_USAGES)
+        self.alloc_with(bytes, bytes, REQUIRED_USAGES)
     }
     fn alloc_host(&self, bytes: u64) -> Result<WgpuBuffer> {
-        self.alloc_pool(bytes, 4, true)
+        self.alloc_pool(bytes, bytes, true)
     }
-    fn alloc_pool(&self, bytes: u64, unit: u64, host: bool) -> Result<WgpuBuffer> {
+    fn alloc_pool(&self, bytes: u64, segment: u64, host: bool) -> Result<WgpuBuffer> {
         let map = if host && self.inner.mapped_host {
             wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::MAP_WRITE
         } else {
             wgpu::BufferUsages::empty()
         };
-        self.alloc_with(bytes, unit, REQUIRED_USAGES | map)
+        self.alloc_with(bytes, segment, REQUIRED_USAGES | map)
     }
     fn buffer_len(&self, buf: &WgpuBuffer) -> u64 {
         buf.len
@@ -936,19 +937,18 @@ impl Executor for WgpuExecutor {
 }
 
 impl WgpuExecutor {
-    /// A zeroed pool buffer of `bytes` (rounded up to 4) with `usage`: one buffer, or segments
-    /// of a multiple of `lcm(unit, binding alignment, 16)` bytes when it exceeds the largest
-    /// segment (`unit`: the copy chunk, so that no chunk straddles two segments).
-    fn alloc_with(&self, bytes: u64, unit: u64, usage: wgpu::BufferUsages) -> Result<WgpuBuffer> {
+    /// A zeroed pool buffer of `bytes` (rounded up to 4) with `usage`, in segments of `segment`
+    /// bytes (the pool's choice, [`Capabilities::segment_bytes`]; one buffer when it covers the
+    /// pool).
+    fn alloc_with(&self, bytes: u64, segment: u64, usage: wgpu::BufferUsages) -> Result<WgpuBuffer> {
         let inner = &self.inner;
         let size = bytes.max(4).checked_next_multiple_of(4).ok_or_else(|| err("buffer size overflows"))?;
-        let granule = lcm(lcm(unit.max(1), inner.limits.min_storage_buffer_offset_alignment as u64), 16);
-        let seg = if size <= inner.max_segment { size } else { inner.max_segment / granule * granule };
-        if seg == 0 {
+        let seg = if segment >= bytes { size } else { segment };
+        if seg > inner.max_buffer || !seg.is_multiple_of(4) {
             return Err(TransferError::OutOfMemory {
-                what: format!("one wgpu buffer segment on {}", inner.info.name),
-                requested: granule,
-                limit: format!("the largest buffer per segment is {} bytes", inner.max_segment),
+                what: format!("one wgpu buffer on {}", inner.info.name),
+                requested: seg,
+                limit: format!("the adapter's largest buffer is {} bytes", inner.max_buffer),
             });
         }
         let count = size.div_ceil(seg);
