@@ -8,7 +8,9 @@ mod common;
 use hicache_io::check::Rng;
 use hicache_io::oracle::{self, OracleBuffers};
 use hicache_io::plan::Op;
-use hicache_io::{Device, DevicePool, DevicePoolConfig, HostPool, HostPoolConfig, IoBackend, LayerMap, Layout, PoolKind, Profile};
+use hicache_io::{
+    Device, DevicePool, DevicePoolConfig, HostPool, HostPoolConfig, IoBackend, LayerMap, Layout, PoolKind, Profile, TransferError,
+};
 
 type Contents = (Vec<Vec<Vec<u8>>>, Vec<Vec<u8>>);
 
@@ -165,6 +167,13 @@ fn faults_during_layer_wise_loads() {
         device.inject_fault(2);
         let err = host.load_layers(&mut dev, &hi, &di, IoBackend::Direct).err().expect("fault");
         assert!(err.to_string().contains("injected fault"), "{n}: {err}");
+        // The error says which layers completed (host layers 0 and 1, each one step here).
+        match &err {
+            TransferError::Partial { failed_step, total_steps, completed_layers, .. } => {
+                assert_eq!((*failed_step, *total_steps, completed_layers.as_slice()), (2, 4, &[0u64, 1][..]), "{n}");
+            }
+            other => panic!("{n}: not Partial: {other:?}"),
+        }
         // Layers 0 and 1 landed, layers 2 and 3 did not move.
         let (got_dev, _) = contents(&dev, &host);
         assert!(got_dev[0][2] == want_dev[0][2] && got_dev[0][3] == want_dev[0][3], "{n}: later layers moved");

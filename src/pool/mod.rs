@@ -333,11 +333,23 @@ impl HostPool<'static> {
             match self.device.execute_async(plan, &self.bindings(device_pool)) {
                 Ok(c) => layers.push((*l, c)),
                 Err(e) => {
-                    // Layers already enqueued still land; wait for them so the error is final.
-                    if let Some((_, c)) = layers.last() {
-                        let _ = c.wait();
-                    }
-                    return Err(e);
+                    // Layers already enqueued still land: wait for them so the error is final,
+                    // and name their host layers (none if that wait fails too).
+                    let Some((_, c)) = layers.last() else { return Err(e) };
+                    let done = c.wait().is_ok();
+                    let mut completed_layers: Vec<u64> = if done {
+                        plans[..layers.len()].iter().flat_map(|(_, p)| p.steps().iter().flat_map(|s| s.layers().iter().copied())).collect()
+                    } else {
+                        Vec::new()
+                    };
+                    completed_layers.sort_unstable();
+                    completed_layers.dedup();
+                    return Err(TransferError::Partial {
+                        failed_step: layers.len(),
+                        total_steps: plans.len(),
+                        completed_layers,
+                        source: Box::new(e),
+                    });
                 }
             }
         }
