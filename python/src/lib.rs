@@ -436,91 +436,132 @@ fn raws(hs: &[Held]) -> Vec<RawTensor> {
 
 // ---- kvcacheio ---------------------------------------------------------------------------
 
-#[pyfunction]
-#[pyo3(signature = (src_k, dst_k, src_v, dst_v, src_indices, dst_indices, item_size, *, stream = None))]
-fn transfer_kv_per_layer(
-    py: Python<'_>,
-    src_k: &Bound<'_, PyAny>,
-    dst_k: &Bound<'_, PyAny>,
-    src_v: &Bound<'_, PyAny>,
-    dst_v: &Bound<'_, PyAny>,
-    src_indices: &Bound<'_, PyAny>,
-    dst_indices: &Bound<'_, PyAny>,
-    item_size: i64,
-    stream: Option<u64>,
-) -> PyResult<()> {
-    let ctx = Ctx { stream };
-    let (si, di) = (index_list(src_indices, "Source", ctx)?, index_list(dst_indices, "Destination", ctx)?);
-    let (sk, dk, sv, dv) =
-        (view(src_k, "src_k", ctx)?, dst_view(dst_k, "dst_k", ctx)?, view(src_v, "src_v", ctx)?, dst_view(dst_v, "dst_v", ctx)?);
-    let dev = executor_for(&[&sk, &dk, &sv, &dv], ctx)?;
-    py.detach(|| kv::transfer_kv_per_layer(&dev, &sk.raw, &dk.raw, &sv.raw, &dv.raw, &si, &di, item_size)).py()
+/// Source and destination index lists, read in sgl-kernel's order.
+fn index_pair(src: &Bound<'_, PyAny>, dst: &Bound<'_, PyAny>, ctx: Ctx) -> PyResult<(Vec<i64>, Vec<i64>)> {
+    Ok((index_list(src, "Source", ctx)?, index_list(dst, "Destination", ctx)?))
 }
 
-#[pyfunction]
-#[pyo3(signature = (src_k, dst_k, src_v, dst_v, src_indices, dst_indices, layer_id, item_size, src_layout_dim, *, stream = None))]
-fn transfer_kv_per_layer_pf_lf(
-    py: Python<'_>,
-    src_k: &Bound<'_, PyAny>,
-    dst_k: &Bound<'_, PyAny>,
-    src_v: &Bound<'_, PyAny>,
-    dst_v: &Bound<'_, PyAny>,
-    src_indices: &Bound<'_, PyAny>,
-    dst_indices: &Bound<'_, PyAny>,
-    layer_id: i64,
-    item_size: i64,
-    src_layout_dim: i64,
-    stream: Option<u64>,
-) -> PyResult<()> {
-    let ctx = Ctx { stream };
-    let (si, di) = (index_list(src_indices, "Source", ctx)?, index_list(dst_indices, "Destination", ctx)?);
-    let (sk, dk, sv, dv) =
-        (view(src_k, "src_k", ctx)?, dst_view(dst_k, "dst_k", ctx)?, view(src_v, "src_v", ctx)?, dst_view(dst_v, "dst_v", ctx)?);
-    let dev = executor_for(&[&sk, &dk, &sv, &dv], ctx)?;
-    py.detach(|| kv::transfer_kv_per_layer_pf_lf(&dev, &sk.raw, &dk.raw, &sv.raw, &dv.raw, &si, &di, layer_id, item_size, src_layout_dim))
-        .py()
+/// An op over K and V arrays (`src_k, dst_k, src_v, dst_v`), the index lists and integers.
+macro_rules! kv_pair_op {
+    ($name:ident($($int:ident),+)) => {
+        #[pyfunction]
+        #[pyo3(signature = (src_k, dst_k, src_v, dst_v, src_indices, dst_indices, $($int),+, *, stream = None))]
+        fn $name(
+            py: Python<'_>,
+            src_k: &Bound<'_, PyAny>,
+            dst_k: &Bound<'_, PyAny>,
+            src_v: &Bound<'_, PyAny>,
+            dst_v: &Bound<'_, PyAny>,
+            src_indices: &Bound<'_, PyAny>,
+            dst_indices: &Bound<'_, PyAny>,
+            $($int: i64,)+
+            stream: Option<u64>,
+        ) -> PyResult<()> {
+            let ctx = Ctx { stream };
+            let (si, di) = index_pair(src_indices, dst_indices, ctx)?;
+            let (sk, dk) = (view(src_k, "src_k", ctx)?, dst_view(dst_k, "dst_k", ctx)?);
+            let (sv, dv) = (view(src_v, "src_v", ctx)?, dst_view(dst_v, "dst_v", ctx)?);
+            let dev = executor_for(&[&sk, &dk, &sv, &dv], ctx)?;
+            py.detach(|| kv::$name(&dev, &sk.raw, &dk.raw, &sv.raw, &dv.raw, &si, &di, $($int),+)).py()
+        }
+    };
 }
 
-#[pyfunction]
-#[pyo3(signature = (src_k, dst_k, src_v, dst_v, src_indices, dst_indices, layer_id, item_size, src_layout_dim, page_size, head_num, *, stream = None))]
-fn transfer_kv_per_layer_ph_lf(
-    py: Python<'_>,
-    src_k: &Bound<'_, PyAny>,
-    dst_k: &Bound<'_, PyAny>,
-    src_v: &Bound<'_, PyAny>,
-    dst_v: &Bound<'_, PyAny>,
-    src_indices: &Bound<'_, PyAny>,
-    dst_indices: &Bound<'_, PyAny>,
-    layer_id: i64,
-    item_size: i64,
-    src_layout_dim: i64,
-    page_size: i64,
-    head_num: i64,
-    stream: Option<u64>,
-) -> PyResult<()> {
-    let ctx = Ctx { stream };
-    let (si, di) = (index_list(src_indices, "Source", ctx)?, index_list(dst_indices, "Destination", ctx)?);
-    let (sk, dk, sv, dv) =
-        (view(src_k, "src_k", ctx)?, dst_view(dst_k, "dst_k", ctx)?, view(src_v, "src_v", ctx)?, dst_view(dst_v, "dst_v", ctx)?);
-    let dev = executor_for(&[&sk, &dk, &sv, &dv], ctx)?;
-    py.detach(|| {
-        kv::transfer_kv_per_layer_ph_lf(
-            &dev,
-            &sk.raw,
-            &dk.raw,
-            &sv.raw,
-            &dv.raw,
-            &si,
-            &di,
-            layer_id,
-            item_size,
-            src_layout_dim,
-            page_size,
-            head_num,
-        )
-    })
-    .py()
+/// An op over one source and one destination array (MLA, the DSA indexer).
+macro_rules! kv_one_op {
+    ($name:ident($($int:ident),+)) => {
+        #[pyfunction]
+        #[pyo3(signature = (src, dst, src_indices, dst_indices, $($int),+, *, stream = None))]
+        fn $name(
+            py: Python<'_>,
+            src: &Bound<'_, PyAny>,
+            dst: &Bound<'_, PyAny>,
+            src_indices: &Bound<'_, PyAny>,
+            dst_indices: &Bound<'_, PyAny>,
+            $($int: i64,)+
+            stream: Option<u64>,
+        ) -> PyResult<()> {
+            let ctx = Ctx { stream };
+            let (si, di) = index_pair(src_indices, dst_indices, ctx)?;
+            let (s, d) = (view(src, "src", ctx)?, dst_view(dst, "dst", ctx)?);
+            let dev = executor_for(&[&s, &d], ctx)?;
+            py.detach(|| kv::$name(&dev, &s.raw, &d.raw, &si, &di, $($int),+)).py()
+        }
+    };
 }
+
+/// A direct op over two lists of arrays (sglang's `Tensor[]` arguments).
+macro_rules! kv_list_op {
+    ($name:ident($src:ident, $dst:ident; $($int:ident),+)) => {
+        #[pyfunction]
+        #[pyo3(signature = ($src, $dst, src_indices, dst_indices, $($int),+, *, stream = None))]
+        fn $name(
+            py: Python<'_>,
+            $src: &Bound<'_, PyAny>,
+            $dst: &Bound<'_, PyAny>,
+            src_indices: &Bound<'_, PyAny>,
+            dst_indices: &Bound<'_, PyAny>,
+            $($int: i64,)+
+            stream: Option<u64>,
+        ) -> PyResult<()> {
+            let ctx = Ctx { stream };
+            let (si, di) = index_pair(src_indices, dst_indices, ctx)?;
+            let (s, d) = (array_list($src, stringify!($src), false, ctx)?, array_list($dst, stringify!($dst), true, ctx)?);
+            let dev = executor_for(&s.iter().chain(&d).collect::<Vec<_>>(), ctx)?;
+            let (s, d) = (raws(&s), raws(&d));
+            py.detach(|| kv::$name(&dev, &s, &d, &si, &di, $($int),+)).py()
+        }
+    };
+}
+
+/// An all-layer backup of K and V layer lists into two host buffers (`item_size`,
+/// `dst_layout_dim`, `num_layers`, then the layout's own integers).
+macro_rules! kv_backup_op {
+    ($name:ident($($extra:ident),*)) => {
+        #[pyfunction]
+        #[pyo3(signature = (src_k_layers, dst_k, src_v_layers, dst_v, src_indices, dst_indices, item_size, dst_layout_dim, num_layers, $($extra,)* *, stream = None))]
+        fn $name(
+            py: Python<'_>,
+            src_k_layers: &Bound<'_, PyAny>,
+            dst_k: &Bound<'_, PyAny>,
+            src_v_layers: &Bound<'_, PyAny>,
+            dst_v: &Bound<'_, PyAny>,
+            src_indices: &Bound<'_, PyAny>,
+            dst_indices: &Bound<'_, PyAny>,
+            item_size: i64,
+            dst_layout_dim: i64,
+            num_layers: i64,
+            $($extra: i64,)*
+            stream: Option<u64>,
+        ) -> PyResult<()> {
+            let ctx = Ctx { stream };
+            // sgl-kernel checks the layer count before anything else.
+            kv::check_num_layers(false, num_layers, src_k_layers.len()?).py()?;
+            let (si, di) = index_pair(src_indices, dst_indices, ctx)?;
+            let se = extent_for(&si, item_size);
+            let (sk, sv) = (layers(src_k_layers, "src_k_layers", false, se, ctx)?, layers(src_v_layers, "src_v_layers", false, se, ctx)?);
+            let (dk, dv) = (dst_view(dst_k, "dst_k", ctx)?, dst_view(dst_v, "dst_v", ctx)?);
+            let dev = executor_for(&sk.iter().chain(&sv).chain([&dk, &dv]).collect::<Vec<_>>(), ctx)?;
+            let (sk, sv) = (raws(&sk), raws(&sv));
+            py.detach(|| kv::$name(&dev, &sk, &dk.raw, &sv, &dv.raw, &si, &di, item_size, dst_layout_dim, num_layers $(, $extra)*)).py()
+        }
+    };
+}
+
+kv_backup_op!(transfer_kv_all_layer_lf_pf());
+kv_backup_op!(transfer_kv_all_layer_lf_ph(page_size, head_num));
+
+kv_pair_op!(transfer_kv_per_layer(item_size));
+kv_pair_op!(transfer_kv_per_layer_pf_lf(layer_id, item_size, src_layout_dim));
+kv_pair_op!(transfer_kv_per_layer_ph_lf(layer_id, item_size, src_layout_dim, page_size, head_num));
+kv_pair_op!(transfer_kv_per_layer_lf_pf(layer_id, item_size, dst_layout_dim));
+kv_one_op!(transfer_kv_per_layer_mla(item_size));
+kv_one_op!(transfer_kv_per_layer_mla_pf_lf(layer_id, item_size, src_layout_dim));
+kv_one_op!(transfer_kv_per_layer_mla_lf_pf(layer_id, item_size, dst_layout_dim));
+kv_list_op!(transfer_kv_direct(src_layers, dst_layers; page_size));
+kv_list_op!(transfer_kv_per_layer_direct_pf_lf(src_ptrs, dst_ptrs; layer_id, page_size));
+kv_list_op!(transfer_kv_all_layer_direct_lf_pf(src_ptrs, dst_ptrs; page_size));
+kv_list_op!(transfer_kv_per_layer_direct_lf_pf(src_ptrs, dst_ptrs; layer_id, page_size));
 
 #[pyfunction]
 #[pyo3(signature = (src_k_layers, dst_k_layers, src_v_layers, dst_v_layers, src_indices, dst_indices, item_size, num_layers, *, stream = None))]
@@ -539,7 +580,7 @@ fn transfer_kv_all_layer(
     let ctx = Ctx { stream };
     // sgl-kernel checks the layer count before anything else.
     kv::check_num_layers(false, num_layers, src_k_layers.len()?).py()?;
-    let (si, di) = (index_list(src_indices, "Source", ctx)?, index_list(dst_indices, "Destination", ctx)?);
+    let (si, di) = index_pair(src_indices, dst_indices, ctx)?;
     let (se, de) = (extent_for(&si, item_size), extent_for(&di, item_size));
     let sk = layers(src_k_layers, "src_k_layers", false, se, ctx)?;
     let dk = layers(dst_k_layers, "dst_k_layers", true, de, ctx)?;
@@ -548,116 +589,6 @@ fn transfer_kv_all_layer(
     let dev = executor_for(&sk.iter().chain(&dk).chain(&sv).chain(&dv).collect::<Vec<_>>(), ctx)?;
     let (sk, dk, sv, dv) = (raws(&sk), raws(&dk), raws(&sv), raws(&dv));
     py.detach(|| kv::transfer_kv_all_layer(&dev, &sk, &dk, &sv, &dv, &si, &di, item_size, num_layers)).py()
-}
-
-#[pyfunction]
-#[pyo3(signature = (src_k_layers, dst_k, src_v_layers, dst_v, src_indices, dst_indices, item_size, dst_layout_dim, num_layers, *, stream = None))]
-fn transfer_kv_all_layer_lf_pf(
-    py: Python<'_>,
-    src_k_layers: &Bound<'_, PyAny>,
-    dst_k: &Bound<'_, PyAny>,
-    src_v_layers: &Bound<'_, PyAny>,
-    dst_v: &Bound<'_, PyAny>,
-    src_indices: &Bound<'_, PyAny>,
-    dst_indices: &Bound<'_, PyAny>,
-    item_size: i64,
-    dst_layout_dim: i64,
-    num_layers: i64,
-    stream: Option<u64>,
-) -> PyResult<()> {
-    let ctx = Ctx { stream };
-    // sgl-kernel checks the layer count before anything else.
-    kv::check_num_layers(false, num_layers, src_k_layers.len()?).py()?;
-    let (si, di) = (index_list(src_indices, "Source", ctx)?, index_list(dst_indices, "Destination", ctx)?);
-    let se = extent_for(&si, item_size);
-    let (sk, sv) = (layers(src_k_layers, "src_k_layers", false, se, ctx)?, layers(src_v_layers, "src_v_layers", false, se, ctx)?);
-    let (dk, dv) = (dst_view(dst_k, "dst_k", ctx)?, dst_view(dst_v, "dst_v", ctx)?);
-    let dev = executor_for(&sk.iter().chain(&sv).chain([&dk, &dv]).collect::<Vec<_>>(), ctx)?;
-    let (sk, sv) = (raws(&sk), raws(&sv));
-    py.detach(|| kv::transfer_kv_all_layer_lf_pf(&dev, &sk, &dk.raw, &sv, &dv.raw, &si, &di, item_size, dst_layout_dim, num_layers)).py()
-}
-
-#[pyfunction]
-#[pyo3(signature = (src_k_layers, dst_k, src_v_layers, dst_v, src_indices, dst_indices, item_size, dst_layout_dim, num_layers, page_size, head_num, *, stream = None))]
-fn transfer_kv_all_layer_lf_ph(
-    py: Python<'_>,
-    src_k_layers: &Bound<'_, PyAny>,
-    dst_k: &Bound<'_, PyAny>,
-    src_v_layers: &Bound<'_, PyAny>,
-    dst_v: &Bound<'_, PyAny>,
-    src_indices: &Bound<'_, PyAny>,
-    dst_indices: &Bound<'_, PyAny>,
-    item_size: i64,
-    dst_layout_dim: i64,
-    num_layers: i64,
-    page_size: i64,
-    head_num: i64,
-    stream: Option<u64>,
-) -> PyResult<()> {
-    let ctx = Ctx { stream };
-    // sgl-kernel checks the layer count before anything else.
-    kv::check_num_layers(false, num_layers, src_k_layers.len()?).py()?;
-    let (si, di) = (index_list(src_indices, "Source", ctx)?, index_list(dst_indices, "Destination", ctx)?);
-    let se = extent_for(&si, item_size);
-    let (sk, sv) = (layers(src_k_layers, "src_k_layers", false, se, ctx)?, layers(src_v_layers, "src_v_layers", false, se, ctx)?);
-    let (dk, dv) = (dst_view(dst_k, "dst_k", ctx)?, dst_view(dst_v, "dst_v", ctx)?);
-    let dev = executor_for(&sk.iter().chain(&sv).chain([&dk, &dv]).collect::<Vec<_>>(), ctx)?;
-    let (sk, sv) = (raws(&sk), raws(&sv));
-    py.detach(|| {
-        kv::transfer_kv_all_layer_lf_ph(
-            &dev,
-            &sk,
-            &dk.raw,
-            &sv,
-            &dv.raw,
-            &si,
-            &di,
-            item_size,
-            dst_layout_dim,
-            num_layers,
-            page_size,
-            head_num,
-        )
-    })
-    .py()
-}
-
-#[pyfunction]
-#[pyo3(signature = (src, dst, src_indices, dst_indices, item_size, *, stream = None))]
-fn transfer_kv_per_layer_mla(
-    py: Python<'_>,
-    src: &Bound<'_, PyAny>,
-    dst: &Bound<'_, PyAny>,
-    src_indices: &Bound<'_, PyAny>,
-    dst_indices: &Bound<'_, PyAny>,
-    item_size: i64,
-    stream: Option<u64>,
-) -> PyResult<()> {
-    let ctx = Ctx { stream };
-    let (si, di) = (index_list(src_indices, "Source", ctx)?, index_list(dst_indices, "Destination", ctx)?);
-    let (s, d) = (view(src, "src", ctx)?, dst_view(dst, "dst", ctx)?);
-    let dev = executor_for(&[&s, &d], ctx)?;
-    py.detach(|| kv::transfer_kv_per_layer_mla(&dev, &s.raw, &d.raw, &si, &di, item_size)).py()
-}
-
-#[pyfunction]
-#[pyo3(signature = (src, dst, src_indices, dst_indices, layer_id, item_size, src_layout_dim, *, stream = None))]
-fn transfer_kv_per_layer_mla_pf_lf(
-    py: Python<'_>,
-    src: &Bound<'_, PyAny>,
-    dst: &Bound<'_, PyAny>,
-    src_indices: &Bound<'_, PyAny>,
-    dst_indices: &Bound<'_, PyAny>,
-    layer_id: i64,
-    item_size: i64,
-    src_layout_dim: i64,
-    stream: Option<u64>,
-) -> PyResult<()> {
-    let ctx = Ctx { stream };
-    let (si, di) = (index_list(src_indices, "Source", ctx)?, index_list(dst_indices, "Destination", ctx)?);
-    let (s, d) = (view(src, "src", ctx)?, dst_view(dst, "dst", ctx)?);
-    let dev = executor_for(&[&s, &d], ctx)?;
-    py.detach(|| kv::transfer_kv_per_layer_mla_pf_lf(&dev, &s.raw, &d.raw, &si, &di, layer_id, item_size, src_layout_dim)).py()
 }
 
 #[pyfunction]
@@ -675,7 +606,7 @@ fn transfer_kv_all_layer_mla(
     let ctx = Ctx { stream };
     // sgl-kernel checks the layer count before anything else.
     kv::check_num_layers(true, num_layers, src_layers.len()?).py()?;
-    let (si, di) = (index_list(src_indices, "Source", ctx)?, index_list(dst_indices, "Destination", ctx)?);
+    let (si, di) = index_pair(src_indices, dst_indices, ctx)?;
     let s = layers(src_layers, "src_layers", false, extent_for(&si, item_size), ctx)?;
     let d = layers(dst_layers, "dst_layers", true, extent_for(&di, item_size), ctx)?;
     let dev = executor_for(&s.iter().chain(&d).collect::<Vec<_>>(), ctx)?;
@@ -699,7 +630,7 @@ fn transfer_kv_all_layer_mla_lf_pf(
     let ctx = Ctx { stream };
     // sgl-kernel checks the layer count before anything else.
     kv::check_num_layers(true, num_layers, src_layers.len()?).py()?;
-    let (si, di) = (index_list(src_indices, "Source", ctx)?, index_list(dst_indices, "Destination", ctx)?);
+    let (si, di) = index_pair(src_indices, dst_indices, ctx)?;
     let s = layers(src_layers, "src_layers", false, extent_for(&si, item_size), ctx)?;
     let d = dst_view(dst, "dst", ctx)?;
     let dev = executor_for(&s.iter().chain([&d]).collect::<Vec<_>>(), ctx)?;
@@ -713,128 +644,6 @@ fn array_list(obj: &Bound<'_, PyAny>, name: &str, writes: bool, ctx: Ctx) -> PyR
         return Err(PyTypeError::new_err(format!("{name}: expected a list of arrays")));
     }
     layers(obj, name, writes, 0, ctx)
-}
-
-#[pyfunction]
-#[pyo3(signature = (src_layers, dst_layers, src_indices, dst_indices, page_size, *, stream = None))]
-fn transfer_kv_direct(
-    py: Python<'_>,
-    src_layers: &Bound<'_, PyAny>,
-    dst_layers: &Bound<'_, PyAny>,
-    src_indices: &Bound<'_, PyAny>,
-    dst_indices: &Bound<'_, PyAny>,
-    page_size: i64,
-    stream: Option<u64>,
-) -> PyResult<()> {
-    let ctx = Ctx { stream };
-    let (si, di) = (index_list(src_indices, "Source", ctx)?, index_list(dst_indices, "Destination", ctx)?);
-    let (s, d) = (array_list(src_layers, "src_layers", false, ctx)?, array_list(dst_layers, "dst_layers", true, ctx)?);
-    let dev = executor_for(&s.iter().chain(&d).collect::<Vec<_>>(), ctx)?;
-    let (s, d) = (raws(&s), raws(&d));
-    py.detach(|| kv::transfer_kv_direct(&dev, &s, &d, &si, &di, page_size)).py()
-}
-
-#[pyfunction]
-#[pyo3(signature = (src_ptrs, dst_ptrs, src_indices, dst_indices, layer_id, page_size, *, stream = None))]
-fn transfer_kv_per_layer_direct_pf_lf(
-    py: Python<'_>,
-    src_ptrs: &Bound<'_, PyAny>,
-    dst_ptrs: &Bound<'_, PyAny>,
-    src_indices: &Bound<'_, PyAny>,
-    dst_indices: &Bound<'_, PyAny>,
-    layer_id: i64,
-    page_size: i64,
-    stream: Option<u64>,
-) -> PyResult<()> {
-    let ctx = Ctx { stream };
-    let (si, di) = (index_list(src_indices, "Source", ctx)?, index_list(dst_indices, "Destination", ctx)?);
-    let (s, d) = (array_list(src_ptrs, "src_ptrs", false, ctx)?, array_list(dst_ptrs, "dst_ptrs", true, ctx)?);
-    let dev = executor_for(&s.iter().chain(&d).collect::<Vec<_>>(), ctx)?;
-    let (s, d) = (raws(&s), raws(&d));
-    py.detach(|| kv::transfer_kv_per_layer_direct_pf_lf(&dev, &s, &d, &si, &di, layer_id, page_size)).py()
-}
-
-#[pyfunction]
-#[pyo3(signature = (src_ptrs, dst_ptrs, src_indices, dst_indices, page_size, *, stream = None))]
-fn transfer_kv_all_layer_direct_lf_pf(
-    py: Python<'_>,
-    src_ptrs: &Bound<'_, PyAny>,
-    dst_ptrs: &Bound<'_, PyAny>,
-    src_indices: &Bound<'_, PyAny>,
-    dst_indices: &Bound<'_, PyAny>,
-    page_size: i64,
-    stream: Option<u64>,
-) -> PyResult<()> {
-    let ctx = Ctx { stream };
-    let (si, di) = (index_list(src_indices, "Source", ctx)?, index_list(dst_indices, "Destination", ctx)?);
-    let (s, d) = (array_list(src_ptrs, "src_ptrs", false, ctx)?, array_list(dst_ptrs, "dst_ptrs", true, ctx)?);
-    let dev = executor_for(&s.iter().chain(&d).collect::<Vec<_>>(), ctx)?;
-    let (s, d) = (raws(&s), raws(&d));
-    py.detach(|| kv::transfer_kv_all_layer_direct_lf_pf(&dev, &s, &d, &si, &di, page_size)).py()
-}
-
-#[pyfunction]
-#[pyo3(signature = (src_k, dst_k, src_v, dst_v, src_indices, dst_indices, layer_id, item_size, dst_layout_dim, *, stream = None))]
-fn transfer_kv_per_layer_lf_pf(
-    py: Python<'_>,
-    src_k: &Bound<'_, PyAny>,
-    dst_k: &Bound<'_, PyAny>,
-    src_v: &Bound<'_, PyAny>,
-    dst_v: &Bound<'_, PyAny>,
-    src_indices: &Bound<'_, PyAny>,
-    dst_indices: &Bound<'_, PyAny>,
-    layer_id: i64,
-    item_size: i64,
-    dst_layout_dim: i64,
-    stream: Option<u64>,
-) -> PyResult<()> {
-    let ctx = Ctx { stream };
-    let (si, di) = (index_list(src_indices, "Source", ctx)?, index_list(dst_indices, "Destination", ctx)?);
-    let (sk, dk, sv, dv) =
-        (view(src_k, "src_k", ctx)?, dst_view(dst_k, "dst_k", ctx)?, view(src_v, "src_v", ctx)?, dst_view(dst_v, "dst_v", ctx)?);
-    let dev = executor_for(&[&sk, &dk, &sv, &dv], ctx)?;
-    py.detach(|| kv::transfer_kv_per_layer_lf_pf(&dev, &sk.raw, &dk.raw, &sv.raw, &dv.raw, &si, &di, layer_id, item_size, dst_layout_dim))
-        .py()
-}
-
-#[pyfunction]
-#[pyo3(signature = (src, dst, src_indices, dst_indices, layer_id, item_size, dst_layout_dim, *, stream = None))]
-fn transfer_kv_per_layer_mla_lf_pf(
-    py: Python<'_>,
-    src: &Bound<'_, PyAny>,
-    dst: &Bound<'_, PyAny>,
-    src_indices: &Bound<'_, PyAny>,
-    dst_indices: &Bound<'_, PyAny>,
-    layer_id: i64,
-    item_size: i64,
-    dst_layout_dim: i64,
-    stream: Option<u64>,
-) -> PyResult<()> {
-    let ctx = Ctx { stream };
-    let (si, di) = (index_list(src_indices, "Source", ctx)?, index_list(dst_indices, "Destination", ctx)?);
-    let (s, d) = (view(src, "src", ctx)?, dst_view(dst, "dst", ctx)?);
-    let dev = executor_for(&[&s, &d], ctx)?;
-    py.detach(|| kv::transfer_kv_per_layer_mla_lf_pf(&dev, &s.raw, &d.raw, &si, &di, layer_id, item_size, dst_layout_dim)).py()
-}
-
-#[pyfunction]
-#[pyo3(signature = (src_ptrs, dst_ptrs, src_indices, dst_indices, layer_id, page_size, *, stream = None))]
-fn transfer_kv_per_layer_direct_lf_pf(
-    py: Python<'_>,
-    src_ptrs: &Bound<'_, PyAny>,
-    dst_ptrs: &Bound<'_, PyAny>,
-    src_indices: &Bound<'_, PyAny>,
-    dst_indices: &Bound<'_, PyAny>,
-    layer_id: i64,
-    page_size: i64,
-    stream: Option<u64>,
-) -> PyResult<()> {
-    let ctx = Ctx { stream };
-    let (si, di) = (index_list(src_indices, "Source", ctx)?, index_list(dst_indices, "Destination", ctx)?);
-    let (s, d) = (array_list(src_ptrs, "src_ptrs", false, ctx)?, array_list(dst_ptrs, "dst_ptrs", true, ctx)?);
-    let dev = executor_for(&s.iter().chain(&d).collect::<Vec<_>>(), ctx)?;
-    let (s, d) = (raws(&s), raws(&d));
-    py.detach(|| kv::transfer_kv_per_layer_direct_lf_pf(&dev, &s, &d, &si, &di, layer_id, page_size)).py()
 }
 
 // ---- pools -------------------------------------------------------------------------------
@@ -938,6 +747,12 @@ fn io(name: &str) -> PyResult<IoBackend> {
     parse(name)
 }
 
+/// A pool call's index lists (host memory) and io backend.
+fn pool_args(host: &Bound<'_, PyAny>, device: &Bound<'_, PyAny>, io_backend: &str) -> PyResult<(Vec<i64>, Vec<i64>, IoBackend)> {
+    let ctx = Ctx { stream: None };
+    Ok((index_list(host, "Host", ctx)?, index_list(device, "Device", ctx)?, io(io_backend)?))
+}
+
 #[pymethods]
 impl PyHostPool {
     #[new]
@@ -956,11 +771,7 @@ impl PyHostPool {
         layer_id: usize,
         io_backend: &str,
     ) -> PyResult<()> {
-        let (hi, di, io) = (
-            index_list(host_indices, "Host", Ctx { stream: None })?,
-            index_list(device_indices, "Device", Ctx { stream: None })?,
-            io(io_backend)?,
-        );
+        let (hi, di, io) = pool_args(host_indices, device_indices, io_backend)?;
         let dev = &mut device_pool.inner;
         py.detach(|| self.inner.load_to_device_per_layer(dev, &hi, &di, layer_id, io)).py()
     }
@@ -974,11 +785,7 @@ impl PyHostPool {
         layer_id: usize,
         io_backend: &str,
     ) -> PyResult<()> {
-        let (hi, di, io) = (
-            index_list(host_indices, "Host", Ctx { stream: None })?,
-            index_list(device_indices, "Device", Ctx { stream: None })?,
-            io(io_backend)?,
-        );
+        let (hi, di, io) = pool_args(host_indices, device_indices, io_backend)?;
         let dev = &mut device_pool.inner;
         py.detach(|| self.inner.load_draft_to_device(dev, &hi, &di, layer_id, io)).py()
     }
@@ -991,11 +798,7 @@ impl PyHostPool {
         device_indices: &Bound<'_, PyAny>,
         io_backend: &str,
     ) -> PyResult<()> {
-        let (hi, di, io) = (
-            index_list(host_indices, "Host", Ctx { stream: None })?,
-            index_list(device_indices, "Device", Ctx { stream: None })?,
-            io(io_backend)?,
-        );
+        let (hi, di, io) = pool_args(host_indices, device_indices, io_backend)?;
         let host = &mut self.inner;
         py.detach(|| host.backup_from_device_all_layer(&device_pool.inner, &hi, &di, io)).py()
     }
@@ -1010,11 +813,7 @@ impl PyHostPool {
         io_backend: &str,
         is_draft: bool,
     ) -> PyResult<()> {
-        let (hi, di, io) = (
-            index_list(host_indices, "Host", Ctx { stream: None })?,
-            index_list(device_indices, "Device", Ctx { stream: None })?,
-            io(io_backend)?,
-        );
+        let (hi, di, io) = pool_args(host_indices, device_indices, io_backend)?;
         let host = &mut self.inner;
         py.detach(|| host.backup_from_device_per_layer(&device_pool.inner, &hi, &di, layer_id, is_draft, io)).py()
     }
