@@ -679,6 +679,13 @@ impl PyDevice {
     }
 }
 
+/// Bytes out as a writable 1-D `numpy.uint8` array (over a `bytearray`: one copy in all).
+fn u8_array<'py>(py: Python<'py>, bytes: &[u8]) -> PyResult<Bound<'py, PyAny>> {
+    let kw = pyo3::types::PyDict::new(py);
+    kw.set_item("dtype", "uint8")?;
+    py.import("numpy")?.call_method("frombuffer", (pyo3::types::PyByteArray::new(py, bytes),), Some(&kw))
+}
+
 fn parse<T: std::str::FromStr<Err = TransferError>>(s: &str) -> PyResult<T> {
     s.parse().py()
 }
@@ -725,10 +732,10 @@ impl PyDevicePool {
     fn buffer_count(&self) -> usize {
         self.inner.geometry().buffer_count()
     }
-    /// A copy of buffer `slot` of component `comp`, as bytes.
-    fn read_buffer<'py>(&self, py: Python<'py>, comp: usize, slot: usize) -> PyResult<Bound<'py, PyBytes>> {
+    /// A copy of buffer `slot` of component `comp`, as a `numpy.uint8` array.
+    fn read_buffer<'py>(&self, py: Python<'py>, comp: usize, slot: usize) -> PyResult<Bound<'py, PyAny>> {
         let v = py.detach(|| self.inner.read_buffer(comp, slot)).py()?;
-        Ok(PyBytes::new(py, &v))
+        u8_array(py, &v)
     }
     /// Replaces buffer `slot` of component `comp` (exactly its size, any bytes-like object).
     fn write_buffer(&mut self, py: Python<'_>, comp: usize, slot: usize, data: &Bound<'_, PyAny>) -> PyResult<()> {
@@ -817,15 +824,15 @@ impl PyHostPool {
         let host = &mut self.inner;
         py.detach(|| host.backup_from_device_per_layer(&device_pool.inner, &hi, &di, layer_id, is_draft, io)).py()
     }
-    /// sglang `get_data_page(index, flat=True)`: the flat page as bytes.
-    fn get_data_page<'py>(&self, py: Python<'py>, index: i64) -> PyResult<Bound<'py, PyBytes>> {
+    /// sglang `get_data_page(index, flat=True)`: the flat page, a `numpy.uint8` array.
+    fn get_data_page<'py>(&self, py: Python<'py>, index: i64) -> PyResult<Bound<'py, PyAny>> {
         let v = py.detach(|| self.inner.get_data_page(index)).py()?;
-        Ok(PyBytes::new(py, &v))
+        u8_array(py, &v)
     }
     /// sglang `get_dummy_flat_data_page()`: zeros of one flat page.
-    fn get_dummy_flat_data_page<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+    fn get_dummy_flat_data_page<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let v = self.inner.get_dummy_flat_data_page().py()?;
-        Ok(PyBytes::new(py, &v))
+        u8_array(py, &v)
     }
     /// sglang `set_from_flat_data_page(index, data_page)`.
     fn set_from_flat_data_page(&mut self, py: Python<'_>, index: i64, data_page: &Bound<'_, PyAny>) -> PyResult<()> {
@@ -838,10 +845,10 @@ impl PyHostPool {
         let idx = index_list(indices, "Host", Ctx { stream: None })?;
         self.inner.get_page_buffer_meta(&idx).py()
     }
-    /// A copy of component `comp`'s buffer, as bytes.
-    fn read_buffer<'py>(&self, py: Python<'py>, comp: usize) -> PyResult<Bound<'py, PyBytes>> {
+    /// A copy of component `comp`'s buffer, as a `numpy.uint8` array.
+    fn read_buffer<'py>(&self, py: Python<'py>, comp: usize) -> PyResult<Bound<'py, PyAny>> {
         let v = py.detach(|| self.inner.read_buffer(comp)).py()?;
-        Ok(PyBytes::new(py, &v))
+        u8_array(py, &v)
     }
     /// Replaces component `comp`'s buffer (exactly its size).
     fn write_buffer(&mut self, py: Python<'_>, comp: usize, data: &Bound<'_, PyAny>) -> PyResult<()> {
