@@ -53,6 +53,9 @@ pub struct Capabilities {
     pub max_pool_bytes: u64,
     /// Most bytes a host pool may hold in all.
     pub max_host_pool_bytes: u64,
+    /// Most invocations a `kernel` step gives one item chunk (a power of two): the gather's
+    /// shape for this adapter (wgpu: 1 on CPU adapters, up to 64 on GPUs, one per word).
+    pub max_lanes: u64,
     /// Largest buffer of one pool segment: a pool buffer above it is split into segments of
     /// whole copy chunks (see [`Capabilities::segment_bytes`]); `u64::MAX` keeps one buffer.
     pub max_segment: u64,
@@ -128,6 +131,7 @@ impl Capabilities {
         max_pool_bytes: u64::MAX,
         max_host_pool_bytes: u64::MAX,
         max_segment: u64::MAX,
+        max_lanes: 1,
         auto: AutoTable::DEFAULT,
     };
     /// Host-memory executors: no alignment or binding limit.
@@ -142,6 +146,7 @@ impl Capabilities {
         max_pool_bytes: u64::MAX,
         max_host_pool_bytes: u64::MAX,
         max_segment: u64::MAX,
+        max_lanes: 1,
         auto: AutoTable::DEFAULT,
     };
 
@@ -342,6 +347,7 @@ pub struct GatherStep {
     pub(crate) chunk_bytes: u64,
     pub(crate) heads: u64,
     pub(crate) pairs: Vec<AddrPair>,
+    pub(crate) lanes_log2: u32,
 }
 
 impl GatherStep {
@@ -364,6 +370,11 @@ impl GatherStep {
     /// The (layer, component) address pairs, K before V.
     pub fn pairs(&self) -> &[AddrPair] {
         &self.pairs
+    }
+    /// Invocations per item chunk, `2^lanes_log2`: about one per 16-byte word of the chunk (4-byte
+    /// words when the chunk is not whole 16-byte words), at most the executor's `max_lanes`.
+    pub fn lanes_log2(&self) -> u32 {
+        self.lanes_log2
     }
 }
 
@@ -831,6 +842,10 @@ fn lower_gather(
         Direction::DeviceToHost => (di, hi),
     };
     let per = usize::try_from(caps.max_gather_items.max(1)).unwrap_or(usize::MAX);
+    // The gather's shape: lanes per chunk from the adapter's policy and the chunk's words.
+    let chunk = host.chunk_bytes();
+    let words = chunk / if chunk.is_multiple_of(16) { 16 } else { caps.kernel_word.max(1) };
+    let lanes_log2 = words.max(1).next_power_of_two().min(caps.max_lanes.max(1).next_power_of_two()).trailing_zeros();
     let pieces: Vec<[Arc<[i64]>; 2]> = if src.len() <= per {
         vec![[src.into(), dst.into()]]
     } else {
@@ -858,6 +873,7 @@ fn lower_gather(
                     chunk_bytes: host.chunk_bytes(),
                     heads,
                     pairs: pairs.clone(),
+                    lanes_log2,
                 }),
                 layers: layers.iter().map(|l| l.0).collect(),
             });

@@ -615,7 +615,7 @@ impl WgpuExecutor {
     }
 
     /// The shader's word (16 bytes when every offset, size and the window allow, else 4) and
-    /// invocations per item (`2^lanes_log2`: about one per word, 1 to `max_lanes`).
+    /// invocations per item (the plan step's `lanes_log2`).
     fn word_and_lanes(&self, g: &GatherStep, bufs: &Bindings<'_, WgpuBuffer>) -> (u64, u32) {
         let inner = &self.inner;
         let base_granule = self.capabilities().window_granule(g.chunk_bytes);
@@ -628,8 +628,7 @@ impl WgpuExecutor {
         } else {
             4
         };
-        let lanes_log2 = (g.chunk_bytes / word).next_power_of_two().min(inner.max_lanes).trailing_zeros();
-        (word, lanes_log2)
+        (word, g.lanes_log2())
     }
 
     /// One dispatch per address pair and per pair of binding windows that holds an item (one
@@ -841,6 +840,7 @@ impl Executor for WgpuExecutor {
             max_pool_bytes: super::cpu::host_memory_bytes(),
             max_host_pool_bytes: super::cpu::host_memory_bytes(),
             max_segment: self.inner.max_segment,
+            max_lanes: self.inner.max_lanes,
             auto: crate::plan::AutoTable::DEFAULT,
         }
     }
