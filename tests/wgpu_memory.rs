@@ -111,3 +111,31 @@ fn host_pool_larger_than_one_buffer() {
         assert!(got[..(page * item) as usize] == per_layer(2)[..], "{layout}: load from the last page differs");
     }
 }
+
+/// Host reads through the mapping on one thread while another thread loads from the same host
+/// pool: mappings and submissions exclude each other, so neither fails and the bytes are right.
+#[test]
+fn mapped_reads_race_with_loads() {
+    let Some((device, _)) = wgpu(None) else { return };
+    let cfg = DevicePoolConfig { kind: PoolKind::Mla, bytes_per_token: 64, slots: 256, page_size: 1, layers: LayerMap::new(2) };
+    let mut dev = DevicePool::new(&device, &cfg).unwrap();
+    let mut host =
+        HostPool::new(&dev, &HostPoolConfig { layout: Layout::PageFirst, size: 255, head_num: 1, profile: Profile::Extended }).unwrap();
+    let data: Vec<u8> = (0..host.geometry().buffer_bytes()).map(|i| (i % 251) as u8).collect();
+    host.write_buffer(0, &data).unwrap();
+    let idx: Vec<i64> = (0..256).collect();
+    std::thread::scope(|s| {
+        let reader = s.spawn(|| {
+            for _ in 0..50 {
+                assert_eq!(host.read_buffer(0).unwrap(), data);
+                let _ = host.get_data_page(7).unwrap();
+            }
+        });
+        for round in 0..50 {
+            host.load_to_device_per_layer(&mut dev, &idx, &idx, round % 2, IoBackend::Kernel).unwrap();
+        }
+        reader.join().unwrap();
+    });
+    let want: Vec<u8> = (0..256usize).flat_map(|t| data[(t * 2 + 1) * 64..][..64].to_vec()).collect();
+    assert_eq!(dev.read_buffer(0, 1).unwrap(), want);
+}

@@ -103,6 +103,9 @@ struct Inner {
     lost: Arc<Mutex<Option<String>>>,
     id: u64,
     submitter: Arc<Submitter>,
+    /// Mapping a host pool excludes submissions (a buffer mapped for the CPU must not be used
+    /// by a submitted command): submissions hold it shared, a mapping exclusively.
+    map_lock: Arc<std::sync::RwLock<()>>,
     /// The submit thread, joined on drop so that it never outlives the device (it holds a queue
     /// handle; dropping the last one on another thread while the process exits can crash the
     /// driver).
@@ -341,7 +344,9 @@ impl WgpuExecutor {
         if let Some(e) = pollster::block_on(scope.pop()) {
             return Err(unavailable(format!("shader compilation failed on {}: {e}", info.name)));
         }
-        let max_window = opts.max_window.unwrap_or(u64::MAX).min(limits.max_storage_buffer_binding_size);
+        // At most 2^31 bytes: the shader's window-relative offsets are 32-bit and wrap, which is
+        // exact while a window plus two unit strides stays below 2^32.
+        let max_window = opts.max_window.unwrap_or(u64::MAX).min(limits.max_storage_buffer_binding_size).min(1 << 31);
         // One index pair is 8 bytes of one binding; a dispatch holds u32::MAX invocations at up
         // to 64 per item.
         let max_gather_items =
@@ -376,6 +381,7 @@ impl WgpuExecutor {
                 lost,
                 id: super::next_executor_id(),
                 submitter: Arc::new(Submitter::default()),
+                map_lock: Arc::new(std::sync::RwLock::new(())),
                 submit_thread: Mutex::new(None),
             }),
         })
@@ -468,6 +474,7 @@ impl WgpuExecutor {
             let (send, recv) = std::sync::mpsc::channel::<(u64, wgpu::CommandBuffer)>();
             let queue = self.inner.queue.clone();
             let device = self.inner.device.clone();
+            let map_lock = self.inner.map_lock.clone();
             let shared = Arc::downgrade(sub);
             let handle = std::thread::Builder::new()
                 .name("hicache-io wgpu submit".into())
@@ -477,7 +484,10 @@ impl WgpuExecutor {
                         // this command buffer reports, and its waiters get it as an error. A panic
                         // inside wgpu must not leave them hanging either.
                         let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
-                        let index = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| queue.submit([cb])));
+                        let index = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            let _no_mapping = map_lock.read().unwrap_or_else(|e| e.into_inner());
+                            queue.submit([cb])
+                        }));
                         let error = pollster::block_on(scope.pop());
                         let Some(s) = shared.upgrade() else { return };
                         let mut st = s.lock();
@@ -546,6 +556,7 @@ impl WgpuExecutor {
             if later {
                 handed = self.submit_later(cb).map(|_| ());
             } else {
+                let _no_mapping = self.inner.map_lock.read().unwrap_or_else(|e| e.into_inner());
                 self.inner.queue.submit([cb]);
             }
         }
@@ -723,6 +734,9 @@ fn side(a: &Addr, w: &Window) -> Result<SideParams> {
     let unit_lo = if lo_b > a.base { (lo_b - a.base) / ps } else { 0 };
     let unit_hi = if hi_b > a.base { (hi_b - a.base).div_ceil(ps) } else { 0 };
     let cap = |v: u64| v.min(u32::MAX as u64) as u32;
+    if w.len.saturating_add(ps.saturating_mul(2)) > 1 << 32 {
+        return Err(err(format!("a {}-byte window with {ps}-byte units exceeds 32-bit offsets", w.len)));
+    }
     let rel0 = (a.base as i128 + unit_lo as i128 * ps as i128 - lo_b as i128) as u32;
     Ok(SideParams {
         rel0,
@@ -976,7 +990,7 @@ impl WgpuExecutor {
         if data.is_empty() {
             return Ok(());
         }
-        if buffer.usage().contains(wgpu::BufferUsages::MAP_WRITE) {
+        if buffer.usage().contains(wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::MAP_WRITE) {
             return self.write_mapped(buffer, offset, data);
         }
         // `write_buffer` lands before the next submission: queued transfers go first.
@@ -999,7 +1013,7 @@ impl WgpuExecutor {
         if out.is_empty() {
             return Ok(());
         }
-        if buffer.usage().contains(wgpu::BufferUsages::MAP_READ) {
+        if buffer.usage().contains(wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::MAP_WRITE) {
             return self.read_mapped(buffer, offset, out);
         }
         let start = offset / 4 * 4;
@@ -1011,9 +1025,10 @@ impl WgpuExecutor {
     }
 
     /// Maps `[start, end)` of a mappable (host-visible) buffer (`start` a multiple of 8, `end`
-    /// of 4), runs `f` on it and unmaps. Mapping waits for the GPU work that uses the buffer,
-    /// and nothing is submitted while it is mapped (writes hold the pool's `&mut`, reads drain
-    /// the queue first), so a mapped pool is never bound for GPU work.
+    /// of 4), runs `f` on it and unmaps. The submit queue is drained first and submissions from
+    /// every thread wait on the map lock meanwhile; `map_async` waits for the GPU work already
+    /// submitted that uses the buffer. So a mapped pool is never bound for GPU work, and every
+    /// path out of here leaves it unmapped.
     fn mapped<T>(
         &self,
         buffer: &wgpu::Buffer,
@@ -1023,15 +1038,30 @@ impl WgpuExecutor {
         f: impl FnOnce(&wgpu::BufferSlice<'_>) -> Result<T>,
     ) -> Result<T> {
         self.inner.submitter.drain();
+        let _exclusive = self.inner.map_lock.write().unwrap_or_else(|e| e.into_inner());
+        let scope = self.inner.device.push_error_scope(wgpu::ErrorFilter::Validation);
         let slice = buffer.slice(start..end);
         let (tx, rx) = std::sync::mpsc::channel();
         slice.map_async(mode, move |r| {
             let _ = tx.send(r);
         });
-        self.wait()?;
-        rx.recv_timeout(WAIT).map_err(|e| err(format!("map_async: {e}")))?.map_err(|e| err(format!("map_async: {e}")))?;
-        let r = f(&slice);
-        buffer.unmap();
+        // Poll without draining the submit thread (it waits on the map lock).
+        let mapped = self.wait_index(None).and_then(|_| rx.recv_timeout(WAIT).map_err(|e| err(format!("map_async: {e}"))));
+        let r = match mapped {
+            Ok(Ok(())) => {
+                let r = f(&slice);
+                buffer.unmap();
+                r
+            }
+            // Never mapped: nothing to undo.
+            Ok(Err(e)) => Err(err(format!("map_async: {e}"))),
+            // Still pending: unmapping cancels it.
+            Err(e) => {
+                buffer.unmap();
+                Err(e)
+            }
+        };
+        let _ = pollster::block_on(scope.pop());
         r
     }
 
