@@ -412,17 +412,16 @@ fn read_cuda(h: &Held, ctx: Ctx) -> PyResult<Vec<u8>> {
 }
 
 /// The executor for an op's arrays: host arrays run on the cpu executor; CUDA arrays on the
-/// cuda executor of their device, on the caller's stream, with any host arrays pinned.
+/// cuda executor of their device, on the caller's stream, with any host arrays pinned
+/// (checked by the driver when they are wrapped).
 fn executor_for(args: &[&Held], ctx: Ctx) -> PyResult<Device> {
     let Some(gpu) = args.iter().find(|h| h.device_type == DL_CUDA) else {
         return Ok(cpu().clone());
     };
     for h in args {
-        if h.device_type == DL_CPU {
-            return Err(PyValueError::new_err(
-                "host arrays next to CUDA arrays must be pinned (torch: pin_memory(); DLPack device kDLCUDAHost)",
-            ));
-        }
+        // Host arrays (DLPack says kDLCPU even for torch's pinned tensors) must be pinned or
+        // registered: the cuda executor asks the driver for their device address before anything
+        // moves and refuses them otherwise.
         if h.device_type == DL_CUDA && h.device_id != gpu.device_id {
             return Err(PyValueError::new_err(format!("CUDA arrays on devices {} and {}", gpu.device_id, h.device_id)));
         }

@@ -94,7 +94,8 @@ def test_bad_input_moves_nothing():
         kv.transfer_kv_per_layer_mla(host, dev, torch.tensor([1, 2]), torch.tensor([3, 64]), ITEM)
     with pytest.raises(RuntimeError, match="^Source and destination indices must have the same length$"):
         kv.transfer_kv_per_layer_mla(host, dev, torch.tensor([1, 2]), torch.tensor([3]), ITEM)
-    with pytest.raises(ValueError, match="pinned"):
+    # An unpinned host array next to CUDA arrays: the driver has no device address for it.
+    with pytest.raises(RuntimeError, match="not mapped for the device"):
         kv.transfer_kv_per_layer_mla(torch.randn(64, ITEM_ELEMS, dtype=torch.float16), dev, torch.tensor([1]), torch.tensor([3]), ITEM)
     torch.cuda.synchronize()
     assert torch.equal(dev, before)
