@@ -747,6 +747,62 @@ fn pfd_host<'a>(name: &str, list: &'a [RawTensor], page: u64) -> Result<(Vec<Arg
     Ok((args, shape))
 }
 
+/// The arguments of a page_first_direct op, checked in sglang's order (the counts first), then
+/// ours: the host buffers' shape, the device layer list split into components with rows of one
+/// host token, and no destination overlapping another argument.
+struct Pfd<'a> {
+    host: Vec<Arg<'a>>,
+    /// Device layers `[component][layer]`.
+    dev: Vec<Vec<Arg<'a>>>,
+    /// Host layers, token slots and bytes per token.
+    layers: u64,
+    slots: u64,
+    item: u64,
+    page: u64,
+    kind: PoolKind,
+}
+
+impl<'a> Pfd<'a> {
+    /// `host_is_dst`: the op writes the host buffers (a backup) rather than the device layers.
+    fn new(
+        host: (&str, &'a [RawTensor]),
+        dev: (&str, &'a [RawTensor]),
+        src_indices: &[i64],
+        dst_indices: &[i64],
+        page_size: i64,
+        host_is_dst: bool,
+    ) -> Result<Pfd<'a>> {
+        direct_counts(src_indices, dst_indices, page_size)?;
+        let page = page_size as u64;
+        let (host_args, (layers, slots, item)) = pfd_host(host.0, host.1, page)?;
+        let dev_lists = split_layers(dev.0, dev.1, host_args.len() == 1)?;
+        check_rows(&dev_lists, item)?;
+        let dev_flat: Vec<Arg<'a>> = dev_lists.iter().flatten().cloned().collect();
+        if host_is_dst {
+            check_overlaps(&dev_flat, &host_args)?;
+        } else {
+            check_overlaps(&host_args, &dev_flat)?;
+        }
+        let kind = if host_args.len() == 1 { PoolKind::Mla } else { PoolKind::Mha };
+        Ok(Pfd { host: host_args, dev: dev_lists, layers, slots, item, page, kind })
+    }
+
+    /// Device layers per component.
+    fn dev_layers(&self) -> usize {
+        self.dev[0].len()
+    }
+
+    /// Device layer `j` of every component.
+    fn dev_layer(&self, j: usize) -> Vec<&Arg<'a>> {
+        self.dev.iter().map(|l| &l[j]).collect()
+    }
+
+    /// The host pool over these buffers for `dev`.
+    fn host_pool(&self, dev: &DevicePool, profile: Profile) -> Result<HostPool<'static>> {
+        host_pool(dev, Layout::PageFirstDirect, 1, profile, &self.host.iter().collect::<Vec<_>>(), self.slots)
+    }
+}
+
 /// `transfer_kv_per_layer_direct_pf_lf`: layer `layer_id + j` of a page_first_direct host buffer
 /// → device layer `j` (`src_ptrs`: `[K]` or `[K, V]` host buffers `[pages][L][P][...]`;
 /// `dst_ptrs`: the device layers, K then V). Whole pages only; page-aligned indices.
@@ -759,25 +815,13 @@ pub fn transfer_kv_per_layer_direct_pf_lf(
     layer_id: i64,
     page_size: i64,
 ) -> Result<()> {
-    direct_counts(src_indices, dst_indices, page_size)?;
-    let p = page_size as u64;
-    let (host_args, (layers, slots, item)) = pfd_host("src_ptrs", src_ptrs, p)?;
-    let dev_lists = split_layers("dst_ptrs", dst_ptrs, host_args.len() == 1)?;
+    let a = Pfd::new(("src_ptrs", src_ptrs), ("dst_ptrs", dst_ptrs), src_indices, dst_indices, page_size, false)?;
     let layer_id = layer_index(layer_id)?;
-    check_overlaps(&host_args, &dev_lists.iter().flatten().cloned().collect::<Vec<_>>())?;
-    let kind = if host_args.len() == 1 { PoolKind::Mla } else { PoolKind::Mha };
-    let host_refs: Vec<&Arg<'_>> = host_args.iter().collect();
     // Device layer j is host layer layer_id + j: one call per device layer, each validated first.
-    let calls = (0..dev_lists[0].len())
+    let calls = (0..a.dev_layers())
         .map(|j| {
-            let comps: Vec<&Arg<'_>> = dev_lists.iter().map(|l| &l[j]).collect();
-            for a in &comps {
-                if a.t.row_bytes() != item {
-                    return Err(bad(&a.name, format!("rows of {} bytes, the host's tokens are {item}", a.t.row_bytes())));
-                }
-            }
-            let dev = one_layer_device(device, kind, item, p, layers, &comps)?;
-            let host = host_pool(&dev, Layout::PageFirstDirect, 1, Profile::Sglang, &host_refs, slots)?;
+            let dev = one_layer_device(device, a.kind, a.item, a.page, a.layers, &a.dev_layer(j))?;
+            let host = a.host_pool(&dev, Profile::Sglang)?;
             Call::new(dev, host, Op::Load { layer_id: layer_id + j, is_draft: false }, IoBackend::Direct, src_indices, dst_indices)
         })
         .collect::<Result<Vec<_>>>()?;
@@ -795,18 +839,12 @@ pub fn transfer_kv_all_layer_direct_lf_pf(
     dst_indices: &[i64],
     page_size: i64,
 ) -> Result<()> {
-    direct_counts(src_indices, dst_indices, page_size)?;
-    let p = page_size as u64;
-    let (host_args, (layers, slots, item)) = pfd_host("dst_ptrs", dst_ptrs, p)?;
-    let dev_lists = split_layers("src_ptrs", src_ptrs, host_args.len() == 1)?;
-    if dev_lists[0].len() as u64 != layers {
-        return Err(bad("src_ptrs", format!("{} layers per component, the host buffers hold {layers}", dev_lists[0].len())));
+    let a = Pfd::new(("dst_ptrs", dst_ptrs), ("src_ptrs", src_ptrs), src_indices, dst_indices, page_size, true)?;
+    if a.dev_layers() as u64 != a.layers {
+        return Err(bad("src_ptrs", format!("{} layers per component, the host buffers hold {}", a.dev_layers(), a.layers)));
     }
-    check_rows(&dev_lists, item)?;
-    check_overlaps(&dev_lists.iter().flatten().cloned().collect::<Vec<_>>(), &host_args)?;
-    let kind = if host_args.len() == 1 { PoolKind::Mla } else { PoolKind::Mha };
-    let dev = device_pool(device, kind, item, p, &dev_lists.iter().map(|l| l.iter().collect()).collect::<Vec<_>>())?;
-    let host = host_pool(&dev, Layout::PageFirstDirect, 1, Profile::Sglang, &host_args.iter().collect::<Vec<_>>(), slots)?;
+    let dev = device_pool(device, a.kind, a.item, a.page, &a.dev.iter().map(|l| l.iter().collect()).collect::<Vec<_>>())?;
+    let host = a.host_pool(&dev, Profile::Sglang)?;
     let (hi, di) = backup_lists(src_indices, dst_indices);
     run_all(vec![Call::new(dev, host, Op::Backup, IoBackend::Direct, hi, di)?])
 }
@@ -892,20 +930,13 @@ pub fn transfer_kv_per_layer_direct_lf_pf(
     layer_id: i64,
     page_size: i64,
 ) -> Result<()> {
-    direct_counts(src_indices, dst_indices, page_size)?;
-    let p = page_size as u64;
-    let (host_args, (layers, slots, item)) = pfd_host("dst_ptrs", dst_ptrs, p)?;
-    let dev_lists = split_layers("src_ptrs", src_ptrs, host_args.len() == 1)?;
-    if dev_lists[0].len() != 1 {
-        return Err(bad("src_ptrs", format!("one device layer per component expected, got {}", dev_lists[0].len())));
+    let a = Pfd::new(("dst_ptrs", dst_ptrs), ("src_ptrs", src_ptrs), src_indices, dst_indices, page_size, true)?;
+    if a.dev_layers() != 1 {
+        return Err(bad("src_ptrs", format!("one device layer per component expected, got {}", a.dev_layers())));
     }
-    check_rows(&dev_lists, item)?;
     let layer_id = layer_index(layer_id)?;
-    check_overlaps(&dev_lists.iter().flatten().cloned().collect::<Vec<_>>(), &host_args)?;
-    let kind = if host_args.len() == 1 { PoolKind::Mla } else { PoolKind::Mha };
-    let comps: Vec<&Arg<'_>> = dev_lists.iter().map(|l| &l[0]).collect();
-    let dev = one_layer_device(device, kind, item, p, layers, &comps)?;
-    let host = host_pool(&dev, Layout::PageFirstDirect, 1, Profile::Extended, &host_args.iter().collect::<Vec<_>>(), slots)?;
+    let dev = one_layer_device(device, a.kind, a.item, a.page, a.layers, &a.dev_layer(0))?;
+    let host = a.host_pool(&dev, Profile::Extended)?;
     let (hi, di) = backup_lists(src_indices, dst_indices);
     run_all(vec![Call::new(dev, host, Op::BackupLayer { layer_id, is_draft: false }, IoBackend::Direct, hi, di)?])
 }
