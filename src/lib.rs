@@ -67,7 +67,7 @@ pub use error::{Result, TransferError};
 pub use exec::{BackendKind, Completion, Device};
 pub use geometry::{IoBackend, LayerMap, Layout, PoolKind, Profile};
 pub use plan::{Capabilities, Op, Plan, Request};
-pub use pool::{DevicePool, DevicePoolConfig, HostPool, HostPoolConfig, LayerLoads, Transfer};
+pub use pool::{DevicePool, DevicePoolConfig, HostPool, HostPoolConfig, LayerLoads, Pipeline, Ticket, Transfer};
 
 /// The README's Rust examples compile and run as doctests.
 #[cfg(doctest)]

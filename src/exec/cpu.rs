@@ -4,15 +4,16 @@
 //!
 //! Ordering works like a GPU stream: transfers run in submission order. A synchronous call on
 //! an idle executor runs on the caller's thread; an asynchronous one (or any call while others
-//! are queued) runs on the executor's worker thread, started on first use. Everything that
+//! are queued) runs on the executor's worker thread, started on first use. A second queue with
+//! its own worker (the side stream) runs a pipeline's backups next to its loads. Everything that
 //! touches pool memory from outside a transfer — reads, writes, dropping a buffer — first waits
-//! for the queue, so a transfer never races with them, whatever happens to its handle.
+//! for both queues, so a transfer never races with them, whatever happens to its handle.
 
 use std::alloc::Layout as AllocLayout;
 use std::ptr::NonNull;
 use std::sync::{mpsc, Arc, Condvar, Mutex};
 
-use super::{Bindings, Executor};
+use super::{Bindings, Executor, Stream};
 use crate::error::{Result, TransferError};
 use crate::geometry::{Addr, BufRef};
 use crate::plan::{Capabilities, Plan, Step, StepKind};
@@ -31,8 +32,8 @@ pub struct CpuBuffer {
     /// Owned allocations are freed on drop with this layout; borrowed memory has none.
     layout: Option<AllocLayout>,
     owner: u64,
-    /// The owning executor's queue: dropping waits for queued transfers that may use the memory.
-    queue: Arc<CpuQueue>,
+    /// The owning executor's queues: dropping waits for queued transfers that may use the memory.
+    queues: Arc<CpuQueues>,
 }
 
 // SAFETY: the buffer is plain memory; concurrent writes are ruled out by the pools' `&mut`
@@ -42,7 +43,7 @@ unsafe impl Sync for CpuBuffer {}
 
 impl Drop for CpuBuffer {
     fn drop(&mut self) {
-        self.queue.idle();
+        self.queues.idle();
         if let Some(layout) = self.layout {
             // SAFETY: allocated by `alloc_zeroed` with this layout in `CpuExecutor::alloc`.
             unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) };
@@ -57,7 +58,7 @@ impl CpuBuffer {
     /// `ptr..ptr+len` must be valid for reads and writes for as long as the buffer (and any
     /// pool holding it) lives, and must not be accessed by anything else during a transfer.
     pub(crate) unsafe fn from_raw(ptr: NonNull<u8>, len: usize, exec: &CpuExecutor) -> CpuBuffer {
-        CpuBuffer { ptr, len, layout: None, owner: exec.id, queue: exec.queue.clone() }
+        CpuBuffer { ptr, len, layout: None, owner: exec.id, queues: exec.queues.clone() }
     }
 
     /// Start of the memory.
@@ -74,13 +75,36 @@ impl CpuBuffer {
     }
 }
 
-/// The cpu executor: plain host memory, `threads` threads per large transfer, one ordered
-/// queue of transfers.
+/// The cpu executor: plain host memory, `threads` threads per large transfer, two ordered
+/// queues of transfers (main and side stream).
 #[derive(Clone)]
 pub struct CpuExecutor {
     threads: usize,
     id: u64,
-    queue: Arc<CpuQueue>,
+    queues: Arc<CpuQueues>,
+}
+
+/// The main and the side stream.
+pub(crate) struct CpuQueues {
+    main: Arc<CpuQueue>,
+    side: Arc<CpuQueue>,
+}
+
+impl CpuQueues {
+    fn new() -> Arc<CpuQueues> {
+        Arc::new(CpuQueues { main: CpuQueue::new("hicache-io cpu"), side: CpuQueue::new("hicache-io cpu side") })
+    }
+    fn get(&self, stream: Stream) -> &Arc<CpuQueue> {
+        match stream {
+            Stream::Main => &self.main,
+            Stream::Side => &self.side,
+        }
+    }
+    /// Waits until everything queued so far on both streams has run.
+    fn idle(&self) {
+        self.side.idle();
+        self.main.idle();
+    }
 }
 
 type Job = Box<dyn FnOnce() + Send>;
@@ -92,6 +116,7 @@ thread_local! {
 
 /// Transfers in submission order on one worker thread; tickets count them.
 pub(crate) struct CpuQueue {
+    name: &'static str,
     state: Mutex<QueueState>,
     done: Condvar,
     /// Started on the first queued job.
@@ -107,8 +132,8 @@ struct QueueState {
 }
 
 impl CpuQueue {
-    fn new() -> Arc<CpuQueue> {
-        Arc::new(CpuQueue { state: Mutex::new(QueueState::default()), done: Condvar::new(), worker: Mutex::new(None) })
+    fn new(name: &'static str) -> Arc<CpuQueue> {
+        Arc::new(CpuQueue { name, state: Mutex::new(QueueState::default()), done: Condvar::new(), worker: Mutex::new(None) })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, QueueState> {
@@ -127,7 +152,7 @@ impl CpuQueue {
             let (tx, rx) = mpsc::channel::<Job>();
             let queue = Arc::downgrade(self);
             std::thread::Builder::new()
-                .name("hicache-io cpu".into())
+                .name(self.name.into())
                 .spawn(move || {
                     ON_WORKER.with(|w| w.set(true));
                     for job in rx {
@@ -231,7 +256,7 @@ impl CpuExecutor {
     }
     /// An executor that uses at most `threads` threads per transfer.
     pub fn with_threads(threads: usize) -> CpuExecutor {
-        CpuExecutor { threads: threads.max(1), id: super::next_executor_id(), queue: CpuQueue::new() }
+        CpuExecutor { threads: threads.max(1), id: super::next_executor_id(), queues: CpuQueues::new() }
     }
 }
 
@@ -295,32 +320,50 @@ impl Executor for CpuExecutor {
         // as an error rather than aborting the process.
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
         let ptr = NonNull::new(ptr).ok_or_else(|| oom("the allocator refused it".into()))?;
-        Ok(CpuBuffer { ptr, len, layout: Some(layout), owner: self.id, queue: self.queue.clone() })
+        Ok(CpuBuffer { ptr, len, layout: Some(layout), owner: self.id, queues: self.queues.clone() })
     }
     fn buffer_len(&self, buf: &CpuBuffer) -> u64 {
         buf.len as u64
     }
     fn write(&self, buf: &CpuBuffer, offset: u64, data: &[u8]) -> Result<()> {
-        self.queue.idle();
+        self.queues.idle();
         // SAFETY: span checked by `Device::write`; `&mut` pool access rules out aliasing; no
         // queued transfer runs any more.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), buf.as_ptr().add(offset as usize), data.len()) };
         Ok(())
     }
     fn read(&self, buf: &CpuBuffer, offset: u64, out: &mut [u8]) -> Result<()> {
-        self.queue.idle();
+        self.queues.idle();
         // SAFETY: span checked by `Device::read`; no queued transfer runs any more.
         unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr().add(offset as usize), out.as_mut_ptr(), out.len()) };
         Ok(())
     }
     fn synchronize(&self) -> Result<()> {
-        self.queue.wait(self.queue.last_ticket())
+        let side = self.queues.side.wait(self.queues.side.last_ticket());
+        self.queues.main.wait(self.queues.main.last_ticket()).and(side)
     }
     fn finish(&self) -> Result<()> {
         self.synchronize()
     }
-    fn completion(&self) -> Result<super::Completion> {
-        Ok(super::Completion::cpu(CpuTicket { queue: self.queue.clone(), ticket: self.queue.last_ticket() }))
+    fn completion(&self, stream: Stream) -> Result<super::Completion> {
+        let queue = self.queues.get(stream);
+        Ok(super::Completion::cpu(CpuTicket { queue: queue.clone(), ticket: queue.last_ticket() }))
+    }
+    fn order_after(&self, first: Stream, then: Stream) -> Result<()> {
+        let first = self.queues.get(first).clone();
+        if first.is_idle() {
+            return Ok(());
+        }
+        let ticket = first.last_ticket();
+        // A job that waits: the tickets it waits for were queued before it, so two streams
+        // waiting on each other always wait for older work and never for each other.
+        self.queues.get(then).enqueue(Box::new(move || {
+            let _ = first.wait(ticket);
+        }))?;
+        Ok(())
+    }
+    fn is_busy(&self, stream: Stream) -> bool {
+        !self.queues.get(stream).is_idle()
     }
     /// One contiguous copy of the same bytes with the threads a transfer of that size uses
     /// (so the ratio compares like with like).
@@ -344,13 +387,14 @@ impl Executor for CpuExecutor {
         })
     }
 
-    fn execute_step(&self, plan: &Plan, k: usize, bufs: &Bindings<'_, CpuBuffer>, enqueue: bool) -> Result<()> {
+    fn execute_step(&self, plan: &Plan, k: usize, bufs: &Bindings<'_, CpuBuffer>, enqueue: bool, stream: Stream) -> Result<()> {
         let threads = if plan.bytes() >= PARALLEL_MIN_BYTES { self.threads } else { 1 };
         let raw = RawBindings {
             host: bufs.host.iter().map(|b| SendPtr(b.as_ptr())).collect(),
             device: bufs.device.iter().map(|c| c.iter().map(|b| SendPtr(b.as_ptr())).collect()).collect(),
         };
-        if !enqueue && self.queue.is_idle() {
+        let queue = self.queues.get(stream);
+        if !enqueue && queue.is_idle() {
             run_step(&plan.steps()[k], &raw, threads);
             return Ok(());
         }
@@ -359,7 +403,7 @@ impl Executor for CpuExecutor {
         // job: every way to free or touch them waits for the queue first.
         let threads = threads.min(self.threads.saturating_sub(1)).max(1);
         let steps = plan.shared_steps();
-        self.queue.enqueue(Box::new(move || run_step(&steps[k], &raw, threads)))?;
+        queue.enqueue(Box::new(move || run_step(&steps[k], &raw, threads)))?;
         Ok(())
     }
 }

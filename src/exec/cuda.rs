@@ -30,7 +30,7 @@ use cudarc::driver::result;
 use cudarc::driver::sys;
 use cudarc::driver::{CudaContext, CudaStream, DriverError};
 
-use super::{Bindings, Executor};
+use super::{Bindings, Executor, Stream};
 use crate::error::{Result, TransferError};
 use crate::plan::{Capabilities, GatherStep, Plan, StepKind};
 
@@ -143,6 +143,8 @@ struct Inner {
     tuning: LaunchTuning,
     /// Index tables and address pairs of gather steps, uploaded once per step.
     scratch: Mutex<Scratch>,
+    /// The side stream (a pipeline's backups) and its own scratch, made on first use.
+    side: Mutex<Option<Arc<SideStream>>>,
     /// Threads per block both kernel functions allow (their register use decides it).
     max_threads: u32,
     id: u64,
@@ -153,10 +155,33 @@ struct Inner {
 unsafe impl Send for Inner {}
 unsafe impl Sync for Inner {}
 
+/// A second stream of the executor's context, for work that must not queue behind the main
+/// stream's; gather steps on it upload through their own scratch.
+struct SideStream {
+    stream: Arc<CudaStream>,
+    scratch: Mutex<Scratch>,
+}
+
+impl Inner {
+    fn side(&self) -> Option<Arc<SideStream>> {
+        self.side.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+    /// Waits for both streams (the context is bound by the caller).
+    fn sync_all(&self) -> std::result::Result<(), DriverError> {
+        let side = self.side().map_or(Ok(()), |s| s.stream.synchronize());
+        self.stream.synchronize().and(side)
+    }
+}
+
 impl Drop for Inner {
     fn drop(&mut self) {
         let _ = self.ctx.bind_to_thread();
-        let _ = self.stream.synchronize();
+        let _ = self.sync_all();
+        if let Some(side) = self.side.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
+            if let Ok(side) = Arc::try_unwrap(side) {
+                side.scratch.into_inner().unwrap_or_else(|e| e.into_inner()).free();
+            }
+        }
         self.scratch.get_mut().unwrap_or_else(|e| e.into_inner()).free();
         // SAFETY: the module was loaded by us and no launch is pending.
         let _ = unsafe { result::module::unload(self.module) };
@@ -284,7 +309,7 @@ impl Drop for CudaBuffer {
             // A queued copy may still use the engine's memory: the engine frees it once the
             // pool is dropped, so wait here first.
             let _ = self.exec.ctx.bind_to_thread();
-            let _ = self.exec.stream.synchronize();
+            let _ = self.exec.sync_all();
             if self.registered {
                 // SAFETY: registered by `from_host_ptr`.
                 let _ = unsafe { sys::cuMemHostUnregister(self.host_ptr as *mut c_void) };
@@ -293,7 +318,7 @@ impl Drop for CudaBuffer {
         }
         let _ = self.exec.ctx.bind_to_thread();
         // Transfers in flight may still use this memory.
-        let _ = self.exec.stream.synchronize();
+        let _ = self.exec.sync_all();
         // SAFETY: allocated by this executor with the matching call.
         unsafe {
             if self.host_ptr.is_null() {
@@ -456,6 +481,7 @@ impl CudaExecutor {
                 batch,
                 tuning,
                 scratch: Mutex::new(Scratch::default()),
+                side: Mutex::new(None),
                 max_threads,
                 id,
             }),
@@ -475,10 +501,19 @@ impl CudaExecutor {
     /// An event recorded after everything enqueued so far: overlap a layer's load with compute
     /// and wait on it only when that layer is needed.
     pub fn record(&self) -> Result<Completion> {
+        self.record_on(Stream::Main)
+    }
+
+    fn record_on(&self, stream: Stream) -> Result<Completion> {
         self.bind()?;
+        let raw = self.raw_stream(stream)?;
         let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(|e| drv("cuEventCreate", e))?;
         // SAFETY: event and stream are live.
-        unsafe { result::event::record(event, self.cu_stream()) }.map_err(|e| drv("cuEventRecord", e))?;
+        if let Err(e) = unsafe { result::event::record(event, raw) } {
+            // SAFETY: created above, never recorded.
+            let _ = unsafe { result::event::destroy(event) };
+            return Err(drv("cuEventRecord", e));
+        }
         Ok(Completion { event, ctx: self.inner.ctx.clone() })
     }
 
@@ -491,10 +526,34 @@ impl CudaExecutor {
         self.inner.ctx.bind_to_thread().map_err(|e| drv("bind", e))
     }
 
-    fn gather(&self, g: &GatherStep, bufs: &Bindings<'_, CudaBuffer>) -> Result<()> {
-        let stream = self.cu_stream();
+    /// The side stream, made on first use (a non-blocking stream of the executor's context).
+    fn side_stream(&self) -> Result<Arc<SideStream>> {
+        let mut side = self.inner.side.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(s) = side.as_ref() {
+            return Ok(s.clone());
+        }
+        let stream = self.inner.ctx.new_stream().map_err(|e| drv("cuStreamCreate (side stream)", e))?;
+        let s = Arc::new(SideStream { stream, scratch: Mutex::new(Scratch::default()) });
+        *side = Some(s.clone());
+        Ok(s)
+    }
+
+    /// The raw stream of `stream` (the side stream made on first use).
+    fn raw_stream(&self, stream: Stream) -> Result<sys::CUstream> {
+        match stream {
+            Stream::Main => Ok(self.cu_stream()),
+            Stream::Side => Ok(self.side_stream()?.stream.cu_stream()),
+        }
+    }
+
+    fn gather(&self, g: &GatherStep, bufs: &Bindings<'_, CudaBuffer>, on: Stream) -> Result<()> {
+        let side = if on == Stream::Side { Some(self.side_stream()?) } else { None };
+        let (stream, scratch) = match &side {
+            Some(s) => (s.stream.cu_stream(), &s.scratch),
+            None => (self.cu_stream(), &self.inner.scratch),
+        };
         let launch = gather_launch(g, |b| bufs.get(b).dev_ptr, self.inner.tuning, self.inner.max_threads)?;
-        let mut scratch = self.inner.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let mut scratch = scratch.lock().unwrap_or_else(|e| e.into_inner());
         let args = scratch.upload(stream, g, &launch)?;
         let [table, src_idx, dst_idx] = args;
         let mut kernel_args = launch.args(table, src_idx, dst_idx);
@@ -506,8 +565,8 @@ impl CudaExecutor {
             .map_err(|e| drv("cuLaunchKernel", e))
     }
 
-    fn copies(&self, runs: &[crate::plan::Run], bufs: &Bindings<'_, CudaBuffer>) -> Result<()> {
-        let stream = self.cu_stream();
+    fn copies(&self, runs: &[crate::plan::Run], bufs: &Bindings<'_, CudaBuffer>, on: Stream) -> Result<()> {
+        let stream = self.raw_stream(on)?;
         let mut dsts: Vec<sys::CUdeviceptr> = runs.iter().map(|r| bufs.get(r.dst).dev_ptr + r.dst_offset).collect();
         let mut srcs: Vec<sys::CUdeviceptr> = runs.iter().map(|r| bufs.get(r.src).dev_ptr + r.src_offset).collect();
         let mut sizes: Vec<usize> = runs.iter().map(|r| r.len as usize).collect();
@@ -856,16 +915,46 @@ impl Executor for CudaExecutor {
     }
     fn synchronize(&self) -> Result<()> {
         self.bind()?;
-        self.inner.stream.synchronize().map_err(|e| drv("cuStreamSynchronize", e))
+        self.inner.sync_all().map_err(|e| drv("cuStreamSynchronize", e))
     }
-    fn completion(&self) -> Result<super::Completion> {
-        self.record().map(super::Completion::cuda)
+    fn completion(&self, stream: Stream) -> Result<super::Completion> {
+        self.record_on(stream).map(super::Completion::cuda)
     }
-    fn execute_step(&self, plan: &Plan, k: usize, bufs: &Bindings<'_, CudaBuffer>, _enqueue: bool) -> Result<()> {
+    fn order_after(&self, first: Stream, then: Stream) -> Result<()> {
+        self.bind()?;
+        if first == then {
+            return Ok(());
+        }
+        let (first, then) = (self.raw_stream(first)?, self.raw_stream(then)?);
+        // SAFETY: both streams are live streams of the bound context; the event may be destroyed
+        // right after the wait is enqueued (the wait keeps what it needs).
+        unsafe {
+            let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(|e| drv("cuEventCreate", e))?;
+            let r = result::event::record(event, first)
+                .and_then(|_| result::stream::wait_event(then, event, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT));
+            let _ = result::event::destroy(event);
+            r.map_err(|e| drv("cuStreamWaitEvent", e))
+        }
+    }
+    fn is_busy(&self, stream: Stream) -> bool {
+        let raw = match stream {
+            Stream::Main => self.cu_stream(),
+            Stream::Side => match self.inner.side() {
+                Some(s) => s.stream.cu_stream(),
+                None => return false,
+            },
+        };
+        if self.bind().is_err() {
+            return true;
+        }
+        // SAFETY: a live stream of the bound context. Anything but "done" counts as busy.
+        unsafe { sys::cuStreamQuery(raw) != sys::CUresult::CUDA_SUCCESS }
+    }
+    fn execute_step(&self, plan: &Plan, k: usize, bufs: &Bindings<'_, CudaBuffer>, _enqueue: bool, stream: Stream) -> Result<()> {
         self.bind()?;
         match plan.steps()[k].kind() {
-            StepKind::Gather(g) => self.gather(g, bufs),
-            StepKind::Copy(runs) => self.copies(runs, bufs),
+            StepKind::Gather(g) => self.gather(g, bufs, stream),
+            StepKind::Copy(runs) => self.copies(runs, bufs, stream),
         }
     }
 }

@@ -82,6 +82,18 @@ pub(crate) fn next_executor_id() -> u64 {
     NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
+/// One of an executor's two ordered queues of transfers. Plain calls and a [`crate::Pipeline`]'s
+/// loads run on `Main`; a pipeline's backups on `Side`, so a backup need not wait for the loads
+/// in flight. cpu: two worker threads; cuda: the executor's stream and a second stream of its
+/// context; wgpu: one queue, so both name the same submission order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Stream {
+    /// Plain calls and pipeline loads.
+    Main,
+    /// Pipeline backups.
+    Side,
+}
+
 /// Buffers a plan refers to: host component buffers `[comp]` and device buffers
 /// `[comp][slot]`.
 pub(crate) struct Bindings<'a, B> {
@@ -147,15 +159,26 @@ pub(crate) trait Executor {
     /// even where it could run at once; cpu runs synchronous calls on an idle queue inline). Destination buffers are written
     /// through shared references: the pools hand out `&mut` access to the destination pool, so
     /// nothing else aliases it.
-    fn execute_step(&self, plan: &Plan, k: usize, bufs: &Bindings<'_, Self::Buffer>, enqueue: bool) -> Result<()>;
-    /// A handle on everything enqueued so far.
-    fn completion(&self) -> Result<Completion>;
+    fn execute_step(&self, plan: &Plan, k: usize, bufs: &Bindings<'_, Self::Buffer>, enqueue: bool, stream: Stream) -> Result<()>;
+    /// A handle on everything enqueued on `stream` so far.
+    fn completion(&self, stream: Stream) -> Result<Completion>;
+    /// Work enqueued on `then` from now on starts only after everything enqueued on `first` so
+    /// far (cuda: an event wait; cpu: a queued wait). Executors with one queue need nothing.
+    fn order_after(&self, first: Stream, then: Stream) -> Result<()> {
+        let _ = (first, then);
+        Ok(())
+    }
+    /// Whether `stream` may still be running work (a cheap, conservative check).
+    fn is_busy(&self, stream: Stream) -> bool {
+        let _ = stream;
+        false
+    }
     /// After the last step of a plan: wait where the executor's contract is synchronous (wgpu),
     /// nothing where transfers are stream-ordered (cuda) or already done (cpu).
     fn finish(&self) -> Result<()> {
         Ok(())
     }
-    /// Waits for every submitted transfer.
+    /// Waits for every submitted transfer, on both streams.
     fn synchronize(&self) -> Result<()>;
     /// Median seconds of one contiguous copy of `bytes` (the ceiling benchmarks compare with):
     /// memcpy on cpu, one buffer-to-buffer copy on wgpu, one host-to-device copy on cuda.
@@ -515,7 +538,24 @@ impl Device {
         self.dispatch(plan, bufs, true)
     }
 
+    /// Enqueues a plan on `stream` for a [`crate::Pipeline`], which orders the two streams
+    /// itself where their transfers touch the same slots.
+    pub(crate) fn execute_on(&self, plan: &Plan, bufs: &Bindings<'_, Buffer>, stream: Stream) -> Result<Completion> {
+        self.dispatch_on(plan, bufs, true, Some(stream))
+    }
+
+    /// Work enqueued on `then` from now on starts after everything enqueued on `first` so far.
+    pub(crate) fn order_after(&self, first: Stream, then: Stream) -> Result<()> {
+        each_backend!(self, e => e.order_after(first, then))
+    }
+
     fn dispatch(&self, plan: &Plan, bufs: &Bindings<'_, Buffer>, enqueue: bool) -> Result<Completion> {
+        self.dispatch_on(plan, bufs, enqueue, None)
+    }
+
+    /// `stream: None` is a plain call: the main stream, after anything still running on the
+    /// side stream (a pipeline's backups; even a leaked pipeline's come before later calls).
+    fn dispatch_on(&self, plan: &Plan, bufs: &Bindings<'_, Buffer>, enqueue: bool, stream: Option<Stream>) -> Result<Completion> {
         if plan.owner() != self.id() {
             return Err(TransferError::ExecutorMismatch {
                 expected: self.label(),
@@ -525,31 +565,53 @@ impl Device {
         if plan.is_empty() {
             return Ok(Completion::done());
         }
+        macro_rules! typed_run {
+            ($e:expr, $variant:ident, $name:literal) => {{
+                #[allow(irrefutable_let_patterns)]
+                let b = typed(bufs, |b| if let Buffer::$variant(x) = b { Some(x) } else { None }, $name)?;
+                self.run_on($e, plan, &b, enqueue, stream)
+            }};
+        }
         match self {
-            Device::Cpu(e) => {
-                #[allow(irrefutable_let_patterns)]
-                let b = typed(bufs, |b| if let Buffer::Cpu(x) = b { Some(x) } else { None }, "cpu")?;
-                self.run_steps(e, plan, &b, enqueue)
-            }
+            Device::Cpu(e) => typed_run!(e, Cpu, "cpu"),
             #[cfg(feature = "wgpu")]
-            Device::Wgpu(e) => {
-                #[allow(irrefutable_let_patterns)]
-                let b = typed(bufs, |b| if let Buffer::Wgpu(x) = b { Some(x) } else { None }, "wgpu")?;
-                self.run_steps(e, plan, &b, enqueue)
-            }
+            Device::Wgpu(e) => typed_run!(e, Wgpu, "wgpu"),
             #[cfg(feature = "cuda")]
-            Device::Cuda(e) => {
-                #[allow(irrefutable_let_patterns)]
-                let b = typed(bufs, |b| if let Buffer::Cuda(x) = b { Some(x) } else { None }, "cuda")?;
-                self.run_steps(e, plan, &b, enqueue)
-            }
+            Device::Cuda(e) => typed_run!(e, Cuda, "cuda"),
         }
     }
 
-    fn run_steps<E: Executor>(&self, e: &E, plan: &Plan, bufs: &Bindings<'_, E::Buffer>, enqueue: bool) -> Result<Completion> {
+    fn run_on<E: Executor>(
+        &self,
+        e: &E,
+        plan: &Plan,
+        bufs: &Bindings<'_, E::Buffer>,
+        enqueue: bool,
+        stream: Option<Stream>,
+    ) -> Result<Completion> {
+        let stream = match stream {
+            Some(s) => s,
+            None => {
+                if e.is_busy(Stream::Side) {
+                    e.order_after(Stream::Side, Stream::Main)?;
+                }
+                Stream::Main
+            }
+        };
+        self.run_steps(e, plan, bufs, enqueue, stream)
+    }
+
+    fn run_steps<E: Executor>(
+        &self,
+        e: &E,
+        plan: &Plan,
+        bufs: &Bindings<'_, E::Buffer>,
+        enqueue: bool,
+        stream: Stream,
+    ) -> Result<Completion> {
         let steps = plan.steps();
         for k in 0..steps.len() {
-            if let Err(err) = self.fault_point().and_then(|_| e.execute_step(plan, k, bufs, enqueue)) {
+            if let Err(err) = self.fault_point().and_then(|_| e.execute_step(plan, k, bufs, enqueue, stream)) {
                 // Drain what was enqueued before the failure (stream-ordered executors too), so
                 // "completed" is true: a sticky device error fails the drain, and then nothing is
                 // reported complete.
@@ -559,7 +621,7 @@ impl Device {
         }
         if enqueue {
             // Without a handle nobody could wait for what was queued: drain it before failing.
-            return e.completion().inspect_err(|_| {
+            return e.completion(stream).inspect_err(|_| {
                 let _ = e.synchronize();
             });
         }

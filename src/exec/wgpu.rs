@@ -917,7 +917,9 @@ impl Executor for WgpuExecutor {
             })
         })
     }
-    fn execute_step(&self, plan: &Plan, k: usize, bufs: &Bindings<'_, WgpuBuffer>, enqueue: bool) -> Result<()> {
+    /// Both streams are the one queue: a pipeline's backups run in submission order with its
+    /// loads (so no ordering between the streams is ever needed).
+    fn execute_step(&self, plan: &Plan, k: usize, bufs: &Bindings<'_, WgpuBuffer>, enqueue: bool, _stream: super::Stream) -> Result<()> {
         self.encode_and_submit(enqueue, |enc| {
             match plan.steps()[k].kind() {
                 StepKind::Gather(g) => self.gather(g, bufs, enc)?,
@@ -942,7 +944,7 @@ impl Executor for WgpuExecutor {
     fn finish(&self) -> Result<()> {
         self.wait()
     }
-    fn completion(&self) -> Result<super::Completion> {
+    fn completion(&self, _stream: super::Stream) -> Result<super::Completion> {
         // Called after an asynchronous plan, all of whose steps went to the submit thread: the
         // newest ticket (possibly another thread's later one: waiting for it waits no less).
         let newest = self.inner.submitter.lock().queued;

@@ -14,7 +14,10 @@ use crate::exec::{Bindings, Buffer, Completion, Device};
 use crate::geometry::{mul, DeviceGeometry, HostGeometry, IoBackend, LayerMap, Layout, PoolKind, PoolPair, Profile};
 use crate::plan::{self, Direction, Op, Plan, Request};
 
+mod pipeline;
 mod storage;
+
+pub use pipeline::{Pipeline, Ticket};
 
 /// Device pool: `[comp][buffer]`, each buffer `slots × item` bytes; buffers are the live target
 /// layers in order, then one per draft (MTP) pool.
@@ -319,37 +322,16 @@ impl HostPool<'static> {
         device_indices: &[i64],
         io_backend: IoBackend,
     ) -> Result<LayerLoads<'a>> {
-        let m = device_pool.geometry.layers().clone();
-        let ops = m
-            .live_layers()
-            .into_iter()
-            .map(|l| (l, Op::Load { layer_id: l, is_draft: false }))
-            .chain((0..m.drafts).map(|k| (m.layer_num + k, Op::Load { layer_id: m.layer_num + k, is_draft: true })));
-        let plans = ops
-            .map(|(l, op)| self.plan(device_pool, &Request { op, io_backend, host_indices, device_indices }).map(|p| (l, p)))
-            .collect::<Result<Vec<_>>>()?;
+        let plans = layer_load_plans(self, device_pool, host_indices, device_indices, io_backend)?;
         let mut layers = Vec::with_capacity(plans.len());
-        for (l, plan) in &plans {
+        for (l, _, plan) in &plans {
             match self.device.execute_async(plan, &self.bindings(device_pool)) {
                 Ok(c) => layers.push((*l, c)),
                 Err(e) => {
-                    // Layers already enqueued still land: wait for them so the error is final,
-                    // and name their host layers (none if that wait fails too).
+                    // Layers already enqueued still land: wait for them so the error is final.
                     let Some((_, c)) = layers.last() else { return Err(e) };
-                    let done = c.wait().is_ok();
-                    let mut completed_layers: Vec<u64> = if done {
-                        plans[..layers.len()].iter().flat_map(|(_, p)| p.steps().iter().flat_map(|s| s.layers().iter().copied())).collect()
-                    } else {
-                        Vec::new()
-                    };
-                    completed_layers.sort_unstable();
-                    completed_layers.dedup();
-                    return Err(TransferError::Partial {
-                        failed_step: layers.len(),
-                        total_steps: plans.len(),
-                        completed_layers,
-                        source: Box::new(e),
-                    });
+                    let landed = c.wait().is_ok();
+                    return Err(partial_layers(&plans[..layers.len()], landed, e, plans.len()));
                 }
             }
         }
@@ -537,6 +519,37 @@ impl<'m> HostPool<'m> {
     pub fn buffer(&self, comp: usize) -> Result<&Buffer> {
         self.buffers.get(comp).ok_or(TransferError::NoSuchBuffer { comp, slot: None, components: self.buffers.len(), slots: 1 })
     }
+}
+
+/// The plans of a layer-wise load, validated together: `(layer id, op, plan)` for every owned
+/// live layer in order, then every draft pool (`layer_num + k`).
+fn layer_load_plans(
+    host: &HostPool,
+    device_pool: &DevicePool,
+    host_indices: &[i64],
+    device_indices: &[i64],
+    io_backend: IoBackend,
+) -> Result<Vec<(usize, Op, Plan)>> {
+    let m = device_pool.geometry.layers().clone();
+    m.live_layers()
+        .into_iter()
+        .map(|l| (l, Op::Load { layer_id: l, is_draft: false }))
+        .chain((0..m.drafts).map(|k| (m.layer_num + k, Op::Load { layer_id: m.layer_num + k, is_draft: true })))
+        .map(|(l, op)| host.plan(device_pool, &Request { op, io_backend, host_indices, device_indices }).map(|p| (l, op, p)))
+        .collect()
+}
+
+/// The error of a layer-wise load that failed to issue layer `enqueued.len()` of `total`:
+/// names the host layers of the enqueued plans (none unless `landed`: they were waited for).
+fn partial_layers(enqueued: &[(usize, Op, Plan)], landed: bool, err: TransferError, total: usize) -> TransferError {
+    let mut completed_layers: Vec<u64> = if landed {
+        enqueued.iter().flat_map(|(_, _, p)| p.steps().iter().flat_map(|s| s.layers().iter().copied())).collect()
+    } else {
+        Vec::new()
+    };
+    completed_layers.sort_unstable();
+    completed_layers.dedup();
+    TransferError::Partial { failed_step: enqueued.len(), total_steps: total, completed_layers, source: Box::new(err) }
 }
 
 /// A zeroed byte vector, or `OutOfMemory` (never an abort).
