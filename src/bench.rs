@@ -157,9 +157,24 @@ impl Fixture {
             device,
             &DevicePoolConfig { kind, bytes_per_token: per_token, slots: units, page_size: page, layers: LayerMap::new(spec.layers) },
         )?;
-        let host =
+        let mut dev = dev;
+        let mut host =
             HostPool::new(&dev, &HostPoolConfig { layout: spec.layout, size: units * page, head_num: 1, profile: Profile::Extended })?;
         let mut rng = Rng::new(seed);
+        // Every page written: untouched memory may be the OS's shared zero page (cpu pools are
+        // mapped lazily), which reads from cache and would flatter the numbers.
+        let mut noise = |bytes: u64| -> Vec<u8> {
+            let mut v = vec![0u8; bytes as usize];
+            rng.fill(&mut v);
+            v
+        };
+        let g = dev.geometry().clone();
+        for c in 0..g.kind().components() {
+            for s in 0..g.buffer_count() {
+                dev.write_buffer(c, s, &noise(g.layer_bytes()))?;
+            }
+            host.write_buffer(c, &noise(host.geometry().buffer_bytes()))?;
+        }
         let pick = |rng: &mut Rng| -> Vec<u64> {
             match spec.pattern {
                 Pattern::Contiguous => (0..spec.items).collect(),
@@ -221,6 +236,14 @@ pub struct PipelineResult {
     /// `(sequential − pipelined) / min(total load, total compute)`: 1 hides the shorter side
     /// completely, 0 hides nothing.
     pub overlap: f64,
+    /// A backup of other pages issued right after the layer loads: seconds until it has landed
+    /// when it queues behind them on one stream.
+    pub backup_one_stream_s: f64,
+    /// The same on a [`crate::Pipeline`]'s side stream (cpu: its own worker; wgpu: the same
+    /// queue, so no faster).
+    pub backup_side_stream_s: f64,
+    /// Bytes that backup moves.
+    pub backup_bytes: u64,
 }
 
 /// A busy loop of `d` on this thread (the stand-in for a layer's forward pass).
@@ -295,6 +318,7 @@ pub fn pipeline(device: &Device, layers: usize, items: u64, compute: Option<Dura
     }
     let (sequential_s, pipelined_s, first_layer_s) =
         (crate::timing::median(seq), crate::timing::median(pipe), crate::timing::median(first));
+    let (backup_one_stream_s, backup_side_stream_s, backup_bytes) = backup_latency(&mut fx, &hi, &di, RUNS)?;
     let compute_s = compute.as_secs_f64();
     let hidden = (sequential_s - pipelined_s) / load_s.min(compute_s * layers as f64);
     Ok(PipelineResult {
@@ -307,7 +331,43 @@ pub fn pipeline(device: &Device, layers: usize, items: u64, compute: Option<Dura
         first_layer_s,
         load_s,
         overlap: hidden,
+        backup_one_stream_s,
+        backup_side_stream_s,
+        backup_bytes,
     })
+}
+
+/// A backup of pages the loads do not touch (up to 128 host and device pages each), issued
+/// right after every layer's load: median seconds until it lands behind the loads on one
+/// stream, and on a pipeline's side stream; and its bytes.
+fn backup_latency(fx: &mut Fixture, hi: &[i64], di: &[i64], runs: usize) -> Result<(f64, f64, u64)> {
+    let page = fx.host.geometry().page_size().max(1) as i64;
+    let units = fx.dev.geometry().slots() as i64;
+    let free = |used: &[i64]| -> Vec<i64> {
+        let used: std::collections::BTreeSet<i64> = used.iter().map(|t| t / page).collect();
+        (0..units - 1).filter(|u| !used.contains(u)).take(128).collect()
+    };
+    let (hp, dp) = (free(hi), free(di));
+    let n = hp.len().min(dp.len());
+    let expand = |pages: &[i64]| pages[..n].iter().flat_map(|u| u * page..(u + 1) * page).collect::<Vec<i64>>();
+    let (bhi, bdi) = (expand(&hp), expand(&dp));
+    let (mut one, mut side) = (Vec::new(), Vec::new());
+    for _ in 0..runs {
+        let t = std::time::Instant::now();
+        fx.host.load_layers(&mut fx.dev, hi, di, IoBackend::Kernel)?.wait()?;
+        fx.host.backup_from_device_all_layer(&fx.dev, &bhi, &bdi, IoBackend::Kernel)?;
+        fx.dev.device().synchronize()?;
+        one.push(t.elapsed().as_secs_f64());
+        let t = std::time::Instant::now();
+        let mut pipe = fx.host.pipeline(&mut fx.dev)?;
+        pipe.load_layers(hi, di, IoBackend::Kernel)?;
+        let b = pipe.backup(&bhi, &bdi, IoBackend::Kernel)?;
+        pipe.wait(b)?;
+        side.push(t.elapsed().as_secs_f64());
+        pipe.finish()?;
+    }
+    let bytes = (bdi.len() as u64 / page as u64) * fx.dev.geometry().item_bytes() * fx.dev.geometry().buffer_count() as u64;
+    Ok((crate::timing::median(one), crate::timing::median(side), bytes))
 }
 
 /// Measures one cell: transfer, planning and the executor's one-copy ceiling, in one run.

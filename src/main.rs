@@ -327,12 +327,12 @@ fn bench_pipeline(devices: &[Device], args: &BenchArgs) -> ExitCode {
         return ExitCode::SUCCESS;
     }
     println!(
-        "{:<5} {:>6} {:>9} {:>11} {:>10} {:>10} {:>10} {:>11} {:>8}",
-        "exec", "layers", "MiB/layer", "compute ms", "load ms", "seq ms", "pipe ms", "first ms", "overlap"
+        "{:<5} {:>6} {:>9} {:>11} {:>10} {:>10} {:>10} {:>11} {:>8} {:>12} {:>12}",
+        "exec", "layers", "MiB/layer", "compute ms", "load ms", "seq ms", "pipe ms", "first ms", "overlap", "bk 1 str ms", "bk side ms"
     );
     for r in &results {
         println!(
-            "{:<5} {:>6} {:>9.1} {:>11.2} {:>10.2} {:>10.2} {:>10.2} {:>11.2} {:>8.2}",
+            "{:<5} {:>6} {:>9.1} {:>11.2} {:>10.2} {:>10.2} {:>10.2} {:>11.2} {:>8.2} {:>12.2} {:>12.2}",
             r.backend,
             r.layers,
             r.layer_bytes as f64 / (1 << 20) as f64,
@@ -341,7 +341,9 @@ fn bench_pipeline(devices: &[Device], args: &BenchArgs) -> ExitCode {
             r.sequential_s * 1e3,
             r.pipelined_s * 1e3,
             r.first_layer_s * 1e3,
-            r.overlap
+            r.overlap,
+            r.backup_one_stream_s * 1e3,
+            r.backup_side_stream_s * 1e3
         );
     }
     ExitCode::SUCCESS

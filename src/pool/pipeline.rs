@@ -71,6 +71,8 @@ impl HostPool<'static> {
     /// own their memory, so nothing in flight can outlive what it writes.
     pub fn pipeline<'a>(&'a mut self, device_pool: &'a mut DevicePool<'static>) -> Result<Pipeline<'a>> {
         self.check_pair(device_pool)?;
+        // Backups start after what the main stream holds now (cuda zeroes new pools there).
+        self.device().order_after(Stream::Main, Stream::Side)?;
         static NEXT: AtomicU64 = AtomicU64::new(1);
         Ok(Pipeline {
             host: self,
