@@ -250,6 +250,21 @@ fn a_leaked_pipeline_orders_later_plain_calls() {
     }
 }
 
+/// A second pipeline on the same pools: its loads run after the leaked pipeline's backups.
+#[test]
+fn a_leaked_pipeline_orders_the_next_pipeline() {
+    for device in common::devices() {
+        let (mut dev, mut host, mut want, backups, all) = leaked_backups(&device);
+        let (lhi, ldi) = (tokens(&all[..8]), tokens(&all[8..16]));
+        let mut pipe = host.pipeline(&mut dev).unwrap();
+        pipe.load(&lhi, &ldi, 2, IoBackend::Kernel).unwrap();
+        pipe.finish().unwrap();
+        apply_backups(&host, &backups, &mut want);
+        apply(&host, Op::Load { layer_id: 2, is_draft: false }, &lhi, &ldi, &mut want);
+        assert!(contents(&dev, &host) == want, "{}", device.name());
+    }
+}
+
 #[test]
 fn tickets_belong_to_their_pipeline_and_refusals_move_nothing() {
     for device in common::devices() {

@@ -412,8 +412,11 @@ impl Executor for CpuExecutor {
         let ticket = first.last_ticket();
         // A job that waits: the tickets it waits for were queued before it, so two streams
         // waiting on each other always wait for older work and never for each other.
+        // A failure on `first` fails this job too, so waiters on `then` hear of it.
         self.queues.get(then).enqueue(Box::new(move || {
-            let _ = first.wait(ticket);
+            if let Err(e) = first.wait(ticket) {
+                panic!("{e}");
+            }
         }))?;
         Ok(())
     }

@@ -33,7 +33,10 @@ use crate::plan::{Footprint, Op, Plan, Request};
 /// # }
 /// ```
 ///
-/// A pipeline keeps one entry per issued transfer until it ends: make one per batch.
+/// A pipeline keeps one entry per issued transfer until it ends: make one per batch. Its
+/// backups are ordered after the main stream's work when it opens (and after its own loads they
+/// meet), not after work queued on that stream later by others: on a cuda executor running on
+/// an engine's stream, open the pipeline once the KV it backs up has been written.
 #[must_use = "dropping a pipeline waits for everything it issued"]
 pub struct Pipeline<'a> {
     host: &'a HostPool<'static>,
@@ -71,8 +74,10 @@ impl HostPool<'static> {
     /// own their memory, so nothing in flight can outlive what it writes.
     pub fn pipeline<'a>(&'a mut self, device_pool: &'a mut DevicePool<'static>) -> Result<Pipeline<'a>> {
         self.check_pair(device_pool)?;
-        // Backups start after what the main stream holds now (cuda zeroes new pools there).
+        // Backups start after what the main stream holds now (cuda zeroes new pools there), and
+        // loads after what the side stream holds (a leaked pipeline's backups).
         self.device().order_after(Stream::Main, Stream::Side)?;
+        self.device().order_after(Stream::Side, Stream::Main)?;
         static NEXT: AtomicU64 = AtomicU64::new(1);
         Ok(Pipeline {
             host: self,
