@@ -61,9 +61,12 @@ fn cache_file(device: &Device) -> Option<std::path::PathBuf> {
         .map(std::path::PathBuf::from)
         .or_else(|| std::env::var_os("HOME").map(|h| std::path::PathBuf::from(h).join(".cache")))?;
     // FNV-1a of the description: the adapter, driver and limits.
-    let hash = device.describe().bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
-    // The version changes whenever the measurement does, so old files are ignored.
-    Some(base.join("hicache-io").join(format!("auto-v5-{}-{hash:016x}.json", device.name())))
+    // The crate version is in the hash too: a new release may move bytes at other speeds.
+    let key = format!("{} {}", env!("CARGO_PKG_VERSION"), device.describe());
+    let hash = key.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
+    // The format version changes whenever the measurement does (v6: the cpu executor streams
+    // large transfers), so old files are ignored.
+    Some(base.join("hicache-io").join(format!("auto-v6-{}-{hash:016x}.json", device.name())))
 }
 
 /// Times `kernel` and `direct` loads of one layer for every cell of the table.
