@@ -12,7 +12,7 @@ use hicache_io::{
     Device, DevicePool, DevicePoolConfig, HostPool, HostPoolConfig, IoBackend, LayerMap, Layout, PoolKind, Profile, TransferError,
 };
 
-type Contents = (Vec<Vec<Vec<u8>>>, Vec<Vec<u8>>);
+use common::{contents, Contents};
 
 fn pools(device: &Device, layers: LayerMap, slots: u64, layout: Layout) -> (DevicePool<'static>, HostPool<'static>, Contents) {
     let dc = DevicePoolConfig { kind: PoolKind::Mha, bytes_per_token: 256, slots, page_size: 4, layers };
@@ -36,12 +36,6 @@ fn pools(device: &Device, layers: LayerMap, slots: u64, layout: Layout) -> (Devi
         host_bytes.push(b);
     }
     (dev, host, (dev_bytes, host_bytes))
-}
-
-fn contents(dev: &DevicePool, host: &HostPool) -> Contents {
-    let g = dev.geometry();
-    let d = (0..2).map(|c| (0..g.buffer_count()).map(|s| dev.read_buffer(c, s).unwrap()).collect()).collect();
-    (d, (0..2).map(|c| host.read_buffer(c).unwrap()).collect())
 }
 
 fn indices(n: i64) -> (Vec<i64>, Vec<i64>) {

@@ -14,7 +14,7 @@ use hicache_io::{
     Device, DevicePool, DevicePoolConfig, HostPool, HostPoolConfig, IoBackend, LayerMap, Layout, PoolKind, Profile, TransferError,
 };
 
-type Contents = (Vec<Vec<Vec<u8>>>, Vec<Vec<u8>>);
+use common::{contents, Contents};
 
 const P: u64 = 4;
 
@@ -51,12 +51,6 @@ fn pools(
         host_bytes.push(b);
     }
     (dev, host, (dev_bytes, host_bytes))
-}
-
-fn contents(dev: &DevicePool, host: &HostPool) -> Contents {
-    let g = dev.geometry();
-    let d = (0..2).map(|c| (0..g.buffer_count()).map(|s| dev.read_buffer(c, s).unwrap()).collect()).collect();
-    (d, (0..2).map(|c| host.read_buffer(c).unwrap()).collect())
 }
 
 /// Token indices of whole pages.

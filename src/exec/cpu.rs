@@ -527,13 +527,7 @@ fn run_step(step: &Step, bufs: &RawBindings, threads: usize, streaming: bool) {
                     }
                     let (sp, dp, so, dof, len) = &runs[k];
                     // SAFETY: as above.
-                    unsafe {
-                        if streaming {
-                            copy_streaming(sp.0.add(*so), dp.0.add(*dof), *len)
-                        } else {
-                            copy_chunk(sp.0.add(*so), dp.0.add(*dof), *len)
-                        }
-                    };
+                    unsafe { copy(streaming, sp.0.add(*so), dp.0.add(*dof), *len) };
                 }
                 store_fence(streaming);
             };
@@ -568,14 +562,22 @@ fn gather_items<const NT: bool, const PF: bool>(
         for h in 0..heads {
             // SAFETY: plans are built only by the planner, for these pools: every index is
             // range-checked against the geometry the buffers were sized by.
-            unsafe {
-                let (src, dst) = (sp.0.add(sa.offset(s as u64, h) as usize), dp.0.add(da.offset(d as u64, h) as usize));
-                if NT {
-                    copy_streaming(src, dst, chunk)
-                } else {
-                    copy_chunk(src, dst, chunk)
-                }
-            }
+            unsafe { copy(NT, sp.0.add(sa.offset(s as u64, h) as usize), dp.0.add(da.offset(d as u64, h) as usize), chunk) }
+        }
+    }
+}
+
+/// [`copy_streaming`] or [`copy_chunk`] (a constant `streaming` folds the branch away).
+///
+/// # Safety
+/// As `copy_nonoverlapping(src, dst, len)`.
+#[inline(always)]
+unsafe fn copy(streaming: bool, src: *const u8, dst: *mut u8, len: usize) {
+    unsafe {
+        if streaming {
+            copy_streaming(src, dst, len)
+        } else {
+            copy_chunk(src, dst, len)
         }
     }
 }

@@ -8,7 +8,7 @@ use super::{layer_load_plans, DevicePool, HostPool};
 use crate::error::{Result, TransferError};
 use crate::exec::{Completion, Stream};
 use crate::geometry::IoBackend;
-use crate::plan::{Footprint, Op, Plan, Request};
+use crate::plan::{Direction, Footprint, Op, Plan, Request};
 
 /// Loads and backups between one host pool and one device pool, issued without waiting and in
 /// flight together: loads run on the executor's main stream, backups on its side stream, so a
@@ -177,9 +177,9 @@ impl Pipeline<'_> {
     fn issue(&mut self, op: Op, io_backend: IoBackend, host_indices: &[i64], device_indices: &[i64]) -> Result<Ticket> {
         let req = Request { op, io_backend, host_indices, device_indices };
         let plan = self.host.plan(self.device, &req)?;
-        let stream = match op {
-            Op::Load { .. } => Stream::Main,
-            Op::Backup | Op::BackupLayer { .. } => Stream::Side,
+        let stream = match op.direction() {
+            Direction::HostToDevice => Stream::Main,
+            Direction::DeviceToHost => Stream::Side,
         };
         self.run(&plan, Footprint::of(&plan, &req), stream)
     }

@@ -1,7 +1,20 @@
-//! Shared test helpers: which executors to run on, and when a missing one fails the run.
+//! Shared test helpers: which executors to run on, when a missing one fails the run, and a
+//! pool pair's bytes.
 #![allow(dead_code)]
 
 use hicache_io::exec::{BackendKind, Device};
+use hicache_io::{DevicePool, HostPool};
+
+/// A pool pair's bytes: device `[comp][buffer]`, host `[comp]`.
+pub type Contents = (Vec<Vec<Vec<u8>>>, Vec<Vec<u8>>);
+
+/// Every byte of both pools.
+pub fn contents(dev: &DevicePool, host: &HostPool) -> Contents {
+    let g = dev.geometry();
+    let comps = g.kind().components();
+    let d = (0..comps).map(|c| (0..g.buffer_count()).map(|s| dev.read_buffer(c, s).unwrap()).collect()).collect();
+    (d, (0..comps).map(|c| host.read_buffer(c).unwrap()).collect())
+}
 
 /// Every executor present here. A missing wgpu adapter fails when `CI` or
 /// `HICACHE_REQUIRE_WGPU=1` is set, a missing CUDA device when `HICACHE_REQUIRE_CUDA=1`;
