@@ -37,12 +37,16 @@ struct hicache_emu_dim3 {
 // Per calling thread, so that test threads can run launches side by side.
 static thread_local hicache_emu_dim3 threadIdx, blockIdx, blockDim, gridDim;
 
-// A memory range the kernel may touch: [start, start + len), with access flags.
+// A memory range the kernel may touch: [start, start + len) as the kernel addresses it, with
+// access flags, backed by host memory at `host` (equal to `start` when the kernel's addresses are
+// host addresses; the simulated driver's device addresses are not, so that a device pointer used
+// as a host pointer faults instead of reading something).
 enum { HICACHE_EMU_READ = 1, HICACHE_EMU_WRITE = 2 };
 struct hicache_emu_range {
     uint64_t start;
     uint64_t len;
     uint64_t flags;
+    uint64_t host;
 };
 
 // What one launch did. `first_fault_*` describe the first bad access, when `faults > 0`.
@@ -62,12 +66,14 @@ struct hicache_emu_state {
 };
 static thread_local hicache_emu_state hicache_emu;
 
-static inline bool hicache_emu_check(const void* p, uint64_t size, uint64_t need) {
+// The host address behind kernel address `p`, or null for a bad access (counted).
+static inline char* hicache_emu_check(const void* p, uint64_t size, uint64_t need) {
     const uint64_t a = (uint64_t)(uintptr_t)p;
     if (a % size == 0) {
         for (int i = 0; i < hicache_emu.n_ranges; ++i) {
             const hicache_emu_range& r = hicache_emu.ranges[i];
-            if ((r.flags & need) && a >= r.start && r.len >= size && a - r.start <= r.len - size) return true;
+            if ((r.flags & need) && a >= r.start && r.len >= size && a - r.start <= r.len - size)
+                return (char*)(uintptr_t)(r.host + (a - r.start));
         }
     }
     hicache_emu_report& rep = hicache_emu.report;
@@ -76,14 +82,14 @@ static inline bool hicache_emu_check(const void* p, uint64_t size, uint64_t need
         rep.first_fault_size = size;
         rep.first_fault_flags = need;
     }
-    return false;
+    return nullptr;
 }
 
 template <typename T>
 static inline T hicache_emu_load(const char* p) {
     T v = 0;
-    if (hicache_emu_check(p, sizeof(T), HICACHE_EMU_READ)) {
-        std::memcpy(&v, p, sizeof(T));
+    if (const char* h = hicache_emu_check(p, sizeof(T), HICACHE_EMU_READ)) {
+        std::memcpy(&v, h, sizeof(T));
         hicache_emu.report.bytes_loaded += sizeof(T);
     }
     return v;
@@ -91,8 +97,8 @@ static inline T hicache_emu_load(const char* p) {
 
 template <typename T>
 static inline void hicache_emu_store(char* p, T v) {
-    if (hicache_emu_check(p, sizeof(T), HICACHE_EMU_WRITE)) {
-        std::memcpy(p, &v, sizeof(T));
+    if (char* h = hicache_emu_check(p, sizeof(T), HICACHE_EMU_WRITE)) {
+        std::memcpy(h, &v, sizeof(T));
         hicache_emu.report.bytes_stored += sizeof(T);
     }
 }
@@ -103,7 +109,8 @@ typedef void (*hicache_emu_kernel)(const Launch*, int, const long long*, const l
                                    unsigned long long, long long);
 
 // Runs `kernel` over a grid of `grid` blocks of `block` threads. `params` holds pointers to the
-// eight arguments, as for cuLaunchKernel. Returns 0, or -1 for a launch the driver would refuse
+// eight arguments, as for cuLaunchKernel; the table and index-list pointers among them are read
+// directly, so they must be host addresses (the simulated driver translates them first). Returns 0, or -1 for a launch the driver would refuse
 // (an empty grid or block, or more threads than the kernels' launch bounds).
 extern "C" __attribute__((visibility("default"))) int hicache_emu_launch(hicache_emu_kernel kernel, unsigned int grid, unsigned int block,
                                                                          void** params, const hicache_emu_range* ranges, int n_ranges,

@@ -40,6 +40,8 @@ struct Range {
     start: u64,
     len: u64,
     flags: u64,
+    /// Where the range lives for the host: the same address here.
+    host: u64,
 }
 
 const READ: u64 = 1;
@@ -229,7 +231,7 @@ fn run_case(emu: &Emulator, case: &Case, tuning: LaunchTuning, tamper: impl Fn(&
         for p in g.pairs() {
             for (buf, flags) in [(p.src().buf(), READ), (p.dst().buf(), WRITE)] {
                 let (start, len) = at[&buf];
-                ranges.push(Range { start, len, flags });
+                ranges.push(Range { start, len, flags, host: start });
             }
         }
         // The eight kernel arguments, built by the executor's own code.

@@ -438,16 +438,35 @@ impl CudaExecutor {
         }
         ctx.bind_to_thread().map_err(|e| drv("bind", e))?;
         // sm_90 cubin on Hopper, sm_80 cubin on Ampere/Ada (binary compatible within major 8),
-        // PTX JIT elsewhere.
+        // PTX JIT elsewhere, and the PTX too when a cubin does not load.
         let ptx = CString::new(PTX_80).map_err(|_| unavailable("embedded PTX has a NUL byte"))?;
-        let (image, ptr): (&'static str, *const c_void) = match cc {
-            (9, 0) => ("sm_90 cubin", CUBIN_90.as_ptr() as *const c_void),
-            (8, _) => ("sm_80 cubin", CUBIN_80.as_ptr() as *const c_void),
-            _ => ("compute_80 PTX (JIT)", ptx.as_ptr() as *const c_void),
+        let cubin: Option<(&'static str, &[u8])> = match cc {
+            (9, 0) => Some(("sm_90 cubin", CUBIN_90)),
+            (8, _) => Some(("sm_80 cubin", CUBIN_80)),
+            _ => None,
         };
-        // SAFETY: `ptr` is a complete cubin or NUL-terminated PTX image that outlives the call.
-        let module = unsafe { result::module::load_data(ptr) }
-            .map_err(|e| unavailable(format!("loading {image}: {e:?} (the PTX needs a driver of version 525 or newer)")))?;
+        let mut loaded = None;
+        if let Some((image, bytes)) = cubin {
+            // An include_bytes! array is byte-aligned; ELF images are loaded from 8-byte-aligned
+            // memory (a copy in u64 words).
+            let mut words = vec![0u64; bytes.len().div_ceil(8)];
+            bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..bytes.len()].copy_from_slice(bytes);
+            // SAFETY: a complete cubin image that outlives the call.
+            match unsafe { result::module::load_data(words.as_ptr() as *const c_void) } {
+                Ok(m) => loaded = Some((image, m)),
+                Err(e) => log::warn!("cuda: loading the {image} failed ({e:?}); falling back to the PTX"),
+            }
+        }
+        let (image, module) = match loaded {
+            Some(l) => l,
+            None => {
+                let image = "compute_80 PTX (JIT)";
+                // SAFETY: NUL-terminated PTX that outlives the call.
+                let m = unsafe { result::module::load_data(ptx.as_ptr() as *const c_void) }
+                    .map_err(|e| unavailable(format!("loading {image}: {e:?} (the PTX needs a driver of version 525 or newer)")))?;
+                (image, m)
+            }
+        };
         let get = |n: &str| {
             let c = CString::new(n).expect("name");
             // SAFETY: module loaded above.
