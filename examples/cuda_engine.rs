@@ -48,7 +48,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let tokens: Vec<i64> = (0..512).collect();
     host.load_to_device_per_layer(&mut dev, &tokens, &tokens, 2, IoBackend::Kernel)?;
     let layer2_ready = exec.record()?; // the forward pass would wait on this event
-    host.backup_from_device_all_layer(&dev, &tokens, &tokens, IoBackend::Direct)?;
+    host.backup_from_device_all_layer(&dev, &tokens, &tokens, IoBackend::Kernel)?;
     layer2_ready.wait()?;
     exec.synchronize()?;
     assert!(dev.read_buffer(0, 2)?[..512 * 656].iter().all(|&b| b == 7));

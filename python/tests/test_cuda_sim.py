@@ -1,0 +1,206 @@
+"""The Python CUDA path on the simulated driver (``scripts/cuda-sim.sh python -m pytest ...``):
+CUDA arrays (``kDLCUDA`` through DLPack) over simulated device memory, pinned host arrays, CUDA
+index arrays, and the kvcacheio ops on the cuda executor, compared with numpy fancy indexing.
+
+A tiny DLPack producer stands in for torch: ``DevArray`` allocates with ``cuMemAlloc`` through
+ctypes and exports itself as a ``dltensor`` capsule. Skips unless ``HICACHE_CUDA_SIM=1`` (set by
+the script), and then fails if the loaded driver is not the simulator."""
+
+import ctypes
+import os
+
+import numpy as np
+import pytest
+
+if os.environ.get("HICACHE_CUDA_SIM") != "1":
+    pytest.skip("not under scripts/cuda-sim.sh", allow_module_level=True)
+
+from hicache_io import kvcacheio as kv  # noqa: E402
+
+cu = ctypes.CDLL("libcuda.so.1")
+assert hasattr(cu, "hicache_cuda_sim_errors"), "HICACHE_CUDA_SIM=1 but libcuda.so.1 is not the simulator"
+
+
+def check(rc, what):
+    assert rc == 0, f"{what}: CUresult {rc}"
+
+
+check(cu.cuInit(0), "cuInit")
+_ctx = ctypes.c_void_p()
+check(cu.cuDevicePrimaryCtxRetain(ctypes.byref(_ctx), 0), "cuDevicePrimaryCtxRetain")
+check(cu.cuCtxSetCurrent(_ctx), "cuCtxSetCurrent")
+cu.cuMemcpyHtoD_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t]
+cu.cuMemcpyDtoH_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t]
+cu.cuMemAlloc_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
+cu.cuMemFree_v2.argtypes = [ctypes.c_uint64]
+cu.cuMemHostAlloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint]
+cu.cuMemFreeHost.argtypes = [ctypes.c_void_p]
+cu.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
+
+
+class DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+class DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
+
+
+_capsule_new = ctypes.pythonapi.PyCapsule_New
+_capsule_new.restype = ctypes.py_object
+_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+
+_DL_CODES = {"i": 0, "u": 1, "f": 2}
+
+
+class DevArray:
+    """A C-contiguous array in simulated device memory that speaks DLPack (kDLCUDA, device 0)."""
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.nbytes = int(np.prod(self.shape)) * self.dtype.itemsize
+        ptr = ctypes.c_uint64()
+        check(cu.cuMemAlloc_v2(ctypes.byref(ptr), max(self.nbytes, 1)), "cuMemAlloc")
+        self.ptr = ptr.value
+        self._keep = []
+
+    @classmethod
+    def of(cls, a):
+        a = np.ascontiguousarray(a)
+        d = cls(a.shape, a.dtype)
+        check(cu.cuMemcpyHtoD_v2(d.ptr, a.ctypes.data, a.nbytes), "cuMemcpyHtoD")
+        return d
+
+    def numpy(self):
+        out = np.empty(self.shape, self.dtype)
+        check(cu.cuMemcpyDtoH_v2(out.ctypes.data, self.ptr, self.nbytes), "cuMemcpyDtoH")
+        return out
+
+    def __dlpack_device__(self):
+        return (2, 0)
+
+    def __dlpack__(self, stream=None, max_version=None):
+        shape = (ctypes.c_int64 * len(self.shape))(*self.shape)
+        m = DLManagedTensor()
+        m.dl_tensor.data = self.ptr
+        m.dl_tensor.device = DLDevice(2, 0)
+        m.dl_tensor.ndim = len(self.shape)
+        m.dl_tensor.dtype = DLDataType(_DL_CODES[self.dtype.kind], self.dtype.itemsize * 8, 1)
+        m.dl_tensor.shape = shape
+        self._keep.append((m, shape))
+        return _capsule_new(ctypes.addressof(m), b"dltensor", None)
+
+    def __del__(self):
+        cu.cuCtxSynchronize()
+        cu.cuMemFree_v2(self.ptr)
+
+
+_pinned = []
+
+
+def pinned(shape, dtype, fill=None):
+    """A numpy array over cuMemHostAlloc memory (what torch's pin_memory gives)."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape)) * dtype.itemsize
+    p = ctypes.c_void_p()
+    check(cu.cuMemHostAlloc(ctypes.byref(p), n, 1 | 2), "cuMemHostAlloc")
+    _pinned.append(p.value)
+    a = np.frombuffer((ctypes.c_uint8 * n).from_address(p.value), dtype=dtype).reshape(shape)
+    a[...] = 0 if fill is None else fill
+    return a
+
+
+def sync():
+    check(cu.cuCtxSynchronize(), "cuCtxSynchronize (a race or fault on the simulated device?)")
+
+
+def sim_errors():
+    r, f = ctypes.c_uint64(), ctypes.c_uint64()
+    cu.hicache_cuda_sim_errors(ctypes.byref(r), ctypes.byref(f))
+    return r.value, f.value
+
+
+SLOTS, LAYERS, ITEM = 1024, 3, 256
+rng = np.random.default_rng(7)
+
+
+def pages(n, page, seed):
+    p = np.random.default_rng(seed).permutation(SLOTS // page)[: n // page]
+    return (p[:, None] * page + np.arange(page)).reshape(-1).astype(np.int64)
+
+
+@pytest.mark.parametrize("cuda_indices", [False, True])
+def test_per_layer_load_from_pinned_host(cuda_indices):
+    host = pinned((SLOTS, ITEM), np.uint8, rng.integers(0, 256, (SLOTS, ITEM), dtype=np.uint8))
+    dev = DevArray.of(np.zeros((SLOTS, ITEM), np.uint8))
+    hi, di = pages(256, 16, 1), pages(256, 16, 2)
+    idx = (DevArray.of(hi), DevArray.of(di)) if cuda_indices else (hi, di)
+    kv.transfer_kv_per_layer_mla(host, dev, idx[0], idx[1], ITEM)
+    sync()
+    ref = np.zeros((SLOTS, ITEM), np.uint8)
+    ref[di] = host[hi]
+    assert np.array_equal(dev.numpy(), ref)
+    assert sim_errors() == (0, 0)
+
+
+def test_mha_per_layer_load_and_all_layer_backup_page_first():
+    k = [DevArray.of(rng.integers(0, 256, (SLOTS, ITEM), dtype=np.uint8)) for _ in range(LAYERS)]
+    v = [DevArray.of(rng.integers(0, 256, (SLOTS, ITEM), dtype=np.uint8)) for _ in range(LAYERS)]
+    hk, hv = pinned((SLOTS, LAYERS, ITEM), np.uint8), pinned((SLOTS, LAYERS, ITEM), np.uint8)
+    di, hi = pages(128, 16, 3), pages(128, 16, 4)
+    kv.transfer_kv_all_layer_lf_pf(k, hk, v, hv, DevArray.of(di), DevArray.of(hi), ITEM, ITEM * LAYERS, LAYERS)
+    sync()
+    for layer in range(LAYERS):
+        assert np.array_equal(hk[hi, layer], k[layer].numpy()[di])
+        assert np.array_equal(hv[hi, layer], v[layer].numpy()[di])
+    # And back into fresh device layers, one layer at a time.
+    back_k = DevArray.of(np.zeros((SLOTS, ITEM), np.uint8))
+    back_v = DevArray.of(np.zeros((SLOTS, ITEM), np.uint8))
+    kv.transfer_kv_per_layer_pf_lf(hk, back_k, hv, back_v, hi, di, 1, ITEM, ITEM * LAYERS)
+    sync()
+    assert np.array_equal(back_k.numpy()[di], k[1].numpy()[di])
+    assert np.array_equal(back_v.numpy()[di], v[1].numpy()[di])
+
+
+def test_direct_and_per_layer_lf_pf():
+    dev = DevArray.of(rng.integers(0, 256, (SLOTS, ITEM), dtype=np.uint8))
+    host = pinned((SLOTS, LAYERS, ITEM), np.uint8)
+    di, hi = pages(128, 16, 5), pages(128, 16, 6)
+    kv.transfer_kv_per_layer_mla_lf_pf(dev, host, di, hi, 2, ITEM, ITEM * LAYERS)
+    back = DevArray.of(np.zeros((SLOTS, ITEM), np.uint8))
+    kv.transfer_kv_direct([dev], [back], di, hi, 16)
+    sync()
+    assert np.array_equal(host[hi, 2], dev.numpy()[di])
+    assert np.array_equal(back.numpy()[hi], dev.numpy()[di])
+
+
+def test_bad_input_moves_nothing():
+    dev = DevArray.of(rng.integers(0, 256, (64, ITEM), dtype=np.uint8))
+    before = dev.numpy()
+    host = pinned((64, ITEM), np.uint8, 5)
+    with pytest.raises(IndexError):
+        kv.transfer_kv_per_layer_mla(host, dev, np.array([1, 2]), DevArray.of(np.array([3, 64], np.int64)), ITEM)
+    with pytest.raises(RuntimeError, match="^Source and destination indices must have the same length$"):
+        kv.transfer_kv_per_layer_mla(host, dev, np.array([1, 2]), np.array([3]), ITEM)
+    # Unpinned host memory next to CUDA arrays: the driver has no device address for it.
+    with pytest.raises(RuntimeError, match="not mapped for the device"):
+        kv.transfer_kv_per_layer_mla(np.zeros((64, ITEM), np.uint8), dev, np.array([1]), np.array([3]), ITEM)
+    sync()
+    assert np.array_equal(dev.numpy(), before)
+    assert sim_errors() == (0, 0)
