@@ -62,6 +62,7 @@ struct hicache_emu_report {
 struct hicache_emu_state {
     const hicache_emu_range* ranges;
     int n_ranges;
+    int last;  // the range the previous access hit: consecutive accesses mostly hit it again
     hicache_emu_report report;
 };
 static thread_local hicache_emu_state hicache_emu;
@@ -70,10 +71,14 @@ static thread_local hicache_emu_state hicache_emu;
 static inline char* hicache_emu_check(const void* p, uint64_t size, uint64_t need) {
     const uint64_t a = (uint64_t)(uintptr_t)p;
     if (a % size == 0) {
-        for (int i = 0; i < hicache_emu.n_ranges; ++i) {
+        const int n = hicache_emu.n_ranges;
+        for (int k = 0; k < n; ++k) {
+            const int i = (hicache_emu.last + k) % n;
             const hicache_emu_range& r = hicache_emu.ranges[i];
-            if ((r.flags & need) && a >= r.start && r.len >= size && a - r.start <= r.len - size)
+            if ((r.flags & need) && a >= r.start && r.len >= size && a - r.start <= r.len - size) {
+                hicache_emu.last = i;
                 return (char*)(uintptr_t)(r.host + (a - r.start));
+            }
         }
     }
     hicache_emu_report& rep = hicache_emu.report;
@@ -124,7 +129,7 @@ extern "C" __attribute__((visibility("default"))) int hicache_emu_launch(hicache
     const unsigned long long heads = *(const unsigned long long*)params[5];
     const unsigned long long chunk_bytes = *(const unsigned long long*)params[6];
     const long long items_per_warp = *(const long long*)params[7];
-    hicache_emu = hicache_emu_state{ranges, n_ranges, hicache_emu_report{}};
+    hicache_emu = hicache_emu_state{ranges, n_ranges, 0, hicache_emu_report{}};
     gridDim = hicache_emu_dim3{grid, 1, 1};
     blockDim = hicache_emu_dim3{block, 1, 1};
     for (unsigned int b = 0; b < grid; ++b) {

@@ -170,6 +170,45 @@ struct Access {
     desc: Arc<str>,
 }
 
+/// The recorded accesses of one allocation, indexed by 64 KiB grain so that a check looks only
+/// at records near the range it checks.
+#[derive(Default)]
+struct History {
+    recs: Vec<Access>,
+    grains: HashMap<u64, Vec<u32>>,
+}
+
+const GRAIN_SHIFT: u32 = 16;
+
+impl History {
+    fn push(&mut self, a: Access) {
+        let i = self.recs.len() as u32;
+        for g in (a.lo >> GRAIN_SHIFT)..=((a.hi - 1) >> GRAIN_SHIFT) {
+            self.grains.entry(g).or_default().push(i);
+        }
+        self.recs.push(a);
+    }
+    /// The first record overlapping `[lo, hi)` that `keep` accepts.
+    fn find(&self, lo: u64, hi: u64, keep: impl Fn(&Access) -> bool) -> Option<&Access> {
+        for g in (lo >> GRAIN_SHIFT)..=((hi - 1) >> GRAIN_SHIFT) {
+            for &i in self.grains.get(&g).map_or(&[][..], |v| v.as_slice()) {
+                let r = &self.recs[i as usize];
+                if r.lo < hi && lo < r.hi && keep(r) {
+                    return Some(r);
+                }
+            }
+        }
+        None
+    }
+    fn retain(&mut self, keep: impl Fn(&Access) -> bool) {
+        let recs = std::mem::take(&mut self.recs);
+        self.grains.clear();
+        for r in recs.into_iter().filter(|r| keep(r)) {
+            self.push(r);
+        }
+    }
+}
+
 pub struct State {
     pub cfg: Config,
     pub inited: bool,
@@ -183,7 +222,7 @@ pub struct State {
     per_thread: HashMap<(usize, ThreadId), usize>,
     pub events: HashMap<u64, EventSt>,
     pub host_vc: Vec<u64>,
-    history: BTreeMap<u64, Vec<Access>>,
+    history: BTreeMap<u64, History>,
     hist_len: usize,
     prune_at: usize,
     /// Races found since the last synchronizing call of each device.
@@ -387,9 +426,9 @@ impl State {
             Mem::Device(d) => d,
             _ => 0,
         };
-        if let Some(recs) = self.history.get(&addr) {
+        if let Some(h) = self.history.get(&addr) {
             let mut msgs = Vec::new();
-            for r in recs {
+            for r in &h.recs {
                 if !ordered_before(r.sid, r.seq, &host_vc) {
                     msgs.push(format!(
                         "{call} of {} at {addr:#x} while {} on {} may still {} it (no synchronization between them)",
@@ -404,8 +443,8 @@ impl State {
                 self.race(dev, m);
             }
         }
-        if let Some(recs) = self.history.remove(&addr) {
-            self.hist_len -= recs.len();
+        if let Some(h) = self.history.remove(&addr) {
+            self.hist_len -= h.recs.len();
         }
         let a = self.allocs.remove(&addr).expect("present");
         if a.owned {
@@ -607,25 +646,26 @@ impl State {
         }
         let mut found = Vec::new();
         for &(key, lo, hi, write) in &merged {
-            if let Some(recs) = self.history.get(&key) {
-                for r in recs {
-                    if r.lo < hi && lo < r.hi && (r.write || write) && r.sid != sid && !ordered_before(r.sid, r.seq, &op.clock) {
-                        let what = self.allocs.get(&key).map_or(String::new(), |a| a.what.clone());
-                        found.push(format!(
-                            "{} on {} {} [{:#x}, {:#x}) of {what}, which {} on {} {} [{:#x}, {:#x}) with no event or synchronization ordering them",
-                            op.desc,
-                            self.stream_name(sid),
-                            if write { "writes" } else { "reads" },
-                            lo.max(r.lo),
-                            hi.min(r.hi),
-                            r.desc,
-                            self.stream_name(r.sid),
-                            if r.write { "wrote" } else { "read" },
-                            lo.max(r.lo),
-                            hi.min(r.hi),
-                        ));
-                        break;
-                    }
+            // A few per op say enough (a kernel racing another races on every item).
+            if found.len() == 3 {
+                break;
+            }
+            if let Some(h) = self.history.get(&key) {
+                if let Some(r) = h.find(lo, hi, |r| (r.write || write) && r.sid != sid && !ordered_before(r.sid, r.seq, &op.clock)) {
+                    let what = self.allocs.get(&key).map_or(String::new(), |a| a.what.clone());
+                    found.push(format!(
+                        "{} on {} {} [{:#x}, {:#x}) of {what}, which {} on {} {} [{:#x}, {:#x}) with no event or synchronization ordering them",
+                        op.desc,
+                        self.stream_name(sid),
+                        if write { "writes" } else { "reads" },
+                        lo.max(r.lo),
+                        hi.min(r.hi),
+                        r.desc,
+                        self.stream_name(r.sid),
+                        if r.write { "wrote" } else { "read" },
+                        lo.max(r.lo),
+                        hi.min(r.hi),
+                    ));
                 }
             }
         }
@@ -653,11 +693,11 @@ impl State {
             }
         }
         let mut kept = 0;
-        for recs in self.history.values_mut() {
-            recs.retain(|r| !frontier.iter().all(|c| ordered_before(r.sid, r.seq, c)));
-            kept += recs.len();
+        for h in self.history.values_mut() {
+            h.retain(|r| !frontier.iter().all(|c| ordered_before(r.sid, r.seq, c)));
+            kept += h.recs.len();
         }
-        self.history.retain(|_, v| !v.is_empty());
+        self.history.retain(|_, h| !h.recs.is_empty());
         self.hist_len = kept;
         self.prune_at = (kept * 2).max(4096);
     }
