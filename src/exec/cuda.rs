@@ -145,6 +145,9 @@ struct Inner {
     scratch: Mutex<Scratch>,
     /// The side stream (a pipeline's backups) and its own scratch, made on first use.
     side: Mutex<Option<Arc<SideStream>>>,
+    /// The engine's stream (the forward pass writing KV): every backup waits for the work queued
+    /// on it when the backup is issued.
+    engine: Mutex<Option<EngineStream>>,
     /// Threads per block both kernel functions allow (their register use decides it).
     max_threads: u32,
     id: u64,
@@ -154,6 +157,15 @@ struct Inner {
 // every driver call).
 unsafe impl Send for Inner {}
 unsafe impl Sync for Inner {}
+
+/// The stream an engine writes its KV on, raw, and the handle that keeps it alive (if any).
+struct EngineStream {
+    raw: sys::CUstream,
+    _keep: Option<Arc<CudaStream>>,
+}
+
+// SAFETY: a stream handle, used only with the executor's context bound.
+unsafe impl Send for EngineStream {}
 
 /// A second stream of the executor's context, for work that must not queue behind the main
 /// stream's; gather steps on it upload through their own scratch.
@@ -166,10 +178,14 @@ impl Inner {
     fn side(&self) -> Option<Arc<SideStream>> {
         self.side.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
-    /// Waits for both streams (the context is bound by the caller).
+    /// Waits for both streams and the engine stream, which may write the pools' memory too
+    /// (the context is bound by the caller).
     fn sync_all(&self) -> std::result::Result<(), DriverError> {
         let side = self.side().map_or(Ok(()), |s| s.stream.synchronize());
-        self.stream.synchronize().and(side)
+        let engine = self.engine.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|e| e.raw);
+        // SAFETY: the engine stream is live while it is set (see `set_engine_stream_raw`).
+        let engine = engine.filter(|e| *e != self.stream.cu_stream()).map_or(Ok(()), |e| unsafe { result::stream::synchronize(e) });
+        self.stream.synchronize().and(side).and(engine)
     }
 }
 
@@ -345,6 +361,29 @@ impl Completion {
         // SAFETY: event created and recorded by us.
         unsafe { result::event::synchronize(self.event) }.map_err(|e| drv("cuEventSynchronize", e))
     }
+    /// Makes `stream` wait for the recorded work on the device, without blocking the host (what
+    /// an engine's compute stream does before it reads a layer being loaded).
+    pub fn wait_on_stream(&self, stream: &CudaStream) -> Result<()> {
+        if **stream.context() != *self.ctx {
+            return Err(drv_msg("the stream belongs to another CUDA context than the transfer"));
+        }
+        // SAFETY: a live stream of this (now bound) context.
+        unsafe { self.wait_on_raw_stream(stream.cu_stream()) }
+    }
+    /// [`Completion::wait_on_stream`] with a raw handle.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of the transfer's context (or a default-stream handle).
+    pub unsafe fn wait_on_raw_stream(&self, stream: sys::CUstream) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(|e| drv("bind", e))?;
+        // SAFETY: the caller vouches for the stream; the event is ours and recorded.
+        unsafe { result::stream::wait_event(stream, self.event, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
+            .map_err(|e| drv("cuStreamWaitEvent", e))
+    }
+    /// The recorded event (valid while the completion lives).
+    pub fn event(&self) -> sys::CUevent {
+        self.event
+    }
     /// `Ok(true)` once done, `Ok(false)` while pending, `Err` when the stream failed (a poller
     /// must not spin on a dead context).
     pub fn is_done(&self) -> Result<bool> {
@@ -380,17 +419,18 @@ impl CudaExecutor {
         }
         let ctx = CudaContext::new(ordinal).map_err(|e| unavailable(format!("context on device {ordinal}: {e:?}")))?;
         let stream = ctx.new_stream().map_err(|e| drv("cuStreamCreate", e))?;
-        CudaExecutor::from_parts(ctx, stream, driver, tuning)
+        CudaExecutor::from_parts(ctx, stream, driver, tuning, false)
     }
 
     /// Runs on the caller's stream (an engine's own; not the legacy NULL stream if `direct`
-    /// should batch). Transfers are enqueued on it and nothing here synchronizes it, except
+    /// should batch), which is also the engine stream (see [`CudaExecutor::set_engine_stream`]).
+    /// Transfers are enqueued on it and nothing here synchronizes it, except
     /// pool reads/writes, [`CudaExecutor::synchronize`] and dropping a buffer this executor
     /// allocated or registered (its memory may still be in use by a queued copy).
     pub fn from_stream(stream: Arc<CudaStream>, tuning: LaunchTuning) -> Result<CudaExecutor> {
         let (driver, _) = probe()?;
         let ctx = stream.context().clone();
-        CudaExecutor::from_parts(ctx, stream, driver, tuning)
+        CudaExecutor::from_parts(ctx, stream, driver, tuning, true)
     }
 
     /// Runs on a stream another library owns (torch's current stream, say), given as its raw
@@ -430,7 +470,8 @@ impl CudaExecutor {
         Ok(out)
     }
 
-    fn from_parts(ctx: Arc<CudaContext>, stream: Arc<CudaStream>, driver: i32, tuning: LaunchTuning) -> Result<CudaExecutor> {
+    fn from_parts(ctx: Arc<CudaContext>, stream: Arc<CudaStream>, driver: i32, tuning: LaunchTuning, engine: bool) -> Result<CudaExecutor> {
+        let engine = engine.then(|| EngineStream { raw: stream.cu_stream(), _keep: Some(stream.clone()) });
         let name = ctx.name().unwrap_or_else(|_| "?".into());
         let cc = ctx.compute_capability().map_err(|e| drv("compute capability", e))?;
         if cc.0 < 8 {
@@ -501,6 +542,7 @@ impl CudaExecutor {
                 tuning,
                 scratch: Mutex::new(Scratch::default()),
                 side: Mutex::new(None),
+                engine: Mutex::new(engine),
                 max_threads,
                 id,
             }),
@@ -521,6 +563,54 @@ impl CudaExecutor {
     /// and wait on it only when that layer is needed.
     pub fn record(&self) -> Result<Completion> {
         self.record_on(Stream::Main)
+    }
+
+    /// The stream the engine's forward pass writes KV on. Every backup (device to host: all-layer,
+    /// per-layer, layer-sharded, draft, kvcacheio), on whichever of the executor's streams it runs,
+    /// first waits — on the device, without blocking the host — for the work queued on this
+    /// stream when the backup is issued, so it copies the KV the forward pass finished writing.
+    /// `None` turns that off. Executors made with [`CudaExecutor::from_stream`] or
+    /// [`CudaExecutor::on_raw_stream`] start with their own stream as the engine stream.
+    pub fn set_engine_stream(&self, stream: Option<Arc<CudaStream>>) -> Result<()> {
+        if let Some(s) = &stream {
+            if **s.context() != *self.inner.ctx {
+                return Err(drv_msg("the engine stream belongs to another CUDA context than this executor's"));
+            }
+        }
+        let engine = stream.map(|s| EngineStream { raw: s.cu_stream(), _keep: Some(s) });
+        *self.inner.engine.lock().unwrap_or_else(|e| e.into_inner()) = engine;
+        Ok(())
+    }
+
+    /// [`CudaExecutor::set_engine_stream`] with a raw handle (torch's current stream, say).
+    ///
+    /// # Safety
+    /// `raw` must be a stream of this executor's context (or a default-stream handle) that
+    /// outlives the executor or the next call of this function.
+    pub unsafe fn set_engine_stream_raw(&self, raw: u64) {
+        *self.inner.engine.lock().unwrap_or_else(|e| e.into_inner()) = Some(EngineStream { raw: raw as sys::CUstream, _keep: None });
+    }
+
+    /// Orders work enqueued on `stream` from now on after the engine stream's work so far (an
+    /// event recorded there, waited on here; nothing blocks the host).
+    fn order_after_engine(&self, stream: Stream) -> Result<()> {
+        let engine = match self.inner.engine.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+            Some(e) => e.raw,
+            None => return Ok(()),
+        };
+        let target = self.raw_stream(stream)?;
+        if engine == target {
+            return Ok(());
+        }
+        // SAFETY: live streams of the bound context; the event may be destroyed once the wait
+        // is enqueued.
+        unsafe {
+            let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(|e| drv("cuEventCreate", e))?;
+            let r = result::event::record(event, engine)
+                .and_then(|_| result::stream::wait_event(target, event, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT));
+            let _ = result::event::destroy(event);
+            r.map_err(|e| drv("ordering a backup after the engine stream", e))
+        }
     }
 
     fn record_on(&self, stream: Stream) -> Result<Completion> {
@@ -828,9 +918,8 @@ impl Executor for CudaExecutor {
     fn alloc(&self, bytes: u64) -> Result<CudaBuffer> {
         self.bind()?;
         let n = bytes.max(1) as usize;
-        // SAFETY: fresh allocation, zeroed on the executor's stream, so every later transfer
-        // (stream-ordered after it) sees zeros; the legacy NULL stream would not order against
-        // our non-blocking stream.
+        // SAFETY: fresh allocation, zeroed on the executor's stream (the legacy NULL stream would
+        // not order against our non-blocking stream).
         let dev_ptr = unsafe {
             let p = result::malloc_sync(n).map_err(|e| TransferError::OutOfMemory {
                 what: "cuda device buffer".into(),
@@ -843,6 +932,13 @@ impl Executor for CudaExecutor {
             }
             p
         };
+        // Wait for the zeroing: the engine may write the new pool's memory on its own stream
+        // (its KV), which nothing would order after ours. Pools are made once, off the hot path.
+        if let Err(e) = self.inner.stream.synchronize() {
+            // SAFETY: allocated above; the failed stream no longer runs the memset.
+            let _ = unsafe { result::free_sync(dev_ptr) };
+            return Err(drv("cuStreamSynchronize (zeroing a new buffer)", e));
+        }
         Ok(CudaBuffer {
             dev_ptr,
             host_ptr: std::ptr::null_mut(),
@@ -971,6 +1067,9 @@ impl Executor for CudaExecutor {
     }
     fn execute_step(&self, plan: &Plan, k: usize, bufs: &Bindings<'_, CudaBuffer>, _enqueue: bool, stream: Stream) -> Result<()> {
         self.bind()?;
+        if k == 0 && plan.direction() == crate::plan::Direction::DeviceToHost {
+            self.order_after_engine(stream)?;
+        }
         match plan.steps()[k].kind() {
             StepKind::Gather(g) => self.gather(g, bufs, stream),
             StepKind::Copy(runs) => self.copies(runs, bufs, stream),

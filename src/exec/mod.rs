@@ -54,6 +54,25 @@ impl Completion {
             CompletionKind::Cuda(c) => c.wait(),
         }
     }
+    /// Makes a CUDA stream (an engine's compute stream) wait for the transfers on the device,
+    /// without blocking the host: what sglang's per-layer load events give the forward pass. On
+    /// cuda the stream must belong to the executor's context; the transfers of other executors
+    /// do not run on CUDA streams, so there this blocks until they are done.
+    #[cfg(feature = "cuda")]
+    pub fn wait_on_stream(&self, stream: &cudarc::driver::CudaStream) -> Result<()> {
+        match &self.kind {
+            CompletionKind::Cuda(c) => c.wait_on_stream(stream),
+            _ => self.wait(),
+        }
+    }
+    /// The CUDA completion underneath (its event), on the cuda executor.
+    #[cfg(feature = "cuda")]
+    pub fn as_cuda(&self) -> Option<&cuda::Completion> {
+        match &self.kind {
+            CompletionKind::Cuda(c) => Some(c),
+            _ => None,
+        }
+    }
     /// `Ok(true)` once done, `Ok(false)` while pending, `Err` when the executor failed.
     pub fn is_done(&self) -> Result<bool> {
         match &self.kind {

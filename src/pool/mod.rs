@@ -250,6 +250,12 @@ impl LayerLoads<'_> {
     pub fn wait_layer(&self, layer_id: usize) -> Result<()> {
         self.find(layer_id)?.wait()
     }
+    /// Makes `stream` (an engine's compute stream) wait for layer `layer_id` on the device,
+    /// without blocking the host (see [`Completion::wait_on_stream`]).
+    #[cfg(feature = "cuda")]
+    pub fn wait_layer_on_stream(&self, layer_id: usize, stream: &cudarc::driver::CudaStream) -> Result<()> {
+        self.find(layer_id)?.wait_on_stream(stream)
+    }
     /// Whether layer `layer_id` has landed.
     pub fn is_layer_done(&self, layer_id: usize) -> Result<bool> {
         self.find(layer_id)?.is_done()

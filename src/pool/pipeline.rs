@@ -34,9 +34,10 @@ use crate::plan::{Direction, Footprint, Op, Plan, Request};
 /// ```
 ///
 /// A pipeline keeps one entry per issued transfer until it ends: make one per batch. Its
-/// backups are ordered after the main stream's work when it opens (and after its own loads they
-/// meet), not after work queued on that stream later by others: on a cuda executor running on
-/// an engine's stream, open the pipeline once the KV it backs up has been written.
+/// backups are ordered after the main stream's work when it opens and after its own loads they
+/// meet; on cuda, each backup also waits (on the device) for the work queued on the engine
+/// stream when it is issued ([`crate::exec::cuda::CudaExecutor::set_engine_stream`]), so it
+/// copies the KV the forward pass finished writing.
 #[must_use = "dropping a pipeline waits for everything it issued"]
 pub struct Pipeline<'a> {
     host: &'a HostPool<'static>,
@@ -143,6 +144,13 @@ impl Pipeline<'_> {
     /// Blocks until the transfer has landed (and everything issued before it on its stream).
     pub fn wait(&self, ticket: Ticket) -> Result<()> {
         self.get(ticket)?.completion.wait()
+    }
+
+    /// Makes `stream` (an engine's compute stream) wait for the transfer on the device, without
+    /// blocking the host (see [`crate::exec::Completion::wait_on_stream`]).
+    #[cfg(feature = "cuda")]
+    pub fn wait_on_stream(&self, ticket: Ticket, stream: &cudarc::driver::CudaStream) -> Result<()> {
+        self.get(ticket)?.completion.wait_on_stream(stream)
     }
 
     /// `Ok(true)` once the transfer has landed, `Ok(false)` while in flight.
