@@ -376,21 +376,33 @@ fn cpu() -> &'static Device {
     CPU.get_or_init(Device::cpu)
 }
 
-/// The cuda executor on (device, stream), one per pair for the process.
+/// Cuda executors kept for reuse (each holds a context, scratch and pinned staging slots).
+#[cfg(feature = "cuda")]
+const CUDA_EXECUTORS: usize = 8;
+
+/// The cuda executor on (device, stream): the most recently used few are kept, the least
+/// recently used one is released (after its streams drain) when another pair needs one, so a
+/// process that cycles through streams does not keep an executor per stream forever.
 #[cfg(feature = "cuda")]
 fn cuda(device_id: i32, stream: u64) -> PyResult<Device> {
-    use std::collections::HashMap;
     use std::sync::Mutex;
-    static CUDA: OnceLock<Mutex<HashMap<(i32, u64), Device>>> = OnceLock::new();
-    let mut map = CUDA.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(d) = map.get(&(device_id, stream)) {
-        return Ok(d.clone());
+    type Cache = Vec<((i32, u64), Device)>;
+    static CUDA: OnceLock<Mutex<Cache>> = OnceLock::new();
+    let mut cache = CUDA.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(i) = cache.iter().position(|(k, _)| *k == (device_id, stream)) {
+        let entry = cache.remove(i);
+        let d = entry.1.clone();
+        cache.push(entry);
+        return Ok(d);
     }
     let ordinal = usize::try_from(device_id).map_err(|_| PyValueError::new_err(format!("CUDA device id {device_id}")))?;
     // SAFETY: the stream is the caller's current stream on that device (see kvcacheio.py).
     let exec = unsafe { hicache_io::exec::cuda::CudaExecutor::on_raw_stream(ordinal, stream, Default::default()) }.py()?;
     let d = Device::Cuda(exec);
-    map.insert((device_id, stream), d.clone());
+    if cache.len() == CUDA_EXECUTORS {
+        cache.remove(0);
+    }
+    cache.push(((device_id, stream), d.clone()));
     Ok(d)
 }
 

@@ -14,9 +14,10 @@
 //!   [`CudaExecutor::synchronize`], dropping a buffer (owned or borrowed) and dropping the executor
 //!   wait for the stream. [`CudaExecutor::record`] gives a completion handle.
 //! - `kernel`: each gather step uploads its index lists and address-pair table once, through
-//!   pinned staging slots used round-robin (the CPU waits only for the upload eight steps back),
-//!   into a device scratch area reused across steps and calls (the steps of a layer-sharded
-//!   backup share their index lists and upload only their table).
+//!   pinned staging slots (reused once their upload has left them, the ring grown when all are
+//!   busy: issuing never waits for the device), into a device scratch area reused across steps
+//!   and calls (the steps of a layer-sharded backup share their index lists and upload only
+//!   their table).
 //! - `direct` uses `cuMemcpyBatchAsync` (resolved by ABI version 12.8, in calls of at most 4096
 //!   copies; not on the default streams, which it rejects), else one `cuMemcpyAsync` per run.
 //!
@@ -196,6 +197,8 @@ impl Drop for Inner {
         if let Some(side) = self.side.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
             if let Ok(side) = Arc::try_unwrap(side) {
                 side.scratch.into_inner().unwrap_or_else(|e| e.into_inner()).free();
+                // SAFETY: made by `side_stream`, synchronized above; nothing uses it any more.
+                let _ = unsafe { result::stream::destroy(side.stream.cu_stream()) };
             }
         }
         self.scratch.get_mut().unwrap_or_else(|e| e.into_inner()).free();
@@ -445,6 +448,21 @@ impl CudaExecutor {
             return Err(unavailable(format!("device {ordinal} requested, {count} present")));
         }
         let ctx = CudaContext::new(ordinal).map_err(|e| unavailable(format!("context on device {ordinal}: {e:?}")))?;
+        // A stream of another device's (or another context's) is refused, not trusted: work on it
+        // would address this context's memory.
+        if raw_stream > 2 {
+            let mut of: sys::CUcontext = std::ptr::null_mut();
+            // SAFETY: plain query of a handle the caller vouches for.
+            let rc = unsafe { sys::cuStreamGetCtx(raw_stream as sys::CUstream, &mut of) };
+            if rc != sys::CUresult::CUDA_SUCCESS {
+                return Err(drv_msg(&format!("stream {raw_stream:#x}: cuStreamGetCtx: {rc:?}")));
+            }
+            if of != ctx.cu_ctx() {
+                return Err(drv_msg(&format!(
+                    "stream {raw_stream:#x} belongs to another CUDA context than device {ordinal}'s primary context"
+                )));
+            }
+        }
         // SAFETY: the caller vouches for the handle.
         let stream = unsafe { ctx.wrap_borrowed_stream(raw_stream as sys::CUstream) };
         CudaExecutor::from_stream(stream, tuning)
@@ -641,7 +659,12 @@ impl CudaExecutor {
         if let Some(s) = side.as_ref() {
             return Ok(s.clone());
         }
-        let stream = self.inner.ctx.new_stream().map_err(|e| drv("cuStreamCreate (side stream)", e))?;
+        // cuStreamCreate directly: cudarc's new_stream synchronizes the whole context when it
+        // makes a context's first stream (an engine's work included).
+        // The context is bound by the caller; the stream is destroyed in `Inner::drop`.
+        let raw = result::stream::create(result::stream::StreamKind::NonBlocking).map_err(|e| drv("cuStreamCreate (side stream)", e))?;
+        // SAFETY: a live stream of this context, destroyed only after the executor is done with it.
+        let stream = unsafe { self.inner.ctx.wrap_borrowed_stream(raw) };
         let s = Arc::new(SideStream { stream, scratch: Mutex::new(Scratch::default()) });
         *side = Some(s.clone());
         Ok(s)
@@ -682,6 +705,7 @@ impl CudaExecutor {
         let mut done = 0;
         if let Some(batch) = self.inner.batch.filter(|_| runs.len() > 1 && !is_default_stream(stream)) {
             let src_host = runs.first().is_some_and(|r| bufs.get(r.src).is_host());
+            let dst_host = runs.first().is_some_and(|r| bufs.get(r.dst).is_host());
             let loc = |host: bool| sys::CUmemLocation {
                 type_: if host {
                     sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST
@@ -693,7 +717,7 @@ impl CudaExecutor {
             let mut attrs = sys::CUmemcpyAttributes {
                 srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
                 srcLocHint: loc(src_host),
-                dstLocHint: loc(!src_host),
+                dstLocHint: loc(dst_host),
                 flags: 0,
             };
             while done < runs.len() {
@@ -742,35 +766,35 @@ impl CudaExecutor {
     }
 }
 
-/// Pinned staging slots used round-robin: the CPU waits only for the upload `STAGING_SLOTS`
-/// steps back, never for the transfers queued in between, so enqueueing stays asynchronous.
-const STAGING_SLOTS: usize = 8;
+/// Staging slots the ring may grow to before an upload waits for the oldest one: enough for the
+/// per-layer steps of the largest models in flight at once (61 layers, K and V, drafts) without a
+/// host wait; past that, memory stays bounded.
+const MAX_STAGING_SLOTS: usize = 512;
 
 /// One pinned staging buffer and the event recorded after the copy out of it.
 struct Slot {
     host: *mut u8,
     cap: usize,
-    event: Option<sys::CUevent>,
+    event: sys::CUevent,
     /// A copy out of `host` was enqueued and may not have run yet.
     pending: bool,
 }
 
-impl Default for Slot {
-    fn default() -> Self {
-        Slot { host: std::ptr::null_mut(), cap: 0, event: None, pending: false }
-    }
-}
-
 /// Device scratch for gather steps (index lists and the address-pair table) and the pinned
-/// staging slots they are uploaded through. Reused across steps and calls: growing is the only
-/// allocation, and a step whose index lists are the ones already on the device (the steps of a
+/// staging slots they are uploaded through. Reused across steps and calls. Nothing here blocks
+/// the host on the issue path: a staging slot is reused only once its upload has left it (asked
+/// with `cuEventQuery`), and when every slot is busy the ring grows; a device area that is
+/// outgrown is kept, not freed (`cuMemFree` would stall every stream), until the executor is
+/// dropped. A step whose index lists are the ones already on the device (the steps of a
 /// layer-sharded backup share them) uploads only its table. Later uploads overwrite the device
 /// area only in stream order, after the kernels that read it.
 #[derive(Default)]
 struct Scratch {
     dev: sys::CUdeviceptr,
     dev_cap: usize,
-    slots: [Slot; STAGING_SLOTS],
+    /// Outgrown device areas, still possibly read by queued kernels: freed by `free`.
+    retired: Vec<sys::CUdeviceptr>,
+    slots: Vec<Slot>,
     next: usize,
     /// The index lists now in `dev`. Holding them keeps their allocations alive, so an equal
     /// pointer always means the same contents. `None` whenever an upload did not complete.
@@ -781,6 +805,42 @@ struct Scratch {
 unsafe impl Send for Scratch {}
 
 impl Scratch {
+    /// A staging slot whose previous upload has left it: the next free one round-robin, a new one
+    /// when all are busy, and (only past `MAX_STAGING_SLOTS`) the oldest once its upload is done.
+    ///
+    /// # Safety
+    /// The context is bound.
+    unsafe fn free_slot(&mut self) -> Result<usize> {
+        let n = self.slots.len();
+        for k in 0..n {
+            let i = (self.next + k) % n;
+            let slot = &mut self.slots[i];
+            if slot.pending {
+                // SAFETY: our event.
+                match unsafe { result::event::query(slot.event) } {
+                    Ok(()) => slot.pending = false,
+                    Err(DriverError(sys::CUresult::CUDA_ERROR_NOT_READY)) => continue,
+                    Err(e) => return Err(drv("cuEventQuery (staging slot)", e)),
+                }
+            }
+            self.next = (i + 1) % n;
+            return Ok(i);
+        }
+        if n < MAX_STAGING_SLOTS {
+            let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(|e| drv("cuEventCreate", e))?;
+            self.slots.push(Slot { host: std::ptr::null_mut(), cap: 0, event, pending: false });
+            self.next = 0;
+            return Ok(n);
+        }
+        let i = self.next;
+        log::debug!("cuda: all {n} staging slots busy; waiting for the oldest");
+        // SAFETY: our event.
+        unsafe { result::event::synchronize(self.slots[i].event) }.map_err(|e| drv("cuEventSynchronize", e))?;
+        self.slots[i].pending = false;
+        self.next = (i + 1) % n;
+        Ok(i)
+    }
+
     /// Uploads what gather step `g` needs; returns the device addresses of the address-pair
     /// table, the source indices and the destination indices.
     fn upload(&mut self, stream: sys::CUstream, g: &GatherStep, launch: &GatherLaunch) -> Result<[sys::CUdeviceptr; 3]> {
@@ -799,38 +859,29 @@ impl Scratch {
         // SAFETY: all driver calls on live handles with the context bound by the caller.
         unsafe {
             if self.dev_cap < dev_need {
-                // The old area may still be read by queued kernels: wait before freeing it.
-                result::stream::synchronize(stream).map_err(|e| drv("cuStreamSynchronize", e))?;
-                if self.dev != 0 {
-                    let _ = result::free_sync(self.dev);
-                    self.dev = 0;
-                    self.dev_cap = 0;
-                }
-                let cap = dev_need.next_power_of_two();
-                self.dev = result::malloc_sync(cap).map_err(|e| TransferError::OutOfMemory {
+                // Queued kernels may still read the old area: keep it until `free`.
+                let cap = dev_need.next_power_of_two().max(64 << 10);
+                let dev = result::malloc_sync(cap).map_err(|e| TransferError::OutOfMemory {
                     what: "cuda gather scratch".into(),
                     requested: cap as u64,
                     limit: format!("cuMemAlloc: {e:?}"),
                 })?;
+                if self.dev != 0 {
+                    self.retired.push(self.dev);
+                }
+                self.dev = dev;
                 self.dev_cap = cap;
             }
-            let slot = &mut self.slots[self.next];
-            self.next = (self.next + 1) % STAGING_SLOTS;
-            // The CPU may rewrite this slot only once its previous upload has left it.
-            if let (true, Some(ev)) = (slot.pending, slot.event) {
-                result::event::synchronize(ev).map_err(|e| drv("cuEventSynchronize", e))?;
-            }
-            slot.pending = false;
-            if slot.event.is_none() {
-                slot.event = Some(result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(|e| drv("cuEventCreate", e))?);
-            }
+            let i = self.free_slot()?;
+            let slot = &mut self.slots[i];
             if slot.cap < stage_bytes {
                 if !slot.host.is_null() {
+                    // Idle (its upload has left it): freeing pinned memory waits for nothing.
                     let _ = result::free_host(slot.host as *mut c_void);
                     slot.host = std::ptr::null_mut();
                     slot.cap = 0;
                 }
-                let cap = stage_bytes.next_power_of_two();
+                let cap = stage_bytes.next_power_of_two().max(4096);
                 slot.host = result::malloc_host(cap, 0).map_err(|e| TransferError::OutOfMemory {
                     what: "cuda pinned staging".into(),
                     requested: cap as u64,
@@ -853,7 +904,7 @@ impl Scratch {
                 return Err(TransferError::Executor { backend: "cuda", message: format!("cuMemcpyHtoDAsync (gather tables): {rc:?}") });
             }
             slot.pending = true;
-            if let Err(e) = result::event::record(slot.event.unwrap_or(std::ptr::null_mut()), stream) {
+            if let Err(e) = result::event::record(slot.event, stream) {
                 // Without the event the slot's reuse cannot be ordered: drain the stream.
                 let _ = result::stream::synchronize(stream);
                 slot.pending = false;
@@ -868,16 +919,14 @@ impl Scratch {
     fn free(&mut self) {
         // SAFETY: handles allocated by `upload`; nothing queued uses them any more.
         unsafe {
-            if self.dev != 0 {
-                let _ = result::free_sync(self.dev);
+            for dev in self.retired.drain(..).chain((self.dev != 0).then_some(self.dev)) {
+                let _ = result::free_sync(dev);
             }
             for slot in &mut self.slots {
                 if !slot.host.is_null() {
                     let _ = result::free_host(slot.host as *mut c_void);
                 }
-                if let Some(ev) = slot.event.take() {
-                    let _ = result::event::destroy(ev);
-                }
+                let _ = result::event::destroy(slot.event);
             }
         }
         *self = Scratch::default();

@@ -158,8 +158,21 @@ pub fn gather_launch(
         .collect();
     let aligned8 = |s: &SideC| [s.ptr, s.base, s.page_stride, s.row_stride, s.head_stride].iter().all(|v| v % 8 == 0);
     let word = if chunk.is_multiple_of(8) && table.iter().all(|l| aligned8(&l.src) && aligned8(&l.dst)) { 8 } else { 4 };
-    if table.iter().any(|l| [l.src.ptr, l.dst.ptr].iter().any(|p| p % 4 != 0)) {
-        return Err(TransferError::Misaligned { what: "cuda buffer address".into(), value: 4, required: 4 });
+    // Every address the 4-byte kernel forms must be 4-byte aligned too: bases and strides, not
+    // only the buffers' addresses (a misaligned access is a sticky error that kills the context).
+    for l in &table {
+        for (what, s) in [("source", &l.src), ("destination", &l.dst)] {
+            let terms = [
+                ("address", s.ptr),
+                ("base", s.base),
+                ("page stride", s.page_stride),
+                ("row stride", s.row_stride),
+                ("head stride", s.head_stride),
+            ];
+            if let Some((name, value)) = terms.iter().find(|(_, v)| !v.is_multiple_of(4)) {
+                return Err(TransferError::Misaligned { what: format!("cuda {what} {name}"), value: *value, required: 4 });
+            }
+        }
     }
     let warps = tuning.num_warps_per_block.clamp(1, (max_threads_per_block / 32).max(1));
     let quota = tuning.block_quota.max(1) as i64;
