@@ -1,0 +1,146 @@
+//! Device memory and pinned host memory, owned or borrowed from an engine.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::driver::result;
+use cudarc::driver::sys;
+
+use super::{CudaExecutor, Inner};
+use crate::error::{Result, TransferError};
+
+/// Device memory, or pinned mapped host memory with its device pointer.
+pub struct CudaBuffer {
+    pub(super) dev_ptr: sys::CUdeviceptr,
+    pub(super) host_ptr: *mut u8,
+    pub(super) len: u64,
+    pub(super) owned: bool,
+    /// Host memory we registered with `cuMemHostRegister` (unregistered on drop).
+    pub(super) registered: bool,
+    /// Borrowed for one stream-ordered op (`kvcacheio`): the caller keeps the memory alive
+    /// until the stream reaches it, as for any op on its stream, so dropping does not wait.
+    pub(super) stream_ordered: bool,
+    pub(super) exec: Arc<Inner>,
+}
+
+// SAFETY: raw device/host pointers; access is serialised by the pools' borrow rules and the
+// executor's stream.
+unsafe impl Send for CudaBuffer {}
+unsafe impl Sync for CudaBuffer {}
+
+impl CudaBuffer {
+    /// Wraps an engine's device allocation (one layer buffer).
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must be device memory of `exec`'s context, valid for as long as the buffer
+    /// (and any pool holding it) lives, and not written by others while a transfer runs.
+    pub unsafe fn from_device_ptr(exec: &CudaExecutor, ptr: sys::CUdeviceptr, len: u64) -> CudaBuffer {
+        CudaBuffer {
+            dev_ptr: ptr,
+            host_ptr: std::ptr::null_mut(),
+            len,
+            owned: false,
+            registered: false,
+            stream_ordered: false,
+            exec: exec.inner.clone(),
+        }
+    }
+
+    /// Wraps an engine's host region. With `register`, it is page-locked and mapped here
+    /// (`cuMemHostRegister`, undone on drop); otherwise it must already be pinned or registered
+    /// with device mapping.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must be valid host memory for as long as the buffer lives, and not
+    /// accessed by others while a transfer runs.
+    pub unsafe fn from_host_ptr(exec: &CudaExecutor, ptr: *mut u8, len: u64, register: bool) -> Result<CudaBuffer> {
+        exec.bind()?;
+        unsafe {
+            if register {
+                let rc = sys::cuMemHostRegister_v2(
+                    ptr as *mut c_void,
+                    len as usize,
+                    sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP,
+                );
+                if rc != sys::CUresult::CUDA_SUCCESS {
+                    return Err(TransferError::Executor { backend: "cuda", message: format!("cuMemHostRegister({len} bytes): {rc:?}") });
+                }
+            }
+            let mut dev_ptr = 0;
+            let rc = sys::cuMemHostGetDevicePointer_v2(&mut dev_ptr, ptr as *mut c_void, 0);
+            if rc != sys::CUresult::CUDA_SUCCESS {
+                if register {
+                    let _ = sys::cuMemHostUnregister(ptr as *mut c_void);
+                }
+                return Err(TransferError::Executor {
+                    backend: "cuda",
+                    message: format!("host region is not mapped for the device (register it): {rc:?}"),
+                });
+            }
+            Ok(CudaBuffer {
+                dev_ptr,
+                host_ptr: ptr,
+                len,
+                owned: false,
+                registered: register,
+                stream_ordered: false,
+                exec: exec.inner.clone(),
+            })
+        }
+    }
+
+    /// [`CudaBuffer::from_device_ptr`] / [`CudaBuffer::from_host_ptr`] (never registering)
+    /// for one stream-ordered `kvcacheio` op: dropping it does not wait for the stream.
+    ///
+    /// # Safety
+    /// As for those, and the memory must stay valid until the executor's stream has run every
+    /// copy enqueued on it meanwhile.
+    pub(crate) unsafe fn stream_ordered(exec: &CudaExecutor, ptr: u64, len: u64, device_memory: bool) -> Result<CudaBuffer> {
+        let mut b = if device_memory {
+            unsafe { CudaBuffer::from_device_ptr(exec, ptr, len) }
+        } else {
+            unsafe { CudaBuffer::from_host_ptr(exec, ptr as *mut u8, len, false)? }
+        };
+        b.stream_ordered = true;
+        Ok(b)
+    }
+
+    /// Device address a kernel or copy uses.
+    pub fn device_ptr(&self) -> sys::CUdeviceptr {
+        self.dev_ptr
+    }
+    /// True for pinned host memory.
+    pub fn is_host(&self) -> bool {
+        !self.host_ptr.is_null()
+    }
+}
+
+impl Drop for CudaBuffer {
+    fn drop(&mut self) {
+        if self.stream_ordered {
+            return;
+        }
+        if !self.owned {
+            // A queued copy may still use the engine's memory: the engine frees it once the
+            // pool is dropped, so wait here first.
+            let _ = self.exec.ctx.bind_to_thread();
+            let _ = self.exec.sync_all();
+            if self.registered {
+                // SAFETY: registered by `from_host_ptr`.
+                let _ = unsafe { sys::cuMemHostUnregister(self.host_ptr as *mut c_void) };
+            }
+            return;
+        }
+        let _ = self.exec.ctx.bind_to_thread();
+        // Transfers in flight may still use this memory.
+        let _ = self.exec.sync_all();
+        // SAFETY: allocated by this executor with the matching call.
+        unsafe {
+            if self.host_ptr.is_null() {
+                let _ = result::free_sync(self.dev_ptr);
+            } else {
+                let _ = result::free_host(self.host_ptr as *mut c_void);
+            }
+        }
+    }
+}
