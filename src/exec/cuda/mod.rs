@@ -335,15 +335,8 @@ impl CudaExecutor {
         if engine == target {
             return Ok(());
         }
-        // SAFETY: live streams of the bound context; the event may be destroyed once the wait
-        // is enqueued.
-        unsafe {
-            let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(|e| drv("cuEventCreate", e))?;
-            let r = result::event::record(event, engine)
-                .and_then(|_| result::stream::wait_event(target, event, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT));
-            let _ = result::event::destroy(event);
-            r.map_err(|e| drv("ordering a backup after the engine stream", e))
-        }
+        // SAFETY: live streams of the bound context (the engine's vouched for when it was set).
+        unsafe { streams::order_raw(engine, target, "ordering a backup after the engine stream") }
     }
 
     fn record_on(&self, stream: Stream) -> Result<Completion> {
@@ -551,15 +544,8 @@ impl Executor for CudaExecutor {
             return Ok(());
         }
         let (first, then) = (self.raw_stream(first)?, self.raw_stream(then)?);
-        // SAFETY: both streams are live streams of the bound context; the event may be destroyed
-        // right after the wait is enqueued (the wait keeps what it needs).
-        unsafe {
-            let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(|e| drv("cuEventCreate", e))?;
-            let r = result::event::record(event, first)
-                .and_then(|_| result::stream::wait_event(then, event, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT));
-            let _ = result::event::destroy(event);
-            r.map_err(|e| drv("cuStreamWaitEvent", e))
-        }
+        // SAFETY: both streams are live streams of the bound context.
+        unsafe { streams::order_raw(first, then, "cuStreamWaitEvent") }
     }
     fn is_busy(&self, stream: Stream) -> bool {
         let raw = match stream {

@@ -11,6 +11,24 @@ use super::driver::{drv, drv_msg};
 use super::staging::Scratch;
 use crate::error::Result;
 
+/// Work enqueued on `then` from now on starts after the work enqueued on `first` so far: an event
+/// recorded on `first` and waited on by `then`, on the device (the host does not block).
+///
+/// # Safety
+/// Both are live streams of the bound context.
+pub(super) unsafe fn order_raw(first: sys::CUstream, then: sys::CUstream, what: &str) -> Result<()> {
+    let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(|e| drv("cuEventCreate", e))?;
+    // SAFETY: the caller vouches for the streams; the event may be destroyed as soon as the wait
+    // is enqueued (the wait keeps what it needs).
+    let r = unsafe {
+        result::event::record(event, first)
+            .and_then(|_| result::stream::wait_event(then, event, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT))
+    };
+    // SAFETY: created above.
+    let _ = unsafe { result::event::destroy(event) };
+    r.map_err(|e| drv(what, e))
+}
+
 /// The stream an engine writes its KV on, raw, and the handle that keeps it alive (if any).
 pub(super) struct EngineStream {
     pub(super) raw: sys::CUstream,
