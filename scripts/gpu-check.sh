@@ -3,7 +3,8 @@
 #   1. hicache-io info (driver, device, kernel image, batched memcpy, wgpu adapter),
 #   2. the CUDA executor against the oracle on every supported cell, both profiles,
 #   3. the CUDA engine example (borrowed engine memory, completion handles, layer overlap),
-#   4. the CUDA tests (when cargo is present) with HICACHE_REQUIRE_CUDA=1,
+#   4. the CUDA tests (when cargo is present) with HICACHE_REQUIRE_CUDA=1, the engine-stream
+#      ordering tests among them,
 #   5. hostile input on cuda (fuzz, 2,000 cases),
 #   6. wgpu on the real GPU when its Vulkan driver is present (check),
 #   7. a short bench: kernel vs direct (batched and per-run copies), H2D loads and D2H backups,
@@ -37,7 +38,7 @@ else
     status=1
 fi
 if command -v cargo >/dev/null; then
-    step "cuda tests" cargo test --release --quiet --test cuda --test borrowed --test sglang_ports --test faults
+    step "cuda tests" cargo test --release --quiet --test cuda --test borrowed --test sglang_ports --test faults --test cuda_engine_stream --test pipeline
 fi
 step "fuzz: cuda" "$bin" fuzz --backend cuda --cases 2000 --seed 3
 if "$bin" info | grep -q "^wgpu: available"; then
