@@ -609,9 +609,8 @@ impl State {
         seq
     }
 
-    /// Ops of stream `sid` up to `seq` are done: the host has observed them.
-    pub fn observe(&mut self, sid: usize, clock: &[u64]) {
-        let _ = sid;
+    /// The host has observed the work behind `clock` (a synchronization or a successful query).
+    pub fn observe(&mut self, clock: &[u64]) {
         merge(&mut self.host_vc, clock);
     }
 
@@ -882,12 +881,14 @@ impl State {
         }
     }
 
-    /// Waits (the lock released meanwhile) until stream `sid` has completed `seq`.
-    pub fn wait(mut g: MutexGuard<'static, State>, sid: usize, seq: u64) -> MutexGuard<'static, State> {
+    /// Waits (the lock released meanwhile) until stream `sid` has completed `seq`, then records
+    /// that the host has observed the work behind `clock` (that op's clock or later).
+    pub fn wait(mut g: MutexGuard<'static, State>, sid: usize, seq: u64, clock: &[u64]) -> MutexGuard<'static, State> {
         BLOCKED.with(|b| b.set(true));
         while g.streams[sid].done < seq {
             g = engine().cv.wait(g).unwrap_or_else(|e| e.into_inner());
         }
+        g.observe(clock);
         g
     }
 }

@@ -486,8 +486,7 @@ pub unsafe extern "C" fn cuCtxSynchronize() -> u32 {
         let targets: Vec<(usize, u64, Vec<u64>)> =
             g.streams.iter().enumerate().filter(|(_, s)| s.dev == dev).map(|(i, s)| (i, s.enq, s.vc.clone())).collect();
         for (sid, seq, vc) in targets {
-            g = State::wait(g, sid, seq);
-            g.observe(sid, &vc);
+            g = State::wait(g, sid, seq, &vc);
         }
         BLOCKED.with(|b| b.set(true));
         g.sync_error(dev)
@@ -770,8 +769,7 @@ pub unsafe extern "C" fn cuStreamSynchronize(s: u64) -> u32 {
         let dev = tryc!(cur(&g));
         let sid = tryc!(g.resolve(s, dev));
         let (seq, vc) = (g.streams[sid].enq, g.streams[sid].vc.clone());
-        g = State::wait(g, sid, seq);
-        g.observe(sid, &vc);
+        g = State::wait(g, sid, seq, &vc);
         g.sync_error(dev)
     })
 }
@@ -787,7 +785,7 @@ pub unsafe extern "C" fn cuStreamQuery(s: u64) -> u32 {
             return CUDA_ERROR_NOT_READY;
         }
         let vc = st.vc.clone();
-        g.observe(sid, &vc);
+        g.observe(&vc);
         g.sync_error(dev)
     })
 }
@@ -896,7 +894,7 @@ pub unsafe extern "C" fn cuEventQuery(e: u64) -> u32 {
             if g.streams[sid].done < seq {
                 return CUDA_ERROR_NOT_READY;
             }
-            g.observe(sid, &clock);
+            g.observe(&clock);
         }
         g.sync_error(dev)
     })
@@ -912,8 +910,7 @@ pub unsafe extern "C" fn cuEventSynchronize(e: u64) -> u32 {
         let dev = ev.dev;
         BLOCKED.with(|b| b.set(true));
         if let Some((sid, seq, clock)) = ev.rec.clone() {
-            g = State::wait(g, sid, seq);
-            g.observe(sid, &clock);
+            g = State::wait(g, sid, seq, &clock);
         }
         g.sync_error(dev)
     })
@@ -1013,8 +1010,7 @@ fn copy(name: &str, dst: u64, src: u64, len: usize, stream: u64, want: Want, syn
         let wait = ds == Side::Pageable || (sync && (ds == Side::Pinned || ss == Side::Pinned));
         if wait {
             let vc = g.streams[sid].vc.clone();
-            g = State::wait(g, sid, seq);
-            g.observe(sid, &vc);
+            g = State::wait(g, sid, seq, &vc);
             return g.sync_error(dev);
         }
         CUDA_SUCCESS
@@ -1073,8 +1069,7 @@ fn memset(name: &str, dst: u64, value: u32, n: usize, width: u8, stream: u64, sy
         let seq = g.enqueue(sid, OpKind::Memset { dst, len: n as u64, value, width }, format!("{name}({bytes} bytes)"), vec![], None);
         if sync && s == Side::Pinned {
             let vc = g.streams[sid].vc.clone();
-            g = State::wait(g, sid, seq);
-            g.observe(sid, &vc);
+            g = State::wait(g, sid, seq, &vc);
             return g.sync_error(dev);
         }
         CUDA_SUCCESS

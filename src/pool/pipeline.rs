@@ -75,7 +75,7 @@ impl HostPool<'static> {
     /// own their memory, so nothing in flight can outlive what it writes.
     pub fn pipeline<'a>(&'a mut self, device_pool: &'a mut DevicePool<'static>) -> Result<Pipeline<'a>> {
         self.check_pair(device_pool)?;
-        // Backups start after what the main stream holds now (cuda zeroes new pools there), and
+        // Backups start after what the main stream holds now (earlier plain calls), and
         // loads after what the side stream holds (a leaked pipeline's backups).
         self.device().order_after(Stream::Main, Stream::Side)?;
         self.device().order_after(Stream::Side, Stream::Main)?;
