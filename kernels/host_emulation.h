@@ -92,7 +92,7 @@ static inline char* hicache_emu_check(const void* p, uint64_t size, uint64_t nee
 
 template <typename T>
 static inline T hicache_emu_load(const char* p) {
-    T v = 0;
+    T v{};
     if (const char* h = hicache_emu_check(p, sizeof(T), HICACHE_EMU_READ)) {
         std::memcpy(&v, h, sizeof(T));
         hicache_emu.report.bytes_loaded += sizeof(T);
@@ -108,27 +108,31 @@ static inline void hicache_emu_store(char* p, T v) {
     }
 }
 
-// The signature of transfer.cu's gather kernels (its u64 / i64 are these types).
-struct Launch;
-typedef void (*hicache_emu_kernel)(const Launch*, int, const long long*, const long long*, long long, unsigned long long,
-                                   unsigned long long, long long);
+// CUDA's atomicMin on global words, for one thread at a time (the launcher runs threads one
+// after the other).
+static inline unsigned long long atomicMin(unsigned long long* p, unsigned long long v) {
+    const unsigned long long old = hicache_emu_load<unsigned long long>((const char*)p);
+    if (v < old) hicache_emu_store<unsigned long long>((char*)p, v);
+    return old;
+}
+static inline unsigned int atomicMin(unsigned int* p, unsigned int v) {
+    const unsigned int old = hicache_emu_load<unsigned int>((const char*)p);
+    if (v < old) hicache_emu_store<unsigned int>((char*)p, v);
+    return old;
+}
 
-// Runs `kernel` over a grid of `grid` blocks of `block` threads. `params` holds pointers to the
-// eight arguments, as for cuLaunchKernel; the table and index-list pointers among them are read
-// directly, so they must be host addresses (the simulated driver translates them first). Returns 0, or -1 for a launch the driver would refuse
+// A kernel's host entry point (transfer.cu's hicache_emu_* thunks): the parameters as
+// cuLaunchKernel takes them, an array of pointers to each argument.
+typedef void (*hicache_emu_kernel)(void** params);
+
+// Runs `kernel` over a grid of `grid` blocks of `block` threads. Pointers the kernels read
+// without the checked loads (the gathers' table and index lists) must be host addresses (the
+// simulated driver translates them first). Returns 0, or -1 for a launch the driver would refuse
 // (an empty grid or block, or more threads than the kernels' launch bounds).
 extern "C" __attribute__((visibility("default"))) int hicache_emu_launch(hicache_emu_kernel kernel, unsigned int grid, unsigned int block,
                                                                          void** params, const hicache_emu_range* ranges, int n_ranges,
                                                                          hicache_emu_report* report) {
     if (grid == 0 || block == 0 || block > HICACHE_EMU_MAX_THREADS) return -1;
-    const Launch* launches = *(const Launch* const*)params[0];
-    const int n_launches = *(const int*)params[1];
-    const long long* src_idx = *(const long long* const*)params[2];
-    const long long* dst_idx = *(const long long* const*)params[3];
-    const long long n_items = *(const long long*)params[4];
-    const unsigned long long heads = *(const unsigned long long*)params[5];
-    const unsigned long long chunk_bytes = *(const unsigned long long*)params[6];
-    const long long items_per_warp = *(const long long*)params[7];
     hicache_emu = hicache_emu_state{ranges, n_ranges, 0, hicache_emu_report{}};
     gridDim = hicache_emu_dim3{grid, 1, 1};
     blockDim = hicache_emu_dim3{block, 1, 1};
@@ -136,7 +140,7 @@ extern "C" __attribute__((visibility("default"))) int hicache_emu_launch(hicache
         for (unsigned int t = 0; t < block; ++t) {
             blockIdx = hicache_emu_dim3{b, 0, 0};
             threadIdx = hicache_emu_dim3{t, 0, 0};
-            kernel(launches, n_launches, src_idx, dst_idx, n_items, heads, chunk_bytes, items_per_warp);
+            kernel(params);
         }
     }
     *report = hicache_emu.report;

@@ -8,7 +8,9 @@
 #   5. hostile input on cuda (fuzz, 2,000 cases),
 #   6. wgpu on the real GPU when its Vulkan driver is present (check),
 #   7. a short bench: kernel vs direct (batched and per-run copies), H2D loads and D2H backups,
-#      DSA pages of 8448 B and MLA records of 1152 B and 656 B, 4096 random pages,
+#      DSA pages of 8448 B and MLA records of 1152 B and 656 B, 4096 random pages; the kernel with
+#      16-byte words (the default where aligned) against 8-byte words (HICACHE_CUDA_MAX_WORD=8),
+#      each next to the contiguous cuMemcpyAsync reference the bench prints,
 #   8. the Python package on CUDA tensors (torch), when a wheel is given in $HICACHE_IO_WHEEL
 #      (build it with `maturin build --release -m python/Cargo.toml`; installed --no-deps into a
 #      venv that sees the system's torch).
@@ -38,7 +40,8 @@ else
     status=1
 fi
 if command -v cargo >/dev/null; then
-    step "cuda tests" cargo test --release --quiet --test cuda --test borrowed --test sglang_ports --test faults --test cuda_engine_stream --test pipeline
+    step "cuda tests" cargo test --release --quiet --test cuda --test borrowed --test sglang_ports --test faults --test cuda_engine_stream --test pipeline \
+        --test cuda_device_indices
 fi
 step "fuzz: cuda" "$bin" fuzz --backend cuda --cases 2000 --seed 3
 if "$bin" info | grep -q "^wgpu: available"; then
@@ -49,6 +52,9 @@ echo "== bench: batched direct copies"
 "$bin" bench --backend cuda --items 8448,1152,656 --budget-ms 200 || status=1
 echo "== bench: one cuMemcpyAsync per run (HICACHE_CUDA_BATCH=0)"
 HICACHE_CUDA_BATCH=0 "$bin" bench --backend cuda --items 8448,1152,656 --budget-ms 200 --json > "$out/bench-cuda-per-run.json" || status=1
+echo "== bench: the kernel with 8-byte words (HICACHE_CUDA_MAX_WORD=8; the runs above use 16-byte words where aligned)"
+HICACHE_CUDA_MAX_WORD=8 "$bin" bench --backend cuda --items 8448,1152,656 --budget-ms 200 || status=1
+HICACHE_CUDA_MAX_WORD=8 "$bin" bench --backend cuda --items 8448,1152,656 --budget-ms 200 --json > "$out/bench-cuda-w8.json" || status=1
 if [ -n "${HICACHE_IO_WHEEL:-}" ]; then
     echo "== python: kvcacheio on CUDA tensors (torch)"
     pyenv="$(mktemp -d)/venv"

@@ -284,6 +284,16 @@ pub enum TransferError {
         /// The failure of that step.
         source: Box<TransferError>,
     },
+    /// A call whose index lists were in CUDA memory failed its device-side checks: nothing of it
+    /// was copied. Reported at the next synchronizing call (or the next call on the executor),
+    /// naming the call; `source` is the error the host checks would have returned.
+    #[error("{call} (issued earlier, its CUDA index lists checked on the device; nothing was copied): {source}")]
+    DeviceIndexCheck {
+        /// The call that was refused.
+        call: &'static str,
+        /// What the check found.
+        source: Box<TransferError>,
+    },
     /// An executor that cannot run here (no driver, no adapter, not compiled in).
     #[error("{backend}: unavailable ({reason})")]
     Unavailable {

@@ -34,7 +34,7 @@ use std::ptr::NonNull;
 
 use crate::exec::{Buffer, Device};
 use crate::geometry::{IoBackend, LayerMap, Layout, PoolKind, Profile};
-use crate::plan::{Op, Plan, Request};
+use crate::plan::{DeviceIndexLists, Op, Plan, Request};
 use crate::pool::{DevicePool, DevicePoolConfig, HostPool, HostPoolConfig};
 use crate::{Result, TransferError};
 
@@ -93,6 +93,85 @@ impl RawTensor {
             Some(&rows) if rows > 0 => self.len / rows,
             _ => self.len,
         }
+    }
+}
+
+/// An index list: `i64` values on the host, or in CUDA memory ([`CudaIndices`]). Host lists
+/// are checked before anything is enqueued; CUDA lists (the `kernel` ops on the cuda executor)
+/// are checked on the device, without a host round trip: a failing list moves nothing, and the
+/// error ([`TransferError::DeviceIndexCheck`], naming the op) comes from the next
+/// `CudaExecutor::synchronize` or the next op on that executor — which then does not run (it
+/// returns the earlier op's error; issue it again). The layers of one all-layer op share one
+/// check: all of them move, or none.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Indices<'a> {
+    /// Host values.
+    Host(&'a [i64]),
+    /// Values in CUDA device memory.
+    Cuda(CudaIndices),
+}
+
+/// `len` `i64` indices at device address `addr`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CudaIndices {
+    addr: u64,
+    len: usize,
+    call: &'static str,
+}
+
+impl CudaIndices {
+    /// Describes an index list in CUDA memory.
+    ///
+    /// # Safety
+    /// `addr..addr + 8 × len` must be device memory of the executor's context, holding `i64`s,
+    /// valid and unchanged until the executor's stream has run the op (as for [`RawTensor`]).
+    pub unsafe fn new(addr: u64, len: usize) -> CudaIndices {
+        CudaIndices { addr, len, call: "" }
+    }
+}
+
+impl Indices<'_> {
+    /// Entries.
+    pub fn len(&self) -> usize {
+        match self {
+            Indices::Host(v) => v.len(),
+            Indices::Cuda(c) => c.len,
+        }
+    }
+    /// True when it has no entry.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// This list as an argument of op `call` (named in its device check's error).
+    fn call(self, call: &'static str) -> Self {
+        match self {
+            Indices::Cuda(c) => Indices::Cuda(CudaIndices { call, ..c }),
+            host => host,
+        }
+    }
+}
+
+impl<'a> From<&'a [i64]> for Indices<'a> {
+    fn from(v: &'a [i64]) -> Self {
+        Indices::Host(v)
+    }
+}
+
+impl<'a> From<&'a Vec<i64>> for Indices<'a> {
+    fn from(v: &'a Vec<i64>) -> Self {
+        Indices::Host(v)
+    }
+}
+
+impl<'a, const N: usize> From<&'a [i64; N]> for Indices<'a> {
+    fn from(v: &'a [i64; N]) -> Self {
+        Indices::Host(v)
+    }
+}
+
+impl From<CudaIndices> for Indices<'_> {
+    fn from(c: CudaIndices) -> Self {
+        Indices::Cuda(c)
     }
 }
 
@@ -222,7 +301,7 @@ fn item_bytes(item_size: i64) -> Result<u64> {
 /// sgl-kernel's launcher checks of the `kernel` ops, in its order (equal lengths, then the
 /// 8-byte item), before any tensor is looked at; the planner makes them again, with the same
 /// outcome, for the pools it builds. Returns the item in bytes.
-fn launcher(hi: &[i64], di: &[i64], item_size: i64) -> Result<u64> {
+fn launcher(hi: Indices<'_>, di: Indices<'_>, item_size: i64) -> Result<u64> {
     if hi.len() != di.len() {
         return Err(TransferError::LengthMismatch { src_len: hi.len(), dst_len: di.len() });
     }
@@ -241,16 +320,52 @@ struct Call {
 }
 
 impl Call {
-    fn new(dev: DevicePool<'static>, host: HostPool<'static>, op: Op, io: IoBackend, hi: &[i64], di: &[i64]) -> Result<Call> {
-        let plan = host.plan(&dev, &Request { op, io_backend: io, host_indices: hi, device_indices: di })?;
+    fn new(dev: DevicePool<'static>, host: HostPool<'static>, op: Op, io: IoBackend, hi: Indices<'_>, di: Indices<'_>) -> Result<Call> {
+        let plan = match (hi, di) {
+            (Indices::Host(hi), Indices::Host(di)) => {
+                host.plan(&dev, &Request { op, io_backend: io, host_indices: hi, device_indices: di })?
+            }
+            (Indices::Cuda(h), Indices::Cuda(d)) => {
+                if h.len != d.len {
+                    return Err(TransferError::LengthMismatch { src_len: h.len, dst_len: d.len });
+                }
+                // A misaligned 8-byte load is a sticky device error that ends the context.
+                if let Some(a) = [h.addr, d.addr].into_iter().find(|a| a % 8 != 0) {
+                    return Err(bad("indices", format!("CUDA index list at {a:#x} is not 8-byte aligned")));
+                }
+                let lists = DeviceIndexLists { host: h.addr, device: d.addr, len: h.len };
+                host.plan_device_lists(&dev, op, io, lists, h.call)?
+            }
+            _ => return Err(bad("indices", "both index lists in CUDA memory, or both on the host")),
+        };
         Ok(Call { dev, host, plan })
     }
 }
 
 /// Runs calls that were all validated first, in order. A failure after the first call (an
 /// executor error, never a validation error) is `Partial`, naming the calls (one per layer)
-/// that completed.
+/// that completed. Calls with CUDA index lists are checked on the device, all with the same
+/// checks (so that all of them or none move), and an earlier call's failed device check is
+/// reported first.
 fn run_all(calls: Vec<Call>) -> Result<()> {
+    let Some(first) = calls.first() else { return Ok(()) };
+    let checks: Vec<_> = calls.iter().filter_map(|c| c.plan.device_check().map(|d| (d.host_bound, d.device_bound))).collect();
+    if checks.windows(2).any(|w| w[0] != w[1]) {
+        return Err(bad("indices", "CUDA index lists need layers of one size (their device checks must be the same); pass host indices"));
+    }
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(e) = first.dev.device() {
+        e.index_check_reports(false)?;
+        if !checks.is_empty() {
+            let e = e.clone();
+            return e.with_shared_index_check(|| run_calls(calls));
+        }
+    }
+    let _ = first;
+    run_calls(calls)
+}
+
+fn run_calls(calls: Vec<Call>) -> Result<()> {
     let total = calls.len();
     for (k, mut c) in calls.into_iter().enumerate() {
         let r = match c.plan.direction() {
@@ -277,16 +392,17 @@ fn kv<'a>(k: &'a RawTensor, v: &'a RawTensor, k_name: &str, v_name: &str) -> [Ar
 
 /// `transfer_kv_per_layer`: one layer, layer_first to layer_first. `src_k[s]`, `src_v[s]`
 /// (items of `item_size` bytes) → `dst_k[d]`, `dst_v[d]`; negative indices are skipped.
-pub fn transfer_kv_per_layer(
+pub fn transfer_kv_per_layer<'i>(
     device: &Device,
     src_k: &RawTensor,
     dst_k: &RawTensor,
     src_v: &RawTensor,
     dst_v: &RawTensor,
-    src_indices: &[i64],
-    dst_indices: &[i64],
+    src_indices: impl Into<Indices<'i>>,
+    dst_indices: impl Into<Indices<'i>>,
     item_size: i64,
 ) -> Result<()> {
+    let (src_indices, dst_indices) = (src_indices.into().call("transfer_kv_per_layer"), dst_indices.into().call("transfer_kv_per_layer"));
     let item = launcher(src_indices, dst_indices, item_size)?;
     let src = kv(src_k, src_v, "src_k", "src_v");
     let dst = kv(dst_k, dst_v, "dst_k", "dst_v");
@@ -296,14 +412,16 @@ pub fn transfer_kv_per_layer(
 }
 
 /// `transfer_kv_per_layer_mla`: [`transfer_kv_per_layer`] with one buffer.
-pub fn transfer_kv_per_layer_mla(
+pub fn transfer_kv_per_layer_mla<'i>(
     device: &Device,
     src: &RawTensor,
     dst: &RawTensor,
-    src_indices: &[i64],
-    dst_indices: &[i64],
+    src_indices: impl Into<Indices<'i>>,
+    dst_indices: impl Into<Indices<'i>>,
     item_size: i64,
 ) -> Result<()> {
+    let (src_indices, dst_indices) =
+        (src_indices.into().call("transfer_kv_per_layer_mla"), dst_indices.into().call("transfer_kv_per_layer_mla"));
     let item = launcher(src_indices, dst_indices, item_size)?;
     let (s, d) = (arg("src", src), arg("dst", dst));
     check_overlaps(std::slice::from_ref(&s), std::slice::from_ref(&d))?;
@@ -320,8 +438,8 @@ fn lf_pair(
     src: &[&Arg<'_>],
     dst: &[&Arg<'_>],
     io: IoBackend,
-    hi: &[i64],
-    di: &[i64],
+    hi: Indices<'_>,
+    di: Indices<'_>,
 ) -> Result<Call> {
     let dev = device_pool(device, kind, item, 1, &dst.iter().map(|a| vec![*a]).collect::<Vec<_>>())?;
     let slots = common_slots(src, item)?;
@@ -345,54 +463,60 @@ fn layer_index(layer_id: i64) -> Result<usize> {
 
 /// `transfer_kv_per_layer_pf_lf`: layer `layer_id` of a page_first host buffer
 /// (`[slots][L][item]`, `src_layout_dim = L × item_size`) → one layer_first device layer.
-pub fn transfer_kv_per_layer_pf_lf(
+pub fn transfer_kv_per_layer_pf_lf<'i>(
     device: &Device,
     src_k: &RawTensor,
     dst_k: &RawTensor,
     src_v: &RawTensor,
     dst_v: &RawTensor,
-    src_indices: &[i64],
-    dst_indices: &[i64],
+    src_indices: impl Into<Indices<'i>>,
+    dst_indices: impl Into<Indices<'i>>,
     layer_id: i64,
     item_size: i64,
     src_layout_dim: i64,
 ) -> Result<()> {
+    let (src_indices, dst_indices) =
+        (src_indices.into().call("transfer_kv_per_layer_pf_lf"), dst_indices.into().call("transfer_kv_per_layer_pf_lf"));
     let src = kv(src_k, src_v, "src_k", "src_v");
     let dst = kv(dst_k, dst_v, "dst_k", "dst_v");
     paged_load(device, PoolKind::Mha, Layout::PageFirst, &src, &dst, src_indices, dst_indices, layer_id, item_size, src_layout_dim, 1, 1)
 }
 
 /// `transfer_kv_per_layer_mla_pf_lf`: [`transfer_kv_per_layer_pf_lf`] with one buffer.
-pub fn transfer_kv_per_layer_mla_pf_lf(
+pub fn transfer_kv_per_layer_mla_pf_lf<'i>(
     device: &Device,
     src: &RawTensor,
     dst: &RawTensor,
-    src_indices: &[i64],
-    dst_indices: &[i64],
+    src_indices: impl Into<Indices<'i>>,
+    dst_indices: impl Into<Indices<'i>>,
     layer_id: i64,
     item_size: i64,
     src_layout_dim: i64,
 ) -> Result<()> {
+    let (src_indices, dst_indices) =
+        (src_indices.into().call("transfer_kv_per_layer_mla_pf_lf"), dst_indices.into().call("transfer_kv_per_layer_mla_pf_lf"));
     let (s, d) = ([arg("src", src)], [arg("dst", dst)]);
     paged_load(device, PoolKind::Mla, Layout::PageFirst, &s, &d, src_indices, dst_indices, layer_id, item_size, src_layout_dim, 1, 1)
 }
 
 /// `transfer_kv_per_layer_ph_lf`: layer `layer_id` of a page_head host buffer
 /// (`[pages][head_num][page_size][L][item / head_num]`) → one layer_first device layer.
-pub fn transfer_kv_per_layer_ph_lf(
+pub fn transfer_kv_per_layer_ph_lf<'i>(
     device: &Device,
     src_k: &RawTensor,
     dst_k: &RawTensor,
     src_v: &RawTensor,
     dst_v: &RawTensor,
-    src_indices: &[i64],
-    dst_indices: &[i64],
+    src_indices: impl Into<Indices<'i>>,
+    dst_indices: impl Into<Indices<'i>>,
     layer_id: i64,
     item_size: i64,
     src_layout_dim: i64,
     page_size: i64,
     head_num: i64,
 ) -> Result<()> {
+    let (src_indices, dst_indices) =
+        (src_indices.into().call("transfer_kv_per_layer_ph_lf"), dst_indices.into().call("transfer_kv_per_layer_ph_lf"));
     let src = kv(src_k, src_v, "src_k", "src_v");
     let dst = kv(dst_k, dst_v, "dst_k", "dst_v");
     paged_load(
@@ -424,8 +548,8 @@ fn paged_load(
     layout: Layout,
     src: &[Arg<'_>],
     dst: &[Arg<'_>],
-    hi: &[i64],
-    di: &[i64],
+    hi: Indices<'_>,
+    di: Indices<'_>,
     layer_id: i64,
     item_size: i64,
     src_layout_dim: i64,
@@ -459,17 +583,18 @@ pub fn check_num_layers(mla: bool, num_layers: i64, table_len: usize) -> Result<
 
 /// `transfer_kv_all_layer`: every layer `j < num_layers`, `src_*_layers[j]` → `dst_*_layers[j]`
 /// (layer_first both sides; sglang passes device tables of layer base pointers).
-pub fn transfer_kv_all_layer(
+pub fn transfer_kv_all_layer<'i>(
     device: &Device,
     src_k_layers: &[RawTensor],
     dst_k_layers: &[RawTensor],
     src_v_layers: &[RawTensor],
     dst_v_layers: &[RawTensor],
-    src_indices: &[i64],
-    dst_indices: &[i64],
+    src_indices: impl Into<Indices<'i>>,
+    dst_indices: impl Into<Indices<'i>>,
     item_size: i64,
     num_layers: i64,
 ) -> Result<()> {
+    let (src_indices, dst_indices) = (src_indices.into().call("transfer_kv_all_layer"), dst_indices.into().call("transfer_kv_all_layer"));
     check_num_layers(false, num_layers, src_k_layers.len())?;
     let lists =
         [("src_k_layers", src_k_layers), ("src_v_layers", src_v_layers), ("dst_k_layers", dst_k_layers), ("dst_v_layers", dst_v_layers)];
@@ -477,15 +602,17 @@ pub fn transfer_kv_all_layer(
 }
 
 /// `transfer_kv_all_layer_mla`: [`transfer_kv_all_layer`] with one buffer per layer.
-pub fn transfer_kv_all_layer_mla(
+pub fn transfer_kv_all_layer_mla<'i>(
     device: &Device,
     src_layers: &[RawTensor],
     dst_layers: &[RawTensor],
-    src_indices: &[i64],
-    dst_indices: &[i64],
+    src_indices: impl Into<Indices<'i>>,
+    dst_indices: impl Into<Indices<'i>>,
     item_size: i64,
     num_layers: i64,
 ) -> Result<()> {
+    let (src_indices, dst_indices) =
+        (src_indices.into().call("transfer_kv_all_layer_mla"), dst_indices.into().call("transfer_kv_all_layer_mla"));
     check_num_layers(true, num_layers, src_layers.len())?;
     let lists = [("src_layers", src_layers), ("dst_layers", dst_layers)];
     layer_lists(device, PoolKind::Mla, &lists, IoBackend::Kernel, src_indices, dst_indices, Some(item_size))
@@ -507,7 +634,7 @@ pub fn transfer_kv_direct(
     }
     direct_counts(src_indices, dst_indices, page_size)?;
     let lists = [("src_layers", src_layers), ("dst_layers", dst_layers)];
-    layer_lists(device, PoolKind::Mla, &lists, IoBackend::Direct, src_indices, dst_indices, None)
+    layer_lists(device, PoolKind::Mla, &lists, IoBackend::Direct, src_indices.into(), dst_indices.into(), None)
 }
 
 /// The checks of sglang's direct ops, in their order.
@@ -531,8 +658,8 @@ fn layer_lists(
     kind: PoolKind,
     lists: &[(&str, &[RawTensor])],
     io: IoBackend,
-    hi: &[i64],
-    di: &[i64],
+    hi: Indices<'_>,
+    di: Indices<'_>,
     item_size: Option<i64>,
 ) -> Result<()> {
     // `kernel`: sglang's item; `direct`: each layer's own row bytes.
@@ -580,18 +707,20 @@ fn layer_lists(
 
 /// `transfer_kv_all_layer_lf_pf`: every layer of the source lists → its layer of a page_first
 /// host buffer (`dst_layout_dim = num_layers × item_size`).
-pub fn transfer_kv_all_layer_lf_pf(
+pub fn transfer_kv_all_layer_lf_pf<'i>(
     device: &Device,
     src_k_layers: &[RawTensor],
     dst_k: &RawTensor,
     src_v_layers: &[RawTensor],
     dst_v: &RawTensor,
-    src_indices: &[i64],
-    dst_indices: &[i64],
+    src_indices: impl Into<Indices<'i>>,
+    dst_indices: impl Into<Indices<'i>>,
     item_size: i64,
     dst_layout_dim: i64,
     num_layers: i64,
 ) -> Result<()> {
+    let (src_indices, dst_indices) =
+        (src_indices.into().call("transfer_kv_all_layer_lf_pf"), dst_indices.into().call("transfer_kv_all_layer_lf_pf"));
     check_num_layers(false, num_layers, src_k_layers.len())?;
     let dst = kv(dst_k, dst_v, "dst_k", "dst_v");
     let src = [("src_k_layers", src_k_layers), ("src_v_layers", src_v_layers)];
@@ -599,16 +728,18 @@ pub fn transfer_kv_all_layer_lf_pf(
 }
 
 /// `transfer_kv_all_layer_mla_lf_pf`: [`transfer_kv_all_layer_lf_pf`] with one buffer.
-pub fn transfer_kv_all_layer_mla_lf_pf(
+pub fn transfer_kv_all_layer_mla_lf_pf<'i>(
     device: &Device,
     src_layers: &[RawTensor],
     dst: &RawTensor,
-    src_indices: &[i64],
-    dst_indices: &[i64],
+    src_indices: impl Into<Indices<'i>>,
+    dst_indices: impl Into<Indices<'i>>,
     item_size: i64,
     dst_layout_dim: i64,
     num_layers: i64,
 ) -> Result<()> {
+    let (src_indices, dst_indices) =
+        (src_indices.into().call("transfer_kv_all_layer_mla_lf_pf"), dst_indices.into().call("transfer_kv_all_layer_mla_lf_pf"));
     check_num_layers(true, num_layers, src_layers.len())?;
     let d = [arg("dst", dst)];
     layout_backup(
@@ -627,20 +758,22 @@ pub fn transfer_kv_all_layer_mla_lf_pf(
 }
 
 /// `transfer_kv_all_layer_lf_ph`: every layer → its layer of a page_head host buffer.
-pub fn transfer_kv_all_layer_lf_ph(
+pub fn transfer_kv_all_layer_lf_ph<'i>(
     device: &Device,
     src_k_layers: &[RawTensor],
     dst_k: &RawTensor,
     src_v_layers: &[RawTensor],
     dst_v: &RawTensor,
-    src_indices: &[i64],
-    dst_indices: &[i64],
+    src_indices: impl Into<Indices<'i>>,
+    dst_indices: impl Into<Indices<'i>>,
     item_size: i64,
     dst_layout_dim: i64,
     num_layers: i64,
     page_size: i64,
     head_num: i64,
 ) -> Result<()> {
+    let (src_indices, dst_indices) =
+        (src_indices.into().call("transfer_kv_all_layer_lf_ph"), dst_indices.into().call("transfer_kv_all_layer_lf_ph"));
     check_num_layers(false, num_layers, src_k_layers.len())?;
     let dst = kv(dst_k, dst_v, "dst_k", "dst_v");
     let src = [("src_k_layers", src_k_layers), ("src_v_layers", src_v_layers)];
@@ -666,8 +799,8 @@ fn layout_backup(
     layout: Layout,
     src: &[(&str, &[RawTensor])],
     dst: &[Arg<'_>],
-    hi: &[i64],
-    di: &[i64],
+    hi: Indices<'_>,
+    di: Indices<'_>,
     item_size: i64,
     dst_layout_dim: i64,
     page_size: i64,
@@ -687,7 +820,7 @@ fn layout_backup(
 }
 
 /// A backup's (host, device) index lists from the op's (src = device, dst = host) lists.
-fn backup_lists<'a>(src_indices: &'a [i64], dst_indices: &'a [i64]) -> (&'a [i64], &'a [i64]) {
+fn backup_lists<T>(src_indices: T, dst_indices: T) -> (T, T) {
     (dst_indices, src_indices)
 }
 
@@ -822,7 +955,14 @@ pub fn transfer_kv_per_layer_direct_pf_lf(
         .map(|j| {
             let dev = one_layer_device(device, a.kind, a.item, a.page, a.layers, &a.dev_layer(j))?;
             let host = a.host_pool(&dev, Profile::Sglang)?;
-            Call::new(dev, host, Op::Load { layer_id: layer_id + j, is_draft: false }, IoBackend::Direct, src_indices, dst_indices)
+            Call::new(
+                dev,
+                host,
+                Op::Load { layer_id: layer_id + j, is_draft: false },
+                IoBackend::Direct,
+                src_indices.into(),
+                dst_indices.into(),
+            )
         })
         .collect::<Result<Vec<_>>>()?;
     run_all(calls)
@@ -846,7 +986,7 @@ pub fn transfer_kv_all_layer_direct_lf_pf(
     let dev = device_pool(device, a.kind, a.item, a.page, &a.dev.iter().map(|l| l.iter().collect()).collect::<Vec<_>>())?;
     let host = a.host_pool(&dev, Profile::Sglang)?;
     let (hi, di) = backup_lists(src_indices, dst_indices);
-    run_all(vec![Call::new(dev, host, Op::Backup, IoBackend::Direct, hi, di)?])
+    run_all(vec![Call::new(dev, host, Op::Backup, IoBackend::Direct, hi.into(), di.into())?])
 }
 
 fn check_rows(lists: &[Vec<Arg<'_>>], item: u64) -> Result<()> {
@@ -863,34 +1003,38 @@ fn check_rows(lists: &[Vec<Arg<'_>>], item: u64) -> Result<()> {
 /// One device layer → layer `layer_id` of a page_first host buffer (`dst_layout_dim =
 /// L × item_size`). sglang has no such op ("without a per-layer LF->PF kernel"); profile
 /// `extended`.
-pub fn transfer_kv_per_layer_lf_pf(
+pub fn transfer_kv_per_layer_lf_pf<'i>(
     device: &Device,
     src_k: &RawTensor,
     dst_k: &RawTensor,
     src_v: &RawTensor,
     dst_v: &RawTensor,
-    src_indices: &[i64],
-    dst_indices: &[i64],
+    src_indices: impl Into<Indices<'i>>,
+    dst_indices: impl Into<Indices<'i>>,
     layer_id: i64,
     item_size: i64,
     dst_layout_dim: i64,
 ) -> Result<()> {
+    let (src_indices, dst_indices) =
+        (src_indices.into().call("transfer_kv_per_layer_lf_pf"), dst_indices.into().call("transfer_kv_per_layer_lf_pf"));
     let src = kv(src_k, src_v, "src_k", "src_v");
     let dst = kv(dst_k, dst_v, "dst_k", "dst_v");
     layer_backup(device, PoolKind::Mha, &src, &dst, src_indices, dst_indices, layer_id, item_size, dst_layout_dim)
 }
 
 /// [`transfer_kv_per_layer_lf_pf`] with one buffer (MLA, and the DSA indexer with page items).
-pub fn transfer_kv_per_layer_mla_lf_pf(
+pub fn transfer_kv_per_layer_mla_lf_pf<'i>(
     device: &Device,
     src: &RawTensor,
     dst: &RawTensor,
-    src_indices: &[i64],
-    dst_indices: &[i64],
+    src_indices: impl Into<Indices<'i>>,
+    dst_indices: impl Into<Indices<'i>>,
     layer_id: i64,
     item_size: i64,
     dst_layout_dim: i64,
 ) -> Result<()> {
+    let (src_indices, dst_indices) =
+        (src_indices.into().call("transfer_kv_per_layer_mla_lf_pf"), dst_indices.into().call("transfer_kv_per_layer_mla_lf_pf"));
     let (s, d) = ([arg("src", src)], [arg("dst", dst)]);
     layer_backup(device, PoolKind::Mla, &s, &d, src_indices, dst_indices, layer_id, item_size, dst_layout_dim)
 }
@@ -900,8 +1044,8 @@ fn layer_backup(
     kind: PoolKind,
     src: &[Arg<'_>],
     dst: &[Arg<'_>],
-    hi: &[i64],
-    di: &[i64],
+    hi: Indices<'_>,
+    di: Indices<'_>,
     layer_id: i64,
     item_size: i64,
     dst_layout_dim: i64,
@@ -938,5 +1082,5 @@ pub fn transfer_kv_per_layer_direct_lf_pf(
     let dev = one_layer_device(device, a.kind, a.item, a.page, a.layers, &a.dev_layer(0))?;
     let host = a.host_pool(&dev, Profile::Extended)?;
     let (hi, di) = backup_lists(src_indices, dst_indices);
-    run_all(vec![Call::new(dev, host, Op::BackupLayer { layer_id, is_draft: false }, IoBackend::Direct, hi, di)?])
+    run_all(vec![Call::new(dev, host, Op::BackupLayer { layer_id, is_draft: false }, IoBackend::Direct, hi.into(), di.into())?])
 }

@@ -344,6 +344,9 @@ impl AddrPair {
 pub struct GatherStep {
     pub(crate) src_indices: Arc<[i64]>,
     pub(crate) dst_indices: Arc<[i64]>,
+    /// Device addresses of this step's source and destination index lists when they are in
+    /// CUDA memory (then `src_indices` / `dst_indices` hold only their length, as `-1`s).
+    pub(crate) device_lists: Option<[u64; 2]>,
     pub(crate) chunk_bytes: u64,
     pub(crate) heads: u64,
     pub(crate) pairs: Vec<AddrPair>,
@@ -358,6 +361,12 @@ impl GatherStep {
     /// Destination indices (negative: skip).
     pub fn dst_indices(&self) -> &[i64] {
         &self.dst_indices
+    }
+    /// Device addresses of the source and destination index lists (`i64`, as many as
+    /// [`GatherStep::src_indices`] has entries) when they live in CUDA memory and are checked
+    /// there ([`Plan::device_check`]); `None` when the lists above are the indices.
+    pub fn device_lists(&self) -> Option<[u64; 2]> {
+        self.device_lists
     }
     /// Bytes per (item, head).
     pub fn chunk_bytes(&self) -> u64 {
@@ -457,9 +466,16 @@ pub struct Plan {
     io: IoBackend,
     steps: Arc<[Step]>,
     bytes: u64,
+    device_check: Option<DeviceIndexCheck>,
 }
 
 impl Plan {
+    /// The checks of index values an executor must make on the device before any step of this
+    /// plan moves a byte (a plan made for index lists in CUDA memory); `None` when the planner
+    /// made them.
+    pub fn device_check(&self) -> Option<&DeviceIndexCheck> {
+        self.device_check.as_ref()
+    }
     /// Bytes the plan copies.
     pub fn bytes(&self) -> u64 {
         self.bytes
@@ -648,7 +664,17 @@ fn plan_io(profile: Profile, caps: &Capabilities, owner: u64, pair: &Arc<PoolPai
     let direction = req.op.direction();
     let table_op = table_op(req.op, dev);
     let io = req.io_backend;
-    let empty = |path: PathInfo| Plan { owner, pair: pair.clone(), profile, direction, path, io, steps: Arc::from([]), bytes: 0 };
+    let empty = |path: PathInfo| Plan {
+        owner,
+        pair: pair.clone(),
+        profile,
+        direction,
+        path,
+        io,
+        steps: Arc::from([]),
+        bytes: 0,
+        device_check: None,
+    };
     // 1. Layers.
     let Some(layer_groups) = resolve_layers(dev, req.op, table_op)? else {
         return Ok(empty(PathInfo { op: "no-op: layer not owned by this pool", extension: false }));
@@ -675,7 +701,146 @@ fn plan_io(profile: Profile, caps: &Capabilities, owner: u64, pair: &Arc<PoolPai
         IoBackend::Kernel => lower_gather(host, dev, caps, direction, &layer_groups, hi, di),
         _ => lower_direct(host, dev, direction, &layer_groups, &hi, &di),
     };
-    Ok(Plan { owner, pair: pair.clone(), profile, direction, path, io, steps: steps.into(), bytes })
+    Ok(Plan { owner, pair: pair.clone(), profile, direction, path, io, steps: steps.into(), bytes, device_check: None })
+}
+
+/// Index lists in CUDA device memory: `len` `i64` entries at `host` (the host pool's indices) and
+/// at `device` (the device pool's), which the host does not read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceIndexLists {
+    /// Device address of the host pool's indices.
+    pub host: u64,
+    /// Device address of the device pool's indices.
+    pub device: u64,
+    /// Entries in each list.
+    pub len: usize,
+}
+
+/// The value checks the planner makes on host index lists, left to the executor for lists in
+/// device memory, in the planner's order: host indices in range, device indices in range,
+/// destinations unique among live pairs. The first failing (check, position) becomes the error
+/// the planner would have returned ([`DeviceIndexCheck::error`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceIndexCheck {
+    /// The lists.
+    pub lists: DeviceIndexLists,
+    /// Host indices must be below this.
+    pub host_bound: u64,
+    /// Device indices must be below this.
+    pub device_bound: u64,
+    /// Whether the host indices are the destinations (a backup).
+    pub dst_is_host: bool,
+    /// What an index counts.
+    pub unit: &'static str,
+    /// The call, for the error.
+    pub call: &'static str,
+}
+
+impl DeviceIndexCheck {
+    /// The error for the device's finding: `check` 0 (host range), 1 (device range) or 2
+    /// (duplicate destination) at `position`, the index found there, and for a duplicate the
+    /// position that wrote the destination first.
+    pub fn error(&self, check: u64, position: u64, index: i64, first: u64) -> TransferError {
+        let position = usize::try_from(position).unwrap_or(usize::MAX);
+        let found = match check {
+            0 => TransferError::IndexOutOfRange { side: "host", index, position, bound: self.host_bound, unit: self.unit },
+            1 => TransferError::IndexOutOfRange { side: "device", index, position, bound: self.device_bound, unit: self.unit },
+            _ => TransferError::DuplicateDestination {
+                side: if self.dst_is_host { "host" } else { "device" },
+                unit: self.unit,
+                index,
+                first: usize::try_from(first).unwrap_or(usize::MAX),
+                second: position,
+            },
+        };
+        TransferError::DeviceIndexCheck { call: self.call, source: Box::new(found) }
+    }
+}
+
+/// Entries a device-checked list may have: 2^24, far more than one batch's tokens. The plan is
+/// made on the host from the list's length (placeholder entries, about 40 bytes per entry while
+/// planning), and positions must fit the device check's 32-bit claim words.
+pub const MAX_DEVICE_LIST_LEN: usize = 1 << 24;
+
+/// [`plan`] for index lists in CUDA memory: every check that needs no index value is made here,
+/// as for host lists and in the same order; the value checks go to the plan's
+/// [`DeviceIndexCheck`]. `kernel` only (a `direct` copy's runs are made from index values on
+/// the host), and not for the DSA indexer (its token lists become page lists on the host).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn plan_device_lists(
+    profile: Profile,
+    caps: &Capabilities,
+    owner: u64,
+    pair: &Arc<PoolPair>,
+    op: Op,
+    io_backend: IoBackend,
+    lists: DeviceIndexLists,
+    call: &'static str,
+) -> Result<Plan> {
+    let host = pair.host();
+    let refuse = |why: &str| TransferError::BadTensor { arg: "indices".into(), reason: format!("CUDA index lists: {why}") };
+    if io_backend != IoBackend::Kernel {
+        return Err(refuse("io backend kernel only (pass host indices to direct and auto)"));
+    }
+    if host.kind() == PoolKind::DsaIndexer {
+        return Err(refuse("not for the DSA indexer (its token lists become pages on the host)"));
+    }
+    if lists.len > MAX_DEVICE_LIST_LEN {
+        return Err(refuse(&format!("{} entries, at most {MAX_DEVICE_LIST_LEN}", lists.len)));
+    }
+    if host.slots().max(pair.device().slots()).saturating_sub(1) > caps.max_index {
+        return Err(refuse("the pools are wider than this executor's indices"));
+    }
+    // Placeholders of the lists' length: negative entries are skipped by every value check and
+    // every step, so the plan below is the call's shape with no value looked at.
+    let mut placeholder: Vec<i64> = Vec::new();
+    placeholder.try_reserve_exact(lists.len).map_err(|_| TransferError::OutOfMemory {
+        what: "plan of CUDA index lists".into(),
+        requested: lists.len as u64 * 8,
+        limit: "host allocation failed".into(),
+    })?;
+    placeholder.resize(lists.len, -1);
+    let req = Request { op, io_backend, host_indices: &placeholder, device_indices: &placeholder };
+    let mut plan = plan_io(profile, caps, owner, pair, &req)?;
+    if plan.is_empty() {
+        return Ok(plan);
+    }
+    let direction = op.direction();
+    let (src, dst) = match direction {
+        Direction::HostToDevice => (lists.host, lists.device),
+        Direction::DeviceToHost => (lists.device, lists.host),
+    };
+    let item = host.kind().components() as u64 * host.item_bytes();
+    let (mut offset, mut bytes) = (0u64, 0u64);
+    let mut group_start: Option<*const i64> = None;
+    let mut steps: Vec<Step> = plan.steps.to_vec();
+    for step in &mut steps {
+        let layers = step.layers.len() as u64;
+        if let StepKind::Gather(g) = &mut step.kind {
+            // A layer group's pieces follow each other and cover the lists in order; every group
+            // starts again with the first piece (the same list).
+            if group_start.is_none() || group_start == Some(g.src_indices.as_ptr()) {
+                group_start = Some(g.src_indices.as_ptr());
+                offset = 0;
+            }
+            g.device_lists = Some([src + offset * 8, dst + offset * 8]);
+            let n = g.src_indices.len() as u64;
+            offset += n;
+            // At most: the device may skip negative entries, which the host cannot count.
+            bytes = bytes.saturating_add(n.saturating_mul(layers).saturating_mul(item));
+        }
+    }
+    plan.steps = steps.into();
+    plan.bytes = bytes;
+    plan.device_check = Some(DeviceIndexCheck {
+        lists,
+        host_bound: host.slots(),
+        device_bound: pair.device().slots(),
+        dst_is_host: direction == Direction::DeviceToHost,
+        unit: "slots",
+        call,
+    });
+    Ok(plan)
 }
 
 /// (host layer, device buffer slot) pairs, one group per step.
@@ -924,6 +1089,7 @@ fn lower_gather(
                 kind: StepKind::Gather(GatherStep {
                     src_indices: s.clone(),
                     dst_indices: d.clone(),
+                    device_lists: None,
                     chunk_bytes: host.chunk_bytes(),
                     heads,
                     pairs: pairs.clone(),

@@ -3,7 +3,7 @@
 //! checked plain loads and stores for the inline PTX), loaded with `libloading`, and launched
 //! with exactly what the cuda executor launches for a plan: the launch description of
 //! `exec::cuda_launch::gather_launch` (the `Launch` table, the word that picks
-//! `hicache_gather_w8` / `hicache_gather_w4`, the grid) and the eight kernel arguments, passed
+//! `hicache_gather_w16` / `_w8` / `_w4`, the grid) and the nine kernel arguments, passed
 //! as cuLaunchKernel takes them. The buffers are the test's own copies of the pools' contents;
 //! the result must equal the oracle's byte for byte, and every byte the plan moves must be
 //! loaded and stored exactly once, in bounds, aligned, from a source and into a destination.
@@ -59,15 +59,18 @@ struct Report {
     bytes_stored: u64,
 }
 
-/// `hicache_gather_w8` / `hicache_gather_w4`, compiled for the host.
-type Kernel = unsafe extern "C" fn(*const LaunchC, i32, *const i64, *const i64, i64, u64, u64, i64);
+/// A kernel's host entry point (`hicache_emu_gather_w16` / `_w8` / `_w4`,
+/// `hicache_emu_check_indices`): its parameters as cuLaunchKernel takes them.
+type Kernel = unsafe extern "C" fn(*mut *mut c_void);
 /// `hicache_emu_launch(kernel, grid, block, params, ranges, n_ranges, report)`.
 type LaunchFn = unsafe extern "C" fn(Kernel, u32, u32, *mut *mut c_void, *const Range, i32, *mut Report) -> i32;
 
 struct Emulator {
     launch: LaunchFn,
+    w16: Kernel,
     w8: Kernel,
     w4: Kernel,
+    check: Kernel,
     // Keeps the functions above loaded (the emulator lives in a static: never unloaded).
     _lib: libloading::Library,
 }
@@ -114,9 +117,11 @@ fn build_emulator() -> Option<Emulator> {
     // kernels/transfer.cu); the library stays loaded for as long as the pointers are used.
     unsafe {
         let launch = *lib.get::<LaunchFn>(b"hicache_emu_launch\0").expect("hicache_emu_launch");
-        let w8 = *lib.get::<Kernel>(b"hicache_gather_w8\0").expect("hicache_gather_w8");
-        let w4 = *lib.get::<Kernel>(b"hicache_gather_w4\0").expect("hicache_gather_w4");
-        Some(Emulator { launch, w8, w4, _lib: lib })
+        let w16 = *lib.get::<Kernel>(b"hicache_emu_gather_w16\0").expect("hicache_emu_gather_w16");
+        let w8 = *lib.get::<Kernel>(b"hicache_emu_gather_w8\0").expect("hicache_emu_gather_w8");
+        let w4 = *lib.get::<Kernel>(b"hicache_emu_gather_w4\0").expect("hicache_emu_gather_w4");
+        let check = *lib.get::<Kernel>(b"hicache_emu_check_indices\0").expect("hicache_emu_check_indices");
+        Some(Emulator { launch, w16, w8, w4, check, _lib: lib })
     }
 }
 
@@ -178,6 +183,7 @@ struct Ran {
     cells: u64,
     cases: u64,
     launches: u64,
+    w16: u64,
     w8: u64,
     w4: u64,
     bytes: u64,
@@ -234,10 +240,11 @@ fn run_case(emu: &Emulator, case: &Case, tuning: LaunchTuning, tamper: impl Fn(&
                 ranges.push(Range { start, len, flags, host: start });
             }
         }
-        // The eight kernel arguments, built by the executor's own code.
-        let mut args = launch.args(launch.table.as_ptr() as u64, g.src_indices().as_ptr() as u64, g.dst_indices().as_ptr() as u64);
+        // The nine kernel arguments, built by the executor's own code (no device check: status 0).
+        let mut args = launch.args(launch.table.as_ptr() as u64, g.src_indices().as_ptr() as u64, g.dst_indices().as_ptr() as u64, 0);
         let mut params = args.params();
         let kernel = match launch.word {
+            16 => emu.w16,
             8 => emu.w8,
             4 => emu.w4,
             w => return Err(format!("step {k}: word {w}")),
@@ -273,10 +280,10 @@ fn run_case(emu: &Emulator, case: &Case, tuning: LaunchTuning, tamper: impl Fn(&
             return Err(format!("step {k}: {} bad accesses; the first: {size}-byte {access} at {} ({why})", report.faults, where_is(addr)));
         }
         ran.launches += 1;
-        if launch.word == 8 {
-            ran.w8 += 1;
-        } else {
-            ran.w4 += 1;
+        match launch.word {
+            16 => ran.w16 += 1,
+            8 => ran.w8 += 1,
+            _ => ran.w4 += 1,
         }
         loaded += report.bytes_loaded;
         stored += report.bytes_stored;
@@ -335,6 +342,7 @@ fn sweep(emu: &Emulator, profile: Profile, tuning: LaunchTuning, seed: u64, seed
                     moved += r.bytes;
                     total.cases += 1;
                     total.launches += r.launches;
+                    total.w16 += r.w16;
                     total.w8 += r.w8;
                     total.w4 += r.w4;
                     total.bytes += r.bytes;
@@ -359,8 +367,8 @@ fn sweep(emu: &Emulator, profile: Profile, tuning: LaunchTuning, seed: u64, seed
 fn sglang_profile_kernel_cells_match_the_oracle() {
     let Some(emu) = emulator() else { return };
     let ran = sweep(emu, Profile::Sglang, SGLANG_GRID, 1, 40);
-    // sglang's 8-byte word: every copy is hicache_gather_w8.
-    assert!(ran.w8 > 0 && ran.w4 == 0, "{ran:?}");
+    // sglang's 8-byte items: 16-byte words where items, bases and strides allow, else 8.
+    assert!(ran.w16 > 0 && ran.w8 > 0 && ran.w4 == 0, "{ran:?}");
     eprintln!("sglang profile: {ran:?}");
 }
 
@@ -368,8 +376,8 @@ fn sglang_profile_kernel_cells_match_the_oracle() {
 fn extended_profile_kernel_cells_match_the_oracle() {
     let Some(emu) = emulator() else { return };
     let ran = sweep(emu, Profile::Extended, SGLANG_GRID, 2, 40);
-    // 4-byte items and chunks run hicache_gather_w4; the others hicache_gather_w8.
-    assert!(ran.w8 > 0 && ran.w4 > 0, "{ran:?}");
+    // 4-byte items and chunks run hicache_gather_w4; the others the widest word they allow.
+    assert!(ran.w16 > 0 && ran.w8 > 0 && ran.w4 > 0, "{ran:?}");
     eprintln!("extended profile: {ran:?}");
 }
 
@@ -423,4 +431,240 @@ fn a_wrong_launch_description_is_caught() {
         tried += 1;
     }
     assert!(tried >= 8, "only {tried} usable cases");
+}
+
+// ------------------------------------------------------------------------------------------
+// Offsets past 4 GiB, the device checks of CUDA index lists, a failed check
+// ------------------------------------------------------------------------------------------
+
+/// Runs `kernel` with `params` over `ranges`; panics on a refused launch, returns the report.
+fn launch_raw(emu: &Emulator, kernel: Kernel, blocks: u32, threads: u32, params: &mut [*mut c_void], ranges: &[Range]) -> Report {
+    let mut report = Report::default();
+    // SAFETY: `params` point at live arguments of the kernel's types; every global access the
+    // kernel makes is checked against `ranges` (the gathers' table and index lists excepted,
+    // which the callers keep alive).
+    let rc = unsafe { (emu.launch)(kernel, blocks, threads, params.as_mut_ptr(), ranges.as_ptr(), ranges.len() as i32, &mut report) };
+    assert_eq!(rc, 0, "launch refused");
+    report
+}
+
+/// Every byte offset the kernel forms is 64-bit: items 3 and 4 GiB into a sparse source (its
+/// pages untouched but the ones written here), two heads 2 GiB apart, every word size. Truncating
+/// any term to 32 bits would read another place (zeros) or fault.
+#[test]
+fn byte_offsets_past_4_gib() {
+    let Some(emu) = emulator() else { return };
+    const GIB: u64 = 1 << 30;
+    // calloc'd: the kernel touches a few pages of it, the rest is never committed.
+    let mut src = vec![0u8; (7 * GIB) as usize];
+    let (page_stride, head_stride) = (GIB + 4096, 2 * GIB);
+    let src_idx: Vec<i64> = vec![4, 3, 0, 2];
+    for chunk in [1152u64, 1160, 1156] {
+        let at = |i: u64, h: u64| (i * page_stride + h * head_stride) as usize;
+        for (j, &i) in src_idx.iter().enumerate() {
+            for h in 0..2 {
+                for b in 0..chunk as usize {
+                    src[at(i as u64, h) + b] = (j * 7 + h as usize * 3 + b * 13 % 251) as u8 | 1;
+                }
+            }
+        }
+        let mut dst = Aligned::new(&vec![0u8; (4 * 2 * chunk) as usize]);
+        let table = [LaunchC {
+            src: hicache_io::exec::cuda_launch::SideC {
+                ptr: src.as_ptr() as u64,
+                base: 0,
+                page: 1,
+                page_stride,
+                row_stride: 0,
+                head_stride,
+            },
+            dst: hicache_io::exec::cuda_launch::SideC {
+                ptr: dst.addr(),
+                base: 0,
+                page: 1,
+                page_stride: 2 * chunk,
+                row_stride: 0,
+                head_stride: chunk,
+            },
+        }];
+        let dst_idx: Vec<i64> = vec![0, 1, 2, 3];
+        let word = if chunk % 16 == 0 {
+            16
+        } else if chunk % 8 == 0 {
+            8
+        } else {
+            4
+        };
+        let kernel = match word {
+            16 => emu.w16,
+            8 => emu.w8,
+            _ => emu.w4,
+        };
+        let launch = GatherLaunch {
+            table: table.to_vec(),
+            word,
+            blocks: 1,
+            threads_per_block: 64,
+            n_items: 4,
+            heads: 2,
+            chunk_bytes: chunk,
+            items_per_warp: 2,
+        };
+        let mut args = launch.args(table.as_ptr() as u64, src_idx.as_ptr() as u64, dst_idx.as_ptr() as u64, 0);
+        let ranges = [
+            Range { start: src.as_ptr() as u64, len: src.len() as u64, flags: READ, host: src.as_ptr() as u64 },
+            Range { start: dst.addr(), len: dst.len as u64, flags: WRITE, host: dst.addr() },
+        ];
+        let report = launch_raw(emu, kernel, 1, 64, &mut args.params(), &ranges);
+        assert_eq!(report.faults, 0, "chunk {chunk}: {report:?}");
+        for (j, &i) in src_idx.iter().enumerate() {
+            for h in 0..2u64 {
+                let got = &dst.bytes()[(j as u64 * 2 * chunk + h * chunk) as usize..][..chunk as usize];
+                let want = &src[at(i as u64, h)..][..chunk as usize];
+                assert!(
+                    got == want,
+                    "chunk {chunk} ({word}-byte words): item {j} (index {i}) head {h} differs at byte {:?}",
+                    first_diff(got, want)
+                );
+            }
+        }
+        assert_eq!(report.bytes_stored, 4 * 2 * chunk);
+    }
+}
+
+/// The device checks of CUDA index lists (`hicache_check_indices`, three launches) find what the
+/// planner finds on the same lists, as the same error: random lists with negatives, indices out
+/// of range on either side and duplicate destinations, every `kernel` cell but the DSA indexer's
+/// (whose lists stay on the host); the claim words are all released afterwards.
+#[test]
+fn device_index_checks_find_what_the_planner_finds() {
+    let Some(emu) = emulator() else { return };
+    let cells: Vec<_> = supported_cells(Profile::Extended)
+        .into_iter()
+        .filter(|c| c.io == IoBackend::Kernel && c.kind != hicache_io::PoolKind::DsaIndexer)
+        .collect();
+    let mut rng = Rng::new(77);
+    let (mut accepted, mut refused) = (0, 0);
+    let device = Device::cpu();
+    for round in 0..400 {
+        let cell = cells[round % cells.len()];
+        let case = random_case(cell, Profile::Extended, &mut rng);
+        let dev = DevicePool::new(&device, &case.device).expect("device pool");
+        let host = HostPool::new(&dev, &case.host).expect("host pool");
+        let (hb, db) = (host.geometry().slots(), dev.geometry().slots());
+        // Distinct in-range lists, then one kind of damage (or none) at random places.
+        let n = 1 + rng.below(hb.min(db).min(32)) as usize;
+        let mut distinct = |bound: u64| -> Vec<i64> {
+            let mut v: Vec<i64> = (0..bound.min(64) as i64).collect();
+            for i in (1..v.len()).rev() {
+                v.swap(i, rng.below(i as u64 + 1) as usize);
+            }
+            v.truncate(n);
+            v
+        };
+        let (mut hi, mut di) = (distinct(hb), distinct(db));
+        for _ in 0..1 + rng.below(3) {
+            let at = rng.below(n as u64) as usize;
+            let other = rng.below(n as u64) as usize;
+            match rng.below(6) {
+                0 => hi[at] = -1 - rng.below(2) as i64,
+                1 => di[at] = -1,
+                2 => hi[at] = (hb + rng.below(3)) as i64,
+                3 => di[at] = (db + rng.below(3)) as i64,
+                4 => hi[at] = hi[other],
+                _ => di[at] = di[other],
+            }
+            if rng.below(3) == 0 {
+                break;
+            }
+        }
+        let req = Request { op: case.op, io_backend: IoBackend::Kernel, host_indices: &hi, device_indices: &di };
+        let planned = host.plan(&dev, &req);
+        // A no-op call (a layer this pool does not own) checks nothing.
+        if planned.as_ref().is_ok_and(|p| p.is_empty()) {
+            continue;
+        }
+        let dst_is_host = case.op.direction() == hicache_io::plan::Direction::DeviceToHost;
+        let check = hicache_io::plan::DeviceIndexCheck {
+            lists: hicache_io::plan::DeviceIndexLists { host: hi.as_ptr() as u64, device: di.as_ptr() as u64, len: n },
+            host_bound: hb,
+            device_bound: db,
+            dst_is_host,
+            unit: "slots",
+            call: "test",
+        };
+        let mut owner = vec![u32::MAX; if dst_is_host { hb } else { db } as usize];
+        let mut status = [u64::MAX; 4];
+        let ranges = [
+            Range { start: hi.as_ptr() as u64, len: n as u64 * 8, flags: READ, host: hi.as_ptr() as u64 },
+            Range { start: di.as_ptr() as u64, len: n as u64 * 8, flags: READ, host: di.as_ptr() as u64 },
+            Range { start: owner.as_mut_ptr() as u64, len: owner.len() as u64 * 4, flags: READ | WRITE, host: owner.as_mut_ptr() as u64 },
+            Range { start: status.as_mut_ptr() as u64, len: 32, flags: READ | WRITE, host: status.as_mut_ptr() as u64 },
+        ];
+        // Grids of one small block and of several: the grid-stride loop covers every pair.
+        let (blocks, threads) = if round % 2 == 0 { (1, 32) } else { (3, 8) };
+        for phase in 0..3 {
+            let (mut h, mut d, mut nn, mut hbb, mut dbb) = (hi.as_ptr() as u64, di.as_ptr() as u64, n as i64, hb, db);
+            let (mut dh, mut o, mut st, mut ph) = (dst_is_host as i32, owner.as_mut_ptr() as u64, status.as_mut_ptr() as u64, phase);
+            let mut params: Vec<*mut c_void> = vec![
+                &mut h as *mut _ as *mut c_void,
+                &mut d as *mut _ as *mut c_void,
+                &mut nn as *mut _ as *mut c_void,
+                &mut hbb as *mut _ as *mut c_void,
+                &mut dbb as *mut _ as *mut c_void,
+                &mut dh as *mut _ as *mut c_void,
+                &mut o as *mut _ as *mut c_void,
+                &mut st as *mut _ as *mut c_void,
+                &mut ph as *mut _ as *mut c_void,
+            ];
+            let report = launch_raw(emu, emu.check, blocks, threads, &mut params, &ranges);
+            assert_eq!(report.faults, 0, "phase {phase}: {report:?}");
+        }
+        assert!(owner.iter().all(|w| *w == u32::MAX), "claims left behind: {hi:?} {di:?}");
+        let found = (status[0] != u64::MAX).then(|| check.error(status[0] >> 56, status[0] & ((1 << 56) - 1), status[1] as i64, status[2]));
+        match (&planned, found) {
+            (Ok(_), None) => accepted += 1,
+            (Err(want), Some(hicache_io::TransferError::DeviceIndexCheck { source, .. })) => {
+                assert_eq!(source.to_string(), want.to_string(), "{cell}: {hi:?} → {di:?}");
+                refused += 1;
+            }
+            (p, f) => panic!("{cell}: planner {p:?}, device {f:?}: {hi:?} → {di:?}"),
+        }
+    }
+    assert!(accepted > 40 && refused > 100, "accepted {accepted}, refused {refused}");
+}
+
+/// A gather whose call failed its device check copies nothing; one whose check passed copies.
+#[test]
+fn a_failed_device_check_moves_nothing() {
+    let Some(emu) = emulator() else { return };
+    let src: Vec<u64> = (1..=64).collect();
+    let mut dst = Aligned::new(&[0u8; 512]);
+    let side = |ptr: u64| hicache_io::exec::cuda_launch::SideC { ptr, base: 0, page: 1, page_stride: 64, row_stride: 0, head_stride: 0 };
+    let table = [LaunchC { src: side(src.as_ptr() as u64), dst: side(dst.addr()) }];
+    let (si, di): (Vec<i64>, Vec<i64>) = (vec![0, 1, 2, 3], vec![3, 2, 1, 0]);
+    for (key, copies) in [(0u64, false), ((2u64 << 56) | 3, false), (u64::MAX, true)] {
+        let status = [key, 0, 0, 0];
+        let launch = GatherLaunch {
+            table: table.to_vec(),
+            word: 16,
+            blocks: 1,
+            threads_per_block: 64,
+            n_items: 4,
+            heads: 1,
+            chunk_bytes: 64,
+            items_per_warp: 2,
+        };
+        let mut args = launch.args(table.as_ptr() as u64, si.as_ptr() as u64, di.as_ptr() as u64, status.as_ptr() as u64);
+        let ranges = [
+            Range { start: src.as_ptr() as u64, len: 512, flags: READ, host: src.as_ptr() as u64 },
+            Range { start: dst.addr(), len: 512, flags: WRITE, host: dst.addr() },
+            Range { start: status.as_ptr() as u64, len: 32, flags: READ, host: status.as_ptr() as u64 },
+        ];
+        let report = launch_raw(emu, emu.w16, 1, 64, &mut args.params(), &ranges);
+        assert_eq!(report.faults, 0);
+        assert_eq!(report.bytes_stored, if copies { 256 } else { 0 }, "status {key:#x}");
+    }
+    // Destination item 0 is source item 3: words 25..=32.
+    assert_eq!(u64::from_ne_bytes(dst.bytes()[..8].try_into().unwrap()), 25);
 }

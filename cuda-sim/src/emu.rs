@@ -28,13 +28,47 @@ pub struct Report {
     pub bytes_stored: u64,
 }
 
-type Kernel = unsafe extern "C" fn(*const c_void, i32, *const i64, *const i64, i64, u64, u64, i64);
+/// The kernels of `kernels/transfer.cu`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kernel {
+    GatherW16,
+    GatherW8,
+    GatherW4,
+    CheckIndices,
+}
+
+impl Kernel {
+    /// The entry point's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Kernel::GatherW16 => "hicache_gather_w16",
+            Kernel::GatherW8 => "hicache_gather_w8",
+            Kernel::GatherW4 => "hicache_gather_w4",
+            Kernel::CheckIndices => "hicache_check_indices",
+        }
+    }
+    /// Every kernel, by name.
+    pub fn by_name(name: &[u8]) -> Option<Kernel> {
+        [Kernel::GatherW16, Kernel::GatherW8, Kernel::GatherW4, Kernel::CheckIndices].into_iter().find(|k| k.name().as_bytes() == name)
+    }
+    /// Which of the nine arguments are `int`s (the others are 64-bit).
+    pub fn is_int_arg(self, i: usize) -> bool {
+        match self {
+            Kernel::CheckIndices => i == 5 || i == 8,
+            _ => i == 1,
+        }
+    }
+}
+
+type Thunk = unsafe extern "C" fn(*mut *mut c_void);
 
 extern "C" {
-    fn hicache_gather_w8(launches: *const c_void, n: i32, s: *const i64, d: *const i64, items: i64, heads: u64, chunk: u64, ipw: i64);
-    fn hicache_gather_w4(launches: *const c_void, n: i32, s: *const i64, d: *const i64, items: i64, heads: u64, chunk: u64, ipw: i64);
+    fn hicache_emu_gather_w16(params: *mut *mut c_void);
+    fn hicache_emu_gather_w8(params: *mut *mut c_void);
+    fn hicache_emu_gather_w4(params: *mut *mut c_void);
+    fn hicache_emu_check_indices(params: *mut *mut c_void);
     fn hicache_emu_launch(
-        kernel: Kernel,
+        kernel: Thunk,
         grid: u32,
         block: u32,
         params: *mut *mut c_void,
@@ -44,27 +78,27 @@ extern "C" {
     ) -> i32;
 }
 
-/// Runs `hicache_gather_w8`/`_w4` with `args` (the table and index-list pointers already host
-/// addresses); every other access goes through `ranges`.
-pub fn launch(w8: bool, grid: u32, block: u32, args: &[u64; 8], ranges: &[Range]) -> Result<Report, ()> {
+/// Runs `kernel` with its nine arguments `args` (the gathers' table and index-list pointers
+/// already host addresses; `int` arguments in the low half of their word); every other access
+/// goes through `ranges`.
+pub fn launch(kernel: Kernel, grid: u32, block: u32, args: &[u64; 9], ranges: &[Range]) -> Result<Report, ()> {
     let mut a = *args;
-    let mut n_launches = args[1] as i32;
-    let mut params: [*mut c_void; 8] = [
-        &mut a[0] as *mut u64 as *mut c_void,
-        &mut n_launches as *mut i32 as *mut c_void,
-        &mut a[2] as *mut u64 as *mut c_void,
-        &mut a[3] as *mut u64 as *mut c_void,
-        &mut a[4] as *mut u64 as *mut c_void,
-        &mut a[5] as *mut u64 as *mut c_void,
-        &mut a[6] as *mut u64 as *mut c_void,
-        &mut a[7] as *mut u64 as *mut c_void,
-    ];
+    let mut ints: [i32; 9] = std::array::from_fn(|i| args[i] as i32);
+    let mut params: [*mut c_void; 9] = std::array::from_fn(|_| std::ptr::null_mut());
+    for (i, p) in params.iter_mut().enumerate() {
+        *p = if kernel.is_int_arg(i) { &mut ints[i] as *mut i32 as *mut c_void } else { &mut a[i] as *mut u64 as *mut c_void };
+    }
     let mut report = Report::default();
-    let kernel: Kernel = if w8 { hicache_gather_w8 } else { hicache_gather_w4 };
-    // SAFETY: the parameters point at the eight arguments in the kernel's order; the table and
-    // index lists are host spans the caller located inside live allocations; every other access
-    // is checked against `ranges` by the emulation's loads and stores.
-    let rc = unsafe { hicache_emu_launch(kernel, grid, block, params.as_mut_ptr(), ranges.as_ptr(), ranges.len() as i32, &mut report) };
+    let thunk: Thunk = match kernel {
+        Kernel::GatherW16 => hicache_emu_gather_w16,
+        Kernel::GatherW8 => hicache_emu_gather_w8,
+        Kernel::GatherW4 => hicache_emu_gather_w4,
+        Kernel::CheckIndices => hicache_emu_check_indices,
+    };
+    // SAFETY: the parameters point at the nine arguments with the kernel's types; pointers the
+    // kernel reads directly are host spans the caller located inside live allocations; every
+    // other access is checked against `ranges` by the emulation's loads and stores.
+    let rc = unsafe { hicache_emu_launch(thunk, grid, block, params.as_mut_ptr(), ranges.as_ptr(), ranges.len() as i32, &mut report) };
     if rc == 0 {
         Ok(report)
     } else {

@@ -118,10 +118,10 @@ pub enum OpKind {
         width: u8,
     },
     Kernel {
-        w8: bool,
+        kernel: crate::emu::Kernel,
         grid: u32,
         block: u32,
-        args: [u64; 8],
+        args: [u64; 9],
     },
     HostFn {
         f: HostFn,
@@ -746,7 +746,7 @@ impl State {
                     Loc::Bad(why) => Err(why),
                 })
             }
-            OpKind::Kernel { w8, grid, block, args } => return self.kernel(sid, op, *w8, *grid, *block, args),
+            OpKind::Kernel { kernel, grid, block, args } => return self.kernel(sid, op, *kernel, *grid, *block, args),
         };
         if let Err(msg) = result {
             self.fault(dev, CUDA_ERROR_ILLEGAL_ADDRESS, msg);
@@ -781,13 +781,25 @@ impl State {
         }
     }
 
-    fn kernel(&mut self, sid: usize, op: &Op, w8: bool, grid: u32, block: u32, args: &[u64; 8]) {
+    fn kernel(&mut self, sid: usize, op: &Op, kernel: crate::emu::Kernel, grid: u32, block: u32, args: &[u64; 9]) {
         let dev = self.streams[sid].dev;
+        if kernel == crate::emu::Kernel::CheckIndices {
+            return self.check_kernel(sid, op, grid, block, args);
+        }
         let n_launches = args[1] as i32 as i64;
         let n_items = args[4] as i64;
-        let (heads, chunk) = (args[5], args[6]);
-        type Inputs = (Vec<u64>, Vec<i64>, Vec<i64>, [*const u8; 3]);
+        let (heads, chunk, status) = (args[5], args[6], args[8]);
+        type Inputs = (Vec<u64>, Vec<i64>, Vec<i64>, [*const u8; 3], bool);
         let prepared = (|| -> Result<Inputs, String> {
+            // A failed device check (status not all ones): the kernel returns before reading
+            // anything else.
+            if status != 0 {
+                let p = self.kernel_input(status, 8, "status word")?;
+                // SAFETY: located inside a live allocation of at least 8 bytes.
+                if unsafe { (p as *const u64).read_unaligned() } != u64::MAX {
+                    return Ok((vec![], vec![], vec![], [std::ptr::null(); 3], false));
+                }
+            }
             let nl = n_launches.max(0) as u64;
             let ni = n_items.max(0) as u64;
             let t = self.kernel_input(args[0], nl * 96, "address-pair table")?;
@@ -801,17 +813,17 @@ impl State {
                     (0..ni as usize).map(|i| (d as *const i64).add(i).read_unaligned()).collect::<Vec<i64>>(),
                 )
             };
-            Ok((table, src, dst, [t, s, d]))
+            Ok((table, src, dst, [t, s, d], true))
         })();
-        let (table, src, dst, ptrs) = match prepared {
+        let (table, src, dst, ptrs, copies) = match prepared {
             Ok(p) => p,
             Err(why) => {
                 let msg = format!("{} on {}: {why}", op.desc, self.stream_name(sid));
                 return self.fault(dev, CUDA_ERROR_ILLEGAL_ADDRESS, msg);
             }
         };
-        // What the launch description says the kernel touches: its inputs, then every item's
-        // chunk per (layer, component) and head.
+        // What the launch description says the kernel touches: the status word, its inputs, then
+        // every item's chunk per (layer, component) and head.
         let addr = |side: &[u64], idx: u64, h: u64| -> u64 {
             let (ptr, base, page, ps, rs, hs) = (side[0], side[1], side[2], side[3], side[4], side[5]);
             let paged = match (idx.checked_div(page), idx.checked_rem(page)) {
@@ -822,23 +834,60 @@ impl State {
             };
             ptr.wrapping_add(base).wrapping_add(paged).wrapping_add(h.wrapping_mul(hs))
         };
-        let mut acc = vec![(args[0], n_launches.max(0) as u64 * 96, false)];
-        acc.push((args[2], n_items.max(0) as u64 * 8, false));
-        acc.push((args[3], n_items.max(0) as u64 * 8, false));
-        for (s, d) in src.iter().zip(&dst) {
-            if *s < 0 || *d < 0 {
-                continue;
-            }
-            for l in table.chunks_exact(12) {
-                for h in 0..heads.min(1 << 20) {
-                    acc.push((addr(&l[0..6], *s as u64, h), chunk, false));
-                    acc.push((addr(&l[6..12], *d as u64, h), chunk, true));
+        let mut acc = vec![];
+        if status != 0 {
+            acc.push((status, 8, false));
+        }
+        if copies {
+            acc.push((args[0], n_launches.max(0) as u64 * 96, false));
+            acc.push((args[2], n_items.max(0) as u64 * 8, false));
+            acc.push((args[3], n_items.max(0) as u64 * 8, false));
+            for (s, d) in src.iter().zip(&dst) {
+                if *s < 0 || *d < 0 {
+                    continue;
+                }
+                for l in table.chunks_exact(12) {
+                    for h in 0..heads.min(1 << 20) {
+                        acc.push((addr(&l[0..6], *s as u64, h), chunk, false));
+                        acc.push((addr(&l[6..12], *d as u64, h), chunk, true));
+                    }
                 }
             }
         }
         if let Err(why) = self.check_and_record(sid, op, &acc) {
             return self.fault(dev, CUDA_ERROR_ILLEGAL_ADDRESS, why);
         }
+        let mut translated = *args;
+        if copies {
+            translated[0] = ptrs[0] as u64;
+            translated[2] = ptrs[1] as u64;
+            translated[3] = ptrs[2] as u64;
+        }
+        self.emulate(sid, op, kernel, grid, block, &translated);
+    }
+
+    /// `hicache_check_indices`: reads both index lists, and writes the claim words of the
+    /// destination side's bound and the status words.
+    fn check_kernel(&mut self, sid: usize, op: &Op, grid: u32, block: u32, args: &[u64; 9]) {
+        let dev = self.streams[sid].dev;
+        let n = (args[2] as i64).max(0) as u64;
+        let bound = if args[5] as i32 != 0 { args[3] } else { args[4] };
+        let acc = vec![
+            (args[0], n.saturating_mul(8), false),
+            (args[1], n.saturating_mul(8), false),
+            (args[6], bound.saturating_mul(4), true),
+            (args[7], 32, true),
+        ];
+        if let Err(why) = self.check_and_record(sid, op, &acc) {
+            return self.fault(dev, CUDA_ERROR_ILLEGAL_ADDRESS, why);
+        }
+        self.emulate(sid, op, crate::emu::Kernel::CheckIndices, grid, block, args);
+    }
+
+    /// Runs a kernel in the host emulation over every allocation; a bad access is the GPU's
+    /// sticky error.
+    fn emulate(&mut self, sid: usize, op: &Op, kernel: crate::emu::Kernel, grid: u32, block: u32, args: &[u64; 9]) {
+        let dev = self.streams[sid].dev;
         let ranges: Vec<crate::emu::Range> = self
             .allocs
             .iter()
@@ -852,11 +901,7 @@ impl State {
                 host: a.host as u64,
             })
             .collect();
-        let mut translated = *args;
-        translated[0] = ptrs[0] as u64;
-        translated[2] = ptrs[1] as u64;
-        translated[3] = ptrs[2] as u64;
-        let report = crate::emu::launch(w8, grid, block, &translated, &ranges);
+        let report = crate::emu::launch(kernel, grid, block, args, &ranges);
         match report {
             Err(()) => self.fault(dev, CUDA_ERROR_INVALID_VALUE, format!("{}: the launch was refused by the kernel's bounds", op.desc)),
             Ok(r) if r.faults > 0 => {

@@ -12,7 +12,7 @@
 //!   bytes. The legacy NULL stream waits for the blocking streams of its device and they for it;
 //!   non-blocking streams order against nothing but events.
 //! - **Kernels**: `cuModuleLoadData` accepts the project's cubins (8-byte aligned) and PTX; the
-//!   `hicache_gather_w8`/`_w4` entry points run `kernels/transfer.cu` compiled for the host,
+//!   `hicache_gather_w16`/`_w8`/`_w4` and `hicache_check_indices` run `kernels/transfer.cu` compiled for the host,
 //!   over the launch's grid, on the stream's worker. A bad or misaligned access is a sticky
 //!   error, as on a GPU.
 //! - **Race checker** (see `engine`): a race is logged, returned as `CUDA_ERROR_ILLEGAL_STATE` by
@@ -33,6 +33,7 @@ use std::io::Write;
 use std::sync::{Mutex, OnceLock};
 
 use codes::*;
+use emu::Kernel;
 use engine::{lock, Loc, Mem, OpKind, State, StreamKind, BLOCKED};
 
 include!(concat!(env!("OUT_DIR"), "/unsupported.rs"));
@@ -1254,7 +1255,7 @@ pub unsafe extern "C" fn cuModuleLoadData(m: *mut u64, image: *const c_void) -> 
             text
         };
         // Only the project's kernels can run here.
-        if !contains(body, b"hicache_gather_w8") || !contains(body, b"hicache_gather_w4") {
+        if !contains(body, b"hicache_gather_w8") || !contains(body, b"hicache_gather_w4") || !contains(body, b"hicache_check_indices") {
             eprintln!("cuda-sim: cuModuleLoadData: the image has no hicache_gather kernels; only those are simulated");
             return CUDA_ERROR_INVALID_IMAGE;
         }
@@ -1275,7 +1276,8 @@ pub unsafe extern "C" fn cuModuleUnload(m: u64) -> u32 {
     api("cuModuleUnload", 0, || if lock().modules.remove(&m) { CUDA_SUCCESS } else { CUDA_ERROR_INVALID_HANDLE })
 }
 
-/// A function handle: its module's handle plus 8 (w8) or 4 (w4).
+/// A function handle: its module's handle plus 1 + the kernel's number (module handles are
+/// multiples of 16).
 #[no_mangle]
 pub unsafe extern "C" fn cuModuleGetFunction(f: *mut u64, m: u64, name: *const c_char) -> u32 {
     api("cuModuleGetFunction", 0, || {
@@ -1286,21 +1288,22 @@ pub unsafe extern "C" fn cuModuleGetFunction(f: *mut u64, m: u64, name: *const c
         if f.is_null() || name.is_null() {
             return CUDA_ERROR_INVALID_VALUE;
         }
-        match CStr::from_ptr(name).to_bytes() {
-            b"hicache_gather_w8" => *f = m + 8,
-            b"hicache_gather_w4" => *f = m + 4,
-            _ => return CUDA_ERROR_NOT_FOUND,
+        match Kernel::by_name(CStr::from_ptr(name).to_bytes()) {
+            Some(k) => *f = m + 1 + KERNELS.iter().position(|x| *x == k).expect("listed") as u64,
+            None => return CUDA_ERROR_NOT_FOUND,
         }
         CUDA_SUCCESS
     })
 }
 
-fn function(g: &State, f: u64) -> Result<bool, u32> {
+const KERNELS: [Kernel; 4] = [Kernel::GatherW16, Kernel::GatherW8, Kernel::GatherW4, Kernel::CheckIndices];
+
+fn function(g: &State, f: u64) -> Result<Kernel, u32> {
     let (m, k) = (f & !0xF, f & 0xF);
-    if !g.modules.contains(&m) || (k != 8 && k != 4) {
-        return Err(CUDA_ERROR_INVALID_HANDLE);
+    match KERNELS.get((k as usize).wrapping_sub(1)) {
+        Some(kernel) if g.modules.contains(&m) => Ok(*kernel),
+        _ => Err(CUDA_ERROR_INVALID_HANDLE),
     }
-    Ok(k == 8)
 }
 
 #[no_mangle]
@@ -1340,7 +1343,7 @@ pub unsafe extern "C" fn cuLaunchKernel(
     api("cuLaunchKernel", s, || {
         let mut g = lock();
         let dev = tryc!(cur(&g));
-        let w8 = tryc!(function(&g, f));
+        let kernel = tryc!(function(&g, f));
         if gx == 0 || bx == 0 || gy == 0 || gz == 0 || by == 0 || bz == 0 || bx > 1024 || gx > i32::MAX as u32 || shared > 49152 {
             return CUDA_ERROR_INVALID_VALUE;
         }
@@ -1351,18 +1354,21 @@ pub unsafe extern "C" fn cuLaunchKernel(
         if params.is_null() {
             return CUDA_ERROR_INVALID_VALUE;
         }
-        // The kernels' eight arguments, copied now as the driver does (n_launches is an int).
-        let mut args = [0u64; 8];
+        // The kernels' nine arguments, copied now as the driver does (`int`s sign-extended).
+        let mut args = [0u64; 9];
         for (i, a) in args.iter_mut().enumerate() {
             let p = *params.add(i);
             if p.is_null() {
                 return CUDA_ERROR_INVALID_VALUE;
             }
-            *a = if i == 1 { (p as *const i32).read_unaligned() as i64 as u64 } else { (p as *const u64).read_unaligned() };
+            *a = if kernel.is_int_arg(i) { (p as *const i32).read_unaligned() as i64 as u64 } else { (p as *const u64).read_unaligned() };
         }
         let sid = tryc!(g.resolve(s, dev));
-        let desc = format!("kernel {} ({} items, {gx}x{bx})", if w8 { "hicache_gather_w8" } else { "hicache_gather_w4" }, args[4] as i64);
-        g.enqueue(sid, OpKind::Kernel { w8, grid: gx, block: bx, args }, desc, vec![], None);
+        let desc = match kernel {
+            Kernel::CheckIndices => format!("kernel {} (phase {}, {} pairs, {gx}x{bx})", kernel.name(), args[8] as i64, args[2] as i64),
+            _ => format!("kernel {} ({} items, {gx}x{bx})", kernel.name(), args[4] as i64),
+        };
+        g.enqueue(sid, OpKind::Kernel { kernel, grid: gx, block: bx, args }, desc, vec![], None);
         CUDA_SUCCESS
     })
 }

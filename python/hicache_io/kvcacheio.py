@@ -1,17 +1,25 @@
 """sglang's ``sgl_kernel.kvcacheio`` under the same names, arguments and defaults, on hicache-io.
 
-``block_quota`` and ``num_warps_per_block`` are accepted for compatibility and ignored: the
-executor sizes its own launches. Errors carry sglang's message text with sglang's exception
+``block_quota`` and ``num_warps_per_block`` size the cuda executor's launch of that call when
+given (clamped: 1 to 65536 blocks, 1 to 32 warps); left out, the executor's own grid applies
+(sglang's 2 blocks of 32 warps, or ``HICACHE_CUDA_BLOCK_QUOTA`` / ``HICACHE_CUDA_WARPS_PER_BLOCK``).
+They never change the bytes moved. Errors carry sglang's message text with sglang's exception
 class (``RuntimeError`` for the kernels' checks); see :mod:`hicache_io`.
 
 Sizes are bytes. Index arguments are int64 arrays or sequences of ints. Host arrays run on
 the cpu executor and the call returns when the bytes have moved; CUDA arrays (torch, CuPy)
 run on the cuda executor of their device, enqueued on the caller's current stream as
-sgl-kernel does (host arrays next to them must be pinned; CUDA index arrays are copied to
-the host first, which waits for the stream, since indices are checked before any byte
-moves). The GIL is released meanwhile. Beyond sglang's checks, every index must lie inside the array it
-addresses, destinations must be unique and must not overlap another argument; a call that
-raises has moved no byte.
+sgl-kernel does (host arrays next to them must be pinned). The GIL is released meanwhile.
+Beyond sglang's checks, every index must lie inside the array it addresses, destinations must
+be unique and must not overlap another argument; a call that raises has moved no byte.
+
+CUDA index arrays (sglang passes them whenever ``io_backend="kernel"``) stay on the device: the
+``kernel`` ops check them there, before their copy kernels, without waiting for the stream. A
+call whose lists fail a check moves no byte; its error (the same text the host checks give,
+naming the op) is raised by :func:`synchronize` or by the next op on that device and stream.
+Index arrays on another device than the data are refused. The ``direct`` ops, and layer
+arguments given as tables of addresses, need index values on the host: there a CUDA index array
+is copied first, which waits for the stream (as sgl-kernel does for ``direct``).
 """
 
 import sys
@@ -20,6 +28,7 @@ from typing import Any, List, Optional
 from . import _native
 
 __all__ = [
+    "synchronize",
     "transfer_kv_per_layer",
     "transfer_kv_per_layer_pf_lf",
     "transfer_kv_per_layer_ph_lf",
@@ -38,7 +47,6 @@ __all__ = [
     "transfer_kv_per_layer_direct_lf_pf",
 ]
 
-_DEFAULT_WARPS = 32  # sgl-kernel's CUDA default (16 on ROCm)
 _DL_CUDA = 2
 
 
@@ -67,94 +75,117 @@ def _cuda_stream(*args: Any) -> Optional[int]:
 
 
 
-def transfer_kv_per_layer(src_k: Any, dst_k: Any, src_v: Any, dst_v: Any, src_indices: Any, dst_indices: Any, item_size: int, block_quota: int = 2, num_warps_per_block: int = _DEFAULT_WARPS) -> None:
+def _device_stream(device: Optional[int]) -> "tuple[int, int]":
+    """(device index, the caller's current stream on it) for :func:`synchronize`."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        index = torch.cuda.current_device() if device is None else device
+        return index, torch.cuda.current_stream(index).cuda_stream or 1
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:
+        index = cupy.cuda.Device().id if device is None else device
+        with cupy.cuda.Device(index):
+            return index, cupy.cuda.get_current_stream().ptr or 1
+    return (0 if device is None else device), 1
+
+
+def synchronize(device: Optional[int] = None) -> None:
+    """Waits for the caller's current stream on CUDA ``device`` (the current one by default),
+    then raises the first op since the last report whose CUDA index arrays failed their device
+    checks (``IndexError`` for an index out of range, ``ValueError`` for a destination written
+    twice; nothing of that op was copied)."""
+    index, stream = _device_stream(device)
+    _native.synchronize(index, stream=stream)
+
+
+def transfer_kv_per_layer(src_k: Any, dst_k: Any, src_v: Any, dst_v: Any, src_indices: Any, dst_indices: Any, item_size: int, block_quota: Optional[int] = None, num_warps_per_block: Optional[int] = None) -> None:
     """One layer, layer_first to layer_first: ``dst_k[d] = src_k[s]`` and ``dst_v[d] = src_v[s]`` for each index pair (items of ``item_size`` bytes; negative indices skipped).
 
     Sizes are bytes; arrays, executors and checks: see the module docstring.
     """
-    _native.transfer_kv_per_layer(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, item_size, stream=_cuda_stream(src_k, dst_k, src_v, dst_v, src_indices, dst_indices))
+    _native.transfer_kv_per_layer(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, item_size, stream=_cuda_stream(src_k, dst_k, src_v, dst_v, src_indices, dst_indices), block_quota=block_quota, num_warps_per_block=num_warps_per_block)
 
 
-def transfer_kv_per_layer_pf_lf(src_k: Any, dst_k: Any, src_v: Any, dst_v: Any, src_indices: Any, dst_indices: Any, layer_id: int, item_size: int, src_layout_dim: int, block_quota: int = 2, num_warps_per_block: int = _DEFAULT_WARPS) -> None:
+def transfer_kv_per_layer_pf_lf(src_k: Any, dst_k: Any, src_v: Any, dst_v: Any, src_indices: Any, dst_indices: Any, layer_id: int, item_size: int, src_layout_dim: int, block_quota: Optional[int] = None, num_warps_per_block: Optional[int] = None) -> None:
     """Layer ``layer_id`` of a page_first host buffer ``[slots][L][item]`` (``src_layout_dim = L * item_size``) into one layer_first device layer.
 
     Sizes are bytes; arrays, executors and checks: see the module docstring.
     """
-    _native.transfer_kv_per_layer_pf_lf(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, layer_id, item_size, src_layout_dim, stream=_cuda_stream(src_k, dst_k, src_v, dst_v, src_indices, dst_indices))
+    _native.transfer_kv_per_layer_pf_lf(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, layer_id, item_size, src_layout_dim, stream=_cuda_stream(src_k, dst_k, src_v, dst_v, src_indices, dst_indices), block_quota=block_quota, num_warps_per_block=num_warps_per_block)
 
 
-def transfer_kv_per_layer_ph_lf(src_k: Any, dst_k: Any, src_v: Any, dst_v: Any, src_indices: Any, dst_indices: Any, layer_id: int, item_size: int, src_layout_dim: int, page_size: int, head_num: int, block_quota: int = 2, num_warps_per_block: int = _DEFAULT_WARPS) -> None:
+def transfer_kv_per_layer_ph_lf(src_k: Any, dst_k: Any, src_v: Any, dst_v: Any, src_indices: Any, dst_indices: Any, layer_id: int, item_size: int, src_layout_dim: int, page_size: int, head_num: int, block_quota: Optional[int] = None, num_warps_per_block: Optional[int] = None) -> None:
     """Layer ``layer_id`` of a page_head host buffer ``[pages][head_num][page_size][L][item / head_num]`` into one layer_first device layer.
 
     Sizes are bytes; arrays, executors and checks: see the module docstring.
     """
-    _native.transfer_kv_per_layer_ph_lf(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, layer_id, item_size, src_layout_dim, page_size, head_num, stream=_cuda_stream(src_k, dst_k, src_v, dst_v, src_indices, dst_indices))
+    _native.transfer_kv_per_layer_ph_lf(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, layer_id, item_size, src_layout_dim, page_size, head_num, stream=_cuda_stream(src_k, dst_k, src_v, dst_v, src_indices, dst_indices), block_quota=block_quota, num_warps_per_block=num_warps_per_block)
 
 
-def transfer_kv_all_layer(src_k_layers: Any, dst_k_layers: Any, src_v_layers: Any, dst_v_layers: Any, src_indices: Any, dst_indices: Any, item_size: int, num_layers: int, block_quota: int = 2, num_warps_per_block: int = _DEFAULT_WARPS) -> None:
+def transfer_kv_all_layer(src_k_layers: Any, dst_k_layers: Any, src_v_layers: Any, dst_v_layers: Any, src_indices: Any, dst_indices: Any, item_size: int, num_layers: int, block_quota: Optional[int] = None, num_warps_per_block: Optional[int] = None) -> None:
     """Every layer ``j < num_layers``: ``dst_*_layers[j][d] = src_*_layers[j][s]`` (layer_first both sides).
 
     ``*_layers`` arguments take a list of arrays (every index is bounds-checked against its layer) or, as sglang passes them, a 1-D int64 table of layer base addresses in host memory, which is trusted: each layer is assumed to hold what the largest index needs.
 
     Sizes are bytes; arrays, executors and checks: see the module docstring.
     """
-    _native.transfer_kv_all_layer(src_k_layers, dst_k_layers, src_v_layers, dst_v_layers, src_indices, dst_indices, item_size, num_layers, stream=_cuda_stream(src_k_layers, dst_k_layers, src_v_layers, dst_v_layers, src_indices, dst_indices))
+    _native.transfer_kv_all_layer(src_k_layers, dst_k_layers, src_v_layers, dst_v_layers, src_indices, dst_indices, item_size, num_layers, stream=_cuda_stream(src_k_layers, dst_k_layers, src_v_layers, dst_v_layers, src_indices, dst_indices), block_quota=block_quota, num_warps_per_block=num_warps_per_block)
 
 
-def transfer_kv_all_layer_lf_pf(src_k_layers: Any, dst_k: Any, src_v_layers: Any, dst_v: Any, src_indices: Any, dst_indices: Any, item_size: int, dst_layout_dim: int, num_layers: int, block_quota: int = 2, num_warps_per_block: int = _DEFAULT_WARPS) -> None:
+def transfer_kv_all_layer_lf_pf(src_k_layers: Any, dst_k: Any, src_v_layers: Any, dst_v: Any, src_indices: Any, dst_indices: Any, item_size: int, dst_layout_dim: int, num_layers: int, block_quota: Optional[int] = None, num_warps_per_block: Optional[int] = None) -> None:
     """Every device layer into its layer of a page_first host buffer (``dst_layout_dim = num_layers * item_size``).
 
     ``*_layers`` arguments take a list of arrays (every index is bounds-checked against its layer) or, as sglang passes them, a 1-D int64 table of layer base addresses in host memory, which is trusted: each layer is assumed to hold what the largest index needs.
 
     Sizes are bytes; arrays, executors and checks: see the module docstring.
     """
-    _native.transfer_kv_all_layer_lf_pf(src_k_layers, dst_k, src_v_layers, dst_v, src_indices, dst_indices, item_size, dst_layout_dim, num_layers, stream=_cuda_stream(src_k_layers, dst_k, src_v_layers, dst_v, src_indices, dst_indices))
+    _native.transfer_kv_all_layer_lf_pf(src_k_layers, dst_k, src_v_layers, dst_v, src_indices, dst_indices, item_size, dst_layout_dim, num_layers, stream=_cuda_stream(src_k_layers, dst_k, src_v_layers, dst_v, src_indices, dst_indices), block_quota=block_quota, num_warps_per_block=num_warps_per_block)
 
 
-def transfer_kv_all_layer_lf_ph(src_k_layers: Any, dst_k: Any, src_v_layers: Any, dst_v: Any, src_indices: Any, dst_indices: Any, item_size: int, dst_layout_dim: int, num_layers: int, page_size: int, head_num: int, block_quota: int = 2, num_warps_per_block: int = _DEFAULT_WARPS) -> None:
+def transfer_kv_all_layer_lf_ph(src_k_layers: Any, dst_k: Any, src_v_layers: Any, dst_v: Any, src_indices: Any, dst_indices: Any, item_size: int, dst_layout_dim: int, num_layers: int, page_size: int, head_num: int, block_quota: Optional[int] = None, num_warps_per_block: Optional[int] = None) -> None:
     """Every device layer into its layer of a page_head host buffer.
 
     ``*_layers`` arguments take a list of arrays (every index is bounds-checked against its layer) or, as sglang passes them, a 1-D int64 table of layer base addresses in host memory, which is trusted: each layer is assumed to hold what the largest index needs.
 
     Sizes are bytes; arrays, executors and checks: see the module docstring.
     """
-    _native.transfer_kv_all_layer_lf_ph(src_k_layers, dst_k, src_v_layers, dst_v, src_indices, dst_indices, item_size, dst_layout_dim, num_layers, page_size, head_num, stream=_cuda_stream(src_k_layers, dst_k, src_v_layers, dst_v, src_indices, dst_indices))
+    _native.transfer_kv_all_layer_lf_ph(src_k_layers, dst_k, src_v_layers, dst_v, src_indices, dst_indices, item_size, dst_layout_dim, num_layers, page_size, head_num, stream=_cuda_stream(src_k_layers, dst_k, src_v_layers, dst_v, src_indices, dst_indices), block_quota=block_quota, num_warps_per_block=num_warps_per_block)
 
 
-def transfer_kv_per_layer_mla(src: Any, dst: Any, src_indices: Any, dst_indices: Any, item_size: int, block_quota: int = 2, num_warps_per_block: int = _DEFAULT_WARPS) -> None:
+def transfer_kv_per_layer_mla(src: Any, dst: Any, src_indices: Any, dst_indices: Any, item_size: int, block_quota: Optional[int] = None, num_warps_per_block: Optional[int] = None) -> None:
     """One layer, layer_first to layer_first, one buffer (MLA, DSA indexer).
 
     Sizes are bytes; arrays, executors and checks: see the module docstring.
     """
-    _native.transfer_kv_per_layer_mla(src, dst, src_indices, dst_indices, item_size, stream=_cuda_stream(src, dst, src_indices, dst_indices))
+    _native.transfer_kv_per_layer_mla(src, dst, src_indices, dst_indices, item_size, stream=_cuda_stream(src, dst, src_indices, dst_indices), block_quota=block_quota, num_warps_per_block=num_warps_per_block)
 
 
-def transfer_kv_per_layer_mla_pf_lf(src: Any, dst: Any, src_indices: Any, dst_indices: Any, layer_id: int, item_size: int, src_layout_dim: int, block_quota: int = 2, num_warps_per_block: int = _DEFAULT_WARPS) -> None:
+def transfer_kv_per_layer_mla_pf_lf(src: Any, dst: Any, src_indices: Any, dst_indices: Any, layer_id: int, item_size: int, src_layout_dim: int, block_quota: Optional[int] = None, num_warps_per_block: Optional[int] = None) -> None:
     """Layer ``layer_id`` of a page_first host buffer into one layer_first device layer (one buffer).
 
     Sizes are bytes; arrays, executors and checks: see the module docstring.
     """
-    _native.transfer_kv_per_layer_mla_pf_lf(src, dst, src_indices, dst_indices, layer_id, item_size, src_layout_dim, stream=_cuda_stream(src, dst, src_indices, dst_indices))
+    _native.transfer_kv_per_layer_mla_pf_lf(src, dst, src_indices, dst_indices, layer_id, item_size, src_layout_dim, stream=_cuda_stream(src, dst, src_indices, dst_indices), block_quota=block_quota, num_warps_per_block=num_warps_per_block)
 
 
-def transfer_kv_all_layer_mla(src_layers: Any, dst_layers: Any, src_indices: Any, dst_indices: Any, item_size: int, num_layers: int, block_quota: int = 2, num_warps_per_block: int = _DEFAULT_WARPS) -> None:
+def transfer_kv_all_layer_mla(src_layers: Any, dst_layers: Any, src_indices: Any, dst_indices: Any, item_size: int, num_layers: int, block_quota: Optional[int] = None, num_warps_per_block: Optional[int] = None) -> None:
     """Every layer, layer_first to layer_first, one buffer per layer.
 
     ``*_layers`` arguments take a list of arrays (every index is bounds-checked against its layer) or, as sglang passes them, a 1-D int64 table of layer base addresses in host memory, which is trusted: each layer is assumed to hold what the largest index needs.
 
     Sizes are bytes; arrays, executors and checks: see the module docstring.
     """
-    _native.transfer_kv_all_layer_mla(src_layers, dst_layers, src_indices, dst_indices, item_size, num_layers, stream=_cuda_stream(src_layers, dst_layers, src_indices, dst_indices))
+    _native.transfer_kv_all_layer_mla(src_layers, dst_layers, src_indices, dst_indices, item_size, num_layers, stream=_cuda_stream(src_layers, dst_layers, src_indices, dst_indices), block_quota=block_quota, num_warps_per_block=num_warps_per_block)
 
 
-def transfer_kv_all_layer_mla_lf_pf(src_layers: Any, dst: Any, src_indices: Any, dst_indices: Any, item_size: int, dst_layout_dim: int, num_layers: int, block_quota: int = 2, num_warps_per_block: int = _DEFAULT_WARPS) -> None:
+def transfer_kv_all_layer_mla_lf_pf(src_layers: Any, dst: Any, src_indices: Any, dst_indices: Any, item_size: int, dst_layout_dim: int, num_layers: int, block_quota: Optional[int] = None, num_warps_per_block: Optional[int] = None) -> None:
     """Every device layer into its layer of a page_first host buffer (one buffer).
 
     ``*_layers`` arguments take a list of arrays (every index is bounds-checked against its layer) or, as sglang passes them, a 1-D int64 table of layer base addresses in host memory, which is trusted: each layer is assumed to hold what the largest index needs.
 
     Sizes are bytes; arrays, executors and checks: see the module docstring.
     """
-    _native.transfer_kv_all_layer_mla_lf_pf(src_layers, dst, src_indices, dst_indices, item_size, dst_layout_dim, num_layers, stream=_cuda_stream(src_layers, dst, src_indices, dst_indices))
+    _native.transfer_kv_all_layer_mla_lf_pf(src_layers, dst, src_indices, dst_indices, item_size, dst_layout_dim, num_layers, stream=_cuda_stream(src_layers, dst, src_indices, dst_indices), block_quota=block_quota, num_warps_per_block=num_warps_per_block)
 
 
 def transfer_kv_direct(src_layers: Any, dst_layers: Any, src_indices: Any, dst_indices: Any, page_size: int) -> None:
@@ -181,20 +212,20 @@ def transfer_kv_all_layer_direct_lf_pf(src_ptrs: List[Any], dst_ptrs: List[Any],
     _native.transfer_kv_all_layer_direct_lf_pf(src_ptrs, dst_ptrs, src_indices, dst_indices, page_size, stream=_cuda_stream(src_ptrs, dst_ptrs, src_indices, dst_indices))
 
 
-def transfer_kv_per_layer_lf_pf(src_k: Any, dst_k: Any, src_v: Any, dst_v: Any, src_indices: Any, dst_indices: Any, layer_id: int, item_size: int, dst_layout_dim: int, block_quota: int = 2, num_warps_per_block: int = _DEFAULT_WARPS) -> None:
+def transfer_kv_per_layer_lf_pf(src_k: Any, dst_k: Any, src_v: Any, dst_v: Any, src_indices: Any, dst_indices: Any, layer_id: int, item_size: int, dst_layout_dim: int, block_quota: Optional[int] = None, num_warps_per_block: Optional[int] = None) -> None:
     """Not in sglang: one device layer into layer ``layer_id`` of a page_first host buffer (``dst_layout_dim = L * item_size``) -- the per-layer LF->PF path whose absence makes sglang raise ``Layer-sharded DSA indexer HiCache backup with page_first layout is not supported without a per-layer LF->PF kernel.``
 
     Sizes are bytes; arrays, executors and checks: see the module docstring.
     """
-    _native.transfer_kv_per_layer_lf_pf(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, layer_id, item_size, dst_layout_dim, stream=_cuda_stream(src_k, dst_k, src_v, dst_v, src_indices, dst_indices))
+    _native.transfer_kv_per_layer_lf_pf(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, layer_id, item_size, dst_layout_dim, stream=_cuda_stream(src_k, dst_k, src_v, dst_v, src_indices, dst_indices), block_quota=block_quota, num_warps_per_block=num_warps_per_block)
 
 
-def transfer_kv_per_layer_mla_lf_pf(src: Any, dst: Any, src_indices: Any, dst_indices: Any, layer_id: int, item_size: int, dst_layout_dim: int, block_quota: int = 2, num_warps_per_block: int = _DEFAULT_WARPS) -> None:
+def transfer_kv_per_layer_mla_lf_pf(src: Any, dst: Any, src_indices: Any, dst_indices: Any, layer_id: int, item_size: int, dst_layout_dim: int, block_quota: Optional[int] = None, num_warps_per_block: Optional[int] = None) -> None:
     """Not in sglang: :func:`transfer_kv_per_layer_lf_pf` with one buffer (MLA, and the DSA indexer with page-sized items and page indices).
 
     Sizes are bytes; arrays, executors and checks: see the module docstring.
     """
-    _native.transfer_kv_per_layer_mla_lf_pf(src, dst, src_indices, dst_indices, layer_id, item_size, dst_layout_dim, stream=_cuda_stream(src, dst, src_indices, dst_indices))
+    _native.transfer_kv_per_layer_mla_lf_pf(src, dst, src_indices, dst_indices, layer_id, item_size, dst_layout_dim, stream=_cuda_stream(src, dst, src_indices, dst_indices), block_quota=block_quota, num_warps_per_block=num_warps_per_block)
 
 
 def transfer_kv_per_layer_direct_lf_pf(src_ptrs: List[Any], dst_ptrs: List[Any], src_indices: Any, dst_indices: Any, layer_id: int, page_size: int) -> None:

@@ -284,26 +284,101 @@ fn dst_view(obj: &Bound<'_, PyAny>, name: &str, ctx: Ctx) -> PyResult<Held> {
     Ok(h)
 }
 
-/// Index list: an int64 array (sglang's type check and message), or a sequence of ints. The
-/// planner reads indices on the host: a CUDA index array is copied on the executor's stream,
-/// which waits for it (pass host indices to avoid that).
-fn index_list(obj: &Bound<'_, PyAny>, side: &str, ctx: Ctx) -> PyResult<Vec<i64>> {
+/// An index argument: host values, or an int64 CUDA array left where it is (the `kernel` ops
+/// check such lists on the device, without waiting for the stream).
+enum Idx {
+    Host(Vec<i64>),
+    Cuda(Held),
+}
+
+impl Idx {
+    /// The list as the ops take it.
+    fn indices(&self) -> kv::Indices<'_> {
+        match self {
+            Idx::Host(v) => kv::Indices::Host(v),
+            // SAFETY: a live int64 CUDA array of that many entries (kept by the `Held`), used by
+            // an op enqueued on the caller's stream, like every CUDA argument.
+            Idx::Cuda(h) => kv::Indices::Cuda(unsafe { kv::CudaIndices::new(h.raw.addr(), (h.raw.len() / 8) as usize) }),
+        }
+    }
+    /// Host values: a CUDA array is copied on the caller's stream, which this waits for.
+    fn into_host(self, ctx: Ctx) -> PyResult<Vec<i64>> {
+        match self {
+            Idx::Host(v) => Ok(v),
+            Idx::Cuda(h) => Ok(read_cuda(&h, ctx)?.chunks_exact(8).map(|c| i64::from_ne_bytes(c.try_into().expect("8 bytes"))).collect()),
+        }
+    }
+}
+
+/// Index list: an int64 array (sglang's type check and message), or a sequence of ints.
+fn index_arg(obj: &Bound<'_, PyAny>, side: &str, ctx: Ctx) -> PyResult<Idx> {
     if obj.hasattr("__dlpack__")? || obj.hasattr("__array_interface__")? {
         let h = view(obj, &format!("{} indices", side.to_lowercase()), ctx)?;
         if !h.is_int64() {
             return Err(PyRuntimeError::new_err(format!("{side} indices must be of type long")));
         }
-        let n = (h.raw.len() / 8) as usize;
         if h.device_type == DL_CUDA {
-            let bytes = read_cuda(&h, ctx)?;
-            return Ok(bytes.chunks_exact(8).map(|c| i64::from_ne_bytes(c.try_into().expect("8 bytes"))).collect());
+            return Ok(Idx::Cuda(h));
         }
+        let n = (h.raw.len() / 8) as usize;
         // SAFETY: `n` int64 values of a live host array (kept by `h`); read unaligned in case a
         // view starts off an 8-byte boundary.
         let p = h.raw.addr() as *const i64;
-        return Ok((0..n).map(|i| unsafe { p.add(i).read_unaligned() }).collect());
+        return Ok(Idx::Host((0..n).map(|i| unsafe { p.add(i).read_unaligned() }).collect()));
     }
-    obj.extract::<Vec<i64>>().map_err(|_| PyTypeError::new_err(format!("{side} indices must be an int64 array or a sequence of ints")))
+    obj.extract::<Vec<i64>>()
+        .map(Idx::Host)
+        .map_err(|_| PyTypeError::new_err(format!("{side} indices must be an int64 array or a sequence of ints")))
+}
+
+/// Host index values (a CUDA index array is copied on the executor's stream, which waits for
+/// it: the `direct` ops and layer tables need the values on the host, as in sgl-kernel).
+fn index_list(obj: &Bound<'_, PyAny>, side: &str, ctx: Ctx) -> PyResult<Vec<i64>> {
+    index_arg(obj, side, ctx)?.into_host(ctx)
+}
+
+/// The index lists of a `kernel` op, placed for the executor of `args`: CUDA lists stay on the
+/// device when both are CUDA arrays on the data's device (checked there); a CUDA list on another
+/// device than the data is refused; otherwise the values come to the host.
+fn place(si: Idx, di: Idx, args: &[&Held], ctx: Ctx) -> PyResult<(Idx, Idx)> {
+    let gpu = args.iter().find(|h| h.device_type == DL_CUDA).map(|h| h.device_id);
+    if let Some(g) = gpu {
+        for (side, idx) in [("source", &si), ("destination", &di)] {
+            if let Idx::Cuda(h) = idx {
+                if h.device_id != g {
+                    return Err(PyValueError::new_err(format!(
+                        "{side} indices are on CUDA device {}, the data on device {g}",
+                        h.device_id
+                    )));
+                }
+            }
+        }
+        if matches!((&si, &di), (Idx::Cuda(_), Idx::Cuda(_))) {
+            return Ok((si, di));
+        }
+    }
+    Ok((Idx::Host(si.into_host(ctx)?), Idx::Host(di.into_host(ctx)?)))
+}
+
+/// Runs `f` with sglang's per-call launch arguments, when given, on the cuda executor.
+fn tuned<R>(block_quota: Option<i64>, num_warps_per_block: Option<i64>, f: impl FnOnce() -> R) -> R {
+    #[cfg(feature = "cuda")]
+    if block_quota.is_some() || num_warps_per_block.is_some() {
+        use hicache_io::exec::cuda::{with_call_tuning, LaunchTuning};
+        let base = LaunchTuning::default();
+        let t = LaunchTuning::from_args(
+            block_quota.unwrap_or(base.block_quota as i64),
+            num_warps_per_block.unwrap_or(base.num_warps_per_block as i64),
+        );
+        return with_call_tuning(t, f);
+    }
+    let _ = (block_quota, num_warps_per_block);
+    f()
+}
+
+/// Whether a layer argument is a list of arrays (not a table of addresses).
+fn is_list(obj: &Bound<'_, PyAny>) -> bool {
+    obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>()
 }
 
 /// A layer argument: a list of arrays (every index bounds-checked), or sglang's table of layer
@@ -447,16 +522,21 @@ fn raws(hs: &[Held]) -> Vec<RawTensor> {
 
 // ---- kvcacheio ---------------------------------------------------------------------------
 
-/// Source and destination index lists, read in sgl-kernel's order.
+/// Source and destination index lists, read in sgl-kernel's order, as host values.
 fn index_pair(src: &Bound<'_, PyAny>, dst: &Bound<'_, PyAny>, ctx: Ctx) -> PyResult<(Vec<i64>, Vec<i64>)> {
     Ok((index_list(src, "Source", ctx)?, index_list(dst, "Destination", ctx)?))
+}
+
+/// [`index_pair`] with CUDA arrays left on their device (see [`place`]).
+fn index_args(src: &Bound<'_, PyAny>, dst: &Bound<'_, PyAny>, ctx: Ctx) -> PyResult<(Idx, Idx)> {
+    Ok((index_arg(src, "Source", ctx)?, index_arg(dst, "Destination", ctx)?))
 }
 
 /// An op over K and V arrays (`src_k, dst_k, src_v, dst_v`), the index lists and integers.
 macro_rules! kv_pair_op {
     ($name:ident($($int:ident),+)) => {
         #[pyfunction]
-        #[pyo3(signature = (src_k, dst_k, src_v, dst_v, src_indices, dst_indices, $($int),+, *, stream = None))]
+        #[pyo3(signature = (src_k, dst_k, src_v, dst_v, src_indices, dst_indices, $($int),+, *, stream = None, block_quota = None, num_warps_per_block = None))]
         fn $name(
             py: Python<'_>,
             src_k: &Bound<'_, PyAny>,
@@ -467,13 +547,17 @@ macro_rules! kv_pair_op {
             dst_indices: &Bound<'_, PyAny>,
             $($int: i64,)+
             stream: Option<u64>,
+            block_quota: Option<i64>,
+            num_warps_per_block: Option<i64>,
         ) -> PyResult<()> {
             let ctx = Ctx { stream };
-            let (si, di) = index_pair(src_indices, dst_indices, ctx)?;
+            let (si, di) = index_args(src_indices, dst_indices, ctx)?;
             let (sk, dk) = (view(src_k, "src_k", ctx)?, dst_view(dst_k, "dst_k", ctx)?);
             let (sv, dv) = (view(src_v, "src_v", ctx)?, dst_view(dst_v, "dst_v", ctx)?);
             let dev = executor_for(&[&sk, &dk, &sv, &dv], ctx)?;
-            py.detach(|| kv::$name(&dev, &sk.raw, &dk.raw, &sv.raw, &dv.raw, &si, &di, $($int),+)).py()
+            let (si, di) = place(si, di, &[&sk, &dk, &sv, &dv], ctx)?;
+            let (si, di) = (si.indices(), di.indices());
+            py.detach(|| tuned(block_quota, num_warps_per_block, || kv::$name(&dev, &sk.raw, &dk.raw, &sv.raw, &dv.raw, si, di, $($int),+))).py()
         }
     };
 }
@@ -482,7 +566,7 @@ macro_rules! kv_pair_op {
 macro_rules! kv_one_op {
     ($name:ident($($int:ident),+)) => {
         #[pyfunction]
-        #[pyo3(signature = (src, dst, src_indices, dst_indices, $($int),+, *, stream = None))]
+        #[pyo3(signature = (src, dst, src_indices, dst_indices, $($int),+, *, stream = None, block_quota = None, num_warps_per_block = None))]
         fn $name(
             py: Python<'_>,
             src: &Bound<'_, PyAny>,
@@ -491,12 +575,16 @@ macro_rules! kv_one_op {
             dst_indices: &Bound<'_, PyAny>,
             $($int: i64,)+
             stream: Option<u64>,
+            block_quota: Option<i64>,
+            num_warps_per_block: Option<i64>,
         ) -> PyResult<()> {
             let ctx = Ctx { stream };
-            let (si, di) = index_pair(src_indices, dst_indices, ctx)?;
+            let (si, di) = index_args(src_indices, dst_indices, ctx)?;
             let (s, d) = (view(src, "src", ctx)?, dst_view(dst, "dst", ctx)?);
             let dev = executor_for(&[&s, &d], ctx)?;
-            py.detach(|| kv::$name(&dev, &s.raw, &d.raw, &si, &di, $($int),+)).py()
+            let (si, di) = place(si, di, &[&s, &d], ctx)?;
+            let (si, di) = (si.indices(), di.indices());
+            py.detach(|| tuned(block_quota, num_warps_per_block, || kv::$name(&dev, &s.raw, &d.raw, si, di, $($int),+))).py()
         }
     };
 }
@@ -530,7 +618,7 @@ macro_rules! kv_list_op {
 macro_rules! kv_backup_op {
     ($name:ident($($extra:ident),*)) => {
         #[pyfunction]
-        #[pyo3(signature = (src_k_layers, dst_k, src_v_layers, dst_v, src_indices, dst_indices, item_size, dst_layout_dim, num_layers, $($extra,)* *, stream = None))]
+        #[pyo3(signature = (src_k_layers, dst_k, src_v_layers, dst_v, src_indices, dst_indices, item_size, dst_layout_dim, num_layers, $($extra,)* *, stream = None, block_quota = None, num_warps_per_block = None))]
         fn $name(
             py: Python<'_>,
             src_k_layers: &Bound<'_, PyAny>,
@@ -544,17 +632,23 @@ macro_rules! kv_backup_op {
             num_layers: i64,
             $($extra: i64,)*
             stream: Option<u64>,
+            block_quota: Option<i64>,
+            num_warps_per_block: Option<i64>,
         ) -> PyResult<()> {
             let ctx = Ctx { stream };
             // sgl-kernel checks the layer count before anything else.
             kv::check_num_layers(false, num_layers, src_k_layers.len()?).py()?;
-            let (si, di) = index_pair(src_indices, dst_indices, ctx)?;
-            let se = extent_for(&si, item_size);
+            let (si, di) = index_args(src_indices, dst_indices, ctx)?;
+            let src_table = !is_list(src_k_layers) || !is_list(src_v_layers);
+            let (si, di, se, _) = table_extents(si, di, src_table, false, item_size, ctx)?;
             let (sk, sv) = (layers(src_k_layers, "src_k_layers", false, se, ctx)?, layers(src_v_layers, "src_v_layers", false, se, ctx)?);
             let (dk, dv) = (dst_view(dst_k, "dst_k", ctx)?, dst_view(dst_v, "dst_v", ctx)?);
-            let dev = executor_for(&sk.iter().chain(&sv).chain([&dk, &dv]).collect::<Vec<_>>(), ctx)?;
+            let args: Vec<&Held> = sk.iter().chain(&sv).chain([&dk, &dv]).collect();
+            let dev = executor_for(&args, ctx)?;
+            let (si, di) = place(si, di, &args, ctx)?;
+            let (si, di) = (si.indices(), di.indices());
             let (sk, sv) = (raws(&sk), raws(&sv));
-            py.detach(|| kv::$name(&dev, &sk, &dk.raw, &sv, &dv.raw, &si, &di, item_size, dst_layout_dim, num_layers $(, $extra)*)).py()
+            py.detach(|| tuned(block_quota, num_warps_per_block, || kv::$name(&dev, &sk, &dk.raw, &sv, &dv.raw, si, di, item_size, dst_layout_dim, num_layers $(, $extra)*))).py()
         }
     };
 }
@@ -574,8 +668,24 @@ kv_list_op!(transfer_kv_per_layer_direct_pf_lf(src_ptrs, dst_ptrs; layer_id, pag
 kv_list_op!(transfer_kv_all_layer_direct_lf_pf(src_ptrs, dst_ptrs; page_size));
 kv_list_op!(transfer_kv_per_layer_direct_lf_pf(src_ptrs, dst_ptrs; layer_id, page_size));
 
+/// The lists of an all-layer op whose layer arguments may be tables of addresses: a table's
+/// layers are as long as its side's largest index needs, so that side's values come to the host.
+fn table_extents(si: Idx, di: Idx, src_table: bool, dst_table: bool, item_size: i64, ctx: Ctx) -> PyResult<(Idx, Idx, u64, u64)> {
+    let host = |i: Idx, table: bool| -> PyResult<(Idx, u64)> {
+        if !table {
+            return Ok((i, 0));
+        }
+        let v = i.into_host(ctx)?;
+        let e = extent_for(&v, item_size);
+        Ok((Idx::Host(v), e))
+    };
+    let (si, se) = host(si, src_table)?;
+    let (di, de) = host(di, dst_table)?;
+    Ok((si, di, se, de))
+}
+
 #[pyfunction]
-#[pyo3(signature = (src_k_layers, dst_k_layers, src_v_layers, dst_v_layers, src_indices, dst_indices, item_size, num_layers, *, stream = None))]
+#[pyo3(signature = (src_k_layers, dst_k_layers, src_v_layers, dst_v_layers, src_indices, dst_indices, item_size, num_layers, *, stream = None, block_quota = None, num_warps_per_block = None))]
 fn transfer_kv_all_layer(
     py: Python<'_>,
     src_k_layers: &Bound<'_, PyAny>,
@@ -587,23 +697,32 @@ fn transfer_kv_all_layer(
     item_size: i64,
     num_layers: i64,
     stream: Option<u64>,
+    block_quota: Option<i64>,
+    num_warps_per_block: Option<i64>,
 ) -> PyResult<()> {
     let ctx = Ctx { stream };
     // sgl-kernel checks the layer count before anything else.
     kv::check_num_layers(false, num_layers, src_k_layers.len()?).py()?;
-    let (si, di) = index_pair(src_indices, dst_indices, ctx)?;
-    let (se, de) = (extent_for(&si, item_size), extent_for(&di, item_size));
+    let (si, di) = index_args(src_indices, dst_indices, ctx)?;
+    let (src_table, dst_table) = (!is_list(src_k_layers) || !is_list(src_v_layers), !is_list(dst_k_layers) || !is_list(dst_v_layers));
+    let (si, di, se, de) = table_extents(si, di, src_table, dst_table, item_size, ctx)?;
     let sk = layers(src_k_layers, "src_k_layers", false, se, ctx)?;
     let dk = layers(dst_k_layers, "dst_k_layers", true, de, ctx)?;
     let sv = layers(src_v_layers, "src_v_layers", false, se, ctx)?;
     let dv = layers(dst_v_layers, "dst_v_layers", true, de, ctx)?;
-    let dev = executor_for(&sk.iter().chain(&dk).chain(&sv).chain(&dv).collect::<Vec<_>>(), ctx)?;
+    let args: Vec<&Held> = sk.iter().chain(&dk).chain(&sv).chain(&dv).collect();
+    let dev = executor_for(&args, ctx)?;
+    let (si, di) = place(si, di, &args, ctx)?;
+    let (si, di) = (si.indices(), di.indices());
     let (sk, dk, sv, dv) = (raws(&sk), raws(&dk), raws(&sv), raws(&dv));
-    py.detach(|| kv::transfer_kv_all_layer(&dev, &sk, &dk, &sv, &dv, &si, &di, item_size, num_layers)).py()
+    py.detach(|| {
+        tuned(block_quota, num_warps_per_block, || kv::transfer_kv_all_layer(&dev, &sk, &dk, &sv, &dv, si, di, item_size, num_layers))
+    })
+    .py()
 }
 
 #[pyfunction]
-#[pyo3(signature = (src_layers, dst_layers, src_indices, dst_indices, item_size, num_layers, *, stream = None))]
+#[pyo3(signature = (src_layers, dst_layers, src_indices, dst_indices, item_size, num_layers, *, stream = None, block_quota = None, num_warps_per_block = None))]
 fn transfer_kv_all_layer_mla(
     py: Python<'_>,
     src_layers: &Bound<'_, PyAny>,
@@ -613,20 +732,27 @@ fn transfer_kv_all_layer_mla(
     item_size: i64,
     num_layers: i64,
     stream: Option<u64>,
+    block_quota: Option<i64>,
+    num_warps_per_block: Option<i64>,
 ) -> PyResult<()> {
     let ctx = Ctx { stream };
     // sgl-kernel checks the layer count before anything else.
     kv::check_num_layers(true, num_layers, src_layers.len()?).py()?;
-    let (si, di) = index_pair(src_indices, dst_indices, ctx)?;
-    let s = layers(src_layers, "src_layers", false, extent_for(&si, item_size), ctx)?;
-    let d = layers(dst_layers, "dst_layers", true, extent_for(&di, item_size), ctx)?;
-    let dev = executor_for(&s.iter().chain(&d).collect::<Vec<_>>(), ctx)?;
+    let (si, di) = index_args(src_indices, dst_indices, ctx)?;
+    let (si, di, se, de) = table_extents(si, di, !is_list(src_layers), !is_list(dst_layers), item_size, ctx)?;
+    let s = layers(src_layers, "src_layers", false, se, ctx)?;
+    let d = layers(dst_layers, "dst_layers", true, de, ctx)?;
+    let args: Vec<&Held> = s.iter().chain(&d).collect();
+    let dev = executor_for(&args, ctx)?;
+    let (si, di) = place(si, di, &args, ctx)?;
+    let (si, di) = (si.indices(), di.indices());
     let (s, d) = (raws(&s), raws(&d));
-    py.detach(|| kv::transfer_kv_all_layer_mla(&dev, &s, &d, &si, &di, item_size, num_layers)).py()
+    py.detach(|| tuned(block_quota, num_warps_per_block, || kv::transfer_kv_all_layer_mla(&dev, &s, &d, si, di, item_size, num_layers)))
+        .py()
 }
 
 #[pyfunction]
-#[pyo3(signature = (src_layers, dst, src_indices, dst_indices, item_size, dst_layout_dim, num_layers, *, stream = None))]
+#[pyo3(signature = (src_layers, dst, src_indices, dst_indices, item_size, dst_layout_dim, num_layers, *, stream = None, block_quota = None, num_warps_per_block = None))]
 fn transfer_kv_all_layer_mla_lf_pf(
     py: Python<'_>,
     src_layers: &Bound<'_, PyAny>,
@@ -637,16 +763,42 @@ fn transfer_kv_all_layer_mla_lf_pf(
     dst_layout_dim: i64,
     num_layers: i64,
     stream: Option<u64>,
+    block_quota: Option<i64>,
+    num_warps_per_block: Option<i64>,
 ) -> PyResult<()> {
     let ctx = Ctx { stream };
     // sgl-kernel checks the layer count before anything else.
     kv::check_num_layers(true, num_layers, src_layers.len()?).py()?;
-    let (si, di) = index_pair(src_indices, dst_indices, ctx)?;
-    let s = layers(src_layers, "src_layers", false, extent_for(&si, item_size), ctx)?;
+    let (si, di) = index_args(src_indices, dst_indices, ctx)?;
+    let (si, di, se, _) = table_extents(si, di, !is_list(src_layers), false, item_size, ctx)?;
+    let s = layers(src_layers, "src_layers", false, se, ctx)?;
     let d = dst_view(dst, "dst", ctx)?;
-    let dev = executor_for(&s.iter().chain([&d]).collect::<Vec<_>>(), ctx)?;
+    let args: Vec<&Held> = s.iter().chain([&d]).collect();
+    let dev = executor_for(&args, ctx)?;
+    let (si, di) = place(si, di, &args, ctx)?;
+    let (si, di) = (si.indices(), di.indices());
     let s = raws(&s);
-    py.detach(|| kv::transfer_kv_all_layer_mla_lf_pf(&dev, &s, &d.raw, &si, &di, item_size, dst_layout_dim, num_layers)).py()
+    py.detach(|| {
+        tuned(block_quota, num_warps_per_block, || {
+            kv::transfer_kv_all_layer_mla_lf_pf(&dev, &s, &d.raw, si, di, item_size, dst_layout_dim, num_layers)
+        })
+    })
+    .py()
+}
+
+/// Waits for the caller's stream on CUDA device `device_id` (and the executor's other streams),
+/// then raises the first op since the last report whose CUDA index lists failed their device
+/// checks (nothing of that op was copied).
+#[pyfunction]
+#[pyo3(signature = (device_id = 0, *, stream = None))]
+fn synchronize(py: Python<'_>, device_id: i32, stream: Option<u64>) -> PyResult<()> {
+    let dev = cuda(device_id, stream.unwrap_or(1))?;
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(e) = &dev {
+        return py.detach(|| e.synchronize()).py();
+    }
+    let _ = (py, dev);
+    Ok(())
 }
 
 /// A direct op's list of arrays (sglang passes Python lists of tensors).
@@ -917,6 +1069,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyHostPool>()?;
     m.add_function(wrap_pyfunction!(matrix_json, m)?)?;
     m.add_function(wrap_pyfunction!(check_json, m)?)?;
+    m.add_function(wrap_pyfunction!(synchronize, m)?)?;
     m.add_function(wrap_pyfunction!(transfer_kv_per_layer, m)?)?;
     m.add_function(wrap_pyfunction!(transfer_kv_per_layer_pf_lf, m)?)?;
     m.add_function(wrap_pyfunction!(transfer_kv_per_layer_ph_lf, m)?)?;

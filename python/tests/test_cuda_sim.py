@@ -85,6 +85,8 @@ class DevArray:
         a = np.ascontiguousarray(a)
         d = cls(a.shape, a.dtype)
         check(cu.cuMemcpyHtoD_v2(d.ptr, a.ctypes.data, a.nbytes), "cuMemcpyHtoD")
+        # A copy from pageable memory may return before its DMA lands.
+        check(cu.cuCtxSynchronize(), "cuCtxSynchronize")
         return d
 
     def numpy(self):
@@ -92,14 +94,16 @@ class DevArray:
         check(cu.cuMemcpyDtoH_v2(out.ctypes.data, self.ptr, self.nbytes), "cuMemcpyDtoH")
         return out
 
+    device_id = 0
+
     def __dlpack_device__(self):
-        return (2, 0)
+        return (2, self.device_id)
 
     def __dlpack__(self, stream=None, max_version=None):
         shape = (ctypes.c_int64 * len(self.shape))(*self.shape)
         m = DLManagedTensor()
         m.dl_tensor.data = self.ptr
-        m.dl_tensor.device = DLDevice(2, 0)
+        m.dl_tensor.device = DLDevice(2, self.device_id)
         m.dl_tensor.ndim = len(self.shape)
         m.dl_tensor.dtype = DLDataType(_DL_CODES[self.dtype.kind], self.dtype.itemsize * 8, 1)
         m.dl_tensor.shape = shape
@@ -203,4 +207,75 @@ def test_bad_input_moves_nothing():
         kv.transfer_kv_per_layer_mla(np.zeros((64, ITEM), np.uint8), dev, np.array([1]), np.array([3]), ITEM)
     sync()
     assert np.array_equal(dev.numpy(), before)
+    assert sim_errors() == (0, 0)
+
+
+def test_cuda_index_lists_are_checked_on_the_device():
+    """Both index arrays on the GPU: the op is enqueued without reading them; a failing list moves
+    nothing, and synchronize() raises what the host checks raise for the same lists."""
+    host = pinned((64, ITEM), np.uint8, rng.integers(0, 256, (64, ITEM), dtype=np.uint8))
+    dev = DevArray.of(np.zeros((64, ITEM), np.uint8))
+    cases = [
+        (np.array([1, 70, 3], np.int64), np.array([4, 5, 6], np.int64), IndexError),
+        (np.array([1, 2, 3], np.int64), np.array([4, 5, 4], np.int64), ValueError),
+    ]
+    for hi, di, exc in cases:
+        with pytest.raises(exc) as host_checked:
+            kv.transfer_kv_per_layer_mla(host, dev, hi, di, ITEM)
+        lists = (DevArray.of(hi), DevArray.of(di))
+        kv.transfer_kv_per_layer_mla(host, dev, lists[0], lists[1], ITEM)
+        with pytest.raises(exc) as device_checked:
+            kv.synchronize()
+        assert str(device_checked.value).startswith("transfer_kv_per_layer_mla (issued earlier")
+        assert str(device_checked.value).endswith(str(host_checked.value))
+        assert not dev.numpy().any(), "a refused call moved bytes"
+        kv.synchronize()  # reported once
+    # A valid pair of CUDA lists moves its bytes.
+    hi, di = np.array([5, 0, 63], np.int64), np.array([1, 2, 3], np.int64)
+    lists = (DevArray.of(hi), DevArray.of(di))
+    kv.transfer_kv_per_layer_mla(host, dev, lists[0], lists[1], ITEM)
+    kv.synchronize()
+    assert np.array_equal(dev.numpy()[di], host[hi])
+    assert sim_errors() == (0, 0)
+
+
+def test_the_next_op_raises_an_earlier_failed_check():
+    host = pinned((64, ITEM), np.uint8, 9)
+    dev = DevArray.of(np.zeros((64, ITEM), np.uint8))
+    bad = (DevArray.of(np.array([0, 1], np.int64)), DevArray.of(np.array([7, 7], np.int64)))
+    good = (DevArray.of(np.array([2], np.int64)), DevArray.of(np.array([9], np.int64)))
+    kv.transfer_kv_per_layer_mla(host, dev, bad[0], bad[1], ITEM)
+    sync()
+    with pytest.raises(ValueError, match="written twice"):
+        kv.transfer_kv_per_layer_mla(host, dev, good[0], good[1], ITEM)
+    sync()
+    assert not dev.numpy().any()
+    kv.transfer_kv_per_layer_mla(host, dev, good[0], good[1], ITEM)
+    kv.synchronize()
+    assert (dev.numpy()[9] == 9).all()
+
+
+def test_index_arrays_on_another_device_are_refused():
+    host = pinned((64, ITEM), np.uint8, 3)
+    dev = DevArray.of(np.zeros((64, ITEM), np.uint8))
+    hi, di = DevArray.of(np.array([1], np.int64)), DevArray.of(np.array([2], np.int64))
+    di.device_id = 1
+    with pytest.raises(ValueError, match="destination indices are on CUDA device 1, the data on device 0"):
+        kv.transfer_kv_per_layer_mla(host, dev, hi, di, ITEM)
+    sync()
+    assert not dev.numpy().any()
+
+
+@pytest.mark.parametrize("block_quota,num_warps_per_block", [(1, 1), (3, 7), (64, 32), (100000, 99)])
+def test_launch_arguments_do_not_change_the_bytes(block_quota, num_warps_per_block):
+    k = DevArray.of(rng.integers(0, 256, (SLOTS, ITEM), dtype=np.uint8))
+    v = DevArray.of(rng.integers(0, 256, (SLOTS, ITEM), dtype=np.uint8))
+    hk, hv = pinned((SLOTS, LAYERS, ITEM), np.uint8), pinned((SLOTS, LAYERS, ITEM), np.uint8)
+    di, hi = pages(256, 16, 8), pages(256, 16, 9)
+    lists = (DevArray.of(di), DevArray.of(hi))
+    kv.transfer_kv_per_layer_lf_pf(k, hk, v, hv, lists[0], lists[1], 1, ITEM, ITEM * LAYERS,
+                                   block_quota=block_quota, num_warps_per_block=num_warps_per_block)
+    kv.synchronize()
+    assert np.array_equal(hk[hi, 1], k.numpy()[di])
+    assert np.array_equal(hv[hi, 1], v.numpy()[di])
     assert sim_errors() == (0, 0)

@@ -9,7 +9,9 @@ use crate::geometry::{Addr, BufRef};
 use crate::plan::GatherStep;
 
 /// Grid tuning, sglang's defaults: 2 blocks of 32 warps (so copies leave SMs to the forward
-/// pass). `HICACHE_CUDA_BLOCK_QUOTA` / `HICACHE_CUDA_WARPS_PER_BLOCK` override.
+/// pass). `HICACHE_CUDA_BLOCK_QUOTA` / `HICACHE_CUDA_WARPS_PER_BLOCK` override; a call can
+/// bring its own (sglang's `block_quota` / `num_warps_per_block` arguments), clamped by
+/// [`LaunchTuning::clamped`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LaunchTuning {
     /// Blocks per launch, at most.
@@ -22,6 +24,24 @@ impl Default for LaunchTuning {
     fn default() -> Self {
         let env = |k: &str, d: u32| std::env::var(k).ok().and_then(|v| v.parse().ok()).filter(|v: &u32| *v > 0).unwrap_or(d);
         LaunchTuning { block_quota: env("HICACHE_CUDA_BLOCK_QUOTA", 2), num_warps_per_block: env("HICACHE_CUDA_WARPS_PER_BLOCK", 32) }
+            .clamped()
+    }
+}
+
+/// The most blocks a call may ask for: far more than any GPU runs at once, and few enough that
+/// the grid arithmetic stays small.
+pub const MAX_BLOCK_QUOTA: u32 = 65_536;
+
+impl LaunchTuning {
+    /// A call's tuning from sglang's arguments (any `i64`), clamped: block quota to
+    /// 1..=[`MAX_BLOCK_QUOTA`], warps to 1..=32 (the kernel function's own limit applies at launch).
+    pub fn from_args(block_quota: i64, num_warps_per_block: i64) -> LaunchTuning {
+        let c = |v: i64, hi: u32| v.clamp(1, hi as i64) as u32;
+        LaunchTuning { block_quota: c(block_quota, MAX_BLOCK_QUOTA), num_warps_per_block: c(num_warps_per_block, 32) }
+    }
+    /// This tuning within the limits of [`LaunchTuning::from_args`].
+    pub fn clamped(self) -> LaunchTuning {
+        LaunchTuning::from_args(self.block_quota as i64, self.num_warps_per_block as i64)
     }
 }
 
@@ -55,12 +75,12 @@ pub struct LaunchC {
 
 const _: () = assert!(std::mem::size_of::<SideC>() == 48 && std::mem::size_of::<LaunchC>() == 96);
 
-/// Everything one `hicache_gather_w{8,4}` launch takes.
+/// Everything one `hicache_gather_w{16,8,4}` launch takes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GatherLaunch {
     /// The `launches` table, K before V, layer by layer.
     pub table: Vec<LaunchC>,
-    /// 8 (`hicache_gather_w8`) or 4 (`hicache_gather_w4`).
+    /// 16 (`hicache_gather_w16`), 8 (`hicache_gather_w8`) or 4 (`hicache_gather_w4`).
     pub word: u32,
     /// Grid size.
     pub blocks: u32,
@@ -76,8 +96,8 @@ pub struct GatherLaunch {
     pub items_per_warp: i64,
 }
 
-/// The kernels' eight arguments, in their order: the address-pair table, its length, the index
-/// lists, the item count, heads, chunk bytes and items per warp.
+/// The kernels' nine arguments, in their order: the address-pair table, its length, the index
+/// lists, the item count, heads, chunk bytes, items per warp and the status word.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KernelArgs {
     /// Address of the `launches` table.
@@ -96,11 +116,15 @@ pub struct KernelArgs {
     pub chunk_bytes: u64,
     /// Items each warp visits.
     pub items_per_warp: i64,
+    /// Address of the call's device-check status word (`hicache_check_indices`), or 0 when its
+    /// index lists were checked on the host: the kernel copies nothing unless the word is all
+    /// ones.
+    pub status: u64,
 }
 
 impl KernelArgs {
     /// Pointers to each argument, as `cuLaunchKernel` takes them (valid while `self` is).
-    pub fn params(&mut self) -> [*mut std::ffi::c_void; 8] {
+    pub fn params(&mut self) -> [*mut std::ffi::c_void; 9] {
         use std::ffi::c_void;
         [
             &mut self.table as *mut _ as *mut c_void,
@@ -111,13 +135,15 @@ impl KernelArgs {
             &mut self.heads as *mut _ as *mut c_void,
             &mut self.chunk_bytes as *mut _ as *mut c_void,
             &mut self.items_per_warp as *mut _ as *mut c_void,
+            &mut self.status as *mut _ as *mut c_void,
         ]
     }
 }
 
 impl GatherLaunch {
-    /// The kernel arguments of this launch, with the table and index lists at these addresses.
-    pub fn args(&self, table: u64, src_idx: u64, dst_idx: u64) -> KernelArgs {
+    /// The kernel arguments of this launch, with the table, index lists and status word (0: none)
+    /// at these addresses.
+    pub fn args(&self, table: u64, src_idx: u64, dst_idx: u64, status: u64) -> KernelArgs {
         KernelArgs {
             table,
             n_launches: self.table.len() as i32,
@@ -127,6 +153,7 @@ impl GatherLaunch {
             heads: self.heads,
             chunk_bytes: self.chunk_bytes,
             items_per_warp: self.items_per_warp,
+            status,
         }
     }
 }
@@ -156,8 +183,13 @@ pub fn gather_launch(
         .iter()
         .map(|l| LaunchC { src: side(l.src(), ptr_of(l.src().buf())), dst: side(l.dst(), ptr_of(l.dst().buf())) })
         .collect();
-    let aligned8 = |s: &SideC| [s.ptr, s.base, s.page_stride, s.row_stride, s.head_stride].iter().all(|v| v % 8 == 0);
-    let word = if chunk.is_multiple_of(8) && table.iter().all(|l| aligned8(&l.src) && aligned8(&l.dst)) { 8 } else { 4 };
+    // The widest word every address of the launch is aligned to: 16-byte words for the usual
+    // item sizes (656, 1152, 8448 B) on aligned pools.
+    let aligned = |w: u64, s: &SideC| [s.ptr, s.base, s.page_stride, s.row_stride, s.head_stride].iter().all(|v| v % w == 0);
+    let word = [16u32, 8]
+        .into_iter()
+        .find(|&w| chunk.is_multiple_of(w as u64) && table.iter().all(|l| aligned(w as u64, &l.src) && aligned(w as u64, &l.dst)))
+        .unwrap_or(4);
     // Every address the 4-byte kernel forms must be 4-byte aligned too: bases and strides, not
     // only the buffers' addresses (a misaligned access is a sticky error that kills the context).
     for l in &table {

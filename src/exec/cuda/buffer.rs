@@ -90,13 +90,56 @@ impl CudaBuffer {
     }
 
     /// [`CudaBuffer::from_device_ptr`] / [`CudaBuffer::from_host_ptr`] (never registering)
-    /// for one stream-ordered `kvcacheio` op: dropping it does not wait for the stream.
+    /// for one stream-ordered `kvcacheio` op: dropping it does not wait for the stream. What the
+    /// memory is comes from the driver, not from the caller (a layer table may hold host
+    /// addresses, sglang's host pools do): device memory must belong to this executor's context
+    /// and hold the whole span within one allocation; host memory must be pinned or registered
+    /// for the device. `device_memory` is what the caller believed, for the message.
     ///
     /// # Safety
     /// As for those, and the memory must stay valid until the executor's stream has run every
     /// copy enqueued on it meanwhile.
     pub(crate) unsafe fn stream_ordered(exec: &CudaExecutor, ptr: u64, len: u64, device_memory: bool) -> Result<CudaBuffer> {
-        let mut b = if device_memory {
+        exec.bind()?;
+        let claimed = if device_memory { "CUDA device memory" } else { "host memory" };
+        let attr = |a: sys::CUpointer_attribute, out: *mut c_void| -> sys::CUresult {
+            // SAFETY: a plain query; `out` is large enough for the attribute asked.
+            unsafe { sys::cuPointerGetAttribute(out, a, ptr) }
+        };
+        let mut kind: u32 = 0;
+        let known = attr(sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE, &mut kind as *mut u32 as *mut c_void)
+            == sys::CUresult::CUDA_SUCCESS;
+        let is_device = known && kind == sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32;
+        if !known && device_memory {
+            return Err(TransferError::Executor {
+                backend: "cuda",
+                message: format!("{ptr:#x} (given as {claimed}) is not memory the CUDA driver knows"),
+            });
+        }
+        let mut b = if is_device {
+            let mut ctx: sys::CUcontext = std::ptr::null_mut();
+            let (mut start, mut size): (u64, usize) = (0, 0);
+            let rc = [
+                attr(sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_CONTEXT, &mut ctx as *mut _ as *mut c_void),
+                attr(sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, &mut start as *mut u64 as *mut c_void),
+                attr(sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_SIZE, &mut size as *mut usize as *mut c_void),
+            ];
+            if let Some(rc) = rc.iter().find(|rc| **rc != sys::CUresult::CUDA_SUCCESS) {
+                return Err(TransferError::Executor { backend: "cuda", message: format!("cuPointerGetAttribute({ptr:#x}): {rc:?}") });
+            }
+            if ctx != exec.inner.ctx.cu_ctx() {
+                return Err(TransferError::Executor {
+                    backend: "cuda",
+                    message: format!("device memory at {ptr:#x} belongs to another CUDA context (another device) than this executor's"),
+                });
+            }
+            let end = ptr.checked_add(len);
+            if end.is_none_or(|e| e > start.saturating_add(size as u64)) {
+                return Err(TransferError::Executor {
+                    backend: "cuda",
+                    message: format!("{len} bytes at {ptr:#x} extend past their allocation ({size} bytes at {start:#x})"),
+                });
+            }
             unsafe { CudaBuffer::from_device_ptr(exec, ptr, len) }
         } else {
             unsafe { CudaBuffer::from_host_ptr(exec, ptr as *mut u8, len, false)? }

@@ -30,6 +30,7 @@
 //! kernels), `copies` (`direct`), and here the executor itself.
 
 mod buffer;
+mod checks;
 mod copies;
 mod driver;
 mod launch;
@@ -56,12 +57,37 @@ use streams::{EngineStream, SideStream};
 
 pub use super::cuda_launch::LaunchTuning;
 
+thread_local! {
+    /// The grid of the calls made on this thread inside [`with_call_tuning`].
+    static CALL_TUNING: std::cell::Cell<Option<LaunchTuning>> = const { std::cell::Cell::new(None) };
+}
+
+/// Runs `f` with the gathers it issues on this thread launched with `tuning` (clamped; sglang's
+/// per-call `block_quota` and `num_warps_per_block`) instead of the executor's own.
+pub fn with_call_tuning<R>(tuning: LaunchTuning, f: impl FnOnce() -> R) -> R {
+    // Restored on unwinding too (a panic caught by a binding must not leave it set).
+    struct Restore(Option<LaunchTuning>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            CALL_TUNING.with(|c| c.set(self.0));
+        }
+    }
+    let _restore = Restore(CALL_TUNING.with(|c| c.replace(Some(tuning.clamped()))));
+    f()
+}
+
+fn call_tuning() -> Option<LaunchTuning> {
+    CALL_TUNING.with(|c| c.get())
+}
+
 struct Inner {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     module: sys::CUmodule,
+    f_w16: sys::CUfunction,
     f_w8: sys::CUfunction,
     f_w4: sys::CUfunction,
+    f_check: sys::CUfunction,
     name: String,
     cc: (i32, i32),
     driver: i32,
@@ -75,8 +101,13 @@ struct Inner {
     /// The engine's stream (the forward pass writing KV): every backup waits for the work queued
     /// on it when the backup is issued.
     engine: Mutex<Option<EngineStream>>,
-    /// Threads per block both kernel functions allow (their register use decides it).
+    /// Reports of device-checked calls not yet looked at.
+    reports: Mutex<checks::Reports>,
+    /// Threads per block every gather function allows (their register use decides it).
     max_threads: u32,
+    /// The widest copy word used (`HICACHE_CUDA_MAX_WORD=8` or `4` caps it, to compare the
+    /// kernels in benchmarks; the bytes moved are the same).
+    max_word: u32,
     id: u64,
 }
 
@@ -112,6 +143,13 @@ impl Drop for Inner {
             }
         }
         self.scratch.get_mut().unwrap_or_else(|e| e.into_inner()).free();
+        let reports = self.reports.get_mut().unwrap_or_else(|e| e.into_inner());
+        // Failed checks nobody asked about are not dropped silently.
+        // SAFETY: the context is bound and the streams drained.
+        if let Err(e) = unsafe { reports.collect(true) } {
+            log::error!("cuda: dropped with an unreported failed index check: {e}");
+        }
+        reports.free();
         // SAFETY: the module was loaded by us and no launch is pending.
         let _ = unsafe { result::module::unload(self.module) };
     }
@@ -246,10 +284,11 @@ impl CudaExecutor {
             // SAFETY: module loaded above.
             unsafe { result::module::get_function(module, c) }.map_err(|e| drv(&format!("function {n}"), e))
         };
-        let (f_w8, f_w4) = (get("hicache_gather_w8")?, get("hicache_gather_w4")?);
+        let (f_w16, f_w8, f_w4) = (get("hicache_gather_w16")?, get("hicache_gather_w8")?, get("hicache_gather_w4")?);
+        let f_check = get("hicache_check_indices")?;
         let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK;
-        // SAFETY: both functions were just resolved from the loaded module.
-        let max_threads = unsafe { [f_w8, f_w4].map(|f| result::function::get_function_attribute(f, attr)) };
+        // SAFETY: the functions were just resolved from the loaded module.
+        let max_threads = unsafe { [f_w16, f_w8, f_w4].map(|f| result::function::get_function_attribute(f, attr)) };
         let max_threads = max_threads
             .iter()
             .map(|r| r.map(|v| v.max(32) as u32))
@@ -265,8 +304,10 @@ impl CudaExecutor {
                 ctx,
                 stream,
                 module,
+                f_w16,
                 f_w8,
                 f_w4,
+                f_check,
                 name,
                 cc,
                 driver,
@@ -276,15 +317,33 @@ impl CudaExecutor {
                 scratch: Mutex::new(Scratch::default()),
                 side: Mutex::new(None),
                 engine: Mutex::new(engine),
+                reports: Mutex::new(checks::Reports::default()),
                 max_threads,
+                max_word: std::env::var("HICACHE_CUDA_MAX_WORD")
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .filter(|w| [4, 8].contains(w))
+                    .unwrap_or(16),
                 id,
             }),
         })
     }
 
-    /// Waits for everything enqueued on the executor's stream.
+    /// Waits for everything enqueued on the executor's streams, then reports the first call
+    /// whose CUDA index lists failed their device checks since the last report
+    /// ([`TransferError::DeviceIndexCheck`]; nothing of that call was copied).
     pub fn synchronize(&self) -> Result<()> {
-        Executor::synchronize(self)
+        Executor::synchronize(self)?;
+        self.index_check_reports(true)
+    }
+
+    /// The first call whose CUDA index lists failed their device checks, among the reports that
+    /// have arrived (`wait`: all of them, waiting for the streams); each report is given once.
+    pub fn index_check_reports(&self, wait: bool) -> Result<()> {
+        self.bind()?;
+        let mut reports = self.inner.reports.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: the context is bound.
+        unsafe { reports.collect(wait) }
     }
 
     /// The executor's stream (raw handle) for callers that order their own work after ours.
@@ -402,7 +461,7 @@ impl Executor for CudaExecutor {
     fn describe(&self) -> String {
         let i = &self.inner;
         format!(
-            "{} (sm_{}{}, driver {}.{}, kernels: {}, batched memcpy: {}, grid {}×{} warps)",
+            "{} (sm_{}{}, driver {}.{}, kernels: {}, batched memcpy: {}, grid {}×{} warps, words up to {} B)",
             i.name,
             i.cc.0,
             i.cc.1,
@@ -411,7 +470,8 @@ impl Executor for CudaExecutor {
             i.image,
             if self.batched_memcpy() { "yes" } else { "no" },
             i.tuning.block_quota,
-            i.tuning.num_warps_per_block
+            i.tuning.num_warps_per_block,
+            i.max_word
         )
     }
     fn capabilities(&self) -> Capabilities {
@@ -567,7 +627,7 @@ impl Executor for CudaExecutor {
             self.order_after_engine(stream)?;
         }
         match plan.steps()[k].kind() {
-            StepKind::Gather(g) => self.gather(g, bufs, stream),
+            StepKind::Gather(g) => self.gather(plan, k, g, bufs, stream),
             StepKind::Copy(runs) => self.copies(runs, bufs, stream),
         }
     }

@@ -8,6 +8,7 @@ use cudarc::driver::result;
 use cudarc::driver::sys;
 use cudarc::driver::DriverError;
 
+use super::checks::CheckArea;
 use super::driver::drv;
 use crate::error::{Result, TransferError};
 use crate::exec::cuda_launch::GatherLaunch;
@@ -46,6 +47,8 @@ pub(super) struct Scratch {
     /// The index lists now in `dev`. Holding them keeps their allocations alive, so an equal
     /// pointer always means the same contents. `None` whenever an upload did not complete.
     indices: Option<[Arc<[i64]>; 2]>,
+    /// Device words of the checks of CUDA index lists run on this stream.
+    pub(super) check: CheckArea,
 }
 
 // SAFETY: raw driver handles, used only under the executor's mutex with the context bound.
@@ -89,9 +92,10 @@ impl Scratch {
     }
 
     /// Uploads what gather step `g` needs; returns the device addresses of the address-pair
-    /// table, the source indices and the destination indices.
+    /// table, the source indices and the destination indices (the step's own when its lists are
+    /// in device memory: then only the table is uploaded).
     pub(super) fn upload(&mut self, stream: sys::CUstream, g: &GatherStep, launch: &GatherLaunch) -> Result<[sys::CUdeviceptr; 3]> {
-        let n = g.src_indices().len();
+        let n = if g.device_lists().is_some() { 0 } else { g.src_indices().len() };
         let index_bytes = n * 8;
         let table_bytes = std::mem::size_of_val(launch.table.as_slice());
         // Device layout: [src indices][dst indices][table], each 256-byte aligned.
@@ -158,6 +162,10 @@ impl Scratch {
                 return Err(drv("cuEventRecord", e));
             }
         }
+        if let Some([src, dst]) = g.device_lists() {
+            // The device area's index lists are not this step's: nothing to reuse next time.
+            return Ok([self.dev + t_off as u64, src, dst]);
+        }
         self.indices = Some([g.src_indices.clone(), g.dst_indices.clone()]);
         Ok([self.dev + t_off as u64, self.dev + si_off as u64, self.dev + di_off as u64])
     }
@@ -176,6 +184,7 @@ impl Scratch {
                 let _ = result::event::destroy(slot.event);
             }
         }
+        self.check.free();
         *self = Scratch::default();
     }
 }
