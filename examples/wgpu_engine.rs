@@ -38,10 +38,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let exec = WgpuExecutor::from_device(gpu.clone(), queue.clone(), WgpuOptions::default())?;
     let device = Device::Wgpu(exec.clone());
+    // SAFETY: the engine's layers were created on `gpu`, the executor's own device.
     let mut dev = DevicePool::from_buffers(
         &device,
         &config,
-        vec![engine_layers.iter().cloned().map(|b| Buffer::Wgpu(WgpuBuffer::wrap(&exec, b))).collect()],
+        vec![engine_layers.iter().cloned().map(|b| Buffer::Wgpu(unsafe { WgpuBuffer::wrap(&exec, b) })).collect()],
     )?;
     let mut host =
         HostPool::new(&dev, &HostPoolConfig { layout: Layout::PageFirstDirect, size: 64 * 64, head_num: 1, profile: Profile::Extended })?;

@@ -36,13 +36,22 @@ pub struct Case {
 pub fn random_case(cell: Cell, profile: Profile, rng: &mut Rng) -> Case {
     let seed = rng.next_u64();
     let kind = cell.kind;
+    // One case in eight (MHA, MLA): an item around a power-of-two word count, 2^14..2^18 words
+    // of 4 or 16 bytes, in a small pool: executor limits on long items (a loop, a dispatch
+    // dimension, a 16-bit count) show up as wrong bytes here rather than in a user's pool.
+    let large = kind != PoolKind::DsaIndexer && rng.chance(12);
     let page_size = match kind {
+        _ if large => rng.pick(&[1u64, 2]),
         // sglang's kernel gate needs an even page for 132 B tokens; extended lifts it.
         PoolKind::DsaIndexer if profile == Profile::Sglang && cell.io == IoBackend::Kernel => rng.pick(&[2u64, 4, 8]),
         PoolKind::DsaIndexer => rng.pick(&[1u64, 2, 4, 8]),
         _ => rng.pick(&[1u64, 2, 4, 8, 16]),
     };
-    let head_num = if cell.layout == Layout::PageHead { rng.pick(&[1u64, 2, 4]) } else { 1 };
+    let head_num = match cell.layout {
+        Layout::PageHead if large => rng.pick(&[1u64, 2]),
+        Layout::PageHead => rng.pick(&[1u64, 2, 4]),
+        _ => 1,
+    };
     let word = kernel_word(profile, &Capabilities::PORTABLE);
     let bytes_per_token = match kind {
         PoolKind::DsaIndexer => {
@@ -50,9 +59,16 @@ pub fn random_case(cell: Cell, profile: Profile, rng: &mut Rng) -> Case {
             let (d, q) = rng.pick(&[(128u64, 128u64), (16, 8), (8, 4), (32, 16)]);
             dsa_bytes_per_token(d, q)
         }
+        _ if large => {
+            // Chunks of at most about 1 MiB, items of at most two of them.
+            let w = rng.pick(&[word, 16]);
+            let top = if w == 16 { 16 } else { 18 };
+            let words = (1u64 << (14 + rng.below(top - 13))).wrapping_add_signed(rng.below(3) as i64 - 1);
+            head_num * words * w
+        }
         _ => head_num * word * rng.pick(&[1u64, 2, 3, 4, 6, 8, 16]),
     };
-    let layer_num = 1 + rng.below(5) as usize;
+    let layer_num = if large { 1 + rng.below(2) as usize } else { 1 + rng.below(5) as usize };
     let mut layers = LayerMap::new(layer_num);
     if cell.op == TableOp::ShardedBackup {
         let start = rng.below(layer_num as u64) as usize;
@@ -64,12 +80,11 @@ pub fn random_case(cell: Cell, profile: Profile, rng: &mut Rng) -> Case {
             layers.skipped[l] = rng.chance(25);
         }
     }
-    layers.drafts = rng.below(3) as usize;
+    layers.drafts = rng.below(if large { 2 } else { 3 }) as usize;
     if layers.host_layers() == 0 {
         layers.drafts = 1;
     }
-    let host_pages = 2 + rng.below(10);
-    let device_pages = 2 + rng.below(10);
+    let (host_pages, device_pages) = if large { (2 + rng.below(2), 2 + rng.below(2)) } else { (2 + rng.below(10), 2 + rng.below(10)) };
     let device = DevicePoolConfig {
         kind,
         bytes_per_token,

@@ -162,6 +162,36 @@ pub enum TransferError {
         /// Position of the second write.
         second: usize,
     },
+    /// A `kernel` step beyond what the executor's copy kernel runs (refused by the planner).
+    #[error("{executor} kernel: {value} {what}, at most {limit}")]
+    ExecutorLimit {
+        /// The executor.
+        executor: &'static str,
+        /// What is counted.
+        what: &'static str,
+        /// The call's value.
+        value: u64,
+        /// The executor's limit.
+        limit: u64,
+    },
+    /// A layer a [`crate::LayerLoads`] did not load.
+    #[error(
+        "layer {layer_id} was not loaded by these layer loads (loaded: {loaded:?}; the device pool has {target_layers} target layers, owns {}..{}, and has {draft_layers} draft layers)",
+        owned.0,
+        owned.1
+    )]
+    LayerNotLoaded {
+        /// The layer id asked for.
+        layer_id: usize,
+        /// The layer ids loaded, in order.
+        loaded: Vec<usize>,
+        /// Target layers of the model.
+        target_layers: usize,
+        /// The owned range of target layers.
+        owned: (usize, usize),
+        /// Draft (MTP) pools.
+        draft_layers: usize,
+    },
     /// A layer id that the device pool does not have.
     #[error("layer {layer_id} is out of range: the device pool has {target_layers} target layers and {draft_layers} draft layers")]
     LayerOutOfRange {

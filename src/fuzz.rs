@@ -15,8 +15,9 @@ use crate::plan::{Op, Request};
 use crate::pool::{DevicePoolConfig, HostPoolConfig};
 use crate::rng::Rng;
 
-/// Pools larger than this are built (to check the configuration) but not filled or moved.
-const FILL_LIMIT: u64 = 4 << 20;
+/// Pools larger than this are built (to check the configuration) but not filled or moved (the
+/// large-item cases, 1 MiB items, stay below it).
+const FILL_LIMIT: u64 = 32 << 20;
 
 /// Counts of one fuzz run.
 #[derive(Debug, Clone, Default, serde::Serialize)]

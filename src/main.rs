@@ -350,6 +350,16 @@ fn bench_pipeline(devices: &[Device], args: &BenchArgs) -> ExitCode {
 }
 
 fn info() -> ExitCode {
+    // The library's `Device::from_env` refuses an unknown name; so does every command here.
+    match std::env::var("HICACHE_IO_BACKEND").ok().as_deref() {
+        None | Some("") | Some("auto") => {}
+        Some(name) => {
+            if let Err(e) = name.parse::<BackendKind>() {
+                eprintln!("HICACHE_IO_BACKEND: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
     println!("hicache-io {}", env!("CARGO_PKG_VERSION"));
     for (kind, dev) in probe_all() {
         match dev {

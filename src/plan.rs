@@ -59,6 +59,11 @@ pub struct Capabilities {
     /// Largest buffer of one pool segment: a pool buffer above it is split into segments of
     /// whole copy chunks (see [`Capabilities::segment_bytes`]); `u64::MAX` keeps one buffer.
     pub max_segment: u64,
+    /// Most loop iterations one `kernel` invocation may run (wgpu: 65,535, the most some
+    /// drivers run before they stop a loop without a word, as Mesa's llvmpipe does): the
+    /// planner gives an item more lanes until each stays within it, and refuses a chunk shape
+    /// no lane count fits. `u64::MAX`: no limit.
+    pub max_loop_trips: u64,
     /// Which io backend `auto` picks, by item size and run length.
     pub auto: AutoTable,
 }
@@ -132,6 +137,7 @@ impl Capabilities {
         max_host_pool_bytes: u64::MAX,
         max_segment: u64::MAX,
         max_lanes: 1,
+        max_loop_trips: u64::MAX,
         auto: AutoTable::DEFAULT,
     };
     /// Host-memory executors: no alignment or binding limit.
@@ -147,6 +153,7 @@ impl Capabilities {
         max_host_pool_bytes: u64::MAX,
         max_segment: u64::MAX,
         max_lanes: 1,
+        max_loop_trips: u64::MAX,
         auto: AutoTable::DEFAULT,
     };
 
@@ -588,8 +595,7 @@ pub(crate) fn plan(profile: Profile, caps: &Capabilities, owner: u64, pair: &Arc
     if req.io_backend != IoBackend::Auto {
         return plan_io(profile, caps, owner, pair, req);
     }
-    // `auto`: the calibrated choice first; if the table or a check refuses it, the other one;
-    // if both are refused, the first refusal (the call is wrong whichever path it takes).
+    // `auto`: the calibrated choice first; if a check refuses it, the other path (below).
     if profile == Profile::Sglang {
         return Err(TransferError::UnsupportedIoBackend { io_backend: "auto".into() });
     }
@@ -615,16 +621,34 @@ pub(crate) fn plan(profile: Profile, caps: &Capabilities, owner: u64, pair: &Arc
     if candidates.is_empty() {
         return plan_io(profile, caps, owner, pair, &Request { io_backend: preferred, ..*req });
     }
-    let mut first = None;
-    for io in candidates {
+    // `auto` resolves to a path before any index value is looked at: the paths whose launcher
+    // checks the call's shape passes (lengths, words, page multiples), the calibrated choice
+    // first. When every path refuses the call, the error is the one of the first path in a
+    // fixed order (kernel, then direct), never the calibration's choice: executors calibrated
+    // differently answer a wrong call alike.
+    let word = kernel_word(profile, caps);
+    let p = if host.kind() == PoolKind::DsaIndexer { host.page_size() } else { 1 };
+    let units = |n: usize| if (n as u64).is_multiple_of(p) { n / p as usize } else { n };
+    let (hl, dl) = (units(req.host_indices.len()), units(req.device_indices.len()));
+    let fits = |io: IoBackend| launcher_checks(host, caps, word, io, hl, dl).is_ok();
+    let fixed = |list: &[IoBackend]| [IoBackend::Kernel, IoBackend::Direct].into_iter().find(|io| list.contains(io));
+    let fitting: Vec<IoBackend> = candidates.iter().copied().filter(|&io| fits(io)).collect();
+    let Some(report) = fixed(&fitting) else {
+        let io = fixed(&candidates).unwrap_or(preferred);
+        return plan_io(profile, caps, owner, pair, &Request { io_backend: io, ..*req });
+    };
+    let mut refused = Vec::new();
+    for io in fitting {
         match plan_io(profile, caps, owner, pair, &Request { io_backend: io, ..*req }) {
             Ok(p) => return Ok(p),
-            Err(e) => {
-                first.get_or_insert(e);
-            }
+            Err(e) => refused.push((io, e)),
         }
     }
-    Err(first.unwrap_or(TransferError::UnsupportedIoBackend { io_backend: "auto".into() }))
+    Err(refused
+        .into_iter()
+        .find(|(io, _)| *io == report)
+        .map(|(_, e)| e)
+        .unwrap_or(TransferError::UnsupportedIoBackend { io_backend: "auto".into() }))
 }
 
 /// The table's operation of a call: a backup of a layer-sharded device pool is its own row.
@@ -686,7 +710,7 @@ fn plan_io(profile: Profile, caps: &Capabilities, owner: u64, pair: &Arc<PoolPai
     let word = kernel_word(profile, caps);
     let path = decide(profile, cell, host.item_bytes(), word)?;
     // 4. Launcher checks.
-    launcher_checks(host, caps, word, req.io_backend, &hi, &di)?;
+    launcher_checks(host, caps, word, req.io_backend, hi.len(), di.len())?;
     // 5. Nothing to move.
     if hi.is_empty() {
         return Ok(empty(path));
@@ -951,9 +975,9 @@ fn index_units(host: &HostGeometry, req: &Request<'_>) -> Result<(Vec<i64>, Vec<
 /// The checks sglang's launchers make: equal lengths, the `kernel` word, whole `direct` pages.
 /// The per-head chunk of page_head is checked against the executors' common word too: a chunk
 /// that is not whole words would be truncated (sglang) or misaligned (GPU executors).
-fn launcher_checks(host: &HostGeometry, caps: &Capabilities, word: u64, io: IoBackend, hi: &[i64], di: &[i64]) -> Result<()> {
-    if hi.len() != di.len() {
-        return Err(TransferError::LengthMismatch { src_len: hi.len(), dst_len: di.len() });
+fn launcher_checks(host: &HostGeometry, caps: &Capabilities, word: u64, io: IoBackend, host_len: usize, device_len: usize) -> Result<()> {
+    if host_len != device_len {
+        return Err(TransferError::LengthMismatch { src_len: host_len, dst_len: device_len });
     }
     match io {
         IoBackend::Kernel => {
@@ -971,8 +995,8 @@ fn launcher_checks(host: &HostGeometry, caps: &Capabilities, word: u64, io: IoBa
         }
         IoBackend::Direct | IoBackend::Auto => {
             let group = host.index_page_size();
-            if !(hi.len() as u64).is_multiple_of(group) {
-                return Err(TransferError::DirectCountNotPageMultiple { len: hi.len(), page_size: group });
+            if !(host_len as u64).is_multiple_of(group) {
+                return Err(TransferError::DirectCountNotPageMultiple { len: host_len, page_size: group });
             }
         }
     }
@@ -1022,6 +1046,14 @@ fn check_indices(
                     required: granule,
                 });
             }
+            if gather_lanes(caps, host.chunk_bytes(), host.head_num()).is_none() {
+                return Err(TransferError::ExecutorLimit {
+                    executor: caps.name,
+                    what: "head chunks per item (each costs an invocation two loop iterations at least)",
+                    value: host.head_num(),
+                    limit: caps.max_loop_trips / 2,
+                });
+            }
             // Indices a gather cannot address (a pool larger than the executor's index width).
             for (side, slots) in [("host", host.slots()), ("device", dev.slots())] {
                 if slots - 1 > caps.max_index {
@@ -1042,6 +1074,27 @@ fn check_indices(
     Ok(())
 }
 
+/// Lanes per item (log2) of a gather of `heads` chunks of `chunk` bytes: the adapter's policy for
+/// the chunk's words (`caps.max_lanes`), raised where one invocation would run more loop
+/// iterations than `caps.max_loop_trips` (per head, its words per lane plus one, counted in the
+/// executor's smallest word, which it may fall back to); `None` when no lane count fits.
+fn gather_lanes(caps: &Capabilities, chunk: u64, heads: u64) -> Option<u32> {
+    let words = chunk / if chunk.is_multiple_of(16) { 16 } else { caps.kernel_word.max(1) };
+    let mut log2 = words.max(1).next_power_of_two().min(caps.max_lanes.max(1).next_power_of_two()).trailing_zeros();
+    if caps.max_loop_trips == u64::MAX {
+        return Some(log2);
+    }
+    let narrow = (chunk / caps.kernel_word.max(1)).max(1);
+    let trips = |l: u32| heads.saturating_mul(narrow.div_ceil(1u64 << l).saturating_add(1));
+    while trips(log2) > caps.max_loop_trips {
+        if 1u64 << log2 >= narrow {
+            return None;
+        }
+        log2 += 1;
+    }
+    Some(log2)
+}
+
 /// `kernel` steps: one per layer group, each split into pieces of at most
 /// `caps.max_gather_items` index pairs (destinations are unique, so the split changes no byte).
 fn lower_gather(
@@ -1060,11 +1113,9 @@ fn lower_gather(
         Direction::HostToDevice => (hi, di),
         Direction::DeviceToHost => (di, hi),
     };
-    let per = usize::try_from(caps.max_gather_items.max(1)).unwrap_or(usize::MAX);
-    // The gather's shape: lanes per chunk from the adapter's policy and the chunk's words.
-    let chunk = host.chunk_bytes();
-    let words = chunk / if chunk.is_multiple_of(16) { 16 } else { caps.kernel_word.max(1) };
-    let lanes_log2 = words.max(1).next_power_of_two().min(caps.max_lanes.max(1).next_power_of_two()).trailing_zeros();
+    // The gather's shape (checked by `check_indices`), and at most 2^31 invocations a step.
+    let lanes_log2 = gather_lanes(caps, host.chunk_bytes(), heads).unwrap_or(0);
+    let per = usize::try_from(caps.max_gather_items.min((1u64 << 31) >> lanes_log2).max(1)).unwrap_or(usize::MAX);
     let pieces: Vec<[Arc<[i64]>; 2]> = if src.len() <= per {
         vec![[src.into(), dst.into()]]
     } else {
@@ -1300,6 +1351,31 @@ mod tests {
         assert_eq!(t.choose(8, 1152, 2.0), IoBackend::Kernel);
         assert!((mean_run(&[0, 1, 2, 9], &[5, 6, 7, 1]) - 2.0).abs() < 1e-9);
         assert!((mean_run(&[0, -1, 2], &[0, 1, 2]) - 1.0).abs() < 1e-9);
+    }
+
+    /// `auto` answers a wrong call with the same error whichever path the calibration prefers.
+    #[test]
+    fn auto_answers_a_wrong_call_alike_whatever_the_calibration() {
+        let dc =
+            crate::pool::DevicePoolConfig { kind: PoolKind::Mla, bytes_per_token: 64, slots: 64, page_size: 4, layers: LayerMap::new(2) };
+        let pair = Arc::new(PoolPair::new(dc.geometry().unwrap(), Layout::LayerFirst, 64, 1).unwrap());
+        let op = Op::Load { layer_id: 0, is_draft: false };
+        let calls: [(Vec<i64>, Vec<i64>); 2] = [(vec![0, 1], vec![2, 64]), ((0..8).collect(), vec![8, 9, 10, 11, 12, 13, 14, 8])];
+        let answers = |direct: bool| -> Vec<String> {
+            let caps = Capabilities { auto: AutoTable { direct: [[[direct; 4]; 6]; 2], calibrated: true }, ..Capabilities::UNLIMITED };
+            assert_eq!(caps.auto.choose(1, 64, 8.0), if direct { IoBackend::Direct } else { IoBackend::Kernel });
+            calls
+                .iter()
+                .map(|(hi, di)| {
+                    let req = Request { op, io_backend: IoBackend::Auto, host_indices: hi, device_indices: di };
+                    plan(Profile::Extended, &caps, 1, &pair, &req).unwrap_err().to_string()
+                })
+                .collect()
+        };
+        let (k, d) = (answers(false), answers(true));
+        assert_eq!(k, d);
+        assert!(k[0].contains("64") && k[0].contains("device"), "{}", k[0]);
+        assert!(k[1].contains("written twice") || k[1].to_lowercase().contains("duplicate"), "{}", k[1]);
     }
 
     #[test]

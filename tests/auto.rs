@@ -71,3 +71,31 @@ fn calibration_is_cached_per_adapter() {
     assert_eq!(again.auto, caps.auto);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `auto` resolves to a path from the call's shape before any index value is looked at, so an
+/// out-of-range index is reported as the fixed paths report it, on every executor whatever its
+/// calibration chose. It used to answer "Source indices size must be divisible by page size"
+/// on cpu (its calibration preferred direct, which a 2-entry list at P = 4 cannot take) and
+/// the range error on wgpu.
+#[test]
+fn auto_reports_the_first_failing_check_of_the_path_it_resolves_to() {
+    let mut seen = Vec::new();
+    for device in common::devices() {
+        let dc = DevicePoolConfig { kind: PoolKind::Mla, bytes_per_token: 64, slots: 64, page_size: 4, layers: LayerMap::new(2) };
+        let dev = DevicePool::new(&device, &dc).unwrap();
+        let host =
+            HostPool::new(&dev, &HostPoolConfig { layout: Layout::LayerFirst, size: 64, head_num: 1, profile: Profile::Extended }).unwrap();
+        let (hi, di) = ([0i64, 1], [2i64, 64]);
+        let op = hicache_io::Op::Load { layer_id: 0, is_draft: false };
+        let auto = host.plan(&dev, &Request { op, io_backend: IoBackend::Auto, host_indices: &hi, device_indices: &di }).unwrap_err();
+        let kernel = host.plan(&dev, &Request { op, io_backend: IoBackend::Kernel, host_indices: &hi, device_indices: &di }).unwrap_err();
+        assert!(matches!(auto, TransferError::IndexOutOfRange { side: "device", index: 64, position: 1, .. }), "{}: {auto}", device.name());
+        assert_eq!(auto.to_string(), kernel.to_string(), "{}", device.name());
+        // Both paths fit the shape (8 entries): a duplicate destination is the same error too.
+        let (hi, di): (Vec<i64>, Vec<i64>) = ((0..8).collect(), vec![8, 9, 10, 11, 12, 13, 14, 8]);
+        let auto = host.plan(&dev, &Request { op, io_backend: IoBackend::Auto, host_indices: &hi, device_indices: &di }).unwrap_err();
+        assert!(matches!(auto, TransferError::DuplicateDestination { .. }), "{}: {auto}", device.name());
+        seen.push(auto.to_string());
+    }
+    assert!(seen.windows(2).all(|w| w[0] == w[1]), "{seen:?}");
+}

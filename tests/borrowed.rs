@@ -118,10 +118,12 @@ fn wgpu_engine_buffers_match_owned_pools() {
             let case = random_case(cell, profile, &mut rng);
             let want = run_owned(&device, &case);
             let (dev0, host0) = contents(&case);
-            let layers =
-                dev0.iter().map(|c| c.iter().map(|b| Buffer::Wgpu(WgpuBuffer::wrap(&exec, make(b, REQUIRED_USAGES)))).collect()).collect();
+            let layers = dev0
+                .iter()
+                .map(|c| c.iter().map(|b| Buffer::Wgpu(unsafe { WgpuBuffer::wrap(&exec, make(b, REQUIRED_USAGES)) })).collect())
+                .collect();
             let mut dev = DevicePool::from_buffers(&device, &case.device, layers).unwrap();
-            let hosts = host0.iter().map(|b| Buffer::Wgpu(WgpuBuffer::wrap(&exec, make(b, REQUIRED_USAGES)))).collect();
+            let hosts = host0.iter().map(|b| Buffer::Wgpu(unsafe { WgpuBuffer::wrap(&exec, make(b, REQUIRED_USAGES)) })).collect();
             let mut host = HostPool::from_buffers(&dev, &case.host, hosts).unwrap();
             apply(&case, &mut host, &mut dev);
             let g = dev.geometry().clone();
@@ -140,7 +142,9 @@ fn wgpu_engine_buffers_match_owned_pools() {
         .iter()
         .map(|c| {
             c.iter()
-                .map(|b| Buffer::Wgpu(WgpuBuffer::wrap(&exec, make(b, wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST))))
+                .map(|b| {
+                    Buffer::Wgpu(unsafe { WgpuBuffer::wrap(&exec, make(b, wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST)) })
+                })
                 .collect()
         })
         .collect();

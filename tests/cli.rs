@@ -107,3 +107,12 @@ fn no_runtime_dir_warning() {
     let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success() && !text.contains("XDG_RUNTIME_DIR"), "{text}");
 }
+
+/// An unknown executor name in the environment is an error for `info` too (it used to exit 0).
+#[test]
+fn info_refuses_an_unknown_backend_name() {
+    let (ok, _, err) = run_env(&["info"], &[("HICACHE_IO_BACKEND", "garbage")]);
+    assert!(!ok && err.contains("HICACHE_IO_BACKEND") && err.contains("garbage"), "{err}");
+    let (ok, _, err) = run_env(&["info"], &[("HICACHE_IO_BACKEND", "cpu")]);
+    assert!(ok, "{err}");
+}

@@ -84,6 +84,14 @@ fn layer_wise_loads_complete_layer_by_layer() {
             loads.wait_layer(l).unwrap();
             assert!(loads.is_layer_done(l).unwrap(), "{n}: layer {l}");
         }
+        // A layer these loads did not load (outside the shard) is named with the loads and the
+        // pool's real shape (it used to say "4 target layers and 0 draft layers").
+        let e = loads.wait_layer(0).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "layer 0 was not loaded by these layer loads (loaded: [1, 2, 3, 4, 6]; the device pool has 6 target layers, owns 1..5, and has 1 draft layers)",
+            "{n}"
+        );
         loads.wait().unwrap();
         for l in [1usize, 2, 3, 4] {
             oracle::apply(

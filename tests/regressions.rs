@@ -203,3 +203,46 @@ fn index_lists_larger_than_one_binding_are_split() {
         assert_eq!(bad, None, "{}: first wrong device slot", device.name());
     }
 }
+
+/// Items of around every power-of-two word count up to 2^18 words (1 MiB of 4-byte words, 4 MiB
+/// of 16-byte words), both word shapes, per-head chunks too: every executor moves whole items.
+/// wgpu's gather used to stop at 65,535 words per chunk and return `Ok` (found by an outside
+/// adversarial run: the last 16 B of each 1 MiB item were never written).
+#[test]
+fn large_items_are_copied_whole() {
+    for device in common::devices() {
+        let mut sizes: Vec<u64> = Vec::new();
+        for p in [14u32, 16, 18] {
+            for word in [4u64, 16] {
+                let w = 1u64 << p;
+                sizes.extend([(w - 1) * word, w * word, (w + 1) * word]);
+            }
+        }
+        // sizes around 2^16 words of 16 bytes: 1,048,560, 1,048,576 and 1,048,592 bytes; 262,148.
+        sizes.extend([1_048_560, 262_148]);
+        sizes.sort_unstable();
+        sizes.dedup();
+        for item in sizes {
+            for io in [IoBackend::Kernel, IoBackend::Direct] {
+                let tag = format!("{} mla layer_first {item} B {io}", device.name());
+                let dc = DevicePoolConfig { kind: PoolKind::Mla, bytes_per_token: item, slots: 6, page_size: 1, layers: LayerMap::new(1) };
+                let hc = HostPoolConfig { layout: Layout::LayerFirst, size: 4, head_num: 1, profile: Profile::Extended };
+                let mut p = filled(&device, &dc, &hc, item);
+                p.run_checked(&format!("{tag} load"), Op::Load { layer_id: 0, is_draft: false }, io, &[3, 0], &[1, 5])
+                    .unwrap_or_else(|e| panic!("{tag}: {e}"));
+                p.run_checked(&format!("{tag} backup"), Op::Backup, io, &[2, 4], &[5, 0]).unwrap_or_else(|e| panic!("{tag}: {e}"));
+            }
+        }
+        // page_head: per-head chunks of 2^16 + 1 16-byte words and of 2^16 4-byte words.
+        for (bytes_per_token, heads) in [(2 * 16 * 65_537u64, 2u64), (4 * 4 * 65_536, 4)] {
+            let tag = format!("{} page_head {bytes_per_token} B / {heads} heads", device.name());
+            let dc = DevicePoolConfig { kind: PoolKind::Mha, bytes_per_token, slots: 3, page_size: 1, layers: LayerMap::new(2) };
+            let hc = HostPoolConfig { layout: Layout::PageHead, size: 2, head_num: heads, profile: Profile::Extended };
+            let mut p = filled(&device, &dc, &hc, heads);
+            p.run_checked(&format!("{tag} backup"), Op::Backup, IoBackend::Kernel, &[2, 0], &[0, 1])
+                .unwrap_or_else(|e| panic!("{tag}: {e}"));
+            p.run_checked(&format!("{tag} load"), Op::Load { layer_id: 1, is_draft: false }, IoBackend::Kernel, &[1], &[2])
+                .unwrap_or_else(|e| panic!("{tag}: {e}"));
+        }
+    }
+}

@@ -29,7 +29,10 @@ fn py_err(e: TransferError) -> PyErr {
         | E::Unavailable { .. }
         | E::Executor { .. }
         | E::Partial { .. } => PyRuntimeError::new_err(msg),
-        E::IndexOutOfRange { .. } | E::LayerOutOfRange { .. } | E::NoSuchBuffer { .. } => PyIndexError::new_err(msg),
+        E::IndexOutOfRange { .. } | E::LayerOutOfRange { .. } | E::LayerNotLoaded { .. } | E::NoSuchBuffer { .. } => {
+            PyIndexError::new_err(msg)
+        }
+        E::DeviceIndexCheck { source, .. } if matches!(*source, E::IndexOutOfRange { .. }) => PyIndexError::new_err(msg),
         E::OutOfMemory { .. } => PyMemoryError::new_err(msg),
         _ => PyValueError::new_err(msg),
     }

@@ -219,13 +219,23 @@ impl WgpuBuffer {
     }
     /// Wraps a caller's buffer created on `exec`'s device (a shared handle: the engine keeps
     /// using it). It needs `STORAGE | COPY_SRC | COPY_DST`; pools check that when they wrap it.
-    /// wgpu cannot tell which device a buffer belongs to, so naming the executor is the
-    /// caller's promise; pools then refuse to mix it with any other executor instance.
-    pub fn wrap(exec: &WgpuExecutor, buffer: wgpu::Buffer) -> WgpuBuffer {
+    /// Pools then refuse to mix it with any other executor instance.
+    ///
+    /// # Safety
+    /// `buffer` must have been created by the `wgpu::Device` of `exec` (`exec.device()`). wgpu
+    /// has no way to ask a buffer for its device, so this is the caller's promise, and a broken
+    /// one is not caught: a buffer of another device makes wgpu-core panic, or writes land in
+    /// an unrelated buffer of this device.
+    pub unsafe fn wrap(exec: &WgpuExecutor, buffer: wgpu::Buffer) -> WgpuBuffer {
         let len = buffer.size();
         WgpuBuffer { segments: vec![buffer], seg: len.max(1), len, owner: exec.inner.id }
     }
 }
+
+/// Loop iterations one invocation of the gather shader may run, all its loops together: Mesa's
+/// llvmpipe (lavapipe) stops an invocation's loops after 65,535 iterations without a word,
+/// which silently truncated chunks of more than 65,535 words per lane.
+const GATHER_MAX_TRIPS: u64 = 65_535;
 
 /// The usages every pool buffer needs: storage for the shader, copy source and destination for
 /// `direct` runs and host reads/writes.
@@ -855,6 +865,8 @@ impl Executor for WgpuExecutor {
             max_host_pool_bytes: super::cpu::host_memory_bytes(),
             max_segment: self.inner.max_segment,
             max_lanes: self.inner.max_lanes,
+            // Every adapter: which drivers stop long loops is not something wgpu reports.
+            max_loop_trips: GATHER_MAX_TRIPS,
             auto: crate::plan::AutoTable::DEFAULT,
         }
     }

@@ -231,6 +231,8 @@ impl Drop for Transfer<'_> {
 #[must_use = "dropping the loads waits for all of them"]
 pub struct LayerLoads<'a> {
     layers: Vec<(usize, Completion)>,
+    /// The device pool's layer map, for errors.
+    map: LayerMap,
     _pools: PhantomData<&'a mut ()>,
 }
 
@@ -240,10 +242,12 @@ impl LayerLoads<'_> {
         self.layers.iter().map(|(l, _)| *l).collect()
     }
     fn find(&self, layer_id: usize) -> Result<&Completion> {
-        self.layers.iter().find(|(l, _)| *l == layer_id).map(|(_, c)| c).ok_or(TransferError::LayerOutOfRange {
+        self.layers.iter().find(|(l, _)| *l == layer_id).map(|(_, c)| c).ok_or_else(|| TransferError::LayerNotLoaded {
             layer_id,
-            target_layers: self.layers.len(),
-            draft_layers: 0,
+            loaded: self.layer_ids(),
+            target_layers: self.map.layer_num,
+            owned: self.map.owned(),
+            draft_layers: self.map.drafts,
         })
     }
     /// Blocks until layer `layer_id` has landed (and the layers loaded before it).
@@ -341,7 +345,7 @@ impl HostPool<'static> {
                 }
             }
         }
-        Ok(LayerLoads { layers, _pools: PhantomData })
+        Ok(LayerLoads { layers, map: device_pool.geometry.layers().clone(), _pools: PhantomData })
     }
 }
 
