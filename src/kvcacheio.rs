@@ -151,6 +151,11 @@ impl Indices<'_> {
     }
 }
 
+/// The two index lists of op `call`.
+fn op_lists<'i>(call: &'static str, src: impl Into<Indices<'i>>, dst: impl Into<Indices<'i>>) -> (Indices<'i>, Indices<'i>) {
+    (src.into().call(call), dst.into().call(call))
+}
+
 impl<'a> From<&'a [i64]> for Indices<'a> {
     fn from(v: &'a [i64]) -> Self {
         Indices::Host(v)
@@ -348,20 +353,18 @@ impl Call {
 /// checks (so that all of them or none move), and an earlier call's failed device check is
 /// reported first.
 fn run_all(calls: Vec<Call>) -> Result<()> {
-    let Some(first) = calls.first() else { return Ok(()) };
     let checks: Vec<_> = calls.iter().filter_map(|c| c.plan.device_check().map(|d| (d.host_bound, d.device_bound))).collect();
     if checks.windows(2).any(|w| w[0] != w[1]) {
         return Err(bad("indices", "CUDA index lists need layers of one size (their device checks must be the same); pass host indices"));
     }
     #[cfg(feature = "cuda")]
-    if let Device::Cuda(e) = first.dev.device() {
+    if let Some(Device::Cuda(e)) = calls.first().map(|c| c.dev.device()) {
+        let e = e.clone();
         e.index_check_reports(false)?;
         if !checks.is_empty() {
-            let e = e.clone();
             return e.with_shared_index_check(|| run_calls(calls));
         }
     }
-    let _ = first;
     run_calls(calls)
 }
 
@@ -402,7 +405,7 @@ pub fn transfer_kv_per_layer<'i>(
     dst_indices: impl Into<Indices<'i>>,
     item_size: i64,
 ) -> Result<()> {
-    let (src_indices, dst_indices) = (src_indices.into().call("transfer_kv_per_layer"), dst_indices.into().call("transfer_kv_per_layer"));
+    let (src_indices, dst_indices) = op_lists("transfer_kv_per_layer", src_indices, dst_indices);
     let item = launcher(src_indices, dst_indices, item_size)?;
     let src = kv(src_k, src_v, "src_k", "src_v");
     let dst = kv(dst_k, dst_v, "dst_k", "dst_v");
@@ -420,8 +423,7 @@ pub fn transfer_kv_per_layer_mla<'i>(
     dst_indices: impl Into<Indices<'i>>,
     item_size: i64,
 ) -> Result<()> {
-    let (src_indices, dst_indices) =
-        (src_indices.into().call("transfer_kv_per_layer_mla"), dst_indices.into().call("transfer_kv_per_layer_mla"));
+    let (src_indices, dst_indices) = op_lists("transfer_kv_per_layer_mla", src_indices, dst_indices);
     let item = launcher(src_indices, dst_indices, item_size)?;
     let (s, d) = (arg("src", src), arg("dst", dst));
     check_overlaps(std::slice::from_ref(&s), std::slice::from_ref(&d))?;
@@ -475,8 +477,7 @@ pub fn transfer_kv_per_layer_pf_lf<'i>(
     item_size: i64,
     src_layout_dim: i64,
 ) -> Result<()> {
-    let (src_indices, dst_indices) =
-        (src_indices.into().call("transfer_kv_per_layer_pf_lf"), dst_indices.into().call("transfer_kv_per_layer_pf_lf"));
+    let (src_indices, dst_indices) = op_lists("transfer_kv_per_layer_pf_lf", src_indices, dst_indices);
     let src = kv(src_k, src_v, "src_k", "src_v");
     let dst = kv(dst_k, dst_v, "dst_k", "dst_v");
     paged_load(device, PoolKind::Mha, Layout::PageFirst, &src, &dst, src_indices, dst_indices, layer_id, item_size, src_layout_dim, 1, 1)
@@ -493,8 +494,7 @@ pub fn transfer_kv_per_layer_mla_pf_lf<'i>(
     item_size: i64,
     src_layout_dim: i64,
 ) -> Result<()> {
-    let (src_indices, dst_indices) =
-        (src_indices.into().call("transfer_kv_per_layer_mla_pf_lf"), dst_indices.into().call("transfer_kv_per_layer_mla_pf_lf"));
+    let (src_indices, dst_indices) = op_lists("transfer_kv_per_layer_mla_pf_lf", src_indices, dst_indices);
     let (s, d) = ([arg("src", src)], [arg("dst", dst)]);
     paged_load(device, PoolKind::Mla, Layout::PageFirst, &s, &d, src_indices, dst_indices, layer_id, item_size, src_layout_dim, 1, 1)
 }
@@ -515,8 +515,7 @@ pub fn transfer_kv_per_layer_ph_lf<'i>(
     page_size: i64,
     head_num: i64,
 ) -> Result<()> {
-    let (src_indices, dst_indices) =
-        (src_indices.into().call("transfer_kv_per_layer_ph_lf"), dst_indices.into().call("transfer_kv_per_layer_ph_lf"));
+    let (src_indices, dst_indices) = op_lists("transfer_kv_per_layer_ph_lf", src_indices, dst_indices);
     let src = kv(src_k, src_v, "src_k", "src_v");
     let dst = kv(dst_k, dst_v, "dst_k", "dst_v");
     paged_load(
@@ -594,7 +593,7 @@ pub fn transfer_kv_all_layer<'i>(
     item_size: i64,
     num_layers: i64,
 ) -> Result<()> {
-    let (src_indices, dst_indices) = (src_indices.into().call("transfer_kv_all_layer"), dst_indices.into().call("transfer_kv_all_layer"));
+    let (src_indices, dst_indices) = op_lists("transfer_kv_all_layer", src_indices, dst_indices);
     check_num_layers(false, num_layers, src_k_layers.len())?;
     let lists =
         [("src_k_layers", src_k_layers), ("src_v_layers", src_v_layers), ("dst_k_layers", dst_k_layers), ("dst_v_layers", dst_v_layers)];
@@ -611,8 +610,7 @@ pub fn transfer_kv_all_layer_mla<'i>(
     item_size: i64,
     num_layers: i64,
 ) -> Result<()> {
-    let (src_indices, dst_indices) =
-        (src_indices.into().call("transfer_kv_all_layer_mla"), dst_indices.into().call("transfer_kv_all_layer_mla"));
+    let (src_indices, dst_indices) = op_lists("transfer_kv_all_layer_mla", src_indices, dst_indices);
     check_num_layers(true, num_layers, src_layers.len())?;
     let lists = [("src_layers", src_layers), ("dst_layers", dst_layers)];
     layer_lists(device, PoolKind::Mla, &lists, IoBackend::Kernel, src_indices, dst_indices, Some(item_size))
@@ -719,8 +717,7 @@ pub fn transfer_kv_all_layer_lf_pf<'i>(
     dst_layout_dim: i64,
     num_layers: i64,
 ) -> Result<()> {
-    let (src_indices, dst_indices) =
-        (src_indices.into().call("transfer_kv_all_layer_lf_pf"), dst_indices.into().call("transfer_kv_all_layer_lf_pf"));
+    let (src_indices, dst_indices) = op_lists("transfer_kv_all_layer_lf_pf", src_indices, dst_indices);
     check_num_layers(false, num_layers, src_k_layers.len())?;
     let dst = kv(dst_k, dst_v, "dst_k", "dst_v");
     let src = [("src_k_layers", src_k_layers), ("src_v_layers", src_v_layers)];
@@ -738,8 +735,7 @@ pub fn transfer_kv_all_layer_mla_lf_pf<'i>(
     dst_layout_dim: i64,
     num_layers: i64,
 ) -> Result<()> {
-    let (src_indices, dst_indices) =
-        (src_indices.into().call("transfer_kv_all_layer_mla_lf_pf"), dst_indices.into().call("transfer_kv_all_layer_mla_lf_pf"));
+    let (src_indices, dst_indices) = op_lists("transfer_kv_all_layer_mla_lf_pf", src_indices, dst_indices);
     check_num_layers(true, num_layers, src_layers.len())?;
     let d = [arg("dst", dst)];
     layout_backup(
@@ -772,8 +768,7 @@ pub fn transfer_kv_all_layer_lf_ph<'i>(
     page_size: i64,
     head_num: i64,
 ) -> Result<()> {
-    let (src_indices, dst_indices) =
-        (src_indices.into().call("transfer_kv_all_layer_lf_ph"), dst_indices.into().call("transfer_kv_all_layer_lf_ph"));
+    let (src_indices, dst_indices) = op_lists("transfer_kv_all_layer_lf_ph", src_indices, dst_indices);
     check_num_layers(false, num_layers, src_k_layers.len())?;
     let dst = kv(dst_k, dst_v, "dst_k", "dst_v");
     let src = [("src_k_layers", src_k_layers), ("src_v_layers", src_v_layers)];
@@ -1015,8 +1010,7 @@ pub fn transfer_kv_per_layer_lf_pf<'i>(
     item_size: i64,
     dst_layout_dim: i64,
 ) -> Result<()> {
-    let (src_indices, dst_indices) =
-        (src_indices.into().call("transfer_kv_per_layer_lf_pf"), dst_indices.into().call("transfer_kv_per_layer_lf_pf"));
+    let (src_indices, dst_indices) = op_lists("transfer_kv_per_layer_lf_pf", src_indices, dst_indices);
     let src = kv(src_k, src_v, "src_k", "src_v");
     let dst = kv(dst_k, dst_v, "dst_k", "dst_v");
     layer_backup(device, PoolKind::Mha, &src, &dst, src_indices, dst_indices, layer_id, item_size, dst_layout_dim)
@@ -1033,8 +1027,7 @@ pub fn transfer_kv_per_layer_mla_lf_pf<'i>(
     item_size: i64,
     dst_layout_dim: i64,
 ) -> Result<()> {
-    let (src_indices, dst_indices) =
-        (src_indices.into().call("transfer_kv_per_layer_mla_lf_pf"), dst_indices.into().call("transfer_kv_per_layer_mla_lf_pf"));
+    let (src_indices, dst_indices) = op_lists("transfer_kv_per_layer_mla_lf_pf", src_indices, dst_indices);
     let (s, d) = ([arg("src", src)], [arg("dst", dst)]);
     layer_backup(device, PoolKind::Mla, &s, &d, src_indices, dst_indices, layer_id, item_size, dst_layout_dim)
 }

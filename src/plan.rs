@@ -64,6 +64,9 @@ pub struct Capabilities {
     /// planner gives an item more lanes until each stays within it, and refuses a chunk shape
     /// no lane count fits. `u64::MAX`: no limit.
     pub max_loop_trips: u64,
+    /// Whether the executor checks index lists held in its own (CUDA) memory on the device
+    /// ([`Plan::device_check`]); only such an executor gets plans of device lists.
+    pub device_index_lists: bool,
     /// Which io backend `auto` picks, by item size and run length.
     pub auto: AutoTable,
 }
@@ -138,6 +141,7 @@ impl Capabilities {
         max_segment: u64::MAX,
         max_lanes: 1,
         max_loop_trips: u64::MAX,
+        device_index_lists: false,
         auto: AutoTable::DEFAULT,
     };
     /// Host-memory executors: no alignment or binding limit.
@@ -154,6 +158,7 @@ impl Capabilities {
         max_segment: u64::MAX,
         max_lanes: 1,
         max_loop_trips: u64::MAX,
+        device_index_lists: false,
         auto: AutoTable::DEFAULT,
     };
 
@@ -803,6 +808,9 @@ pub(crate) fn plan_device_lists(
 ) -> Result<Plan> {
     let host = pair.host();
     let refuse = |why: &str| TransferError::BadTensor { arg: "indices".into(), reason: format!("CUDA index lists: {why}") };
+    if !caps.device_index_lists {
+        return Err(refuse(&format!("the {} executor cannot read them (they need the cuda executor)", caps.name)));
+    }
     if io_backend != IoBackend::Kernel {
         return Err(refuse("io backend kernel only (pass host indices to direct and auto)"));
     }

@@ -19,7 +19,7 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 use hicache_io::check::{random_case, supported_cells, Case, Rng};
-use hicache_io::exec::cuda_launch::{gather_launch, GatherLaunch, LaunchC, LaunchTuning};
+use hicache_io::exec::cuda_launch::{gather_launch, CheckArgs, GatherLaunch, LaunchC, LaunchTuning};
 use hicache_io::geometry::BufRef;
 use hicache_io::oracle::{self, OracleBuffers};
 use hicache_io::plan::StepKind;
@@ -604,19 +604,9 @@ fn device_index_checks_find_what_the_planner_finds() {
         // Grids of one small block and of several: the grid-stride loop covers every pair.
         let (blocks, threads) = if round % 2 == 0 { (1, 32) } else { (3, 8) };
         for phase in 0..3 {
-            let (mut h, mut d, mut nn, mut hbb, mut dbb) = (hi.as_ptr() as u64, di.as_ptr() as u64, n as i64, hb, db);
-            let (mut dh, mut o, mut st, mut ph) = (dst_is_host as i32, owner.as_mut_ptr() as u64, status.as_mut_ptr() as u64, phase);
-            let mut params: Vec<*mut c_void> = vec![
-                &mut h as *mut _ as *mut c_void,
-                &mut d as *mut _ as *mut c_void,
-                &mut nn as *mut _ as *mut c_void,
-                &mut hbb as *mut _ as *mut c_void,
-                &mut dbb as *mut _ as *mut c_void,
-                &mut dh as *mut _ as *mut c_void,
-                &mut o as *mut _ as *mut c_void,
-                &mut st as *mut _ as *mut c_void,
-                &mut ph as *mut _ as *mut c_void,
-            ];
+            // The arguments the executor launches with (`CheckArgs`, shared with it).
+            let mut args = CheckArgs::new(&check, owner.as_mut_ptr() as u64, status.as_mut_ptr() as u64, phase);
+            let mut params = args.params();
             let report = launch_raw(emu, emu.check, blocks, threads, &mut params, &ranges);
             assert_eq!(report.faults, 0, "phase {phase}: {report:?}");
         }

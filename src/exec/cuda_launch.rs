@@ -6,7 +6,7 @@
 
 use crate::error::{Result, TransferError};
 use crate::geometry::{Addr, BufRef};
-use crate::plan::GatherStep;
+use crate::plan::{DeviceIndexCheck, GatherStep};
 
 /// Grid tuning, sglang's defaults: 2 blocks of 32 warps (so copies leave SMs to the forward
 /// pass). `HICACHE_CUDA_BLOCK_QUOTA` / `HICACHE_CUDA_WARPS_PER_BLOCK` override; a call can
@@ -136,6 +136,64 @@ impl KernelArgs {
             &mut self.chunk_bytes as *mut _ as *mut c_void,
             &mut self.items_per_warp as *mut _ as *mut c_void,
             &mut self.status as *mut _ as *mut c_void,
+        ]
+    }
+}
+
+/// `hicache_check_indices`'s nine arguments, in its order, for one phase (0, 1 or 2) of the
+/// checks of `check`: the index lists, their length, both bounds, which side is the
+/// destination, the claim words and the call's status slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CheckArgs {
+    /// Address of the host pool's indices.
+    pub host_idx: u64,
+    /// Address of the device pool's indices.
+    pub dev_idx: u64,
+    /// Entries in each list.
+    pub n: i64,
+    /// Host indices must be below this.
+    pub host_bound: u64,
+    /// Device indices must be below this.
+    pub dev_bound: u64,
+    /// 1 when the host indices are the destinations.
+    pub dst_is_host: i32,
+    /// Address of the claim words (one `u32` per destination slot).
+    pub owner: u64,
+    /// Address of the call's 32-byte status slot.
+    pub status: u64,
+    /// The phase.
+    pub phase: i32,
+}
+
+impl CheckArgs {
+    /// The arguments of phase `phase` of `check`, with claim words at `owner` and the status at
+    /// `status`.
+    pub fn new(check: &DeviceIndexCheck, owner: u64, status: u64, phase: i32) -> CheckArgs {
+        CheckArgs {
+            host_idx: check.lists.host,
+            dev_idx: check.lists.device,
+            n: check.lists.len as i64,
+            host_bound: check.host_bound,
+            dev_bound: check.device_bound,
+            dst_is_host: check.dst_is_host as i32,
+            owner,
+            status,
+            phase,
+        }
+    }
+    /// Pointers to each argument, as `cuLaunchKernel` takes them (valid while `self` is).
+    pub fn params(&mut self) -> [*mut std::ffi::c_void; 9] {
+        use std::ffi::c_void;
+        [
+            &mut self.host_idx as *mut _ as *mut c_void,
+            &mut self.dev_idx as *mut _ as *mut c_void,
+            &mut self.n as *mut _ as *mut c_void,
+            &mut self.host_bound as *mut _ as *mut c_void,
+            &mut self.dev_bound as *mut _ as *mut c_void,
+            &mut self.dst_is_host as *mut _ as *mut c_void,
+            &mut self.owner as *mut _ as *mut c_void,
+            &mut self.status as *mut _ as *mut c_void,
+            &mut self.phase as *mut _ as *mut c_void,
         ]
     }
 }

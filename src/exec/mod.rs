@@ -584,9 +584,6 @@ impl Device {
         if plan.is_empty() {
             return Ok(Completion::done());
         }
-        if plan.device_check().is_some() && self.name() != "cuda" {
-            return Err(TransferError::BadTensor { arg: "indices".into(), reason: "CUDA index lists need the cuda executor".into() });
-        }
         macro_rules! typed_run {
             ($e:expr, $variant:ident, $name:literal) => {{
                 #[allow(irrefutable_let_patterns)]

@@ -867,6 +867,7 @@ impl Executor for WgpuExecutor {
             max_lanes: self.inner.max_lanes,
             // Every adapter: which drivers stop long loops is not something wgpu reports.
             max_loop_trips: GATHER_MAX_TRIPS,
+            device_index_lists: false,
             auto: crate::plan::AutoTable::DEFAULT,
         }
     }

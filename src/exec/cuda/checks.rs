@@ -12,6 +12,7 @@ use cudarc::driver::DriverError;
 
 use super::driver::drv;
 use crate::error::{Result, TransferError};
+use crate::exec::cuda_launch::CheckArgs;
 use crate::plan::DeviceIndexCheck;
 
 /// Threads per block of the check kernel, and the most blocks it runs (a grid-stride loop).
@@ -72,22 +73,10 @@ impl CheckArea {
                 self.owner_len = len;
             }
             result::memset_d8_async(status, 0xFF, 32, stream).map_err(|e| drv("cuMemsetD8Async (index-check status)", e))?;
-            let n = c.lists.len as u64;
-            let blocks = n.div_ceil(CHECK_THREADS as u64).clamp(1, CHECK_MAX_BLOCKS as u64) as u32;
+            let blocks = (c.lists.len as u64).div_ceil(CHECK_THREADS as u64).clamp(1, CHECK_MAX_BLOCKS as u64) as u32;
             for phase in 0..3i32 {
-                let (mut hi, mut di, mut n, mut hb, mut db) = (c.lists.host, c.lists.device, n as i64, c.host_bound, c.device_bound);
-                let (mut dst_is_host, mut owner, mut status, mut phase) = (c.dst_is_host as i32, self.owner, status, phase);
-                let mut params: [*mut c_void; 9] = [
-                    &mut hi as *mut _ as *mut c_void,
-                    &mut di as *mut _ as *mut c_void,
-                    &mut n as *mut _ as *mut c_void,
-                    &mut hb as *mut _ as *mut c_void,
-                    &mut db as *mut _ as *mut c_void,
-                    &mut dst_is_host as *mut _ as *mut c_void,
-                    &mut owner as *mut _ as *mut c_void,
-                    &mut status as *mut _ as *mut c_void,
-                    &mut phase as *mut _ as *mut c_void,
-                ];
+                let mut args = CheckArgs::new(c, self.owner, status, phase);
+                let mut params = args.params();
                 if let Err(e) = result::launch_kernel(f, (blocks, 1, 1), (CHECK_THREADS, 1, 1), 0, stream, &mut params) {
                     // Claims of an earlier phase would stay set and fail every later call on
                     // this stream as a duplicate: free them all (best effort; the stream has

@@ -476,7 +476,7 @@ impl Executor for CudaExecutor {
     }
     fn capabilities(&self) -> Capabilities {
         let host = super::cpu::host_memory_bytes();
-        Capabilities { name: "cuda", max_host_pool_bytes: host, ..Capabilities::UNLIMITED }
+        Capabilities { name: "cuda", max_host_pool_bytes: host, device_index_lists: true, ..Capabilities::UNLIMITED }
     }
     fn alloc(&self, bytes: u64) -> Result<CudaBuffer> {
         self.bind()?;
