@@ -48,8 +48,10 @@ pub fn random_case(cell: Cell, profile: Profile, rng: &mut Rng) -> Case {
         _ => rng.pick(&[1u64, 2, 4, 8, 16]),
     };
     let head_num = match cell.layout {
-        Layout::PageHead if large => rng.pick(&[1u64, 2]),
+        l if l.splits_heads() && large => rng.pick(&[1u64, 2]),
         Layout::PageHead => rng.pick(&[1u64, 2, 4]),
+        // Head groups: one (plain page_first_direct bytes) up to one per head of 8.
+        Layout::PageFirstDirectHeadGroups => rng.pick(&[1u64, 2, 4, 8]),
         _ => 1,
     };
     let word = kernel_word(profile, &Capabilities::PORTABLE);

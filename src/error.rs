@@ -102,6 +102,17 @@ pub enum TransferError {
     },
 
     // ---- hicache-io's own checks (sglang has none) -------------------------------------------
+    /// A scalar argument of a `kvcacheio` op that sglang's kernel refuses (the head-group ops'
+    /// `page_size`, `head_num`, group bytes, layout dimension).
+    #[error("{message}")]
+    BadArgument {
+        /// The argument's name (sglang's).
+        arg: &'static str,
+        /// Its value.
+        value: i64,
+        /// What sglang's check says.
+        message: String,
+    },
     /// A tensor argument of a `kvcacheio` op that cannot be what the op reads or writes: too
     /// small, a shape that disagrees with the sizes passed, memory the executor cannot address,
     /// or a destination that overlaps another argument.
@@ -118,10 +129,11 @@ pub enum TransferError {
         /// The pool kind.
         kind: PoolKind,
     },
-    /// An index outside its pool. `side` is "host" or "device"; `position` is its place in the list.
+    /// An index outside its pool. `side` is "host" or "device" (the kvcacheio ops say "source"
+    /// or "destination", sglang's words); `position` is its place in the list.
     #[error("{side} index {index} at position {position} is out of range (pool holds {bound} {unit})")]
     IndexOutOfRange {
-        /// `"host"` or `"device"`.
+        /// `"host"` or `"device"`; `"source"` or `"destination"` from the kvcacheio ops.
         side: &'static str,
         /// The offending index.
         index: i64,
@@ -136,7 +148,7 @@ pub enum TransferError {
     /// negative (`start`/`end`: its first and last entries).
     #[error("{side} indices {start}..={end} at position {position} are not one whole page of {page_size} consecutive slots starting at a multiple of {page_size}")]
     NotWholePage {
-        /// `"host"` or `"device"`.
+        /// `"host"` or `"device"`; `"source"` or `"destination"` from the kvcacheio ops.
         side: &'static str,
         /// First entry of the group.
         start: i64,
@@ -149,9 +161,9 @@ pub enum TransferError {
     },
     /// Two entries write the same destination item (the result would depend on ordering, and
     /// differ between executors).
-    #[error("{side} destination {unit} {index} is written twice (positions {first} and {second})")]
+    #[error("{side} {} {index} is written twice (positions {first} and {second})", unit.strip_suffix('s').unwrap_or(unit))]
     DuplicateDestination {
-        /// `"host"` or `"device"`.
+        /// `"host"` or `"device"` (pools), `"destination"` (kvcacheio ops).
         side: &'static str,
         /// What an index counts (slots or pages).
         unit: &'static str,
@@ -344,3 +356,27 @@ pub enum TransferError {
 
 /// `Result` with [`TransferError`].
 pub type Result<T, E = TransferError> = std::result::Result<T, E>;
+
+impl TransferError {
+    /// The same error with its index lists named `host` and `device` instead of the pools'
+    /// "host" / "device" (the kvcacheio ops name them after sglang's source and destination).
+    pub(crate) fn with_sides(self, host: &'static str, device: &'static str) -> TransferError {
+        let name = |side: &'static str| match side {
+            "host" => host,
+            "device" => device,
+            other => other,
+        };
+        match self {
+            TransferError::IndexOutOfRange { side, index, position, bound, unit } => {
+                TransferError::IndexOutOfRange { side: name(side), index, position, bound, unit }
+            }
+            TransferError::NotWholePage { side, start, end, position, page_size } => {
+                TransferError::NotWholePage { side: name(side), start, end, position, page_size }
+            }
+            TransferError::DuplicateDestination { side, unit, index, first, second } => {
+                TransferError::DuplicateDestination { side: name(side), unit, index, first, second }
+            }
+            other => other,
+        }
+    }
+}

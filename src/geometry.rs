@@ -81,11 +81,22 @@ pub enum Layout {
     PageFirstDirect,
     /// `[pages][H][P][L][D]` (MHA only).
     PageHead,
+    /// page_first_direct with each page block stored head-group-major,
+    /// `[pages][HG][L][P][hg × D]` (MHA only; `HG` = the pool's `head_num`, `hg = H / HG`
+    /// heads per group): every (page, head group, layer) is one contiguous run, so a reader with
+    /// another tensor-parallel degree fetches its heads in one piece. `HG = 1` is byte for byte
+    /// page_first_direct. sglang's `transfer_kv_*_pfdhg*` ops move it.
+    PageFirstDirectHeadGroups,
 }
+
+/// The name of [`Layout::PageFirstDirectHeadGroups`] (sglang's pools call it page_first_direct
+/// with head groups and have no name of their own for it yet; one place to follow a rename).
+pub const PAGE_FIRST_DIRECT_HG: &str = "page_first_direct_hg";
 
 impl Layout {
     /// Every layout.
-    pub const ALL: [Layout; 4] = [Layout::LayerFirst, Layout::PageFirst, Layout::PageFirstDirect, Layout::PageHead];
+    pub const ALL: [Layout; 5] =
+        [Layout::LayerFirst, Layout::PageFirst, Layout::PageFirstDirect, Layout::PageHead, Layout::PageFirstDirectHeadGroups];
     /// sglang's name.
     pub fn name(self) -> &'static str {
         match self {
@@ -93,7 +104,16 @@ impl Layout {
             Layout::PageFirst => "page_first",
             Layout::PageFirstDirect => "page_first_direct",
             Layout::PageHead => "page_head",
+            Layout::PageFirstDirectHeadGroups => PAGE_FIRST_DIRECT_HG,
         }
+    }
+}
+
+impl Layout {
+    /// Whether the host item is split into `head_num` chunks stored apart (page_head's heads,
+    /// page_first_direct_hg's head groups). Both exist for MHA only.
+    pub fn splits_heads(self) -> bool {
+        matches!(self, Layout::PageHead | Layout::PageFirstDirectHeadGroups)
     }
 }
 
@@ -472,14 +492,15 @@ impl HostGeometry {
         if layer_num == 0 || item_bytes == 0 {
             return Err(TransferError::InvalidConfig("layer_num and item_bytes must be positive".into()));
         }
-        if layout == Layout::PageHead {
+        if layout.splits_heads() {
             if kind != PoolKind::Mha {
                 return Err(TransferError::UnsupportedLayout { layout: layout.name().into() });
             }
-            // sglang's ph arithmetic is exact only when H divides the item.
+            // The per-head (page_head) or per-group arithmetic is exact only when H (HG) divides
+            // the item.
             if head_num == 0 || !item_bytes.is_multiple_of(head_num) {
                 return Err(TransferError::InvalidConfig(format!(
-                    "page_head needs head_num ({head_num}) to divide the item ({item_bytes} bytes)"
+                    "{layout} needs head_num ({head_num}) to divide the item ({item_bytes} bytes)"
                 )));
             }
         }
@@ -500,7 +521,7 @@ impl HostGeometry {
             size,
             layer_num,
             item_bytes,
-            head_num: if layout == Layout::PageHead { head_num } else { 1 },
+            head_num: if layout.splits_heads() { head_num } else { 1 },
             slots,
             buffer_bytes,
         })
@@ -529,7 +550,7 @@ impl HostGeometry {
     pub fn item_bytes(&self) -> u64 {
         self.item_bytes
     }
-    /// `H` for page_head (1 otherwise).
+    /// `H` for page_head, `HG` for page_first_direct_hg (1 otherwise).
     pub fn head_num(&self) -> u64 {
         self.head_num
     }
@@ -566,8 +587,8 @@ impl HostGeometry {
             _ => self.page_size,
         }
     }
-    /// Bytes of one head's share of the item (the `kernel` copy unit; the item itself unless
-    /// page_head).
+    /// Bytes of one head's (page_head) or head group's (page_first_direct_hg) share of the
+    /// item: the `kernel` copy unit; the item itself in the other layouts.
     pub fn chunk_bytes(&self) -> u64 {
         self.item_bytes / self.head_num
     }
@@ -589,12 +610,18 @@ impl HostGeometry {
                 let p = self.page_size;
                 Addr { buf, base: layer * d, page: p, page_stride: h * p * l * d, row_stride: l * d, head_stride: p * l * d }
             }
+            // [pages][HG][L][P][d]: d = one head group's share of the item.
+            Layout::PageFirstDirectHeadGroups => {
+                let p = self.page_size;
+                Addr { buf, base: layer * p * d, page: p, page_stride: l * p * item, row_stride: d, head_stride: l * p * d }
+            }
         }
     }
     /// The storage helpers' flat page `page` (index-granular) of one component, as byte spans
     /// `(offset, len)` in the order sglang flattens its slice:
     /// layer_first `[L][P][item]` (one span per layer), page_first `[P][L][item]`,
-    /// page_first_direct `[L][P][item]`, page_head `[H][P][L][D]` (one span each). The DSA
+    /// page_first_direct `[L][P][item]`, page_head `[H][P][L][D]`, page_first_direct_hg
+    /// `[HG][L][P][hg × D]` (one span each). The DSA
     /// indexer's page is one slot, so every layout gives `[L][item]`.
     pub fn flat_page_spans(&self, page: u64) -> Vec<(u64, u64)> {
         let p = self.index_page_size();
@@ -668,6 +695,39 @@ mod tests {
                     assert_eq!(g.addr(0, layer).offset(slot, head), sg);
                 }
             }
+        }
+    }
+
+    /// The head-group-major element formula: `((((p·HG + g)·L + l)·P + t)·hg + j)·D + e`.
+    #[test]
+    fn head_groups_match_the_element_formula() {
+        let (p, hgs, l, heads, dim, es) = (4u64, 4u64, 3u64, 8u64, 16u64, 2u64);
+        let item = heads * dim * es;
+        let g = HostGeometry::new(PoolKind::Mha, Layout::PageFirstDirectHeadGroups, p, 10, l, item, hgs).unwrap();
+        let hg = heads / hgs;
+        assert_eq!(g.chunk_bytes(), hg * dim * es);
+        for slot in [0u64, 3, 5, 11] {
+            for layer in 0..l {
+                for group in 0..hgs {
+                    let (page, t) = (slot / p, slot % p);
+                    let element = (((page * hgs + group) * l + layer) * p + t) * hg * dim;
+                    assert_eq!(g.addr(0, layer).offset(slot, group), element * es);
+                }
+            }
+        }
+        // One group is page_first_direct byte for byte.
+        let one = HostGeometry::new(PoolKind::Mha, Layout::PageFirstDirectHeadGroups, p, 10, l, item, 1).unwrap();
+        let pfd = HostGeometry::new(PoolKind::Mha, Layout::PageFirstDirect, p, 10, l, item, 1).unwrap();
+        for slot in 0..12 {
+            for layer in 0..l {
+                assert_eq!(one.addr(1, layer).offset(slot, 0), pfd.addr(1, layer).offset(slot, 0));
+            }
+        }
+        for kind in [PoolKind::Mla, PoolKind::DsaIndexer] {
+            assert!(matches!(
+                HostGeometry::new(kind, Layout::PageFirstDirectHeadGroups, p, 10, l, item, 1),
+                Err(TransferError::UnsupportedLayout { .. })
+            ));
         }
     }
 

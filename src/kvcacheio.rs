@@ -20,6 +20,8 @@
 //! | [`transfer_kv_all_layer`], [`transfer_kv_all_layer_mla`], [`transfer_kv_direct`] | `dst[j]` | `src[j]` | one load per layer |
 //! | [`transfer_kv_all_layer_lf_pf`], [`transfer_kv_all_layer_mla_lf_pf`] | `src` layers | `dst` page_first | backup |
 //! | [`transfer_kv_all_layer_lf_ph`] | `src` layers | `dst` page_head | backup |
+//! | [`transfer_kv_per_layer_pfdhg_lf`] | `dst` layer | `src` page_first_direct_hg | load of `layer_id` |
+//! | [`transfer_kv_all_layer_lf_pfdhg`] | `src` layers | `dst` page_first_direct_hg | backup |
 //! | [`transfer_kv_per_layer_direct_pf_lf`] | `dst` layers | `src` page_first_direct | load of `layer_id` |
 //! | [`transfer_kv_all_layer_direct_lf_pf`] | `src` layers | `dst` page_first_direct | backup |
 //! | [`transfer_kv_per_layer_lf_pf`], [`transfer_kv_per_layer_mla_lf_pf`], [`transfer_kv_per_layer_direct_lf_pf`] | `src` layer | `dst` page_first / page_first_direct | per-layer backup (not in sglang) |
@@ -226,12 +228,17 @@ fn wrap(device: &Device, a: &Arg<'_>) -> Result<Buffer> {
 }
 
 /// Refuses a destination that overlaps any other argument (the result would depend on the
-/// order of the copies, and differ between executors).
+/// order of the copies, and differ between executors). One overlap is allowed: when `reads[i]`
+/// pairs with `writes[i]` (the K and V of a one-layer op), two destinations that are exactly the
+/// same tensor, read from sources that are exactly the same tensor too, receive the same bytes
+/// twice (sglang's own tests pass `dst_k` as `dst_v` this way).
 fn check_overlaps(reads: &[Arg<'_>], writes: &[Arg<'_>]) -> Result<()> {
     let span = |t: &RawTensor| (t.memory, t.addr, t.addr.saturating_add(t.len));
+    let paired = reads.len() == writes.len();
+    let same_bytes_twice = |i: usize, j: usize| paired && span(writes[i].t) == span(writes[j].t) && span(reads[i].t) == span(reads[j].t);
     for (i, w) in writes.iter().enumerate() {
         let (wm, ws, we) = span(w.t);
-        let others = reads.iter().chain(writes.iter().enumerate().filter(|(j, _)| *j != i).map(|(_, a)| a));
+        let others = reads.iter().chain(writes.iter().enumerate().filter(|&(j, _)| j != i && !same_bytes_twice(i, j)).map(|(_, a)| a));
         for o in others {
             let (om, os, oe) = span(o.t);
             if wm == om && ws < oe && os < we && w.t.len > 0 && o.t.len > 0 {
@@ -326,6 +333,17 @@ struct Call {
 
 impl Call {
     fn new(dev: DevicePool<'static>, host: HostPool<'static>, op: Op, io: IoBackend, hi: Indices<'_>, di: Indices<'_>) -> Result<Call> {
+        // sglang's words for the lists: the op's source and destination.
+        let (h, d) = match op.direction() {
+            crate::plan::Direction::HostToDevice => ("source", "destination"),
+            crate::plan::Direction::DeviceToHost => ("destination", "source"),
+        };
+        let mut call = Call::planned(dev, host, op, io, hi, di).map_err(|e| e.with_sides(h, d))?;
+        call.plan.name_sides(h, d);
+        Ok(call)
+    }
+
+    fn planned(dev: DevicePool<'static>, host: HostPool<'static>, op: Op, io: IoBackend, hi: Indices<'_>, di: Indices<'_>) -> Result<Call> {
         let plan = match (hi, di) {
             (Indices::Host(hi), Indices::Host(di)) => {
                 host.plan(&dev, &Request { op, io_backend: io, host_indices: hi, device_indices: di })?
@@ -522,6 +540,80 @@ pub fn transfer_kv_per_layer_ph_lf<'i>(
         device,
         PoolKind::Mha,
         Layout::PageHead,
+        &src,
+        &dst,
+        src_indices,
+        dst_indices,
+        layer_id,
+        item_size,
+        src_layout_dim,
+        page_size,
+        head_num,
+    )
+}
+
+/// The checks of sglang's head-group kernels on their integers, before any tensor is looked
+/// at: a positive page and group count, groups that split the item evenly into whole 8-byte
+/// words, and a layout dimension of whole items. Returns `(page_size, head groups)`.
+fn head_group_args(item_size: i64, layout_dim_name: &'static str, layout_dim: i64, page_size: i64, head_num: i64) -> Result<(u64, u64)> {
+    let arg = |arg: &'static str, value: i64, message: String| TransferError::BadArgument { arg, value, message };
+    if page_size <= 0 {
+        return Err(arg("page_size", page_size, format!("page_size must be positive, got {page_size}")));
+    }
+    if head_num <= 0 {
+        return Err(arg("head_num", head_num, format!("head_num (head groups) must be positive, got {head_num}")));
+    }
+    if item_size <= 0 || item_size % head_num != 0 {
+        return Err(arg("item_size", item_size, format!("item_size {item_size} must be a positive multiple of head_num {head_num}")));
+    }
+    let group = item_size / head_num;
+    if group % 8 != 0 {
+        return Err(arg(
+            "head_num",
+            head_num,
+            format!("Per-head-group bytes {group} (item_size {item_size} / head_num {head_num}) must be a multiple of 8"),
+        ));
+    }
+    if layout_dim <= 0 || layout_dim % item_size != 0 {
+        return Err(arg(
+            layout_dim_name,
+            layout_dim,
+            format!("{layout_dim_name} {layout_dim} must be a positive multiple of item_size {item_size}"),
+        ));
+    }
+    Ok((page_size as u64, head_num as u64))
+}
+
+/// `transfer_kv_per_layer_pfdhg_lf`: layer `layer_id` of a head-group-major page_first_direct
+/// host buffer (`[pages][head_num][L][page_size][item / head_num]`, `src_layout_dim = L ×
+/// item_size`; `head_num` counts head groups) → one layer_first device layer. Empty index lists
+/// are a no-op once the integers pass.
+pub fn transfer_kv_per_layer_pfdhg_lf<'i>(
+    device: &Device,
+    src_k: &RawTensor,
+    dst_k: &RawTensor,
+    src_v: &RawTensor,
+    dst_v: &RawTensor,
+    src_indices: impl Into<Indices<'i>>,
+    dst_indices: impl Into<Indices<'i>>,
+    layer_id: i64,
+    item_size: i64,
+    src_layout_dim: i64,
+    page_size: i64,
+    head_num: i64,
+) -> Result<()> {
+    let (src_indices, dst_indices) = op_lists("transfer_kv_per_layer_pfdhg_lf", src_indices, dst_indices);
+    head_group_args(item_size, "src_layout_dim", src_layout_dim, page_size, head_num)?;
+    launcher(src_indices, dst_indices, item_size)?;
+    if src_indices.is_empty() {
+        return Ok(());
+    }
+    let src = kv(src_k, src_v, "src_k", "src_v");
+    let dst = kv(dst_k, dst_v, "dst_k", "dst_v");
+    paged_load(
+        device,
+        PoolKind::Mha,
+        Layout::PageFirstDirectHeadGroups,
         &src,
         &dst,
         src_indices,
@@ -776,6 +868,48 @@ pub fn transfer_kv_all_layer_lf_ph<'i>(
         device,
         PoolKind::Mha,
         Layout::PageHead,
+        &src,
+        &dst,
+        src_indices,
+        dst_indices,
+        item_size,
+        dst_layout_dim,
+        page_size,
+        head_num,
+    )
+}
+
+/// `transfer_kv_all_layer_lf_pfdhg`: every layer → its layer of a head-group-major
+/// page_first_direct host buffer (`[pages][head_num][L][page_size][item / head_num]`,
+/// `dst_layout_dim = num_layers × item_size`; `head_num` counts head groups). Empty index lists
+/// are a no-op once the integers pass.
+pub fn transfer_kv_all_layer_lf_pfdhg<'i>(
+    device: &Device,
+    src_k_layers: &[RawTensor],
+    dst_k: &RawTensor,
+    src_v_layers: &[RawTensor],
+    dst_v: &RawTensor,
+    src_indices: impl Into<Indices<'i>>,
+    dst_indices: impl Into<Indices<'i>>,
+    item_size: i64,
+    dst_layout_dim: i64,
+    num_layers: i64,
+    page_size: i64,
+    head_num: i64,
+) -> Result<()> {
+    let (src_indices, dst_indices) = op_lists("transfer_kv_all_layer_lf_pfdhg", src_indices, dst_indices);
+    check_num_layers(false, num_layers, src_k_layers.len())?;
+    head_group_args(item_size, "dst_layout_dim", dst_layout_dim, page_size, head_num)?;
+    launcher(src_indices, dst_indices, item_size)?;
+    if src_indices.is_empty() {
+        return Ok(());
+    }
+    let dst = kv(dst_k, dst_v, "dst_k", "dst_v");
+    let src = [("src_k_layers", src_k_layers), ("src_v_layers", src_v_layers)];
+    layout_backup(
+        device,
+        PoolKind::Mha,
+        Layout::PageFirstDirectHeadGroups,
         &src,
         &dst,
         src_indices,
@@ -1076,4 +1210,153 @@ pub fn transfer_kv_per_layer_direct_lf_pf(
     let host = a.host_pool(&dev, Profile::Extended)?;
     let (hi, di) = backup_lists(src_indices, dst_indices);
     run_all(vec![Call::new(dev, host, Op::BackupLayer { layer_id, is_draft: false }, IoBackend::Direct, hi.into(), di.into())?])
+}
+
+// ---- whole rows: embedding ranges ----------------------------------------------------------
+
+/// `transfer_embedding_ranges_direct`: for each range `k`, rows
+/// `src[src_starts[k] .. src_starts[k] + lengths[k]]` → rows
+/// `dst[dst_starts[k] .. dst_starts[k] + lengths[k]]` (rows along dimension 0, of equal bytes in
+/// both tensors; any memory pair the executor moves). Copy engine only: one copy per range (or
+/// per run of adjacent ranges). Beyond sglang: ranges must lie inside their tensors and
+/// destination ranges must not overlap; nothing moves unless every range passes.
+pub fn transfer_embedding_ranges_direct(
+    device: &Device,
+    src: &RawTensor,
+    dst: &RawTensor,
+    src_starts: &[i64],
+    dst_starts: &[i64],
+    lengths: &[i64],
+) -> Result<()> {
+    let argument = |arg: &'static str, value: i64, message: String| TransferError::BadArgument { arg, value, message };
+    if src_starts.len() != lengths.len() || dst_starts.len() != lengths.len() {
+        return Err(argument(
+            "lengths",
+            lengths.len() as i64,
+            format!(
+                "src_starts, dst_starts and lengths must have the same number of ranges, got {}, {} and {}",
+                src_starts.len(),
+                dst_starts.len(),
+                lengths.len()
+            ),
+        ));
+    }
+    let (s, d) = (arg("src", src), arg("dst", dst));
+    if src.row_bytes() != dst.row_bytes() {
+        return Err(bad("dst", format!("rows of {} bytes, src's are {}", dst.row_bytes(), src.row_bytes())));
+    }
+    let rows = |t: &RawTensor| t.dims().first().copied().unwrap_or(1);
+    let mut total: u64 = 0;
+    for (k, ((&ss, &ds), &n)) in src_starts.iter().zip(dst_starts).zip(lengths).enumerate() {
+        for (name, v) in [("src_starts", ss), ("dst_starts", ds), ("lengths", n)] {
+            if v < 0 {
+                return Err(argument(name, v, format!("{name}[{k}] must not be negative, got {v}")));
+            }
+        }
+        for (side, start, t) in [("source", ss, src), ("destination", ds, dst)] {
+            let end = (start as u64).saturating_add(n as u64);
+            if n > 0 && end > rows(t) {
+                let bound = rows(t);
+                return Err(TransferError::IndexOutOfRange { side, index: end as i64 - 1, position: k, bound, unit: "rows" });
+            }
+        }
+        total = total.saturating_add(n as u64);
+    }
+    if total == 0 {
+        return Ok(());
+    }
+    if total > MAX_ROWS {
+        return Err(argument("lengths", total.min(i64::MAX as u64) as i64, format!("{total} rows in one call, at most {MAX_ROWS}")));
+    }
+    // The ranges as row index pairs: the direct planner coalesces each range into one copy and
+    // checks that no destination row is written twice.
+    let (mut hi, mut di) = (Vec::new(), Vec::new());
+    for v in [&mut hi, &mut di] {
+        v.try_reserve_exact(total as usize).map_err(|_| TransferError::OutOfMemory {
+            what: "embedding range row lists".into(),
+            requested: total.saturating_mul(16),
+            limit: "allocation failed".into(),
+        })?;
+    }
+    for ((&ss, &ds), &n) in src_starts.iter().zip(dst_starts).zip(lengths) {
+        hi.extend(ss..ss + n);
+        di.extend(ds..ds + n);
+    }
+    check_overlaps(std::slice::from_ref(&s), std::slice::from_ref(&d))?;
+    let item = positive("src", src.row_bytes() as i64)?;
+    let call = lf_pair(device, PoolKind::Mla, item, &[&s], &[&d], IoBackend::Direct, Indices::Host(&hi), Indices::Host(&di))?;
+    run_all(vec![call])
+}
+
+/// Rows one embedding-range call may move (the row lists are made on the host).
+pub const MAX_ROWS: u64 = 1 << 28;
+
+// ---- rows inside the device pool: copy_all_layer_kv_cache ----------------------------------
+
+/// sglang's `copy_all_layer_kv_cache_cpu`: in every buffer `b` (normally the 2·L K and V
+/// layers), row `tgt_loc[i]` becomes what row `src_loc[i]` held before the call (rows of
+/// `row_bytes[b]` bytes; the sources are all read before any target is written, so overlapping
+/// and permuted moves behave as one simultaneous assignment). Host memory, on the calling
+/// thread. Beyond sglang: every location must be a row inside its buffer and no target may
+/// appear twice; nothing moves unless all pass.
+pub fn copy_all_layer_kv_cache(buffers: &[RawTensor], row_bytes: &[u64], tgt_loc: &[i64], src_loc: &[i64]) -> Result<()> {
+    if buffers.len() != row_bytes.len() {
+        return Err(TransferError::LayerListMismatch { src_len: buffers.len(), dst_len: row_bytes.len() });
+    }
+    if tgt_loc.len() != src_loc.len() {
+        return Err(TransferError::LengthMismatch { src_len: src_loc.len(), dst_len: tgt_loc.len() });
+    }
+    for (b, (t, &row)) in buffers.iter().zip(row_bytes).enumerate() {
+        let name = format!("data_ptrs[{b}]");
+        if t.memory != Memory::Host {
+            return Err(bad(&name, "must be host memory"));
+        }
+        if t.addr == 0 && t.len > 0 {
+            return Err(bad(&name, "null data pointer"));
+        }
+        if row == 0 {
+            continue;
+        }
+        let rows = t.len / row;
+        for (side, list) in [("source", src_loc), ("destination", tgt_loc)] {
+            if let Some(position) = list.iter().position(|&x| x < 0 || x as u64 >= rows) {
+                return Err(TransferError::IndexOutOfRange { side, index: list[position], position, bound: rows, unit: "rows" });
+            }
+        }
+    }
+    let mut seen = std::collections::HashMap::with_capacity(tgt_loc.len());
+    for (i, &t) in tgt_loc.iter().enumerate() {
+        if let Some(first) = seen.insert(t, i) {
+            return Err(TransferError::DuplicateDestination { side: "destination", unit: "rows", index: t, first, second: i });
+        }
+    }
+    let widest = row_bytes.iter().copied().max().unwrap_or(0);
+    let stage_len = widest.checked_mul(src_loc.len() as u64).and_then(|n| usize::try_from(n).ok()).ok_or_else(|| {
+        TransferError::OutOfMemory { what: "copy_all_layer_kv_cache staging".into(), requested: u64::MAX, limit: "size overflows".into() }
+    })?;
+    let mut stage: Vec<u8> = Vec::new();
+    stage.try_reserve_exact(stage_len).map_err(|_| TransferError::OutOfMemory {
+        what: "copy_all_layer_kv_cache staging".into(),
+        requested: stage_len as u64,
+        limit: "allocation failed".into(),
+    })?;
+    stage.resize(stage_len, 0);
+    for (t, &row) in buffers.iter().zip(row_bytes) {
+        let row = row as usize;
+        if row == 0 || src_loc.is_empty() {
+            continue;
+        }
+        let base = t.addr as *mut u8;
+        // SAFETY: every location was checked to be a whole row inside `t`, whose span the
+        // caller of `RawTensor::new` vouches for; `stage` is our own allocation.
+        unsafe {
+            for (i, &s) in src_loc.iter().enumerate() {
+                std::ptr::copy_nonoverlapping(base.add(s as usize * row), stage.as_mut_ptr().add(i * row), row);
+            }
+            for (i, &d) in tgt_loc.iter().enumerate() {
+                std::ptr::copy_nonoverlapping(stage.as_ptr().add(i * row), base.add(d as usize * row), row);
+            }
+        }
+    }
+    Ok(())
 }

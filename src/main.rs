@@ -410,7 +410,7 @@ fn check(args: CheckArgs) -> ExitCode {
         println!("{}", serde_json::to_string_pretty(&v).expect("json"));
     } else {
         println!(
-            "\n{:<44} {:>6} {:>9} {:>8} {:>10}  result",
+            "\n{:<48} {:>6} {:>9} {:>8} {:>10}  result",
             "cell (profile ".to_string() + args.profile.name() + ")",
             "exec",
             "cases",
@@ -419,7 +419,7 @@ fn check(args: CheckArgs) -> ExitCode {
         );
         for (name, rows) in &report {
             for (cell, t) in rows {
-                println!("{:<44} {:>6} {:>9} {:>8} {:>10}  {}", cell.to_string(), name, t.cases, t.matched, t.bytes, verdict(t));
+                println!("{:<48} {:>6} {:>9} {:>8} {:>10}  {}", cell.to_string(), name, t.cases, t.matched, t.bytes, verdict(t));
             }
         }
     }

@@ -43,6 +43,13 @@ fn host_byte(pair: &PoolPair, layer: u64, unit: u64, b: u64) -> u64 {
             let (head, within) = (b / d, b % d);
             ((((unit / p) * hn + head) * p + unit % p) * l + layer) * d + within
         }
+        // [pages][HG][L][P][hg × D]
+        Layout::PageFirstDirectHeadGroups => {
+            let (p, groups) = (h.page_size(), h.head_num());
+            let d = item / groups;
+            let (group, within) = (b / d, b % d);
+            ((((unit / p) * groups + group) * l + layer) * p + unit % p) * d + within
+        }
     }
 }
 

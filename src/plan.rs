@@ -284,6 +284,8 @@ fn plain(kind: PoolKind, op: TableOp, layout: Layout, io: IoBackend) -> Result<P
         (Backup, Kernel, LayerFirst) => pick("transfer_kv_all_layer", "transfer_kv_all_layer_mla"),
         (Backup, Kernel, PageFirst) => pick("transfer_kv_all_layer_lf_pf", "transfer_kv_all_layer_mla_lf_pf"),
         (Backup, Kernel, PageHead) if !mla => "transfer_kv_all_layer_lf_ph",
+        (Load, Kernel, PageFirstDirectHeadGroups) if !mla => "transfer_kv_per_layer_pfdhg_lf",
+        (Backup, Kernel, PageFirstDirectHeadGroups) if !mla => "transfer_kv_all_layer_lf_pfdhg",
         (Backup, Direct, PageFirstDirect) => "transfer_kv_all_layer_direct_lf_pf",
         (Load | Backup, Direct, LayerFirst) => "transfer_kv_direct",
         _ => return e1(layout),
@@ -297,8 +299,8 @@ pub fn decide(profile: Profile, cell: Cell, item_bytes: u64, word: u64) -> Resul
     use Layout::*;
     let Cell { kind, op, layout, io } = cell;
     let extended = profile == Profile::Extended;
-    // The host pool cannot even be allocated with page_head unless it is MHA.
-    if layout == PageHead && kind != PoolKind::Mha {
+    // The host pool cannot even be allocated with page_head (or head groups) unless it is MHA.
+    if layout.splits_heads() && kind != PoolKind::Mha {
         return e1(layout);
     }
     // dsa.py: `use_kernel = io_backend == "kernel" and stride % 8 == 0`, else-branch raises.
@@ -313,6 +315,7 @@ pub fn decide(profile: Profile, cell: Cell, item_bytes: u64, word: u64) -> Resul
         (PoolKind::Mha, _, _) if !extended => Err(TransferError::ShardedUnsupportedPool { kind }),
         (PoolKind::Mha, Kernel, LayerFirst) => ext("hicache-io: per-layer lf->lf"),
         (PoolKind::Mha, Kernel, PageHead) => ext("hicache-io: per-layer lf->ph"),
+        (PoolKind::Mha, Kernel, PageFirstDirectHeadGroups) => ext("hicache-io: per-layer lf->pfdhg"),
         (PoolKind::Mha, Direct, LayerFirst) => ext("hicache-io: per-layer transfer_kv_direct"),
         (_, Kernel, LayerFirst) => sg("transfer_kv_per_layer_mla"),
         (_, Direct, LayerFirst) => sg("transfer_kv_direct"),
@@ -384,7 +387,7 @@ impl GatherStep {
     pub fn chunk_bytes(&self) -> u64 {
         self.chunk_bytes
     }
-    /// Heads per item (1 unless page_head).
+    /// Head chunks per item (1 unless page_head or page_first_direct_hg).
     pub fn heads(&self) -> u64 {
         self.heads
     }
@@ -487,6 +490,12 @@ impl Plan {
     /// made them.
     pub fn device_check(&self) -> Option<&DeviceIndexCheck> {
         self.device_check.as_ref()
+    }
+    /// Names the host and device index lists in the errors of the plan's device check.
+    pub(crate) fn name_sides(&mut self, host: &'static str, device: &'static str) {
+        if let Some(c) = &mut self.device_check {
+            c.sides = [host, device];
+        }
     }
     /// Bytes the plan copies.
     pub fn bytes(&self) -> u64 {
@@ -763,6 +772,9 @@ pub struct DeviceIndexCheck {
     pub unit: &'static str,
     /// The call, for the error.
     pub call: &'static str,
+    /// How the error names the host and the device lists (`"host"`, `"device"` for pools;
+    /// the kvcacheio ops say `"source"` / `"destination"`).
+    pub sides: [&'static str; 2],
 }
 
 impl DeviceIndexCheck {
@@ -772,10 +784,10 @@ impl DeviceIndexCheck {
     pub fn error(&self, check: u64, position: u64, index: i64, first: u64) -> TransferError {
         let position = usize::try_from(position).unwrap_or(usize::MAX);
         let found = match check {
-            0 => TransferError::IndexOutOfRange { side: "host", index, position, bound: self.host_bound, unit: self.unit },
-            1 => TransferError::IndexOutOfRange { side: "device", index, position, bound: self.device_bound, unit: self.unit },
+            0 => TransferError::IndexOutOfRange { side: self.sides[0], index, position, bound: self.host_bound, unit: self.unit },
+            1 => TransferError::IndexOutOfRange { side: self.sides[1], index, position, bound: self.device_bound, unit: self.unit },
             _ => TransferError::DuplicateDestination {
-                side: if self.dst_is_host { "host" } else { "device" },
+                side: if self.dst_is_host { self.sides[0] } else { self.sides[1] },
                 unit: self.unit,
                 index,
                 first: usize::try_from(first).unwrap_or(usize::MAX),
@@ -871,6 +883,7 @@ pub(crate) fn plan_device_lists(
         dst_is_host: direction == Direction::DeviceToHost,
         unit: "slots",
         call,
+        sides: ["host", "device"],
     });
     Ok(plan)
 }

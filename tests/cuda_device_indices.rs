@@ -251,3 +251,135 @@ fn a_misaligned_cuda_index_list_is_refused_before_anything_is_enqueued() {
     exec.synchronize().unwrap();
     assert!(dst.bytes().iter().all(|b| *b == 0));
 }
+
+/// The head-group-major pair with device index lists: a load of one layer from pinned pages, a
+/// backup of every layer into fresh pinned pages, both against the element formula; then a list
+/// with a destination written twice moves nothing and reports sglang's words for the sides.
+#[test]
+fn head_group_major_pages_with_device_lists() {
+    let Some((device, exec)) = setup() else { return };
+    // 4 heads × 16 B rows = 64 B items, 2 head groups, 3 layers, pages of 4, 4 pages.
+    let (heads, groups, layers, page, row, pages) = (4usize, 2usize, 3usize, 4usize, 16usize, 4usize);
+    let (item, rows) = (heads * row, pages * page);
+    let host_bytes = rows * layers * item;
+    let host_byte = |slot: usize, layer: usize, head: usize| {
+        let hg = heads / groups;
+        let (p, t, g, j) = (slot / page, slot % page, head / hg, head % hg);
+        ((((p * groups + g) * layers + layer) * page + t) * hg + j) * row
+    };
+    let pat = |seed: u8, n: usize| (0..n).map(|i| (i as u8).wrapping_mul(13).wrapping_add(seed)).collect::<Vec<u8>>();
+    let (hk, hv) = (Mem::pinned(&pat(1, host_bytes)), Mem::pinned(&pat(2, host_bytes)));
+    let (dk, dv) = (Mem::device(&vec![0u8; rows * item]), Mem::device(&vec![0u8; rows * item]));
+    let src: Vec<i64> = (0..rows as i64).collect();
+    let dst: Vec<i64> = src.iter().rev().copied().collect();
+    let (sm, dm) = (Mem::indices(&src), Mem::indices(&dst));
+    let flat = |m: &Mem| m.tensor(1);
+    kv::transfer_kv_per_layer_pfdhg_lf(
+        &device,
+        &flat(&hk),
+        &dk.tensor(rows),
+        &flat(&hv),
+        &dv.tensor(rows),
+        sm.list(),
+        dm.list(),
+        2,
+        item as i64,
+        (item * layers) as i64,
+        page as i64,
+        groups as i64,
+    )
+    .unwrap();
+    exec.synchronize().unwrap();
+    for (h, d) in [(&hk, &dk), (&hv, &dv)] {
+        let (hb, db) = (h.bytes(), d.bytes());
+        for (&s, &t) in src.iter().zip(&dst) {
+            for head in 0..heads {
+                let at = t as usize * item + head * row;
+                let from = host_byte(s as usize, 2, head);
+                assert_eq!(&db[at..at + row], &hb[from..from + row], "load slot {s} head {head}");
+            }
+        }
+    }
+    // Every device layer into fresh pinned pages (the device layers: dk for K, dv for V).
+    let (bk, bv) = (Mem::pinned(&vec![0u8; host_bytes]), Mem::pinned(&vec![0u8; host_bytes]));
+    let kl: Vec<RawTensor> = (0..layers).map(|_| dk.tensor(rows)).collect();
+    let vl: Vec<RawTensor> = (0..layers).map(|_| dv.tensor(rows)).collect();
+    kv::transfer_kv_all_layer_lf_pfdhg(
+        &device,
+        &kl,
+        &flat(&bk),
+        &vl,
+        &flat(&bv),
+        dm.list(),
+        sm.list(),
+        item as i64,
+        (item * layers) as i64,
+        layers as i64,
+        page as i64,
+        groups as i64,
+    )
+    .unwrap();
+    exec.synchronize().unwrap();
+    for (h, d) in [(&bk, &dk), (&bv, &dv)] {
+        let (hb, db) = (h.bytes(), d.bytes());
+        for (&s, &t) in dst.iter().zip(&src) {
+            for layer in 0..layers {
+                for head in 0..heads {
+                    let from = s as usize * item + head * row;
+                    let at = host_byte(t as usize, layer, head);
+                    assert_eq!(&hb[at..at + row], &db[from..from + row], "backup layer {layer}");
+                }
+            }
+        }
+    }
+    // A destination written twice: nothing moves, the error names the destination.
+    let (fresh_k, fresh_v) = (Mem::device(&vec![0u8; rows * item]), Mem::device(&vec![0u8; rows * item]));
+    let (bad_s, bad_d) = (Mem::indices(&[0, 1, 2]), Mem::indices(&[5, 6, 5]));
+    let call = kv::transfer_kv_per_layer_pfdhg_lf(
+        &device,
+        &flat(&hk),
+        &fresh_k.tensor(rows),
+        &flat(&hv),
+        &fresh_v.tensor(rows),
+        bad_s.list(),
+        bad_d.list(),
+        0,
+        item as i64,
+        (item * layers) as i64,
+        page as i64,
+        groups as i64,
+    );
+    call.expect("enqueued; checked on the device");
+    let e = exec.synchronize().unwrap_err();
+    expect_device_error(e, "transfer_kv_per_layer_pfdhg_lf", "destination slot 5 is written twice (positions 0 and 2)");
+    assert!(fresh_k.bytes().iter().chain(&fresh_v.bytes()).all(|&b| b == 0), "a refused call moved bytes");
+}
+
+/// Embedding ranges on the copy engine, pinned → device and back, 74-byte rows.
+#[test]
+fn embedding_ranges_between_pinned_and_device_memory() {
+    let Some((device, exec)) = setup() else { return };
+    let row = 74usize;
+    let host = Mem::pinned(&(0..28 * row).map(|i| (i % 251) as u8).collect::<Vec<u8>>());
+    let dev = Mem::device(&vec![0xffu8; 16 * row]);
+    let (hs, ds, n) = ([1i64, 11, 23], [2i64, 6, 10], [4i64, 4, 2]);
+    kv::transfer_embedding_ranges_direct(&device, &host.tensor(28), &dev.tensor(16), &hs, &ds, &n).unwrap();
+    exec.synchronize().unwrap();
+    let (hb, db) = (host.bytes(), dev.bytes());
+    let mut want = vec![0xffu8; 16 * row];
+    for k in 0..3 {
+        for i in 0..n[k] as usize {
+            want[(ds[k] as usize + i) * row..][..row].copy_from_slice(&hb[(hs[k] as usize + i) * row..][..row]);
+        }
+    }
+    assert!(db == want, "device rows differ");
+    let back = Mem::pinned(&vec![0u8; 28 * row]);
+    kv::transfer_embedding_ranges_direct(&device, &dev.tensor(16), &back.tensor(28), &ds, &hs, &n).unwrap();
+    exec.synchronize().unwrap();
+    let bb = back.bytes();
+    for k in 0..3 {
+        let at = hs[k] as usize * row;
+        let len = n[k] as usize * row;
+        assert_eq!(&bb[at..at + len], &hb[at..at + len]);
+    }
+}

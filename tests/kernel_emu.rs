@@ -592,6 +592,7 @@ fn device_index_checks_find_what_the_planner_finds() {
             dst_is_host,
             unit: "slots",
             call: "test",
+            sides: ["host", "device"],
         };
         let mut owner = vec![u32::MAX; if dst_is_host { hb } else { db } as usize];
         let mut status = [u64::MAX; 4];

@@ -107,7 +107,7 @@ fn rejected_calls_move_nothing() {
     };
     assert_eq!(call(&[1, 2], &[3], 48).to_string(), "Source and destination indices must have the same length");
     assert_eq!(call(&[1], &[3], 12).to_string(), "Item byte size must be divisible by 8");
-    assert!(matches!(call(&[1], &[SLOTS as i64], 48), TransferError::IndexOutOfRange { side: "device", .. }));
+    assert!(matches!(call(&[1], &[SLOTS as i64], 48), TransferError::IndexOutOfRange { side: "destination", .. }));
     assert!(matches!(call(&[1, 2], &[3, 3], 48), TransferError::DuplicateDestination { .. }));
     assert!(matches!(call(&[1], &[2], -8), TransferError::BadTensor { .. }));
     // A destination that overlaps the source.

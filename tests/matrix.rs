@@ -8,6 +8,7 @@ const OK: &str = "ok";
 const E1_PF: &str = "Unsupported layout: page_first";
 const E1_PFD: &str = "Unsupported layout: page_first_direct";
 const E1_PH: &str = "Unsupported layout: page_head";
+const E1_PFDHG: &str = "Unsupported layout: page_first_direct_hg";
 const E2_KERNEL: &str = "Unsupported IO backend: kernel";
 const DSA_SHARD_PF: &str =
     "Layer-sharded DSA indexer HiCache backup with page_first layout is not supported without a per-layer LF->PF kernel.";
@@ -20,13 +21,16 @@ const MLA_SHARD_DIRECT_PFD: &str = "Layer-sharded direct HiCache backup only sup
 const MHA_SHARD: &str = "Layer-sharded HiCache backup is not supported for mha host pools in sglang (use profile extended)";
 
 /// (layout, kernel, direct) for load and non-sharded backup: the same for every pool except
-/// that page_head exists only for MHA.
+/// that page_head and page_first_direct_hg exist only for MHA (whose head-group-major pages move
+/// with the pfdhg kernels only).
 fn plain(kind: PoolKind) -> Vec<(Layout, &'static str, &'static str)> {
+    let mha = kind == PoolKind::Mha;
     vec![
         (Layout::LayerFirst, OK, OK),
         (Layout::PageFirst, OK, E1_PF),
         (Layout::PageFirstDirect, E1_PFD, OK),
-        (Layout::PageHead, if kind == PoolKind::Mha { OK } else { E1_PH }, E1_PH),
+        (Layout::PageHead, if mha { OK } else { E1_PH }, E1_PH),
+        (Layout::PageFirstDirectHeadGroups, if mha { OK } else { E1_PFDHG }, E1_PFDHG),
     ]
 }
 
@@ -40,15 +44,21 @@ fn sharded(kind: PoolKind, profile: Profile) -> Vec<(Layout, &'static str, &'sta
             (PageFirst, MLA_SHARD_PF, MLA_SHARD_DIRECT_PF),
             (PageFirstDirect, MLA_SHARD_PFD, MLA_SHARD_DIRECT_PFD),
             (PageHead, E1_PH, E1_PH),
+            (PageFirstDirectHeadGroups, E1_PFDHG, E1_PFDHG),
         ],
-        (PoolKind::Mla, Profile::Extended) => {
-            vec![(LayerFirst, OK, OK), (PageFirst, OK, E1_PF), (PageFirstDirect, MLA_SHARD_PFD, OK), (PageHead, E1_PH, E1_PH)]
-        }
+        (PoolKind::Mla, Profile::Extended) => vec![
+            (LayerFirst, OK, OK),
+            (PageFirst, OK, E1_PF),
+            (PageFirstDirect, MLA_SHARD_PFD, OK),
+            (PageHead, E1_PH, E1_PH),
+            (PageFirstDirectHeadGroups, E1_PFDHG, E1_PFDHG),
+        ],
         (PoolKind::DsaIndexer, Profile::Sglang) => vec![
             (LayerFirst, OK, OK),
             (PageFirst, DSA_SHARD_PF, DSA_SHARD_DIRECT_PF),
             (PageFirstDirect, E1_PFD, DSA_SHARD_DIRECT_PFD),
             (PageHead, E1_PH, E1_PH),
+            (PageFirstDirectHeadGroups, E1_PFDHG, E1_PFDHG),
         ],
         (PoolKind::DsaIndexer, Profile::Extended) => plain(kind),
     }
@@ -88,7 +98,7 @@ fn every_cell_matches_the_reference_table() {
             }
         }
     }
-    assert_eq!(checked, 2 * 3 * 3 * 4 * 2);
+    assert_eq!(checked, 2 * 3 * 3 * 5 * 2);
 }
 
 #[test]

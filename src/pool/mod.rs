@@ -150,7 +150,8 @@ pub struct HostPoolConfig {
     pub layout: Layout,
     /// Requested token slots (sglang rounds to `(size / P + 1) × P`).
     pub size: u64,
-    /// `H` for page_head (MHA); ignored otherwise.
+    /// `H` for page_head, `HG` (head groups) for page_first_direct_hg (MHA only); ignored
+    /// otherwise.
     pub head_num: u64,
     /// Which table to obey.
     pub profile: Profile,

@@ -10,12 +10,13 @@
 //! | MHA | page_first | `[P][L][item]` | K, V (`L × P × item` each) |
 //! | MHA | page_first_direct | `[L][P][item]` | K, V |
 //! | MHA | page_head | `[H][P][L][D]` | K, V |
+//! | MHA | page_first_direct_hg | `[HG][L][P][hg × D]` | K, V |
 //! | MLA | layer_first | `[L][P][item]` | one span per layer |
 //! | MLA | page_first, page_first_direct | as MHA | one span |
 //! | DSA | layer_first | `[L][item]` (one indexer page per layer) | `Unsupported layout: layer_first` |
 //! | DSA | page_first, page_first_direct | `[L][item]` | one span |
 //!
-//! (page_head exists only for MHA: the other pools cannot be allocated with it.) `index` is a
+//! (page_head and page_first_direct_hg exist only for MHA: the other pools cannot be allocated with it.) `index` is a
 //! token slot that starts a page (a multiple of `P`; sglang does not check, and for DSA rounds
 //! down); an unaligned or out-of-range index is an error here.
 
