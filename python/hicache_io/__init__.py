@@ -1,8 +1,13 @@
 """hicache-io: sglang HiCache host<->device KV-cache transfers on cpu, wgpu and cuda.
 
-- :mod:`hicache_io.kvcacheio` -- ``sgl_kernel.kvcacheio``'s thirteen ops under the same names
-  and arguments, over any array that speaks DLPack (numpy, torch CPU tensors), plus the
-  per-layer ``page_first`` / ``page_first_direct`` backups sglang lacks.
+- :mod:`hicache_io.kvcacheio` -- every op of ``sgl_kernel.kvcacheio`` under the same names
+  and arguments (the thirteen classic transfers, the head-group-major ``pfdhg`` pair,
+  ``transfer_embedding_ranges_direct``, ``copy_all_layer_kv_cache_cpu``), over any array that
+  speaks DLPack (numpy, torch, CuPy), plus the per-layer ``page_first`` / ``page_first_direct``
+  backups sglang lacks; ``kvcacheio.register_torch_ops()`` exposes them as
+  ``torch.ops.sgl_kernel.<op>``.
+- :mod:`hicache_io.hicache` -- sglang's JIT HiCache entry points (``transfer_hicache_one_layer``
+  and its five siblings), destination first, as sglang's pools call them.
 - :class:`Device`, :class:`DevicePool`, :class:`HostPool` -- the pools with sglang's method
   names, on an executor chosen by name (``"cpu"``, ``"wgpu"``, ``"cuda"``) or ``"auto"``.
 - :func:`matrix`, :func:`check` -- what ``hicache-io matrix --json`` and ``hicache-io check
@@ -18,10 +23,10 @@ checks sglang does not make, ``IndexError`` (an index outside its array or pool)
 import json as _json
 from typing import Any, Dict, List, Optional, Sequence
 
-from . import _native, kvcacheio
+from . import _native, hicache, kvcacheio
 from ._native import Device, DevicePool, HostPool
 
-__all__ = ["Device", "DevicePool", "HostPool", "kvcacheio", "matrix", "check"]
+__all__ = ["Device", "DevicePool", "HostPool", "hicache", "kvcacheio", "matrix", "check"]
 __version__ = "0.1.0"
 
 

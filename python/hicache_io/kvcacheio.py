@@ -6,7 +6,9 @@ given (clamped: 1 to 65536 blocks, 1 to 32 warps); left out, the executor's own 
 They never change the bytes moved. Errors carry sglang's message text with sglang's exception
 class (``RuntimeError`` for the kernels' checks); see :mod:`hicache_io`.
 
-Sizes are bytes. Index arguments are int64 arrays or sequences of ints. Host arrays run on
+Sizes are bytes. Index arguments are int64 arrays or sequences of ints. Layer arguments
+(``*_layers``) take a list of arrays, or a 1-D table of layer base addresses as sglang passes
+them: int64 or uint64, in host memory or on the GPU (a GPU table is read on the caller's stream). Host arrays run on
 the cpu executor and the call returns when the bytes have moved; CUDA arrays (torch, CuPy)
 run on the cuda executor of their device, enqueued on the caller's current stream as
 sgl-kernel does (host arrays next to them must be pinned). The GIL is released meanwhile.
@@ -22,6 +24,7 @@ arguments given as tables of addresses, need index values on the host: there a C
 is copied first, which waits for the stream (as sgl-kernel does for ``direct``).
 """
 
+import os
 import sys
 from typing import Any, List, Optional
 
@@ -45,6 +48,11 @@ __all__ = [
     "transfer_kv_per_layer_lf_pf",
     "transfer_kv_per_layer_mla_lf_pf",
     "transfer_kv_per_layer_direct_lf_pf",
+    "transfer_kv_per_layer_pfdhg_lf",
+    "transfer_kv_all_layer_lf_pfdhg",
+    "transfer_embedding_ranges_direct",
+    "copy_all_layer_kv_cache_cpu",
+    "register_torch_ops",
 ]
 
 _DL_CUDA = 2
@@ -89,6 +97,23 @@ def _device_stream(device: Optional[int]) -> "tuple[int, int]":
     return (0 if device is None else device), 1
 
 
+def _env_block_quota(default: Optional[int]) -> Optional[int]:
+    """sglang's ``SGLANG_HICACHE_BLOCK_QUOTA`` override when set and an int, else ``default``."""
+    override = os.environ.get("SGLANG_HICACHE_BLOCK_QUOTA")
+    if override is None:
+        return default
+    try:
+        return int(override)
+    except ValueError:
+        return default
+
+
+def _positive_quota(block_quota: int) -> int:
+    if block_quota <= 0:
+        raise RuntimeError(f"block_quota must be positive, got {block_quota}")
+    return block_quota
+
+
 def synchronize(device: Optional[int] = None) -> None:
     """Waits for the caller's current stream on CUDA ``device`` (the current one by default),
     then raises the first op since the last report whose CUDA index arrays failed their device
@@ -125,7 +150,7 @@ def transfer_kv_per_layer_ph_lf(src_k: Any, dst_k: Any, src_v: Any, dst_v: Any, 
 def transfer_kv_all_layer(src_k_layers: Any, dst_k_layers: Any, src_v_layers: Any, dst_v_layers: Any, src_indices: Any, dst_indices: Any, item_size: int, num_layers: int, block_quota: Optional[int] = None, num_warps_per_block: Optional[int] = None) -> None:
     """Every layer ``j < num_layers``: ``dst_*_layers[j][d] = src_*_layers[j][s]`` (layer_first both sides).
 
-    ``*_layers`` arguments take a list of arrays (every index is bounds-checked against its layer) or, as sglang passes them, a 1-D int64 table of layer base addresses in host memory, which is trusted: each layer is assumed to hold what the largest index needs.
+    ``*_layers`` arguments take a list of arrays (every index is bounds-checked against its layer) or, as sglang passes them, a 1-D int64 or uint64 table of layer base addresses (host or GPU memory), which is trusted: each layer is assumed to hold what the largest index needs.
 
     Sizes are bytes; arrays, executors and checks: see the module docstring.
     """
@@ -135,7 +160,7 @@ def transfer_kv_all_layer(src_k_layers: Any, dst_k_layers: Any, src_v_layers: An
 def transfer_kv_all_layer_lf_pf(src_k_layers: Any, dst_k: Any, src_v_layers: Any, dst_v: Any, src_indices: Any, dst_indices: Any, item_size: int, dst_layout_dim: int, num_layers: int, block_quota: Optional[int] = None, num_warps_per_block: Optional[int] = None) -> None:
     """Every device layer into its layer of a page_first host buffer (``dst_layout_dim = num_layers * item_size``).
 
-    ``*_layers`` arguments take a list of arrays (every index is bounds-checked against its layer) or, as sglang passes them, a 1-D int64 table of layer base addresses in host memory, which is trusted: each layer is assumed to hold what the largest index needs.
+    ``*_layers`` arguments take a list of arrays (every index is bounds-checked against its layer) or, as sglang passes them, a 1-D int64 or uint64 table of layer base addresses (host or GPU memory), which is trusted: each layer is assumed to hold what the largest index needs.
 
     Sizes are bytes; arrays, executors and checks: see the module docstring.
     """
@@ -145,7 +170,7 @@ def transfer_kv_all_layer_lf_pf(src_k_layers: Any, dst_k: Any, src_v_layers: Any
 def transfer_kv_all_layer_lf_ph(src_k_layers: Any, dst_k: Any, src_v_layers: Any, dst_v: Any, src_indices: Any, dst_indices: Any, item_size: int, dst_layout_dim: int, num_layers: int, page_size: int, head_num: int, block_quota: Optional[int] = None, num_warps_per_block: Optional[int] = None) -> None:
     """Every device layer into its layer of a page_head host buffer.
 
-    ``*_layers`` arguments take a list of arrays (every index is bounds-checked against its layer) or, as sglang passes them, a 1-D int64 table of layer base addresses in host memory, which is trusted: each layer is assumed to hold what the largest index needs.
+    ``*_layers`` arguments take a list of arrays (every index is bounds-checked against its layer) or, as sglang passes them, a 1-D int64 or uint64 table of layer base addresses (host or GPU memory), which is trusted: each layer is assumed to hold what the largest index needs.
 
     Sizes are bytes; arrays, executors and checks: see the module docstring.
     """
@@ -153,25 +178,30 @@ def transfer_kv_all_layer_lf_ph(src_k_layers: Any, dst_k: Any, src_v_layers: Any
 
 
 def transfer_kv_per_layer_mla(src: Any, dst: Any, src_indices: Any, dst_indices: Any, item_size: int, block_quota: Optional[int] = None, num_warps_per_block: Optional[int] = None) -> None:
-    """One layer, layer_first to layer_first, one buffer (MLA, DSA indexer).
+    """One layer, layer_first to layer_first, one buffer (MLA, DSA indexer). ``block_quota=None``
+    takes ``SGLANG_HICACHE_BLOCK_QUOTA`` when set, as sglang does.
 
     Sizes are bytes; arrays, executors and checks: see the module docstring.
     """
+    if block_quota is None:
+        block_quota = _env_block_quota(None)
     _native.transfer_kv_per_layer_mla(src, dst, src_indices, dst_indices, item_size, stream=_cuda_stream(src, dst, src_indices, dst_indices), block_quota=block_quota, num_warps_per_block=num_warps_per_block)
 
 
 def transfer_kv_per_layer_mla_pf_lf(src: Any, dst: Any, src_indices: Any, dst_indices: Any, layer_id: int, item_size: int, src_layout_dim: int, block_quota: Optional[int] = None, num_warps_per_block: Optional[int] = None) -> None:
-    """Layer ``layer_id`` of a page_first host buffer into one layer_first device layer (one buffer).
+    """Layer ``layer_id`` of a page_first host buffer into one layer_first device layer (one buffer). ``block_quota=None`` takes ``SGLANG_HICACHE_BLOCK_QUOTA`` when set, as sglang does.
 
     Sizes are bytes; arrays, executors and checks: see the module docstring.
     """
+    if block_quota is None:
+        block_quota = _env_block_quota(None)
     _native.transfer_kv_per_layer_mla_pf_lf(src, dst, src_indices, dst_indices, layer_id, item_size, src_layout_dim, stream=_cuda_stream(src, dst, src_indices, dst_indices), block_quota=block_quota, num_warps_per_block=num_warps_per_block)
 
 
 def transfer_kv_all_layer_mla(src_layers: Any, dst_layers: Any, src_indices: Any, dst_indices: Any, item_size: int, num_layers: int, block_quota: Optional[int] = None, num_warps_per_block: Optional[int] = None) -> None:
     """Every layer, layer_first to layer_first, one buffer per layer.
 
-    ``*_layers`` arguments take a list of arrays (every index is bounds-checked against its layer) or, as sglang passes them, a 1-D int64 table of layer base addresses in host memory, which is trusted: each layer is assumed to hold what the largest index needs.
+    ``*_layers`` arguments take a list of arrays (every index is bounds-checked against its layer) or, as sglang passes them, a 1-D int64 or uint64 table of layer base addresses (host or GPU memory), which is trusted: each layer is assumed to hold what the largest index needs.
 
     Sizes are bytes; arrays, executors and checks: see the module docstring.
     """
@@ -181,7 +211,7 @@ def transfer_kv_all_layer_mla(src_layers: Any, dst_layers: Any, src_indices: Any
 def transfer_kv_all_layer_mla_lf_pf(src_layers: Any, dst: Any, src_indices: Any, dst_indices: Any, item_size: int, dst_layout_dim: int, num_layers: int, block_quota: Optional[int] = None, num_warps_per_block: Optional[int] = None) -> None:
     """Every device layer into its layer of a page_first host buffer (one buffer).
 
-    ``*_layers`` arguments take a list of arrays (every index is bounds-checked against its layer) or, as sglang passes them, a 1-D int64 table of layer base addresses in host memory, which is trusted: each layer is assumed to hold what the largest index needs.
+    ``*_layers`` arguments take a list of arrays (every index is bounds-checked against its layer) or, as sglang passes them, a 1-D int64 or uint64 table of layer base addresses (host or GPU memory), which is trusted: each layer is assumed to hold what the largest index needs.
 
     Sizes are bytes; arrays, executors and checks: see the module docstring.
     """
@@ -234,3 +264,120 @@ def transfer_kv_per_layer_direct_lf_pf(src_ptrs: List[Any], dst_ptrs: List[Any],
     Sizes are bytes; arrays, executors and checks: see the module docstring.
     """
     _native.transfer_kv_per_layer_direct_lf_pf(src_ptrs, dst_ptrs, src_indices, dst_indices, layer_id, page_size, stream=_cuda_stream(src_ptrs, dst_ptrs, src_indices, dst_indices))
+
+
+def transfer_kv_per_layer_pfdhg_lf(src_k: Any, dst_k: Any, src_v: Any, dst_v: Any, src_indices: Any, dst_indices: Any, layer_id: int, item_size: int, src_layout_dim: int, page_size: int, head_num: int, block_quota: Optional[int] = None, num_warps_per_block: Optional[int] = None) -> None:
+    """Layer ``layer_id`` of a head-group-major page_first_direct host buffer into one device layer.
+
+    Host shape per component: ``[pages][head_num][L][page_size][item_size / head_num]`` (``head_num``
+    counts head GROUPS; ``src_layout_dim = L * item_size``); device rows ``[rows][item_size]``, whose
+    group ``g`` is bytes ``[g * item_size / head_num, (g + 1) * item_size / head_num)``. One head group
+    is plain page_first_direct. Indices are token slots. Empty lists are a no-op once the integers
+    pass. ``block_quota=None`` takes ``SGLANG_HICACHE_BLOCK_QUOTA`` when set, else 2 (sglang's).
+
+    Sizes are bytes; arrays, executors and checks: see the module docstring.
+    """
+    block_quota = _positive_quota(_env_block_quota(2) if block_quota is None else block_quota)
+    _native.transfer_kv_per_layer_pfdhg_lf(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, layer_id, item_size, src_layout_dim, page_size, head_num, stream=_cuda_stream(src_k, dst_k, src_v, dst_v, src_indices, dst_indices), block_quota=block_quota, num_warps_per_block=num_warps_per_block)
+
+
+def transfer_kv_all_layer_lf_pfdhg(src_k_layers: Any, dst_k: Any, src_v_layers: Any, dst_v: Any, src_indices: Any, dst_indices: Any, item_size: int, dst_layout_dim: int, num_layers: int, page_size: int, head_num: int, block_quota: Optional[int] = None, num_warps_per_block: Optional[int] = None) -> None:
+    """Every device layer into its layer of a head-group-major page_first_direct host buffer: the
+    mirror of :func:`transfer_kv_per_layer_pfdhg_lf` (``head_num`` counts head groups, so both
+    directions agree on one host byte order; ``dst_layout_dim = num_layers * item_size``).
+
+    ``*_layers`` arguments take a list of arrays (every index is bounds-checked against its layer) or, as sglang passes them, a 1-D table of layer base addresses, which is trusted: each layer is assumed to hold what the largest index needs.
+
+    Sizes are bytes; arrays, executors and checks: see the module docstring.
+    """
+    block_quota = _positive_quota(_env_block_quota(2) if block_quota is None else block_quota)
+    _native.transfer_kv_all_layer_lf_pfdhg(src_k_layers, dst_k, src_v_layers, dst_v, src_indices, dst_indices, item_size, dst_layout_dim, num_layers, page_size, head_num, stream=_cuda_stream(src_k_layers, dst_k, src_v_layers, dst_v, src_indices, dst_indices), block_quota=block_quota, num_warps_per_block=num_warps_per_block)
+
+
+def transfer_embedding_ranges_direct(src: Any, dst: Any, src_starts: List[int], dst_starts: List[int], lengths: List[int]) -> None:
+    """Copy embedding ranges between host and CUDA tensors: for each ``k``,
+    ``dst[dst_starts[k] : dst_starts[k] + lengths[k]] = src[src_starts[k] : src_starts[k] + lengths[k]]``
+    along dimension 0 (rows of equal bytes in both; any dtype and row width, 74-byte rows too).
+
+    Copy engine only, one copy per range (adjacent ranges merge), enqueued on the caller's stream
+    for CUDA arrays; host to host and device to device work as well. Beyond sglang: every range
+    must lie inside its tensor and destination ranges must not overlap; a call that raises has
+    moved no row.
+    """
+    _native.transfer_embedding_ranges_direct(src, dst, list(src_starts), list(dst_starts), list(lengths), stream=_cuda_stream(src, dst))
+
+
+_SCALAR_TYPES = {
+    "int64": "Long", "int32": "Int", "int16": "Short", "int8": "Char", "uint8": "Byte", "uint16": "UInt16",
+    "uint32": "UInt32", "uint64": "UInt64", "float16": "Half", "float32": "Float", "float64": "Double",
+    "bfloat16": "BFloat16", "bool": "Bool",
+}
+
+
+def _scalar_type(t: Any) -> str:
+    """torch's ScalarType name of an array's dtype (``UInt64``, ``Long``, ...), for sglang's messages."""
+    name = str(getattr(t, "dtype", "?")).replace("torch.", "")
+    return _SCALAR_TYPES.get(name, name)
+
+
+def _numel(t: Any) -> int:
+    n = getattr(t, "numel", None)
+    if callable(n):
+        return int(n())
+    return int(getattr(t, "size", 0))
+
+
+def _is_cpu(t: Any) -> bool:
+    device = getattr(t, "__dlpack_device__", None)
+    return device is None or device()[0] in (1, 3)
+
+
+def _is_contiguous(t: Any) -> bool:
+    c = getattr(t, "is_contiguous", None)
+    if callable(c):
+        return bool(c())
+    flags = getattr(t, "flags", None)
+    return bool(getattr(flags, "c_contiguous", True))
+
+
+def copy_all_layer_kv_cache_cpu(data_ptrs: Any, strides: Any, tgt_loc: Any, src_loc: Any) -> None:
+    """sglang's CPU row move inside the device KV pool: for every buffer ``b`` (normally the 2·L K and
+    V layer buffers), ``buf_b[tgt_loc[i], :] = buf_b[src_loc[i], :]`` as one simultaneous assignment
+    (all sources are read before any target is written, so overlapping moves are safe).
+
+    ``data_ptrs``: uint64 host addresses of the buffers (trusted, as in sglang: each must hold the
+    rows the largest location addresses); ``strides``: int64 bytes per row of each buffer;
+    ``tgt_loc`` / ``src_loc``: int32 or int64 rows, of one dtype. sglang's checks and messages first
+    (``tgt_loc must be a CPU tensor``, ``CHECK_EQ(strides.numel(), num_bufs) failed. 3 vs 4``, ...);
+    beyond sglang a negative location or a target named twice raises before any row moves.
+    """
+    for name, t in (("data_ptrs", data_ptrs), ("strides", strides), ("tgt_loc", tgt_loc), ("src_loc", src_loc)):
+        if not _is_cpu(t):
+            raise RuntimeError(f"{name} must be a CPU tensor")
+        if not _is_contiguous(t):
+            raise RuntimeError(f"{name} must be contiguous")
+    checks = (
+        ("data_ptrs.scalar_type()", _scalar_type(data_ptrs), "at::kUInt64", "UInt64"),
+        ("strides.scalar_type()", _scalar_type(strides), "at::kLong", "Long"),
+        ("tgt_loc.scalar_type()", _scalar_type(tgt_loc), "src_loc.scalar_type()", _scalar_type(src_loc)),
+        ("strides.numel()", _numel(strides), "num_bufs", _numel(data_ptrs)),
+        ("src_loc.numel()", _numel(src_loc), "num_locs", _numel(tgt_loc)),
+    )
+    for a, va, b, vb in checks:
+        if va != vb:
+            raise RuntimeError(f"CHECK_EQ({a}, {b}) failed. {va} vs {vb}")
+    if _numel(data_ptrs) == 0 or _numel(tgt_loc) == 0:
+        return
+    if _scalar_type(tgt_loc) not in ("Int", "Long"):
+        raise RuntimeError(f'"copy_all_layer_kv_cache_cpu" not implemented for \'{_scalar_type(tgt_loc)}\'')
+    _native.copy_all_layer_kv_cache_cpu(data_ptrs, strides, tgt_loc, src_loc)
+
+
+def register_torch_ops(namespace: str = "sgl_kernel", *, overwrite: bool = False) -> List[str]:
+    """Defines every op of this module as ``torch.ops.<namespace>.<op>`` with sglang's schema
+    strings, for code that calls ``torch.ops.sgl_kernel.<op>.default(...)`` directly. See
+    :mod:`hicache_io.torch_ops`; returns the names defined.
+    """
+    from . import torch_ops
+
+    return torch_ops.register(namespace, overwrite=overwrite)

@@ -28,7 +28,8 @@ fn py_err(e: TransferError) -> PyErr {
         | E::LayerListMismatch { .. }
         | E::Unavailable { .. }
         | E::Executor { .. }
-        | E::Partial { .. } => PyRuntimeError::new_err(msg),
+        | E::Partial { .. }
+        | E::BadArgument { .. } => PyRuntimeError::new_err(msg),
         E::IndexOutOfRange { .. } | E::LayerOutOfRange { .. } | E::LayerNotLoaded { .. } | E::NoSuchBuffer { .. } => {
             PyIndexError::new_err(msg)
         }
@@ -258,7 +259,8 @@ fn described(name: &str, addr: u64, shape: &[i64], strides: Option<&[i64]>, elem
         .map_err(|_| PyValueError::new_err(format!("{name}: negative extent")))?;
     let count =
         dims.iter().try_fold(1u64, |a, &d| a.checked_mul(d)).ok_or_else(|| PyValueError::new_err(format!("{name}: size overflows")))?;
-    if let Some(strides) = strides {
+    // An empty array has no element to misplace (numpy exports its strides as 0).
+    if let Some(strides) = strides.filter(|_| count > 0) {
         if strides.len() != shape.len() {
             return Err(PyValueError::new_err(format!("{name}: {} strides for {} dimensions", strides.len(), shape.len())));
         }
@@ -404,7 +406,7 @@ fn layers(obj: &Bound<'_, PyAny>, name: &str, writes: bool, extent: u64, ctx: Ct
     }
     let table = view(obj, name, ctx)?;
     if !(table.dtype == (DL_INT, 64) || table.dtype == (DL_UINT, 64)) || table.raw.dims().len() != 1 {
-        return Err(PyTypeError::new_err(format!("{name}: expected a list of arrays or a 1-D int64 table of layer addresses")));
+        return Err(PyTypeError::new_err(format!("{name}: expected a list of arrays or a 1-D int64 or uint64 table of layer addresses")));
     }
     let entries: Vec<u64> = if table.device_type == DL_CUDA {
         read_cuda(&table, ctx)?.chunks_exact(8).map(|c| u64::from_ne_bytes(c.try_into().expect("8 bytes"))).collect()
@@ -658,10 +660,12 @@ macro_rules! kv_backup_op {
 
 kv_backup_op!(transfer_kv_all_layer_lf_pf());
 kv_backup_op!(transfer_kv_all_layer_lf_ph(page_size, head_num));
+kv_backup_op!(transfer_kv_all_layer_lf_pfdhg(page_size, head_num));
 
 kv_pair_op!(transfer_kv_per_layer(item_size));
 kv_pair_op!(transfer_kv_per_layer_pf_lf(layer_id, item_size, src_layout_dim));
 kv_pair_op!(transfer_kv_per_layer_ph_lf(layer_id, item_size, src_layout_dim, page_size, head_num));
+kv_pair_op!(transfer_kv_per_layer_pfdhg_lf(layer_id, item_size, src_layout_dim, page_size, head_num));
 kv_pair_op!(transfer_kv_per_layer_lf_pf(layer_id, item_size, dst_layout_dim));
 kv_one_op!(transfer_kv_per_layer_mla(item_size));
 kv_one_op!(transfer_kv_per_layer_mla_pf_lf(layer_id, item_size, src_layout_dim));
@@ -787,6 +791,77 @@ fn transfer_kv_all_layer_mla_lf_pf(
         })
     })
     .py()
+}
+
+/// Whole rows between two arrays (host or CUDA, any pair the executor moves), one copy per range.
+#[pyfunction]
+#[pyo3(signature = (src, dst, src_starts, dst_starts, lengths, *, stream = None))]
+fn transfer_embedding_ranges_direct(
+    py: Python<'_>,
+    src: &Bound<'_, PyAny>,
+    dst: &Bound<'_, PyAny>,
+    src_starts: Vec<i64>,
+    dst_starts: Vec<i64>,
+    lengths: Vec<i64>,
+    stream: Option<u64>,
+) -> PyResult<()> {
+    let ctx = Ctx { stream };
+    let (s, d) = (view(src, "src", ctx)?, dst_view(dst, "dst", ctx)?);
+    if s.dtype != d.dtype {
+        return Err(PyRuntimeError::new_err("src and dst must have the same dtype"));
+    }
+    let dev = executor_for(&[&s, &d], ctx)?;
+    py.detach(|| kv::transfer_embedding_ranges_direct(&dev, &s.raw, &d.raw, &src_starts, &dst_starts, &lengths)).py()
+}
+
+/// sglang's `copy_all_layer_kv_cache_cpu`: `data_ptrs` (uint64 host addresses of the buffers,
+/// trusted as sglang trusts them: each holds the rows the largest location needs), `strides`
+/// (int64 bytes per row), `tgt_loc` / `src_loc` (int32 or int64 rows). The type and shape checks
+/// with sglang's messages are made by the Python wrapper; here the values.
+#[pyfunction]
+fn copy_all_layer_kv_cache_cpu(
+    py: Python<'_>,
+    data_ptrs: &Bound<'_, PyAny>,
+    strides: &Bound<'_, PyAny>,
+    tgt_loc: &Bound<'_, PyAny>,
+    src_loc: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let ctx = Ctx { stream: None };
+    let host_values = |obj: &Bound<'_, PyAny>, name: &str| -> PyResult<Vec<i64>> {
+        let h = view(obj, name, ctx)?;
+        if !h.on_host() {
+            return Err(PyRuntimeError::new_err(format!("{name} must be a CPU tensor")));
+        }
+        let n = h.raw.dims().iter().product::<u64>() as usize;
+        let p = h.raw.addr() as *const u8;
+        // SAFETY: `n` elements of a live host array (kept by `h`), read unaligned.
+        let read = |i: usize| unsafe {
+            match h.dtype.1 {
+                32 => (p as *const i32).add(i).read_unaligned() as i64,
+                _ => (p as *const i64).add(i).read_unaligned(),
+            }
+        };
+        match h.dtype {
+            (DL_INT | DL_UINT, 64) | (DL_INT, 32) => Ok((0..n).map(read).collect()),
+            _ => Err(PyRuntimeError::new_err(format!("\"copy_all_layer_kv_cache_cpu\" not implemented for {name}'s dtype"))),
+        }
+    };
+    let ptrs = host_values(data_ptrs, "data_ptrs")?;
+    let row_bytes = host_values(strides, "strides")?;
+    let (tgt, src) = (host_values(tgt_loc, "tgt_loc")?, host_values(src_loc, "src_loc")?);
+    let top = tgt.iter().chain(&src).copied().max().unwrap_or(-1);
+    let rows = u64::try_from(top.saturating_add(1)).unwrap_or(0);
+    let mut buffers = Vec::with_capacity(ptrs.len());
+    let mut rb = Vec::with_capacity(ptrs.len());
+    for (b, (&addr, &row)) in ptrs.iter().zip(&row_bytes).enumerate() {
+        let row = u64::try_from(row).map_err(|_| PyValueError::new_err(format!("strides[{b}] must not be negative, got {row}")))?;
+        let extent = rows.checked_mul(row).ok_or_else(|| PyValueError::new_err(format!("strides[{b}]: buffer extent overflows")))?;
+        // SAFETY: sglang's contract for these address tables: the caller vouches that buffer `b`
+        // holds every row the locations address.
+        buffers.push(unsafe { RawTensor::new(addr as u64, extent, vec![rows, row], Memory::Host) });
+        rb.push(row);
+    }
+    py.detach(|| kv::copy_all_layer_kv_cache(&buffers, &rb, &tgt, &src)).py()
 }
 
 /// Waits for the caller's stream on CUDA device `device_id` (and the executor's other streams),
@@ -1089,5 +1164,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(transfer_kv_per_layer_lf_pf, m)?)?;
     m.add_function(wrap_pyfunction!(transfer_kv_per_layer_mla_lf_pf, m)?)?;
     m.add_function(wrap_pyfunction!(transfer_kv_per_layer_direct_lf_pf, m)?)?;
+    m.add_function(wrap_pyfunction!(transfer_kv_per_layer_pfdhg_lf, m)?)?;
+    m.add_function(wrap_pyfunction!(transfer_kv_all_layer_lf_pfdhg, m)?)?;
+    m.add_function(wrap_pyfunction!(transfer_embedding_ranges_direct, m)?)?;
+    m.add_function(wrap_pyfunction!(copy_all_layer_kv_cache_cpu, m)?)?;
     Ok(())
 }

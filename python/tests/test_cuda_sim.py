@@ -279,3 +279,71 @@ def test_launch_arguments_do_not_change_the_bytes(block_quota, num_warps_per_blo
     assert np.array_equal(hk[hi, 1], k.numpy()[di])
     assert np.array_equal(hv[hi, 1], v.numpy()[di])
     assert sim_errors() == (0, 0)
+
+
+@pytest.mark.parametrize("cuda_indices", [False, True])
+def test_head_group_major_load_and_backup(cuda_indices):
+    """The pfdhg pair on the cuda executor: pinned head-group-major host pages, device layers."""
+    heads, groups, layers, page, dim, npages = 8, 4, 3, 8, 16, 4
+    rows, item = npages * page, heads * dim * 2
+    shape = (npages, groups, layers, page, heads // groups, dim)
+    hk = pinned(shape, np.float16, rng.standard_normal(shape).astype(np.float16))
+    hv = pinned(shape, np.float16, rng.standard_normal(shape).astype(np.float16))
+    dk, dv = DevArray.of(np.zeros((rows, heads, dim), np.float16)), DevArray.of(np.zeros((rows, heads, dim), np.float16))
+    src = np.arange(rows, dtype=np.int64)
+    dst = src[::-1].copy()
+    idx = (DevArray.of(src), DevArray.of(dst)) if cuda_indices else (src, dst)
+    kv.transfer_kv_per_layer_pfdhg_lf(hk.reshape(-1), dk, hv.reshape(-1), dv, idx[0], idx[1], 1, item, item * layers, page, groups)
+    sync()
+    for host, dev in ((hk, dk), (hv, dv)):
+        assert np.array_equal(dev.numpy()[dst], host[src // page, :, 1, src % page].reshape(rows, heads, dim))
+    # Every device layer back into fresh pinned pages, then compared through the 6-D view.
+    lk = [DevArray.of(rng.standard_normal((rows, heads, dim)).astype(np.float16)) for _ in range(layers)]
+    lv = [DevArray.of(rng.standard_normal((rows, heads, dim)).astype(np.float16)) for _ in range(layers)]
+    bk, bv = pinned(shape, np.float16), pinned(shape, np.float16)
+    b_idx = (DevArray.of(dst), DevArray.of(src)) if cuda_indices else (dst, src)
+    kv.transfer_kv_all_layer_lf_pfdhg(lk, bk.reshape(-1), lv, bv.reshape(-1), b_idx[0], b_idx[1], item, item * layers, layers, page, groups)
+    sync()
+    for layer in range(layers):
+        for host, dev in ((bk, lk), (bv, lv)):
+            assert np.array_equal(host[src // page, :, layer, src % page].reshape(rows, heads, dim), dev[layer].numpy()[dst])
+    assert sim_errors() == (0, 0)
+
+
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+def test_embedding_ranges_on_the_copy_engine(direction):
+    host = pinned((28, 37), np.int16, rng.integers(0, 1 << 14, (28, 37)).astype(np.int16))
+    dev = DevArray.of(np.full((16, 37), -1, np.int16))
+    hs, ds, n = [1, 11, 23], [2, 6, 10], [4, 4, 2]
+    if direction == "h2d":
+        kv.transfer_embedding_ranges_direct(host, dev, hs, ds, n)
+        sync()
+        want = np.full((16, 37), -1, np.int16)
+        for s, d, k in zip(hs, ds, n):
+            want[d : d + k] = host[s : s + k]
+        assert np.array_equal(dev.numpy(), want)
+    else:
+        before = dev.numpy()
+        out = pinned((28, 37), np.int16, -1)
+        kv.transfer_embedding_ranges_direct(dev, out, ds, hs, n)
+        sync()
+        want = np.full((28, 37), -1, np.int16)
+        for s, d, k in zip(ds, hs, n):
+            want[d : d + k] = before[s : s + k]
+        assert np.array_equal(out, want)
+    assert sim_errors() == (0, 0)
+
+
+def test_jit_one_layer_on_cuda_arrays():
+    from hicache_io import hicache
+
+    host = pinned((SLOTS, ITEM), np.uint8, rng.integers(0, 256, (SLOTS, ITEM), dtype=np.uint8))
+    dk, dv = DevArray.of(np.zeros((SLOTS, ITEM), np.uint8)), DevArray.of(np.zeros((SLOTS, ITEM), np.uint8))
+    hi, di = pages(64, 16, 8), pages(64, 16, 9)
+    # DevArray is not a library hicache.py knows, so only contiguous rows (its only shape) apply.
+    hicache.transfer_hicache_one_layer_mla(dk, DevArray.of(di), host, DevArray.of(hi), element_dim=ITEM)
+    sync()
+    ref = np.zeros((SLOTS, ITEM), np.uint8)
+    ref[di] = host[hi]
+    assert np.array_equal(dk.numpy(), ref)
+    assert sim_errors() == (0, 0)

@@ -275,8 +275,8 @@ def pools(rng):
     [
         ([1, 2], [3], 32, RuntimeError, "Source and destination indices must have the same length"),
         ([1, 2], [3, 4], 12, RuntimeError, "Item byte size must be divisible by 8"),
-        ([1, 64], [3, 4], 32, IndexError, "host index 64 at position 1 is out of range"),
-        ([1, 2], [3, 99], 32, IndexError, "device index 99 at position 1 is out of range"),
+        ([1, 64], [3, 4], 32, IndexError, "source index 64 at position 1 is out of range"),
+        ([1, 2], [3, 99], 32, IndexError, "destination index 99 at position 1 is out of range"),
         ([1, 2], [3, 3], 32, ValueError, "written twice"),
     ],
 )

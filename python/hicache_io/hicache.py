@@ -1,0 +1,347 @@
+"""sglang's JIT HiCache entry points (``sglang.kernels.ops.kvcache.hicache``, formerly
+``sglang.jit_kernel.hicache``) under the same names, argument order and keywords, on hicache-io,
+so a host pool that calls them can be pointed here unchanged.
+
+Unlike :mod:`hicache_io.kvcacheio` these put the **destination first**:
+``transfer_hicache_one_layer(k_cache_dst, v_cache_dst, indices_dst, k_cache_src, v_cache_src,
+indices_src, *, element_dim=None, unroll=None, block_quota=None)``. Caches are viewed as rows of
+``element_dim`` elements (``(-1, element_dim)``, by default ``dst.shape[-1]``); a cache may be a
+strided view whose row stride is a whole number of rows, as sglang's page_first pools pass
+``k_buffer.transpose(0, 1)[layer]`` (its rows are then addressed inside the buffer it views).
+Indices are int32 or int64 (converted to int64 on their device). ``unroll`` and ``block_quota``
+tune sglang's kernel and never change the bytes: ``block_quota`` sizes hicache-io's cuda launch,
+``unroll`` is checked and otherwise unused.
+
+The calls run on the executor of their arrays like every hicache-io op: host arrays on the cpu
+executor, CUDA arrays on the cuda executor, enqueued on the caller's current stream. Checks
+carry sglang's messages where it has them (``HicacheKernel: cache dimension mismatch.``) and
+hicache-io's range and uniqueness checks beyond them; a call that raises has moved no byte.
+"""
+
+import sys
+from typing import Any, Optional, Tuple
+
+from . import kvcacheio
+
+__all__ = [
+    "DEFAULT_BLOCK_QUOTA",
+    "can_use_hicache_jit_kernel",
+    "can_use_write_back_jit_kernel",
+    "transfer_hicache_one_layer",
+    "transfer_hicache_all_layer",
+    "transfer_hicache_one_layer_mla",
+    "transfer_hicache_all_layer_mla",
+    "transfer_hicache_all_layer_staged_lf_pf",
+    "transfer_hicache_all_layer_mla_staged_lf_pf",
+]
+
+DEFAULT_BLOCK_QUOTA = 2
+
+
+def can_use_hicache_jit_kernel(*, element_size: int, unroll: Optional[int] = None, block_quota: Optional[int] = None) -> bool:
+    """Whether rows of ``element_size`` bytes can move through these entry points: any positive
+    multiple of 8 bytes (sglang's own kernel needs multiples of 128)."""
+    return element_size > 0 and element_size % 8 == 0 and (unroll is None or unroll > 0) and (block_quota is None or block_quota > 0)
+
+
+def can_use_write_back_jit_kernel(*, element_size: int, unroll: Optional[int] = None, block_quota: Optional[int] = None) -> bool:
+    """Whether the staged page_first write-back takes rows of ``element_size`` bytes: multiples of
+    16 bytes, as in sglang."""
+    return element_size > 0 and element_size % 16 == 0 and can_use_hicache_jit_kernel(element_size=element_size, unroll=unroll, block_quota=block_quota)
+
+
+# ---- arrays, whatever library made them ---------------------------------------------------
+
+
+def _lib(t: Any) -> str:
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(t, torch.Tensor):
+        return "torch"
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and isinstance(t, cupy.ndarray):
+        return "cupy"
+    return "numpy"
+
+
+def _layout(t: Any) -> Tuple[Tuple[int, ...], Tuple[int, ...], int, int]:
+    """(shape, strides in elements, bytes per element, address of element 0)."""
+    kind = _lib(t)
+    if kind == "torch":
+        return tuple(t.shape), tuple(t.stride()), t.element_size(), t.data_ptr()
+    size = t.dtype.itemsize
+    shape = tuple(t.shape)
+    strides = getattr(t, "strides", None)
+    if strides is None:
+        # Another DLPack producer without strides: C order.
+        strides, step = [], size
+        for d in reversed(shape):
+            strides.insert(0, step)
+            step *= d
+    ptr = t.data.ptr if kind == "cupy" else getattr(getattr(t, "ctypes", None), "data", 0)
+    return shape, tuple(s // size for s in strides), size, ptr
+
+
+def _dtype(t: Any) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+def _rows(t: Any, element_dim: int, what: str) -> Tuple[int, int, int]:
+    """A cache as rows of ``element_dim`` elements: (rows, row stride in bytes, bytes per row).
+    The trailing dimensions must hold exactly the row, contiguously; the leading ones must step
+    evenly."""
+    shape, strides, size, _ = _layout(t)
+    inner, k = 1, len(shape)
+    while k > 0 and inner < element_dim:
+        k -= 1
+        if shape[k] != 1 and strides[k] != inner:
+            raise ValueError(f"{what}: the last dimensions of shape {shape} (strides {strides}) are not contiguous rows of {element_dim} elements")
+        inner *= shape[k]
+    if inner != element_dim:
+        raise RuntimeError(f"{what}: cache dimension mismatch.")
+    rows, stride = 1, element_dim
+    outer = [(shape[i], strides[i]) for i in range(k) if shape[i] != 1]
+    if outer:
+        stride = outer[-1][1]
+        for i in range(len(outer) - 1, -1, -1):
+            if outer[i][1] != stride * rows:
+                raise ValueError(f"{what}: shape {shape} with strides {strides} is not rows at one stride")
+            rows *= outer[i][0]
+    return rows, stride * size, element_dim * size
+
+
+def _flat_parent(t: Any) -> Tuple[Any, int]:
+    """The whole allocation ``t`` views, as a 1-D uint8 array, and its start address."""
+    kind = _lib(t)
+    if kind == "torch":
+        import torch
+
+        storage = t.untyped_storage()
+        flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+        return flat, storage.data_ptr()
+    if kind == "cupy":
+        import cupy
+
+        mem = t.data.mem
+        return cupy.ndarray((mem.size,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0)), mem.ptr
+    import numpy as np
+
+    root = t
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    if not root.flags.c_contiguous:
+        raise ValueError("a strided cache must view a contiguous array")
+    return root.reshape(-1).view(np.uint8), root.ctypes.data
+
+
+def _row_view(t: Any, element_dim: int) -> Any:
+    if len(t.shape) == 2 and t.shape[1] == element_dim:
+        return t
+    kind = _lib(t)
+    if kind == "torch":
+        return t.view(-1, element_dim)
+    return t.reshape(-1, element_dim)
+
+
+class _Cache:
+    """One cache argument: contiguous rows (``flat`` is ``None``), or rows at a stride that are
+    layer ``layer`` of a page_first buffer ``flat`` whose slots are ``stride`` bytes."""
+
+    def __init__(self, t: Any, element_dim: int, what: str):
+        self.rows, self.stride, self.item = _rows(t, element_dim, what)
+        self.t, self.what, self.flat, self.layer = t, what, None, 0
+        if self.stride == self.item:
+            self.view = _row_view(t, element_dim)
+            return
+        if self.stride % self.item != 0:
+            raise ValueError(f"{what}: rows of {self.item} bytes at a stride of {self.stride}: not a layer of a page_first buffer")
+        flat, base = _flat_parent(t)
+        off = _layout(t)[3] - base
+        within = off % self.stride
+        if within % self.item != 0:
+            raise ValueError(f"{what}: starts {within} bytes into a {self.stride}-byte slot, not on a row")
+        start, end = off - within, off - within + self.rows * self.stride
+        if start < 0 or end > flat.shape[0]:
+            raise ValueError(f"{what}: its slots run past the buffer it views")
+        self.flat, self.layer = flat[start:end], within // self.item
+
+
+def _indices(idx: Any) -> Any:
+    """int32 or int64 indices as int64, on their own device."""
+    kind = _lib(idx)
+    if kind == "torch":
+        import torch
+
+        return idx if idx.dtype == torch.int64 else idx.to(torch.int64)
+    if hasattr(idx, "dtype"):
+        return idx if str(idx.dtype) == "int64" else idx.astype("int64")
+    return idx
+
+
+def _tuning(unroll: Optional[int], block_quota: Optional[int]) -> int:
+    if unroll is not None and unroll <= 0:
+        raise RuntimeError(f"HicacheKernel: unroll must be positive, got {unroll}")
+    quota = DEFAULT_BLOCK_QUOTA if block_quota is None else block_quota
+    if quota <= 0:
+        raise RuntimeError(f"HicacheKernel: block_quota must be positive, got {quota}")
+    return quota
+
+
+def _same_dtype(tag: str, *arrays: Any) -> None:
+    dtypes = {_dtype(a) for a in arrays}
+    if len(dtypes) > 1:
+        raise RuntimeError(f"{tag}: source and destination caches must have the same dtype, got {sorted(dtypes)}")
+
+
+# ---- one layer -----------------------------------------------------------------------------
+
+
+def transfer_hicache_one_layer(k_cache_dst: Any, v_cache_dst: Any, indices_dst: Any, k_cache_src: Any, v_cache_src: Any, indices_src: Any, *, element_dim: Optional[int] = None, unroll: Optional[int] = None, block_quota: Optional[int] = None) -> None:
+    """Row ``indices_src[i]`` of the source K and V caches → row ``indices_dst[i]`` of the
+    destination caches, for one layer (either side may be host or device memory, and either side,
+    not both, a strided layer view of a page_first buffer)."""
+    quota = _tuning(unroll, block_quota)
+    tag = "HicacheKernel"
+    _same_dtype(tag, k_cache_dst, v_cache_dst, k_cache_src, v_cache_src)
+    dim = k_cache_dst.shape[-1] if element_dim is None else element_dim
+    kd, vd = _Cache(k_cache_dst, dim, tag), _Cache(v_cache_dst, dim, tag)
+    ks, vs = _Cache(k_cache_src, dim, tag), _Cache(v_cache_src, dim, tag)
+    si, di = _indices(indices_src), _indices(indices_dst)
+    item = kd.item
+    strided_src, strided_dst = ks.flat is not None or vs.flat is not None, kd.flat is not None or vd.flat is not None
+    if not strided_src and not strided_dst:
+        kvcacheio.transfer_kv_per_layer(ks.view, kd.view, vs.view, vd.view, si, di, item, block_quota=quota)
+    elif strided_src and not strided_dst:
+        layer, stride = _page_first_pair(ks, vs)
+        kvcacheio.transfer_kv_per_layer_pf_lf(ks.flat, kd.view, vs.flat, vd.view, si, di, layer, item, stride, block_quota=quota)
+    elif strided_dst and not strided_src:
+        layer, stride = _page_first_pair(kd, vd)
+        kvcacheio.transfer_kv_per_layer_lf_pf(ks.view, kd.flat, vs.view, vd.flat, si, di, layer, item, stride, block_quota=quota)
+    else:
+        raise ValueError("HicacheKernel: hicache-io moves between contiguous rows and one strided side, not two strided sides")
+
+
+def _page_first_pair(k: _Cache, v: _Cache) -> Tuple[int, int]:
+    if k.flat is None or v.flat is None or (k.layer, k.stride) != (v.layer, v.stride):
+        raise ValueError("HicacheKernel: K and V must be the same layer of page_first buffers of one shape")
+    return k.layer, k.stride
+
+
+def transfer_hicache_one_layer_mla(cache_dst: Any, indices_dst: Any, cache_src: Any, indices_src: Any, *, element_dim: Optional[int] = None, unroll: Optional[int] = None, block_quota: Optional[int] = None) -> None:
+    """:func:`transfer_hicache_one_layer` with one cache per side (MLA, the DSA indexer)."""
+    quota = _tuning(unroll, block_quota)
+    tag = "HicacheKernel MLA"
+    _same_dtype(tag, cache_dst, cache_src)
+    dim = cache_dst.shape[-1] if element_dim is None else element_dim
+    d, s = _Cache(cache_dst, dim, tag), _Cache(cache_src, dim, tag)
+    si, di = _indices(indices_src), _indices(indices_dst)
+    if s.flat is None and d.flat is None:
+        kvcacheio.transfer_kv_per_layer_mla(s.view, d.view, si, di, d.item, block_quota=quota)
+    elif d.flat is None:
+        kvcacheio.transfer_kv_per_layer_mla_pf_lf(s.flat, d.view, si, di, s.layer, d.item, s.stride, block_quota=quota)
+    elif s.flat is None:
+        kvcacheio.transfer_kv_per_layer_mla_lf_pf(s.view, d.flat, si, di, d.layer, d.item, d.stride, block_quota=quota)
+    else:
+        raise ValueError(f"{tag}: hicache-io moves between contiguous rows and one strided side, not two strided sides")
+
+
+# ---- all layers through pointer tables -----------------------------------------------------
+
+
+def _table_len(table: Any) -> int:
+    return len(table) if isinstance(table, (list, tuple)) else int(table.shape[0])
+
+
+def _all_layer_item(src_stride: int, dst_stride: int, element_size: Optional[int], tag: str) -> int:
+    if element_size is None:
+        if src_stride != dst_stride:
+            raise RuntimeError(f"{tag}: element_size is required when the source and destination strides differ")
+        element_size = src_stride
+    if src_stride != element_size or dst_stride != element_size:
+        raise ValueError(
+            f"{tag}: hicache-io's layer tables take rows at a stride of element_size ({element_size}), got {src_stride} and "
+            f"{dst_stride}; page_first backups go through transfer_hicache_all_layer_staged_lf_pf"
+        )
+    return element_size
+
+
+def transfer_hicache_all_layer(k_ptr_dst: Any, v_ptr_dst: Any, indices_dst: Any, k_ptr_src: Any, v_ptr_src: Any, indices_src: Any, *, kv_cache_src_stride_bytes: int, kv_cache_dst_stride_bytes: int, element_size: Optional[int] = None, unroll: Optional[int] = None, block_quota: Optional[int] = None) -> None:
+    """Every layer ``l`` of the uint64 pointer tables (or lists of arrays): row ``indices_src[i]``
+    of source layer ``l`` → row ``indices_dst[i]`` of destination layer ``l``, K then V. The
+    tables are trusted as in sglang (each layer holds the rows its largest index needs)."""
+    quota = _tuning(unroll, block_quota)
+    tag = "HicacheKernel"
+    item = _all_layer_item(kv_cache_src_stride_bytes, kv_cache_dst_stride_bytes, element_size, tag)
+    layers = _table_len(k_ptr_src)
+    kvcacheio.transfer_kv_all_layer(k_ptr_src, k_ptr_dst, v_ptr_src, v_ptr_dst, _indices(indices_src), _indices(indices_dst), item, layers, block_quota=quota)
+
+
+def transfer_hicache_all_layer_mla(ptr_dst: Any, indices_dst: Any, ptr_src: Any, indices_src: Any, *, cache_src_stride_bytes: int, cache_dst_stride_bytes: int, element_size: Optional[int] = None, unroll: Optional[int] = None, block_quota: Optional[int] = None) -> None:
+    """:func:`transfer_hicache_all_layer` with one table per side (MLA)."""
+    quota = _tuning(unroll, block_quota)
+    item = _all_layer_item(cache_src_stride_bytes, cache_dst_stride_bytes, element_size, "HicacheKernel MLA")
+    kvcacheio.transfer_kv_all_layer_mla(ptr_src, ptr_dst, _indices(indices_src), _indices(indices_dst), item, _table_len(ptr_src), block_quota=quota)
+
+
+# ---- staged page_first write-back ----------------------------------------------------------
+
+
+def _staged_checks(page_size: int, staging: Any, dst: Any, element_size: Optional[int], src_indices: Any, dst_indices: Any) -> Tuple[int, int]:
+    """sglang's staged relayout checks; returns (element bytes, host layers)."""
+    if page_size <= 0:
+        raise RuntimeError("HiCache staged relayout: page_size must be positive")
+    shape, _, size, _ = _layout(dst)
+    if len(shape) != 3:
+        raise RuntimeError(f"HiCache staged relayout: dst must be (tokens, layers, dim), got shape {shape}")
+    row = shape[2] * size
+    if element_size is not None and element_size != row:
+        raise RuntimeError("HiCache staged relayout: element size mismatch")
+    if row % 16 != 0:
+        raise RuntimeError("HiCache staged relayout: element size must be 16-byte aligned")
+    if _dtype(staging) != _dtype(dst):
+        raise RuntimeError("Source and destination tensors must have the same dtype")
+    if staging.shape[0] % page_size != 0:
+        raise RuntimeError("HiCache staged relayout: staging token count mismatch")
+    if _table_len(src_indices) != _table_len(dst_indices):
+        raise RuntimeError("Source and destination page spans must match")
+    if _table_len(src_indices) % page_size != 0:
+        raise RuntimeError("HiCache staged relayout: index count must be whole pages")
+    return row, shape[1]
+
+
+def _whole_pages(idx: Any, page_size: int) -> Any:
+    """The token rows of the pages that start at ``idx[::page_size]`` (what sglang's staged kernel
+    reads: whole pages from each start)."""
+    idx = _indices(idx)
+    kind = _lib(idx)
+    if kind == "torch":
+        import torch
+
+        starts = idx[::page_size]
+        return (starts[:, None] + torch.arange(page_size, device=idx.device, dtype=torch.int64)).reshape(-1)
+    if kind == "cupy":
+        import cupy as xp
+    else:
+        import numpy as xp
+    starts = xp.asarray(idx, dtype="int64")[::page_size]
+    return (starts[:, None] + xp.arange(page_size, dtype="int64")).reshape(-1)
+
+
+def transfer_hicache_all_layer_staged_lf_pf(k_ptr_src: Any, v_ptr_src: Any, src_indices: Any, dst_indices: Any, staging_k: Any, staging_v: Any, dst_k: Any, dst_v: Any, *, page_size: int, element_size: Optional[int] = None, unroll: Optional[int] = None, block_quota: Optional[int] = None) -> None:
+    """Every device layer (uint64 pointer tables ``k_ptr_src``/``v_ptr_src``) into page_first host
+    buffers ``dst_k``/``dst_v`` of shape ``(tokens, L, D)``, whole pages: the page starting at
+    device row ``src_indices[p * page_size]`` lands at host row ``dst_indices[p * page_size]``.
+    hicache-io writes the pages in place with no staging copy; ``staging_k``/``staging_v`` are
+    checked as sglang checks them and left untouched."""
+    quota = _tuning(unroll, block_quota)
+    item, layers = _staged_checks(page_size, staging_k, dst_k, element_size, src_indices, dst_indices)
+    _staged_checks(page_size, staging_v, dst_v, element_size, src_indices, dst_indices)
+    si, di = _whole_pages(src_indices, page_size), _whole_pages(dst_indices, page_size)
+    kvcacheio.transfer_kv_all_layer_lf_pf(k_ptr_src, dst_k, v_ptr_src, dst_v, si, di, item, layers * item, layers, block_quota=quota)
+
+
+def transfer_hicache_all_layer_mla_staged_lf_pf(ptr_src: Any, src_indices: Any, dst_indices: Any, staging: Any, dst: Any, *, page_size: int, element_size: Optional[int] = None, unroll: Optional[int] = None, block_quota: Optional[int] = None) -> None:
+    """:func:`transfer_hicache_all_layer_staged_lf_pf` with one buffer (MLA)."""
+    quota = _tuning(unroll, block_quota)
+    item, layers = _staged_checks(page_size, staging, dst, element_size, src_indices, dst_indices)
+    si, di = _whole_pages(src_indices, page_size), _whole_pages(dst_indices, page_size)
+    kvcacheio.transfer_kv_all_layer_mla_lf_pf(ptr_src, dst, si, di, item, layers * item, layers, block_quota=quota)

@@ -1,0 +1,322 @@
+"""The ops of today's sglang: the head-group-major (pfdhg) pair against the logical 6-D host
+array, embedding ranges and the CPU row move against numpy fancy indexing, the JIT entry points
+(destination first) against the classic ops' references, and hostile inputs with sglang's
+messages; a call that raises leaves the destination as it was."""
+
+import numpy as np
+import pytest
+
+from hicache_io import hicache, kvcacheio as kv
+
+# (kv heads, head groups, layers, page size, head dim): sglang's head-group shapes, fewer layers.
+HEAD_GROUP_CONFIGS = [(8, 8, 6, 16, 128), (8, 4, 4, 8, 64), (16, 2, 5, 16, 128), (16, 4, 3, 8, 128), (8, 1, 3, 4, 32), (4, 4, 1, 4, 64)]
+PAGES = 3
+
+
+def host_6d(rng, heads, groups, layers, page, dim, dtype):
+    """The logical host array (page, HG, L, P, hg, D) of one component."""
+    shape = (PAGES, groups, layers, page, heads // groups, dim)
+    return (rng.standard_normal(shape) * 8).astype(dtype)
+
+
+@pytest.mark.parametrize("heads,groups,layers,page,dim", HEAD_GROUP_CONFIGS)
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_pfdhg_load_every_layer(heads, groups, layers, page, dim, dtype):
+    rng = np.random.default_rng(heads * 100 + groups * 10 + layers)
+    rows = PAGES * page
+    hk, hv = host_6d(rng, heads, groups, layers, page, dim, dtype), host_6d(rng, heads, groups, layers, page, dim, dtype)
+    item = heads * dim * np.dtype(dtype).itemsize
+    src = np.arange(rows, dtype=np.int64)
+    dst = src[::-1].copy()
+    for layer in range(layers):
+        dk, dv = np.zeros((rows, heads, dim), dtype), np.zeros((rows, heads, dim), dtype)
+        kv.transfer_kv_per_layer_pfdhg_lf(hk.reshape(-1), dk, hv.reshape(-1), dv, src, dst, layer, item, item * layers, page, groups)
+        for host, dev in ((hk, dk), (hv, dv)):
+            # device[d] == host[s // P, :, layer, s % P, :, :].reshape(H, D)
+            want = host[src // page, :, layer, src % page].reshape(rows, heads, dim)
+            np.testing.assert_array_equal(dev[dst], want)
+
+
+@pytest.mark.parametrize("heads,groups,layers,page,dim", HEAD_GROUP_CONFIGS)
+def test_pfdhg_backup_then_load_round_trips(heads, groups, layers, page, dim):
+    rng = np.random.default_rng(7 + heads + groups)
+    rows, dtype = PAGES * page, np.float16
+    item = heads * dim * 2
+    dev_k = [rng.standard_normal((rows, heads, dim)).astype(dtype) for _ in range(layers)]
+    dev_v = [rng.standard_normal((rows, heads, dim)).astype(dtype) for _ in range(layers)]
+    hk = np.zeros((PAGES, groups, layers, page, heads // groups, dim), dtype)
+    hv = np.zeros_like(hk)
+    dev_src = rng.permutation(rows).astype(np.int64)
+    host_dst = np.arange(rows, dtype=np.int64)
+    kv.transfer_kv_all_layer_lf_pfdhg(dev_k, hk.reshape(-1), dev_v, hv.reshape(-1), dev_src, host_dst, item, item * layers, layers, page, groups)
+    hg = heads // groups
+    for layer in range(layers):
+        for host, dev in ((hk, dev_k), (hv, dev_v)):
+            # host[d // P, g, layer, d % P, j, :] == device[layer][s, g * hg + j, :]
+            got = host[host_dst // page, :, layer, host_dst % page].reshape(rows, heads, dim)
+            np.testing.assert_array_equal(got, dev[layer][dev_src])
+    # Load back with the lists swapped: the original device bytes.
+    for layer in range(layers):
+        bk, bv = np.zeros((rows, heads, dim), dtype), np.zeros((rows, heads, dim), dtype)
+        kv.transfer_kv_per_layer_pfdhg_lf(hk.reshape(-1), bk, hv.reshape(-1), bv, host_dst, dev_src, layer, item, item * layers, page, groups)
+        np.testing.assert_array_equal(bk, dev_k[layer])
+        np.testing.assert_array_equal(bv, dev_v[layer])
+
+
+@pytest.mark.parametrize("quota", [2, 8, 16, 32, 132])
+def test_pfdhg_quota_does_not_change_results(quota):
+    rng = np.random.default_rng(quota)
+    heads, groups, layers, page, dim = 8, 4, 4, 8, 64
+    hk = host_6d(rng, heads, groups, layers, page, dim, np.float16)
+    rows, item = PAGES * page, heads * dim * 2
+    idx = np.arange(rows, dtype=np.int64)
+    ref = np.zeros((rows, heads, dim), np.float16)
+    kv.transfer_kv_per_layer_pfdhg_lf(hk.reshape(-1), ref, hk.reshape(-1), ref, idx, idx, 1, item, item * layers, page, groups)
+    got = np.zeros_like(ref)
+    # One destination for K and V, read from one source: the same bytes written twice.
+    kv.transfer_kv_per_layer_pfdhg_lf(hk.reshape(-1), got, hk.reshape(-1), got, idx, idx, 1, item, item * layers, page, groups, block_quota=quota)
+    np.testing.assert_array_equal(got, ref)
+
+
+PFDHG_BAD = [
+    (dict(block_quota=0), "block_quota"),
+    (dict(page_size=0), "page_size"),
+    (dict(head_num=0), "head_num"),
+    (dict(head_num=3), "item_size"),
+    (dict(item_size=24, src_layout_dim=24, head_num=2), "Per-head-group"),
+    (dict(src_layout_dim=513), "src_layout_dim"),
+]
+
+
+@pytest.mark.parametrize("override,match", PFDHG_BAD)
+def test_pfdhg_bad_arguments_raise_and_move_nothing(override, match):
+    # sglang's fixture: fp16, 4 heads x 64, one layer, pages of 4.
+    args = dict(layer_id=0, item_size=512, src_layout_dim=512, page_size=4, head_num=4, block_quota=2, num_warps_per_block=32)
+    args.update(override)
+    host = np.ones(3 * 4 * 256, np.float16)
+    dk, dv = np.zeros((12, 4, 64), np.float16), np.zeros((12, 4, 64), np.float16)
+    idx = np.arange(12, dtype=np.int64)
+    with pytest.raises(RuntimeError, match=match):
+        kv.transfer_kv_per_layer_pfdhg_lf(host, dk, host, dv, idx, idx, **args)
+    assert not dk.any() and not dv.any()
+
+
+def test_pfdhg_empty_lists_are_a_no_op():
+    host = np.ones(3 * 4 * 256, np.float16)
+    dk = np.zeros((12, 4, 64), np.float16)
+    empty = np.zeros(0, np.int64)
+    kv.transfer_kv_per_layer_pfdhg_lf(host, dk, host, dk, empty, empty, 0, 512, 512, 4, 4)
+    kv.transfer_kv_all_layer_lf_pfdhg([dk], host.copy(), [dk], host.copy(), empty, empty, 512, 512, 1, 4, 4)
+    assert not dk.any()
+
+
+def test_pfdhg_refuses_out_of_range_with_source_destination_words():
+    host = np.ones(3 * 4 * 256, np.float16)
+    dk, dv = np.zeros((12, 4, 64), np.float16), np.zeros((12, 4, 64), np.float16)
+    with pytest.raises(IndexError, match="source index 12 at position 1 is out of range"):
+        kv.transfer_kv_per_layer_pfdhg_lf(host, dk, host, dv, [0, 12], [0, 1], 0, 512, 512, 4, 4)
+    with pytest.raises(ValueError, match="destination slot 3 is written twice"):
+        kv.transfer_kv_per_layer_pfdhg_lf(host, dk, host, dv, [0, 1], [3, 3], 0, 512, 512, 4, 4)
+    assert not dk.any() and not dv.any()
+
+
+# ---- embedding ranges ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+def test_transfer_embedding_ranges_direct(direction):
+    rng = np.random.default_rng(3)
+    # sglang's shape: 37 bf16-sized elements (74-byte rows), fragmented host starts.
+    host = rng.integers(0, 1 << 15, (28, 37)).astype(np.int16)
+    dev = np.full((16, 37), -1, np.int16)
+    host_starts, dev_starts, lengths = [1, 11, 23], [2, 6, 10], [4, 4, 2]
+    if direction == "h2d":
+        src, dst, ss, ds = host, dev, host_starts, dev_starts
+    else:
+        dev = rng.integers(0, 1 << 15, (16, 37)).astype(np.int16)
+        host = np.full((28, 37), -1, np.int16)
+        src, dst, ss, ds = dev, host, dev_starts, host_starts
+    want = dst.copy()
+    for s, d, n in zip(ss, ds, lengths):
+        want[d : d + n] = src[s : s + n]
+    assert kv.transfer_embedding_ranges_direct(src, dst, ss, ds, lengths) is None
+    np.testing.assert_array_equal(dst, want)
+
+
+@pytest.mark.parametrize(
+    "ss,ds,n,exc,match",
+    [
+        ([0], [0, 1], [1], RuntimeError, "same number of ranges"),
+        ([-1], [0], [1], RuntimeError, "must not be negative"),
+        ([6], [0], [3], IndexError, "source index 8 at position 0 is out of range"),
+        ([0, 4], [0, 2], [3, 3], ValueError, "written twice"),
+    ],
+)
+def test_embedding_ranges_refuse_and_move_nothing(ss, ds, n, exc, match):
+    src = np.arange(8 * 4, dtype=np.float32).reshape(8, 4)
+    dst = np.zeros((8, 4), np.float32)
+    with pytest.raises(exc, match=match):
+        kv.transfer_embedding_ranges_direct(src, dst, ss, ds, n)
+    assert not dst.any()
+
+
+def test_embedding_ranges_refuse_other_rows_and_dtypes():
+    src = np.zeros((8, 4), np.float32)
+    with pytest.raises(ValueError, match="rows of 32 bytes"):
+        kv.transfer_embedding_ranges_direct(src, np.zeros((8, 8), np.float32), [0], [0], [1])
+    with pytest.raises(RuntimeError, match="same dtype"):
+        kv.transfer_embedding_ranges_direct(src, np.zeros((8, 4), np.int32), [0], [0], [1])
+
+
+# ---- copy_all_layer_kv_cache_cpu -------------------------------------------------------------
+
+
+def kv_pool(rng, layers=3, rows=12, dims=(16, 40)):
+    return [rng.standard_normal((rows, dims[b % 2])).astype(np.float16) for b in range(2 * layers)]
+
+
+@pytest.mark.parametrize("index_dtype", [np.int64, np.int32])
+def test_copy_all_layer_kv_cache_cpu_moves_rows_simultaneously(index_dtype):
+    rng = np.random.default_rng(11)
+    bufs = kv_pool(rng)
+    ref = [b.copy() for b in bufs]
+    tgt = np.array([1, 2, 3, 0, 9], index_dtype)  # a rotation plus one plain move
+    src = np.array([0, 1, 2, 3, 4], index_dtype)
+    for r in ref:
+        r[tgt] = r[src].copy()
+    ptrs = np.array([b.ctypes.data for b in bufs], np.uint64)
+    strides = np.array([b.strides[0] for b in bufs], np.int64)
+    kv.copy_all_layer_kv_cache_cpu(ptrs, strides, tgt, src)
+    for b, r in zip(bufs, ref):
+        np.testing.assert_array_equal(b, r)
+
+
+def test_copy_all_layer_kv_cache_cpu_checks_with_sglangs_messages():
+    rng = np.random.default_rng(12)
+    bufs = kv_pool(rng)
+    before = [b.copy() for b in bufs]
+    ptrs = np.array([b.ctypes.data for b in bufs], np.uint64)
+    strides = np.array([b.strides[0] for b in bufs], np.int64)
+    loc = np.array([1, 2], np.int64)
+    cases = [
+        ((ptrs.astype(np.int64), strides, loc, loc), "CHECK_EQ(data_ptrs.scalar_type(), at::kUInt64) failed. Long vs UInt64"),
+        ((ptrs, strides.astype(np.int32), loc, loc), "CHECK_EQ(strides.scalar_type(), at::kLong) failed. Int vs Long"),
+        ((ptrs, strides, loc, loc.astype(np.int32)), "CHECK_EQ(tgt_loc.scalar_type(), src_loc.scalar_type()) failed. Long vs Int"),
+        ((ptrs, strides[:3], loc, loc), "CHECK_EQ(strides.numel(), num_bufs) failed. 3 vs 6"),
+        ((ptrs, strides, loc, loc[:1]), "CHECK_EQ(src_loc.numel(), num_locs) failed. 1 vs 2"),
+        ((ptrs, strides, np.array([[1, 2], [3, 4]])[:, 0], loc), "tgt_loc must be contiguous"),
+        ((ptrs, strides, loc.astype(np.float32), loc.astype(np.float32)), "not implemented for 'Float'"),
+    ]
+    for args, match in cases:
+        with pytest.raises(RuntimeError, match=__import__("re").escape(match)):
+            kv.copy_all_layer_kv_cache_cpu(*args)
+    # Beyond sglang: a target named twice, a negative location.
+    with pytest.raises(ValueError, match="destination row 1 is written twice"):
+        kv.copy_all_layer_kv_cache_cpu(ptrs, strides, np.array([1, 1]), np.array([2, 3]))
+    with pytest.raises(IndexError, match="index -1"):
+        kv.copy_all_layer_kv_cache_cpu(ptrs, strides, np.array([-1]), np.array([2]))
+    for b, r in zip(bufs, before):
+        np.testing.assert_array_equal(b, r)
+    # Empty locations: nothing to do.
+    kv.copy_all_layer_kv_cache_cpu(ptrs, strides, np.zeros(0, np.int64), np.zeros(0, np.int64))
+
+
+# ---- JIT entry points ------------------------------------------------------------------------
+
+
+def test_jit_one_layer_contiguous_and_int32_indices():
+    rng = np.random.default_rng(21)
+    rows, heads, dim, dtype = 64, 4, 32, np.float16
+    ks, vs = rng.standard_normal((rows, heads * dim)).astype(dtype), rng.standard_normal((rows, heads * dim)).astype(dtype)
+    kd, vd = np.zeros_like(ks), np.zeros_like(vs)
+    si = rng.permutation(rows)[:20].astype(np.int32)
+    di = rng.permutation(rows)[:20].astype(np.int32)
+    hicache.transfer_hicache_one_layer(kd, vd, di, ks, vs, si, block_quota=4, unroll=2)
+    want_k, want_v = np.zeros_like(kd), np.zeros_like(vd)
+    want_k[di], want_v[di] = ks[si], vs[si]
+    np.testing.assert_array_equal(kd, want_k)
+    np.testing.assert_array_equal(vd, want_v)
+
+
+def test_jit_one_layer_from_and_to_a_page_first_view():
+    """sglang's page_first pools pass ``k_buffer.transpose(0, 1)[layer]``: rows at a stride of
+    all layers, inside the page_first buffer."""
+    rng = np.random.default_rng(22)
+    slots, layers, heads, dim, dtype = 48, 5, 2, 16, np.float32
+    host_k = rng.standard_normal((slots, layers, heads, dim)).astype(dtype)
+    host_v = rng.standard_normal((slots, layers, heads, dim)).astype(dtype)
+    layer = 3
+    kd, vd = np.zeros((slots, heads, dim), dtype), np.zeros((slots, heads, dim), dtype)
+    si, di = rng.permutation(slots)[:17].astype(np.int64), rng.permutation(slots)[:17].astype(np.int64)
+    view_k, view_v = host_k.transpose(1, 0, 2, 3)[layer], host_v.transpose(1, 0, 2, 3)[layer]
+    hicache.transfer_hicache_one_layer(kd, vd, di, view_k, view_v, si, element_dim=heads * dim)
+    np.testing.assert_array_equal(kd[di], host_k[si, layer])
+    np.testing.assert_array_equal(vd[di], host_v[si, layer])
+    # And back into another layer of the page_first buffer (MLA variant on K alone).
+    before = host_k.copy()
+    hicache.transfer_hicache_one_layer_mla(host_k.transpose(1, 0, 2, 3)[1], si, kd, di, element_dim=heads * dim)
+    want = before.copy()
+    want[si, 1] = kd[di]
+    np.testing.assert_array_equal(host_k, want)
+
+
+def test_jit_all_layer_through_pointer_tables():
+    rng = np.random.default_rng(23)
+    layers, rows, elems, dtype = 3, 32, 64, np.float16
+    src_k = [rng.standard_normal((rows, elems)).astype(dtype) for _ in range(layers)]
+    src_v = [rng.standard_normal((rows, elems)).astype(dtype) for _ in range(layers)]
+    dst_k = [np.zeros((rows, elems), dtype) for _ in range(layers)]
+    dst_v = [np.zeros((rows, elems), dtype) for _ in range(layers)]
+    table = lambda arrs: np.array([a.ctypes.data for a in arrs], np.uint64)  # noqa: E731
+    si, di = rng.permutation(rows)[:9].astype(np.int64), rng.permutation(rows)[:9].astype(np.int32)
+    stride = elems * 2
+    hicache.transfer_hicache_all_layer(table(dst_k), table(dst_v), di, table(src_k), table(src_v), si, kv_cache_src_stride_bytes=stride, kv_cache_dst_stride_bytes=stride)
+    for l in range(layers):
+        np.testing.assert_array_equal(dst_k[l][di], src_k[l][si])
+        np.testing.assert_array_equal(dst_v[l][di], src_v[l][si])
+    mla_dst = [np.zeros((rows, elems), dtype) for _ in range(layers)]
+    hicache.transfer_hicache_all_layer_mla(table(mla_dst), di, table(src_k), si, cache_src_stride_bytes=stride, cache_dst_stride_bytes=stride, element_size=stride)
+    for l in range(layers):
+        np.testing.assert_array_equal(mla_dst[l][di], src_k[l][si])
+    with pytest.raises(RuntimeError, match="element_size is required"):
+        hicache.transfer_hicache_all_layer(table(dst_k), table(dst_v), di, table(src_k), table(src_v), si, kv_cache_src_stride_bytes=stride, kv_cache_dst_stride_bytes=2 * stride)
+
+
+def test_jit_staged_write_back_moves_whole_pages():
+    rng = np.random.default_rng(24)
+    layers, rows, elems, page, dtype = 4, 64, 32, 8, np.float16
+    src_k = [rng.standard_normal((rows, elems)).astype(dtype) for _ in range(layers)]
+    src_v = [rng.standard_normal((rows, elems)).astype(dtype) for _ in range(layers)]
+    table = lambda arrs: np.array([a.ctypes.data for a in arrs], np.uint64)  # noqa: E731
+    dst_k, dst_v = np.zeros((48, layers, elems), dtype), np.zeros((48, layers, elems), dtype)
+    staging = np.zeros((2 * page, layers, elems), dtype)
+    src_pages, dst_pages = [5, 1, 6], [2, 0, 4]
+    si = np.concatenate([np.arange(p * page, (p + 1) * page) for p in src_pages]).astype(np.int64)
+    di = np.concatenate([np.arange(p * page, (p + 1) * page) for p in dst_pages]).astype(np.int64)
+    hicache.transfer_hicache_all_layer_staged_lf_pf(table(src_k), table(src_v), si, di, staging, staging.copy(), dst_k, dst_v, page_size=page)
+    for l in range(layers):
+        np.testing.assert_array_equal(dst_k[di, l], src_k[l][si])
+        np.testing.assert_array_equal(dst_v[di, l], src_v[l][si])
+    assert not staging.any()
+    mla = np.zeros((48, layers, elems), dtype)
+    hicache.transfer_hicache_all_layer_mla_staged_lf_pf(table(src_k), si, di, staging, mla, page_size=page)
+    for l in range(layers):
+        np.testing.assert_array_equal(mla[di, l], src_k[l][si])
+    for kwargs, match in [(dict(page_size=0), "page_size must be positive"), (dict(page_size=page, element_size=32), "element size mismatch")]:
+        with pytest.raises(RuntimeError, match=match):
+            hicache.transfer_hicache_all_layer_mla_staged_lf_pf(table(src_k), si, di, staging, mla, **kwargs)
+
+
+def test_jit_checks():
+    a = np.zeros((8, 16), np.float16)
+    with pytest.raises(RuntimeError, match="HicacheKernel: cache dimension mismatch."):
+        hicache.transfer_hicache_one_layer(a, a.copy(), [0], np.zeros((8, 24), np.float16), np.zeros((8, 24), np.float16), [1], element_dim=16)
+    with pytest.raises(RuntimeError, match="HicacheKernel MLA: cache dimension mismatch."):
+        hicache.transfer_hicache_one_layer_mla(a, [0], np.zeros((8, 24), np.float16), [1])
+    with pytest.raises(RuntimeError, match="same dtype"):
+        hicache.transfer_hicache_one_layer_mla(a, [0], np.zeros((8, 16), np.float32), [1])
+    with pytest.raises(RuntimeError, match="block_quota"):
+        hicache.transfer_hicache_one_layer_mla(a, [0], a.copy(), [1], block_quota=0)
+    assert hicache.can_use_hicache_jit_kernel(element_size=1152)
+    assert not hicache.can_use_write_back_jit_kernel(element_size=1160)
+    assert not a.any()
