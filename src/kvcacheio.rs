@@ -228,14 +228,26 @@ fn wrap(device: &Device, a: &Arg<'_>) -> Result<Buffer> {
 }
 
 /// Refuses a destination that overlaps any other argument (the result would depend on the
-/// order of the copies, and differ between executors). One overlap is allowed: when `reads[i]`
-/// pairs with `writes[i]` (the K and V of a one-layer op), two destinations that are exactly the
-/// same tensor, read from sources that are exactly the same tensor too, receive the same bytes
-/// twice (sglang's own tests pass `dst_k` as `dst_v` this way).
+/// order of the copies, and differ between executors).
 fn check_overlaps(reads: &[Arg<'_>], writes: &[Arg<'_>]) -> Result<()> {
+    overlaps(reads, writes, false)
+}
+
+/// [`check_overlaps`] for the `kernel` ops, where `reads[i]` pairs with `writes[i]` (K and V,
+/// layer by layer): two destinations that are exactly the same tensor (span and shape), read
+/// from sources that are exactly the same tensor too, receive the same bytes twice, and are
+/// accepted (sglang's own tests pass `dst_k` as `dst_v` that way). Safe because a gather writes
+/// every pair of one index from the same lane or thread, in order; `direct` copies split runs
+/// across threads, so the `direct` ops keep the strict check.
+fn check_overlaps_kernel(reads: &[Arg<'_>], writes: &[Arg<'_>]) -> Result<()> {
+    overlaps(reads, writes, true)
+}
+
+fn overlaps(reads: &[Arg<'_>], writes: &[Arg<'_>], same_bytes_twice_ok: bool) -> Result<()> {
     let span = |t: &RawTensor| (t.memory, t.addr, t.addr.saturating_add(t.len));
-    let paired = reads.len() == writes.len();
-    let same_bytes_twice = |i: usize, j: usize| paired && span(writes[i].t) == span(writes[j].t) && span(reads[i].t) == span(reads[j].t);
+    let same = |a: &RawTensor, b: &RawTensor| span(a) == span(b) && a.dims == b.dims;
+    let paired = same_bytes_twice_ok && reads.len() == writes.len();
+    let same_bytes_twice = |i: usize, j: usize| paired && same(writes[i].t, writes[j].t) && same(reads[i].t, reads[j].t);
     for (i, w) in writes.iter().enumerate() {
         let (wm, ws, we) = span(w.t);
         let others = reads.iter().chain(writes.iter().enumerate().filter(|&(j, _)| j != i && !same_bytes_twice(i, j)).map(|(_, a)| a));
@@ -427,7 +439,7 @@ pub fn transfer_kv_per_layer<'i>(
     let item = launcher(src_indices, dst_indices, item_size)?;
     let src = kv(src_k, src_v, "src_k", "src_v");
     let dst = kv(dst_k, dst_v, "dst_k", "dst_v");
-    check_overlaps(&src, &dst)?;
+    check_overlaps_kernel(&src, &dst)?;
     let call = lf_pair(device, PoolKind::Mha, item, &[&src[0], &src[1]], &[&dst[0], &dst[1]], IoBackend::Kernel, src_indices, dst_indices)?;
     run_all(vec![call])
 }
@@ -651,7 +663,7 @@ fn paged_load(
     let (page, heads) = (positive("page_size", page_size)?, positive("head_num", head_num)?);
     let layers = layers_of("src_layout_dim", src_layout_dim, item)?;
     let layer_id = layer_index(layer_id)?;
-    check_overlaps(src, dst)?;
+    check_overlaps_kernel(src, dst)?;
     let dst_refs: Vec<&Arg<'_>> = dst.iter().collect();
     let src_refs: Vec<&Arg<'_>> = src.iter().collect();
     let dev = one_layer_device(device, kind, item, page, layers, &dst_refs)?;
@@ -767,9 +779,10 @@ fn layer_lists(
     let named: Vec<Vec<Arg<'_>>> =
         lists.iter().map(|(name, l)| l.iter().enumerate().map(|(j, t)| arg(format!("{name}[{j}]"), t)).collect()).collect();
     let (reads, writes): (Vec<&Vec<Arg<'_>>>, Vec<&Vec<Arg<'_>>>) = (named[..comps].iter().collect(), named[comps..].iter().collect());
-    check_overlaps(
+    overlaps(
         &reads.iter().flat_map(|l| l.iter().cloned()).collect::<Vec<_>>(),
         &writes.iter().flat_map(|l| l.iter().cloned()).collect::<Vec<_>>(),
+        io == IoBackend::Kernel,
     )?;
     if io == IoBackend::Direct {
         for j in 0..layers {
@@ -1180,7 +1193,7 @@ fn layer_backup(
     let item = launcher(hi, di, item_size)?;
     let layers = layers_of("dst_layout_dim", dst_layout_dim, item)?;
     let layer_id = layer_index(layer_id)?;
-    check_overlaps(src, dst)?;
+    check_overlaps_kernel(src, dst)?;
     let dev = one_layer_device(device, kind, item, 1, layers, &src.iter().collect::<Vec<_>>())?;
     let dst_refs: Vec<&Arg<'_>> = dst.iter().collect();
     let slots = paged_slots(&dst_refs, item * layers, 1)?;
@@ -1241,6 +1254,9 @@ pub fn transfer_embedding_ranges_direct(
             ),
         ));
     }
+    if lengths.iter().all(|&n| n == 0) && src_starts.iter().chain(dst_starts).all(|&v| v >= 0) {
+        return Ok(());
+    }
     let (s, d) = (arg("src", src), arg("dst", dst));
     if src.row_bytes() != dst.row_bytes() {
         return Err(bad("dst", format!("rows of {} bytes, src's are {}", dst.row_bytes(), src.row_bytes())));
@@ -1257,7 +1273,8 @@ pub fn transfer_embedding_ranges_direct(
             let end = (start as u64).saturating_add(n as u64);
             if n > 0 && end > rows(t) {
                 let bound = rows(t);
-                return Err(TransferError::IndexOutOfRange { side, index: end as i64 - 1, position: k, bound, unit: "rows" });
+                let last = i64::try_from(end - 1).unwrap_or(i64::MAX);
+                return Err(TransferError::IndexOutOfRange { side, index: last, position: k, bound, unit: "rows" });
             }
         }
         total = total.saturating_add(n as u64);
@@ -1268,6 +1285,7 @@ pub fn transfer_embedding_ranges_direct(
     if total > MAX_ROWS {
         return Err(argument("lengths", total.min(i64::MAX as u64) as i64, format!("{total} rows in one call, at most {MAX_ROWS}")));
     }
+    check_overlaps(std::slice::from_ref(&s), std::slice::from_ref(&d))?;
     // The ranges as row index pairs: the direct planner coalesces each range into one copy and
     // checks that no destination row is written twice.
     let (mut hi, mut di) = (Vec::new(), Vec::new());
@@ -1282,7 +1300,6 @@ pub fn transfer_embedding_ranges_direct(
         hi.extend(ss..ss + n);
         di.extend(ds..ds + n);
     }
-    check_overlaps(std::slice::from_ref(&s), std::slice::from_ref(&d))?;
     let item = positive("src", src.row_bytes() as i64)?;
     let call = lf_pair(device, PoolKind::Mla, item, &[&s], &[&d], IoBackend::Direct, Indices::Host(&hi), Indices::Host(&di))?;
     run_all(vec![call])
@@ -1297,8 +1314,9 @@ pub const MAX_ROWS: u64 = 1 << 28;
 /// layers), row `tgt_loc[i]` becomes what row `src_loc[i]` held before the call (rows of
 /// `row_bytes[b]` bytes; the sources are all read before any target is written, so overlapping
 /// and permuted moves behave as one simultaneous assignment). Host memory, on the calling
-/// thread. Beyond sglang: every location must be a row inside its buffer and no target may
-/// appear twice; nothing moves unless all pass.
+/// thread. Beyond sglang: every location must be a row inside its buffer (as large as the caller
+/// describes it: sglang's address tables carry no sizes, so the Python binding sizes each buffer
+/// by the largest location) and no target may appear twice; nothing moves unless all pass.
 pub fn copy_all_layer_kv_cache(buffers: &[RawTensor], row_bytes: &[u64], tgt_loc: &[i64], src_loc: &[i64]) -> Result<()> {
     if buffers.len() != row_bytes.len() {
         return Err(TransferError::LayerListMismatch { src_len: buffers.len(), dst_len: row_bytes.len() });
@@ -1313,6 +1331,9 @@ pub fn copy_all_layer_kv_cache(buffers: &[RawTensor], row_bytes: &[u64], tgt_loc
         }
         if t.addr == 0 && t.len > 0 {
             return Err(bad(&name, "null data pointer"));
+        }
+        if t.addr.checked_add(t.len).is_none() {
+            return Err(bad(&name, "address range wraps"));
         }
         if row == 0 {
             continue;

@@ -330,3 +330,20 @@ fn exact_aliasing_with_identical_sources_is_accepted() {
     let e = kv::transfer_kv_per_layer(&dev, &s, &d, &o, &d, &si, &di, 16).unwrap_err();
     assert!(e.to_string().contains("destination overlaps"), "{e}");
 }
+
+/// The same-bytes-twice allowance is for the `kernel` ops only, and only for one tensor of one
+/// shape: a `direct` copy splits runs across threads (two would write the same bytes at once),
+/// and a reshaped alias addresses other bytes with the same indices.
+#[test]
+fn aliasing_stays_refused_for_direct_copies_and_reshaped_views() {
+    let dev = Device::cpu();
+    let mut src = random(8 * 16, 10);
+    let mut dst = vec![0u8; 8 * 16];
+    let (s, d) = (tensor(&mut src, &[8, 16]), tensor(&mut dst, &[8, 16]));
+    let e = kv::transfer_kv_direct(&dev, &[s.clone(), s.clone()], &[d.clone(), d.clone()], &[0, 1], &[2, 3], 1).unwrap_err();
+    assert!(e.to_string().contains("destination overlaps"), "{e}");
+    let (s2, d2) = (tensor(&mut src, &[4, 32]), tensor(&mut dst, &[4, 32]));
+    let e = kv::transfer_kv_per_layer(&dev, &s, &d, &s2, &d2, &[0], &[1], 16).unwrap_err();
+    assert!(e.to_string().contains("destination overlaps"), "{e}");
+    assert!(dst.iter().all(|&b| b == 0));
+}

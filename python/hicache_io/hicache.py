@@ -87,9 +87,22 @@ def _dtype(t: Any) -> str:
 
 def _rows(t: Any, element_dim: int, what: str) -> Tuple[int, int, int]:
     """A cache as rows of ``element_dim`` elements: (rows, row stride in bytes, bytes per row).
-    The trailing dimensions must hold exactly the row, contiguously; the leading ones must step
-    evenly."""
+    A contiguous array is any whole number of rows (sglang's ``view(-1, element_dim)``); a strided
+    one must hold exactly one row in its trailing dimensions, contiguously, and step evenly in
+    the leading ones."""
     shape, strides, size, _ = _layout(t)
+    if any(st <= 0 for d, st in zip(shape, strides) if d > 1):
+        raise ValueError(f"{what}: strides {strides} for shape {shape}: broadcast or reversed arrays are not caches")
+    count = 1
+    for d, st in zip(reversed(shape), reversed(strides)):
+        if d != 1 and st != count:
+            break
+        count *= d
+    else:
+        # Contiguous: sglang's view(-1, element_dim) applies, whatever the dimensions.
+        if element_dim <= 0 or count % element_dim != 0:
+            raise RuntimeError(f"{what}: cache dimension mismatch.")
+        return count // element_dim, element_dim * size, element_dim * size
     inner, k = 1, len(shape)
     while k > 0 and inner < element_dim:
         k -= 1
@@ -136,6 +149,8 @@ def _flat_parent(t: Any) -> Tuple[Any, int]:
 def _row_view(t: Any, element_dim: int) -> Any:
     if len(t.shape) == 2 and t.shape[1] == element_dim:
         return t
+    if not hasattr(t, "reshape") and not hasattr(t, "view"):
+        raise ValueError(f"cannot view a {type(t).__name__} as rows of {element_dim} elements; pass it as (rows, {element_dim})")
     kind = _lib(t)
     if kind == "torch":
         return t.view(-1, element_dim)
@@ -178,10 +193,12 @@ def _indices(idx: Any) -> Any:
 
 
 def _tuning(unroll: Optional[int], block_quota: Optional[int]) -> int:
-    if unroll is not None and unroll <= 0:
+    """sglang's ``unroll or default`` and ``block_quota or DEFAULT_BLOCK_QUOTA``: 0 or ``None``
+    means the default; a negative value is refused."""
+    if unroll is not None and unroll < 0:
         raise RuntimeError(f"HicacheKernel: unroll must be positive, got {unroll}")
-    quota = DEFAULT_BLOCK_QUOTA if block_quota is None else block_quota
-    if quota <= 0:
+    quota = block_quota or DEFAULT_BLOCK_QUOTA
+    if quota < 0:
         raise RuntimeError(f"HicacheKernel: block_quota must be positive, got {quota}")
     return quota
 
@@ -202,7 +219,7 @@ def transfer_hicache_one_layer(k_cache_dst: Any, v_cache_dst: Any, indices_dst: 
     quota = _tuning(unroll, block_quota)
     tag = "HicacheKernel"
     _same_dtype(tag, k_cache_dst, v_cache_dst, k_cache_src, v_cache_src)
-    dim = k_cache_dst.shape[-1] if element_dim is None else element_dim
+    dim = element_dim or k_cache_dst.shape[-1]
     kd, vd = _Cache(k_cache_dst, dim, tag), _Cache(v_cache_dst, dim, tag)
     ks, vs = _Cache(k_cache_src, dim, tag), _Cache(v_cache_src, dim, tag)
     si, di = _indices(indices_src), _indices(indices_dst)
@@ -231,7 +248,7 @@ def transfer_hicache_one_layer_mla(cache_dst: Any, indices_dst: Any, cache_src: 
     quota = _tuning(unroll, block_quota)
     tag = "HicacheKernel MLA"
     _same_dtype(tag, cache_dst, cache_src)
-    dim = cache_dst.shape[-1] if element_dim is None else element_dim
+    dim = element_dim or cache_dst.shape[-1]
     d, s = _Cache(cache_dst, dim, tag), _Cache(cache_src, dim, tag)
     si, di = _indices(indices_src), _indices(indices_dst)
     if s.flat is None and d.flat is None:
@@ -253,8 +270,8 @@ def _table_len(table: Any) -> int:
 
 def _all_layer_item(src_stride: int, dst_stride: int, element_size: Optional[int], tag: str) -> int:
     if element_size is None:
-        if src_stride != dst_stride:
-            raise RuntimeError(f"{tag}: element_size is required when the source and destination strides differ")
+        # sglang asserts this.
+        assert src_stride == dst_stride, f"{tag}: element_size is required when the source and destination strides differ"
         element_size = src_stride
     if src_stride != element_size or dst_stride != element_size:
         raise ValueError(
@@ -286,14 +303,23 @@ def transfer_hicache_all_layer_mla(ptr_dst: Any, indices_dst: Any, ptr_src: Any,
 
 
 def _staged_checks(page_size: int, staging: Any, dst: Any, element_size: Optional[int], src_indices: Any, dst_indices: Any) -> Tuple[int, int]:
-    """sglang's staged relayout checks; returns (element bytes, host layers)."""
+    """sglang's staged relayout checks; returns (element bytes, host layers). Like sglang, the
+    buffers are viewed as ``(tokens, layers, -1)``: MHA passes ``(size, L, H, D)``, the DSA
+    indexer ``(pages, L, 1, stride)``."""
     if page_size <= 0:
         raise RuntimeError("HiCache staged relayout: page_size must be positive")
     shape, _, size, _ = _layout(dst)
-    if len(shape) != 3:
-        raise RuntimeError(f"HiCache staged relayout: dst must be (tokens, layers, dim), got shape {shape}")
-    row = shape[2] * size
-    if element_size is not None and element_size != row:
+    if len(shape) < 3:
+        raise RuntimeError(f"HiCache staged relayout: dst must be (tokens, layers, ...), got shape {shape}")
+    row = size
+    for d in shape[2:]:
+        row *= d
+    sshape, _, ssize, _ = _layout(staging)
+    staged_row = ssize
+    for d in sshape[2:]:
+        staged_row *= d
+    element_size = element_size or staged_row
+    if element_size != row or staged_row != row or (len(sshape) >= 2 and sshape[1] != shape[1]):
         raise RuntimeError("HiCache staged relayout: element size mismatch")
     if row % 16 != 0:
         raise RuntimeError("HiCache staged relayout: element size must be 16-byte aligned")
@@ -304,7 +330,7 @@ def _staged_checks(page_size: int, staging: Any, dst: Any, element_size: Optiona
     if _table_len(src_indices) != _table_len(dst_indices):
         raise RuntimeError("Source and destination page spans must match")
     if _table_len(src_indices) % page_size != 0:
-        raise RuntimeError("HiCache staged relayout: index count must be whole pages")
+        raise RuntimeError("hicache-io: the staged write-back moves whole pages; the index count must be a multiple of page_size")
     return row, shape[1]
 
 

@@ -9,7 +9,9 @@ same name in :mod:`hicache_io.kvcacheio`. An op the namespace already has (sgl_k
 the same process) is refused unless ``overwrite=True``, which routes the existing op's CPU and
 CUDA kernels to hicache-io instead (its schema must be the one below).
 
-torch is imported only here, when :func:`register` is called.
+torch is imported only here, when :func:`register` is called. Register under ``sgl_kernel``
+only in a process that does not import sgl_kernel afterwards: its own definitions of the same
+names would then collide with these (import it first and pass ``overwrite=True`` instead).
 """
 
 from typing import Callable, Dict, List
@@ -86,6 +88,13 @@ def register(namespace: str = "sgl_kernel", *, overwrite: bool = False) -> List[
             f"torch.ops.{namespace} already defines {', '.join(existing)} (is sgl_kernel loaded?); "
             "pass overwrite=True to route those ops to hicache-io, or use another namespace"
         )
+    # Older sgl-kernel builds registered ops of the same names with other meanings (item sizes in
+    # elements, not bytes): route only ops whose schema is the one hicache-io implements.
+    for name in existing:
+        have = str(getattr(getattr(torch.ops, namespace), name).default._schema)
+        want = str(torch._C.parse_schema(f"{namespace}::{name}{SCHEMAS[name]}"))
+        if have != want:
+            raise RuntimeError(f"torch.ops.{namespace}.{name} has the schema {have}, not {want}: not routed to hicache-io")
     lib = torch.library.Library(namespace, "FRAGMENT")
     for name, schema in SCHEMAS.items():
         if name not in existing:

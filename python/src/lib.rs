@@ -848,6 +848,9 @@ fn copy_all_layer_kv_cache_cpu(
     };
     let ptrs = host_values(data_ptrs, "data_ptrs")?;
     let row_bytes = host_values(strides, "strides")?;
+    if ptrs.len() != row_bytes.len() {
+        return Err(PyRuntimeError::new_err(format!("CHECK_EQ(strides.numel(), num_bufs) failed. {} vs {}", row_bytes.len(), ptrs.len())));
+    }
     let (tgt, src) = (host_values(tgt_loc, "tgt_loc")?, host_values(src_loc, "src_loc")?);
     let top = tgt.iter().chain(&src).copied().max().unwrap_or(-1);
     let rows = u64::try_from(top.saturating_add(1)).unwrap_or(0);
@@ -1111,6 +1114,60 @@ impl PyHostPool {
     #[getter]
     fn layer_num(&self) -> u64 {
         self.inner.geometry().layer_num()
+    }
+    /// `mha`, `mla` or `dsa`.
+    #[getter]
+    fn kind(&self) -> &'static str {
+        self.inner.geometry().kind().name()
+    }
+    /// The host layout, sglang's name.
+    #[getter]
+    fn layout(&self) -> &'static str {
+        self.inner.geometry().layout().name()
+    }
+    /// Tokens per page `P`.
+    #[getter]
+    fn page_size(&self) -> u64 {
+        self.inner.geometry().page_size()
+    }
+    /// Heads (page_head) or head groups (page_first_direct_hg); 1 otherwise.
+    #[getter]
+    fn head_num(&self) -> u64 {
+        self.inner.geometry().head_num()
+    }
+    /// Bytes per (slot, layer) of the host pool.
+    #[getter]
+    fn item_bytes(&self) -> u64 {
+        self.inner.geometry().item_bytes()
+    }
+    /// Component buffers: 2 (K, V) for MHA, 1 otherwise.
+    #[getter]
+    fn components(&self) -> usize {
+        self.inner.geometry().kind().components()
+    }
+    /// The executor's name (`cpu`, `wgpu`, `cuda`).
+    #[getter]
+    fn executor(&self) -> &'static str {
+        self.inner.device().name()
+    }
+    /// The device pool's layers as this host pool holds them: `(layer_num, owned start, owned
+    /// end, drafts, skipped)`.
+    #[getter]
+    fn layer_map(&self) -> (usize, usize, usize, usize, Vec<bool>) {
+        let m = self.inner.pair().device().layers();
+        let (start, end) = m.owned();
+        (m.layer_num, start, end, m.drafts, m.skipped.clone())
+    }
+    /// `(address, bytes)` of component `comp`'s buffer in this process, or `None` when the
+    /// executor keeps host pools in its own buffers (wgpu). Valid while the pool lives; call
+    /// `synchronize()` before touching it.
+    fn host_span(&self, comp: usize) -> PyResult<Option<(u64, u64)>> {
+        self.inner.host_span(comp).py()
+    }
+    /// Waits for every transfer queued on the pool's executor.
+    fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
+        let dev = self.inner.device().clone();
+        py.detach(|| dev.synchronize()).py()
     }
 }
 

@@ -278,7 +278,7 @@ def test_jit_all_layer_through_pointer_tables():
     hicache.transfer_hicache_all_layer_mla(table(mla_dst), di, table(src_k), si, cache_src_stride_bytes=stride, cache_dst_stride_bytes=stride, element_size=stride)
     for l in range(layers):
         np.testing.assert_array_equal(mla_dst[l][di], src_k[l][si])
-    with pytest.raises(RuntimeError, match="element_size is required"):
+    with pytest.raises(AssertionError, match="element_size is required"):
         hicache.transfer_hicache_all_layer(table(dst_k), table(dst_v), di, table(src_k), table(src_v), si, kv_cache_src_stride_bytes=stride, kv_cache_dst_stride_bytes=2 * stride)
 
 
@@ -302,6 +302,13 @@ def test_jit_staged_write_back_moves_whole_pages():
     hicache.transfer_hicache_all_layer_mla_staged_lf_pf(table(src_k), si, di, staging, mla, page_size=page)
     for l in range(layers):
         np.testing.assert_array_equal(mla[di, l], src_k[l][si])
+    # sglang's MHA pools pass (size, L, H, D) buffers and staging.
+    heads = 2
+    dst4 = np.zeros((48, layers, heads, elems // heads), dtype)
+    staging4 = np.zeros((2 * page, layers, heads, elems // heads), dtype)
+    hicache.transfer_hicache_all_layer_staged_lf_pf(table(src_k), table(src_v), si, di, staging4, staging4.copy(), dst4, dst4.copy(), page_size=page)
+    for l in range(layers):
+        np.testing.assert_array_equal(dst4[di, l].reshape(len(di), elems), src_k[l][si])
     for kwargs, match in [(dict(page_size=0), "page_size must be positive"), (dict(page_size=page, element_size=32), "element size mismatch")]:
         with pytest.raises(RuntimeError, match=match):
             hicache.transfer_hicache_all_layer_mla_staged_lf_pf(table(src_k), si, di, staging, mla, **kwargs)
@@ -310,13 +317,20 @@ def test_jit_staged_write_back_moves_whole_pages():
 def test_jit_checks():
     a = np.zeros((8, 16), np.float16)
     with pytest.raises(RuntimeError, match="HicacheKernel: cache dimension mismatch."):
-        hicache.transfer_hicache_one_layer(a, a.copy(), [0], np.zeros((8, 24), np.float16), np.zeros((8, 24), np.float16), [1], element_dim=16)
+        hicache.transfer_hicache_one_layer(a, a.copy(), [0], np.zeros((5, 5), np.float16), np.zeros((5, 5), np.float16), [1], element_dim=16)
     with pytest.raises(RuntimeError, match="HicacheKernel MLA: cache dimension mismatch."):
-        hicache.transfer_hicache_one_layer_mla(a, [0], np.zeros((8, 24), np.float16), [1])
+        hicache.transfer_hicache_one_layer_mla(a, [0], np.zeros((5, 5), np.float16), [1])
     with pytest.raises(RuntimeError, match="same dtype"):
         hicache.transfer_hicache_one_layer_mla(a, [0], np.zeros((8, 16), np.float32), [1])
     with pytest.raises(RuntimeError, match="block_quota"):
-        hicache.transfer_hicache_one_layer_mla(a, [0], a.copy(), [1], block_quota=0)
+        hicache.transfer_hicache_one_layer_mla(a, [0], a.copy(), [1], block_quota=-1)
+    with pytest.raises(ValueError, match="broadcast or reversed"):
+        hicache.transfer_hicache_one_layer_mla(a, [0], np.broadcast_to(np.zeros(16, np.float16), (8, 16)), [1])
+    # As sglang's view(-1, element_dim): a contiguous (8, 24) cache is 12 rows of 16.
+    src = np.arange(8 * 24, dtype=np.float16).reshape(8, 24)
+    hicache.transfer_hicache_one_layer_mla(a, [0], src, [11], block_quota=0, unroll=0)
+    np.testing.assert_array_equal(a[0], src.reshape(12, 16)[11])
+    a[...] = 0
     assert hicache.can_use_hicache_jit_kernel(element_size=1152)
     assert not hicache.can_use_write_back_jit_kernel(element_size=1160)
     assert not a.any()

@@ -113,3 +113,13 @@ def test_jit_one_layer_on_a_page_first_transpose_view():
     want[si.long(), 0] = dk[di.long()]
     assert torch.equal(host_k, want)
     np.testing.assert_array_equal(host_v[si.long(), 0].float().numpy(), dv[di.long()].float().numpy())
+
+
+def test_an_existing_op_with_another_schema_is_not_routed():
+    ns = "hicache_io_test_old"
+    lib = torch.library.Library(ns, "DEF")
+    # An old sgl-kernel schema (item size in elements, no tuning arguments).
+    lib.define("transfer_kv_per_layer(Tensor src_k, Tensor dst_k, Tensor src_v, Tensor dst_v, Tensor src_indices, Tensor dst_indices, int item_size) -> ()")
+    with pytest.raises(RuntimeError, match="not routed to hicache-io"):
+        kv.register_torch_ops(ns, overwrite=True)
+    del lib

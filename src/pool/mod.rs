@@ -544,6 +544,22 @@ impl<'m> HostPool<'m> {
     pub fn buffer(&self, comp: usize) -> Result<&Buffer> {
         self.buffers.get(comp).ok_or(TransferError::NoSuchBuffer { comp, slot: None, components: self.buffers.len(), slots: 1 })
     }
+    /// `(address, bytes)` of component `comp`'s buffer in this process's address space, when the
+    /// executor keeps host pools there for good (cpu memory; cuda's pinned mapped memory), so
+    /// another engine can read and write pages in place (an L3 store registering it for
+    /// zero-copy I/O); `None` for host pools that live in executor buffers (wgpu's, mapped only
+    /// between submissions). The address stays valid while the pool lives; queued transfers must
+    /// be waited for ([`Device::synchronize`]) before others touch the memory.
+    pub fn host_span(&self, comp: usize) -> Result<Option<(u64, u64)>> {
+        let len = self.pair.host().buffer_bytes();
+        Ok(match self.buffer(comp)? {
+            Buffer::Cpu(b) => Some((b.as_ptr() as u64, len)),
+            #[cfg(feature = "cuda")]
+            Buffer::Cuda(b) => b.host_address().map(|a| (a, len)),
+            #[cfg(feature = "wgpu")]
+            Buffer::Wgpu(_) => None,
+        })
+    }
 }
 
 /// The plans of a layer-wise load, validated together: `(layer id, op, plan)` for every owned

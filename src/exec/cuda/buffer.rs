@@ -29,6 +29,11 @@ unsafe impl Send for CudaBuffer {}
 unsafe impl Sync for CudaBuffer {}
 
 impl CudaBuffer {
+    /// The host address of pinned mapped host memory; `None` for device memory.
+    pub fn host_address(&self) -> Option<u64> {
+        (!self.host_ptr.is_null()).then_some(self.host_ptr as u64)
+    }
+
     /// Wraps an engine's device allocation (one layer buffer).
     ///
     /// # Safety
