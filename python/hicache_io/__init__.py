@@ -8,6 +8,8 @@
   ``torch.ops.sgl_kernel.<op>``.
 - :mod:`hicache_io.hicache` -- sglang's JIT HiCache entry points (``transfer_hicache_one_layer``
   and its five siblings), destination first, as sglang's pools call them.
+- :mod:`hicache_io.storage` -- sglang's L3 tier on Mooncake Store (``MooncakeStore``: host-pool
+  pages to and from a distributed store, zero-copy; imported on demand).
 - :class:`Device`, :class:`DevicePool`, :class:`HostPool` -- the pools with sglang's method
   names, on an executor chosen by name (``"cpu"``, ``"wgpu"``, ``"cuda"``) or ``"auto"``.
 - :func:`matrix`, :func:`check` -- what ``hicache-io matrix --json`` and ``hicache-io check

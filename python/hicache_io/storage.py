@@ -1,0 +1,599 @@
+"""L3 storage: host-pool pages to and from Mooncake Store, as sglang's HiCache L3 tier moves them.
+
+:class:`MooncakeStore` implements sglang's ``HiCacheStorage`` interface (it subclasses sglang's
+class when sglang is importable, so ``--hicache-storage-backend dynamic`` loads it unchanged) over
+a Mooncake Store client: ``register_mem_pool_host(pool)``, ``batch_exists``, ``batch_set_v1`` /
+``batch_get_v1`` (zero-copy, page ``i`` read from or written to host slots
+``host_indices[i * P : (i + 1) * P]``) and the plain ``get`` / ``set`` / ``exists`` forms.
+
+Zero copy: the pool's buffers are registered with the store once; puts and gets then go straight
+from and to page spans (``batch_put_from`` / ``batch_get_into``). That holds for host pools in this
+process's memory (the cpu executor, and cuda's pinned host pools). wgpu keeps host pools in its
+own buffers, mapped only between submissions: there pages pass through one registered staging
+buffer of ``STORAGE_BATCH_SIZE`` pages (one copy per page each way).
+
+Keys. sglang's Mooncake backend names a page's objects ``{prefix}_{page_hash}_{tp_rank}[_{pp_rank}]_k``
+and ``_v`` (MHA) or ``{prefix}_{page_hash}_[{pp_rank}]_k`` (MLA, one object; rank-replicated). A
+pool whose page holds exactly what sglang's does (MHA or MLA, all layers, no drafts, a layout sglang
+has) uses those keys, so sglang and hicache-io processes share objects. Every other pool (a
+layer shard, MTP draft layers, DSA skip-topk layers, the DSA indexer, the head-group-major layout)
+names the shard its page holds::
+
+    {prefix}_{page_hash}_{rank}_hio-{kind}-{layout}-L{start}-{end}[-x{skipped}][+d{drafts}]_{k|v}
+
+``rank`` is the tp rank (and pp rank) for MHA, whose ranks hold different heads, and empty for
+the rank-replicated MLA and DSA pools. It cannot collide with sglang's keys: the ``hio-`` segment
+is never an integer, while every segment sglang puts between the hash and the component is one.
+It cannot collide across ranks: ranks that hold different layers have different ``L`` ranges
+(or skip lists, or draft counts), ranks that hold different heads have different ``rank``; two
+ranks with the same name hold the same bytes. The layout is in the name because it decides the
+byte order of a page object. Reading a page back needs only this rank's shard.
+
+Return conventions are sglang's: ``batch_set_v1`` / ``batch_get_v1`` give one bool per page (an
+object that already exists counts as written), ``batch_exists`` the number of leading pages whose
+objects all exist. A failure is also kept as :attr:`MooncakeStore.last_error`, a
+:class:`StorageError` naming Mooncake's error code; ``raise_errors=True`` raises it instead. A
+page whose get fails may have been partly written in its host slots (they are the prefetch's
+targets, which the caller does not use for a failed page); no other slot is touched.
+
+The store keeps the registered pool alive until :meth:`MooncakeStore.unregister_mem_pool_host` or
+:meth:`MooncakeStore.close`, so the pool's memory cannot be freed while Mooncake may still write to
+it. Calls must not overlap transfers of the same pool (sglang's controller orders them); each
+waits for the pool's queued transfers first.
+"""
+
+import json
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MooncakeStore", "MooncakeStoreConfig", "StorageError", "LocalMaster", "HiCacheStorage", "HiCacheStorageConfig", "HiCacheStorageExtraInfo", "STORAGE_BATCH_SIZE", "MOONCAKE_ERRORS"]
+
+#: Pages per storage call in sglang's controller (and the staging buffer's size in pages).
+STORAGE_BATCH_SIZE = 128
+
+try:  # sglang present: be one of its backends
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo  # type: ignore
+except Exception:  # noqa: BLE001 - sglang absent (or broken): the same interface, standalone
+
+    class HiCacheStorage:  # type: ignore[no-redef]
+        """sglang's L3 storage interface (``hicache_storage.py``), for use without sglang."""
+
+        def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+            self.mem_pool_host = mem_pool_host
+
+        def batch_exists(self, keys: List[str], extra_info: Any = None) -> int:
+            for i, key in enumerate(keys):
+                if not self.exists(key):
+                    return i
+            return len(keys)
+
+        def clear(self) -> None:
+            return None
+
+        def get_stats(self) -> Any:
+            return None
+
+    @dataclass
+    class HiCacheStorageConfig:  # type: ignore[no-redef]
+        """sglang's ``HiCacheStorageConfig`` fields that L3 backends read."""
+
+        tp_rank: int = 0
+        tp_size: int = 1
+        pp_rank: int = 0
+        pp_size: int = 1
+        attn_cp_rank: int = 0
+        attn_cp_size: int = 1
+        is_mla_model: bool = False
+        enable_storage_metrics: bool = False
+        is_page_first_layout: bool = True
+        model_name: Optional[str] = None
+        dp_rank: int = 0
+        dp_size: int = 1
+        tp_lcm_size: Optional[int] = None
+        should_split_heads: bool = False
+        extra_config: Optional[dict] = None
+
+    @dataclass
+    class HiCacheStorageExtraInfo:  # type: ignore[no-redef]
+        prefix_keys: Optional[List[str]] = None
+        extra_info: Optional[dict] = None
+
+
+#: Mooncake Store error codes a caller meets here (``mooncake-store/include/types.h``).
+MOONCAKE_ERRORS = {
+    -200: "NO_AVAILABLE_HANDLE (the store is full)",
+    -600: "BUFFER_OVERFLOW (the object does not fit the target span)",
+    -704: "OBJECT_NOT_FOUND",
+    -706: "OBJECT_HAS_LEASE",
+    -900: "RPC_FAIL (the master is unreachable)",
+}
+
+
+class StorageError(RuntimeError):
+    """A Mooncake Store call that failed: ``code`` (Mooncake's), ``what`` (the call) and the
+    ``keys`` it failed for."""
+
+    def __init__(self, what: str, code: int, keys: Sequence[str] = ()):
+        self.what, self.code, self.keys = what, code, list(keys)
+        name = MOONCAKE_ERRORS.get(code, "error")
+        shown = ", ".join(self.keys[:3]) + (" ..." if len(self.keys) > 3 else "")
+        super().__init__(f"Mooncake Store {what} failed: {code} {name}" + (f" for {shown}" if shown else ""))
+
+
+def _host_list(indices: Any) -> Any:
+    """Host index values: numpy as is; torch (CPU or CUDA) and other arrays through ``tolist``."""
+    if isinstance(indices, np.ndarray):
+        return indices.reshape(-1)
+    if hasattr(indices, "tolist"):
+        return np.asarray(indices.tolist(), dtype=np.int64).reshape(-1)
+    return np.asarray(indices, dtype=np.int64).reshape(-1)
+
+
+def _size(value: Any) -> int:
+    """An int, or a string with a ``kb``/``mb``/``gb`` suffix (Mooncake's config style)."""
+    if isinstance(value, int):
+        return value
+    text = str(value).strip().lower()
+    for suffix, scale in (("gb", 1 << 30), ("mb", 1 << 20), ("kb", 1 << 10), ("b", 1)):
+        if text.endswith(suffix):
+            return int(float(text[: -len(suffix)]) * scale)
+    return int(text)
+
+
+@dataclass
+class MooncakeStoreConfig:
+    """How to reach the store, as sglang's Mooncake backend takes it. Defaults work on one
+    machine over TCP on loopback; ``master_server_address`` is required (``MOONCAKE_MASTER``)."""
+
+    master_server_address: str = ""
+    local_hostname: str = "127.0.0.1"
+    metadata_server: str = "P2PHANDSHAKE"
+    global_segment_size: int = 256 << 20
+    local_buffer_size: int = 16 << 20
+    protocol: str = "tcp"
+    device_name: str = ""
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    _KEYS = ("master_server_address", "local_hostname", "metadata_server", "global_segment_size", "local_buffer_size", "protocol", "device_name")
+    _ENV = {
+        "master_server_address": "MOONCAKE_MASTER",
+        "local_hostname": "MOONCAKE_LOCAL_HOSTNAME",
+        "metadata_server": "MOONCAKE_TE_META_DATA_SERVER",
+        "global_segment_size": "MOONCAKE_GLOBAL_SEGMENT_SIZE",
+        "local_buffer_size": "MOONCAKE_LOCAL_BUFFER_SIZE",
+        "protocol": "MOONCAKE_PROTOCOL",
+        "device_name": "MOONCAKE_DEVICE",
+    }
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "MooncakeStoreConfig":
+        known = {k: d[k] for k in cls._KEYS if k in d and d[k] is not None}
+        for k in ("global_segment_size", "local_buffer_size"):
+            if k in known:
+                known[k] = _size(known[k])
+        return cls(**known, extra={k: v for k, v in d.items() if k not in cls._KEYS})
+
+    @classmethod
+    def from_file(cls, path: str) -> "MooncakeStoreConfig":
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+    @classmethod
+    def from_env(cls) -> "MooncakeStoreConfig":
+        return cls.from_dict({k: os.environ[v] for k, v in cls._ENV.items() if v in os.environ})
+
+    @classmethod
+    def load(cls, extra_config: Optional[Dict[str, Any]] = None) -> "MooncakeStoreConfig":
+        """sglang's order: the storage config's ``extra_config`` when it names a server, else the
+        JSON file at ``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH``, else the environment."""
+        if extra_config and ("master_server_address" in extra_config or "client_server_address" in extra_config):
+            return cls.from_dict(extra_config)
+        path = os.environ.get("SGLANG_HICACHE_MOONCAKE_CONFIG_PATH")
+        if path:
+            return cls.from_file(path)
+        return cls.from_env()
+
+
+class LocalMaster:
+    """A ``mooncake_master`` of this process's own, on loopback only (its RPC and metrics ports;
+    the built-in HTTP metadata server, which binds every interface, stays off): for tests,
+    examples and one-machine use. ``with LocalMaster() as m: ... m.address``."""
+
+    def __init__(self, port: Optional[int] = None, lease_ms: int = 5000, binary: Optional[str] = None):
+        import shutil
+        import socket
+        import subprocess
+        import sys
+        import time
+
+        def free_port() -> int:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                return s.getsockname()[1]
+
+        exe = binary or os.path.join(os.path.dirname(sys.executable), "mooncake_master")
+        if not os.path.exists(exe):
+            exe = shutil.which("mooncake_master") or exe
+        self.port = port or free_port()
+        args = [exe, "--rpc_address=127.0.0.1", f"--rpc_port={self.port}", "--metrics_host=127.0.0.1", f"--metrics_port={free_port()}", f"--default_kv_lease_ttl={lease_ms}"]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mooncake_master exited with status {self.proc.returncode}")
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", self.port)) == 0:
+                    return
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError("mooncake_master did not start within 30 s")
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> "LocalMaster":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+class _Layout:
+    """A hicache-io ``HostPool``'s page objects: per page, one span per component (K, V)."""
+
+    def __init__(self, pool: Any):
+        self.pool = pool
+        self.kind = pool.kind
+        self.comps = pool.components
+        self.page = pool.page_size
+        spans = pool.get_page_buffer_meta(list(range(self.page)))
+        if len(spans) != self.comps:
+            raise ValueError(f"{pool.layout} pages are not one span per component")
+        self.obj_bytes = spans[0][2]
+        self.bases = [pool.host_span(c) for c in range(self.comps)]
+        self.zero_copy = all(b is not None for b in self.bases)
+        self.regions = [b for b in self.bases if b is not None and b[1] > 0] if self.zero_copy else []
+
+    def synchronize(self) -> None:
+        self.pool.synchronize()
+
+    def spans(self, host_indices: Sequence[int]) -> List[List[int]]:
+        """Per page (of ``P`` token slots; a page starts at ``host_indices[i * P]``), the address
+        of each component's object."""
+        meta = np.asarray(self.pool.get_page_buffer_meta(host_indices), dtype=np.uint64).reshape(-1, 3)
+        base = np.asarray([b[0] for b in self.bases], dtype=np.uint64)
+        return (base[meta[:, 0].astype(np.intp)] + meta[:, 1]).reshape(-1, self.comps).tolist()
+
+    def read_page(self, index: int) -> Any:
+        return self.pool.get_data_page(index)
+
+    def write_page(self, index: int, data: Any) -> None:
+        self.pool.set_from_flat_data_page(index, data)
+
+
+class _SglangLayout:
+    """An sglang host pool (``MHATokenToKVPoolHost`` and kin, torch tensors): its own
+    ``get_page_buffer_meta`` gives the objects' addresses and sizes, K and V interleaved per page,
+    as sglang's Mooncake backend reads them; its buffers are registered whole."""
+
+    def __init__(self, pool: Any, mla: bool):
+        self.pool = pool
+        self.kind = "mla" if mla else "mha"
+        self.comps = 1 if mla else 2
+        self.page = pool.page_size
+        ptrs, sizes = pool.get_page_buffer_meta(list(range(self.page)))
+        if len(ptrs) != self.comps or len(set(sizes)) != 1:
+            raise ValueError(f"sglang pool pages of {len(ptrs)} objects ({list(sizes)}); expected {self.comps} of one size (layer_first pages are one span per layer)")
+        self.obj_bytes = int(sizes[0])
+        self.zero_copy = True
+        buffers = pool.get_hybrid_pool_buffer() if hasattr(pool, "get_hybrid_pool_buffer") else [pool.kv_buffer]
+        self.regions = [(int(b.data_ptr()), int(b.numel() * b.element_size())) for b in buffers]
+
+    def synchronize(self) -> None:
+        return None  # sglang's controller orders its own transfers before storage calls
+
+    def spans(self, host_indices: Sequence[int]) -> List[List[int]]:
+        ptrs, _sizes = self.pool.get_page_buffer_meta(host_indices)
+        return [list(map(int, ptrs[i : i + self.comps])) for i in range(0, len(ptrs), self.comps)]
+
+
+class MooncakeStore(HiCacheStorage):
+    """sglang's HiCache L3 storage over Mooncake Store, for hicache-io host pools (see the module
+    docstring). ``MooncakeStore(storage_config, kwargs)`` is how sglang's ``dynamic`` backend
+    constructs it; ``store=`` takes an already set-up ``MooncakeDistributedStore``."""
+
+    def __init__(self, storage_config: Optional[Any] = None, kwargs: Optional[Dict[str, Any]] = None, *, config: Optional[MooncakeStoreConfig] = None, store: Any = None, raise_errors: bool = False):
+        self.storage_config = storage_config if storage_config is not None else HiCacheStorageConfig()
+        extra = dict(getattr(self.storage_config, "extra_config", None) or {})
+        extra.update(kwargs or {})
+        self.config = config if config is not None else MooncakeStoreConfig.load(extra)
+        self.raise_errors = raise_errors
+        self.last_error: Optional[StorageError] = None
+        sc = self.storage_config
+        tp_rank, pp_rank, pp_size = getattr(sc, "tp_rank", 0), getattr(sc, "pp_rank", 0), getattr(sc, "pp_size", 1)
+        self.mha_suffix = f"{tp_rank}_{pp_rank}" if pp_size > 1 else f"{tp_rank}"
+        self.mla_suffix = f"{pp_rank}" if pp_size > 1 else ""
+        model = getattr(sc, "model_name", None)
+        parts = [extra.get("extra_backend_tag"), model.replace("/", "-") if model else None]
+        self.key_prefix = "_".join(p for p in parts if p)
+        self._lock = threading.Lock()
+        self.mem_pool_host: Any = None
+        self._registered: List[int] = []
+        self._staging: Optional[np.ndarray] = None
+        if store is None:
+            if not self.config.master_server_address:
+                raise ValueError("Mooncake Store needs master_server_address (extra_config, SGLANG_HICACHE_MOONCAKE_CONFIG_PATH or MOONCAKE_MASTER)")
+            from mooncake.store import MooncakeDistributedStore
+
+            store = MooncakeDistributedStore()
+            ranks = max(1, getattr(sc, "tp_size", 1) * pp_size)
+            c = self.config
+            rc = store.setup(c.local_hostname, c.metadata_server, c.global_segment_size // ranks, c.local_buffer_size, c.protocol, c.device_name, c.master_server_address)
+            if rc != 0:
+                raise StorageError("setup", rc)
+        self.store = store
+
+    # ---- the pool ------------------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Registers the pool's buffers with the store (once; zero-copy from then on) and keeps
+        the pool alive until unregistered. Takes a hicache-io ``HostPool`` or one of sglang's host
+        pools. ``layer_first`` pools are refused: their page is one span per layer, not one
+        object."""
+        if self.mem_pool_host is not None:
+            raise RuntimeError("a host pool is already registered with this store; unregister it first")
+        layout = mem_pool_host.layout
+        ours = hasattr(mem_pool_host, "host_span")
+        mla = mem_pool_host.kind != "mha" if ours else bool(getattr(self.storage_config, "is_mla_model", False))
+        if layout == "layer_first":
+            if not mla:
+                raise ValueError("Mooncake layer_first multi-buffer is only supported for MLA host KV pool. Use page_first/page_first_direct for MHA.")
+            raise ValueError("hicache-io's Mooncake store moves pages that are one span per component; layer_first pages are one span per layer (use page_first or page_first_direct)")
+        lay = _Layout(mem_pool_host) if ours else _SglangLayout(mem_pool_host, mla)
+        lay.synchronize()
+        regions = list(lay.regions)
+        if not lay.zero_copy:
+            staging = np.zeros(STORAGE_BATCH_SIZE * lay.comps * lay.obj_bytes, np.uint8)
+            self._staging = staging
+            regions = [(staging.ctypes.data, staging.nbytes)]
+        done = []
+        for addr, nbytes in regions:
+            rc = self.store.register_buffer(addr, nbytes)
+            if rc != 0:
+                for a in done:
+                    self.store.unregister_buffer(a)
+                self._staging = None
+                raise RuntimeError(f"Failed to register buffer to Mooncake Store, error code: {rc}")
+            done.append(addr)
+        self._registered, self._layout, self.mem_pool_host = done, lay, mem_pool_host
+        self._descriptor = self._shard_descriptor(mem_pool_host) if ours else None
+
+    def unregister_mem_pool_host(self) -> None:
+        """Unregisters the pool's memory and lets the pool go."""
+        for addr in self._registered:
+            self.store.unregister_buffer(addr)
+        self._registered, self._staging, self.mem_pool_host = [], None, None
+
+    def _pool(self) -> Any:
+        if self.mem_pool_host is None:
+            raise RuntimeError("no host pool is registered with this store (call register_mem_pool_host first)")
+        return self.mem_pool_host
+
+    def _shard_descriptor(self, pool: Any) -> Optional[str]:
+        """``None`` when the page holds what sglang's does (sglang's keys apply), else the
+        shard's name (see the module docstring)."""
+        layer_num, start, end, drafts, skipped = pool.layer_map
+        plain = pool.kind in ("mha", "mla") and (start, end) == (0, layer_num) and drafts == 0 and not any(skipped) and pool.layout in ("page_first", "page_first_direct", "page_head")
+        if plain:
+            return None
+        tag = {"page_first": "pf", "page_first_direct": "pfd", "page_head": f"ph{pool.head_num}", "page_first_direct_hg": f"pfdhg{pool.head_num}"}[pool.layout]
+        name = f"hio-{pool.kind}-{tag}-L{start}-{end}"
+        gone = [str(i) for i in range(start, end) if skipped[i]]
+        if gone:
+            name += "-x" + ".".join(gone)
+        if drafts:
+            name += f"+d{drafts}"
+        return name
+
+    # ---- keys ----------------------------------------------------------------------------
+
+    def _tag(self, key: str) -> str:
+        return f"{self.key_prefix}_{key}" if self.key_prefix else key
+
+    def object_keys(self, key: str) -> List[str]:
+        """The store keys of page ``key``'s objects, K before V."""
+        return self._object_keys([key])
+
+    def _object_keys(self, keys: Sequence[str]) -> List[str]:
+        """Every object key of ``keys``' pages, page by page, K before V."""
+        self._pool()
+        lay = self._layout
+        rank = self.mha_suffix if lay.kind == "mha" else self.mla_suffix
+        middle = rank if self._descriptor is None else f"{rank}_{self._descriptor}"
+        prefix = f"{self.key_prefix}_" if self.key_prefix else ""
+        tails = [f"_{middle}_{c}" for c in ("k", "v")[: lay.comps]]
+        return [f"{prefix}{key}{tail}" for key in keys for tail in tails]
+
+    def _fail(self, what: str, code: int, keys: Sequence[str]) -> None:
+        err = StorageError(what, code, keys)
+        self.last_error = err
+        logger.warning("%s", err)
+        if self.raise_errors:
+            raise err
+
+    # ---- zero-copy pages (sglang's v1 interface) -------------------------------------------
+
+    def _page_lists(self, keys: List[str], host_indices: Any) -> "tuple[List[str], List[int], int]":
+        self._pool()
+        lay = self._layout
+        idx = _host_list(host_indices)
+        if len(idx) != len(keys) * lay.page:
+            raise ValueError(f"{len(keys)} pages need {len(keys) * lay.page} host indices, got {len(idx)}")
+        obj_keys = self._object_keys(keys)
+        lay.synchronize()
+        if lay.zero_copy:
+            ptrs = [p for page in lay.spans(idx) for p in page]
+        else:
+            base = self._staging.ctypes.data
+            ptrs = [base + j * lay.obj_bytes for j in range(len(obj_keys))]
+        return obj_keys, ptrs, lay.obj_bytes
+
+    def _batches(self, keys: List[str], host_indices: Any):
+        p = self._layout.page if self.mem_pool_host is not None else 1
+        for at in range(0, len(keys), STORAGE_BATCH_SIZE):
+            yield keys[at : at + STORAGE_BATCH_SIZE], host_indices[at * p : (at + STORAGE_BATCH_SIZE) * p]
+
+    def batch_set_v1(self, keys: List[str], host_indices: Any, extra_info: Any = None) -> List[bool]:
+        """Writes page ``i`` (host slots ``host_indices[i * P : (i + 1) * P]``) under ``keys[i]``;
+        objects that exist already are left as they are and count as written."""
+        out: List[bool] = []
+        with self._lock:
+            for ks, hi in self._batches(list(keys), host_indices):
+                out += self._set_batch(ks, hi)
+        return out
+
+    def _set_batch(self, keys: List[str], host_indices: Any) -> List[bool]:
+        lay = self._layout
+        obj_keys, ptrs, size = self._page_lists(keys, host_indices)
+        # Mooncake answers a put of an existing object with success and moves nothing, so the
+        # existence query sglang's backend makes first (one more round trip per batch) is only
+        # made where it saves the staging copy.
+        exist = [0] * len(obj_keys) if lay.zero_copy else self.store.batch_is_exist(obj_keys)
+        if not lay.zero_copy:
+            self._stage_out(keys, host_indices)
+        todo = [j for j, e in enumerate(exist) if e != 1]
+        ok = [True] * len(obj_keys)
+        if todo:
+            rcs = self.store.batch_put_from([obj_keys[j] for j in todo], [ptrs[j] for j in todo], [size] * len(todo))
+            for j, rc in zip(todo, rcs):
+                if rc != 0:
+                    ok[j] = False
+            bad = [(obj_keys[j], rc) for j, rc in zip(todo, rcs) if rc != 0]
+            if bad:
+                self._fail("batch_put_from", bad[0][1], [k for k, _ in bad])
+        return [all(ok[i * lay.comps : (i + 1) * lay.comps]) for i in range(len(keys))]
+
+    def batch_get_v1(self, keys: List[str], host_indices: Any, extra_info: Any = None) -> List[bool]:
+        """Reads page ``keys[i]`` into host slots ``host_indices[i * P : (i + 1) * P]``; a page is
+        ``True`` only when every object of it was read whole."""
+        out: List[bool] = []
+        with self._lock:
+            for ks, hi in self._batches(list(keys), host_indices):
+                out += self._get_batch(ks, hi)
+        return out
+
+    def _get_batch(self, keys: List[str], host_indices: Any) -> List[bool]:
+        lay = self._layout
+        obj_keys, ptrs, size = self._page_lists(keys, host_indices)
+        got = self.store.batch_get_into(obj_keys, ptrs, [size] * len(obj_keys))
+        ok = [n == size for n in got]
+        bad = [(obj_keys[j], n) for j, n in enumerate(got) if n != size]
+        if bad:
+            self._fail("batch_get_into", bad[0][1] if bad[0][1] < 0 else -600, [k for k, _ in bad])
+        pages = [all(ok[i * lay.comps : (i + 1) * lay.comps]) for i in range(len(keys))]
+        if not lay.zero_copy:
+            self._stage_in(pages, host_indices)
+        return pages
+
+    def batch_exists(self, keys: List[str], extra_info: Any = None) -> int:
+        """The number of leading pages whose objects all exist (sglang's convention)."""
+        if not keys:
+            return 0
+        self._pool()
+        per = self._layout.comps
+        obj_keys = self._object_keys(keys)
+        res = self.store.batch_is_exist(obj_keys)
+        for j, e in enumerate(res):
+            if e != 1:
+                if e < 0:
+                    self._fail("batch_is_exist", e, [obj_keys[j]])
+                return j // per
+        return len(keys)
+
+    # ---- staging for pools without a host address (wgpu) -----------------------------------
+
+    def _stage_out(self, keys: List[str], host_indices: Any) -> None:
+        lay = self._layout
+        page_bytes = lay.comps * lay.obj_bytes
+        for i in range(len(keys)):
+            self._staging[i * page_bytes : (i + 1) * page_bytes] = lay.read_page(int(host_indices[i * lay.page]))
+
+    def _stage_in(self, pages: List[bool], host_indices: Any) -> None:
+        lay = self._layout
+        page_bytes = lay.comps * lay.obj_bytes
+        for i, ok in enumerate(pages):
+            if ok:
+                lay.write_page(int(host_indices[i * lay.page]), self._staging[i * page_bytes : (i + 1) * page_bytes])
+
+    # ---- the plain forms ------------------------------------------------------------------
+
+    def exists(self, key: str) -> bool:
+        """Whether every object of page ``key`` exists."""
+        return self.batch_exists([key]) == 1
+
+    def get(self, key: str, target_location: Optional[int] = None, target_sizes: Optional[int] = None) -> Any:
+        """Object ``key`` (a store key as given, no page suffixes): into ``target_location``
+        (``target_sizes`` bytes; returns whether it was read whole), or as a ``numpy.uint8``
+        array (``None`` when missing)."""
+        key = self._tag(key)
+        if target_location is None:
+            data = self.store.get(key)
+            return np.frombuffer(data, np.uint8).copy() if data else None
+        n = self.store.batch_get_into([key], [target_location], [target_sizes])[0]
+        if n != target_sizes:
+            self._fail("get", n if n < 0 else -600, [key])
+            return False
+        return True
+
+    def batch_get(self, keys: List[str], target_locations: Optional[List[int]] = None, target_sizes: Optional[List[int]] = None) -> Any:
+        if target_locations is None:
+            return [self.get(k) for k in keys]
+        return [self.get(k, loc, size) for k, loc, size in zip(keys, target_locations, target_sizes)]
+
+    def set(self, key: str, value: Any = None, target_location: Optional[int] = None, target_sizes: Optional[int] = None) -> bool:
+        """Object ``key`` from ``value`` (bytes or a host array) or from ``target_sizes`` bytes at
+        ``target_location`` (registered memory)."""
+        key = self._tag(key)
+        if self.store.is_exist(key) == 1:
+            return True
+        if value is not None:
+            rc = self.store.put(key, np.ascontiguousarray(value).view(np.uint8).tobytes() if not isinstance(value, (bytes, bytearray)) else bytes(value))
+        else:
+            rc = self.store.batch_put_from([key], [target_location], [target_sizes])[0]
+        if rc != 0:
+            self._fail("put", rc, [key])
+            return False
+        return True
+
+    def batch_set(self, keys: List[str], values: Optional[List[Any]] = None, target_locations: Optional[List[int]] = None, target_sizes: Optional[List[int]] = None) -> bool:
+        if values is not None:
+            return all(self.set(k, v) for k, v in zip(keys, values))
+        return all(self.set(k, None, loc, size) for k, loc, size in zip(keys, target_locations, target_sizes))
+
+    def clear(self) -> None:
+        """Removes every object from the store (all clients' objects, as sglang's Mooncake backend does)."""
+        self.store.remove_all()
+
+    def get_stats(self) -> Any:
+        return None
+
+    def close(self) -> None:
+        """Unregisters the pool and closes the client."""
+        if self.store is None:
+            return
+        self.unregister_mem_pool_host()
+        self.store.close()
+        self.store = None

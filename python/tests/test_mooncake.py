@@ -1,0 +1,394 @@
+"""hicache-io host pools through a real Mooncake Store (L3), started here on loopback: round trips
+of every pool kind and contiguous-page layout on the cpu and wgpu executors (back up, put, wipe,
+get, load: the device bytes come back), a second process reading what this one wrote, and the
+faults: a partial batch, an object evicted between exists and get, a full store, the master
+killed, a pool unregistered or dropped while registered.
+
+Needs ``pip install mooncake-transfer-engine-non-cuda`` and Debian's ``libibverbs1 libnl-3-200
+libnl-route-3-200``; skips without them unless ``HICACHE_REQUIRE_MOONCAKE=1`` (CI sets it)."""
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+try:
+    from mooncake.store import MooncakeDistributedStore  # noqa: F401
+except Exception as e:  # noqa: BLE001
+    if os.environ.get("HICACHE_REQUIRE_MOONCAKE") == "1":
+        raise
+    pytest.skip(f"Mooncake Store not installed ({e})", allow_module_level=True)
+
+import hicache_io  # noqa: E402
+from hicache_io.storage import HiCacheStorageConfig, LocalMaster, MooncakeStore, MooncakeStoreConfig, StorageError  # noqa: E402
+
+
+def Master(lease_ms=200):
+    """A master of the test's own on free loopback ports; short leases, so objects can be removed."""
+    return LocalMaster(lease_ms=lease_ms)
+
+
+@pytest.fixture(scope="module")
+def master():
+    m = Master()
+    yield m
+    m.stop()
+
+
+def make_store(master, segment=64 << 20, **kw):
+    cfg = HiCacheStorageConfig(model_name=f"test/{uuid.uuid4().hex[:8]}", extra_config={"master_server_address": master.address, "global_segment_size": segment, "local_buffer_size": 4 << 20, "protocol": "tcp", "metadata_server": "P2PHANDSHAKE", "local_hostname": "127.0.0.1"})
+    return MooncakeStore(cfg, {}, **kw)
+
+
+@pytest.fixture(scope="module")
+def store(master):
+    s = make_store(master)
+    yield s
+    s.close()
+
+
+def executors():
+    out = ["cpu"]
+    try:
+        hicache_io.Device("wgpu")
+        out.append("wgpu")
+    except Exception:  # noqa: BLE001 - no adapter here
+        pass
+    return out
+
+
+# (kind, layout, head_num, bytes per token, layers, shard, drafts)
+POOLS = [
+    ("mha", "page_first", 1, 256, 3, None, 0),
+    ("mha", "page_first_direct", 1, 256, 3, None, 0),
+    ("mha", "page_head", 2, 256, 3, None, 0),
+    ("mha", "page_first_direct_hg", 4, 256, 3, None, 0),
+    ("mha", "page_first", 1, 128, 4, (1, 3), 0),
+    ("mla", "page_first", 1, 576, 3, None, 0),
+    ("mla", "page_first_direct", 1, 576, 3, None, 1),
+    ("dsa", "page_first", 1, 132, 4, (2, 4), 1),
+    ("dsa", "page_first_direct", 1, 132, 4, None, 0),
+]
+P = 8
+
+
+def io_for(layout):
+    return "direct" if layout == "page_first_direct" else "kernel"
+
+
+def build(executor, kind, layout, heads, bpt, layers, shard, drafts, pages=12, seed=0, host_pages=16, device=None):
+    device = device or hicache_io.Device(executor)
+    slots = (pages if kind == "dsa" else pages * P)
+    dev = hicache_io.DevicePool(device, kind, bpt, slots, P, layers, layer_shard=shard, drafts=drafts)
+    rng = np.random.default_rng(seed)
+    for c in range(2 if kind == "mha" else 1):
+        for b in range(dev.buffer_count):
+            dev.write_buffer(c, b, rng.integers(0, 256, dev.slots * dev.item_bytes, dtype=np.uint8))
+    host = hicache_io.HostPool(dev, layout, host_pages * P, head_num=heads, profile="extended")
+    return device, dev, host
+
+
+def page_meta(host, page):
+    """(component, offset, bytes) of each object of host page ``page``."""
+    return host.get_page_buffer_meta(list(range(page * P, (page + 1) * P)))
+
+
+def tokens(pages):
+    return np.concatenate([np.arange(p * P, (p + 1) * P) for p in pages]).astype(np.int64)
+
+
+@pytest.mark.parametrize("executor", executors())
+@pytest.mark.parametrize("pool", POOLS, ids=lambda p: f"{p[0]}-{p[1]}-{'shard' if p[5] else 'all'}-d{p[6]}")
+def test_round_trip_through_the_store(store, executor, pool):
+    kind, layout, heads, bpt, layers, shard, drafts = pool
+    device, dev, host = build(executor, kind, layout, heads, bpt, layers, shard, drafts)
+    dev_tokens, host_tokens = tokens([3, 0, 7, 9]), tokens([1, 2, 5, 11])
+    host.backup_from_device_all_layer(dev, host_tokens, dev_tokens, io_for(layout))
+    before = [host.read_buffer(c) for c in range(host.components)]
+    keys = [f"{uuid.uuid4().hex}" for _ in range(4)]
+    store.register_mem_pool_host(host)
+    try:
+        assert store.batch_set_v1(keys, host_tokens) == [True] * 4
+        assert store.batch_exists(keys) == 4
+        assert store.batch_set_v1(keys, host_tokens) == [True] * 4  # already there: written
+        for c in range(host.components):
+            host.write_buffer(c, np.zeros(host.buffer_bytes, np.uint8))
+        # Read back into other host pages (the load's slots), then load into a fresh device pool.
+        read_tokens = tokens([4, 6, 8, 10])
+        assert store.batch_get_v1(keys, read_tokens) == [True] * 4
+    finally:
+        store.unregister_mem_pool_host()
+    for c in range(host.components):
+        got, want = host.read_buffer(c), before[c]
+        for src_page, dst_page in zip([1, 2, 5, 11], [4, 6, 8, 10]):
+            idx_src = page_meta(host, src_page)[c]
+            idx_dst = page_meta(host, dst_page)[c]
+            assert np.array_equal(got[idx_dst[1] : idx_dst[1] + idx_dst[2]], want[idx_src[1] : idx_src[1] + idx_src[2]])
+    # Load every layer into a fresh (zeroed) device pool on the same executor.
+    fresh = hicache_io.DevicePool(device, kind, bpt, dev.slots, P, layers, layer_shard=shard, drafts=drafts)
+    layer_num, start, end, nd, _ = host.layer_map
+    for layer in list(range(start, end)) + [layer_num + k for k in range(nd)]:
+        load = host.load_draft_to_device if layer >= layer_num else host.load_to_device_per_layer
+        load(fresh, read_tokens, dev_tokens, layer if layer < layer_num else layer, io_for(layout))
+    # Device slots the load wrote hold the original device bytes.
+    dev_units = dev_tokens if kind != "dsa" else dev_tokens[::P] // P
+    for c in range(2 if kind == "mha" else 1):
+        for b in range(fresh.buffer_count):
+            got, orig = fresh.read_buffer(c, b), dev.read_buffer(c, b)
+            ib = fresh.item_bytes
+            for u in dev_units:
+                assert np.array_equal(got[u * ib : (u + 1) * ib], orig[u * ib : (u + 1) * ib]), (c, b, u)
+
+
+def test_keys_follow_sglang_for_sglang_shaped_pools(store):
+    _, dev, host = build("cpu", "mha", "page_first", 1, 256, 3, None, 0)
+    store.register_mem_pool_host(host)
+    try:
+        prefix = store.key_prefix
+        assert store.object_keys("abc") == [f"{prefix}_abc_0_k", f"{prefix}_abc_0_v"]
+    finally:
+        store.unregister_mem_pool_host()
+    _, dev, host = build("cpu", "mla", "page_first", 1, 576, 3, None, 0)
+    store.register_mem_pool_host(host)
+    try:
+        assert store.object_keys("abc") == [f"{store.key_prefix}_abc__k"]
+    finally:
+        store.unregister_mem_pool_host()
+    _, dev, host = build("cpu", "dsa", "page_first", 1, 132, 4, (2, 4), 1)
+    store.register_mem_pool_host(host)
+    try:
+        assert store.object_keys("abc") == [f"{store.key_prefix}_abc__hio-dsa-pf-L2-4+d1_k"]
+    finally:
+        store.unregister_mem_pool_host()
+
+
+def test_a_second_process_reads_what_this_one_wrote(master, store, tmp_path):
+    _, dev, host = build("cpu", "dsa", "page_first", 1, 132, 4, (2, 4), 1)
+    host_tokens = tokens([1, 2, 3])
+    host.backup_from_device_all_layer(dev, host_tokens, tokens([0, 5, 7]), "kernel")
+    keys = [uuid.uuid4().hex for _ in range(3)]
+    store.register_mem_pool_host(host)
+    try:
+        assert store.batch_set_v1(keys, host_tokens) == [True] * 3
+        want = np.concatenate([host.get_data_page(int(t)) for t in host_tokens[::P]])
+        np.save(tmp_path / "want.npy", want)
+        reader = textwrap.dedent(
+            f"""
+            import numpy as np, hicache_io
+            from hicache_io.storage import HiCacheStorageConfig, MooncakeStore
+            cfg = HiCacheStorageConfig(model_name={store.storage_config.model_name!r}, extra_config={{"master_server_address": {master.address!r}, "global_segment_size": 16 << 20, "local_buffer_size": 4 << 20}})
+            s = MooncakeStore(cfg, {{}})
+            dev = hicache_io.DevicePool(hicache_io.Device("cpu"), "dsa", 132, 12, {P}, 4, layer_shard=(2, 4), drafts=1)
+            host = hicache_io.HostPool(dev, "page_first", {16 * P}, profile="extended")
+            s.register_mem_pool_host(host)
+            toks = np.concatenate([np.arange(p * {P}, (p + 1) * {P}) for p in (9, 10, 11)])
+            assert s.batch_exists({keys!r}) == 3
+            assert s.batch_get_v1({keys!r}, toks) == [True] * 3, s.last_error
+            got = np.concatenate([host.get_data_page(int(t)) for t in toks[::{P}]])
+            assert np.array_equal(got, np.load({str(tmp_path / 'want.npy')!r}))
+            s.close()
+            print("read", len(got))
+            """
+        )
+        out = subprocess.run([sys.executable, "-c", reader], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert "read" in out.stdout
+    finally:
+        store.unregister_mem_pool_host()
+
+
+def test_a_partial_batch_and_an_evicted_object(store):
+    _, dev, host = build("cpu", "mha", "page_first_direct", 1, 256, 3, None, 0)
+    host.backup_from_device_all_layer(dev, tokens([0, 1, 2]), tokens([4, 5, 6]), "direct")
+    keys = [uuid.uuid4().hex for _ in range(3)]
+    store.register_mem_pool_host(host)
+    try:
+        assert store.batch_set_v1([keys[0], keys[2]], tokens([0, 2])) == [True, True]
+        # Page 1 missing: sglang's convention, leading hits only.
+        assert store.batch_exists(keys) == 1
+        pattern = [np.full(host.buffer_bytes, 7, np.uint8) for _ in range(host.components)]
+        for c in range(host.components):
+            host.write_buffer(c, pattern[c])
+        assert store.batch_get_v1(keys, tokens([8, 9, 10])) == [True, False, True]
+        assert isinstance(store.last_error, StorageError) and store.last_error.code == -704
+        assert keys[1] in store.last_error.keys[0]
+        # The missing page's slots are untouched; only the hit pages moved.
+        meta = page_meta(host, 9)
+        for comp, off, n in meta:
+            assert (host.read_buffer(comp)[off : off + n] == 7).all()
+        untouched = page_meta(host, 12)
+        for comp, off, n in untouched:
+            assert (host.read_buffer(comp)[off : off + n] == 7).all()
+        # Evicted between exists and get (the lease has run out, so the object can be removed).
+        assert store.exists(keys[2])
+        time.sleep(0.3)
+        for k in store.object_keys(keys[2]):
+            assert store.store.remove(k) == 0
+        assert store.batch_get_v1([keys[0], keys[2]], tokens([8, 10])) == [True, False]
+        assert store.last_error.code == -704
+    finally:
+        store.unregister_mem_pool_host()
+
+
+def test_a_full_store_fails_the_pages_that_do_not_fit():
+    # A master of its own: the store's capacity is every client's segment together.
+    m = Master()
+    small = make_store(m, segment=16 << 20)  # Mooncake's smallest segment
+    try:
+        _, dev, host = build("cpu", "mla", "page_first", 1, 32768, 4, None, 0, pages=24, host_pages=24)  # 1 MiB pages
+        host.backup_from_device_all_layer(dev, tokens(range(24)), tokens(range(24)), "kernel")
+        small.register_mem_pool_host(host)
+        keys = [uuid.uuid4().hex for _ in range(24)]
+        res = small.batch_set_v1(keys, tokens(range(24)))
+        assert res[0] and not all(res), "16 MiB holds some, not all, of 24 pages of 1 MiB"
+        assert small.last_error.code == -200
+        small.raise_errors = True
+        with pytest.raises(StorageError, match="NO_AVAILABLE_HANDLE"):
+            small.batch_set_v1([uuid.uuid4().hex for _ in range(24)], tokens(range(24)))
+    finally:
+        small.close()
+        m.stop()
+
+
+def test_the_master_killed_mid_session():
+    m = Master()
+    s = make_store(m)
+    try:
+        _, dev, host = build("cpu", "mha", "page_first", 1, 256, 3, None, 0)
+        host.backup_from_device_all_layer(dev, tokens([0, 1]), tokens([2, 3]), "kernel")
+        s.register_mem_pool_host(host)
+        keys = [uuid.uuid4().hex for _ in range(2)]
+        assert s.batch_set_v1(keys, tokens([0, 1])) == [True, True]
+        before = [host.read_buffer(c) for c in range(2)]
+        m.stop()
+        assert s.batch_get_v1(keys, tokens([4, 5])) == [False, False]
+        assert s.last_error.code == -900 and "master is unreachable" in str(s.last_error)
+        assert s.batch_exists(keys) == 0
+        for c in range(2):
+            assert np.array_equal(host.read_buffer(c), before[c]), "a failed get wrote the host pool"
+    finally:
+        s.unregister_mem_pool_host()
+        m.stop()
+
+
+def test_pools_cannot_vanish_while_registered(store):
+    _, dev, host = build("cpu", "mla", "page_first", 1, 576, 3, None, 0)
+    host.backup_from_device_all_layer(dev, tokens([0]), tokens([1]), "kernel")
+    store.register_mem_pool_host(host)
+    try:
+        with pytest.raises(RuntimeError, match="already registered"):
+            store.register_mem_pool_host(build("cpu", "mla", "page_first", 1, 576, 3, None, 0)[2])
+        key = uuid.uuid4().hex
+        want = host.get_data_page(0)
+        del host, dev
+        gc.collect()
+        # The store holds the pool: its memory is still there for Mooncake to read and write.
+        assert store.batch_set_v1([key], tokens([0])) == [True]
+        assert store.batch_get_v1([key], tokens([3])) == [True]
+        assert np.array_equal(store.mem_pool_host.get_data_page(3 * P), want)
+    finally:
+        store.unregister_mem_pool_host()
+    with pytest.raises(RuntimeError, match="no host pool is registered"):
+        store.batch_get_v1([key], tokens([3]))
+
+
+def test_layer_first_is_refused_with_sglangs_message(store):
+    _, _, host = build("cpu", "mha", "layer_first", 1, 256, 3, None, 0)
+    with pytest.raises(ValueError, match="Mooncake layer_first multi-buffer is only supported for MLA host KV pool"):
+        store.register_mem_pool_host(host)
+
+
+def test_config_from_extra_config_file_and_env(tmp_path, monkeypatch):
+    c = MooncakeStoreConfig.load({"master_server_address": "127.0.0.1:1", "global_segment_size": "1gb", "protocol": "tcp"})
+    assert (c.master_server_address, c.global_segment_size, c.protocol) == ("127.0.0.1:1", 1 << 30, "tcp")
+    path = tmp_path / "mooncake.json"
+    path.write_text('{"master_server_address": "127.0.0.1:2", "local_buffer_size": 1048576}')
+    monkeypatch.setenv("SGLANG_HICACHE_MOONCAKE_CONFIG_PATH", str(path))
+    assert MooncakeStoreConfig.load({}).master_server_address == "127.0.0.1:2"
+    monkeypatch.delenv("SGLANG_HICACHE_MOONCAKE_CONFIG_PATH")
+    monkeypatch.setenv("MOONCAKE_MASTER", "127.0.0.1:3")
+    assert MooncakeStoreConfig.load(None).master_server_address == "127.0.0.1:3"
+
+
+class _Tensor:
+    """The part of a torch tensor sglang's pool hands the store: a data pointer and a size."""
+
+    def __init__(self, a):
+        self.a = a
+
+    def data_ptr(self):
+        return self.a.ctypes.data
+
+    def numel(self):
+        return self.a.size
+
+    def element_size(self):
+        return self.a.itemsize
+
+
+class FakeSglangMhaPool:
+    """sglang's MHA host pool as its Mooncake backend sees it (page_first: ``kv_buffer`` of shape
+    ``(2, size, L, H, D)``; ``get_page_buffer_meta`` per sglang's formula: K at
+    ``base + i * L * H * D * itemsize``, V one component further, ``L * P * H * D * itemsize``
+    bytes each, K and V interleaved per page)."""
+
+    layout = "page_first"
+
+    def __init__(self, size, layers, item_bytes, page_size):
+        self.page_size, self.layers, self.item = page_size, layers, item_bytes
+        self.buf = np.zeros((2, size, layers, item_bytes), np.uint8)
+        self.kv_buffer = _Tensor(self.buf)
+
+    def get_page_buffer_meta(self, indices):
+        base, v_offset = self.buf.ctypes.data, self.buf[0].nbytes
+        ptrs, sizes = [], []
+        for i in range(0, len(indices), self.page_size):
+            k = base + int(indices[i]) * self.layers * self.item
+            ptrs += [k, k + v_offset]
+            sizes += [self.layers * self.page_size * self.item] * 2
+        return ptrs, sizes
+
+
+def test_sglang_pools_and_hicache_io_pools_share_objects(master):
+    """A hicache-io MHA page_first pool writes; an sglang-shaped pool of the same model reads the
+    same keys (sglang's own names), and gets the same bytes."""
+    writer = make_store(master)
+    reader = MooncakeStore(writer.storage_config, {})
+    try:
+        _, dev, host = build("cpu", "mha", "page_first", 1, 256, 3, None, 0)
+        host.backup_from_device_all_layer(dev, tokens([2, 3]), tokens([5, 6]), "kernel")
+        writer.register_mem_pool_host(host)
+        keys = [uuid.uuid4().hex for _ in range(2)]
+        assert writer.batch_set_v1(keys, tokens([2, 3])) == [True, True]
+        fake = FakeSglangMhaPool(17 * P, 3, 256, P)
+        reader.register_mem_pool_host(fake)
+        assert reader.object_keys(keys[0]) == writer.object_keys(keys[0])
+        assert reader.batch_get_v1(keys, tokens([7, 9])) == [True, True]
+        k, v = host.read_buffer(0).reshape(-1, 3, 256), host.read_buffer(1).reshape(-1, 3, 256)
+        np.testing.assert_array_equal(fake.buf[0][tokens([7, 9])], k[tokens([2, 3])])
+        np.testing.assert_array_equal(fake.buf[1][tokens([7, 9])], v[tokens([2, 3])])
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_an_existing_object_is_kept_and_counts_as_written(store):
+    _, dev, host = build("cpu", "mla", "page_first", 1, 576, 3, None, 0)
+    host.backup_from_device_all_layer(dev, tokens([0]), tokens([1]), "kernel")
+    store.register_mem_pool_host(host)
+    try:
+        key = uuid.uuid4().hex
+        first = host.get_data_page(0)
+        assert store.batch_set_v1([key], tokens([0])) == [True]
+        host.write_buffer(0, np.full(host.buffer_bytes, 9, np.uint8))
+        assert store.batch_set_v1([key], tokens([0])) == [True]  # sglang: existing objects succeed
+        assert store.batch_get_v1([key], tokens([2])) == [True]
+        assert np.array_equal(host.get_data_page(2 * P), first), "the second put replaced the object"
+    finally:
+        store.unregister_mem_pool_host()
