@@ -13,21 +13,23 @@ own buffers, mapped only between submissions: there pages pass through one regis
 buffer of ``STORAGE_BATCH_SIZE`` pages (one copy per page each way).
 
 Keys. sglang's Mooncake backend names a page's objects ``{prefix}_{page_hash}_{tp_rank}[_{pp_rank}]_k``
-and ``_v`` (MHA) or ``{prefix}_{page_hash}_[{pp_rank}]_k`` (MLA, one object; rank-replicated). A
-pool whose page holds exactly what sglang's does (MHA or MLA, all layers, no drafts, a layout sglang
-has) uses those keys, so sglang and hicache-io processes share objects. Every other pool (a
-layer shard, MTP draft layers, DSA skip-topk layers, the DSA indexer, the head-group-major layout)
-names the shard its page holds::
+and ``_v`` (MHA) or ``{prefix}_{page_hash}_[{pp_rank}]_k`` (MLA, one object; rank-replicated). Those
+names carry no layout, and page_first, page_first_direct and page_head order a page's bytes
+differently; so a pool whose page holds what sglang's page_first page holds (MHA or MLA,
+page_first, every layer, no drafts) uses sglang's names, and sglang and hicache-io processes share
+its objects. Every other pool (another layout, a layer shard, MTP draft layers, DSA skip-topk
+layers, the DSA indexer) names what its page holds::
 
-    {prefix}_{page_hash}_{rank}_hio-{kind}-{layout}-L{start}-{end}[-x{skipped}][+d{drafts}]_{k|v}
+    {prefix}_{page_hash}_{rank}_hio-{kind}-{layout}-i{item bytes}-L{start}-{end}[-x{skipped}][+d{drafts}]_{k|v}
 
 ``rank`` is the tp rank (and pp rank) for MHA, whose ranks hold different heads, and empty for
-the rank-replicated MLA and DSA pools. It cannot collide with sglang's keys: the ``hio-`` segment
-is never an integer, while every segment sglang puts between the hash and the component is one.
-It cannot collide across ranks: ranks that hold different layers have different ``L`` ranges
-(or skip lists, or draft counts), ranks that hold different heads have different ``rank``; two
-ranks with the same name hold the same bytes. The layout is in the name because it decides the
-byte order of a page object. Reading a page back needs only this rank's shard.
+the rank-replicated MLA and DSA pools. It cannot collide with sglang's keys: no segment sglang puts
+between the hash and the component starts with ``hio-``. Ranks that hold other layers differ in
+``L`` (or skips, or drafts), MHA ranks that hold other heads in ``rank``, pools of another layout or
+item size in those segments; the prefix names the model (and so its dtype). Reading a page back
+needs only this rank's shard. ``extra_config["hicache_io_sglang_keys_any_layout"] = True`` gives
+page_first_direct and page_head pools sglang's names too, for deployments where every rank uses
+one layout.
 
 Return conventions are sglang's: ``batch_set_v1`` / ``batch_get_v1`` give one bool per page (an
 object that already exists counts as written), ``batch_exists`` the number of leading pages whose
@@ -37,9 +39,12 @@ page whose get fails may have been partly written in its host slots (they are th
 targets, which the caller does not use for a failed page); no other slot is touched.
 
 The store keeps the registered pool alive until :meth:`MooncakeStore.unregister_mem_pool_host` or
-:meth:`MooncakeStore.close`, so the pool's memory cannot be freed while Mooncake may still write to
-it. Calls must not overlap transfers of the same pool (sglang's controller orders them); each
-waits for the pool's queued transfers first.
+:meth:`MooncakeStore.close`, which wait for a page call in progress (one lock), so the pool's memory
+cannot be freed while Mooncake may still write to it. Calls must not overlap transfers of the same
+pool (sglang's controller orders them); each waits for the pool's queued transfers first. Bad
+arguments (host indices outside the pool or not on page starts, a count that is not ``P`` per key)
+fail every page of the call before anything moves, with ``last_error`` set, rather than raise into
+sglang's storage threads.
 """
 
 import json
@@ -53,14 +58,14 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MooncakeStore", "MooncakeStoreConfig", "StorageError", "LocalMaster", "HiCacheStorage", "HiCacheStorageConfig", "HiCacheStorageExtraInfo", "STORAGE_BATCH_SIZE", "MOONCAKE_ERRORS"]
+__all__ = ["MooncakeStore", "MooncakeStoreConfig", "StorageError", "LocalMaster", "SHORT_READ", "REFUSED", "HiCacheStorage", "HiCacheStorageConfig", "HiCacheStorageExtraInfo", "STORAGE_BATCH_SIZE", "MOONCAKE_ERRORS"]
 
 #: Pages per storage call in sglang's controller (and the staging buffer's size in pages).
 STORAGE_BATCH_SIZE = 128
 
-try:  # sglang present: be one of its backends
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo  # type: ignore
-except Exception:  # noqa: BLE001 - sglang absent (or broken): the same interface, standalone
+try:  # sglang present: be one of its backends (its dynamic loader checks the base class)
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage  # type: ignore
+except ImportError:  # sglang absent: the same interface, standalone
 
     class HiCacheStorage:  # type: ignore[no-redef]
         """sglang's L3 storage interface (``hicache_storage.py``), for use without sglang."""
@@ -80,51 +85,62 @@ except Exception:  # noqa: BLE001 - sglang absent (or broken): the same interfac
         def get_stats(self) -> Any:
             return None
 
-    @dataclass
-    class HiCacheStorageConfig:  # type: ignore[no-redef]
-        """sglang's ``HiCacheStorageConfig`` fields that L3 backends read."""
 
-        tp_rank: int = 0
-        tp_size: int = 1
-        pp_rank: int = 0
-        pp_size: int = 1
-        attn_cp_rank: int = 0
-        attn_cp_size: int = 1
-        is_mla_model: bool = False
-        enable_storage_metrics: bool = False
-        is_page_first_layout: bool = True
-        model_name: Optional[str] = None
-        dp_rank: int = 0
-        dp_size: int = 1
-        tp_lcm_size: Optional[int] = None
-        should_split_heads: bool = False
-        extra_config: Optional[dict] = None
+@dataclass
+class HiCacheStorageConfig:
+    """The fields of sglang's ``HiCacheStorageConfig`` that this backend reads, with defaults (one
+    rank); sglang passes its own config object, read through the same attribute names."""
 
-    @dataclass
-    class HiCacheStorageExtraInfo:  # type: ignore[no-redef]
-        prefix_keys: Optional[List[str]] = None
-        extra_info: Optional[dict] = None
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    attn_cp_rank: int = 0
+    attn_cp_size: int = 1
+    is_mla_model: bool = False
+    enable_storage_metrics: bool = False
+    is_page_first_layout: bool = True
+    model_name: Optional[str] = None
+    dp_rank: int = 0
+    dp_size: int = 1
+    tp_lcm_size: Optional[int] = None
+    should_split_heads: bool = False
+    extra_config: Optional[dict] = None
+
+
+@dataclass
+class HiCacheStorageExtraInfo:
+    prefix_keys: Optional[List[str]] = None
+    extra_info: Optional[dict] = None
 
 
 #: Mooncake Store error codes a caller meets here (``mooncake-store/include/types.h``).
 MOONCAKE_ERRORS = {
+    -10: "BUFFER_OVERFLOW (the object does not fit the target span)",
     -200: "NO_AVAILABLE_HANDLE (the store is full)",
-    -600: "BUFFER_OVERFLOW (the object does not fit the target span)",
+    -600: "INVALID_PARAMS",
     -704: "OBJECT_NOT_FOUND",
     -706: "OBJECT_HAS_LEASE",
     -900: "RPC_FAIL (the master is unreachable)",
 }
+
+#: hicache-io's own code: an object read back with another size than the page's (a short read).
+SHORT_READ = -100000
+#: hicache-io's own code: a call refused before reaching the store (bad indices or lengths).
+REFUSED = -100001
+MOONCAKE_ERRORS[SHORT_READ] = "short read (the object has another size than the page)"
+MOONCAKE_ERRORS[REFUSED] = "refused before any byte moved"
 
 
 class StorageError(RuntimeError):
     """A Mooncake Store call that failed: ``code`` (Mooncake's), ``what`` (the call) and the
     ``keys`` it failed for."""
 
-    def __init__(self, what: str, code: int, keys: Sequence[str] = ()):
+    def __init__(self, what: str, code: int, keys: Sequence[str] = (), detail: str = ""):
         self.what, self.code, self.keys = what, code, list(keys)
         name = MOONCAKE_ERRORS.get(code, "error")
         shown = ", ".join(self.keys[:3]) + (" ..." if len(self.keys) > 3 else "")
-        super().__init__(f"Mooncake Store {what} failed: {code} {name}" + (f" for {shown}" if shown else ""))
+        super().__init__(f"Mooncake Store {what} failed: {code} {name}" + (f" for {shown}" if shown else "") + (f": {detail}" if detail else ""))
 
 
 def _host_list(indices: Any) -> Any:
@@ -174,7 +190,9 @@ class MooncakeStoreConfig:
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "MooncakeStoreConfig":
-        known = {k: d[k] for k in cls._KEYS if k in d and d[k] is not None}
+        if d.get("client_server_address") is not None:
+            raise ValueError("client_server_address (Mooncake's standalone client process) is not supported by hicache-io's store; give master_server_address")
+        known = {k: d[k] for k in cls._KEYS if d.get(k) is not None}
         for k in ("global_segment_size", "local_buffer_size"):
             if k in known:
                 known[k] = _size(known[k])
@@ -193,7 +211,7 @@ class MooncakeStoreConfig:
     def load(cls, extra_config: Optional[Dict[str, Any]] = None) -> "MooncakeStoreConfig":
         """sglang's order: the storage config's ``extra_config`` when it names a server, else the
         JSON file at ``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH``, else the environment."""
-        if extra_config and ("master_server_address" in extra_config or "client_server_address" in extra_config):
+        if extra_config and (extra_config.get("master_server_address") is not None or extra_config.get("client_server_address") is not None):
             return cls.from_dict(extra_config)
         path = os.environ.get("SGLANG_HICACHE_MOONCAKE_CONFIG_PATH")
         if path:
@@ -277,6 +295,10 @@ class _Layout:
         base = np.asarray([b[0] for b in self.bases], dtype=np.uint64)
         return (base[meta[:, 0].astype(np.intp)] + meta[:, 1]).reshape(-1, self.comps).tolist()
 
+    def validate(self, host_indices: Any) -> None:
+        """Raises for an index outside the pool or a page that does not start on a page start."""
+        self.pool.get_page_buffer_meta(host_indices)
+
     def read_page(self, index: int) -> Any:
         return self.pool.get_data_page(index)
 
@@ -299,8 +321,10 @@ class _SglangLayout:
             raise ValueError(f"sglang pool pages of {len(ptrs)} objects ({list(sizes)}); expected {self.comps} of one size (layer_first pages are one span per layer)")
         self.obj_bytes = int(sizes[0])
         self.zero_copy = True
-        buffers = pool.get_hybrid_pool_buffer() if hasattr(pool, "get_hybrid_pool_buffer") else [pool.kv_buffer]
-        self.regions = [(int(b.data_ptr()), int(b.numel() * b.element_size())) for b in buffers]
+        if getattr(pool, "kv_buffer", None) is None:
+            raise ValueError("hicache-io's Mooncake store takes sglang's plain KV host pools (MHA, MLA: one kv_buffer); hybrid pools are not supported")
+        b = pool.kv_buffer
+        self.regions = [(int(b.data_ptr()), int(b.numel() * b.element_size()))]
 
     def synchronize(self) -> None:
         return None  # sglang's controller orders its own transfers before storage calls
@@ -308,6 +332,15 @@ class _SglangLayout:
     def spans(self, host_indices: Sequence[int]) -> List[List[int]]:
         ptrs, _sizes = self.pool.get_page_buffer_meta(host_indices)
         return [list(map(int, ptrs[i : i + self.comps])) for i in range(0, len(ptrs), self.comps)]
+
+    def validate(self, host_indices: Any) -> None:
+        """sglang's pools compute addresses without checks: every object must lie inside the
+        registered buffer."""
+        ptrs, sizes = self.pool.get_page_buffer_meta(host_indices)
+        (start, length), = self.regions
+        for ptr, size in zip(ptrs, sizes):
+            if not (start <= int(ptr) and int(ptr) + int(size) <= start + length):
+                raise ValueError(f"page object at {int(ptr):#x} ({int(size)} bytes) lies outside the host pool")
 
 
 class MooncakeStore(HiCacheStorage):
@@ -326,10 +359,20 @@ class MooncakeStore(HiCacheStorage):
         tp_rank, pp_rank, pp_size = getattr(sc, "tp_rank", 0), getattr(sc, "pp_rank", 0), getattr(sc, "pp_size", 1)
         self.mha_suffix = f"{tp_rank}_{pp_rank}" if pp_size > 1 else f"{tp_rank}"
         self.mla_suffix = f"{pp_rank}" if pp_size > 1 else ""
+        if getattr(sc, "should_split_heads", False):
+            raise ValueError("hicache-io's Mooncake store does not split heads across ranks (tp_lcm_size > tp_size); use page_first_direct_hg pages instead")
+        if extra.get("module_path") and not extra.get("interface_v1"):
+            raise ValueError('hicache_io.storage.MooncakeStore serves sglang\'s zero-copy interface: add "interface_v1": 1 to the dynamic backend\'s extra config')
         model = getattr(sc, "model_name", None)
-        parts = [extra.get("extra_backend_tag"), model.replace("/", "-") if model else None]
+        tag = extra.get("extra_backend_tag")
+        parts = [str(tag) if tag is not None else None, model.replace("/", "-") if model else None]
         self.key_prefix = "_".join(p for p in parts if p)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._layout: Any = None
+        self._descriptor: Optional[str] = None
+        # sglang's keys name no layout: page_first only, unless the deployment says every rank
+        # uses one layout (then page_first_direct and page_head pages take sglang's names too).
+        self._sglang_keys = bool(extra.get("hicache_io_sglang_keys_any_layout", False))
         self.mem_pool_host: Any = None
         self._registered: List[int] = []
         self._staging: Optional[np.ndarray] = None
@@ -350,42 +393,47 @@ class MooncakeStore(HiCacheStorage):
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """Registers the pool's buffers with the store (once; zero-copy from then on) and keeps
-        the pool alive until unregistered. Takes a hicache-io ``HostPool`` or one of sglang's host
-        pools. ``layer_first`` pools are refused: their page is one span per layer, not one
-        object."""
-        if self.mem_pool_host is not None:
-            raise RuntimeError("a host pool is already registered with this store; unregister it first")
-        layout = mem_pool_host.layout
-        ours = hasattr(mem_pool_host, "host_span")
-        mla = mem_pool_host.kind != "mha" if ours else bool(getattr(self.storage_config, "is_mla_model", False))
-        if layout == "layer_first":
-            if not mla:
-                raise ValueError("Mooncake layer_first multi-buffer is only supported for MLA host KV pool. Use page_first/page_first_direct for MHA.")
-            raise ValueError("hicache-io's Mooncake store moves pages that are one span per component; layer_first pages are one span per layer (use page_first or page_first_direct)")
-        lay = _Layout(mem_pool_host) if ours else _SglangLayout(mem_pool_host, mla)
-        lay.synchronize()
-        regions = list(lay.regions)
-        if not lay.zero_copy:
-            staging = np.zeros(STORAGE_BATCH_SIZE * lay.comps * lay.obj_bytes, np.uint8)
-            self._staging = staging
-            regions = [(staging.ctypes.data, staging.nbytes)]
-        done = []
-        for addr, nbytes in regions:
-            rc = self.store.register_buffer(addr, nbytes)
-            if rc != 0:
+        the pool alive until unregistered. Takes a hicache-io ``HostPool`` or one of sglang's
+        plain KV host pools (MHA, MLA). ``layer_first`` pools are refused: their page is one span
+        per layer, not one object."""
+        with self._lock:
+            if self.mem_pool_host is not None:
+                raise RuntimeError("a host pool is already registered with this store; unregister it first")
+            layout = mem_pool_host.layout
+            ours = hasattr(mem_pool_host, "host_span")
+            mla = mem_pool_host.kind != "mha" if ours else bool(getattr(self.storage_config, "is_mla_model", False))
+            if layout == "layer_first":
+                if not mla:
+                    raise ValueError("Mooncake layer_first multi-buffer is only supported for MLA host KV pool. Use page_first/page_first_direct for MHA.")
+                raise ValueError("hicache-io's Mooncake store moves pages that are one span per component; layer_first pages are one span per layer (use page_first or page_first_direct)")
+            lay = _Layout(mem_pool_host) if ours else _SglangLayout(mem_pool_host, mla)
+            lay.synchronize()
+            regions = [r for r in lay.regions if r[1] > 0]
+            staging = None
+            if not lay.zero_copy:
+                staging = np.zeros(STORAGE_BATCH_SIZE * lay.comps * lay.obj_bytes, np.uint8)
+                regions = [(staging.ctypes.data, staging.nbytes)]
+            done: List[int] = []
+            try:
+                for addr, nbytes in regions:
+                    rc = self.store.register_buffer(addr, nbytes)
+                    if rc != 0:
+                        raise RuntimeError(f"Failed to register buffer to Mooncake Store, error code: {rc}")
+                    done.append(addr)
+            except BaseException:
                 for a in done:
                     self.store.unregister_buffer(a)
-                self._staging = None
-                raise RuntimeError(f"Failed to register buffer to Mooncake Store, error code: {rc}")
-            done.append(addr)
-        self._registered, self._layout, self.mem_pool_host = done, lay, mem_pool_host
-        self._descriptor = self._shard_descriptor(mem_pool_host) if ours else None
+                raise
+            self._registered, self._staging, self._layout, self.mem_pool_host = done, staging, lay, mem_pool_host
+            self._descriptor = self._shard_descriptor(mem_pool_host) if ours else None
 
     def unregister_mem_pool_host(self) -> None:
-        """Unregisters the pool's memory and lets the pool go."""
-        for addr in self._registered:
-            self.store.unregister_buffer(addr)
-        self._registered, self._staging, self.mem_pool_host = [], None, None
+        """Unregisters the pool's memory and lets the pool go (waits for a call in progress)."""
+        with self._lock:
+            for addr in self._registered:
+                self.store.unregister_buffer(addr)
+            self._registered, self._staging, self.mem_pool_host = [], None, None
+            self._layout, self._descriptor = None, None
 
     def _pool(self) -> Any:
         if self.mem_pool_host is None:
@@ -393,14 +441,14 @@ class MooncakeStore(HiCacheStorage):
         return self.mem_pool_host
 
     def _shard_descriptor(self, pool: Any) -> Optional[str]:
-        """``None`` when the page holds what sglang's does (sglang's keys apply), else the
-        shard's name (see the module docstring)."""
+        """``None`` when the page holds what sglang's page_first pages hold (sglang's keys apply),
+        else the shard's name (see the module docstring)."""
         layer_num, start, end, drafts, skipped = pool.layer_map
-        plain = pool.kind in ("mha", "mla") and (start, end) == (0, layer_num) and drafts == 0 and not any(skipped) and pool.layout in ("page_first", "page_first_direct", "page_head")
-        if plain:
+        plain = pool.kind in ("mha", "mla") and (start, end) == (0, layer_num) and drafts == 0 and not any(skipped)
+        if plain and (pool.layout == "page_first" or self._sglang_keys):
             return None
         tag = {"page_first": "pf", "page_first_direct": "pfd", "page_head": f"ph{pool.head_num}", "page_first_direct_hg": f"pfdhg{pool.head_num}"}[pool.layout]
-        name = f"hio-{pool.kind}-{tag}-L{start}-{end}"
+        name = f"hio-{pool.kind}-{tag}-i{pool.item_bytes}-L{start}-{end}"
         gone = [str(i) for i in range(start, end) if skipped[i]]
         if gone:
             name += "-x" + ".".join(gone)
@@ -410,12 +458,10 @@ class MooncakeStore(HiCacheStorage):
 
     # ---- keys ----------------------------------------------------------------------------
 
-    def _tag(self, key: str) -> str:
-        return f"{self.key_prefix}_{key}" if self.key_prefix else key
-
     def object_keys(self, key: str) -> List[str]:
         """The store keys of page ``key``'s objects, K before V."""
-        return self._object_keys([key])
+        with self._lock:
+            return self._object_keys([key])
 
     def _object_keys(self, keys: Sequence[str]) -> List[str]:
         """Every object key of ``keys``' pages, page by page, K before V."""
@@ -427,21 +473,32 @@ class MooncakeStore(HiCacheStorage):
         tails = [f"_{middle}_{c}" for c in ("k", "v")[: lay.comps]]
         return [f"{prefix}{key}{tail}" for key in keys for tail in tails]
 
-    def _fail(self, what: str, code: int, keys: Sequence[str]) -> None:
-        err = StorageError(what, code, keys)
+    def _fail(self, err: StorageError) -> None:
         self.last_error = err
-        logger.warning("%s", err)
+        logger.debug("%s", err)
         if self.raise_errors:
             raise err
 
     # ---- zero-copy pages (sglang's v1 interface) -------------------------------------------
 
-    def _page_lists(self, keys: List[str], host_indices: Any) -> "tuple[List[str], List[int], int]":
+    def _checked(self, what: str, keys: List[str], host_indices: Any) -> Optional[Any]:
+        """The host indices as values, checked against the keys and the pool before any byte
+        moves (``None``, with ``last_error`` set, when refused)."""
         self._pool()
         lay = self._layout
-        idx = _host_list(host_indices)
-        if len(idx) != len(keys) * lay.page:
-            raise ValueError(f"{len(keys)} pages need {len(keys) * lay.page} host indices, got {len(idx)}")
+        try:
+            idx = _host_list(host_indices)
+            if len(idx) != len(keys) * lay.page:
+                raise ValueError(f"{len(keys)} pages need {len(keys) * lay.page} host indices, got {len(idx)}")
+            if len(idx):
+                lay.validate(idx)
+            return idx
+        except Exception as e:  # noqa: BLE001 - turned into sglang's per-page False
+            self._fail(StorageError(what, REFUSED, keys, detail=str(e)))
+            return None
+
+    def _page_lists(self, keys: List[str], idx: Any) -> "tuple[List[str], List[int], int]":
+        lay = self._layout
         obj_keys = self._object_keys(keys)
         lay.synchronize()
         if lay.zero_copy:
@@ -451,110 +508,135 @@ class MooncakeStore(HiCacheStorage):
             ptrs = [base + j * lay.obj_bytes for j in range(len(obj_keys))]
         return obj_keys, ptrs, lay.obj_bytes
 
-    def _batches(self, keys: List[str], host_indices: Any):
-        p = self._layout.page if self.mem_pool_host is not None else 1
+    def _batches(self, keys: List[str], idx: Any):
+        p = self._layout.page
         for at in range(0, len(keys), STORAGE_BATCH_SIZE):
-            yield keys[at : at + STORAGE_BATCH_SIZE], host_indices[at * p : (at + STORAGE_BATCH_SIZE) * p]
+            yield keys[at : at + STORAGE_BATCH_SIZE], idx[at * p : (at + STORAGE_BATCH_SIZE) * p]
 
     def batch_set_v1(self, keys: List[str], host_indices: Any, extra_info: Any = None) -> List[bool]:
         """Writes page ``i`` (host slots ``host_indices[i * P : (i + 1) * P]``) under ``keys[i]``;
         objects that exist already are left as they are and count as written."""
-        out: List[bool] = []
+        keys = list(keys)
         with self._lock:
-            for ks, hi in self._batches(list(keys), host_indices):
+            idx = self._checked("batch_set_v1", keys, host_indices)
+            if idx is None:
+                return [False] * len(keys)
+            out: List[bool] = []
+            for ks, hi in self._batches(keys, idx):
                 out += self._set_batch(ks, hi)
-        return out
+            return out
 
-    def _set_batch(self, keys: List[str], host_indices: Any) -> List[bool]:
+    def _set_batch(self, keys: List[str], idx: Any) -> List[bool]:
         lay = self._layout
-        obj_keys, ptrs, size = self._page_lists(keys, host_indices)
-        # Mooncake answers a put of an existing object with success and moves nothing, so the
-        # existence query sglang's backend makes first (one more round trip per batch) is only
-        # made where it saves the staging copy.
-        exist = [0] * len(obj_keys) if lay.zero_copy else self.store.batch_is_exist(obj_keys)
-        if not lay.zero_copy:
-            self._stage_out(keys, host_indices)
-        todo = [j for j, e in enumerate(exist) if e != 1]
-        ok = [True] * len(obj_keys)
-        if todo:
-            rcs = self.store.batch_put_from([obj_keys[j] for j in todo], [ptrs[j] for j in todo], [size] * len(todo))
-            for j, rc in zip(todo, rcs):
-                if rc != 0:
-                    ok[j] = False
-            bad = [(obj_keys[j], rc) for j, rc in zip(todo, rcs) if rc != 0]
-            if bad:
-                self._fail("batch_put_from", bad[0][1], [k for k, _ in bad])
+        obj_keys, ptrs, size = self._page_lists(keys, idx)
+        ok = [False] * len(obj_keys)
+        try:
+            if lay.zero_copy:
+                # Mooncake answers a put of an existing object with success and moves nothing, so
+                # the existence query sglang's backend makes first (one more round trip) is skipped.
+                todo = list(range(len(obj_keys)))
+            else:
+                # Here the query saves the staging copy of pages already stored.
+                exist = self.store.batch_is_exist(obj_keys)
+                if len(exist) != len(obj_keys):
+                    raise StorageError("batch_is_exist", REFUSED, keys, detail=f"{len(exist)} answers for {len(obj_keys)} objects")
+                todo = [j for j, e in enumerate(exist) if e != 1]
+                for j, e in enumerate(exist):
+                    ok[j] = e == 1
+                self._stage_out(sorted({j // lay.comps for j in todo}), idx)
+            if todo:
+                rcs = self.store.batch_put_from([obj_keys[j] for j in todo], [ptrs[j] for j in todo], [size] * len(todo))
+                if len(rcs) != len(todo):
+                    raise StorageError("batch_put_from", REFUSED, keys, detail=f"{len(rcs)} answers for {len(todo)} objects")
+                bad = []
+                for j, rc in zip(todo, rcs):
+                    ok[j] = rc == 0
+                    if rc != 0:
+                        bad.append((obj_keys[j], rc))
+                if bad:
+                    self._fail(StorageError("batch_put_from", bad[0][1], [k for k, _ in bad]))
+        except StorageError as e:
+            self._fail(e)
         return [all(ok[i * lay.comps : (i + 1) * lay.comps]) for i in range(len(keys))]
 
     def batch_get_v1(self, keys: List[str], host_indices: Any, extra_info: Any = None) -> List[bool]:
         """Reads page ``keys[i]`` into host slots ``host_indices[i * P : (i + 1) * P]``; a page is
         ``True`` only when every object of it was read whole."""
-        out: List[bool] = []
+        keys = list(keys)
         with self._lock:
-            for ks, hi in self._batches(list(keys), host_indices):
+            idx = self._checked("batch_get_v1", keys, host_indices)
+            if idx is None:
+                return [False] * len(keys)
+            out: List[bool] = []
+            for ks, hi in self._batches(keys, idx):
                 out += self._get_batch(ks, hi)
-        return out
+            return out
 
-    def _get_batch(self, keys: List[str], host_indices: Any) -> List[bool]:
+    def _get_batch(self, keys: List[str], idx: Any) -> List[bool]:
         lay = self._layout
-        obj_keys, ptrs, size = self._page_lists(keys, host_indices)
+        obj_keys, ptrs, size = self._page_lists(keys, idx)
         got = self.store.batch_get_into(obj_keys, ptrs, [size] * len(obj_keys))
+        if len(got) != len(obj_keys):
+            self._fail(StorageError("batch_get_into", REFUSED, keys, detail=f"{len(got)} answers for {len(obj_keys)} objects"))
+            return [False] * len(keys)
         ok = [n == size for n in got]
         bad = [(obj_keys[j], n) for j, n in enumerate(got) if n != size]
         if bad:
-            self._fail("batch_get_into", bad[0][1] if bad[0][1] < 0 else -600, [k for k, _ in bad])
+            code = bad[0][1] if bad[0][1] < 0 else SHORT_READ
+            self._fail(StorageError("batch_get_into", code, [k for k, _ in bad]))
         pages = [all(ok[i * lay.comps : (i + 1) * lay.comps]) for i in range(len(keys))]
         if not lay.zero_copy:
-            self._stage_in(pages, host_indices)
+            self._stage_in(pages, idx)
         return pages
 
     def batch_exists(self, keys: List[str], extra_info: Any = None) -> int:
         """The number of leading pages whose objects all exist (sglang's convention)."""
+        keys = list(keys)
         if not keys:
             return 0
-        self._pool()
-        per = self._layout.comps
-        obj_keys = self._object_keys(keys)
-        res = self.store.batch_is_exist(obj_keys)
-        for j, e in enumerate(res):
-            if e != 1:
-                if e < 0:
-                    self._fail("batch_is_exist", e, [obj_keys[j]])
-                return j // per
-        return len(keys)
+        with self._lock:
+            self._pool()
+            per = self._layout.comps
+            obj_keys = self._object_keys(keys)
+            res = self.store.batch_is_exist(obj_keys)
+            for j in range(len(obj_keys)):
+                e = res[j] if j < len(res) else -1
+                if e != 1:
+                    if e < 0:
+                        self._fail(StorageError("batch_is_exist", e, [obj_keys[j]]))
+                    return j // per
+            return len(keys)
 
     # ---- staging for pools without a host address (wgpu) -----------------------------------
 
-    def _stage_out(self, keys: List[str], host_indices: Any) -> None:
+    def _stage_out(self, pages: Sequence[int], idx: Any) -> None:
         lay = self._layout
         page_bytes = lay.comps * lay.obj_bytes
-        for i in range(len(keys)):
-            self._staging[i * page_bytes : (i + 1) * page_bytes] = lay.read_page(int(host_indices[i * lay.page]))
+        for i in pages:
+            self._staging[i * page_bytes : (i + 1) * page_bytes] = lay.read_page(int(idx[i * lay.page]))
 
-    def _stage_in(self, pages: List[bool], host_indices: Any) -> None:
+    def _stage_in(self, pages: List[bool], idx: Any) -> None:
         lay = self._layout
         page_bytes = lay.comps * lay.obj_bytes
         for i, ok in enumerate(pages):
             if ok:
-                lay.write_page(int(host_indices[i * lay.page]), self._staging[i * page_bytes : (i + 1) * page_bytes])
+                lay.write_page(int(idx[i * lay.page]), self._staging[i * page_bytes : (i + 1) * page_bytes])
 
-    # ---- the plain forms ------------------------------------------------------------------
+    # ---- the plain forms: raw keys, as sglang's Mooncake backend names them -----------------
 
     def exists(self, key: str) -> bool:
-        """Whether every object of page ``key`` exists."""
-        return self.batch_exists([key]) == 1
+        """Whether object ``key`` exists (a raw key; pages are asked with :meth:`batch_exists`)."""
+        return self.store.is_exist(key) == 1
 
     def get(self, key: str, target_location: Optional[int] = None, target_sizes: Optional[int] = None) -> Any:
-        """Object ``key`` (a store key as given, no page suffixes): into ``target_location``
-        (``target_sizes`` bytes; returns whether it was read whole), or as a ``numpy.uint8``
-        array (``None`` when missing)."""
-        key = self._tag(key)
+        """Object ``key`` into ``target_location`` (``target_sizes`` bytes of registered memory;
+        returns whether it was read whole), or as a ``numpy.uint8`` array (``None`` when missing)."""
         if target_location is None:
             data = self.store.get(key)
             return np.frombuffer(data, np.uint8).copy() if data else None
         n = self.store.batch_get_into([key], [target_location], [target_sizes])[0]
         if n != target_sizes:
-            self._fail("get", n if n < 0 else -600, [key])
+            self._fail(StorageError("get", n if n < 0 else SHORT_READ, [key]))
             return False
         return True
 
@@ -565,16 +647,16 @@ class MooncakeStore(HiCacheStorage):
 
     def set(self, key: str, value: Any = None, target_location: Optional[int] = None, target_sizes: Optional[int] = None) -> bool:
         """Object ``key`` from ``value`` (bytes or a host array) or from ``target_sizes`` bytes at
-        ``target_location`` (registered memory)."""
-        key = self._tag(key)
+        ``target_location`` (registered memory); an existing object is kept."""
         if self.store.is_exist(key) == 1:
             return True
         if value is not None:
-            rc = self.store.put(key, np.ascontiguousarray(value).view(np.uint8).tobytes() if not isinstance(value, (bytes, bytearray)) else bytes(value))
+            data = bytes(value) if isinstance(value, (bytes, bytearray)) else np.ascontiguousarray(value).view(np.uint8).tobytes()
+            rc = self.store.put(key, data)
         else:
             rc = self.store.batch_put_from([key], [target_location], [target_sizes])[0]
         if rc != 0:
-            self._fail("put", rc, [key])
+            self._fail(StorageError("put", rc, [key]))
             return False
         return True
 
@@ -591,9 +673,10 @@ class MooncakeStore(HiCacheStorage):
         return None
 
     def close(self) -> None:
-        """Unregisters the pool and closes the client."""
-        if self.store is None:
-            return
-        self.unregister_mem_pool_host()
-        self.store.close()
-        self.store = None
+        """Unregisters the pool and closes the client (waits for a call in progress)."""
+        with self._lock:
+            if self.store is None:
+                return
+            self.unregister_mem_pool_host()
+            self.store.close()
+            self.store = None
