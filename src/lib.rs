@@ -55,6 +55,7 @@ pub mod error;
 pub mod exec;
 pub mod fuzz;
 pub mod geometry;
+pub mod integrity;
 pub mod kvcacheio;
 pub mod matrix;
 pub mod oracle;

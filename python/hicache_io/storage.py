@@ -31,6 +31,14 @@ needs only this rank's shard. ``extra_config["hicache_io_sglang_keys_any_layout"
 page_first_direct and page_head pools sglang's names too, for deployments where every rank uses
 one layout.
 
+Integrity: hicache-io's own (shard-named) objects end in a 16-byte trailer, ``HIOSUM01`` and the
+page object's checksum (:func:`hicache_io._native.checksum`: a multilinear hash of its 32-bit
+words, fixed seed) folded with a hash of the object's key. Puts write it from the host pages; gets
+check it against the bytes that landed, so changed bytes and pages stored under another key fail
+their page (``INTEGRITY``). Objects without a trailer (another build, ``integrity=False``) read as
+unverified, never as corrupt; sglang-named objects keep sglang's shape and are unverified too.
+``get_stats()`` counts verified, unverified and corrupt objects.
+
 Return conventions are sglang's: ``batch_set_v1`` / ``batch_get_v1`` give one bool per page (an
 object that already exists counts as written), ``batch_exists`` the number of leading pages whose
 objects all exist. A failure is also kept as :attr:`MooncakeStore.last_error`, a
@@ -58,7 +66,7 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MooncakeStore", "MooncakeStoreConfig", "StorageError", "LocalMaster", "SHORT_READ", "REFUSED", "HiCacheStorage", "HiCacheStorageConfig", "HiCacheStorageExtraInfo", "STORAGE_BATCH_SIZE", "MOONCAKE_ERRORS"]
+__all__ = ["MooncakeStore", "MooncakeStoreConfig", "StorageError", "LocalMaster", "SHORT_READ", "REFUSED", "INTEGRITY", "TRAILER_MAGIC", "HiCacheStorage", "HiCacheStorageConfig", "HiCacheStorageExtraInfo", "STORAGE_BATCH_SIZE", "MOONCAKE_ERRORS"]
 
 #: Pages per storage call in sglang's controller (and the staging buffer's size in pages).
 STORAGE_BATCH_SIZE = 128
@@ -129,6 +137,24 @@ SHORT_READ = -100000
 #: hicache-io's own code: a call refused before reaching the store (bad indices or lengths).
 REFUSED = -100001
 MOONCAKE_ERRORS[SHORT_READ] = "short read (the object has another size than the page)"
+#: hicache-io's own code: an object whose checksum trailer does not match the bytes read.
+INTEGRITY = -100002
+MOONCAKE_ERRORS[INTEGRITY] = "integrity check failed (the bytes read are not the page that was stored under this key)"
+
+#: First word of a page object's trailer: ``HIOSUM01``.
+TRAILER_MAGIC = int.from_bytes(b"HIOSUM01", "little")
+
+
+def _name_tags(keys: Sequence[str]) -> np.ndarray:
+    """64-bit tags of objects' keys (FNV-1a), folded into their checksums so that a page stored
+    under another key (swapped, replayed from elsewhere) fails the check."""
+    from . import _native
+
+    return _native.name_tags(list(keys))
+
+
+def _name_tag(key: str) -> int:
+    return int(_name_tags([key])[0])
 MOONCAKE_ERRORS[REFUSED] = "refused before any byte moved"
 
 
@@ -348,7 +374,7 @@ class MooncakeStore(HiCacheStorage):
     docstring). ``MooncakeStore(storage_config, kwargs)`` is how sglang's ``dynamic`` backend
     constructs it; ``store=`` takes an already set-up ``MooncakeDistributedStore``."""
 
-    def __init__(self, storage_config: Optional[Any] = None, kwargs: Optional[Dict[str, Any]] = None, *, config: Optional[MooncakeStoreConfig] = None, store: Any = None, raise_errors: bool = False):
+    def __init__(self, storage_config: Optional[Any] = None, kwargs: Optional[Dict[str, Any]] = None, *, config: Optional[MooncakeStoreConfig] = None, store: Any = None, raise_errors: bool = False, integrity: Optional[bool] = None):
         self.storage_config = storage_config if storage_config is not None else HiCacheStorageConfig()
         extra = dict(getattr(self.storage_config, "extra_config", None) or {})
         extra.update(kwargs or {})
@@ -373,6 +399,9 @@ class MooncakeStore(HiCacheStorage):
         # sglang's keys name no layout: page_first only, unless the deployment says every rank
         # uses one layout (then page_first_direct and page_head pages take sglang's names too).
         self._sglang_keys = bool(extra.get("hicache_io_sglang_keys_any_layout", False))
+        self.integrity = bool(extra.get("hicache_io_integrity", True)) if integrity is None else integrity
+        self._trailers: Optional[np.ndarray] = None
+        self.stats = {"verified": 0, "unverified": 0, "corrupt": 0}
         self.mem_pool_host: Any = None
         self._registered: List[int] = []
         self._staging: Optional[np.ndarray] = None
@@ -413,6 +442,12 @@ class MooncakeStore(HiCacheStorage):
             if not lay.zero_copy:
                 staging = np.zeros(STORAGE_BATCH_SIZE * lay.comps * lay.obj_bytes, np.uint8)
                 regions = [(staging.ctypes.data, staging.nbytes)]
+            descriptor = self._shard_descriptor(mem_pool_host) if ours else None
+            # Checksum trailers for hicache-io's own objects; sglang-named objects stay sglang's
+            # shape (its readers expect the page's bytes exactly) and are read as unverified.
+            trailers = np.zeros((STORAGE_BATCH_SIZE * lay.comps, 2), np.uint64) if self.integrity and ours and descriptor is not None else None
+            if trailers is not None:
+                regions = regions + [(trailers.ctypes.data, trailers.nbytes)]
             done: List[int] = []
             try:
                 for addr, nbytes in regions:
@@ -425,7 +460,7 @@ class MooncakeStore(HiCacheStorage):
                     self.store.unregister_buffer(a)
                 raise
             self._registered, self._staging, self._layout, self.mem_pool_host = done, staging, lay, mem_pool_host
-            self._descriptor = self._shard_descriptor(mem_pool_host) if ours else None
+            self._descriptor, self._trailers = descriptor, trailers
 
     def unregister_mem_pool_host(self) -> None:
         """Unregisters the pool's memory and lets the pool go (waits for a call in progress)."""
@@ -433,7 +468,7 @@ class MooncakeStore(HiCacheStorage):
             for addr in self._registered:
                 self.store.unregister_buffer(addr)
             self._registered, self._staging, self.mem_pool_host = [], None, None
-            self._layout, self._descriptor = None, None
+            self._layout, self._descriptor, self._trailers = None, None, None
 
     def _pool(self) -> Any:
         if self.mem_pool_host is None:
@@ -544,17 +579,26 @@ class MooncakeStore(HiCacheStorage):
                 for j, e in enumerate(exist):
                     ok[j] = e == 1
                 self._stage_out(sorted({j // lay.comps for j in todo}), idx)
-            if todo:
-                rcs = self.store.batch_put_from([obj_keys[j] for j in todo], [ptrs[j] for j in todo], [size] * len(todo))
-                if len(rcs) != len(todo):
-                    raise StorageError("batch_put_from", REFUSED, keys, detail=f"{len(rcs)} answers for {len(todo)} objects")
-                bad = []
-                for j, rc in zip(todo, rcs):
-                    ok[j] = rc == 0
-                    if rc != 0:
-                        bad.append((obj_keys[j], rc))
-                if bad:
-                    self._fail(StorageError("batch_put_from", bad[0][1], [k for k, _ in bad]))
+            if todo and self._trailers is not None:
+                pick = np.asarray(todo, dtype=np.intp)
+                t = self._trailers
+                t[: len(todo), 0] = TRAILER_MAGIC
+                t[: len(todo), 1] = self.mem_pool_host.object_checksums(idx)[pick] ^ _name_tags(obj_keys)[pick]
+                base = t.ctypes.data
+                rcs = self.store.batch_put_from_multi_buffers(
+                    [obj_keys[j] for j in todo], [[ptrs[j], base + 16 * n] for n, j in enumerate(todo)], [[size, 16]] * len(todo)
+                )
+            else:
+                rcs = self.store.batch_put_from([obj_keys[j] for j in todo], [ptrs[j] for j in todo], [size] * len(todo)) if todo else []
+            if len(rcs) != len(todo):
+                raise StorageError("batch_put_from", REFUSED, keys, detail=f"{len(rcs)} answers for {len(todo)} objects")
+            bad = []
+            for j, rc in zip(todo, rcs):
+                ok[j] = rc == 0
+                if rc != 0:
+                    bad.append((obj_keys[j], rc))
+            if bad:
+                self._fail(StorageError("batch_put_from", bad[0][1], [k for k, _ in bad]))
         except StorageError as e:
             self._fail(e)
         return [all(ok[i * lay.comps : (i + 1) * lay.comps]) for i in range(len(keys))]
@@ -575,19 +619,65 @@ class MooncakeStore(HiCacheStorage):
     def _get_batch(self, keys: List[str], idx: Any) -> List[bool]:
         lay = self._layout
         obj_keys, ptrs, size = self._page_lists(keys, idx)
-        got = self.store.batch_get_into(obj_keys, ptrs, [size] * len(obj_keys))
+        t = self._trailers
+        if t is None:
+            got = self.store.batch_get_into(obj_keys, ptrs, [size] * len(obj_keys))
+        else:
+            t[: len(obj_keys)] = 0
+            base = t.ctypes.data
+            got = self.store.batch_get_into_multi_buffers(obj_keys, [[p, base + 16 * j] for j, p in enumerate(ptrs)], [[size, 16]] * len(obj_keys))
         if len(got) != len(obj_keys):
             self._fail(StorageError("batch_get_into", REFUSED, keys, detail=f"{len(got)} answers for {len(obj_keys)} objects"))
             return [False] * len(keys)
-        ok = [n == size for n in got]
-        bad = [(obj_keys[j], n) for j, n in enumerate(got) if n != size]
+        whole = size + (16 if t is not None else 0)
+        ok = [n == whole for n in got]
+        unverified = [False] * len(obj_keys)
+        if t is not None:
+            # Objects without a trailer (written without checksums: another build, or the
+            # option off) do not fit the two buffers; read them as they are, unverified.
+            retry = [j for j, n in enumerate(got) if n != whole and n not in (-704,)]
+            if retry:
+                again = self.store.batch_get_into([obj_keys[j] for j in retry], [ptrs[j] for j in retry], [size] * len(retry))
+                for j, n in zip(retry, again):
+                    if n == size:
+                        got[j], ok[j], unverified[j] = size, True, True
+        bad = [(obj_keys[j], got[j]) for j in range(len(obj_keys)) if not ok[j]]
         if bad:
             code = bad[0][1] if bad[0][1] < 0 else SHORT_READ
             self._fail(StorageError("batch_get_into", code, [k for k, _ in bad]))
+        if t is not None:
+            self._verify(obj_keys, idx, ok, unverified)
         pages = [all(ok[i * lay.comps : (i + 1) * lay.comps]) for i in range(len(keys))]
         if not lay.zero_copy:
             self._stage_in(pages, idx)
         return pages
+
+    def _verify(self, obj_keys: List[str], idx: Any, ok: List[bool], unverified: List[bool]) -> None:
+        """Checks each object read whole against its trailer (the checksum of the bytes that
+        landed, bound to the object's key); a mismatch fails the object (and so its page)."""
+        lay, t = self._layout, self._trailers
+        if lay.zero_copy:
+            sums = self.mem_pool_host.object_checksums(idx)
+        else:
+            from . import _native
+
+            sums = [_native.checksum(self._staging[j * lay.obj_bytes : (j + 1) * lay.obj_bytes]) for j in range(len(obj_keys))]
+        n = len(obj_keys)
+        good = (t[:n, 0] == TRAILER_MAGIC) & (t[:n, 1] == (np.asarray(sums, dtype=np.uint64) ^ _name_tags(obj_keys)))
+        corrupt = []
+        for j, key in enumerate(obj_keys):
+            if not ok[j]:
+                continue
+            if unverified[j]:
+                self.stats["unverified"] += 1
+            elif good[j]:
+                self.stats["verified"] += 1
+            else:
+                ok[j] = False
+                self.stats["corrupt"] += 1
+                corrupt.append(key)
+        if corrupt:
+            self._fail(StorageError("batch_get_v1", INTEGRITY, corrupt))
 
     def batch_exists(self, keys: List[str], extra_info: Any = None) -> int:
         """The number of leading pages whose objects all exist (sglang's convention)."""
@@ -670,7 +760,9 @@ class MooncakeStore(HiCacheStorage):
         self.store.remove_all()
 
     def get_stats(self) -> Any:
-        return None
+        """Pages' objects read so far: ``verified`` (checksum matched), ``unverified`` (no
+        checksum: sglang-named objects, or written without one), ``corrupt`` (refused)."""
+        return dict(self.stats)
 
     def close(self) -> None:
         """Unregisters the pool and closes the client (waits for a call in progress)."""

@@ -867,6 +867,29 @@ fn copy_all_layer_kv_cache_cpu(
     py.detach(|| kv::copy_all_layer_kv_cache(&buffers, &rb, &tgt, &src)).py()
 }
 
+/// The integrity checksum of a host array's bytes (or any bytes-like object): the multilinear
+/// hash every hicache-io checksum uses, keys seeded by `seed`.
+#[pyfunction]
+#[pyo3(signature = (data, seed = hicache_io::integrity::STORAGE_SEED))]
+fn checksum(py: Python<'_>, data: &Bound<'_, PyAny>, seed: u64) -> PyResult<u64> {
+    let bytes = data_arg(data, "data")?;
+    py.detach(|| {
+        let keys = hicache_io::integrity::shared_keys(seed, hicache_io::integrity::words(bytes.len()))?;
+        Ok(hicache_io::integrity::checksum(&bytes, &keys))
+    })
+    .py()
+}
+
+/// 64-bit tags of names (FNV-1a of their UTF-8 bytes), as a `numpy.uint64` array: what the L3
+/// store folds into an object's checksum to bind it to its key.
+#[pyfunction]
+fn name_tags<'py>(py: Python<'py>, names: Vec<String>) -> PyResult<Bound<'py, PyAny>> {
+    let bytes: Vec<u8> = names.iter().flat_map(|n| hicache_io::integrity::name_hash(n.as_bytes()).to_le_bytes()).collect();
+    let kw = pyo3::types::PyDict::new(py);
+    kw.set_item("dtype", "<u8")?;
+    py.import("numpy")?.call_method("frombuffer", (pyo3::types::PyByteArray::new(py, &bytes),), Some(&kw))
+}
+
 /// Waits for the caller's stream on CUDA device `device_id` (and the executor's other streams),
 /// then raises the first op since the last report whose CUDA index lists failed their device
 /// checks (nothing of that op was copied).
@@ -1164,6 +1187,17 @@ impl PyHostPool {
     fn host_span(&self, comp: usize) -> PyResult<Option<(u64, u64)>> {
         self.inner.host_span(comp).py()
     }
+    /// The integrity checksum of each span `get_page_buffer_meta(indices)` names (per page, K then
+    /// V), as a `numpy.uint64` array; keys seeded by `seed` (the storage seed by default).
+    #[pyo3(signature = (indices, seed = hicache_io::integrity::STORAGE_SEED))]
+    fn object_checksums<'py>(&self, py: Python<'py>, indices: &Bound<'_, PyAny>, seed: u64) -> PyResult<Bound<'py, PyAny>> {
+        let idx = index_list(indices, "Host", Ctx { stream: None })?;
+        let sums = py.detach(|| self.inner.object_checksums(&idx, seed)).py()?;
+        let bytes: Vec<u8> = sums.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let kw = pyo3::types::PyDict::new(py);
+        kw.set_item("dtype", "<u8")?;
+        py.import("numpy")?.call_method("frombuffer", (pyo3::types::PyByteArray::new(py, &bytes),), Some(&kw))
+    }
     /// Waits for every transfer queued on the pool's executor.
     fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
         let dev = self.inner.device().clone();
@@ -1225,5 +1259,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(transfer_kv_all_layer_lf_pfdhg, m)?)?;
     m.add_function(wrap_pyfunction!(transfer_embedding_ranges_direct, m)?)?;
     m.add_function(wrap_pyfunction!(copy_all_layer_kv_cache_cpu, m)?)?;
+    m.add_function(wrap_pyfunction!(checksum, m)?)?;
+    m.add_function(wrap_pyfunction!(name_tags, m)?)?;
+    m.add("STORAGE_SEED", hicache_io::integrity::STORAGE_SEED)?;
     Ok(())
 }

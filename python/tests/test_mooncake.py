@@ -458,3 +458,78 @@ def test_bad_arguments_fail_every_page_and_move_nothing(store):
     finally:
         store.raise_errors = False
         store.unregister_mem_pool_host()
+
+
+def _dsa_store_pages(store, pages=(1, 2)):
+    _, dev, host = build("cpu", "dsa", "page_first", 1, 132, 4, (2, 4), 1)
+    host.backup_from_device_all_layer(dev, tokens(pages), tokens([5, 6][: len(pages)]), "kernel")
+    return host
+
+
+def test_pages_carry_checksums_and_corruption_is_caught(store):
+    """hicache-io's own objects end in a 16-byte trailer: the page's checksum bound to its key.
+    A page read back whole is verified; bytes changed in the store, or a page stored under another
+    key (swapped, replayed), fail their page; objects without a trailer read as unverified."""
+    from hicache_io import _native
+    from hicache_io.storage import INTEGRITY, TRAILER_MAGIC, _name_tag
+
+    host = _dsa_store_pages(store)
+    store.register_mem_pool_host(host)
+    try:
+        keys = [uuid.uuid4().hex for _ in range(2)]
+        before = dict(store.stats)
+        assert store.batch_set_v1(keys, tokens([1, 2])) == [True, True]
+        assert store.batch_get_v1(keys, tokens([8, 9])) == [True, True]
+        assert store.stats["verified"] == before["verified"] + 2
+        (ka,) = store.object_keys(keys[0])
+        page = host.get_data_page(1 * P)
+        raw = store.store
+        buf = np.zeros(page.size + 16, np.uint8)
+        raw.register_buffer(buf.ctypes.data, buf.nbytes)
+        try:
+            trailer = np.array([TRAILER_MAGIC, _native.checksum(page) ^ _name_tag(ka)], np.uint64).view(np.uint8)
+            # 1. One bit flipped in the stored bytes (the trailer still that of the original);
+            # 2. page A's object, trailer and all, replayed under another page's key.
+            flipped, replayed = uuid.uuid4().hex, uuid.uuid4().hex
+            for page_key, flip in ((flipped, True), (replayed, False)):
+                (k,) = store.object_keys(page_key)
+                # The flipped object's trailer is right for its own key: only its bytes are wrong.
+                own = np.array([TRAILER_MAGIC, _native.checksum(page) ^ _name_tag(k)], np.uint64).view(np.uint8)
+                buf[: page.size], buf[page.size :] = page, own if flip else trailer
+                if flip:
+                    buf[100] ^= 0x10
+                assert raw.batch_put_from_multi_buffers([k], [[buf.ctypes.data, buf.ctypes.data + page.size]], [[page.size, 16]]) == [0]
+            # The untouched original verifies; the two do not.
+            assert store.batch_get_v1([keys[0]], tokens([10])) == [True]
+            for page_key in (flipped, replayed):
+                corrupt = store.stats["corrupt"]
+                assert store.batch_get_v1([page_key], tokens([10])) == [False]
+                assert store.last_error.code == INTEGRITY and store.stats["corrupt"] == corrupt + 1
+            # 3. An object written without a trailer (an older build): read, but unverified.
+            plain_page = uuid.uuid4().hex
+            (plain_key,) = store.object_keys(plain_page)
+            buf[: page.size] = page
+            assert raw.batch_put_from([plain_key], [buf.ctypes.data], [page.size]) == [0]
+            unverified = store.stats["unverified"]
+            assert store.batch_get_v1([plain_page], tokens([11])) == [True]
+            assert store.stats["unverified"] == unverified + 1
+            assert np.array_equal(host.get_data_page(11 * P), page)
+        finally:
+            raw.unregister_buffer(buf.ctypes.data)
+    finally:
+        store.unregister_mem_pool_host()
+
+
+def test_integrity_can_be_turned_off(master):
+    s = make_store(master, integrity=False)
+    try:
+        host = _dsa_store_pages(s)
+        s.register_mem_pool_host(host)
+        key = uuid.uuid4().hex
+        assert s.batch_set_v1([key], tokens([1])) == [True]
+        (obj,) = s.object_keys(key)
+        assert s.store.get_size(obj) == host.get_data_page(P).size  # no trailer
+        assert s.batch_get_v1([key], tokens([3])) == [True]
+        assert s.stats == {"verified": 0, "unverified": 0, "corrupt": 0}
+    finally:
+        s.close()

@@ -113,3 +113,35 @@ impl HostPool<'_> {
         Ok(out)
     }
 }
+
+impl HostPool<'_> {
+    /// The [`crate::integrity`] checksum of each span [`HostPool::get_page_buffer_meta`] names for
+    /// `indices` (same order: per page, K then V), keys seeded by `seed`. Reads the pool in place
+    /// where it lives in this process's memory (after its queued transfers), through the executor
+    /// otherwise.
+    pub fn object_checksums(&self, indices: &[i64], seed: u64) -> Result<Vec<u64>> {
+        let meta = self.get_page_buffer_meta(indices)?;
+        let widest = meta.iter().map(|m| m.2).max().unwrap_or(0);
+        let keys = crate::integrity::shared_keys(seed, crate::integrity::words(widest as usize))?;
+        self.device.synchronize()?;
+        let spans: Vec<Option<(u64, u64)>> = (0..self.pair.host().kind().components()).map(|c| self.host_span(c)).collect::<Result<_>>()?;
+        let mut staged = Vec::new();
+        meta.iter()
+            .map(|&(c, off, len)| match spans[c] {
+                Some((base, size)) => {
+                    debug_assert!(off + len <= size);
+                    // SAFETY: `off..off + len` lies inside component `c`'s buffer (the flat page's
+                    // span, checked by `flat_page`), which lives as long as `self`, and the
+                    // executor's queue is drained: nothing writes it while `&self` is held.
+                    let bytes = unsafe { std::slice::from_raw_parts((base + off) as *const u8, len as usize) };
+                    Ok(crate::integrity::checksum(bytes, &keys))
+                }
+                None => {
+                    staged.resize(len as usize, 0);
+                    self.device.read(self.buffer(c)?, off, &mut staged)?;
+                    Ok(crate::integrity::checksum(&staged, &keys))
+                }
+            })
+            .collect()
+    }
+}
