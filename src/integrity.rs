@@ -12,8 +12,11 @@
 //!   within a word): its term changes by `k_i · Δ` with `k_i` odd and `0 < |Δ| < 2^32`, which is
 //!   never `0 (mod 2^64)`;
 //! - **otherwise** two different byte strings of one length have the same checksum with
-//!   probability at most `2^-32` over the keys (the word whose change has the fewest trailing zero
-//!   bits, at most 31, decides it: `k_i` is then fixed modulo `2^(64 - 31)`).
+//!   probability at most `2^-32` over random odd keys: take the changed word whose change has the
+//!   fewest trailing zero bits `t <= 31`; a collision fixes its key modulo `2^(64 - t)`, and an odd
+//!   key has 63 random bits, so the chance is `2^-(63 - t) <= 2^-32`. With the fixed public seed
+//!   of shared storage this is a bound for errors that do not depend on the keys (faults and
+//!   bugs), not against an adversary.
 //!
 //! It is not a cryptographic MAC: the key stream is public (stores on several machines must agree
 //! on it), so it catches corruption and misplaced pages, not forgery. Checks that must tell pages
@@ -36,8 +39,8 @@ pub fn key(seed: u64, i: u64) -> u64 {
     mix(seed ^ i.wrapping_mul(0x9e37_79b9_7f4a_7c15)) | 1
 }
 
-/// The keys `first_word .. first_word + words` of a stream, computed once for many checksums of
-/// one size (each key is a few multiplies; the checksum itself is one multiply-add per word).
+/// Keys `0 .. words` of a stream, computed once for many checksums (each key is a few
+/// multiplies; the checksum itself is one multiply-add per word).
 #[derive(Debug, Clone)]
 pub struct Keys {
     seed: u64,
@@ -68,7 +71,7 @@ impl Keys {
 
 /// A key table of at least `words` words for `seed`, shared by the process: building one costs a
 /// few multiplies per word, far more than a checksum's multiply-add, so tables are kept (one per
-/// seed, grown to the longest asked for; a few MiB for pages of a few MiB).
+/// seed, grown to the longest asked for: 8 bytes of key per 4-byte word, twice the page).
 pub fn shared_keys(seed: u64, words: usize) -> crate::Result<std::sync::Arc<Keys>> {
     use std::sync::{Arc, Mutex};
     static CACHE: Mutex<Vec<Arc<Keys>>> = Mutex::new(Vec::new());
@@ -94,7 +97,8 @@ pub fn checksum(bytes: &[u8], keys: &Keys) -> u64 {
 }
 
 /// The checksum terms of `bytes` taken as words `first_word ..` of a longer string: the checksum
-/// of a string is the sum of `partial` over any split of it into word-aligned pieces.
+/// of a string is the sum of `partial` over any split of it into word-aligned pieces (every piece
+/// but the last a whole number of words: a partial word is zero-padded).
 pub fn partial(bytes: &[u8], first_word: usize, keys: &Keys) -> u64 {
     let table = keys.table.get(first_word..).unwrap_or(&[]);
     let covered = (bytes.len() / 4).min(table.len());
@@ -123,6 +127,7 @@ pub fn partial(bytes: &[u8], first_word: usize, keys: &Keys) -> u64 {
 /// (k_hi · w) << 32` mod 2^64), so the loop vectorizes (measured 3x faster than one
 /// accumulator of 64 × 64-bit multiplies).
 fn tabled(words: &[u8], keys: &[u64]) -> u64 {
+    debug_assert_eq!(words.len(), 4 * keys.len());
     let mut acc = [0u64; 8];
     let mut wc = words.chunks_exact(32);
     let mut kc = keys.chunks_exact(8);
@@ -165,9 +170,11 @@ mod tests {
             let (a, b) = m.split_at(split);
             assert_eq!(partial(a, 0, &keys).wrapping_add(partial(b, split / 4, &keys)), whole, "split at {split}");
         }
-        // Keys past the table are the stream's own.
+        // Keys past the table are the stream's own, also for a piece that starts past it.
         let short = Keys::new(STORAGE_SEED, 10).unwrap();
         assert_eq!(checksum(&m, &short), whole);
+        let (a, b) = m.split_at(600);
+        assert_eq!(partial(a, 0, &short).wrapping_add(partial(b, 150, &short)), whole);
     }
 
     #[test]

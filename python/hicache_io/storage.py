@@ -443,9 +443,10 @@ class MooncakeStore(HiCacheStorage):
                 staging = np.zeros(STORAGE_BATCH_SIZE * lay.comps * lay.obj_bytes, np.uint8)
                 regions = [(staging.ctypes.data, staging.nbytes)]
             descriptor = self._shard_descriptor(mem_pool_host) if ours else None
-            # Checksum trailers for hicache-io's own objects; sglang-named objects stay sglang's
-            # shape (its readers expect the page's bytes exactly) and are read as unverified.
-            trailers = np.zeros((STORAGE_BATCH_SIZE * lay.comps, 2), np.uint64) if self.integrity and ours and descriptor is not None else None
+            # Checksum trailers for hicache-io's own objects (read back whatever ``integrity`` says,
+            # so a store with checksums off still reads objects that carry them); sglang-named
+            # objects keep sglang's shape, its readers expecting the page's bytes exactly.
+            trailers = np.zeros((STORAGE_BATCH_SIZE * lay.comps, 2), "<u8") if ours and descriptor is not None else None
             if trailers is not None:
                 regions = regions + [(trailers.ctypes.data, trailers.nbytes)]
             done: List[int] = []
@@ -579,11 +580,11 @@ class MooncakeStore(HiCacheStorage):
                 for j, e in enumerate(exist):
                     ok[j] = e == 1
                 self._stage_out(sorted({j // lay.comps for j in todo}), idx)
-            if todo and self._trailers is not None:
+            if todo and self._trailers is not None and self.integrity:
                 pick = np.asarray(todo, dtype=np.intp)
                 t = self._trailers
                 t[: len(todo), 0] = TRAILER_MAGIC
-                t[: len(todo), 1] = self.mem_pool_host.object_checksums(idx)[pick] ^ _name_tags(obj_keys)[pick]
+                t[: len(todo), 1] = self._sums(obj_keys, idx, lay.zero_copy)[pick] ^ _name_tags(obj_keys)[pick]
                 base = t.ctypes.data
                 rcs = self.store.batch_put_from_multi_buffers(
                     [obj_keys[j] for j in todo], [[ptrs[j], base + 16 * n] for n, j in enumerate(todo)], [[size, 16]] * len(todo)
@@ -600,8 +601,22 @@ class MooncakeStore(HiCacheStorage):
             if bad:
                 self._fail(StorageError("batch_put_from", bad[0][1], [k for k, _ in bad]))
         except StorageError as e:
+            ok = [False] * len(obj_keys)
             self._fail(e)
+        except Exception as e:  # noqa: BLE001 - a checksum pass that failed: no page is written
+            ok = [False] * len(obj_keys)
+            self._fail(StorageError("batch_set_v1", REFUSED, keys, detail=str(e)))
         return [all(ok[i * lay.comps : (i + 1) * lay.comps]) for i in range(len(keys))]
+
+    def _sums(self, obj_keys: List[str], idx: Any, in_pool: bool) -> np.ndarray:
+        """The checksum of each object of the batch: from the pool pages (zero copy), or from
+        the staging buffer where the bytes that move are (wgpu)."""
+        if in_pool:
+            return np.asarray(self.mem_pool_host.object_checksums(idx), dtype="<u8")
+        from . import _native
+
+        n = self._layout.obj_bytes
+        return np.asarray([_native.checksum(self._staging[j * n : (j + 1) * n]) for j in range(len(obj_keys))], dtype="<u8")
 
     def batch_get_v1(self, keys: List[str], host_indices: Any, extra_info: Any = None) -> List[bool]:
         """Reads page ``keys[i]`` into host slots ``host_indices[i * P : (i + 1) * P]``; a page is
@@ -620,33 +635,48 @@ class MooncakeStore(HiCacheStorage):
         lay = self._layout
         obj_keys, ptrs, size = self._page_lists(keys, idx)
         t = self._trailers
-        if t is None:
-            got = self.store.batch_get_into(obj_keys, ptrs, [size] * len(obj_keys))
-        else:
-            t[: len(obj_keys)] = 0
-            base = t.ctypes.data
-            got = self.store.batch_get_into_multi_buffers(obj_keys, [[p, base + 16 * j] for j, p in enumerate(ptrs)], [[size, 16]] * len(obj_keys))
-        if len(got) != len(obj_keys):
-            self._fail(StorageError("batch_get_into", REFUSED, keys, detail=f"{len(got)} answers for {len(obj_keys)} objects"))
-            return [False] * len(keys)
-        whole = size + (16 if t is not None else 0)
-        ok = [n == whole for n in got]
-        unverified = [False] * len(obj_keys)
+        n_obj = len(obj_keys)
+        tb = t.ctypes.data if t is not None else 0
+        two = lambda js: self.store.batch_get_into_multi_buffers(  # noqa: E731
+            [obj_keys[j] for j in js], [[ptrs[j], tb + 16 * j] for j in js], [[size, 16]] * len(js)
+        )
+        one = lambda js: self.store.batch_get_into([obj_keys[j] for j in js], [ptrs[j] for j in js], [size] * len(js))  # noqa: E731
+        everything = list(range(n_obj))
         if t is not None:
-            # Objects without a trailer (written without checksums: another build, or the
-            # option off) do not fit the two buffers; read them as they are, unverified.
-            retry = [j for j, n in enumerate(got) if n != whole and n not in (-704,)]
-            if retry:
-                again = self.store.batch_get_into([obj_keys[j] for j in retry], [ptrs[j] for j in retry], [size] * len(retry))
-                for j, n in zip(retry, again):
-                    if n == size:
-                        got[j], ok[j], unverified[j] = size, True, True
+            t[:n_obj] = 0
+        # The form this store writes first; the other for objects written the other way (Mooncake
+        # refuses a buffer of another total size: -800 for two buffers, -600 for one).
+        if t is None:
+            got, forms = one(everything), None
+        elif self.integrity:
+            got, forms = two(everything), (-800, one, size)
+        else:
+            got, forms = one(everything), (-600, two, size + 16)
+        if len(got) != n_obj:
+            self._fail(StorageError("batch_get_into", REFUSED, keys, detail=f"{len(got)} answers for {n_obj} objects"))
+            return [False] * len(keys)
+        whole = size + 16 if t is not None and self.integrity else size
+        ok = [n == whole for n in got]
+        unverified = [False] * n_obj
+        if forms is not None:
+            code, other, other_whole = forms
+            retry = [j for j, n in enumerate(got) if n == code]
+            again = other(retry) if retry else []
+            for j, n in zip(retry, again if len(again) == len(retry) else []):
+                if n == other_whole:
+                    got[j], ok[j] = n, True
+                    # Read without its trailer (checksums on) or with it (checksums off).
+                    unverified[j] = self.integrity
         bad = [(obj_keys[j], got[j]) for j in range(len(obj_keys)) if not ok[j]]
         if bad:
             code = bad[0][1] if bad[0][1] < 0 else SHORT_READ
             self._fail(StorageError("batch_get_into", code, [k for k, _ in bad]))
-        if t is not None:
-            self._verify(obj_keys, idx, ok, unverified)
+        if t is not None and self.integrity:
+            try:
+                self._verify(obj_keys, idx, ok, unverified)
+            except Exception as e:  # noqa: BLE001 - a checksum pass that failed: trust no page
+                ok = [False] * len(obj_keys)
+                self._fail(StorageError("batch_get_v1", INTEGRITY, keys, detail=f"could not verify: {e}"))
         pages = [all(ok[i * lay.comps : (i + 1) * lay.comps]) for i in range(len(keys))]
         if not lay.zero_copy:
             self._stage_in(pages, idx)
@@ -656,14 +686,9 @@ class MooncakeStore(HiCacheStorage):
         """Checks each object read whole against its trailer (the checksum of the bytes that
         landed, bound to the object's key); a mismatch fails the object (and so its page)."""
         lay, t = self._layout, self._trailers
-        if lay.zero_copy:
-            sums = self.mem_pool_host.object_checksums(idx)
-        else:
-            from . import _native
-
-            sums = [_native.checksum(self._staging[j * lay.obj_bytes : (j + 1) * lay.obj_bytes]) for j in range(len(obj_keys))]
+        sums = self._sums(obj_keys, idx, lay.zero_copy)
         n = len(obj_keys)
-        good = (t[:n, 0] == TRAILER_MAGIC) & (t[:n, 1] == (np.asarray(sums, dtype=np.uint64) ^ _name_tags(obj_keys)))
+        good = (t[:n, 0] == TRAILER_MAGIC) & (t[:n, 1] == (sums ^ _name_tags(obj_keys)))
         corrupt = []
         for j, key in enumerate(obj_keys):
             if not ok[j]:
@@ -760,8 +785,14 @@ class MooncakeStore(HiCacheStorage):
         self.store.remove_all()
 
     def get_stats(self) -> Any:
-        """Pages' objects read so far: ``verified`` (checksum matched), ``unverified`` (no
-        checksum: sglang-named objects, or written without one), ``corrupt`` (refused)."""
+        """sglang's storage metrics hook: ``None`` (no ``StorageMetrics``); the integrity counts are
+        :meth:`integrity_stats`."""
+        return None
+
+    def integrity_stats(self) -> Dict[str, int]:
+        """Objects of hicache-io's own (shard-named) pages read so far: ``verified`` (checksum
+        matched), ``unverified`` (no trailer), ``corrupt`` (refused). sglang-named objects carry no
+        checksum and are not counted."""
         return dict(self.stats)
 
     def close(self) -> None:

@@ -1198,10 +1198,11 @@ impl PyHostPool {
         kw.set_item("dtype", "<u8")?;
         py.import("numpy")?.call_method("frombuffer", (pyo3::types::PyByteArray::new(py, &bytes),), Some(&kw))
     }
-    /// Waits for every transfer queued on the pool's executor.
+    /// Waits for every transfer queued on the pool's executor (another call's failed CUDA index
+    /// check stays pending for that call's own report).
     fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
         let dev = self.inner.device().clone();
-        py.detach(|| dev.synchronize()).py()
+        py.detach(|| dev.wait_idle()).py()
     }
 }
 

@@ -487,14 +487,14 @@ def test_pages_carry_checksums_and_corruption_is_caught(store):
         buf = np.zeros(page.size + 16, np.uint8)
         raw.register_buffer(buf.ctypes.data, buf.nbytes)
         try:
-            trailer = np.array([TRAILER_MAGIC, _native.checksum(page) ^ _name_tag(ka)], np.uint64).view(np.uint8)
+            trailer = np.array([TRAILER_MAGIC, _native.checksum(page) ^ _name_tag(ka)], "<u8").view(np.uint8)
             # 1. One bit flipped in the stored bytes (the trailer still that of the original);
             # 2. page A's object, trailer and all, replayed under another page's key.
             flipped, replayed = uuid.uuid4().hex, uuid.uuid4().hex
             for page_key, flip in ((flipped, True), (replayed, False)):
                 (k,) = store.object_keys(page_key)
                 # The flipped object's trailer is right for its own key: only its bytes are wrong.
-                own = np.array([TRAILER_MAGIC, _native.checksum(page) ^ _name_tag(k)], np.uint64).view(np.uint8)
+                own = np.array([TRAILER_MAGIC, _native.checksum(page) ^ _name_tag(k)], "<u8").view(np.uint8)
                 buf[: page.size], buf[page.size :] = page, own if flip else trailer
                 if flip:
                     buf[100] ^= 0x10
@@ -530,6 +530,28 @@ def test_integrity_can_be_turned_off(master):
         (obj,) = s.object_keys(key)
         assert s.store.get_size(obj) == host.get_data_page(P).size  # no trailer
         assert s.batch_get_v1([key], tokens([3])) == [True]
-        assert s.stats == {"verified": 0, "unverified": 0, "corrupt": 0}
+        assert s.integrity_stats() == {"verified": 0, "unverified": 0, "corrupt": 0}
+        assert s.get_stats() is None  # sglang's metrics hook
     finally:
         s.close()
+
+
+def test_stores_with_and_without_checksums_read_each_other(store):
+    """Checksums off still reads objects that carry a trailer; checksums on reads trailer-less
+    objects as unverified."""
+    plain = MooncakeStore(store.storage_config, {}, integrity=False)
+    try:
+        a, b = _dsa_store_pages(store), _dsa_store_pages(plain)
+        store.register_mem_pool_host(a)
+        plain.register_mem_pool_host(b)
+        with_sum, without = uuid.uuid4().hex, uuid.uuid4().hex
+        assert store.batch_set_v1([with_sum], tokens([1])) == [True]
+        assert plain.batch_set_v1([without], tokens([1])) == [True]
+        assert plain.batch_get_v1([with_sum], tokens([7])) == [True]
+        assert np.array_equal(b.get_data_page(7 * P), a.get_data_page(1 * P))
+        unverified = store.integrity_stats()["unverified"]
+        assert store.batch_get_v1([without], tokens([7])) == [True]
+        assert store.integrity_stats()["unverified"] == unverified + 1
+    finally:
+        store.unregister_mem_pool_host()
+        plain.close()

@@ -370,9 +370,15 @@ impl Device {
         caps.auto = calibrate::table(self, caps);
         caps
     }
-    /// Waits for every submitted transfer.
+    /// Waits for every submitted transfer (on cuda, then reports an earlier call's failed
+    /// device index check, as `CudaExecutor::synchronize` does).
     pub fn synchronize(&self) -> Result<()> {
         each_backend!(self, e => e.synchronize())
+    }
+    /// Waits for every submitted transfer and nothing more: a failed device index check of an
+    /// earlier call stays pending for the code that issued it.
+    pub fn wait_idle(&self) -> Result<()> {
+        each_backend!(self, e => Executor::synchronize(e))
     }
     /// Median seconds of one contiguous copy of `bytes` (the benchmarks' ceiling).
     pub fn time_one_copy(&self, bytes: u64, budget: std::time::Duration) -> Result<f64> {

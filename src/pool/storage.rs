@@ -116,23 +116,31 @@ impl HostPool<'_> {
 
 impl HostPool<'_> {
     /// The [`crate::integrity`] checksum of each span [`HostPool::get_page_buffer_meta`] names for
-    /// `indices` (same order: per page, K then V), keys seeded by `seed`. Reads the pool in place
-    /// where it lives in this process's memory (after its queued transfers), through the executor
-    /// otherwise.
+    /// `indices` (same order: per page, K then V), keys seeded by `seed`. Waits for the pool's
+    /// queued transfers, then reads it in place where it lives in this process's memory, through
+    /// the executor otherwise. Memory written outside the pool's own calls (an L3 store into a
+    /// registered pool, a raw-pointer op) must not be written to those pages meanwhile.
     pub fn object_checksums(&self, indices: &[i64], seed: u64) -> Result<Vec<u64>> {
         let meta = self.get_page_buffer_meta(indices)?;
         let widest = meta.iter().map(|m| m.2).max().unwrap_or(0);
         let keys = crate::integrity::shared_keys(seed, crate::integrity::words(widest as usize))?;
-        self.device.synchronize()?;
+        self.device.wait_idle()?;
         let spans: Vec<Option<(u64, u64)>> = (0..self.pair.host().kind().components()).map(|c| self.host_span(c)).collect::<Result<_>>()?;
         let mut staged = Vec::new();
         meta.iter()
             .map(|&(c, off, len)| match spans[c] {
                 Some((base, size)) => {
-                    debug_assert!(off + len <= size);
-                    // SAFETY: `off..off + len` lies inside component `c`'s buffer (the flat page's
-                    // span, checked by `flat_page`), which lives as long as `self`, and the
-                    // executor's queue is drained: nothing writes it while `&self` is held.
+                    if off.checked_add(len).is_none_or(|end| end > size) {
+                        return Err(TransferError::BufferSize {
+                            what: "page span".into(),
+                            expected: off.saturating_add(len),
+                            actual: size,
+                        });
+                    }
+                    // SAFETY: `off..off + len` lies inside component `c`'s buffer (checked above),
+                    // which lives as long as `self`; the executor's queue is drained, so no
+                    // transfer of the pool writes it, and other writers of its memory are bound
+                    // by the contract above.
                     let bytes = unsafe { std::slice::from_raw_parts((base + off) as *const u8, len as usize) };
                     Ok(crate::integrity::checksum(bytes, &keys))
                 }
