@@ -377,6 +377,17 @@ impl Call {
     }
 }
 
+/// What an op that moves nothing still owes its caller: the report of an earlier call whose CUDA
+/// index lists failed their device checks, as any other op on the executor gives it.
+fn earlier_reports(device: &Device) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(e) = device {
+        return e.index_check_reports(false);
+    }
+    let _ = device;
+    Ok(())
+}
+
 /// Runs calls that were all validated first, in order. A failure after the first call (an
 /// executor error, never a validation error) is `Partial`, naming the calls (one per layer)
 /// that completed. Calls with CUDA index lists are checked on the device, all with the same
@@ -618,7 +629,7 @@ pub fn transfer_kv_per_layer_pfdhg_lf<'i>(
     head_group_args(item_size, "src_layout_dim", src_layout_dim, page_size, head_num)?;
     launcher(src_indices, dst_indices, item_size)?;
     if src_indices.is_empty() {
-        return Ok(());
+        return earlier_reports(device);
     }
     let src = kv(src_k, src_v, "src_k", "src_v");
     let dst = kv(dst_k, dst_v, "dst_k", "dst_v");
@@ -915,7 +926,7 @@ pub fn transfer_kv_all_layer_lf_pfdhg<'i>(
     head_group_args(item_size, "dst_layout_dim", dst_layout_dim, page_size, head_num)?;
     launcher(src_indices, dst_indices, item_size)?;
     if src_indices.is_empty() {
-        return Ok(());
+        return earlier_reports(device);
     }
     let dst = kv(dst_k, dst_v, "dst_k", "dst_v");
     let src = [("src_k_layers", src_k_layers), ("src_v_layers", src_v_layers)];
