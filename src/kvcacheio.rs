@@ -577,8 +577,8 @@ pub fn transfer_kv_per_layer_ph_lf<'i>(
 
 /// The checks of sglang's head-group kernels on their integers, before any tensor is looked
 /// at: a positive page and group count, groups that split the item evenly into whole 8-byte
-/// words, and a layout dimension of whole items. Returns `(page_size, head groups)`.
-fn head_group_args(item_size: i64, layout_dim_name: &'static str, layout_dim: i64, page_size: i64, head_num: i64) -> Result<(u64, u64)> {
+/// words, and a layout dimension of whole items.
+fn head_group_args(item_size: i64, layout_dim_name: &'static str, layout_dim: i64, page_size: i64, head_num: i64) -> Result<()> {
     let arg = |arg: &'static str, value: i64, message: String| TransferError::BadArgument { arg, value, message };
     if page_size <= 0 {
         return Err(arg("page_size", page_size, format!("page_size must be positive, got {page_size}")));
@@ -604,7 +604,7 @@ fn head_group_args(item_size: i64, layout_dim_name: &'static str, layout_dim: i6
             format!("{layout_dim_name} {layout_dim} must be a positive multiple of item_size {item_size}"),
         ));
     }
-    Ok((page_size as u64, head_num as u64))
+    Ok(())
 }
 
 /// `transfer_kv_per_layer_pfdhg_lf`: layer `layer_id` of a head-group-major page_first_direct

@@ -549,18 +549,27 @@ class MooncakeStore(HiCacheStorage):
         for at in range(0, len(keys), STORAGE_BATCH_SIZE):
             yield keys[at : at + STORAGE_BATCH_SIZE], idx[at * p : (at + STORAGE_BATCH_SIZE) * p]
 
-    def batch_set_v1(self, keys: List[str], host_indices: Any, extra_info: Any = None) -> List[bool]:
-        """Writes page ``i`` (host slots ``host_indices[i * P : (i + 1) * P]``) under ``keys[i]``;
-        objects that exist already are left as they are and count as written."""
+    def _paged(self, what: str, keys: Sequence[str], host_indices: Any, per_batch: Any) -> List[bool]:
+        """One page call: arguments checked once, then ``per_batch`` over sglang's batches."""
         keys = list(keys)
         with self._lock:
-            idx = self._checked("batch_set_v1", keys, host_indices)
+            idx = self._checked(what, keys, host_indices)
             if idx is None:
                 return [False] * len(keys)
             out: List[bool] = []
             for ks, hi in self._batches(keys, idx):
-                out += self._set_batch(ks, hi)
+                out += per_batch(ks, hi)
             return out
+
+    def _pages_ok(self, ok: List[bool], pages: int) -> List[bool]:
+        """Per page: every one of its objects ``ok``."""
+        c = self._layout.comps
+        return [all(ok[i * c : (i + 1) * c]) for i in range(pages)]
+
+    def batch_set_v1(self, keys: List[str], host_indices: Any, extra_info: Any = None) -> List[bool]:
+        """Writes page ``i`` (host slots ``host_indices[i * P : (i + 1) * P]``) under ``keys[i]``;
+        objects that exist already are left as they are and count as written."""
+        return self._paged("batch_set_v1", keys, host_indices, self._set_batch)
 
     def _set_batch(self, keys: List[str], idx: Any) -> List[bool]:
         lay = self._layout
@@ -606,7 +615,7 @@ class MooncakeStore(HiCacheStorage):
         except Exception as e:  # noqa: BLE001 - a checksum pass that failed: no page is written
             ok = [False] * len(obj_keys)
             self._fail(StorageError("batch_set_v1", REFUSED, keys, detail=str(e)))
-        return [all(ok[i * lay.comps : (i + 1) * lay.comps]) for i in range(len(keys))]
+        return self._pages_ok(ok, len(keys))
 
     def _sums(self, obj_keys: List[str], idx: Any, in_pool: bool) -> np.ndarray:
         """The checksum of each object of the batch: from the pool pages (zero copy), or from
@@ -621,15 +630,7 @@ class MooncakeStore(HiCacheStorage):
     def batch_get_v1(self, keys: List[str], host_indices: Any, extra_info: Any = None) -> List[bool]:
         """Reads page ``keys[i]`` into host slots ``host_indices[i * P : (i + 1) * P]``; a page is
         ``True`` only when every object of it was read whole."""
-        keys = list(keys)
-        with self._lock:
-            idx = self._checked("batch_get_v1", keys, host_indices)
-            if idx is None:
-                return [False] * len(keys)
-            out: List[bool] = []
-            for ks, hi in self._batches(keys, idx):
-                out += self._get_batch(ks, hi)
-            return out
+        return self._paged("batch_get_v1", keys, host_indices, self._get_batch)
 
     def _get_batch(self, keys: List[str], idx: Any) -> List[bool]:
         lay = self._layout
@@ -677,7 +678,7 @@ class MooncakeStore(HiCacheStorage):
             except Exception as e:  # noqa: BLE001 - a checksum pass that failed: trust no page
                 ok = [False] * len(obj_keys)
                 self._fail(StorageError("batch_get_v1", INTEGRITY, keys, detail=f"could not verify: {e}"))
-        pages = [all(ok[i * lay.comps : (i + 1) * lay.comps]) for i in range(len(keys))]
+        pages = self._pages_ok(ok, len(keys))
         if not lay.zero_copy:
             self._stage_in(pages, idx)
         return pages

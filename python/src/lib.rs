@@ -884,10 +884,7 @@ fn checksum(py: Python<'_>, data: &Bound<'_, PyAny>, seed: u64) -> PyResult<u64>
 /// store folds into an object's checksum to bind it to its key.
 #[pyfunction]
 fn name_tags<'py>(py: Python<'py>, names: Vec<String>) -> PyResult<Bound<'py, PyAny>> {
-    let bytes: Vec<u8> = names.iter().flat_map(|n| hicache_io::integrity::name_hash(n.as_bytes()).to_le_bytes()).collect();
-    let kw = pyo3::types::PyDict::new(py);
-    kw.set_item("dtype", "<u8")?;
-    py.import("numpy")?.call_method("frombuffer", (pyo3::types::PyByteArray::new(py, &bytes),), Some(&kw))
+    u64_array(py, names.iter().map(|n| hicache_io::integrity::name_hash(n.as_bytes())))
 }
 
 /// Waits for the caller's stream on CUDA device `device_id` (and the executor's other streams),
@@ -946,11 +943,22 @@ impl PyDevice {
     }
 }
 
-/// Bytes out as a writable 1-D `numpy.uint8` array (over a `bytearray`: one copy in all).
-fn u8_array<'py>(py: Python<'py>, bytes: &[u8]) -> PyResult<Bound<'py, PyAny>> {
+/// Bytes out as a writable 1-D numpy array of `dtype` (over a `bytearray`: one copy in all).
+fn numpy_array<'py>(py: Python<'py>, bytes: &[u8], dtype: &str) -> PyResult<Bound<'py, PyAny>> {
     let kw = pyo3::types::PyDict::new(py);
-    kw.set_item("dtype", "uint8")?;
+    kw.set_item("dtype", dtype)?;
     py.import("numpy")?.call_method("frombuffer", (pyo3::types::PyByteArray::new(py, bytes),), Some(&kw))
+}
+
+/// Bytes out as a writable 1-D `numpy.uint8` array.
+fn u8_array<'py>(py: Python<'py>, bytes: &[u8]) -> PyResult<Bound<'py, PyAny>> {
+    numpy_array(py, bytes, "uint8")
+}
+
+/// Values out as a writable 1-D little-endian `numpy.uint64` array.
+fn u64_array<'py>(py: Python<'py>, values: impl IntoIterator<Item = u64>) -> PyResult<Bound<'py, PyAny>> {
+    let bytes: Vec<u8> = values.into_iter().flat_map(u64::to_le_bytes).collect();
+    numpy_array(py, &bytes, "<u8")
 }
 
 fn parse<T: std::str::FromStr<Err = TransferError>>(s: &str) -> PyResult<T> {
@@ -1193,10 +1201,7 @@ impl PyHostPool {
     fn object_checksums<'py>(&self, py: Python<'py>, indices: &Bound<'_, PyAny>, seed: u64) -> PyResult<Bound<'py, PyAny>> {
         let idx = index_list(indices, "Host", Ctx { stream: None })?;
         let sums = py.detach(|| self.inner.object_checksums(&idx, seed)).py()?;
-        let bytes: Vec<u8> = sums.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let kw = pyo3::types::PyDict::new(py);
-        kw.set_item("dtype", "<u8")?;
-        py.import("numpy")?.call_method("frombuffer", (pyo3::types::PyByteArray::new(py, &bytes),), Some(&kw))
+        u64_array(py, sums)
     }
     /// Waits for every transfer queued on the pool's executor (another call's failed CUDA index
     /// check stays pending for that call's own report).
