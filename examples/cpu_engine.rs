@@ -16,7 +16,7 @@ fn main() -> Result<(), hicache_io::TransferError> {
         page_size: page,
         layers: LayerMap::new(layers),
     };
-    let host_cfg = HostPoolConfig { layout: Layout::PageFirst, size: 4096, head_num: 1, profile: Profile::Extended };
+    let host_cfg = HostPoolConfig { layout: Layout::PageFirst, size: 4096, head_num: 1, profile: Profile::Extended, integrity: None };
     // The host region is sized by the layout: ask a geometry-only pool, then allocate.
     let host_bytes = HostPool::new(&DevicePool::new(&hicache_io::Device::cpu(), &config)?, &host_cfg)?.geometry().buffer_bytes();
     let mut host_region = vec![0u8; host_bytes as usize];

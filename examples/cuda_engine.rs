@@ -38,7 +38,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         })
         .collect();
     let mut dev = DevicePool::from_buffers(&device, &config, vec![layers])?;
-    let host_cfg = HostPoolConfig { layout: Layout::PageFirst, size: 8192, head_num: 1, profile: Profile::Extended };
+    let host_cfg = HostPoolConfig { layout: Layout::PageFirst, size: 8192, head_num: 1, profile: Profile::Extended, integrity: None };
     let host_bytes = HostPool::new(&DevicePool::new(&Device::cpu(), &config)?, &host_cfg)?.geometry().buffer_bytes() as usize;
     let mut region = vec![7u8; host_bytes];
     // SAFETY: `region` outlives the host pool and is not touched while transfers run.

@@ -63,6 +63,9 @@ pub struct BenchSpec {
     pub layout: Layout,
     /// io backend.
     pub io: IoBackend,
+    /// Item checksums in the host pool (the `extended` default); only `kernel` copies compute
+    /// them, and only on executors whose copies can.
+    pub checksums: bool,
 }
 
 impl std::fmt::Display for BenchSpec {
@@ -71,7 +74,11 @@ impl std::fmt::Display for BenchSpec {
             BenchOp::Load => "load",
             BenchOp::Backup => "backup",
         };
-        write!(f, "{op} {} {} {}B {} N={} L={}", self.layout, self.io, self.item, self.pattern.name(), self.items, self.layers)
+        write!(f, "{op} {} {} {}B {} N={} L={}", self.layout, self.io, self.item, self.pattern.name(), self.items, self.layers)?;
+        if !self.checksums {
+            write!(f, " nosum")?;
+        }
+        Ok(())
     }
 }
 
@@ -97,7 +104,7 @@ pub fn specs(quick: bool) -> Vec<BenchSpec> {
                 for &layers in layer_counts {
                     for op in [BenchOp::Load, BenchOp::Backup] {
                         for (layout, io) in PATHS {
-                            v.push(BenchSpec { item, pattern, items: n, layers, op, layout, io });
+                            v.push(BenchSpec { item, pattern, items: n, layers, op, layout, io, checksums: true });
                         }
                     }
                 }
@@ -159,7 +166,13 @@ impl Fixture {
         )?;
         let mut dev = dev;
         let mut host =
-            HostPool::new(&dev, &HostPoolConfig { layout: spec.layout, size: units * page, head_num: 1, profile: Profile::Extended })?;
+            HostPool::new(&dev, &HostPoolConfig {
+                layout: spec.layout,
+                size: units * page,
+                head_num: 1,
+                profile: Profile::Extended,
+                integrity: Some(spec.checksums),
+            })?;
         let mut rng = Rng::new(seed);
         // Every page written: untouched memory may be the OS's shared zero page (cpu pools are
         // mapped lazily), which reads from cache and would flatter the numbers.
@@ -193,6 +206,11 @@ impl Fixture {
             BenchOp::Load => Op::Load { layer_id: spec.layers / 2, is_draft: false },
             BenchOp::Backup => Op::Backup,
         };
+        if spec.op == BenchOp::Load && spec.io == IoBackend::Kernel && host.integrity_enabled() {
+            // Loads verify recorded checksums (not unknown ones): back the items up first (only
+            // `kernel` copies compute them).
+            host.backup_from_device_all_layer(&dev, &hi, &di, IoBackend::Kernel)?;
+        }
         Ok(Fixture { dev, host, host_indices: hi, device_indices: di, op })
     }
 
@@ -277,6 +295,7 @@ pub fn pipeline(device: &Device, layers: usize, items: u64, compute: Option<Dura
         op: BenchOp::Load,
         layout: Layout::PageFirst,
         io: IoBackend::Kernel,
+        checksums: true,
     };
     let mut fx = Fixture::new(device, &spec, 11)?;
     let (hi, di) = (fx.host_indices.clone(), fx.device_indices.clone());
@@ -368,6 +387,21 @@ fn backup_latency(fx: &mut Fixture, hi: &[i64], di: &[i64], runs: usize) -> Resu
     }
     let bytes = (bdi.len() as u64 / page as u64) * fx.dev.geometry().item_bytes() * fx.dev.geometry().buffer_count() as u64;
     Ok((crate::timing::median(one), crate::timing::median(side), bytes))
+}
+
+/// One cell with item checksums and without, in one run: `(with, without)`, each the faster of
+/// `rounds` interleaved measurements (alternating, so drift on a noisy machine hits both).
+pub fn checksum_pair(device: &Device, spec: &BenchSpec, budget: Duration, rounds: usize) -> Result<(BenchResult, BenchResult)> {
+    let (mut with, mut without): (Option<BenchResult>, Option<BenchResult>) = (None, None);
+    let better = |a: Option<BenchResult>, b: BenchResult| match a {
+        Some(a) if a.gbps >= b.gbps => Some(a),
+        _ => Some(b),
+    };
+    for _ in 0..rounds.max(1) {
+        without = better(without, run_spec(device, &BenchSpec { checksums: false, ..*spec }, budget)?);
+        with = better(with, run_spec(device, &BenchSpec { checksums: true, ..*spec }, budget)?);
+    }
+    Ok((with.expect("one round ran"), without.expect("one round ran")))
 }
 
 /// Measures one cell: transfer, planning and the executor's one-copy ceiling, in one run.

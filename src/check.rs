@@ -94,7 +94,7 @@ pub fn random_case(cell: Cell, profile: Profile, rng: &mut Rng) -> Case {
         page_size,
         layers: layers.clone(),
     };
-    let host = HostPoolConfig { layout: cell.layout, size: host_pages * page_size - 1 - rng.below(page_size), head_num, profile };
+    let host = HostPoolConfig { layout: cell.layout, size: host_pages * page_size - 1 - rng.below(page_size), head_num, profile, integrity: None };
     let op = match cell.op {
         TableOp::Load => {
             if layers.drafts > 0 && rng.chance(30) {
@@ -188,6 +188,9 @@ pub enum Outcome {
     Match {
         /// Bytes moved.
         bytes: u64,
+        /// Host items whose recorded checksum was compared with the oracle's (backups on an
+        /// executor that keeps checksums).
+        checksums: u64,
     },
     /// Ran and differed: where the first differing byte is.
     Mismatch {
@@ -281,20 +284,64 @@ impl Mirrored {
 pub fn run_case(device: &Device, case: &Case) -> Result<Outcome> {
     let mut m = Mirrored::new(device, &case.device, &case.host, case.seed)?;
     let req = Request { op: case.op, io_backend: case.cell.io, host_indices: &case.host_indices, device_indices: &case.device_indices };
-    let bytes = match m.host.plan(&m.dev, &req) {
-        Ok(p) => p.bytes(),
+    let plan = match m.host.plan(&m.dev, &req) {
+        Ok(p) => p,
         Err(e) => return Ok(Outcome::Rejected(e)),
     };
+    let bytes = plan.bytes();
     if case.seed.is_multiple_of(4) {
         m.call_async(case.op, case.cell.io, &case.host_indices, &case.device_indices)?;
     } else {
         m.call(case.op, case.cell.io, &case.host_indices, &case.device_indices)?;
     }
     m.apply_oracle(case.op, &case.host_indices, &case.device_indices);
-    Ok(match m.first_mismatch()? {
-        Some((buffer, offset)) => Outcome::Mismatch { buffer, offset },
-        None => Outcome::Match { bytes },
-    })
+    if let Some((buffer, offset)) = m.first_mismatch()? {
+        return Ok(Outcome::Mismatch { buffer, offset });
+    }
+    match m.checksum_mismatch(&plan)? {
+        Ok(checksums) => Ok(Outcome::Match { bytes, checksums }),
+        Err(buffer) => Ok(Outcome::Mismatch { buffer, offset: 0 }),
+    }
+}
+
+impl Mirrored {
+    /// After a backup: every item it wrote has, in the host pool's table, the checksum of the
+    /// oracle's bytes for it (computed here from the mirror, item by item), or none where the
+    /// backup's copies do not checksum. `Ok(items compared)`, or `Err(which item differs)`.
+    pub(crate) fn checksum_mismatch(&self, plan: &crate::plan::Plan) -> Result<std::result::Result<u64, String>> {
+        if plan.direction() != crate::plan::Direction::DeviceToHost || !self.host.integrity_enabled() {
+            return Ok(Ok(0));
+        }
+        let Some(units) = plan.host_units() else { return Ok(Ok(0)) };
+        let g = self.host.geometry();
+        let (chunk, heads) = (g.chunk_bytes() as usize, g.head_num());
+        let keys = crate::integrity::Keys::new(crate::integrity::STORAGE_SEED, crate::integrity::words(chunk) * heads as usize)?;
+        let mut layers: Vec<u64> = plan.steps().iter().flat_map(|s| s.layers().iter().copied()).collect();
+        layers.sort_unstable();
+        layers.dedup();
+        let summed = plan.is_checksummed();
+        let mut compared = 0;
+        for &l in &layers {
+            for c in 0..g.kind().components() as u8 {
+                let a = g.addr(c, l);
+                for &u in units.iter().filter(|u| **u >= 0) {
+                    let u = u as u64;
+                    let want = summed.then(|| {
+                        (0..heads).fold(0u64, |sum, h| {
+                            let at = a.offset(u, h) as usize;
+                            sum.wrapping_add(crate::integrity::item_part(&self.host_bytes[c as usize][at..at + chunk], h, &keys))
+                        })
+                    });
+                    let got = self.host.item_checksum(u, l, c)?;
+                    if got != want {
+                        return Ok(Err(format!("checksum of host item {u} (layer {l}, component {c}): {got:x?}, the oracle's bytes give {want:x?}")));
+                    }
+                    compared += want.is_some() as u64;
+                }
+            }
+        }
+        Ok(Ok(compared))
+    }
 }
 
 fn first_diff(a: &[u8], b: &[u8]) -> Option<usize> {
@@ -317,6 +364,8 @@ pub struct Tally {
     pub rejected: u64,
     /// Bytes moved by matching cases.
     pub bytes: u64,
+    /// Host items whose recorded checksum matched the oracle's, in matching cases.
+    pub checksums: u64,
     /// The first failure, for the report.
     pub first_failure: Option<String>,
 }
@@ -360,9 +409,10 @@ pub fn check_device_io(
             }
             t.cases += 1;
             match run_case(device, &case)? {
-                Outcome::Match { bytes } => {
+                Outcome::Match { bytes, checksums } => {
                     t.matched += 1;
                     t.bytes += bytes;
+                    t.checksums += checksums;
                 }
                 Outcome::Mismatch { buffer, offset } => {
                     t.mismatched += 1;

@@ -336,6 +336,28 @@ pub enum TransferError {
         /// What the check found.
         source: Box<TransferError>,
     },
+    /// A load read host items whose bytes do not match the checksums their backups recorded:
+    /// the call's other items landed; these were copied too but must be treated as a cache miss
+    /// (reload them from elsewhere). The fields name the first such item (lowest layer,
+    /// component, host index); `items` lists every one.
+    #[error(
+        "integrity check failed: host item {host_index} of layer {layer} (loaded into device slot {device_index}) has checksum {found:#018x}, its backup recorded {expected:#018x}{}",
+        if items.len() > 1 { format!(" ({} items failed in all)", items.len()) } else { String::new() }
+    )]
+    Integrity {
+        /// Host layer of the first mismatching item.
+        layer: u64,
+        /// Its host index (token slot; indexer page for the DSA indexer).
+        host_index: u64,
+        /// The device index it was loaded into.
+        device_index: u64,
+        /// The checksum its backup recorded.
+        expected: u64,
+        /// The checksum of the bytes the load read.
+        found: u64,
+        /// Every mismatching item of the call.
+        items: Vec<crate::integrity::ItemMismatch>,
+    },
     /// An executor that cannot run here (no driver, no adapter, not compiled in).
     #[error("{backend}: unavailable ({reason})")]
     Unavailable {

@@ -40,6 +40,11 @@ pub struct FuzzTally {
     /// Accepted calls whose bytes differ from the oracle, or refused calls that changed a byte
     /// (must be 0).
     pub corrupted: u64,
+    /// Loads whose items were backed up with checksums and loaded back untouched (a backup,
+    /// then a load of the same items).
+    pub verified_loads: u64,
+    /// Integrity errors in these ordinary cases, where nothing was damaged (must be 0).
+    pub false_alarms: u64,
     /// The first failures, for the report.
     pub failures: Vec<String>,
 }
@@ -47,7 +52,7 @@ pub struct FuzzTally {
 impl FuzzTally {
     /// True when nothing panicked and nothing was corrupted.
     pub fn clean(&self) -> bool {
-        self.panics == 0 && self.corrupted == 0 && self.refused_well_formed == 0
+        self.panics == 0 && self.corrupted == 0 && self.refused_well_formed == 0 && self.false_alarms == 0
     }
     fn fail(&mut self, what: String) {
         if self.failures.len() < 10 {
@@ -185,6 +190,7 @@ fn one_case(device: &Device, other_device: Option<&Device>, seed: u64, t: &mut F
     let tag = |what: &str| format!("seed {seed}: {what} ({op:?} {io} {} {:?})", hc.layout, dc.kind);
     // A fifth of the calls go through the asynchronous API (enqueued, then waited on).
     let result = if rng.chance(20) { m.call_async(op, io, &hi, &di) } else { m.call(op, io, &hi, &di) };
+    let result_ok = result.is_ok();
     match result {
         Ok(()) => {
             m.apply_oracle(op, &hi, &di);
@@ -192,6 +198,10 @@ fn one_case(device: &Device, other_device: Option<&Device>, seed: u64, t: &mut F
         }
         Err(e) => {
             t.rejected_call += 1;
+            if matches!(e, TransferError::Integrity { .. }) {
+                t.false_alarms += 1;
+                t.fail(tag(&format!("an integrity error where nothing was damaged: {e}")));
+            }
             if !mutated {
                 t.refused_well_formed += 1;
                 t.fail(tag(&format!("a well-formed call was refused: {e}")));
@@ -203,6 +213,34 @@ fn one_case(device: &Device, other_device: Option<&Device>, seed: u64, t: &mut F
         }
     }
     check_mirror(&m, t, &tag("call"));
+    // A successful backup, loaded back: with checksums, the load verifies what it recorded.
+    if result_ok && op.direction() == crate::plan::Direction::DeviceToHost && rng.chance(50) {
+        let map = m.dev.geometry().layers().clone();
+        let load = match map.live_layers().first() {
+            Some(&l) => Some(Op::Load { layer_id: l, is_draft: false }),
+            None if map.drafts > 0 => Some(Op::Load { layer_id: map.layer_num, is_draft: true }),
+            None => None,
+        };
+        let before = m.host.integrity_stats().map_or(0, |s| s.verified);
+        if let Some(load) = load {
+            match m.call(load, io, &hi, &di) {
+                Ok(()) => {
+                    m.apply_oracle(load, &hi, &di);
+                    if m.host.integrity_stats().is_some_and(|s| s.verified > before) {
+                        t.verified_loads += 1;
+                    }
+                }
+                Err(e @ TransferError::Integrity { .. }) => {
+                    t.false_alarms += 1;
+                    t.fail(tag(&format!("loading back a backup raised an integrity error: {e}")));
+                }
+                // A mutated call's indices may be fine for the backup and not for the load
+                // (duplicate device slots): a refusal moves nothing.
+                Err(_) => {}
+            }
+            check_mirror(&m, t, &tag("load after backup"));
+        }
+    }
     // Storage helpers: a page read and written back changes nothing.
     if rng.chance(30) {
         let some = rng.below(64) as i64;

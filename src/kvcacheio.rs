@@ -301,7 +301,7 @@ fn host_pool(
     }
     let buffers = comps.iter().map(|a| wrap(dev.device(), a)).collect::<Result<Vec<_>>>()?;
     // HostPool rounds a requested size up to (size / P + 1) × P: ask for one page less.
-    HostPool::from_buffers(dev, &HostPoolConfig { layout, size: slots - p, head_num, profile }, buffers)
+    HostPool::from_buffers(dev, &HostPoolConfig { layout, size: slots - p, head_num, profile, integrity: None }, buffers)
 }
 
 /// A layout dimension in layers: `layout_dim / item`, which must be whole.

@@ -32,7 +32,7 @@
 //!     kind: PoolKind::Mla, bytes_per_token: 1152, slots: 256, page_size: 16, layers: LayerMap::new(4),
 //! })?;
 //! let mut host = HostPool::new(&dev, &HostPoolConfig {
-//!     layout: Layout::PageFirst, size: 1024, head_num: 1, profile: Profile::Extended,
+//!     layout: Layout::PageFirst, size: 1024, head_num: 1, profile: Profile::Extended, integrity: None,
 //! })?;
 //! // Back up one page (16 tokens) of every layer, then load layer 2 back elsewhere.
 //! let device_slots: Vec<i64> = (32..48).collect();
@@ -55,6 +55,7 @@ pub mod error;
 pub mod exec;
 pub mod fuzz;
 pub mod geometry;
+pub mod inject;
 pub mod integrity;
 pub mod kvcacheio;
 pub mod matrix;

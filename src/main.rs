@@ -74,6 +74,11 @@ struct BenchArgs {
     /// time).
     #[arg(long)]
     compute_us: Option<u64>,
+    /// Item checksums on against off instead: the `kernel` cells (layer_first and page_first,
+    /// load and backup) of 8448 and 1152 B items (or `--items`), each measured both ways in one
+    /// run, and the ratio.
+    #[arg(long)]
+    checksums: bool,
     #[arg(long)]
     json: bool,
 }
@@ -88,6 +93,10 @@ struct FuzzArgs {
     /// Cases per executor (at least 1).
     #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(1..))]
     cases: u64,
+    /// Corruption injections per executor that keeps item checksums (host bits, table entries,
+    /// swapped and replayed items, damaged storage pages); default: as many as `--cases`.
+    #[arg(long)]
+    inject: Option<u64>,
     #[arg(long)]
     json: bool,
 }
@@ -200,6 +209,9 @@ fn bench(args: BenchArgs) -> ExitCode {
     if args.io == Some(hicache_io::IoBackend::Auto) {
         return bench_auto(&devices, &args);
     }
+    if args.checksums {
+        return bench_checksums(&devices, &args);
+    }
     let mut specs = hicache_io::bench::specs(!args.full);
     if !args.items.is_empty() {
         let base = hicache_io::bench::specs(!args.full);
@@ -310,6 +322,52 @@ fn bench_auto(devices: &[Device], args: &BenchArgs) -> ExitCode {
     ExitCode::SUCCESS
 }
 
+fn bench_checksums(devices: &[Device], args: &BenchArgs) -> ExitCode {
+    use hicache_io::bench::{checksum_pair, specs};
+    use hicache_io::IoBackend;
+    let items: Vec<u64> = if args.items.is_empty() { vec![8448, 1152] } else { args.items.clone() };
+    let cells: Vec<_> = items
+        .iter()
+        .flat_map(|&item| {
+            specs(true).into_iter().filter(|s| s.io == IoBackend::Kernel && s.item == 8448).map(move |s| hicache_io::bench::BenchSpec { item, ..s })
+        })
+        .collect();
+    let budget = std::time::Duration::from_millis(args.budget_ms);
+    let bar = indicatif::ProgressBar::new((cells.len() * devices.len()) as u64);
+    let mut rows = Vec::new();
+    for dev in devices {
+        if !dev.capabilities().checksums {
+            bar.println(format!("{}: its copies do not compute checksums (its pools keep none)", dev.name()));
+            bar.inc(cells.len() as u64);
+            continue;
+        }
+        for spec in &cells {
+            bar.set_message(format!("{} {spec}", dev.name()));
+            match checksum_pair(dev, spec, budget, 3) {
+                Ok(pair) => rows.push(pair),
+                Err(e) => {
+                    bar.finish_and_clear();
+                    eprintln!("{} {spec}: {e}", dev.name());
+                    return ExitCode::FAILURE;
+                }
+            }
+            bar.inc(1);
+        }
+    }
+    bar.finish_and_clear();
+    if args.json {
+        let v: Vec<_> =
+            rows.iter().map(|(w, p)| serde_json::json!({"with": w, "without": p, "ratio": w.gbps / p.gbps})).collect();
+        println!("{}", serde_json::to_string_pretty(&v).expect("json"));
+        return ExitCode::SUCCESS;
+    }
+    println!("{:<5} {:<46} {:>12} {:>12} {:>16}", "exec", "cell", "plain GB/s", "summed GB/s", "summed / plain");
+    for (w, p) in &rows {
+        println!("{:<5} {:<46} {:>12.2} {:>12.2} {:>16.2}", w.backend, w.spec.to_string(), p.gbps, w.gbps, w.gbps / p.gbps);
+    }
+    ExitCode::SUCCESS
+}
+
 fn bench_pipeline(devices: &[Device], args: &BenchArgs) -> ExitCode {
     let compute = args.compute_us.map(std::time::Duration::from_micros);
     let mut results = Vec::new();
@@ -410,27 +468,31 @@ fn check(args: CheckArgs) -> ExitCode {
         println!("{}", serde_json::to_string_pretty(&v).expect("json"));
     } else {
         println!(
-            "\n{:<48} {:>6} {:>9} {:>8} {:>10}  result",
+            "\n{:<48} {:>6} {:>9} {:>8} {:>10} {:>7}  result",
             "cell (profile ".to_string() + args.profile.name() + ")",
             "exec",
             "cases",
             "matched",
-            "bytes"
+            "bytes",
+            "sums"
         );
         for (name, rows) in &report {
             for (cell, t) in rows {
-                println!("{:<48} {:>6} {:>9} {:>8} {:>10}  {}", cell.to_string(), name, t.cases, t.matched, t.bytes, verdict(t));
+                println!("{:<48} {:>6} {:>9} {:>8} {:>10} {:>7}  {}", cell.to_string(), name, t.cases, t.matched, t.bytes, t.checksums, verdict(t));
             }
         }
     }
     for (name, rows) in &report {
         let bad: Vec<&Tally> = rows.iter().map(|(_, t)| t).filter(|t| t.matched != t.cases).collect();
         let cases: u64 = rows.iter().map(|(_, t)| t.cases).sum();
+        let sums: u64 = rows.iter().map(|(_, t)| t.checksums).sum();
+        let keeps = devices.iter().find(|d| d.name() == *name).is_some_and(|d| d.capabilities().checksums);
         let line = format!(
-            "{name}: {} of {} cells, {cases} cases, {}",
+            "{name}: {} of {} cells, {cases} cases, {}; item checksums: {}",
             rows.len() - bad.len(),
             rows.len(),
-            if bad.is_empty() { "all match the oracle" } else { "MISMATCHES" }
+            if bad.is_empty() { "all match the oracle" } else { "MISMATCHES" },
+            if keeps { format!("{sums} recorded by backups, each equal to the oracle's") } else { "not kept on this executor".into() }
         );
         if args.json {
             eprintln!("{line}");
@@ -466,14 +528,23 @@ fn fuzz(args: FuzzArgs) -> ExitCode {
             bar.set_message(format!("panics {} corrupted {}", t.panics, t.corrupted));
         });
         bar.finish_and_clear();
-        report.push((dev.name(), t));
+        let injections = args.inject.unwrap_or(args.cases);
+        let bar = indicatif::ProgressBar::new(injections);
+        bar.set_style(indicatif::ProgressStyle::with_template("{prefix:>5} [{bar:40}] {pos}/{len} {msg}").unwrap().progress_chars("=> "));
+        bar.set_prefix(format!("{} inject", dev.name()));
+        let i = hicache_io::inject::inject_device(dev, args.seed, injections, |i| {
+            bar.set_position(i.total());
+            bar.set_message(format!("missed {} false alarms {}", i.missed, i.false_alarms));
+        });
+        bar.finish_and_clear();
+        report.push((dev.name(), t, i));
     }
     let mut clean = true;
     if args.json {
-        let v: Vec<_> = report.iter().map(|(n, t)| serde_json::json!({"backend": n, "tally": t})).collect();
+        let v: Vec<_> = report.iter().map(|(n, t, i)| serde_json::json!({"backend": n, "tally": t, "injection": i})).collect();
         println!("{}", serde_json::to_string_pretty(&v).expect("json"));
     }
-    for (name, t) in &report {
+    for (name, t, i) in &report {
         let line = format!(
             "{name}: tried {}, rejected {} ({} configurations, {} calls), matched the oracle {}, large pools checked {}, panics {}, corrupted {}, well-formed refused {}",
             t.tried,
@@ -495,6 +566,31 @@ fn fuzz(args: FuzzArgs) -> ExitCode {
             eprintln!("  {f}");
         }
         clean &= t.clean();
+        let line = if i.verified {
+            let kinds: Vec<String> = hicache_io::inject::FAULTS.iter().zip(i.injected).map(|(k, n)| format!("{k} {n}")).collect();
+            format!(
+                "{name}: integrity: injected {} ({}), detected {}, harmless {} (identical bytes swapped), missed {}, false alarms {} (and {} in {} verified loads of the cases above)",
+                i.total(),
+                kinds.join(", "),
+                i.detected,
+                i.harmless,
+                i.missed,
+                i.false_alarms,
+                t.false_alarms,
+                t.verified_loads
+            )
+        } else {
+            format!("{name}: integrity: not verified on this executor (its copies keep no checksums): nothing injected")
+        };
+        if args.json {
+            eprintln!("{line}");
+        } else {
+            println!("{line}");
+        }
+        for f in &i.failures {
+            eprintln!("  {f}");
+        }
+        clean &= i.clean();
     }
     if clean {
         ExitCode::SUCCESS

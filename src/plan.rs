@@ -67,6 +67,9 @@ pub struct Capabilities {
     /// Whether the executor checks index lists held in its own (CUDA) memory on the device
     /// ([`Plan::device_check`]); only such an executor gets plans of device lists.
     pub device_index_lists: bool,
+    /// Whether the `kernel` copies compute item checksums as they copy (recording them for
+    /// backups, verifying them for loads: see [`crate::integrity`]).
+    pub checksums: bool,
     /// Which io backend `auto` picks, by item size and run length.
     pub auto: AutoTable,
 }
@@ -142,6 +145,7 @@ impl Capabilities {
         max_lanes: 1,
         max_loop_trips: u64::MAX,
         device_index_lists: false,
+        checksums: false,
         auto: AutoTable::DEFAULT,
     };
     /// Host-memory executors: no alignment or binding limit.
@@ -159,6 +163,7 @@ impl Capabilities {
         max_lanes: 1,
         max_loop_trips: u64::MAX,
         device_index_lists: false,
+        checksums: false,
         auto: AutoTable::DEFAULT,
     };
 
@@ -365,7 +370,20 @@ pub struct GatherStep {
     pub(crate) chunk_bytes: u64,
     pub(crate) heads: u64,
     pub(crate) pairs: Vec<AddrPair>,
+    /// The host item of each pair: `(host layer, component)`.
+    pub(crate) items: Vec<(u64, u8)>,
+    /// Whether the copies checksum the items they move (record on backups, verify on loads).
+    pub(crate) checksum: Option<ChecksumMode>,
     pub(crate) lanes_log2: u32,
+}
+
+/// What a checksumming copy does with the checksum of each item it moves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChecksumMode {
+    /// A backup: record it in the host pool's table.
+    Record,
+    /// A load: compare it with the recorded one.
+    Verify,
 }
 
 impl GatherStep {
@@ -394,6 +412,14 @@ impl GatherStep {
     /// The (layer, component) address pairs, K before V.
     pub fn pairs(&self) -> &[AddrPair] {
         &self.pairs
+    }
+    /// `(host layer, component)` of each address pair.
+    pub fn items(&self) -> &[(u64, u8)] {
+        &self.items
+    }
+    /// Whether (and how) the copies checksum the items.
+    pub fn checksum(&self) -> Option<ChecksumMode> {
+        self.checksum
     }
     /// Invocations per item chunk, `2^lanes_log2`: about one per 16-byte word of the chunk (4-byte
     /// words when the chunk is not whole 16-byte words), at most the executor's `max_lanes`.
@@ -482,9 +508,39 @@ pub struct Plan {
     steps: Arc<[Step]>,
     bytes: u64,
     device_check: Option<DeviceIndexCheck>,
+    /// Host indices (in units: pages for the DSA indexer) of the call, negative: skipped.
+    host_units: Arc<[i64]>,
 }
 
 impl Plan {
+    /// The plan with its `kernel` copies checksumming every item (`on`, on an executor whose
+    /// copies can: [`Capabilities::checksums`]; index lists on the host). Other plans are
+    /// unchanged, and their backups leave the items' checksums unknown.
+    pub(crate) fn with_checksums(mut self, on: bool, caps: &Capabilities) -> Plan {
+        if !on || !caps.checksums || self.device_check.is_some() {
+            return self;
+        }
+        let mode = match self.direction {
+            Direction::HostToDevice => ChecksumMode::Verify,
+            Direction::DeviceToHost => ChecksumMode::Record,
+        };
+        let mut steps: Vec<Step> = self.steps.to_vec();
+        for step in &mut steps {
+            if let StepKind::Gather(g) = &mut step.kind {
+                g.checksum = Some(mode);
+            }
+        }
+        self.steps = steps.into();
+        self
+    }
+    /// Whether every step checksums what it copies.
+    pub fn is_checksummed(&self) -> bool {
+        self.steps.iter().all(|s| matches!(&s.kind, StepKind::Gather(g) if g.checksum.is_some()))
+    }
+    /// Host indices of the call (in units), `None` when they live in CUDA memory.
+    pub(crate) fn host_units(&self) -> Option<&[i64]> {
+        self.device_check.is_none().then_some(&self.host_units[..])
+    }
     /// The checks of index values an executor must make on the device before any step of this
     /// plan moves a byte (a plan made for index lists in CUDA memory); `None` when the planner
     /// made them.
@@ -712,6 +768,7 @@ fn plan_io(profile: Profile, caps: &Capabilities, owner: u64, pair: &Arc<PoolPai
         steps: Arc::from([]),
         bytes: 0,
         device_check: None,
+        host_units: Arc::from([]),
     };
     // 1. Layers.
     let Some(layer_groups) = resolve_layers(dev, req.op, table_op)? else {
@@ -735,11 +792,12 @@ fn plan_io(profile: Profile, caps: &Capabilities, owner: u64, pair: &Arc<PoolPai
         check_whole_pages("device", req.device_indices, host.page_size())?;
     }
     check_indices(host, dev, caps, direction, req.io_backend, &hi, &di)?;
+    let host_units: Arc<[i64]> = Arc::from(&hi[..]);
     let (steps, bytes) = match req.io_backend {
         IoBackend::Kernel => lower_gather(host, dev, caps, direction, &layer_groups, hi, di),
         _ => lower_direct(host, dev, direction, &layer_groups, &hi, &di),
     };
-    Ok(Plan { owner, pair: pair.clone(), profile, direction, path, io, steps: steps.into(), bytes, device_check: None })
+    Ok(Plan { owner, pair: pair.clone(), profile, direction, path, io, steps: steps.into(), bytes, device_check: None, host_units })
 }
 
 /// Index lists in CUDA device memory: `len` `i64` entries at `host` (the host pool's indices) and
@@ -1146,8 +1204,10 @@ fn lower_gather(
     let mut layer_count = 0u64;
     for layers in layer_groups {
         let mut pairs = Vec::with_capacity(layers.len() * comps as usize);
+        let mut items = Vec::with_capacity(layers.len() * comps as usize);
         for &(hl, ds) in layers {
             for c in 0..comps {
+                items.push((hl, c));
                 let (h, d) = (host.addr(c, hl), dev.addr(c, ds, heads));
                 pairs.push(match direction {
                     Direction::HostToDevice => AddrPair { src: h, dst: d },
@@ -1165,6 +1225,8 @@ fn lower_gather(
                     chunk_bytes: host.chunk_bytes(),
                     heads,
                     pairs: pairs.clone(),
+                    items: items.clone(),
+                    checksum: None,
                     lanes_log2,
                 }),
                 layers: layers.iter().map(|l| l.0).collect(),

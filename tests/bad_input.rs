@@ -15,7 +15,7 @@ struct Pools {
 fn pools(device: &Device, kind: PoolKind, layout: Layout, bytes_per_token: u64, page: u64, profile: Profile, layers: LayerMap) -> Pools {
     let slots = if kind == PoolKind::DsaIndexer { 16 } else { 16 * page };
     let mut dev = DevicePool::new(device, &DevicePoolConfig { kind, bytes_per_token, slots, page_size: page, layers }).unwrap();
-    let mut host = HostPool::new(&dev, &HostPoolConfig { layout, size: 16 * page, head_num: 2, profile }).unwrap();
+    let mut host = HostPool::new(&dev, &HostPoolConfig { layout, size: 16 * page, head_num: 2, profile, integrity: None }).unwrap();
     let mut rng = Rng::new(5);
     let g = dev.geometry().clone();
     for c in 0..kind.components() {

@@ -22,7 +22,7 @@ fn sixty_one_layer_loads_and_a_backup_never_block_the_host() {
     let layers = 61;
     let cfg = DevicePoolConfig { kind: PoolKind::Mla, bytes_per_token: 656, slots: 1024, page_size: 64, layers: LayerMap::new(layers) };
     let mut dev = DevicePool::new(&device, &cfg).unwrap();
-    let host_cfg = HostPoolConfig { layout: Layout::PageFirst, size: 2048, head_num: 1, profile: Profile::Extended };
+    let host_cfg = HostPoolConfig { layout: Layout::PageFirst, size: 2048, head_num: 1, profile: Profile::Extended, integrity: None };
     let mut host = HostPool::new(&dev, &host_cfg).unwrap();
     let (hi, di): (Vec<i64>, Vec<i64>) = ((0..256).collect(), (512..768).collect());
     let (bhi, bdi): (Vec<i64>, Vec<i64>) = ((1024..1280).collect(), (0..256).collect());

@@ -20,7 +20,7 @@ fn pools(device: &Device, sharded: bool) -> (DevicePool<'static>, HostPool<'stat
     }
     let dc = DevicePoolConfig { kind: PoolKind::Mla, bytes_per_token: 64, slots: 32, page_size: 4, layers };
     let mut dev = DevicePool::new(device, &dc).unwrap();
-    let hc = HostPoolConfig { layout: Layout::LayerFirst, size: 32, head_num: 1, profile: Profile::Extended };
+    let hc = HostPoolConfig { layout: Layout::LayerFirst, size: 32, head_num: 1, profile: Profile::Extended, integrity: None };
     let mut host = HostPool::new(&dev, &hc).unwrap();
     let mut rng = Rng::new(9);
     for s in 0..LAYERS {

@@ -13,7 +13,7 @@ fn cfg(kind: PoolKind, bytes_per_token: u64, slots: u64, page_size: u64, layers:
 }
 
 fn host_cfg(layout: Layout, size: u64) -> HostPoolConfig {
-    HostPoolConfig { layout, size, head_num: 1, profile: Profile::Extended }
+    HostPoolConfig { layout, size, head_num: 1, profile: Profile::Extended, integrity: None }
 }
 
 /// Sizes whose products wrap u64 (or give a 0-slot pool) are configuration errors.

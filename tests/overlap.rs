@@ -17,7 +17,7 @@ use common::{contents, Contents};
 fn pools(device: &Device, layers: LayerMap, slots: u64, layout: Layout) -> (DevicePool<'static>, HostPool<'static>, Contents) {
     let dc = DevicePoolConfig { kind: PoolKind::Mha, bytes_per_token: 256, slots, page_size: 4, layers };
     let mut dev = DevicePool::new(device, &dc).unwrap();
-    let hc = HostPoolConfig { layout, size: slots, head_num: 1, profile: Profile::Extended };
+    let hc = HostPoolConfig { layout, size: slots, head_num: 1, profile: Profile::Extended, integrity: None };
     let mut host = HostPool::new(&dev, &hc).unwrap();
     let mut rng = Rng::new(slots);
     let g = dev.geometry().clone();

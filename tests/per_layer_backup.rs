@@ -40,7 +40,7 @@ fn dsa_pools(device: &Device, profile: Profile) -> (DevicePool<'static>, HostPoo
         &DevicePoolConfig { kind: PoolKind::DsaIndexer, bytes_per_token: 132, slots: 8, page_size: 4, layers: LayerMap::new(3) },
     )
     .unwrap();
-    let host = HostPool::new(&dev, &HostPoolConfig { layout: Layout::PageFirst, size: 32, head_num: 1, profile }).unwrap();
+    let host = HostPool::new(&dev, &HostPoolConfig { layout: Layout::PageFirst, size: 32, head_num: 1, profile, integrity: None }).unwrap();
     (dev, host)
 }
 

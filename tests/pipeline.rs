@@ -30,7 +30,7 @@ fn pools(
 ) -> (DevicePool<'static>, HostPool<'static>, Contents) {
     let dc = DevicePoolConfig { kind: PoolKind::Mha, bytes_per_token, slots, page_size: P, layers: LayerMap::new(layers) };
     let mut dev = DevicePool::new(device, &dc).unwrap();
-    let hc = HostPoolConfig { layout, size: slots, head_num: 1, profile: Profile::Extended };
+    let hc = HostPoolConfig { layout, size: slots, head_num: 1, profile: Profile::Extended, integrity: None };
     let mut host = HostPool::new(&dev, &hc).unwrap();
     let mut rng = Rng::new(slots ^ bytes_per_token);
     let g = dev.geometry().clone();

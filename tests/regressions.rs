@@ -83,7 +83,7 @@ fn page_head_small_chunks_are_one_portable_decision() {
         for (bytes_per_token, heads, layers) in [(8u64, 4u64, 1usize), (24, 4, 1), (24, 4, 3), (12, 4, 2), (8, 8, 2)] {
             let tag = format!("{} page_head {bytes_per_token} B / {heads} heads, {layers} layers", device.name());
             let dc = DevicePoolConfig { kind: PoolKind::Mha, bytes_per_token, slots: 2, page_size: 1, layers: LayerMap::new(layers) };
-            let hc = HostPoolConfig { layout: Layout::PageHead, size: 2, head_num: heads, profile: Profile::Extended };
+            let hc = HostPoolConfig { layout: Layout::PageHead, size: 2, head_num: heads, profile: Profile::Extended, integrity: None };
             let mut p = filled(&device, &dc, &hc, 3);
             let err = p.run_checked(&format!("{tag} backup"), Op::Backup, IoBackend::Kernel, &[1], &[1]).expect_err(&tag);
             let chunk = bytes_per_token / heads;
@@ -96,7 +96,7 @@ fn page_head_small_chunks_are_one_portable_decision() {
         }
         // A chunk of whole words still moves, byte for byte.
         let dc = DevicePoolConfig { kind: PoolKind::Mha, bytes_per_token: 16, slots: 2, page_size: 1, layers: LayerMap::new(3) };
-        let hc = HostPoolConfig { layout: Layout::PageHead, size: 2, head_num: 4, profile: Profile::Extended };
+        let hc = HostPoolConfig { layout: Layout::PageHead, size: 2, head_num: 4, profile: Profile::Extended, integrity: None };
         let mut p = filled(&device, &dc, &hc, 4);
         p.run_checked("page_head 4-byte heads", Op::Backup, IoBackend::Kernel, &[1, 0], &[0, 1]).unwrap();
     }
@@ -115,7 +115,7 @@ fn unowned_and_skipped_layer_loads_return_before_the_table() {
                         let mut layers = LayerMap::new(4);
                         layers.skipped[1] = true;
                         let dc = DevicePoolConfig { kind: PoolKind::DsaIndexer, bytes_per_token: 132, slots: 4, page_size: page, layers };
-                        let hc = HostPoolConfig { layout, size: 4 * page, head_num: 1, profile };
+                        let hc = HostPoolConfig { layout, size: 4 * page, head_num: 1, profile, integrity: None };
                         let mut p = filled(&device, &dc, &hc, 5);
                         let hi: Vec<i64> = (0..page as i64).collect();
                         let di: Vec<i64> = (page as i64..2 * page as i64).collect();
@@ -128,7 +128,7 @@ fn unowned_and_skipped_layer_loads_return_before_the_table() {
             let mut layers = LayerMap::new(4);
             layers.layer_shard = Some((2, 4));
             let dc = DevicePoolConfig { kind: PoolKind::Mla, bytes_per_token: 64, slots: 8, page_size: 4, layers };
-            let hc = HostPoolConfig { layout: Layout::PageFirst, size: 8, head_num: 1, profile };
+            let hc = HostPoolConfig { layout: Layout::PageFirst, size: 8, head_num: 1, profile, integrity: None };
             let mut p = filled(&device, &dc, &hc, 6);
             let tag = format!("{} {profile} mla sharded page_first direct", device.name());
             p.run_checked(&tag, Op::Load { layer_id: 0, is_draft: false }, IoBackend::Direct, &[0, 1, 2, 3], &[4, 5, 6, 7])
@@ -148,7 +148,7 @@ fn dsa_layer_first_storage_helpers() {
         let mut layers = LayerMap::new(3);
         layers.drafts = 1;
         let dc = DevicePoolConfig { kind: PoolKind::DsaIndexer, bytes_per_token: 132, slots: 8, page_size: 64, layers };
-        let hc = HostPoolConfig { layout: Layout::LayerFirst, size: 8 * 64, head_num: 1, profile: Profile::Sglang };
+        let hc = HostPoolConfig { layout: Layout::LayerFirst, size: 8 * 64, head_num: 1, profile: Profile::Sglang, integrity: None };
         let mut p = filled(&device, &dc, &hc, 7);
         let g = p.host.geometry().clone();
         let item = g.item_bytes() as usize;
@@ -175,7 +175,7 @@ fn index_lists_larger_than_one_binding_are_split() {
     let n: usize = (1 << 24) + 1;
     for device in common::devices() {
         let dc = DevicePoolConfig { kind: PoolKind::Mla, bytes_per_token: 4, slots: n as u64, page_size: 1, layers: LayerMap::new(1) };
-        let hc = HostPoolConfig { layout: Layout::LayerFirst, size: n as u64, head_num: 1, profile: Profile::Extended };
+        let hc = HostPoolConfig { layout: Layout::LayerFirst, size: n as u64, head_num: 1, profile: Profile::Extended, integrity: None };
         let mut dev = DevicePool::new(&device, &dc).unwrap();
         let mut host = HostPool::new(&dev, &hc).unwrap();
         let host_words: Vec<u32> = (0..host.geometry().slots() as u32).map(|i| i.wrapping_mul(2_654_435_761)).collect();
@@ -226,7 +226,7 @@ fn large_items_are_copied_whole() {
             for io in [IoBackend::Kernel, IoBackend::Direct] {
                 let tag = format!("{} mla layer_first {item} B {io}", device.name());
                 let dc = DevicePoolConfig { kind: PoolKind::Mla, bytes_per_token: item, slots: 6, page_size: 1, layers: LayerMap::new(1) };
-                let hc = HostPoolConfig { layout: Layout::LayerFirst, size: 4, head_num: 1, profile: Profile::Extended };
+                let hc = HostPoolConfig { layout: Layout::LayerFirst, size: 4, head_num: 1, profile: Profile::Extended, integrity: None };
                 let mut p = filled(&device, &dc, &hc, item);
                 p.run_checked(&format!("{tag} load"), Op::Load { layer_id: 0, is_draft: false }, io, &[3, 0], &[1, 5])
                     .unwrap_or_else(|e| panic!("{tag}: {e}"));
@@ -237,7 +237,7 @@ fn large_items_are_copied_whole() {
         for (bytes_per_token, heads) in [(2 * 16 * 65_537u64, 2u64), (4 * 4 * 65_536, 4)] {
             let tag = format!("{} page_head {bytes_per_token} B / {heads} heads", device.name());
             let dc = DevicePoolConfig { kind: PoolKind::Mha, bytes_per_token, slots: 3, page_size: 1, layers: LayerMap::new(2) };
-            let hc = HostPoolConfig { layout: Layout::PageHead, size: 2, head_num: heads, profile: Profile::Extended };
+            let hc = HostPoolConfig { layout: Layout::PageHead, size: 2, head_num: heads, profile: Profile::Extended, integrity: None };
             let mut p = filled(&device, &dc, &hc, heads);
             p.run_checked(&format!("{tag} backup"), Op::Backup, IoBackend::Kernel, &[2, 0], &[0, 1])
                 .unwrap_or_else(|e| panic!("{tag}: {e}"));

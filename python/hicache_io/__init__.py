@@ -19,16 +19,20 @@ Errors are the exception classes sglang raises for the same condition with its m
 ``ValueError`` from the pools' dispatch (``Unsupported layout: ...``), ``RuntimeError`` from the
 kernels' checks (``Source and destination indices must have the same length``), and for the
 checks sglang does not make, ``IndexError`` (an index outside its array or pool) or
-``ValueError``. A call that raises has moved no byte.
+``ValueError``. A call that raises has moved no byte, with one exception: an
+:class:`IntegrityError` (a ``RuntimeError``) from a load whose host items no longer match the
+checksums their backups recorded -- the call's other items landed, and ``e.items`` names the
+failed ones (treat them as a cache miss). Pools of profile ``extended`` keep checksums unless
+built with ``integrity=False``; ``sglang`` pools only with ``integrity=True``.
 """
 
 import json as _json
 from typing import Any, Dict, List, Optional, Sequence
 
 from . import _native, hicache, kvcacheio
-from ._native import Device, DevicePool, HostPool
+from ._native import Device, DevicePool, HostPool, IntegrityError
 
-__all__ = ["Device", "DevicePool", "HostPool", "hicache", "kvcacheio", "matrix", "check"]
+__all__ = ["Device", "DevicePool", "HostPool", "IntegrityError", "hicache", "kvcacheio", "matrix", "check"]
 __version__ = "0.1.0"
 
 

@@ -31,12 +31,15 @@ needs only this rank's shard. ``extra_config["hicache_io_sglang_keys_any_layout"
 page_first_direct and page_head pools sglang's names too, for deployments where every rank uses
 one layout.
 
-Integrity: hicache-io's own (shard-named) objects end in a 16-byte trailer, ``HIOSUM01`` and the
+Integrity: hicache-io's own (shard-named) objects end in a 16-byte trailer, ``HIOSUM02`` and the
 page object's checksum (:func:`hicache_io._native.checksum`: a multilinear hash of its 32-bit
 words, fixed seed) folded with a hash of the object's key. Puts write it from the host pages; gets
 check it against the bytes that landed, so changed bytes and pages stored under another key fail
 their page (``INTEGRITY``). Objects without a trailer (another build, ``integrity=False``) read as
-unverified, never as corrupt; sglang-named objects keep sglang's shape and are unverified too.
+unverified, never as corrupt, and so do objects whose trailer is of an older checksum
+(``HIOSUM01``); sglang-named objects keep sglang's shape and are unverified too. After a get into
+the host pool's memory, the pool's own item checksums of each verified page are recomputed from
+the bytes that landed, and forgotten for every other page the get wrote.
 ``get_stats()`` counts verified, unverified and corrupt objects.
 
 Return conventions are sglang's: ``batch_set_v1`` / ``batch_get_v1`` give one bool per page (an
@@ -141,8 +144,10 @@ MOONCAKE_ERRORS[SHORT_READ] = "short read (the object has another size than the 
 INTEGRITY = -100002
 MOONCAKE_ERRORS[INTEGRITY] = "integrity check failed (the bytes read are not the page that was stored under this key)"
 
-#: First word of a page object's trailer: ``HIOSUM01``.
-TRAILER_MAGIC = int.from_bytes(b"HIOSUM01", "little")
+#: First word of a page object's trailer: ``HIOSUM02`` (checksum keys of 32 bits).
+TRAILER_MAGIC = int.from_bytes(b"HIOSUM02", "little")
+#: The trailer of builds whose checksum keys were 64-bit: read as unverified.
+OLD_TRAILER_MAGICS = (int.from_bytes(b"HIOSUM01", "little"),)
 
 
 def _name_tags(keys: Sequence[str]) -> np.ndarray:
@@ -330,6 +335,21 @@ class _Layout:
 
     def write_page(self, index: int, data: Any) -> None:
         self.pool.set_from_flat_data_page(index, data)
+
+    def landed(self, idx: Any, trusted: List[bool], touched: List[bool]) -> None:
+        """After a zero-copy read into the pool's memory: the pool's item checksums of each page
+        read whole and verified are recomputed from the bytes that landed; those of any other
+        page the read may have written are forgotten (its loads then read as unverified, never
+        as corrupt)."""
+        if not self.zero_copy or not getattr(self.pool, "integrity", False):
+            return
+        first = [int(idx[i * self.page]) for i in range(len(trusted))]
+        good = [f for f, t in zip(first, trusted) if t]
+        stale = [f for f, t, w in zip(first, trusted, touched) if w and not t]
+        if good:
+            self.pool.recompute_page_checksums(good)
+        if stale:
+            self.pool.forget_page_checksums(stale)
 
 
 class _SglangLayout:
@@ -655,6 +675,8 @@ class MooncakeStore(HiCacheStorage):
             got, forms = one(everything), (-600, two, size + 16)
         if len(got) != n_obj:
             self._fail(StorageError("batch_get_into", REFUSED, keys, detail=f"{len(got)} answers for {n_obj} objects"))
+            if lay.zero_copy and hasattr(lay, "landed"):
+                lay.landed(idx, [False] * len(keys), [True] * len(keys))
             return [False] * len(keys)
         whole = size + 16 if t is not None and self.integrity else size
         ok = [n == whole for n in got]
@@ -681,6 +703,11 @@ class MooncakeStore(HiCacheStorage):
         pages = self._pages_ok(ok, len(keys))
         if not lay.zero_copy:
             self._stage_in(pages, idx)
+        elif hasattr(lay, "landed"):
+            per = lay.comps
+            sound = [ok[j] and not unverified[j] and t is not None and self.integrity for j in range(n_obj)]
+            trusted = [all(sound[i * per : (i + 1) * per]) for i in range(len(keys))]
+            lay.landed(idx, [p and v for p, v in zip(pages, trusted)], [True] * len(keys))
         return pages
 
     def _verify(self, obj_keys: List[str], idx: Any, ok: List[bool], unverified: List[bool]) -> None:
@@ -690,10 +717,13 @@ class MooncakeStore(HiCacheStorage):
         sums = self._sums(obj_keys, idx, lay.zero_copy)
         n = len(obj_keys)
         good = (t[:n, 0] == TRAILER_MAGIC) & (t[:n, 1] == (sums ^ _name_tags(obj_keys)))
+        older = np.isin(t[:n, 0], np.asarray(OLD_TRAILER_MAGICS, dtype=np.uint64))
         corrupt = []
         for j, key in enumerate(obj_keys):
             if not ok[j]:
                 continue
+            if older[j]:
+                unverified[j] = True
             if unverified[j]:
                 self.stats["unverified"] += 1
             elif good[j]:

@@ -15,10 +15,28 @@ use pyo3::types::{PyBytes, PyList, PyTuple};
 
 // ---- errors ------------------------------------------------------------------------------
 
+pyo3::create_exception!(
+    _native,
+    IntegrityError,
+    PyRuntimeError,
+    "A load read host items whose bytes do not match the checksums their backups recorded; the \
+     call's other items landed. `items`: `(layer, component, host_index, device_index, expected, \
+     found)` per failed item."
+);
+
 /// sglang's pools raise `ValueError`; sgl-kernel's `TORCH_CHECK`s raise `RuntimeError`.
 fn py_err(e: TransferError) -> PyErr {
     use TransferError as E;
     let msg = e.to_string();
+    if let E::Integrity { items, .. } = &e {
+        let items: Vec<(u64, u8, u64, u64, u64, u64)> =
+            items.iter().map(|m| (m.layer, m.component, m.host_index, m.device_index, m.expected, m.found)).collect();
+        let err = IntegrityError::new_err(msg);
+        Python::attach(|py| {
+            let _ = err.value(py).setattr("items", items);
+        });
+        return err;
+    }
     match e {
         E::LengthMismatch { .. }
         | E::ItemNotWordAligned { .. }
@@ -1038,9 +1056,17 @@ fn pool_args(host: &Bound<'_, PyAny>, device: &Bound<'_, PyAny>, io_backend: &st
 #[pymethods]
 impl PyHostPool {
     #[new]
-    #[pyo3(signature = (device_pool, layout, size, head_num = 1, profile = "extended"))]
-    fn new(py: Python<'_>, device_pool: &PyDevicePool, layout: &str, size: u64, head_num: u64, profile: &str) -> PyResult<Self> {
-        let config = HostPoolConfig { layout: parse(layout)?, size, head_num, profile: parse::<Profile>(profile)? };
+    #[pyo3(signature = (device_pool, layout, size, head_num = 1, profile = "extended", integrity = None))]
+    fn new(
+        py: Python<'_>,
+        device_pool: &PyDevicePool,
+        layout: &str,
+        size: u64,
+        head_num: u64,
+        profile: &str,
+        integrity: Option<bool>,
+    ) -> PyResult<Self> {
+        let config = HostPoolConfig { layout: parse(layout)?, size, head_num, profile: parse::<Profile>(profile)?, integrity };
         Ok(PyHostPool { inner: py.detach(|| HostPool::new(&device_pool.inner, &config)).py()? })
     }
     #[pyo3(signature = (device_pool, host_indices, device_indices, layer_id, io_backend = "kernel"))]
@@ -1203,6 +1229,51 @@ impl PyHostPool {
         let sums = py.detach(|| self.inner.object_checksums(&idx, seed)).py()?;
         u64_array(py, sums)
     }
+    /// Whether the pool keeps item checksums (recorded by backups, verified by loads).
+    #[getter]
+    fn integrity(&self) -> bool {
+        self.inner.integrity_enabled()
+    }
+    /// `{"recorded", "verified", "unverified", "mismatched"}` item counts, `None` without
+    /// checksums.
+    fn integrity_stats(&self) -> Option<std::collections::BTreeMap<&'static str, u64>> {
+        self.inner.integrity_stats().map(|s| {
+            [("recorded", s.recorded), ("verified", s.verified), ("unverified", s.unverified), ("mismatched", s.mismatched)].into()
+        })
+    }
+    /// The recorded checksums of the page starting at token `index` (component, layer, slot;
+    /// `None` where unknown); empty without checksums.
+    fn page_checksums(&self, index: i64) -> PyResult<Vec<Option<u64>>> {
+        self.inner.page_checksums(index).py()
+    }
+    /// `set_from_flat_data_page` verified against the page's carried checksums.
+    fn set_from_flat_data_page_checked(
+        &mut self,
+        py: Python<'_>,
+        index: i64,
+        data_page: &Bound<'_, PyAny>,
+        checksums: Vec<Option<u64>>,
+    ) -> PyResult<()> {
+        let data_page = data_arg(data_page, "data_page")?;
+        let host = &mut self.inner;
+        py.detach(|| host.set_from_flat_data_page_checked(index, &data_page, &checksums)).py()
+    }
+    /// Records the checksums of the pages starting at `indices` (token slots) from their bytes in
+    /// host memory (written in place by a store that verified them).
+    fn recompute_page_checksums(&mut self, py: Python<'_>, indices: Vec<i64>) -> PyResult<()> {
+        let host = &mut self.inner;
+        py.detach(|| indices.iter().try_for_each(|&i| host.recompute_page_checksums(i))).py()
+    }
+    /// Forgets the checksums of the pages starting at `indices` (written in place, unverified).
+    fn forget_page_checksums(&mut self, indices: Vec<i64>) -> PyResult<()> {
+        indices.iter().try_for_each(|&i| self.inner.forget_page_checksums(i)).py()
+    }
+    /// Fault injection: writes `data` into component `comp` at byte `offset` without touching
+    /// the checksums.
+    fn inject_host_corruption(&mut self, comp: usize, offset: u64, data: &Bound<'_, PyAny>) -> PyResult<()> {
+        let data = data_arg(data, "data")?;
+        self.inner.inject_host_corruption(comp, offset, &data).py()
+    }
     /// Waits for every transfer queued on the pool's executor (another call's failed CUDA index
     /// check stays pending for that call's own report).
     fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
@@ -1268,5 +1339,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(checksum, m)?)?;
     m.add_function(wrap_pyfunction!(name_tags, m)?)?;
     m.add("STORAGE_SEED", hicache_io::integrity::STORAGE_SEED)?;
+    m.add("IntegrityError", m.py().get_type::<IntegrityError>())?;
     Ok(())
 }

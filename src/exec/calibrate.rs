@@ -103,7 +103,7 @@ fn measure(device: &Device, caps: Capabilities) -> Result<AutoTable> {
                 let time_io = |io: IoBackend| -> Result<f64> {
                     let req = Request { op, io_backend: io, host_indices: &hi, device_indices: &di };
                     let p = plan::plan(Profile::Extended, &caps, device.id(), &pair, &req)?;
-                    let bufs = Bindings { host: vec![&host_buf], device: vec![dev_bufs.iter().collect()] };
+                    let bufs = Bindings { host: vec![&host_buf], device: vec![dev_bufs.iter().collect()], integrity: None };
                     // Stream-ordered executors (cuda) return once the work is queued: wait for it.
                     let run = || device.execute_unfaulted(&p, &bufs).and_then(|_| device.synchronize());
                     run()?; // warm-up

@@ -16,6 +16,8 @@ use crate::plan::{Capabilities, Plan, Step};
 /// the executor's queue, on wgpu a queue submission, on cuda an event on the executor's stream.
 pub struct Completion {
     kind: CompletionKind,
+    /// Where a checksumming load's copies report mismatching items.
+    integrity: Option<std::sync::Arc<crate::integrity::MismatchSink>>,
 }
 
 enum CompletionKind {
@@ -30,21 +32,33 @@ enum CompletionKind {
 impl Completion {
     /// Nothing to wait for.
     pub fn done() -> Completion {
-        Completion { kind: CompletionKind::Done }
+        Completion { kind: CompletionKind::Done, integrity: None }
     }
     pub(crate) fn cpu(t: cpu::CpuTicket) -> Completion {
-        Completion { kind: CompletionKind::Cpu(t) }
+        Completion { kind: CompletionKind::Cpu(t), integrity: None }
     }
     #[cfg(feature = "wgpu")]
     pub(crate) fn wgpu(e: wgpu::WgpuExecutor, ticket: u64) -> Completion {
-        Completion { kind: CompletionKind::Wgpu(e, ticket) }
+        Completion { kind: CompletionKind::Wgpu(e, ticket), integrity: None }
     }
     #[cfg(feature = "cuda")]
     pub(crate) fn cuda(c: cuda::Completion) -> Completion {
-        Completion { kind: CompletionKind::Cuda(c) }
+        Completion { kind: CompletionKind::Cuda(c), integrity: None }
     }
-    /// Blocks until the transfers are done; their error, if one failed.
+    /// Blocks until the transfers are done; their error, if one failed (an
+    /// [`TransferError::Integrity`] when a load read items that do not match their checksums:
+    /// the other items have landed).
     pub fn wait(&self) -> Result<()> {
+        self.wait_transfers()?;
+        self.integrity_error()
+    }
+    fn integrity_error(&self) -> Result<()> {
+        match self.integrity.as_ref().and_then(|s| s.error()) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+    fn wait_transfers(&self) -> Result<()> {
         match &self.kind {
             CompletionKind::Done => Ok(()),
             CompletionKind::Cpu(t) => t.wait(),
@@ -61,6 +75,7 @@ impl Completion {
     #[cfg(feature = "cuda")]
     pub fn wait_on_stream(&self, stream: &cudarc::driver::CudaStream) -> Result<()> {
         match &self.kind {
+            // Checksums are verified by copies on the host only (cpu); cuda reports none.
             CompletionKind::Cuda(c) => c.wait_on_stream(stream),
             _ => self.wait(),
         }
@@ -73,8 +88,16 @@ impl Completion {
             _ => None,
         }
     }
-    /// `Ok(true)` once done, `Ok(false)` while pending, `Err` when the executor failed.
+    /// `Ok(true)` once done, `Ok(false)` while pending, `Err` when the executor failed (or, once
+    /// done, an item failed its checksum).
     pub fn is_done(&self) -> Result<bool> {
+        let done = self.poll()?;
+        if done {
+            self.integrity_error()?;
+        }
+        Ok(done)
+    }
+    fn poll(&self) -> Result<bool> {
         match &self.kind {
             CompletionKind::Done => Ok(true),
             CompletionKind::Cpu(t) => Ok(t.is_done()),
@@ -118,6 +141,16 @@ pub(crate) enum Stream {
 pub(crate) struct Bindings<'a, B> {
     pub(crate) host: Vec<&'a B>,
     pub(crate) device: Vec<Vec<&'a B>>,
+    /// The host pool's checksum table and this transfer's mismatch report, for plans whose
+    /// copies checksum.
+    pub(crate) integrity: Option<IntegrityBinding>,
+}
+
+/// A host pool's checksum table bound to one transfer.
+#[derive(Clone)]
+pub(crate) struct IntegrityBinding {
+    pub(crate) sidecar: std::sync::Arc<crate::integrity::Sidecar>,
+    pub(crate) sink: std::sync::Arc<crate::integrity::MismatchSink>,
 }
 
 impl<'a, B> Bindings<'a, B> {
@@ -285,7 +318,7 @@ fn typed<'a, T>(bufs: &Bindings<'a, Buffer>, pick: impl Fn(&'a Buffer) -> Option
     let host = bufs.host.iter().map(|b| pick(b).ok_or_else(err)).collect::<Result<Vec<_>>>()?;
     let device =
         bufs.device.iter().map(|c| c.iter().map(|b| pick(b).ok_or_else(err)).collect::<Result<Vec<_>>>()).collect::<Result<Vec<_>>>()?;
-    Ok(Bindings { host, device })
+    Ok(Bindings { host, device, integrity: bufs.integrity.clone() })
 }
 
 impl Device {
@@ -597,13 +630,20 @@ impl Device {
                 self.run_on($e, plan, &b, enqueue, stream)
             }};
         }
-        match self {
+        let mut completion = match self {
             Device::Cpu(e) => typed_run!(e, Cpu, "cpu"),
             #[cfg(feature = "wgpu")]
             Device::Wgpu(e) => typed_run!(e, Wgpu, "wgpu"),
             #[cfg(feature = "cuda")]
             Device::Cuda(e) => typed_run!(e, Cuda, "cuda"),
+        }?;
+        if let Some(b) = &bufs.integrity {
+            completion.integrity = Some(b.sink.clone());
+            if !enqueue {
+                completion.integrity_error()?;
+            }
         }
+        Ok(completion)
     }
 
     fn run_on<E: Executor>(

@@ -868,6 +868,8 @@ impl Executor for WgpuExecutor {
             // Every adapter: which drivers stop long loops is not something wgpu reports.
             max_loop_trips: GATHER_MAX_TRIPS,
             device_index_lists: false,
+            // The WGSL gather does not checksum yet: host pools on wgpu keep no checksums.
+            checksums: false,
             auto: crate::plan::AutoTable::DEFAULT,
         }
     }

@@ -14,6 +14,7 @@ use crate::exec::{Bindings, Buffer, Completion, Device};
 use crate::geometry::{mul, DeviceGeometry, HostGeometry, IoBackend, LayerMap, Layout, PoolKind, PoolPair, Profile};
 use crate::plan::{self, Direction, Op, Plan, Request};
 
+mod checksums;
 mod pipeline;
 mod storage;
 
@@ -155,6 +156,11 @@ pub struct HostPoolConfig {
     pub head_num: u64,
     /// Which table to obey.
     pub profile: Profile,
+    /// Item checksums (see [`crate::integrity`]): `None` takes the profile's default (on for
+    /// `extended`, off for `sglang`, whose behaviour it then matches byte for byte); `Some(false)`
+    /// turns them off, `Some(true)` on. Computed where the executor's copies can
+    /// ([`crate::Capabilities::checksums`]); elsewhere the pool has none.
+    pub integrity: Option<bool>,
 }
 
 /// Host pool: one buffer per component in the host layout.
@@ -165,6 +171,8 @@ pub struct HostPool<'m> {
     profile: Profile,
     device: Device,
     buffers: Vec<Buffer>,
+    /// Item checksums, when the pool keeps them.
+    sidecar: Option<Arc<crate::integrity::Sidecar>>,
     _memory: PhantomData<&'m mut [u8]>,
 }
 
@@ -177,8 +185,9 @@ impl HostPool<'static> {
         let host = pair.host();
         let comps = host.kind().components() as u64;
         check_budget("host pool", host.buffer_bytes().saturating_mul(comps), device.capabilities().max_host_pool_bytes)?;
+        let sidecar = sidecar_for(&device, &pair, config)?;
         let buffers = (0..comps).map(|_| device.alloc_pool(host.buffer_bytes(), host.chunk_bytes(), true)).collect::<Result<Vec<_>>>()?;
-        Ok(HostPool { pair: Arc::new(pair), profile: config.profile, device, buffers, _memory: PhantomData })
+        Ok(HostPool { pair: Arc::new(pair), profile: config.profile, device, buffers, sidecar, _memory: PhantomData })
     }
 
     /// Wraps existing buffers of the device pool's executor, one per component (e.g. an
@@ -319,7 +328,7 @@ impl HostPool<'static> {
         device_indices: &[i64],
     ) -> Result<Transfer<'a>> {
         let plan = self.plan(device_pool, &Request { op, io_backend, host_indices, device_indices })?;
-        let completion = self.device.execute_async(&plan, &self.bindings(device_pool))?;
+        let completion = self.device.execute_async(&plan, &self.bindings(device_pool, &plan))?;
         Ok(Transfer { completion: Some(completion), _pools: PhantomData })
     }
 
@@ -336,7 +345,7 @@ impl HostPool<'static> {
         let plans = layer_load_plans(self, device_pool, host_indices, device_indices, io_backend)?;
         let mut layers = Vec::with_capacity(plans.len());
         for (l, _, plan) in &plans {
-            match self.device.execute_async(plan, &self.bindings(device_pool)) {
+            match self.device.execute_async(plan, &self.bindings(device_pool, plan)) {
                 Ok(c) => layers.push((*l, c)),
                 Err(e) => {
                     // Layers already enqueued still land: wait for them so the error is final.
@@ -367,7 +376,8 @@ impl<'m> HostPool<'m> {
         let nested = vec![buffers];
         check_wrapped(&device, &nested, 1, pair.host().kind().components(), pair.host().buffer_bytes(), "host buffer")?;
         let buffers = nested.into_iter().next().unwrap_or_default();
-        Ok(HostPool { pair: Arc::new(pair), profile: config.profile, device, buffers, _memory: PhantomData })
+        let sidecar = sidecar_for(&device, &pair, config)?;
+        Ok(HostPool { pair: Arc::new(pair), profile: config.profile, device, buffers, sidecar, _memory: PhantomData })
     }
 
     /// The host geometry.
@@ -391,7 +401,7 @@ impl<'m> HostPool<'m> {
     pub fn plan(&self, device_pool: &DevicePool, req: &Request<'_>) -> Result<Plan> {
         self.check_pair(device_pool)?;
         let caps = if req.io_backend == IoBackend::Auto { self.device.calibrated_capabilities() } else { self.device.capabilities() };
-        plan::plan(self.profile, &caps, self.device.id(), &self.pair, req)
+        Ok(plan::plan(self.profile, &caps, self.device.id(), &self.pair, req)?.with_checksums(self.sidecar.is_some(), &caps))
     }
 
     /// [`HostPool::plan`] for index lists in CUDA memory: the value checks are the plan's
@@ -423,8 +433,44 @@ impl<'m> HostPool<'m> {
         Ok(())
     }
 
-    fn bindings<'a>(&'a self, device_pool: &'a DevicePool) -> Bindings<'a, Buffer> {
-        Bindings { host: self.buffers.iter().collect(), device: device_pool.buffers.iter().map(|c| c.iter().collect()).collect() }
+    /// The buffers `plan` runs over, with the checksum table when its copies checksum. A backup
+    /// whose copies do not (a `direct` one, device index lists) first forgets the checksums of
+    /// the items it writes, so that a later load reads them as unverified, never as corrupt.
+    fn bindings<'a>(&'a self, device_pool: &'a DevicePool, plan: &Plan) -> Bindings<'a, Buffer> {
+        let integrity = self.sidecar.as_ref().and_then(|sidecar| {
+            if plan.is_checksummed() {
+                return Some(crate::exec::IntegrityBinding { sidecar: sidecar.clone(), sink: Default::default() });
+            }
+            if plan.direction() == Direction::DeviceToHost {
+                self.forget_written(sidecar, plan);
+            }
+            None
+        });
+        Bindings {
+            host: self.buffers.iter().collect(),
+            device: device_pool.buffers.iter().map(|c| c.iter().collect()).collect(),
+            integrity,
+        }
+    }
+
+    fn forget_written(&self, sidecar: &crate::integrity::Sidecar, plan: &Plan) {
+        let Some(units) = plan.host_units() else {
+            sidecar.forget_all();
+            return;
+        };
+        let comps = self.pair.host().kind().components() as u8;
+        let mut layers: Vec<u64> = plan.steps().iter().flat_map(|s| s.layers().iter().copied()).collect();
+        layers.sort_unstable();
+        layers.dedup();
+        for &l in &layers {
+            for c in 0..comps {
+                for &u in units.iter().filter(|u| **u >= 0) {
+                    if let Some(slot) = sidecar.slot(u as u64, l, c) {
+                        sidecar.forget(slot);
+                    }
+                }
+            }
+        }
     }
 
     /// sglang `load_to_device_per_layer`: host layer of `layer_id` → device layer `layer_id`.
@@ -524,7 +570,7 @@ impl<'m> HostPool<'m> {
             plan.steps().len(),
             plan.bytes()
         );
-        self.device.execute(plan, &self.bindings(device_pool))
+        self.device.execute(plan, &self.bindings(device_pool, plan))
     }
 
     /// Raw bytes of component `comp` (0 = K or the only buffer, 1 = V).
@@ -534,10 +580,14 @@ impl<'m> HostPool<'m> {
         self.device.read(buf, 0, &mut out)?;
         Ok(out)
     }
-    /// Replaces the whole component buffer (`data` must be exactly its size).
+    /// Replaces the whole component buffer (`data` must be exactly its size). The pool's item
+    /// checksums are forgotten (loads read the new bytes as unverified until backed up again).
     pub fn write_buffer(&mut self, comp: usize, data: &[u8]) -> Result<()> {
         let buf = self.buffer(comp)?;
         exact_size("host buffer", self.pair.host().buffer_bytes(), data)?;
+        if let Some(s) = &self.sidecar {
+            s.forget_all();
+        }
         self.device.write(buf, 0, data)
     }
     /// Buffer of component `comp`.
@@ -560,6 +610,18 @@ impl<'m> HostPool<'m> {
             Buffer::Wgpu(_) => None,
         })
     }
+}
+
+/// The checksum table a host pool of `config` keeps on `device`: when the config (or its
+/// profile's default) asks for one and the executor's copies can compute it.
+fn sidecar_for(device: &Device, pair: &PoolPair, config: &HostPoolConfig) -> Result<Option<Arc<crate::integrity::Sidecar>>> {
+    let wanted = config.integrity.unwrap_or(config.profile == Profile::Extended);
+    if !wanted || !device.capabilities().checksums {
+        return Ok(None);
+    }
+    let h = pair.host();
+    let table = crate::integrity::Sidecar::new(h.slots(), h.layer_num(), h.kind().components() as u64, h.chunk_bytes(), h.head_num())?;
+    Ok(Some(Arc::new(table)))
 }
 
 /// The plans of a layer-wise load, validated together: `(layer id, op, plan)` for every owned

@@ -206,7 +206,7 @@ impl Pipeline<'_> {
             device.order_after(other, stream)?;
             self.ordered[slot(stream)] = self.issued.len();
         }
-        let completion = device.execute_on(plan, &self.host.bindings(self.device), stream)?;
+        let completion = device.execute_on(plan, &self.host.bindings(self.device, plan), stream)?;
         self.issued.push(Issued { stream, completion, footprint });
         Ok(Ticket { pipeline: self.id, index: self.issued.len() - 1 })
     }

@@ -27,7 +27,7 @@ use crate::geometry::{Layout, PoolKind};
 impl HostPool<'_> {
     /// The flat page starting at token `index`, as `(component, byte offset, bytes)` spans in
     /// flat order.
-    fn flat_page(&self, index: i64) -> Result<Vec<(usize, u64, u64)>> {
+    pub(super) fn flat_page(&self, index: i64) -> Result<Vec<(usize, u64, u64)>> {
         let g = self.pair.host();
         let p = g.page_size();
         let page_count = g.index_pages();
@@ -73,8 +73,15 @@ impl HostPool<'_> {
         super::alloc_bytes("dummy flat data page", self.flat_page_bytes())
     }
 
-    /// sglang `set_from_flat_data_page(index, data_page)`: the inverse of `get_data_page`.
+    /// sglang `set_from_flat_data_page(index, data_page)`: the inverse of `get_data_page`. The
+    /// page's item checksums (where the pool keeps them) are recomputed from the new bytes (see
+    /// [`HostPool::set_from_flat_data_page_checked`] to verify them against the page's own).
     pub fn set_from_flat_data_page(&mut self, index: i64, data: &[u8]) -> Result<()> {
+        self.write_flat_page(index, data)?;
+        self.recompute_page_checksums(index)
+    }
+
+    pub(super) fn write_flat_page(&mut self, index: i64, data: &[u8]) -> Result<()> {
         let spans = self.flat_page(index)?;
         let total = self.flat_page_bytes();
         if data.len() as u64 != total {

@@ -1,0 +1,184 @@
+//! The host pool's item checksums from outside a transfer: what storage code and tests need to
+//! read, recompute, forget or (for fault injection) corrupt them. Transfers themselves record
+//! and verify them inside their copies (see [`crate::integrity`]).
+
+use super::HostPool;
+use crate::error::{Result, TransferError};
+use crate::integrity::{self, IntegrityStats};
+
+impl HostPool<'_> {
+    /// Whether this pool keeps item checksums: its config (or the profile's default) asked for
+    /// them and its executor's copies compute them.
+    pub fn integrity_enabled(&self) -> bool {
+        self.sidecar.is_some()
+    }
+
+    /// Counters of the pool's checksums since it was made; `None` without checksums.
+    pub fn integrity_stats(&self) -> Option<IntegrityStats> {
+        self.sidecar.as_ref().map(|s| s.stats())
+    }
+
+    /// The recorded checksum of host item `(host_index, layer, comp)` (`host_index` in slots; in
+    /// indexer pages for the DSA indexer); `None` when the pool has none for it.
+    pub fn item_checksum(&self, host_index: u64, layer: u64, comp: u8) -> Result<Option<u64>> {
+        let Some(s) = &self.sidecar else { return Ok(None) };
+        let slot = self.item_slot(s, host_index, layer, comp)?;
+        Ok(s.expected(slot))
+    }
+
+    fn item_slot(&self, s: &integrity::Sidecar, host_index: u64, layer: u64, comp: u8) -> Result<usize> {
+        let g = self.pair.host();
+        s.slot(host_index, layer, comp).ok_or_else(|| {
+            TransferError::InvalidConfig(format!(
+                "no host item ({host_index}, layer {layer}, component {comp}): the pool has {} slots, {} layers, {} components",
+                g.slots(),
+                g.layer_num(),
+                g.kind().components()
+            ))
+        })
+    }
+
+    /// The host items of the page starting at token `index`, as `(host index, layer, comp)` in
+    /// the order of [`HostPool::page_checksums`]: component, then layer, then slot.
+    fn page_items(&self, index: i64) -> Result<Vec<(u64, u64, u8)>> {
+        self.flat_page(index)?;
+        let g = self.pair.host();
+        let per = g.index_page_size();
+        let first = (index as u64 / g.page_size()) * per;
+        let mut out = Vec::with_capacity((per * g.layer_num()) as usize * g.kind().components());
+        for c in 0..g.kind().components() as u8 {
+            for l in 0..g.layer_num() {
+                out.extend((first..first + per).map(|u| (u, l, c)));
+            }
+        }
+        Ok(out)
+    }
+
+    /// The recorded checksums of the items of the page starting at token `index` (component,
+    /// then layer, then slot; `None` where unknown): what a page carries to storage beside
+    /// [`HostPool::get_data_page`]'s bytes, for [`HostPool::set_from_flat_data_page_checked`].
+    /// Empty when the pool keeps no checksums.
+    pub fn page_checksums(&self, index: i64) -> Result<Vec<Option<u64>>> {
+        let items = self.page_items(index)?;
+        let Some(s) = &self.sidecar else { return Ok(Vec::new()) };
+        items.into_iter().map(|(u, l, c)| Ok(s.expected(self.item_slot(s, u, l, c)?))).collect()
+    }
+
+    /// The checksums of items' bytes as they are in host memory now (after the pool's queued
+    /// transfers): read in place where the pool lives in this process's memory, through the
+    /// executor otherwise.
+    fn item_sums(&self, keys: &integrity::Keys, items: &[(u64, u64, u8)]) -> Result<Vec<u64>> {
+        let g = self.pair.host();
+        let chunk = g.chunk_bytes();
+        self.device.wait_idle()?;
+        let spans: Vec<Option<(u64, u64)>> = (0..g.kind().components()).map(|c| self.host_span(c)).collect::<Result<_>>()?;
+        let mut scratch = vec![0u8; chunk as usize];
+        items
+            .iter()
+            .map(|&(unit, layer, comp)| {
+                let addr = g.addr(comp, layer);
+                let mut sum = 0u64;
+                for h in 0..g.head_num() {
+                    let off = addr.offset(unit, h);
+                    let bytes: &[u8] = match spans.get(comp as usize).copied().flatten() {
+                        Some((base, size)) if off.checked_add(chunk).is_some_and(|end| end <= size) => {
+                            // SAFETY: `off..off + chunk` lies inside the component's buffer
+                            // (checked), which lives as long as `self`; the executor is idle and
+                            // the pool is borrowed, so nothing writes it meanwhile.
+                            unsafe { std::slice::from_raw_parts((base + off) as *const u8, chunk as usize) }
+                        }
+                        _ => {
+                            self.device.read(self.buffer(comp as usize)?, off, &mut scratch)?;
+                            &scratch
+                        }
+                    };
+                    sum = sum.wrapping_add(integrity::item_part(bytes, h, keys));
+                }
+                Ok(sum)
+            })
+            .collect()
+    }
+
+    /// Recomputes and records the checksums of the page starting at token `index` from its bytes
+    /// in host memory: for pages written by something that does not record them (an L3 store
+    /// writing the pool's memory in place) once their bytes are known good (the store verified
+    /// them). A no-op without checksums.
+    pub fn recompute_page_checksums(&mut self, index: i64) -> Result<()> {
+        let items = self.page_items(index)?;
+        let Some(s) = self.sidecar.clone() else { return Ok(()) };
+        let sums = self.item_sums(s.keys(), &items)?;
+        for (&(u, l, c), sum) in items.iter().zip(sums) {
+            s.record(self.item_slot(&s, u, l, c)?, sum);
+        }
+        s.count([items.len() as u64, 0, 0, 0]);
+        Ok(())
+    }
+
+    /// Forgets the checksums of the page starting at token `index` (its bytes were written by
+    /// something unverified): loads read it as unverified, never as corrupt.
+    pub fn forget_page_checksums(&mut self, index: i64) -> Result<()> {
+        let items = self.page_items(index)?;
+        if let Some(s) = &self.sidecar {
+            for (u, l, c) in items {
+                s.forget(self.item_slot(s, u, l, c)?);
+            }
+        }
+        Ok(())
+    }
+
+    /// [`HostPool::set_from_flat_data_page`] with the checksums the page carries (from
+    /// [`HostPool::page_checksums`] of the pool that wrote it; `None` entries are unverified):
+    /// writes the page, then checks every item against them. A mismatch is an
+    /// [`TransferError::Integrity`] naming the items (`device_index` is the page's first slot),
+    /// whose checksums are then forgotten; the matching items are recorded. Without checksums
+    /// in this pool it is `set_from_flat_data_page`.
+    pub fn set_from_flat_data_page_checked(&mut self, index: i64, data: &[u8], checksums: &[Option<u64>]) -> Result<()> {
+        let items = self.page_items(index)?;
+        if self.sidecar.is_some() && checksums.len() != items.len() {
+            return Err(TransferError::BufferSize {
+                what: "page item checksums".into(),
+                expected: items.len() as u64,
+                actual: checksums.len() as u64,
+            });
+        }
+        self.write_flat_page(index, data)?;
+        let Some(s) = self.sidecar.clone() else { return Ok(()) };
+        let sink = integrity::MismatchSink::default();
+        let sums = self.item_sums(s.keys(), &items)?;
+        let mut n = [0u64; 4];
+        for ((item, want), sum) in items.into_iter().zip(checksums).zip(sums) {
+            let slot = self.item_slot(&s, item.0, item.1, item.2)?;
+            match want {
+                Some(w) if *w != sum => {
+                    s.forget(slot);
+                    n[3] += 1;
+                    let (layer, component, host_index) = (item.1, item.2, item.0);
+                    sink.push(integrity::ItemMismatch { layer, component, host_index, device_index: index as u64, expected: *w, found: sum });
+                }
+                Some(_) => {
+                    s.record(slot, sum);
+                    n[0] += 1;
+                }
+                None => s.forget(slot),
+            }
+        }
+        s.count(n);
+        sink.error().map_or(Ok(()), Err)
+    }
+
+    /// Fault injection: writes `bytes` into component `comp` at byte `offset` **without**
+    /// touching the checksums, as a fault in host memory would (tests and `hicache-io fuzz`
+    /// use it to prove loads catch it).
+    pub fn inject_host_corruption(&mut self, comp: usize, offset: u64, bytes: &[u8]) -> Result<()> {
+        let buf = self.buffer(comp)?;
+        self.device.write(buf, offset, bytes)
+    }
+
+    /// Fault injection: flips the bits `xor` of the recorded checksum of host item
+    /// `(host_index, layer, comp)`. `Ok(false)` when it has none (nothing to corrupt).
+    pub fn inject_checksum_corruption(&mut self, host_index: u64, layer: u64, comp: u8, xor: u64) -> Result<bool> {
+        let Some(s) = &self.sidecar else { return Ok(false) };
+        let slot = self.item_slot(s, host_index, layer, comp)?;
+        Ok(s.corrupt(slot, xor))
+    }
+}
