@@ -44,8 +44,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         &config,
         vec![engine_layers.iter().cloned().map(|b| Buffer::Wgpu(unsafe { WgpuBuffer::wrap(&exec, b) })).collect()],
     )?;
-    let mut host =
-        HostPool::new(&dev, &HostPoolConfig { layout: Layout::PageFirstDirect, size: 64 * 64, head_num: 1, profile: Profile::Extended, integrity: None })?;
+    let mut host = HostPool::new(
+        &dev,
+        &HostPoolConfig { layout: Layout::PageFirstDirect, size: 64 * 64, head_num: 1, profile: Profile::Extended, integrity: None },
+    )?;
 
     // Back up device pages 5 and 9 to host pages 0 and 1, load layer 3's copy into page 20.
     let tokens = |pages: &[i64]| pages.iter().flat_map(|p| p * 64..(p + 1) * 64).collect::<Vec<_>>();

@@ -165,14 +165,16 @@ impl Fixture {
             &DevicePoolConfig { kind, bytes_per_token: per_token, slots: units, page_size: page, layers: LayerMap::new(spec.layers) },
         )?;
         let mut dev = dev;
-        let mut host =
-            HostPool::new(&dev, &HostPoolConfig {
+        let mut host = HostPool::new(
+            &dev,
+            &HostPoolConfig {
                 layout: spec.layout,
                 size: units * page,
                 head_num: 1,
                 profile: Profile::Extended,
                 integrity: Some(spec.checksums),
-            })?;
+            },
+        )?;
         let mut rng = Rng::new(seed);
         // Every page written: untouched memory may be the OS's shared zero page (cpu pools are
         // mapped lazily), which reads from cache and would flatter the numbers.

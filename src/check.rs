@@ -94,7 +94,8 @@ pub fn random_case(cell: Cell, profile: Profile, rng: &mut Rng) -> Case {
         page_size,
         layers: layers.clone(),
     };
-    let host = HostPoolConfig { layout: cell.layout, size: host_pages * page_size - 1 - rng.below(page_size), head_num, profile, integrity: None };
+    let host =
+        HostPoolConfig { layout: cell.layout, size: host_pages * page_size - 1 - rng.below(page_size), head_num, profile, integrity: None };
     let op = match cell.op {
         TableOp::Load => {
             if layers.drafts > 0 && rng.chance(30) {
@@ -334,7 +335,9 @@ impl Mirrored {
                     });
                     let got = self.host.item_checksum(u, l, c)?;
                     if got != want {
-                        return Ok(Err(format!("checksum of host item {u} (layer {l}, component {c}): {got:x?}, the oracle's bytes give {want:x?}")));
+                        return Ok(Err(format!(
+                            "checksum of host item {u} (layer {l}, component {c}): {got:x?}, the oracle's bytes give {want:x?}"
+                        )));
                     }
                     compared += want.is_some() as u64;
                 }

@@ -115,11 +115,17 @@ fn trial(device: &Device, cells: &[crate::plan::Cell], seed: u64, t: &mut Inject
     let p = g.page_size();
     let dsa = g.kind() == PoolKind::DsaIndexer;
     let units: Vec<(u64, u64)> = if dsa {
-        hi.chunks(p as usize).zip(di.chunks(p as usize)).filter(|(h, d)| h[0] >= 0 && d[0] >= 0).map(|(h, d)| (h[0] as u64 / p, d[0] as u64 / p)).collect()
+        hi.chunks(p as usize)
+            .zip(di.chunks(p as usize))
+            .filter(|(h, d)| h[0] >= 0 && d[0] >= 0)
+            .map(|(h, d)| (h[0] as u64 / p, d[0] as u64 / p))
+            .collect()
     } else {
         hi.iter().zip(di).filter(|(h, d)| **h >= 0 && **d >= 0).map(|(&h, &d)| (h as u64, d as u64)).collect()
     };
-    let host_layers: Vec<u64> = (0..host.geometry().layer_num()).filter(|&l| host.item_checksum(units.first().map_or(0, |u| u.0), l, 0).ok().flatten().is_some()).collect();
+    let host_layers: Vec<u64> = (0..host.geometry().layer_num())
+        .filter(|&l| host.item_checksum(units.first().map_or(0, |u| u.0), l, 0).ok().flatten().is_some())
+        .collect();
     if units.is_empty() || host_layers.is_empty() {
         t.skipped += 1;
         return Ok(());
@@ -247,7 +253,14 @@ fn load_all(host: &HostPool<'static>, dev: &mut DevicePool<'static>, hi: &[i64],
 
 /// A page of the pool carried to a fresh pool of the same shape, once intact (accepted) and once
 /// with one bit flipped (refused, naming one item).
-fn storage_page(host: &HostPool<'static>, case: &crate::check::Case, unit: u64, rng: &mut Rng, seed: u64, t: &mut InjectTally) -> Result<()> {
+fn storage_page(
+    host: &HostPool<'static>,
+    case: &crate::check::Case,
+    unit: u64,
+    rng: &mut Rng,
+    seed: u64,
+    t: &mut InjectTally,
+) -> Result<()> {
     let g = host.geometry();
     let index = match g.kind() {
         PoolKind::DsaIndexer => unit * g.page_size(),

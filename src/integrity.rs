@@ -191,7 +191,8 @@ unsafe fn tabled_avx2(words: &[u8], keys: &[u32]) -> u64 {
     let (mut even, mut odd) = (_mm256_setzero_si256(), _mm256_setzero_si256());
     for i in 0..n {
         // SAFETY: `32 · i + 32 <= words.len() == 4 · keys.len()`.
-        let (m, k) = unsafe { (_mm256_loadu_si256(wp.add(32 * i) as *const __m256i), _mm256_loadu_si256(kp.add(32 * i) as *const __m256i)) };
+        let (m, k) =
+            unsafe { (_mm256_loadu_si256(wp.add(32 * i) as *const __m256i), _mm256_loadu_si256(kp.add(32 * i) as *const __m256i)) };
         even = _mm256_add_epi64(even, _mm256_mul_epu32(k, m));
         odd = _mm256_add_epi64(odd, _mm256_mul_epu32(_mm256_srli_epi64(k, 32), _mm256_srli_epi64(m, 32)));
     }
@@ -244,28 +245,42 @@ pub(crate) unsafe fn copy_and_sum(src: *const u8, dst: *mut u8, len: usize, firs
 #[target_feature(enable = "avx2")]
 unsafe fn copy_sum_avx2(src: *const u8, dst: *mut u8, len: usize, keys: *const u32, stream: bool) -> (u64, usize) {
     use std::arch::x86_64::*;
-    let n = len / 32;
     let kp = keys as *const u8;
-    let (mut even, mut odd) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+    // Two blocks per trip, each with its own accumulators (measured: one block per trip left
+    // 10% of an 8448-byte backup on the table).
+    let (mut e0, mut o0, mut e1, mut o1) = (_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256());
     let aligned = stream && (dst as usize).is_multiple_of(32);
-    for i in 0..n {
-        // SAFETY: block `i` lies inside all three ranges (see the contract).
-        unsafe {
-            let m = _mm256_loadu_si256(src.add(32 * i) as *const __m256i);
-            if aligned {
-                _mm256_stream_si256(dst.add(32 * i) as *mut __m256i, m);
-            } else {
-                _mm256_storeu_si256(dst.add(32 * i) as *mut __m256i, m);
+    let mut at = 0;
+    macro_rules! block {
+        ($even:ident, $odd:ident, $off:expr) => {{
+            // SAFETY: the block lies inside all three ranges (see the contract).
+            unsafe {
+                let m = _mm256_loadu_si256(src.add($off) as *const __m256i);
+                if aligned {
+                    _mm256_stream_si256(dst.add($off) as *mut __m256i, m);
+                } else {
+                    _mm256_storeu_si256(dst.add($off) as *mut __m256i, m);
+                }
+                let k = _mm256_loadu_si256(kp.add($off) as *const __m256i);
+                $even = _mm256_add_epi64($even, _mm256_mul_epu32(k, m));
+                $odd = _mm256_add_epi64($odd, _mm256_mul_epu32(_mm256_srli_epi64(k, 32), _mm256_srli_epi64(m, 32)));
             }
-            let k = _mm256_loadu_si256(kp.add(32 * i) as *const __m256i);
-            even = _mm256_add_epi64(even, _mm256_mul_epu32(k, m));
-            odd = _mm256_add_epi64(odd, _mm256_mul_epu32(_mm256_srli_epi64(k, 32), _mm256_srli_epi64(m, 32)));
-        }
+        }};
+    }
+    while at + 64 <= len {
+        block!(e0, o0, at);
+        block!(e1, o1, at + 32);
+        at += 64;
+    }
+    if at + 32 <= len {
+        block!(e0, o0, at);
+        at += 32;
     }
     let mut lanes = [0u64; 4];
+    let total = _mm256_add_epi64(_mm256_add_epi64(e0, o0), _mm256_add_epi64(e1, o1));
     // SAFETY: a 32-byte store into a 32-byte array.
-    unsafe { _mm256_storeu_si256(lanes.as_mut_ptr() as *mut __m256i, _mm256_add_epi64(even, odd)) };
-    (lanes.iter().fold(0u64, |a, &b| a.wrapping_add(b)), n * 32)
+    unsafe { _mm256_storeu_si256(lanes.as_mut_ptr() as *mut __m256i, total) };
+    (lanes.iter().fold(0u64, |a, &b| a.wrapping_add(b)), at)
 }
 
 /// 64-bit FNV-1a of `bytes` (binds a checksum to a name, e.g. an object's key).
@@ -337,15 +352,11 @@ impl Sidecar {
             limit: "allocation failed".into(),
         };
         let n = n.and_then(|n| usize::try_from(n).ok()).ok_or_else(|| oom(u64::MAX))?;
-        let mut sums = Vec::new();
-        sums.try_reserve_exact(n).map_err(|_| oom((n as u64).saturating_mul(8)))?;
-        sums.resize_with(n, || std::sync::atomic::AtomicU64::new(0));
-        let mut known = Vec::new();
-        known.try_reserve_exact(n).map_err(|_| oom(n as u64))?;
-        known.resize_with(n, || std::sync::atomic::AtomicBool::new(false));
+        let sums = zeroed::<std::sync::atomic::AtomicU64>(n).ok_or_else(|| oom((n as u64).saturating_mul(8)))?;
+        let known = zeroed::<std::sync::atomic::AtomicBool>(n).ok_or_else(|| oom(n as u64))?;
         let item_words = usize::try_from(words(chunk as usize) as u64 * heads).map_err(|_| oom(u64::MAX))?;
         let keys = shared_keys(STORAGE_SEED, item_words)?;
-        Ok(Sidecar { sums: sums.into(), known: known.into(), units, comps, keys, counts: Default::default() })
+        Ok(Sidecar { sums, known, units, comps, keys, counts: Default::default() })
     }
     /// The key stream items are checksummed with.
     pub(crate) fn keys(&self) -> &Keys {
@@ -415,6 +426,31 @@ impl Sidecar {
             unverified: self.counts[2].load(Relaxed),
             mismatched: self.counts[3].load(Relaxed),
         }
+    }
+}
+
+/// Atomics whose all-zero bytes are a valid value (zero, `false`).
+trait ZeroIsValid {}
+impl ZeroIsValid for std::sync::atomic::AtomicU64 {}
+impl ZeroIsValid for std::sync::atomic::AtomicBool {}
+
+/// `n` zeroed values from the allocator's zeroed memory: for a table the size of a large host
+/// pool, the OS hands out zero pages on first touch instead of every entry being written up
+/// front. `None` when the allocation is refused.
+fn zeroed<T: ZeroIsValid>(n: usize) -> Option<Box<[T]>> {
+    if n == 0 || std::mem::size_of::<T>() == 0 {
+        return Some(Box::new([]));
+    }
+    let layout = std::alloc::Layout::array::<T>(n).ok()?;
+    // SAFETY: a non-zero size; null is a refused allocation. All-zero bytes are a valid `T`
+    // (`AtomicU64` and `AtomicBool` have the in-memory representation of `u64` and `bool`), and
+    // the box frees the memory with the same layout (`Box<[T]>` of `n` elements).
+    unsafe {
+        let p = std::alloc::alloc_zeroed(layout) as *mut T;
+        if p.is_null() {
+            return None;
+        }
+        Some(Box::from_raw(std::ptr::slice_from_raw_parts_mut(p, n)))
     }
 }
 
@@ -492,7 +528,9 @@ mod tests {
     #[test]
     fn copying_and_summing_in_one_pass_is_the_copy_and_the_checksum() {
         let keys = Keys::new(STORAGE_SEED, 4000).unwrap();
-        for (len, first, stream) in [(8448usize, 0usize, true), (1152, 10, false), (100, 3, true), (3, 0, false), (12000, 0, true), (640, 3800, false)] {
+        for (len, first, stream) in
+            [(8448usize, 0usize, true), (1152, 10, false), (100, 3, true), (3, 0, false), (12000, 0, true), (640, 3800, false)]
+        {
             let m = data(len, 9);
             let mut out = vec![0u8; len + 32];
             let at = out.as_mut_ptr().align_offset(32);

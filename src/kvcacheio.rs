@@ -300,8 +300,10 @@ fn host_pool(
         return Err(bad(&comps[0].name, format!("holds {slots} token slots, not a positive multiple of the page size {p}")));
     }
     let buffers = comps.iter().map(|a| wrap(dev.device(), a)).collect::<Result<Vec<_>>>()?;
-    // HostPool rounds a requested size up to (size / P + 1) × P: ask for one page less.
-    HostPool::from_buffers(dev, &HostPoolConfig { layout, size: slots - p, head_num, profile, integrity: None }, buffers)
+    // HostPool rounds a requested size up to (size / P + 1) × P: ask for one page less. No item
+    // checksums: the pool wraps the caller's tensors for this one call, so a table of them would
+    // outlive nothing.
+    HostPool::from_buffers(dev, &HostPoolConfig { layout, size: slots - p, head_num, profile, integrity: Some(false) }, buffers)
 }
 
 /// A layout dimension in layers: `layout_dim / item`, which must be whole.

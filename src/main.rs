@@ -329,7 +329,10 @@ fn bench_checksums(devices: &[Device], args: &BenchArgs) -> ExitCode {
     let cells: Vec<_> = items
         .iter()
         .flat_map(|&item| {
-            specs(true).into_iter().filter(|s| s.io == IoBackend::Kernel && s.item == 8448).map(move |s| hicache_io::bench::BenchSpec { item, ..s })
+            specs(true)
+                .into_iter()
+                .filter(|s| s.io == IoBackend::Kernel && s.item == 8448)
+                .map(move |s| hicache_io::bench::BenchSpec { item, ..s })
         })
         .collect();
     let budget = std::time::Duration::from_millis(args.budget_ms);
@@ -356,8 +359,7 @@ fn bench_checksums(devices: &[Device], args: &BenchArgs) -> ExitCode {
     }
     bar.finish_and_clear();
     if args.json {
-        let v: Vec<_> =
-            rows.iter().map(|(w, p)| serde_json::json!({"with": w, "without": p, "ratio": w.gbps / p.gbps})).collect();
+        let v: Vec<_> = rows.iter().map(|(w, p)| serde_json::json!({"with": w, "without": p, "ratio": w.gbps / p.gbps})).collect();
         println!("{}", serde_json::to_string_pretty(&v).expect("json"));
         return ExitCode::SUCCESS;
     }
@@ -424,11 +426,12 @@ fn info() -> ExitCode {
             Ok(d) => {
                 let c = d.capabilities();
                 println!(
-                    "{}: available — {} (kernel word {} B, direct alignment {} B)",
+                    "{}: available — {} (kernel word {} B, direct alignment {} B; item checksums: {})",
                     kind.name(),
                     d.describe(),
                     c.kernel_word,
-                    c.direct_align
+                    c.direct_align,
+                    if c.checksums { "recorded and verified inside kernel copies" } else { "not computed (host pools keep none)" }
                 );
             }
             Err(e) => println!("{e}"),
@@ -478,7 +481,16 @@ fn check(args: CheckArgs) -> ExitCode {
         );
         for (name, rows) in &report {
             for (cell, t) in rows {
-                println!("{:<48} {:>6} {:>9} {:>8} {:>10} {:>7}  {}", cell.to_string(), name, t.cases, t.matched, t.bytes, t.checksums, verdict(t));
+                println!(
+                    "{:<48} {:>6} {:>9} {:>8} {:>10} {:>7}  {}",
+                    cell.to_string(),
+                    name,
+                    t.cases,
+                    t.matched,
+                    t.bytes,
+                    t.checksums,
+                    verdict(t)
+                );
             }
         }
     }

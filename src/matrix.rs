@@ -84,5 +84,19 @@ pub fn render_markdown(profile: Profile, pools: &[PoolKind], dsa_page_size: u64)
             show(&a.outcome)
         ));
     }
+    s.push_str(&format!("\n{}\n", checksum_note(profile)));
     s
+}
+
+/// Where item checksums are recorded and verified, for the matrix and `hicache-io info`.
+pub fn checksum_note(profile: Profile) -> String {
+    let default = match profile {
+        Profile::Extended => "on by default in this profile (`HostPoolConfig::integrity = Some(false)` turns them off)",
+        Profile::Sglang => "off by default in this profile (`HostPoolConfig::integrity = Some(true)` turns them on)",
+    };
+    format!(
+        "Item checksums are {default}. They are recorded by `kernel` backups and verified by `kernel` loads on the cpu \
+         executor, inside the copy. `direct` copies and the wgpu and cuda executors do not compute them yet: their \
+         backups forget the checksums of the items they write, and their loads read items as unverified."
+    )
 }

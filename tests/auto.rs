@@ -35,15 +35,22 @@ fn auto_takes_the_only_allowed_path_and_is_not_sglangs() {
         let (hi, di): (Vec<i64>, Vec<i64>) = ((0..8).collect(), (8..16).collect());
         let req = Request { op: hicache_io::Op::Backup, io_backend: IoBackend::Auto, host_indices: &hi, device_indices: &di };
         for (layout, want) in [(Layout::PageFirst, IoBackend::Kernel), (Layout::PageFirstDirect, IoBackend::Direct)] {
-            let host = HostPool::new(&dev, &HostPoolConfig { layout, size: 64, head_num: 1, profile: Profile::Extended, integrity: None }).unwrap();
+            let host = HostPool::new(&dev, &HostPoolConfig { layout, size: 64, head_num: 1, profile: Profile::Extended, integrity: None })
+                .unwrap();
             assert_eq!(host.plan(&dev, &req).unwrap().io_backend(), want, "{} {layout}", device.name());
         }
-        let host =
-            HostPool::new(&dev, &HostPoolConfig { layout: Layout::LayerFirst, size: 64, head_num: 1, profile: Profile::Extended, integrity: None }).unwrap();
+        let host = HostPool::new(
+            &dev,
+            &HostPoolConfig { layout: Layout::LayerFirst, size: 64, head_num: 1, profile: Profile::Extended, integrity: None },
+        )
+        .unwrap();
         let io = host.plan(&dev, &req).unwrap().io_backend();
         assert!(io == IoBackend::Kernel || io == IoBackend::Direct, "{io}");
-        let host =
-            HostPool::new(&dev, &HostPoolConfig { layout: Layout::LayerFirst, size: 64, head_num: 1, profile: Profile::Sglang, integrity: None }).unwrap();
+        let host = HostPool::new(
+            &dev,
+            &HostPoolConfig { layout: Layout::LayerFirst, size: 64, head_num: 1, profile: Profile::Sglang, integrity: None },
+        )
+        .unwrap();
         let err = host.plan(&dev, &req).unwrap_err();
         assert!(matches!(&err, TransferError::UnsupportedIoBackend { io_backend } if io_backend == "auto"), "{err:?}");
         assert_eq!(err.to_string(), "Unsupported IO backend: auto");
@@ -83,8 +90,11 @@ fn auto_reports_the_first_failing_check_of_the_path_it_resolves_to() {
     for device in common::devices() {
         let dc = DevicePoolConfig { kind: PoolKind::Mla, bytes_per_token: 64, slots: 64, page_size: 4, layers: LayerMap::new(2) };
         let dev = DevicePool::new(&device, &dc).unwrap();
-        let host =
-            HostPool::new(&dev, &HostPoolConfig { layout: Layout::LayerFirst, size: 64, head_num: 1, profile: Profile::Extended, integrity: None }).unwrap();
+        let host = HostPool::new(
+            &dev,
+            &HostPoolConfig { layout: Layout::LayerFirst, size: 64, head_num: 1, profile: Profile::Extended, integrity: None },
+        )
+        .unwrap();
         let (hi, di) = ([0i64, 1], [2i64, 64]);
         let op = hicache_io::Op::Load { layer_id: 0, is_draft: false };
         let auto = host.plan(&dev, &Request { op, io_backend: IoBackend::Auto, host_indices: &hi, device_indices: &di }).unwrap_err();

@@ -65,7 +65,8 @@ fn pools(device: &Device) -> (DevicePool<'static>, HostPool<'static>) {
         layers: LayerMap::new(LAYERS),
     };
     let dev = DevicePool::new(device, &cfg).unwrap();
-    let host_cfg = HostPoolConfig { layout: Layout::LayerFirst, size: SLOTS as u64, head_num: 1, profile: Profile::Extended, integrity: None };
+    let host_cfg =
+        HostPoolConfig { layout: Layout::LayerFirst, size: SLOTS as u64, head_num: 1, profile: Profile::Extended, integrity: None };
     let host = HostPool::new(&dev, &host_cfg).unwrap();
     (dev, host)
 }

@@ -10,7 +10,13 @@ use hicache_io::{
 
 const SLOTS: u64 = 32;
 
-fn pools(kind: PoolKind, layout: Layout, heads: u64, integrity: Option<bool>, profile: Profile) -> (DevicePool<'static>, HostPool<'static>) {
+fn pools(
+    kind: PoolKind,
+    layout: Layout,
+    heads: u64,
+    integrity: Option<bool>,
+    profile: Profile,
+) -> (DevicePool<'static>, HostPool<'static>) {
     let device = Device::cpu();
     let bytes_per_token = match kind {
         PoolKind::DsaIndexer => 132,

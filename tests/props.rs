@@ -157,7 +157,8 @@ fn roundtrip(device: &Device, kind: PoolKind, layout: Layout, io: IoBackend, see
         layers: layers.clone(),
     };
     let mut dev = DevicePool::new(device, &cfg).unwrap();
-    let mut host = HostPool::new(&dev, &HostPoolConfig { layout, size: 12 * p, head_num: 2, profile: Profile::Extended, integrity: None }).unwrap();
+    let mut host =
+        HostPool::new(&dev, &HostPoolConfig { layout, size: 12 * p, head_num: 2, profile: Profile::Extended, integrity: None }).unwrap();
     let g = dev.geometry().clone();
     let mut original = Vec::new();
     for c in 0..kind.components() {

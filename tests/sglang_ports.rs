@@ -27,7 +27,8 @@ fn setup(device: &Device, kind: PoolKind, item: u64, total: u64, page: u64, layo
         &DevicePoolConfig { kind, bytes_per_token: item, slots: total, page_size: page, layers: LayerMap::new(LAYERS) },
     )
     .unwrap();
-    let mut host = HostPool::new(&dev, &HostPoolConfig { layout, size: total, head_num: heads, profile: Profile::Sglang, integrity: None }).unwrap();
+    let mut host =
+        HostPool::new(&dev, &HostPoolConfig { layout, size: total, head_num: heads, profile: Profile::Sglang, integrity: None }).unwrap();
     let mut rng = Rng::new(seed);
     let comps = kind.components();
     let mut dev0 = vec![vec![Vec::new(); LAYERS]; comps];

@@ -21,9 +21,11 @@ fn run(device: &Device) -> (Vec<u8>, Vec<u8>, bool) {
     for s in 0..3 {
         dev.write_buffer(0, s, &(0..64 * 12).map(|i| (i * 7 + s * 31) as u8).collect::<Vec<_>>()).unwrap();
     }
-    let mut host =
-        HostPool::new(&dev, &HostPoolConfig { layout: Layout::PageFirstDirect, size: 40, head_num: 1, profile: Profile::Extended, integrity: None })
-            .unwrap();
+    let mut host = HostPool::new(
+        &dev,
+        &HostPoolConfig { layout: Layout::PageFirstDirect, size: 40, head_num: 1, profile: Profile::Extended, integrity: None },
+    )
+    .unwrap();
     let mapped = match host.buffer(0).unwrap() {
         Buffer::Wgpu(b) => b.raw().usage().contains(wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::MAP_WRITE),
         _ => false,
@@ -75,7 +77,9 @@ fn host_pool_larger_than_one_buffer() {
         dev.write_buffer(0, l, d).unwrap();
     }
     for (layout, io) in [(Layout::PageFirst, IoBackend::Kernel), (Layout::PageFirstDirect, IoBackend::Direct)] {
-        let mut host = HostPool::new(&dev, &HostPoolConfig { layout, size: tokens, head_num: 1, profile: Profile::Extended, integrity: None }).unwrap();
+        let mut host =
+            HostPool::new(&dev, &HostPoolConfig { layout, size: tokens, head_num: 1, profile: Profile::Extended, integrity: None })
+                .unwrap();
         let bytes = host.geometry().buffer_bytes();
         assert!(bytes > max_buffer, "{bytes} bytes fit one buffer of {max_buffer}");
         if let Buffer::Wgpu(b) = host.buffer(0).unwrap() {
@@ -119,8 +123,11 @@ fn mapped_reads_race_with_loads() {
     let Some((device, _)) = wgpu(None) else { return };
     let cfg = DevicePoolConfig { kind: PoolKind::Mla, bytes_per_token: 64, slots: 256, page_size: 1, layers: LayerMap::new(2) };
     let mut dev = DevicePool::new(&device, &cfg).unwrap();
-    let mut host =
-        HostPool::new(&dev, &HostPoolConfig { layout: Layout::PageFirst, size: 255, head_num: 1, profile: Profile::Extended, integrity: None }).unwrap();
+    let mut host = HostPool::new(
+        &dev,
+        &HostPoolConfig { layout: Layout::PageFirst, size: 255, head_num: 1, profile: Profile::Extended, integrity: None },
+    )
+    .unwrap();
     let data: Vec<u8> = (0..host.geometry().buffer_bytes()).map(|i| (i % 251) as u8).collect();
     host.write_buffer(0, &data).unwrap();
     let idx: Vec<i64> = (0..256).collect();

@@ -123,6 +123,7 @@ def test_round_trip_through_the_store(store, executor, pool):
         # Read back into other host pages (the load's slots), then load into a fresh device pool.
         read_tokens = tokens([4, 6, 8, 10])
         assert store.batch_get_v1(keys, read_tokens) == [True] * 4
+        own_names = "_hio-" in store.object_keys(keys[0])[0]
     finally:
         store.unregister_mem_pool_host()
     for c in range(host.components):
@@ -137,6 +138,12 @@ def test_round_trip_through_the_store(store, executor, pool):
     for layer in list(range(start, end)) + [layer_num + k for k in range(nd)]:
         load = host.load_draft_to_device if layer >= layer_num else host.load_to_device_per_layer
         load(fresh, read_tokens, dev_tokens, layer, io_for(layout))
+    if host.integrity and io_for(layout) == "kernel":
+        # (direct copies compute no checksums.) Pages under hicache-io's own names were verified against their trailers, then their
+        # items' checksums recorded, so the loads verified every item; sglang-named objects carry
+        # no trailer, so their pages load as unverified. Nothing is ever reported corrupt.
+        stats = host.integrity_stats()
+        assert stats["mismatched"] == 0 and (stats["verified"] > 0) == own_names and (stats["unverified"] > 0) != own_names, stats
     # Device slots the load wrote hold the original device bytes.
     dev_units = dev_tokens if kind != "dsa" else dev_tokens[::P] // P
     for c in range(2 if kind == "mha" else 1):
@@ -552,6 +559,11 @@ def test_stores_with_and_without_checksums_read_each_other(store):
         unverified = store.integrity_stats()["unverified"]
         assert store.batch_get_v1([without], tokens([7])) == [True]
         assert store.integrity_stats()["unverified"] == unverified + 1
+        # The host pools' own item checksums: a verified get records the landed page's (equal to
+        # the page it came from); an unverified one forgets them, so loads read it as unverified.
+        assert all(x is None for x in a.page_checksums(7 * P)) and all(x is None for x in b.page_checksums(7 * P))
+        assert store.batch_get_v1([with_sum], tokens([9])) == [True]
+        assert a.page_checksums(9 * P) == a.page_checksums(1 * P) and None not in a.page_checksums(9 * P)
     finally:
         store.unregister_mem_pool_host()
         plain.close()

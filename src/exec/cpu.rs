@@ -507,10 +507,13 @@ fn run_step(step: &Step, bufs: &RawBindings, threads: usize, streaming: bool) {
                 let work = |lo: usize, hi: usize| {
                     let mut n = [0u64; 4];
                     for (l, &item) in pairs.iter().zip(&g.items) {
-                        n = add4(n, match streaming {
-                            true => gather_checked::<true>(l, item, si, di, chunk, heads, lo, hi, mode, ib),
-                            false => gather_checked::<false>(l, item, si, di, chunk, heads, lo, hi, mode, ib),
-                        });
+                        n = add4(
+                            n,
+                            match streaming {
+                                true => gather_checked::<true>(l, item, si, di, chunk, heads, lo, hi, mode, ib),
+                                false => gather_checked::<false>(l, item, si, di, chunk, heads, lo, hi, mode, ib),
+                            },
+                        );
                     }
                     store_fence(streaming);
                     ib.sidecar.count(n);
@@ -647,7 +650,14 @@ fn gather_checked<const NT: bool>(
                 Some(e) if e == sum => n[1] += 1,
                 Some(expected) => {
                     n[3] += 1;
-                    ib.sink.push(integrity::ItemMismatch { layer, component: comp, host_index: host, device_index: device, expected, found: sum });
+                    ib.sink.push(integrity::ItemMismatch {
+                        layer,
+                        component: comp,
+                        host_index: host,
+                        device_index: device,
+                        expected,
+                        found: sum,
+                    });
                 }
             },
         }

@@ -153,7 +153,14 @@ impl HostPool<'_> {
                     s.forget(slot);
                     n[3] += 1;
                     let (layer, component, host_index) = (item.1, item.2, item.0);
-                    sink.push(integrity::ItemMismatch { layer, component, host_index, device_index: index as u64, expected: *w, found: sum });
+                    sink.push(integrity::ItemMismatch {
+                        layer,
+                        component,
+                        host_index,
+                        device_index: index as u64,
+                        expected: *w,
+                        found: sum,
+                    });
                 }
                 Some(_) => {
                     s.record(slot, sum);
