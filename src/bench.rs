@@ -63,8 +63,8 @@ pub struct BenchSpec {
     pub layout: Layout,
     /// io backend.
     pub io: IoBackend,
-    /// Item checksums in the host pool (the `extended` default); only `kernel` copies compute
-    /// them, and only on executors whose copies can.
+    /// Item checksums in the host pool (the `extended` default), computed where the executor's
+    /// copies can.
     pub checksums: bool,
 }
 
@@ -208,10 +208,12 @@ impl Fixture {
             BenchOp::Load => Op::Load { layer_id: spec.layers / 2, is_draft: false },
             BenchOp::Backup => Op::Backup,
         };
-        if spec.op == BenchOp::Load && spec.io == IoBackend::Kernel && host.integrity_enabled() {
-            // Loads verify recorded checksums (not unknown ones): back the items up first (only
-            // `kernel` copies compute them).
-            host.backup_from_device_all_layer(&dev, &hi, &di, IoBackend::Kernel)?;
+        if spec.op == BenchOp::Load && host.integrity_enabled() {
+            // Loads verify recorded checksums (not unknown ones): back the items up first, by
+            // whichever path the table allows for this layout.
+            if host.backup_from_device_all_layer(&dev, &hi, &di, spec.io).is_err() {
+                host.backup_from_device_all_layer(&dev, &hi, &di, IoBackend::Kernel)?;
+            }
         }
         Ok(Fixture { dev, host, host_indices: hi, device_indices: di, op })
     }

@@ -292,7 +292,8 @@ pub fn name_hash(bytes: &[u8]) -> u64 {
 /// sees it: `heads` chunks of `chunk` bytes each (one unless the host layout splits heads), chunk
 /// `h`'s words keyed from word `h · words(chunk)`. For chunks of whole words this is
 /// [`checksum`] of the item's bytes on the device (where its chunks lie end to end); a chunk
-/// with a partial last word is zero-padded on its own, so every executor gets the same bits.
+/// with a partial last word is zero-padded on its own, so every executor gets the same bits (and
+/// "a change within one word is always detected" holds per padded word of a chunk).
 pub fn item_part(chunk: &[u8], head: u64, keys: &Keys) -> u64 {
     partial(chunk, (head as usize).saturating_mul(words(chunk.len())), keys)
 }
@@ -315,13 +316,14 @@ pub struct ItemMismatch {
     pub found: u64,
 }
 
-/// What the host pool's checksum table knows: per item `(unit, layer, component)` a checksum
-/// and whether it is known. Written by the copies of backups (each item by one lane: the
-/// planner makes destinations unique), read by the copies of loads; a transfer's completion
-/// orders both for the caller.
+/// What the host pool's checksum table knows: per item `(unit, layer, component)` one word,
+/// `checksum + 1` (wrapping), with 0 meaning "no checksum known": one store per item, in one
+/// cache line (an item whose checksum is `2^64 - 1` is stored as unknown, so it loads as
+/// unverified: one item in 2^64, never a false alarm). Written by the copies of backups (each
+/// item by one lane: the planner makes destinations unique), read by the copies of loads; a
+/// transfer's completion orders both for the caller.
 pub(crate) struct Sidecar {
-    sums: Box<[std::sync::atomic::AtomicU64]>,
-    known: Box<[std::sync::atomic::AtomicBool]>,
+    entries: Box<[std::sync::atomic::AtomicU64]>,
     units: u64,
     comps: u64,
     keys: std::sync::Arc<Keys>,
@@ -336,7 +338,7 @@ pub struct IntegrityStats {
     /// Items a load verified against their recorded checksum.
     pub verified: u64,
     /// Items loaded without a recorded checksum (never backed up with checksums, or written
-    /// by a path that does not compute them).
+    /// by something that does not compute them).
     pub unverified: u64,
     /// Items whose bytes did not match.
     pub mismatched: u64,
@@ -352,11 +354,10 @@ impl Sidecar {
             limit: "allocation failed".into(),
         };
         let n = n.and_then(|n| usize::try_from(n).ok()).ok_or_else(|| oom(u64::MAX))?;
-        let sums = zeroed::<std::sync::atomic::AtomicU64>(n).ok_or_else(|| oom((n as u64).saturating_mul(8)))?;
-        let known = zeroed::<std::sync::atomic::AtomicBool>(n).ok_or_else(|| oom(n as u64))?;
+        let entries = zeroed::<std::sync::atomic::AtomicU64>(n).ok_or_else(|| oom((n as u64).saturating_mul(8)))?;
         let item_words = usize::try_from(words(chunk as usize) as u64 * heads).map_err(|_| oom(u64::MAX))?;
         let keys = shared_keys(STORAGE_SEED, item_words)?;
-        Ok(Sidecar { sums, known, units, comps, keys, counts: Default::default() })
+        Ok(Sidecar { entries, units, comps, keys, counts: Default::default() })
     }
     /// The key stream items are checksummed with.
     pub(crate) fn keys(&self) -> &Keys {
@@ -369,41 +370,41 @@ impl Sidecar {
             return None;
         }
         let i = (layer.checked_mul(self.comps)? + comp as u64).checked_mul(self.units)?.checked_add(unit)?;
-        (i < self.sums.len() as u64).then_some(i as usize)
+        (i < self.entries.len() as u64).then_some(i as usize)
     }
     /// Records an item's checksum.
     #[inline(always)]
     pub(crate) fn record(&self, slot: usize, sum: u64) {
-        use std::sync::atomic::Ordering::{Relaxed, Release};
-        if let (Some(s), Some(k)) = (self.sums.get(slot), self.known.get(slot)) {
-            s.store(sum, Relaxed);
-            k.store(true, Release);
+        if let Some(e) = self.entries.get(slot) {
+            e.store(sum.wrapping_add(1), std::sync::atomic::Ordering::Relaxed);
         }
     }
     /// The recorded checksum of an item, if one is known.
     #[inline(always)]
     pub(crate) fn expected(&self, slot: usize) -> Option<u64> {
-        use std::sync::atomic::Ordering::{Acquire, Relaxed};
-        let known = self.known.get(slot)?.load(Acquire);
-        known.then(|| self.sums[slot].load(Relaxed))
+        let v = self.entries.get(slot)?.load(std::sync::atomic::Ordering::Relaxed);
+        (v != 0).then(|| v.wrapping_sub(1))
     }
     /// Forgets an item's checksum (its bytes were written by something that did not compute one).
     pub(crate) fn forget(&self, slot: usize) {
-        if let Some(k) = self.known.get(slot) {
-            k.store(false, std::sync::atomic::Ordering::Release);
+        if let Some(e) = self.entries.get(slot) {
+            e.store(0, std::sync::atomic::Ordering::Relaxed);
         }
     }
     /// Forgets every checksum.
     pub(crate) fn forget_all(&self) {
-        for k in self.known.iter() {
-            k.store(false, std::sync::atomic::Ordering::Relaxed);
+        for e in self.entries.iter() {
+            e.store(0, std::sync::atomic::Ordering::Relaxed);
         }
     }
-    /// Flips bits of a recorded checksum (fault injection: a corrupted table entry).
+    /// Flips bits `xor` (nonzero) of a recorded checksum (fault injection: a corrupted table
+    /// entry); a flip that would leave the entry reading "unknown" flips one bit more.
     pub(crate) fn corrupt(&self, slot: usize, xor: u64) -> bool {
-        match self.sums.get(slot) {
-            Some(s) if self.expected(slot).is_some() => {
-                s.fetch_xor(xor, std::sync::atomic::Ordering::Relaxed);
+        match self.entries.get(slot) {
+            Some(e) if self.expected(slot).is_some() && xor != 0 => {
+                let v = e.load(std::sync::atomic::Ordering::Relaxed);
+                let x = if v ^ xor == 0 { xor ^ 1 } else { xor };
+                e.store(v ^ x, std::sync::atomic::Ordering::Relaxed);
                 true
             }
             _ => false,
@@ -432,7 +433,6 @@ impl Sidecar {
 /// Atomics whose all-zero bytes are a valid value (zero, `false`).
 trait ZeroIsValid {}
 impl ZeroIsValid for std::sync::atomic::AtomicU64 {}
-impl ZeroIsValid for std::sync::atomic::AtomicBool {}
 
 /// `n` zeroed values from the allocator's zeroed memory: for a table the size of a large host
 /// pool, the OS hands out zero pages on first touch instead of every entry being written up
@@ -443,7 +443,7 @@ fn zeroed<T: ZeroIsValid>(n: usize) -> Option<Box<[T]>> {
     }
     let layout = std::alloc::Layout::array::<T>(n).ok()?;
     // SAFETY: a non-zero size; null is a refused allocation. All-zero bytes are a valid `T`
-    // (`AtomicU64` and `AtomicBool` have the in-memory representation of `u64` and `bool`), and
+    // (`AtomicU64` has the in-memory representation of `u64`), and
     // the box frees the memory with the same layout (`Box<[T]>` of `n` elements).
     unsafe {
         let p = std::alloc::alloc_zeroed(layout) as *mut T;
@@ -464,23 +464,25 @@ impl MismatchSink {
     pub(crate) fn push(&self, m: ItemMismatch) {
         self.found.lock().unwrap_or_else(|e| e.into_inner()).push(m);
     }
-    /// The transfer's error, if any item mismatched (first by layer, component and position).
+    /// The transfer's error, if any item mismatched.
     pub(crate) fn error(&self) -> Option<crate::TransferError> {
-        let mut found = self.found.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        if found.is_empty() {
-            return None;
-        }
-        found.sort_by_key(|m| (m.layer, m.component, m.host_index));
-        let first = found[0];
-        Some(crate::TransferError::Integrity {
-            layer: first.layer,
-            host_index: first.host_index,
-            device_index: first.device_index,
-            expected: first.expected,
-            found: first.found,
-            items: found,
-        })
+        mismatch_error(self.found.lock().unwrap_or_else(|e| e.into_inner()).clone())
     }
+}
+
+/// The [`crate::TransferError::Integrity`] of `items` (sorted by layer, component and host
+/// index; the first one's fields on the error), `None` when there are none.
+pub(crate) fn mismatch_error(mut items: Vec<ItemMismatch>) -> Option<crate::TransferError> {
+    items.sort_by_key(|m| (m.layer, m.component, m.host_index));
+    let first = *items.first()?;
+    Some(crate::TransferError::Integrity {
+        layer: first.layer,
+        host_index: first.host_index,
+        device_index: first.device_index,
+        expected: first.expected,
+        found: first.found,
+        items,
+    })
 }
 
 #[cfg(test)]

@@ -74,9 +74,9 @@ struct BenchArgs {
     /// time).
     #[arg(long)]
     compute_us: Option<u64>,
-    /// Item checksums on against off instead: the `kernel` cells (layer_first and page_first,
-    /// load and backup) of 8448 and 1152 B items (or `--items`), each measured both ways in one
-    /// run, and the ratio.
+    /// Item checksums on against off instead: the quick cells (kernel and direct, load and
+    /// backup) of 8448 and 1152 B items (or `--items`), each measured both ways in one run, and
+    /// the ratio.
     #[arg(long)]
     checksums: bool,
     #[arg(long)]
@@ -324,16 +324,10 @@ fn bench_auto(devices: &[Device], args: &BenchArgs) -> ExitCode {
 
 fn bench_checksums(devices: &[Device], args: &BenchArgs) -> ExitCode {
     use hicache_io::bench::{checksum_pair, specs};
-    use hicache_io::IoBackend;
     let items: Vec<u64> = if args.items.is_empty() { vec![8448, 1152] } else { args.items.clone() };
     let cells: Vec<_> = items
         .iter()
-        .flat_map(|&item| {
-            specs(true)
-                .into_iter()
-                .filter(|s| s.io == IoBackend::Kernel && s.item == 8448)
-                .map(move |s| hicache_io::bench::BenchSpec { item, ..s })
-        })
+        .flat_map(|&item| specs(true).into_iter().filter(|s| s.item == 8448).map(move |s| hicache_io::bench::BenchSpec { item, ..s }))
         .collect();
     let budget = std::time::Duration::from_millis(args.budget_ms);
     let bar = indicatif::ProgressBar::new((cells.len() * devices.len()) as u64);

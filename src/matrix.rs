@@ -95,8 +95,8 @@ pub fn checksum_note(profile: Profile) -> String {
         Profile::Sglang => "off by default in this profile (`HostPoolConfig::integrity = Some(true)` turns them on)",
     };
     format!(
-        "Item checksums are {default}. They are recorded by `kernel` backups and verified by `kernel` loads on the cpu \
-         executor, inside the copy. `direct` copies and the wgpu and cuda executors do not compute them yet: their \
-         backups forget the checksums of the items they write, and their loads read items as unverified."
+        "Item checksums are {default}. They are recorded by backups and verified by loads on the cpu executor (`kernel` \
+         and `direct`), inside the copy. The wgpu and cuda executors do not compute them yet: their host pools keep \
+         none."
     )
 }

@@ -436,9 +436,21 @@ pub struct Run {
     pub(crate) dst: BufRef,
     pub(crate) dst_offset: u64,
     pub(crate) len: u64,
+    /// The run's host items: `items` consecutive ones from `host_unit` (into device units from
+    /// `device_unit`), of host layer `host_layer` and component `comp`, each `len / items` bytes.
+    pub(crate) items: u64,
+    pub(crate) host_unit: u64,
+    pub(crate) device_unit: u64,
+    pub(crate) host_layer: u64,
+    pub(crate) comp: u8,
 }
 
 impl Run {
+    /// A run of `items = (count, host unit, device unit, host layer, component)`.
+    fn new((src, src_offset): (BufRef, u64), (dst, dst_offset): (BufRef, u64), len: u64, items: (u64, u64, u64, u64, u8)) -> Run {
+        let (items, host_unit, device_unit, host_layer, comp) = items;
+        Run { src, src_offset, dst, dst_offset, len, items, host_unit, device_unit, host_layer, comp }
+    }
     /// `(src buffer, src offset, dst buffer, dst offset, bytes)`.
     pub fn parts(&self) -> (BufRef, u64, BufRef, u64, u64) {
         (self.src, self.src_offset, self.dst, self.dst_offset, self.len)
@@ -459,6 +471,9 @@ pub enum StepKind {
 pub struct Step {
     pub(crate) kind: StepKind,
     pub(crate) layers: Vec<u64>,
+    /// Whether a `direct` step's copies checksum the items they move (a `kernel` step says so in
+    /// its [`GatherStep`]).
+    pub(crate) checksum: Option<ChecksumMode>,
 }
 
 impl Step {
@@ -469,6 +484,13 @@ impl Step {
     /// Host layers this step moves (a layer split over several steps is listed by each).
     pub fn layers(&self) -> &[u64] {
         &self.layers
+    }
+    /// Whether (and how) the step's copies checksum the items they move.
+    pub fn checksum(&self) -> Option<ChecksumMode> {
+        match &self.kind {
+            StepKind::Gather(g) => g.checksum,
+            StepKind::Copy(_) => self.checksum,
+        }
     }
 }
 
@@ -526,8 +548,9 @@ impl Plan {
         };
         let mut steps: Vec<Step> = self.steps.to_vec();
         for step in &mut steps {
-            if let StepKind::Gather(g) = &mut step.kind {
-                g.checksum = Some(mode);
+            match &mut step.kind {
+                StepKind::Gather(g) => g.checksum = Some(mode),
+                StepKind::Copy(_) => step.checksum = Some(mode),
             }
         }
         self.steps = steps.into();
@@ -535,7 +558,7 @@ impl Plan {
     }
     /// Whether every step checksums what it copies.
     pub fn is_checksummed(&self) -> bool {
-        self.steps.iter().all(|s| matches!(&s.kind, StepKind::Gather(g) if g.checksum.is_some()))
+        self.steps.iter().all(|s| s.checksum().is_some())
     }
     /// Host indices of the call (in units), `None` when they live in CUDA memory.
     pub(crate) fn host_units(&self) -> Option<&[i64]> {
@@ -1230,6 +1253,7 @@ fn lower_gather(
                     lanes_log2,
                 }),
                 layers: layers.iter().map(|l| l.0).collect(),
+                checksum: None,
             });
         }
     }
@@ -1263,17 +1287,18 @@ fn lower_direct(
                         let len = n * host.item_bytes();
                         let (ho, doff) = (ha.offset(h0, 0), da.offset(d0, 0));
                         bytes += len;
+                        let items = (n, h0, d0, hl, c);
                         push_run(
                             &mut runs,
                             match direction {
-                                Direction::HostToDevice => Run { src: ha.buf(), src_offset: ho, dst: da.buf(), dst_offset: doff, len },
-                                Direction::DeviceToHost => Run { src: da.buf(), src_offset: doff, dst: ha.buf(), dst_offset: ho, len },
+                                Direction::HostToDevice => Run::new((ha.buf(), ho), (da.buf(), doff), len, items),
+                                Direction::DeviceToHost => Run::new((da.buf(), doff), (ha.buf(), ho), len, items),
                             },
                         );
                     }
                 }
             }
-            Step { kind: StepKind::Copy(runs), layers: layers.iter().map(|l| l.0).collect() }
+            Step { kind: StepKind::Copy(runs), layers: layers.iter().map(|l| l.0).collect(), checksum: None }
         })
         .collect();
     (steps, bytes)
@@ -1407,14 +1432,19 @@ fn page_spans(hi: &[i64], di: &[i64], p: u64) -> Vec<(u64, u64, u64)> {
 /// Appends a run, merging it into the previous one when it continues it in both buffers
 /// (fewer, larger copies; same bytes).
 #[inline]
+/// Appends `r`, merged into the last run when it continues it (bytes and items alike).
 fn push_run(runs: &mut Vec<Run>, r: Run) {
     if let Some(last) = runs.last_mut() {
         if last.src == r.src
             && last.dst == r.dst
             && last.src_offset + last.len == r.src_offset
             && last.dst_offset + last.len == r.dst_offset
+            && (last.host_layer, last.comp) == (r.host_layer, r.comp)
+            && last.host_unit + last.items == r.host_unit
+            && last.device_unit + last.items == r.device_unit
         {
             last.len += r.len;
+            last.items += r.items;
             return;
         }
     }

@@ -170,16 +170,42 @@ fn corrupted_checksums_swapped_and_replayed_pages_are_detected() {
 }
 
 #[test]
-fn paths_without_checksums_leave_items_unverified_never_corrupt() {
+fn direct_copies_record_and_verify_too() {
+    let (mut dev, mut host) = pools(PoolKind::Mha, Layout::LayerFirst, 1, None, Profile::Extended);
+    let hi: Vec<i64> = (8..16).chain(20..24).collect();
+    let di: Vec<i64> = (20..28).chain(4..8).collect();
+    host.backup_from_device_all_layer(&dev, &hi, &di, IoBackend::Direct).unwrap();
+    for (h, d) in hi.iter().zip(&di) {
+        assert_eq!(host.item_checksum(*h as u64, 2, 1).unwrap(), Some(expected(&dev, 1, 2, *d as u64)), "item {h}");
+    }
+    let off = host.geometry().addr(0, 1).offset(21, 0) + 60;
+    host.inject_host_corruption(0, off, &[0x5a]).unwrap();
+    let back: Vec<i64> = (0..12).collect();
+    let err = host.load_to_device_per_layer(&mut dev, &hi, &back, 1, IoBackend::Direct).unwrap_err();
+    assert!(matches!(err, TransferError::Integrity { host_index: 21, device_index: 9, layer: 1, .. }), "{err:?}");
+    host.load_to_device_per_layer(&mut dev, &hi, &back, 0, IoBackend::Direct).unwrap();
+}
+
+#[test]
+fn writes_without_checksums_leave_items_unverified_never_corrupt() {
     let (mut dev, mut host) = pools(PoolKind::Mha, Layout::LayerFirst, 1, None, Profile::Extended);
     let hi: Vec<i64> = (8..16).collect();
     let di: Vec<i64> = (20..28).collect();
     host.backup_from_device_all_layer(&dev, &hi, &di, IoBackend::Kernel).unwrap();
-    // New device bytes backed up by `direct`, which does not checksum: the old sums are gone.
+    // New device bytes backed up by a plan made for a pool without checksums (same geometry):
+    // its copies compute none, so the old ones are forgotten, not left stale.
     let mut data = dev.read_buffer(0, 0).unwrap();
     data.iter_mut().for_each(|b| *b = b.wrapping_add(1));
     dev.write_buffer(0, 0, &data).unwrap();
-    host.backup_from_device_all_layer(&dev, &hi, &di, IoBackend::Direct).unwrap();
+    let plain = HostPool::new(
+        &dev,
+        &HostPoolConfig { layout: Layout::LayerFirst, size: 64, head_num: 1, profile: Profile::Extended, integrity: Some(false) },
+    )
+    .unwrap();
+    let req = hicache_io::Request { op: hicache_io::Op::Backup, io_backend: IoBackend::Kernel, host_indices: &hi, device_indices: &di };
+    let plan = plain.plan(&dev, &req).unwrap();
+    assert!(!plan.is_checksummed());
+    host.execute_backup(&dev, &plan).unwrap();
     assert_eq!(host.item_checksum(8, 0, 0).unwrap(), None);
     let back: Vec<i64> = (0..8).collect();
     host.load_to_device_per_layer(&mut dev, &hi, &back, 0, IoBackend::Kernel).unwrap();
@@ -220,6 +246,10 @@ fn asynchronous_and_layer_wise_loads_report_at_completion() {
     loads.wait_layer(0).unwrap();
     assert!(matches!(loads.wait_layer(1), Err(TransferError::Integrity { .. })));
     loads.wait_layer(2).unwrap_or_else(|e| panic!("layer 2 is sound: {e}"));
+    drop(loads);
+    // Waiting for all of them reports layer 1's item, though the last layer (the draft) is sound.
+    let all = host.load_layers(&mut dev, &hi, &hi, IoBackend::Kernel).unwrap().wait();
+    assert!(matches!(all, Err(TransferError::Integrity { host_index: 12, layer: 1, .. })), "{all:?}");
 }
 
 #[test]
@@ -246,6 +276,11 @@ fn pages_carry_their_checksums_through_storage() {
     other.set_from_flat_data_page(28, &bad).unwrap();
     assert!(other.page_checksums(28).unwrap().iter().all(|s| s.is_some()));
     assert!(matches!(other.set_from_flat_data_page_checked(28, &page, &sums[1..]), Err(TransferError::BufferSize { .. })));
+    // A page from a pool without checksums carries none: taken as unverified.
+    let (_, plain) = pools(PoolKind::Mha, Layout::PageHead, 2, Some(false), Profile::Extended);
+    assert!(plain.page_checksums(12).unwrap().is_empty());
+    other.set_from_flat_data_page_checked(28, &page, &[]).unwrap();
+    assert!(other.page_checksums(28).unwrap().iter().all(|s| s.is_none()));
 }
 
 #[test]

@@ -40,7 +40,8 @@ unverified, never as corrupt, and so do objects whose trailer is of an older che
 (``HIOSUM01``); sglang-named objects keep sglang's shape and are unverified too. After a get into
 the host pool's memory, the pool's own item checksums of each verified page are recomputed from
 the bytes that landed, and forgotten for every other page the get wrote.
-``get_stats()`` counts verified, unverified and corrupt objects.
+``integrity_stats()`` counts verified, unverified and corrupt objects (``get_stats()`` is
+sglang's metrics hook and returns ``None``).
 
 Return conventions are sglang's: ``batch_set_v1`` / ``batch_get_v1`` give one bool per page (an
 object that already exists counts as written), ``batch_exists`` the number of leading pages whose
@@ -653,6 +654,17 @@ class MooncakeStore(HiCacheStorage):
         return self._paged("batch_get_v1", keys, host_indices, self._get_batch)
 
     def _get_batch(self, keys: List[str], idx: Any) -> List[bool]:
+        lay = self._layout
+        try:
+            return self._get_batch_into(keys, idx)
+        except BaseException:
+            # A get that raised (``raise_errors=True``, or Mooncake itself) may have written any
+            # of these pages in place: the pool's item checksums of all of them are forgotten.
+            if lay.zero_copy and hasattr(lay, "landed"):
+                lay.landed(idx, [False] * len(keys), [True] * len(keys))
+            raise
+
+    def _get_batch_into(self, keys: List[str], idx: Any) -> List[bool]:
         lay = self._layout
         obj_keys, ptrs, size = self._page_lists(keys, idx)
         t = self._trailers

@@ -138,8 +138,8 @@ def test_round_trip_through_the_store(store, executor, pool):
     for layer in list(range(start, end)) + [layer_num + k for k in range(nd)]:
         load = host.load_draft_to_device if layer >= layer_num else host.load_to_device_per_layer
         load(fresh, read_tokens, dev_tokens, layer, io_for(layout))
-    if host.integrity and io_for(layout) == "kernel":
-        # (direct copies compute no checksums.) Pages under hicache-io's own names were verified against their trailers, then their
+    if host.integrity:
+        # Pages under hicache-io's own names were verified against their trailers, then their
         # items' checksums recorded, so the loads verified every item; sglang-named objects carry
         # no trailer, so their pages load as unverified. Nothing is ever reported corrupt.
         stats = host.integrity_stats()

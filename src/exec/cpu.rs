@@ -536,6 +536,24 @@ fn run_step(step: &Step, bufs: &RawBindings, threads: usize, streaming: bool) {
             };
             split(g.src_indices.len(), threads, &work);
         }
+        StepKind::Copy(runs) if step.checksum().is_some() && bufs.integrity.is_some() => {
+            let (Some(mode), Some(ib)) = (step.checksum(), &bufs.integrity) else { return };
+            let ptrs: Vec<(SendPtr, SendPtr)> = runs.iter().map(|r| (SendPtr(bufs.get(r.src)), SendPtr(bufs.get(r.dst)))).collect();
+            let work = |lo: usize, hi: usize| {
+                let mut n = [0u64; 4];
+                for k in lo..hi {
+                    // Runs of one item each (random pages) are latency-bound: prefetch ahead.
+                    if let (Some(r), Some((s, d))) = (runs.get(k + PREFETCH_AHEAD), ptrs.get(k + PREFETCH_AHEAD)) {
+                        prefetch(s.0.wrapping_add(r.src_offset as usize));
+                        prefetch(d.0.wrapping_add(r.dst_offset as usize));
+                    }
+                    n = add4(n, copy_run_checked(&runs[k], ptrs[k], streaming, mode, ib));
+                }
+                store_fence(streaming);
+                ib.sidecar.count(n);
+            };
+            split(runs.len(), threads, &work);
+        }
         StepKind::Copy(runs) => {
             let runs: Vec<(SendPtr, SendPtr, usize, usize, usize)> = runs
                 .iter()
@@ -639,28 +657,65 @@ fn gather_checked<const NT: bool>(
             ChecksumMode::Record => (d as u64, s as u64),
             ChecksumMode::Verify => (s as u64, d as u64),
         };
-        let Some(slot) = ib.sidecar.slot(host, layer, comp) else { continue };
-        match mode {
-            ChecksumMode::Record => {
-                ib.sidecar.record(slot, sum);
-                n[0] += 1;
-            }
-            ChecksumMode::Verify => match ib.sidecar.expected(slot) {
-                None => n[2] += 1,
-                Some(e) if e == sum => n[1] += 1,
-                Some(expected) => {
-                    n[3] += 1;
-                    ib.sink.push(integrity::ItemMismatch {
-                        layer,
-                        component: comp,
-                        host_index: host,
-                        device_index: device,
-                        expected,
-                        found: sum,
-                    });
-                }
-            },
+        settle(mode, ib, (host, device, layer, comp), sum, &mut n);
+    }
+    n
+}
+
+/// Records (backup) or verifies (load) the checksum `sum` of item `(host index, device index,
+/// host layer, component)`, counting into `n` (recorded, verified, unverified, mismatched).
+#[inline(always)]
+fn settle(mode: ChecksumMode, ib: &super::IntegrityBinding, (host, device, layer, comp): (u64, u64, u64, u8), sum: u64, n: &mut [u64; 4]) {
+    let Some(slot) = ib.sidecar.slot(host, layer, comp) else { return };
+    match mode {
+        ChecksumMode::Record => {
+            ib.sidecar.record(slot, sum);
+            n[0] += 1;
         }
+        ChecksumMode::Verify => match ib.sidecar.expected(slot) {
+            None => n[2] += 1,
+            Some(e) if e == sum => n[1] += 1,
+            Some(expected) => {
+                n[3] += 1;
+                ib.sink.push(integrity::ItemMismatch {
+                    layer,
+                    component: comp,
+                    host_index: host,
+                    device_index: device,
+                    expected,
+                    found: sum,
+                });
+            }
+        },
+    }
+}
+
+/// One `direct` run, item by item, each copied and checksummed in one pass (the run's items are
+/// consecutive and whole: `len / items` bytes each). Counts as [`gather_checked`].
+fn copy_run_checked(
+    r: &crate::plan::Run,
+    (sp, dp): (SendPtr, SendPtr),
+    stream: bool,
+    mode: ChecksumMode,
+    ib: &super::IntegrityBinding,
+) -> [u64; 4] {
+    let keys = ib.sidecar.keys();
+    let mut n = [0u64; 4];
+    let item = (r.len / r.items.max(1)) as usize;
+    for k in 0..r.items {
+        let at = k as usize * item;
+        if k + (PREFETCH_AHEAD as u64) < r.items {
+            let ahead = at + PREFETCH_AHEAD * item;
+            prefetch(sp.0.wrapping_add(r.src_offset as usize + ahead));
+            prefetch(dp.0.wrapping_add(r.dst_offset as usize + ahead));
+        }
+        // SAFETY: the planner made the run from range-checked items of these pools' geometry;
+        // item `k` lies inside it.
+        let sum = unsafe {
+            let (s, d) = (sp.0.add(r.src_offset as usize + at), dp.0.add(r.dst_offset as usize + at));
+            integrity::copy_and_sum(s, d, item, 0, keys, stream)
+        };
+        settle(mode, ib, (r.host_unit + k, r.device_unit + k, r.host_layer, r.comp), sum, &mut n);
     }
     n
 }

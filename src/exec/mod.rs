@@ -52,7 +52,8 @@ impl Completion {
         self.wait_transfers()?;
         self.integrity_error()
     }
-    fn integrity_error(&self) -> Result<()> {
+    /// The integrity error of a completed checksumming load (`Ok` otherwise); does not wait.
+    pub(crate) fn integrity_error(&self) -> Result<()> {
         match self.integrity.as_ref().and_then(|s| s.error()) {
             Some(e) => Err(e),
             None => Ok(()),
@@ -636,7 +637,14 @@ impl Device {
             Device::Wgpu(e) => typed_run!(e, Wgpu, "wgpu"),
             #[cfg(feature = "cuda")]
             Device::Cuda(e) => typed_run!(e, Cuda, "cuda"),
-        }?;
+        }
+        .inspect_err(|e| {
+            // An executor failure is the call's error; mismatches its completed steps found are
+            // still worth a line.
+            if let Some(Err(i)) = bufs.integrity.as_ref().map(|b| b.sink.error().map_or(Ok(()), Err)) {
+                log::error!("{e}; before it: {i}");
+            }
+        })?;
         if let Some(b) = &bufs.integrity {
             completion.integrity = Some(b.sink.clone());
             if !enqueue {

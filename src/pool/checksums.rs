@@ -119,6 +119,8 @@ impl HostPool<'_> {
     pub fn forget_page_checksums(&mut self, index: i64) -> Result<()> {
         let items = self.page_items(index)?;
         if let Some(s) = &self.sidecar {
+            // After the transfers queued so far (a backup recording these items).
+            self.device.wait_idle()?;
             for (u, l, c) in items {
                 s.forget(self.item_slot(s, u, l, c)?);
             }
@@ -131,9 +133,12 @@ impl HostPool<'_> {
     /// writes the page, then checks every item against them. A mismatch is an
     /// [`TransferError::Integrity`] naming the items (`device_index` is the page's first slot),
     /// whose checksums are then forgotten; the matching items are recorded. Without checksums
-    /// in this pool it is `set_from_flat_data_page`.
+    /// in this pool it is `set_from_flat_data_page`; an empty `checksums` (what a pool without
+    /// checksums carries) is every item unverified.
     pub fn set_from_flat_data_page_checked(&mut self, index: i64, data: &[u8], checksums: &[Option<u64>]) -> Result<()> {
         let items = self.page_items(index)?;
+        let unverified = vec![None; if checksums.is_empty() { items.len() } else { 0 }];
+        let checksums = if checksums.is_empty() { &unverified[..] } else { checksums };
         if self.sidecar.is_some() && checksums.len() != items.len() {
             return Err(TransferError::BufferSize {
                 what: "page item checksums".into(),

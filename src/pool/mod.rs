@@ -274,19 +274,39 @@ impl LayerLoads<'_> {
     pub fn is_layer_done(&self, layer_id: usize) -> Result<bool> {
         self.find(layer_id)?.is_done()
     }
-    /// Blocks until every layer has landed.
+    /// Blocks until every layer has landed; an executor's error, else the items of every layer
+    /// that failed their checksums (one [`TransferError::Integrity`]).
     pub fn wait(mut self) -> Result<()> {
         let layers = std::mem::take(&mut self.layers);
-        layers.last().map_or(Ok(()), |(_, c)| c.wait())
+        wait_layers(&layers)
     }
 }
 
 impl Drop for LayerLoads<'_> {
     fn drop(&mut self) {
-        if let Some(Err(e)) = self.layers.last().map(|(_, c)| c.wait()) {
+        if let Err(e) = wait_layers(&self.layers) {
             log::error!("layer loads dropped without waiting failed: {e}");
         }
     }
+}
+
+/// Waits for the last layer (the stream runs them in order), then gathers every layer's
+/// checksum mismatches: each layer's completion holds only its own.
+fn wait_layers(layers: &[(usize, Completion)]) -> Result<()> {
+    let Some((_, last)) = layers.last() else { return Ok(()) };
+    match last.wait() {
+        Ok(()) | Err(TransferError::Integrity { .. }) => {}
+        Err(e) => return Err(e),
+    }
+    let items: Vec<crate::integrity::ItemMismatch> = layers
+        .iter()
+        .filter_map(|(_, c)| match c.integrity_error() {
+            Err(TransferError::Integrity { items, .. }) => Some(items),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    crate::integrity::mismatch_error(items).map_or(Ok(()), Err)
 }
 
 /// Asynchronous transfers: only for pools that own their memory (`'static`), so a transfer in
@@ -348,9 +368,10 @@ impl HostPool<'static> {
             match self.device.execute_async(plan, &self.bindings(device_pool, plan)) {
                 Ok(c) => layers.push((*l, c)),
                 Err(e) => {
-                    // Layers already enqueued still land: wait for them so the error is final.
+                    // Layers already enqueued still land: wait for them so the error is final
+                    // (items that failed their checksums landed too).
                     let Some((_, c)) = layers.last() else { return Err(e) };
-                    let landed = c.wait().is_ok();
+                    let landed = matches!(c.wait(), Ok(()) | Err(TransferError::Integrity { .. }));
                     return Err(partial_layers(&plans[..layers.len()], landed, e, plans.len()));
                 }
             }
@@ -442,7 +463,18 @@ impl<'m> HostPool<'m> {
                 return Some(crate::exec::IntegrityBinding { sidecar: sidecar.clone(), sink: Default::default() });
             }
             if plan.direction() == Direction::DeviceToHost {
+                // In order with what is queued: a queued backup that records the same items must
+                // not record after this forgets. (Only plans made for a pool without checksums
+                // get here: this pool's own plans checksum on every path its executor has.)
+                if let Err(e) = self.device.wait_idle() {
+                    log::error!("waiting before forgetting checksums: {e}");
+                }
                 self.forget_written(sidecar, plan);
+            } else if let Some(units) = plan.host_units() {
+                // Loads read these items unverified.
+                let live = units.iter().filter(|u| **u >= 0).count() as u64;
+                let layers = plan_layers(plan).len() as u64;
+                sidecar.count([0, 0, live * layers * self.pair.host().kind().components() as u64, 0]);
             }
             None
         });
@@ -459,10 +491,7 @@ impl<'m> HostPool<'m> {
             return;
         };
         let comps = self.pair.host().kind().components() as u8;
-        let mut layers: Vec<u64> = plan.steps().iter().flat_map(|s| s.layers().iter().copied()).collect();
-        layers.sort_unstable();
-        layers.dedup();
-        for &l in &layers {
+        for l in plan_layers(plan) {
             for c in 0..comps {
                 for &u in units.iter().filter(|u| **u >= 0) {
                     if let Some(slot) = sidecar.slot(u as u64, l, c) {
@@ -585,10 +614,13 @@ impl<'m> HostPool<'m> {
     pub fn write_buffer(&mut self, comp: usize, data: &[u8]) -> Result<()> {
         let buf = self.buffer(comp)?;
         exact_size("host buffer", self.pair.host().buffer_bytes(), data)?;
+        // The write waits for queued transfers first; forgetting after it, nothing queued
+        // records over it.
+        let written = self.device.write(buf, 0, data);
         if let Some(s) = &self.sidecar {
             s.forget_all();
         }
-        self.device.write(buf, 0, data)
+        written
     }
     /// Buffer of component `comp`.
     pub fn buffer(&self, comp: usize) -> Result<&Buffer> {
@@ -610,6 +642,14 @@ impl<'m> HostPool<'m> {
             Buffer::Wgpu(_) => None,
         })
     }
+}
+
+/// The host layers a plan moves, each once.
+pub(crate) fn plan_layers(plan: &Plan) -> Vec<u64> {
+    let mut layers: Vec<u64> = plan.steps().iter().flat_map(|s| s.layers().iter().copied()).collect();
+    layers.sort_unstable();
+    layers.dedup();
+    layers
 }
 
 /// The checksum table a host pool of `config` keeps on `device`: when the config (or its

@@ -116,7 +116,7 @@ impl Pipeline<'_> {
                 Ok(t) => tickets.push((*layer, t)),
                 Err(e) if i == 0 => return Err(e),
                 Err(e) => {
-                    let landed = self.wait(tickets[i - 1].1).is_ok();
+                    let landed = matches!(self.wait(tickets[i - 1].1), Ok(()) | Err(crate::TransferError::Integrity { .. }));
                     return Err(super::partial_layers(&plans[..i], landed, e, plans.len()));
                 }
             }
