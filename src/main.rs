@@ -340,7 +340,7 @@ fn bench_checksums(devices: &[Device], args: &BenchArgs) -> ExitCode {
         }
         for spec in &cells {
             bar.set_message(format!("{} {spec}", dev.name()));
-            match checksum_pair(dev, spec, budget, 3) {
+            match checksum_pair(dev, spec, budget, 5) {
                 Ok(pair) => rows.push(pair),
                 Err(e) => {
                     bar.finish_and_clear();
