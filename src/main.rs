@@ -500,11 +500,7 @@ fn check(args: CheckArgs) -> ExitCode {
             if bad.is_empty() { "all match the oracle" } else { "MISMATCHES" },
             if keeps { format!("{sums} recorded by backups, each equal to the oracle's") } else { "not kept on this executor".into() }
         );
-        if args.json {
-            eprintln!("{line}");
-        } else {
-            println!("{line}");
-        }
+        print_summary(args.json, &line, &[]);
         failed |= !bad.is_empty();
     }
     if devices.is_empty() {
@@ -563,14 +559,7 @@ fn fuzz(args: FuzzArgs) -> ExitCode {
             t.corrupted,
             t.refused_well_formed
         );
-        if args.json {
-            eprintln!("{line}");
-        } else {
-            println!("{line}");
-        }
-        for f in &t.failures {
-            eprintln!("  {f}");
-        }
+        print_summary(args.json, &line, &t.failures);
         clean &= t.clean();
         let line = if i.verified {
             let kinds: Vec<String> = hicache_io::inject::FAULTS.iter().zip(i.injected).map(|(k, n)| format!("{k} {n}")).collect();
@@ -588,20 +577,25 @@ fn fuzz(args: FuzzArgs) -> ExitCode {
         } else {
             format!("{name}: integrity: not verified on this executor (its copies keep no checksums): nothing injected")
         };
-        if args.json {
-            eprintln!("{line}");
-        } else {
-            println!("{line}");
-        }
-        for f in &i.failures {
-            eprintln!("  {f}");
-        }
+        print_summary(args.json, &line, &i.failures);
         clean &= i.clean();
     }
     if clean {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
+    }
+}
+
+/// A summary line (stderr under `--json`, which keeps stdout for the JSON) and its failures.
+fn print_summary(json: bool, line: &str, failures: &[String]) {
+    if json {
+        eprintln!("{line}");
+    } else {
+        println!("{line}");
+    }
+    for f in failures {
+        eprintln!("  {f}");
     }
 }
 

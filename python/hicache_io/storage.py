@@ -337,16 +337,16 @@ class _Layout:
     def write_page(self, index: int, data: Any) -> None:
         self.pool.set_from_flat_data_page(index, data)
 
-    def landed(self, idx: Any, trusted: List[bool], touched: List[bool]) -> None:
-        """After a zero-copy read into the pool's memory: the pool's item checksums of each page
-        read whole and verified are recomputed from the bytes that landed; those of any other
-        page the read may have written are forgotten (its loads then read as unverified, never
-        as corrupt)."""
+    def landed(self, idx: Any, trusted: List[bool]) -> None:
+        """After a zero-copy read into the pool's memory (which may write any page it was asked
+        for): the pool's item checksums of each page read whole and verified are recomputed from
+        the bytes that landed; those of every other page are forgotten (its loads then read as
+        unverified, never as corrupt)."""
         if not self.zero_copy or not getattr(self.pool, "integrity", False):
             return
         first = [int(idx[i * self.page]) for i in range(len(trusted))]
         good = [f for f, t in zip(first, trusted) if t]
-        stale = [f for f, t, w in zip(first, trusted, touched) if w and not t]
+        stale = [f for f, t in zip(first, trusted) if not t]
         if good:
             self.pool.recompute_page_checksums(good)
         if stale:
@@ -661,7 +661,7 @@ class MooncakeStore(HiCacheStorage):
             # A get that raised (``raise_errors=True``, or Mooncake itself) may have written any
             # of these pages in place: the pool's item checksums of all of them are forgotten.
             if lay.zero_copy and hasattr(lay, "landed"):
-                lay.landed(idx, [False] * len(keys), [True] * len(keys))
+                lay.landed(idx, [False] * len(keys))
             raise
 
     def _get_batch_into(self, keys: List[str], idx: Any) -> List[bool]:
@@ -688,7 +688,7 @@ class MooncakeStore(HiCacheStorage):
         if len(got) != n_obj:
             self._fail(StorageError("batch_get_into", REFUSED, keys, detail=f"{len(got)} answers for {n_obj} objects"))
             if lay.zero_copy and hasattr(lay, "landed"):
-                lay.landed(idx, [False] * len(keys), [True] * len(keys))
+                lay.landed(idx, [False] * len(keys))
             return [False] * len(keys)
         whole = size + 16 if t is not None and self.integrity else size
         ok = [n == whole for n in got]
@@ -719,7 +719,7 @@ class MooncakeStore(HiCacheStorage):
             per = lay.comps
             sound = [ok[j] and not unverified[j] and t is not None and self.integrity for j in range(n_obj)]
             trusted = [all(sound[i * per : (i + 1) * per]) for i in range(len(keys))]
-            lay.landed(idx, [p and v for p, v in zip(pages, trusted)], [True] * len(keys))
+            lay.landed(idx, [p and v for p, v in zip(pages, trusted)])
         return pages
 
     def _verify(self, obj_keys: List[str], idx: Any, ok: List[bool], unverified: List[bool]) -> None:

@@ -593,16 +593,25 @@ fn gather_items<const NT: bool, const PF: bool>(
         if s < 0 || d < 0 {
             continue;
         }
-        if let Some(j) = (PF && i + PREFETCH_AHEAD < si.len()).then_some(i + PREFETCH_AHEAD) {
-            if si[j] >= 0 && di[j] >= 0 {
-                prefetch(sp.0.wrapping_add(sa.offset(si[j] as u64, 0) as usize));
-                prefetch(dp.0.wrapping_add(da.offset(di[j] as u64, 0) as usize));
-            }
+        if PF {
+            prefetch_item(&(*sp, *dp, *sa, *da), si, di, i + PREFETCH_AHEAD);
         }
         for h in 0..heads {
             // SAFETY: plans are built only by the planner, for these pools: every index is
             // range-checked against the geometry the buffers were sized by.
             unsafe { copy(NT, sp.0.add(sa.offset(s as u64, h) as usize), dp.0.add(da.offset(d as u64, h) as usize), chunk) }
+        }
+    }
+}
+
+/// Prefetches both sides of index pair `j` of a gather (nothing past the lists or for a skipped
+/// pair).
+#[inline(always)]
+fn prefetch_item((sp, dp, sa, da): &(SendPtr, SendPtr, Addr, Addr), si: &[i64], di: &[i64], j: usize) {
+    if let (Some(&s), Some(&d)) = (si.get(j), di.get(j)) {
+        if s >= 0 && d >= 0 {
+            prefetch(sp.0.wrapping_add(sa.offset(s as u64, 0) as usize));
+            prefetch(dp.0.wrapping_add(da.offset(d as u64, 0) as usize));
         }
     }
 }
@@ -637,13 +646,7 @@ fn gather_checked<const NT: bool>(
         if s < 0 || d < 0 {
             continue;
         }
-        if i + PREFETCH_AHEAD < si.len() {
-            let j = i + PREFETCH_AHEAD;
-            if si[j] >= 0 && di[j] >= 0 {
-                prefetch(sp.0.wrapping_add(sa.offset(si[j] as u64, 0) as usize));
-                prefetch(dp.0.wrapping_add(da.offset(di[j] as u64, 0) as usize));
-            }
-        }
+        prefetch_item(&(*sp, *dp, *sa, *da), si, di, i + PREFETCH_AHEAD);
         let mut sum = 0u64;
         for h in 0..heads {
             // SAFETY: as in `gather_items`; the source chunk is only read (the planner refuses

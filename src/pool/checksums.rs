@@ -65,36 +65,18 @@ impl HostPool<'_> {
     }
 
     /// The checksums of items' bytes as they are in host memory now (after the pool's queued
-    /// transfers): read in place where the pool lives in this process's memory, through the
-    /// executor otherwise.
+    /// transfers).
     fn item_sums(&self, keys: &integrity::Keys, items: &[(u64, u64, u8)]) -> Result<Vec<u64>> {
         let g = self.pair.host();
-        let chunk = g.chunk_bytes();
-        self.device.wait_idle()?;
-        let spans: Vec<Option<(u64, u64)>> = (0..g.kind().components()).map(|c| self.host_span(c)).collect::<Result<_>>()?;
-        let mut scratch = vec![0u8; chunk as usize];
+        let mut bytes = self.host_bytes()?;
         items
             .iter()
             .map(|&(unit, layer, comp)| {
                 let addr = g.addr(comp, layer);
-                let mut sum = 0u64;
-                for h in 0..g.head_num() {
-                    let off = addr.offset(unit, h);
-                    let bytes: &[u8] = match spans.get(comp as usize).copied().flatten() {
-                        Some((base, size)) if off.checked_add(chunk).is_some_and(|end| end <= size) => {
-                            // SAFETY: `off..off + chunk` lies inside the component's buffer
-                            // (checked), which lives as long as `self`; the executor is idle and
-                            // the pool is borrowed, so nothing writes it meanwhile.
-                            unsafe { std::slice::from_raw_parts((base + off) as *const u8, chunk as usize) }
-                        }
-                        _ => {
-                            self.device.read(self.buffer(comp as usize)?, off, &mut scratch)?;
-                            &scratch
-                        }
-                    };
-                    sum = sum.wrapping_add(integrity::item_part(bytes, h, keys));
-                }
-                Ok(sum)
+                (0..g.head_num()).try_fold(0u64, |sum, h| {
+                    let chunk = bytes.get(comp as usize, addr.offset(unit, h), g.chunk_bytes())?;
+                    Ok(sum.wrapping_add(integrity::item_part(chunk, h, keys)))
+                })
             })
             .collect()
     }

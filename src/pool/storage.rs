@@ -131,32 +131,43 @@ impl HostPool<'_> {
         let meta = self.get_page_buffer_meta(indices)?;
         let widest = meta.iter().map(|m| m.2).max().unwrap_or(0);
         let keys = crate::integrity::shared_keys(seed, crate::integrity::words(widest as usize))?;
+        let mut bytes = self.host_bytes()?;
+        meta.iter().map(|&(c, off, len)| Ok(crate::integrity::checksum(bytes.get(c, off, len)?, &keys))).collect()
+    }
+
+    /// The pool's host memory as it is now, after its queued transfers (see [`HostBytes`]).
+    pub(super) fn host_bytes(&self) -> Result<HostBytes<'_>> {
         self.device.wait_idle()?;
-        let spans: Vec<Option<(u64, u64)>> = (0..self.pair.host().kind().components()).map(|c| self.host_span(c)).collect::<Result<_>>()?;
-        let mut staged = Vec::new();
-        meta.iter()
-            .map(|&(c, off, len)| match spans[c] {
-                Some((base, size)) => {
-                    if off.checked_add(len).is_none_or(|end| end > size) {
-                        return Err(TransferError::BufferSize {
-                            what: "page span".into(),
-                            expected: off.saturating_add(len),
-                            actual: size,
-                        });
-                    }
-                    // SAFETY: `off..off + len` lies inside component `c`'s buffer (checked above),
-                    // which lives as long as `self`; the executor's queue is drained, so no
-                    // transfer of the pool writes it, and other writers of its memory are bound
-                    // by the contract above.
-                    let bytes = unsafe { std::slice::from_raw_parts((base + off) as *const u8, len as usize) };
-                    Ok(crate::integrity::checksum(bytes, &keys))
-                }
-                None => {
-                    staged.resize(len as usize, 0);
-                    self.device.read(self.buffer(c)?, off, &mut staged)?;
-                    Ok(crate::integrity::checksum(&staged, &keys))
-                }
-            })
-            .collect()
+        let spans = (0..self.pair.host().kind().components()).map(|c| self.host_span(c)).collect::<Result<_>>()?;
+        Ok(HostBytes { pool: self, spans, staged: Vec::new() })
+    }
+}
+
+/// Reads of a host pool's memory outside transfers: in place where the pool lives in this
+/// process's memory ([`HostPool::host_span`]), through the executor otherwise. Memory written
+/// outside the pool's own calls (an L3 store into a registered pool, a raw-pointer op) must not be
+/// written meanwhile.
+pub(super) struct HostBytes<'a> {
+    pool: &'a HostPool<'a>,
+    spans: Vec<Option<(u64, u64)>>,
+    staged: Vec<u8>,
+}
+
+impl HostBytes<'_> {
+    /// `len` bytes of component `comp` at byte `off`.
+    pub(super) fn get(&mut self, comp: usize, off: u64, len: u64) -> Result<&[u8]> {
+        let Some(&Some((base, size))) = self.spans.get(comp) else {
+            self.staged.resize(len as usize, 0);
+            self.pool.device.read(self.pool.buffer(comp)?, off, &mut self.staged)?;
+            return Ok(&self.staged);
+        };
+        if off.checked_add(len).is_none_or(|end| end > size) {
+            return Err(TransferError::BufferSize { what: "page span".into(), expected: off.saturating_add(len), actual: size });
+        }
+        // SAFETY: `off..off + len` lies inside component `comp`'s buffer (checked above), which
+        // lives as long as the pool; the executor's queue was drained and the pool is borrowed,
+        // so no transfer of the pool writes it, and other writers of its memory are bound by the
+        // contract above.
+        Ok(unsafe { std::slice::from_raw_parts((base + off) as *const u8, len as usize) })
     }
 }
