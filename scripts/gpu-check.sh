@@ -6,7 +6,8 @@
 #   4. the CUDA tests (when cargo is present) with HICACHE_REQUIRE_CUDA=1, the engine-stream
 #      ordering tests among them,
 #   5. hostile input on cuda (fuzz, 2,000 cases),
-#   6. wgpu on the real GPU when its Vulkan driver is present (check),
+#   6. wgpu on the real GPU when its Vulkan driver is present (check, fuzz with corruption
+#      injection, and the cost of item checksums),
 #   7. a short bench: kernel vs direct (batched and per-run copies), H2D loads and D2H backups,
 #      DSA pages of 8448 B and MLA records of 1152 B and 656 B, 4096 random pages; the kernel with
 #      16-byte words (the default where aligned) against 8-byte words (HICACHE_CUDA_MAX_WORD=8),
@@ -46,6 +47,8 @@ fi
 step "fuzz: cuda" "$bin" fuzz --backend cuda --cases 2000 --seed 3
 if "$bin" info | grep -q "^wgpu: available"; then
     step "check: wgpu on this GPU" "$bin" check --backend wgpu --rounds 4 --seed 4
+    step "fuzz: wgpu on this GPU, with 2000 corruption injections" "$bin" fuzz --backend wgpu --cases 2000 --seed 5
+    step "bench: wgpu item checksums on against off" "$bin" bench --checksums --backend wgpu --budget-ms 200
 fi
 echo "== bench: batched direct copies"
 "$bin" bench --backend cuda --items 8448,1152,656 --budget-ms 200 --json > "$out/bench-cuda-batched.json" || status=1

@@ -18,6 +18,15 @@
 // lanes), large items get a whole workgroup; each invocation strides over the chunk's words
 // (`WORD`: vec4<u32> when every offset allows 16 bytes, u32 otherwise). Address arithmetic is
 // done once per (item, head), not per word. Index pairs with a negative entry are skipped.
+//
+// Item checksums (the pipelines built with the lines between `//<sum` and `//sum>`): each
+// invocation also sums key[j] * word[j] mod 2^64 over the 32-bit words j it copies (j counted
+// from the item's first head chunk), and adds its sum into the item's two-word (lo, hi) entry
+// of `sums` with two atomic adds (the carry of the low word's add goes into the high word, so
+// the entry ends up as the exact sum whatever the order). WGSL has no 64-bit integers: a
+// product of a key below 2^32 and a word is formed from 16-bit halves, and an invocation keeps
+// three exact partial sums (low-half products with their carries, cross products with their
+// carries, high-half products mod 2^32) that it combines once at the end.
 
 struct Side {
     rel0: u32,
@@ -47,6 +56,63 @@ struct Params {
 @group(0) @binding(1) var<storage, read> indices: array<vec2<i32>>;
 @group(0) @binding(2) var<storage, read> src: array<WORD>;
 @group(0) @binding(3) var<storage, read_write> dst: array<WORD>;
+//<sum
+// The item's keys as words (`heads * words_per_chunk` of them), and two u32 per index pair.
+@group(0) @binding(4) var<storage, read> keys: array<WORD>;
+@group(0) @binding(5) var<storage, read_write> sums: array<atomic<u32>>;
+
+// Partial sums of one invocation: exact, each word of them lane-wise (`WORD` may be a vector).
+struct Acc {
+    lo: WORD,     // sum of klo*vlo, low word
+    lo_c: WORD,   // ... its carries (the high word)
+    mid: WORD,    // sum of khi*vlo + klo*vhi, low word
+    mid_c: WORD,  // ... its carries
+    hi: WORD,     // sum of khi*vhi mod 2^32
+}
+
+fn acc_add(a: Acc, k: WORD, v: WORD) -> Acc {
+    let m = WORD(0xffffu);
+    let kl = k & m;
+    let kh = k >> WORD(16u);
+    let vl = v & m;
+    let vh = v >> WORD(16u);
+    var r = a;
+    let p0 = kl * vl;
+    r.lo = r.lo + p0;
+    r.lo_c = r.lo_c + select(WORD(0u), WORD(1u), r.lo < p0);
+    let p1 = kh * vl;
+    r.mid = r.mid + p1;
+    r.mid_c = r.mid_c + select(WORD(0u), WORD(1u), r.mid < p1);
+    let p2 = kl * vh;
+    r.mid = r.mid + p2;
+    r.mid_c = r.mid_c + select(WORD(0u), WORD(1u), r.mid < p2);
+    r.hi = r.hi + kh * vh;
+    return r;
+}
+
+// (lo, hi) of lo_c:lo + (mid_c:mid << 16) + (hi << 32), lane-wise.
+fn acc_total(a: Acc) -> array<WORD, 2> {
+    let ml = a.mid << WORD(16u);
+    let mh = (a.mid_c << WORD(16u)) | (a.mid >> WORD(16u));
+    let lo = a.lo + ml;
+    let hi = a.lo_c + mh + a.hi + select(WORD(0u), WORD(1u), lo < ml);
+    return array<WORD, 2>(lo, hi);
+}
+
+// 32-bit lane `j` of a word (`WORD_U32S` of them).
+fn word_lane(x: WORD, j: u32) -> u32 {
+    return WORD_LANE;
+}
+
+// Adds the 64-bit (lo, hi) into entry `e`.
+fn add_sum(e: u32, lo: u32, hi: u32) {
+    if (lo == 0u && hi == 0u) {
+        return;
+    }
+    let old = atomicAdd(&sums[2u * e], lo);
+    atomicAdd(&sums[2u * e + 1u], hi + select(0u, 1u, old + lo < lo));
+}
+//sum>
 
 // Window-relative offset of item `idx`'s first chunk (wrapping), or 0xffffffff when its unit
 // cannot touch the window.
@@ -81,6 +147,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     if (s0 == 0xffffffffu || d0 == 0xffffffffu) {
         return;
     }
+    //<sum
+    var acc = Acc(WORD(0u), WORD(0u), WORD(0u), WORD(0u), WORD(0u));
+    //sum>
     for (var head = 0u; head < params.heads; head++) {
         let so = s0 + head * params.src.head_stride;
         let d_o = d0 + head * params.dst.head_stride;
@@ -90,8 +159,30 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
         }
         let sw = so >> params.word_shift;
         let dw = d_o >> params.word_shift;
+        //<plain
         for (var w = lane; w < params.words_per_chunk; w += lanes) {
             dst[dw + w] = src[sw + w];
         }
+        //plain>
+        //<sum
+        let kw = head * params.words_per_chunk;
+        for (var w = lane; w < params.words_per_chunk; w += lanes) {
+            let v = src[sw + w];
+            dst[dw + w] = v;
+            acc = acc_add(acc, keys[kw + w], v);
+        }
+        //sum>
     }
+    //<sum
+    let t2 = acc_total(acc);
+    var lo = 0u;
+    var hi = 0u;
+    for (var j = 0u; j < WORD_U32S; j++) {
+        let l = word_lane(t2[0], j);
+        let nl = lo + l;
+        hi = hi + word_lane(t2[1], j) + select(0u, 1u, nl < l);
+        lo = nl;
+    }
+    add_sum(item, lo, hi);
+    //sum>
 }

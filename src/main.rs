@@ -338,7 +338,15 @@ fn bench_checksums(devices: &[Device], args: &BenchArgs) -> ExitCode {
             bar.inc(cells.len() as u64);
             continue;
         }
+        let direct = dev.capabilities().direct_checksums;
+        if !direct {
+            bar.println(format!("{}: its direct copies do not compute checksums: kernel cells only", dev.name()));
+        }
         for spec in &cells {
+            if !direct && spec.io == hicache_io::IoBackend::Direct {
+                bar.inc(1);
+                continue;
+            }
             bar.set_message(format!("{} {spec}", dev.name()));
             match checksum_pair(dev, spec, budget, 5) {
                 Ok(pair) => rows.push(pair),
@@ -425,7 +433,11 @@ fn info() -> ExitCode {
                     d.describe(),
                     c.kernel_word,
                     c.direct_align,
-                    if c.checksums { "recorded and verified inside kernel copies" } else { "not computed (host pools keep none)" }
+                    match (c.checksums, c.direct_checksums) {
+                        (true, true) => "recorded and verified inside kernel and direct copies",
+                        (true, false) => "recorded and verified inside kernel copies (direct ones leave them unknown)",
+                        _ => "not computed (host pools keep none)",
+                    }
                 );
             }
             Err(e) => println!("{e}"),

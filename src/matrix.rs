@@ -95,8 +95,9 @@ pub fn checksum_note(profile: Profile) -> String {
         Profile::Sglang => "off by default in this profile (`HostPoolConfig::integrity = Some(true)` turns them on)",
     };
     format!(
-        "Item checksums are {default}. They are recorded by backups and verified by loads on the cpu executor (`kernel` \
-         and `direct`), inside the copy. The wgpu and cuda executors do not compute them yet: their host pools keep \
-         none."
+        "Item checksums are {default}. They are recorded by backups and verified by loads inside the copy: on the cpu \
+         executor in `kernel` and `direct` copies, on wgpu in `kernel` copies (its `direct` copies leave the items \
+         they write unknown and read them unverified). The cuda executor does not compute them yet: its host pools \
+         keep none."
     )
 }

@@ -70,6 +70,10 @@ pub struct Capabilities {
     /// Whether the `kernel` copies compute item checksums as they copy (recording them for
     /// backups, verifying them for loads: see [`crate::integrity`]).
     pub checksums: bool,
+    /// Whether the `direct` copies compute them too (`checksums` and this: a `direct` plan's
+    /// backups otherwise leave their items' checksums unknown, and its loads read them
+    /// unverified).
+    pub direct_checksums: bool,
     /// Which io backend `auto` picks, by item size and run length.
     pub auto: AutoTable,
 }
@@ -146,6 +150,7 @@ impl Capabilities {
         max_loop_trips: u64::MAX,
         device_index_lists: false,
         checksums: false,
+        direct_checksums: false,
         auto: AutoTable::DEFAULT,
     };
     /// Host-memory executors: no alignment or binding limit.
@@ -164,6 +169,7 @@ impl Capabilities {
         max_loop_trips: u64::MAX,
         device_index_lists: false,
         checksums: false,
+        direct_checksums: false,
         auto: AutoTable::DEFAULT,
     };
 
@@ -535,9 +541,10 @@ pub struct Plan {
 }
 
 impl Plan {
-    /// The plan with its `kernel` copies checksumming every item (`on`, on an executor whose
-    /// copies can: [`Capabilities::checksums`]; index lists on the host). Other plans are
-    /// unchanged, and their backups leave the items' checksums unknown.
+    /// The plan with its copies checksumming every item (`on`, on an executor whose copies can:
+    /// [`Capabilities::checksums`], and [`Capabilities::direct_checksums`] for `direct` steps;
+    /// index lists on the host). Other plans are unchanged, and their backups leave the items'
+    /// checksums unknown.
     pub(crate) fn with_checksums(mut self, on: bool, caps: &Capabilities) -> Plan {
         if !on || !caps.checksums || self.device_check.is_some() {
             return self;
@@ -550,7 +557,8 @@ impl Plan {
         for step in &mut steps {
             match &mut step.kind {
                 StepKind::Gather(g) => g.checksum = Some(mode),
-                StepKind::Copy(_) => step.checksum = Some(mode),
+                StepKind::Copy(_) if caps.direct_checksums => step.checksum = Some(mode),
+                StepKind::Copy(_) => {}
             }
         }
         self.steps = steps.into();

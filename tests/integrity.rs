@@ -2,6 +2,8 @@
 //! independent computation of what each item's checksum must be (the item's bytes on the
 //! device, keyed from `integrity::STORAGE_SEED`), and every way an item can go bad detected.
 
+mod common;
+
 use hicache_io::integrity::{self, Keys, STORAGE_SEED};
 use hicache_io::rng::Rng;
 use hicache_io::{
@@ -11,13 +13,13 @@ use hicache_io::{
 const SLOTS: u64 = 32;
 
 fn pools(
+    device: &Device,
     kind: PoolKind,
     layout: Layout,
     heads: u64,
     integrity: Option<bool>,
     profile: Profile,
 ) -> (DevicePool<'static>, HostPool<'static>) {
-    let device = Device::cpu();
     let bytes_per_token = match kind {
         PoolKind::DsaIndexer => 132,
         _ => 64 * heads,
@@ -28,7 +30,7 @@ fn pools(
     };
     let mut layers = LayerMap::new(3);
     layers.drafts = 1;
-    let mut dev = DevicePool::new(&device, &DevicePoolConfig { kind, bytes_per_token, slots, page_size, layers }).unwrap();
+    let mut dev = DevicePool::new(device, &DevicePoolConfig { kind, bytes_per_token, slots, page_size, layers }).unwrap();
     let host = HostPool::new(&dev, &HostPoolConfig { layout, size: 64, head_num: heads, profile, integrity }).unwrap();
     let mut rng = Rng::new(5);
     for c in 0..kind.components() {
@@ -59,243 +61,293 @@ fn tokens(units: &[u64], p: u64, dsa: bool) -> Vec<i64> {
 
 #[test]
 fn backups_record_each_items_checksum_and_loads_verify_it() {
-    for (kind, layout, heads) in [
-        (PoolKind::Mha, Layout::PageFirst, 1),
-        (PoolKind::Mha, Layout::LayerFirst, 1),
-        (PoolKind::Mha, Layout::PageHead, 4),
-        (PoolKind::Mha, Layout::PageFirstDirectHeadGroups, 2),
-        (PoolKind::Mla, Layout::PageFirst, 1),
-        (PoolKind::DsaIndexer, Layout::LayerFirst, 1),
-        (PoolKind::DsaIndexer, Layout::PageFirst, 1),
-    ] {
-        let (mut dev, mut host) = pools(kind, layout, heads, None, Profile::Extended);
-        assert!(host.integrity_enabled(), "{kind:?} {layout}");
-        let dsa = kind == PoolKind::DsaIndexer;
-        let (hu, du): (Vec<u64>, Vec<u64>) = if dsa { (vec![3, 5], vec![1, 6]) } else { ((8..16).collect(), (20..28).collect()) };
-        let p = dev.geometry().page_size();
-        host.backup_from_device_all_layer(&dev, &tokens(&hu, p, dsa), &tokens(&du, p, dsa), IoBackend::Kernel).unwrap();
-        for c in 0..kind.components() {
-            for layer in 0..4u64 {
-                for (h, d) in hu.iter().zip(&du) {
-                    let want = expected(&dev, c, layer as usize, *d);
-                    assert_eq!(host.item_checksum(*h, layer, c as u8).unwrap(), Some(want), "{kind:?} {layout} c{c} L{layer} item {h}");
+    for device in common::devices() {
+        let name = device.name();
+        for (kind, layout, heads) in [
+            (PoolKind::Mha, Layout::PageFirst, 1),
+            (PoolKind::Mha, Layout::LayerFirst, 1),
+            (PoolKind::Mha, Layout::PageHead, 4),
+            (PoolKind::Mha, Layout::PageFirstDirectHeadGroups, 2),
+            (PoolKind::Mla, Layout::PageFirst, 1),
+            (PoolKind::DsaIndexer, Layout::LayerFirst, 1),
+            (PoolKind::DsaIndexer, Layout::PageFirst, 1),
+        ] {
+            let (mut dev, mut host) = pools(&device, kind, layout, heads, None, Profile::Extended);
+            assert!(host.integrity_enabled(), "{name} {kind:?} {layout}");
+            let dsa = kind == PoolKind::DsaIndexer;
+            let (hu, du): (Vec<u64>, Vec<u64>) = if dsa { (vec![3, 5], vec![1, 6]) } else { ((8..16).collect(), (20..28).collect()) };
+            let p = dev.geometry().page_size();
+            host.backup_from_device_all_layer(&dev, &tokens(&hu, p, dsa), &tokens(&du, p, dsa), IoBackend::Kernel).unwrap();
+            for c in 0..kind.components() {
+                for layer in 0..4u64 {
+                    for (h, d) in hu.iter().zip(&du) {
+                        let want = expected(&dev, c, layer as usize, *d);
+                        assert_eq!(
+                            host.item_checksum(*h, layer, c as u8).unwrap(),
+                            Some(want),
+                            "{name} {kind:?} {layout} c{c} L{layer} item {h}"
+                        );
+                    }
                 }
             }
+            // Never backed up: unknown.
+            assert_eq!(host.item_checksum(0, 0, 0).unwrap(), None);
+            let stats = host.integrity_stats().unwrap();
+            assert_eq!(stats.recorded, hu.len() as u64 * 4 * kind.components() as u64);
+            // Loads back into other slots verify every item.
+            let back: Vec<u64> = if dsa { vec![0, 2] } else { (0..8).collect() };
+            host.load_to_device_per_layer(&mut dev, &tokens(&hu, p, dsa), &tokens(&back, p, dsa), 1, IoBackend::Kernel).unwrap();
+            let stats = host.integrity_stats().unwrap();
+            assert_eq!((stats.verified, stats.unverified, stats.mismatched), (hu.len() as u64 * kind.components() as u64, 0, 0));
         }
-        // Never backed up: unknown.
-        assert_eq!(host.item_checksum(0, 0, 0).unwrap(), None);
-        let stats = host.integrity_stats().unwrap();
-        assert_eq!(stats.recorded, hu.len() as u64 * 4 * kind.components() as u64);
-        // Loads back into other slots verify every item.
-        let back: Vec<u64> = if dsa { vec![0, 2] } else { (0..8).collect() };
-        host.load_to_device_per_layer(&mut dev, &tokens(&hu, p, dsa), &tokens(&back, p, dsa), 1, IoBackend::Kernel).unwrap();
-        let stats = host.integrity_stats().unwrap();
-        assert_eq!((stats.verified, stats.unverified, stats.mismatched), (hu.len() as u64 * kind.components() as u64, 0, 0));
     }
 }
 
 #[test]
 fn a_corrupted_byte_fails_the_load_naming_the_item_and_the_rest_lands() {
-    let (mut dev, mut host) = pools(PoolKind::Mha, Layout::PageFirst, 1, None, Profile::Extended);
-    let hi: Vec<i64> = (8..16).collect();
-    let di: Vec<i64> = (20..28).collect();
-    host.backup_from_device_all_layer(&dev, &hi, &di, IoBackend::Kernel).unwrap();
-    let g = host.geometry().clone();
-    // One bit of host item 11, layer 2, V.
-    let off = g.addr(1, 2).offset(11, 0) + 17;
-    let before = host.read_buffer(1).unwrap()[off as usize];
-    host.inject_host_corruption(1, off, &[before ^ 0x10]).unwrap();
-    let back: Vec<i64> = (0..8).collect();
-    let err = host.load_to_device_per_layer(&mut dev, &hi, &back, 2, IoBackend::Kernel).unwrap_err();
-    match &err {
-        TransferError::Integrity { layer, host_index, device_index, items, .. } => {
-            assert_eq!((*layer, *host_index, *device_index), (2, 11, 3));
-            assert_eq!(items.len(), 1);
-            assert_eq!(items[0].component, 1);
+    for device in common::devices() {
+        let name = device.name();
+        let (mut dev, mut host) = pools(&device, PoolKind::Mha, Layout::PageFirst, 1, None, Profile::Extended);
+        let hi: Vec<i64> = (8..16).collect();
+        let di: Vec<i64> = (20..28).collect();
+        host.backup_from_device_all_layer(&dev, &hi, &di, IoBackend::Kernel).unwrap();
+        let g = host.geometry().clone();
+        // One bit of host item 11, layer 2, V.
+        let off = g.addr(1, 2).offset(11, 0) + 17;
+        let before = host.read_buffer(1).unwrap()[off as usize];
+        host.inject_host_corruption(1, off, &[before ^ 0x10]).unwrap();
+        let back: Vec<i64> = (0..8).collect();
+        let err = host.load_to_device_per_layer(&mut dev, &hi, &back, 2, IoBackend::Kernel).unwrap_err();
+        match &err {
+            TransferError::Integrity { layer, host_index, device_index, items, .. } => {
+                assert_eq!((*layer, *host_index, *device_index), (2, 11, 3));
+                assert_eq!(items.len(), 1);
+                assert_eq!(items[0].component, 1);
+            }
+            other => panic!("{name}: {other:?}"),
         }
-        other => panic!("{other:?}"),
+        assert!(err.to_string().contains("host item 11 of layer 2"), "{name}: {err}");
+        // Every item landed, the bad one as it was read.
+        let h = host.read_buffer(1).unwrap();
+        let d = dev.read_buffer(1, 2).unwrap();
+        let item = g.item_bytes() as usize;
+        for (k, &s) in hi.iter().enumerate() {
+            let o = g.addr(1, 2).offset(s as u64, 0) as usize;
+            assert_eq!(&d[k * item..][..item], &h[o..o + item]);
+        }
+        // K of the same layer had no fault.
+        host.load_to_device_per_layer(&mut dev, &hi[..3], &back[..3], 2, IoBackend::Kernel).unwrap();
     }
-    assert!(err.to_string().contains("host item 11 of layer 2"), "{err}");
-    // Every item landed, the bad one as it was read.
-    let h = host.read_buffer(1).unwrap();
-    let d = dev.read_buffer(1, 2).unwrap();
-    let item = g.item_bytes() as usize;
-    for (k, &s) in hi.iter().enumerate() {
-        let o = g.addr(1, 2).offset(s as u64, 0) as usize;
-        assert_eq!(&d[k * item..][..item], &h[o..o + item]);
-    }
-    // K of the same layer had no fault.
-    host.load_to_device_per_layer(&mut dev, &hi[..3], &back[..3], 2, IoBackend::Kernel).unwrap();
 }
 
 #[test]
 fn corrupted_checksums_swapped_and_replayed_pages_are_detected() {
-    let (mut dev, mut host) = pools(PoolKind::Mha, Layout::PageFirst, 1, None, Profile::Extended);
-    let hi: Vec<i64> = (8..16).collect();
-    let di: Vec<i64> = (20..28).collect();
-    host.backup_from_device_all_layer(&dev, &hi, &di, IoBackend::Kernel).unwrap();
-    let back: Vec<i64> = (0..8).collect();
-    // A table entry.
-    assert!(host.inject_checksum_corruption(9, 0, 0, 1 << 40).unwrap());
-    let err = host.load_to_device_per_layer(&mut dev, &hi, &back, 0, IoBackend::Kernel).unwrap_err();
-    assert!(matches!(err, TransferError::Integrity { host_index: 9, layer: 0, .. }), "{err:?}");
-    host.backup_from_device_all_layer(&dev, &hi, &di, IoBackend::Kernel).unwrap();
-    // Two pages swapped (pages 2 and 3: tokens 8..12 and 12..16).
-    let (a, b) = (host.get_data_page(8).unwrap(), host.get_data_page(12).unwrap());
-    let page_spans = |host: &HostPool, i: i64| host.get_page_buffer_meta(&(i..i + 4).collect::<Vec<_>>()).unwrap();
-    for (src, dst) in [(&a, 12i64), (&b, 8)] {
+    for device in common::devices() {
+        let name = device.name();
+        let (mut dev, mut host) = pools(&device, PoolKind::Mha, Layout::PageFirst, 1, None, Profile::Extended);
+        let hi: Vec<i64> = (8..16).collect();
+        let di: Vec<i64> = (20..28).collect();
+        host.backup_from_device_all_layer(&dev, &hi, &di, IoBackend::Kernel).unwrap();
+        let back: Vec<i64> = (0..8).collect();
+        // A table entry.
+        assert!(host.inject_checksum_corruption(9, 0, 0, 1 << 40).unwrap());
+        let err = host.load_to_device_per_layer(&mut dev, &hi, &back, 0, IoBackend::Kernel).unwrap_err();
+        assert!(matches!(err, TransferError::Integrity { host_index: 9, layer: 0, .. }), "{name}: {err:?}");
+        host.backup_from_device_all_layer(&dev, &hi, &di, IoBackend::Kernel).unwrap();
+        // Two pages swapped (pages 2 and 3: tokens 8..12 and 12..16).
+        let (a, b) = (host.get_data_page(8).unwrap(), host.get_data_page(12).unwrap());
+        let page_spans = |host: &HostPool, i: i64| host.get_page_buffer_meta(&(i..i + 4).collect::<Vec<_>>()).unwrap();
+        for (src, dst) in [(&a, 12i64), (&b, 8)] {
+            let mut at = 0;
+            for (c, off, len) in page_spans(&host, dst) {
+                host.inject_host_corruption(c, off, &src[at..at + len as usize]).unwrap();
+                at += len as usize;
+            }
+        }
+        let err = host.load_to_device_per_layer(&mut dev, &hi, &back, 1, IoBackend::Kernel).unwrap_err();
+        let TransferError::Integrity { items, .. } = &err else { panic!("{name}: {err:?}") };
+        assert_eq!(items.len(), 16, "8 tokens × K and V");
+        // An older page replayed over a newer backup.
+        host.backup_from_device_all_layer(&dev, &hi, &di, IoBackend::Kernel).unwrap();
+        let old = host.get_data_page(8).unwrap();
+        let mut data = dev.read_buffer(0, 3).unwrap();
+        data[20 * 64] ^= 0xff;
+        dev.write_buffer(0, 3, &data).unwrap();
+        host.backup_from_device_all_layer(&dev, &hi, &di, IoBackend::Kernel).unwrap();
         let mut at = 0;
-        for (c, off, len) in page_spans(&host, dst) {
-            host.inject_host_corruption(c, off, &src[at..at + len as usize]).unwrap();
+        for (c, off, len) in page_spans(&host, 8) {
+            host.inject_host_corruption(c, off, &old[at..at + len as usize]).unwrap();
             at += len as usize;
         }
+        let err = host.load_draft_to_device(&mut dev, &hi, &back, 3, IoBackend::Kernel).unwrap_err();
+        assert!(matches!(err, TransferError::Integrity { host_index: 8, layer: 3, .. }), "{name}: {err:?}");
     }
-    let err = host.load_to_device_per_layer(&mut dev, &hi, &back, 1, IoBackend::Kernel).unwrap_err();
-    let TransferError::Integrity { items, .. } = &err else { panic!("{err:?}") };
-    assert_eq!(items.len(), 16, "8 tokens × K and V");
-    // An older page replayed over a newer backup.
-    host.backup_from_device_all_layer(&dev, &hi, &di, IoBackend::Kernel).unwrap();
-    let old = host.get_data_page(8).unwrap();
-    let mut data = dev.read_buffer(0, 3).unwrap();
-    data[20 * 64] ^= 0xff;
-    dev.write_buffer(0, 3, &data).unwrap();
-    host.backup_from_device_all_layer(&dev, &hi, &di, IoBackend::Kernel).unwrap();
-    let mut at = 0;
-    for (c, off, len) in page_spans(&host, 8) {
-        host.inject_host_corruption(c, off, &old[at..at + len as usize]).unwrap();
-        at += len as usize;
-    }
-    let err = host.load_draft_to_device(&mut dev, &hi, &back, 3, IoBackend::Kernel).unwrap_err();
-    assert!(matches!(err, TransferError::Integrity { host_index: 8, layer: 3, .. }), "{err:?}");
 }
 
 #[test]
-fn direct_copies_record_and_verify_too() {
-    let (mut dev, mut host) = pools(PoolKind::Mha, Layout::LayerFirst, 1, None, Profile::Extended);
-    let hi: Vec<i64> = (8..16).chain(20..24).collect();
-    let di: Vec<i64> = (20..28).chain(4..8).collect();
-    host.backup_from_device_all_layer(&dev, &hi, &di, IoBackend::Direct).unwrap();
-    for (h, d) in hi.iter().zip(&di) {
-        assert_eq!(host.item_checksum(*h as u64, 2, 1).unwrap(), Some(expected(&dev, 1, 2, *d as u64)), "item {h}");
+fn direct_copies_record_and_verify_where_they_can() {
+    for device in common::devices() {
+        let name = device.name();
+        let (mut dev, mut host) = pools(&device, PoolKind::Mha, Layout::LayerFirst, 1, None, Profile::Extended);
+        let hi: Vec<i64> = (8..16).chain(20..24).collect();
+        let di: Vec<i64> = (20..28).chain(4..8).collect();
+        let back: Vec<i64> = (0..12).collect();
+        if !device.capabilities().direct_checksums {
+            // Recorded by a kernel backup, then overwritten by direct copies that cannot sum:
+            // forgotten, and read back unverified (never as corrupt).
+            host.backup_from_device_all_layer(&dev, &hi, &di, IoBackend::Kernel).unwrap();
+            let mut data = dev.read_buffer(0, 1).unwrap();
+            data.iter_mut().for_each(|b| *b ^= 0x33);
+            dev.write_buffer(0, 1, &data).unwrap();
+            host.backup_from_device_all_layer(&dev, &hi, &di, IoBackend::Direct).unwrap();
+            assert!(hi.iter().all(|h| host.item_checksum(*h as u64, 1, 0).unwrap().is_none()), "{name}");
+            let before = host.integrity_stats().unwrap();
+            host.load_to_device_per_layer(&mut dev, &hi, &back, 1, IoBackend::Direct).unwrap();
+            host.load_to_device_per_layer(&mut dev, &hi, &back, 1, IoBackend::Kernel).unwrap();
+            let after = host.integrity_stats().unwrap();
+            assert_eq!((after.unverified - before.unverified, after.mismatched), (2 * 2 * hi.len() as u64, 0), "{name}");
+            continue;
+        }
+        host.backup_from_device_all_layer(&dev, &hi, &di, IoBackend::Direct).unwrap();
+        for (h, d) in hi.iter().zip(&di) {
+            assert_eq!(host.item_checksum(*h as u64, 2, 1).unwrap(), Some(expected(&dev, 1, 2, *d as u64)), "{name} item {h}");
+        }
+        let off = host.geometry().addr(0, 1).offset(21, 0) + 60;
+        host.inject_host_corruption(0, off, &[0x5a]).unwrap();
+        let err = host.load_to_device_per_layer(&mut dev, &hi, &back, 1, IoBackend::Direct).unwrap_err();
+        assert!(matches!(err, TransferError::Integrity { host_index: 21, device_index: 9, layer: 1, .. }), "{name}: {err:?}");
+        host.load_to_device_per_layer(&mut dev, &hi, &back, 0, IoBackend::Direct).unwrap();
     }
-    let off = host.geometry().addr(0, 1).offset(21, 0) + 60;
-    host.inject_host_corruption(0, off, &[0x5a]).unwrap();
-    let back: Vec<i64> = (0..12).collect();
-    let err = host.load_to_device_per_layer(&mut dev, &hi, &back, 1, IoBackend::Direct).unwrap_err();
-    assert!(matches!(err, TransferError::Integrity { host_index: 21, device_index: 9, layer: 1, .. }), "{err:?}");
-    host.load_to_device_per_layer(&mut dev, &hi, &back, 0, IoBackend::Direct).unwrap();
 }
 
 #[test]
 fn writes_without_checksums_leave_items_unverified_never_corrupt() {
-    let (mut dev, mut host) = pools(PoolKind::Mha, Layout::LayerFirst, 1, None, Profile::Extended);
-    let hi: Vec<i64> = (8..16).collect();
-    let di: Vec<i64> = (20..28).collect();
-    host.backup_from_device_all_layer(&dev, &hi, &di, IoBackend::Kernel).unwrap();
-    // New device bytes backed up by a plan made for a pool without checksums (same geometry):
-    // its copies compute none, so the old ones are forgotten, not left stale.
-    let mut data = dev.read_buffer(0, 0).unwrap();
-    data.iter_mut().for_each(|b| *b = b.wrapping_add(1));
-    dev.write_buffer(0, 0, &data).unwrap();
-    let plain = HostPool::new(
-        &dev,
-        &HostPoolConfig { layout: Layout::LayerFirst, size: 64, head_num: 1, profile: Profile::Extended, integrity: Some(false) },
-    )
-    .unwrap();
-    let req = hicache_io::Request { op: hicache_io::Op::Backup, io_backend: IoBackend::Kernel, host_indices: &hi, device_indices: &di };
-    let plan = plain.plan(&dev, &req).unwrap();
-    assert!(!plan.is_checksummed());
-    host.execute_backup(&dev, &plan).unwrap();
-    assert_eq!(host.item_checksum(8, 0, 0).unwrap(), None);
-    let back: Vec<i64> = (0..8).collect();
-    host.load_to_device_per_layer(&mut dev, &hi, &back, 0, IoBackend::Kernel).unwrap();
-    assert_eq!(host.integrity_stats().unwrap().unverified, 16);
-    // A whole-buffer write forgets every checksum.
-    host.backup_from_device_all_layer(&dev, &hi, &di, IoBackend::Kernel).unwrap();
-    let raw = host.read_buffer(0).unwrap();
-    host.write_buffer(0, &raw).unwrap();
-    assert_eq!(host.item_checksum(8, 1, 1).unwrap(), None);
-    host.load_to_device_per_layer(&mut dev, &hi, &back, 1, IoBackend::Kernel).unwrap();
+    for device in common::devices() {
+        let name = device.name();
+        let (mut dev, mut host) = pools(&device, PoolKind::Mha, Layout::LayerFirst, 1, None, Profile::Extended);
+        let hi: Vec<i64> = (8..16).collect();
+        let di: Vec<i64> = (20..28).collect();
+        host.backup_from_device_all_layer(&dev, &hi, &di, IoBackend::Kernel).unwrap();
+        // New device bytes backed up by a plan made for a pool without checksums (same geometry):
+        // its copies compute none, so the old ones are forgotten, not left stale.
+        let mut data = dev.read_buffer(0, 0).unwrap();
+        data.iter_mut().for_each(|b| *b = b.wrapping_add(1));
+        dev.write_buffer(0, 0, &data).unwrap();
+        let plain = HostPool::new(
+            &dev,
+            &HostPoolConfig { layout: Layout::LayerFirst, size: 64, head_num: 1, profile: Profile::Extended, integrity: Some(false) },
+        )
+        .unwrap();
+        let req = hicache_io::Request { op: hicache_io::Op::Backup, io_backend: IoBackend::Kernel, host_indices: &hi, device_indices: &di };
+        let plan = plain.plan(&dev, &req).unwrap();
+        assert!(!plan.is_checksummed());
+        host.execute_backup(&dev, &plan).unwrap();
+        assert_eq!(host.item_checksum(8, 0, 0).unwrap(), None, "{name}");
+        let back: Vec<i64> = (0..8).collect();
+        host.load_to_device_per_layer(&mut dev, &hi, &back, 0, IoBackend::Kernel).unwrap();
+        assert_eq!(host.integrity_stats().unwrap().unverified, 16);
+        // A whole-buffer write forgets every checksum.
+        host.backup_from_device_all_layer(&dev, &hi, &di, IoBackend::Kernel).unwrap();
+        let raw = host.read_buffer(0).unwrap();
+        host.write_buffer(0, &raw).unwrap();
+        assert_eq!(host.item_checksum(8, 1, 1).unwrap(), None);
+        host.load_to_device_per_layer(&mut dev, &hi, &back, 1, IoBackend::Kernel).unwrap();
+    }
 }
 
 #[test]
 fn sglang_profile_is_off_unless_asked_and_extended_can_opt_out() {
-    let (_, host) = pools(PoolKind::Mha, Layout::PageFirst, 1, None, Profile::Sglang);
-    assert!(!host.integrity_enabled());
-    let (_, host) = pools(PoolKind::Mha, Layout::PageFirst, 1, Some(true), Profile::Sglang);
-    assert!(host.integrity_enabled());
-    let (mut dev, mut host) = pools(PoolKind::Mha, Layout::PageFirst, 1, Some(false), Profile::Extended);
-    assert!(!host.integrity_enabled());
-    assert_eq!(host.integrity_stats(), None);
-    let hi: Vec<i64> = (8..16).collect();
-    host.backup_from_device_all_layer(&dev, &hi, &hi, IoBackend::Kernel).unwrap();
-    host.inject_host_corruption(0, 0, &[1]).unwrap();
-    host.load_to_device_per_layer(&mut dev, &hi, &hi, 0, IoBackend::Kernel).unwrap();
+    for device in common::devices() {
+        let name = device.name();
+        let (_, host) = pools(&device, PoolKind::Mha, Layout::PageFirst, 1, None, Profile::Sglang);
+        assert!(!host.integrity_enabled(), "{name}");
+        let (_, host) = pools(&device, PoolKind::Mha, Layout::PageFirst, 1, Some(true), Profile::Sglang);
+        assert!(host.integrity_enabled(), "{name}");
+        let (mut dev, mut host) = pools(&device, PoolKind::Mha, Layout::PageFirst, 1, Some(false), Profile::Extended);
+        assert!(!host.integrity_enabled(), "{name}");
+        assert_eq!(host.integrity_stats(), None, "{name}");
+        let hi: Vec<i64> = (8..16).collect();
+        host.backup_from_device_all_layer(&dev, &hi, &hi, IoBackend::Kernel).unwrap();
+        host.inject_host_corruption(0, 0, &[1]).unwrap();
+        host.load_to_device_per_layer(&mut dev, &hi, &hi, 0, IoBackend::Kernel).unwrap();
+    }
 }
 
 #[test]
 fn asynchronous_and_layer_wise_loads_report_at_completion() {
-    let (mut dev, mut host) = pools(PoolKind::Mla, Layout::LayerFirst, 1, None, Profile::Extended);
-    let hi: Vec<i64> = (8..16).collect();
-    host.backup_from_device_all_layer(&dev, &hi, &hi, IoBackend::Kernel).unwrap();
-    let off = host.geometry().addr(0, 1).offset(12, 0);
-    host.inject_host_corruption(0, off, &[0xAA, 0x55]).unwrap();
-    let t = host.load_to_device_per_layer_async(&mut dev, &hi, &hi, 1, IoBackend::Kernel).unwrap();
-    assert!(matches!(t.wait(), Err(TransferError::Integrity { host_index: 12, layer: 1, .. })));
-    let loads = host.load_layers(&mut dev, &hi, &hi, IoBackend::Kernel).unwrap();
-    loads.wait_layer(0).unwrap();
-    assert!(matches!(loads.wait_layer(1), Err(TransferError::Integrity { .. })));
-    loads.wait_layer(2).unwrap_or_else(|e| panic!("layer 2 is sound: {e}"));
-    drop(loads);
-    // Waiting for all of them reports layer 1's item, though the last layer (the draft) is sound.
-    let all = host.load_layers(&mut dev, &hi, &hi, IoBackend::Kernel).unwrap().wait();
-    assert!(matches!(all, Err(TransferError::Integrity { host_index: 12, layer: 1, .. })), "{all:?}");
+    for device in common::devices() {
+        let name = device.name();
+        let (mut dev, mut host) = pools(&device, PoolKind::Mla, Layout::LayerFirst, 1, None, Profile::Extended);
+        let hi: Vec<i64> = (8..16).collect();
+        host.backup_from_device_all_layer(&dev, &hi, &hi, IoBackend::Kernel).unwrap();
+        let off = host.geometry().addr(0, 1).offset(12, 0);
+        host.inject_host_corruption(0, off, &[0xAA, 0x55]).unwrap();
+        let t = host.load_to_device_per_layer_async(&mut dev, &hi, &hi, 1, IoBackend::Kernel).unwrap();
+        assert!(matches!(t.wait(), Err(TransferError::Integrity { host_index: 12, layer: 1, .. })));
+        let loads = host.load_layers(&mut dev, &hi, &hi, IoBackend::Kernel).unwrap();
+        loads.wait_layer(0).unwrap();
+        assert!(matches!(loads.wait_layer(1), Err(TransferError::Integrity { .. })));
+        loads.wait_layer(2).unwrap_or_else(|e| panic!("{name}: layer 2 is sound: {e}"));
+        drop(loads);
+        // Waiting for all of them reports layer 1's item, though the last layer (the draft) is sound.
+        let all = host.load_layers(&mut dev, &hi, &hi, IoBackend::Kernel).unwrap().wait();
+        assert!(matches!(all, Err(TransferError::Integrity { host_index: 12, layer: 1, .. })), "{name}: {all:?}");
+    }
 }
 
 #[test]
 fn pages_carry_their_checksums_through_storage() {
-    let (dev, mut host) = pools(PoolKind::Mha, Layout::PageHead, 2, None, Profile::Extended);
-    let hi: Vec<i64> = (8..16).collect();
-    host.backup_from_device_all_layer(&dev, &hi, &hi, IoBackend::Kernel).unwrap();
-    let page = host.get_data_page(12).unwrap();
-    let sums = host.page_checksums(12).unwrap();
-    assert_eq!(sums.len(), 4 * 4 * 2);
-    assert!(sums.iter().all(|s| s.is_some()));
-    // Another pool (another machine) takes the page with its checksums.
-    let (_, mut other) = pools(PoolKind::Mha, Layout::PageHead, 2, None, Profile::Extended);
-    other.set_from_flat_data_page_checked(20, &page, &sums).unwrap();
-    assert_eq!(other.page_checksums(20).unwrap(), sums);
-    // A page damaged on the way is refused item by item; its checksums are forgotten.
-    let mut bad = page.clone();
-    bad[100] ^= 4;
-    let err = other.set_from_flat_data_page_checked(24, &bad, &sums).unwrap_err();
-    let TransferError::Integrity { items, .. } = &err else { panic!("{err:?}") };
-    assert_eq!(items.len(), 1);
-    assert_eq!(other.page_checksums(24).unwrap().iter().filter(|s| s.is_none()).count(), 1);
-    // The plain setter records what it wrote; a wrong-length checksum list is refused.
-    other.set_from_flat_data_page(28, &bad).unwrap();
-    assert!(other.page_checksums(28).unwrap().iter().all(|s| s.is_some()));
-    assert!(matches!(other.set_from_flat_data_page_checked(28, &page, &sums[1..]), Err(TransferError::BufferSize { .. })));
-    // A page from a pool without checksums carries none: taken as unverified.
-    let (_, plain) = pools(PoolKind::Mha, Layout::PageHead, 2, Some(false), Profile::Extended);
-    assert!(plain.page_checksums(12).unwrap().is_empty());
-    other.set_from_flat_data_page_checked(28, &page, &[]).unwrap();
-    assert!(other.page_checksums(28).unwrap().iter().all(|s| s.is_none()));
+    for device in common::devices() {
+        let name = device.name();
+        let (dev, mut host) = pools(&device, PoolKind::Mha, Layout::PageHead, 2, None, Profile::Extended);
+        let hi: Vec<i64> = (8..16).collect();
+        host.backup_from_device_all_layer(&dev, &hi, &hi, IoBackend::Kernel).unwrap();
+        let page = host.get_data_page(12).unwrap();
+        let sums = host.page_checksums(12).unwrap();
+        assert_eq!(sums.len(), 4 * 4 * 2);
+        assert!(sums.iter().all(|s| s.is_some()));
+        // Another pool (another machine) takes the page with its checksums.
+        let (_, mut other) = pools(&device, PoolKind::Mha, Layout::PageHead, 2, None, Profile::Extended);
+        other.set_from_flat_data_page_checked(20, &page, &sums).unwrap();
+        assert_eq!(other.page_checksums(20).unwrap(), sums);
+        // A page damaged on the way is refused item by item; its checksums are forgotten.
+        let mut bad = page.clone();
+        bad[100] ^= 4;
+        let err = other.set_from_flat_data_page_checked(24, &bad, &sums).unwrap_err();
+        let TransferError::Integrity { items, .. } = &err else { panic!("{name}: {err:?}") };
+        assert_eq!(items.len(), 1);
+        assert_eq!(other.page_checksums(24).unwrap().iter().filter(|s| s.is_none()).count(), 1);
+        // The plain setter records what it wrote; a wrong-length checksum list is refused.
+        other.set_from_flat_data_page(28, &bad).unwrap();
+        assert!(other.page_checksums(28).unwrap().iter().all(|s| s.is_some()));
+        assert!(matches!(other.set_from_flat_data_page_checked(28, &page, &sums[1..]), Err(TransferError::BufferSize { .. })));
+        // A page from a pool without checksums carries none: taken as unverified.
+        let (_, plain) = pools(&device, PoolKind::Mha, Layout::PageHead, 2, Some(false), Profile::Extended);
+        assert!(plain.page_checksums(12).unwrap().is_empty());
+        other.set_from_flat_data_page_checked(28, &page, &[]).unwrap();
+        assert!(other.page_checksums(28).unwrap().iter().all(|s| s.is_none()));
+    }
 }
 
 #[test]
 fn injected_faults_are_all_detected_and_nothing_else_is_raised() {
-    let t = hicache_io::inject::inject_device(&Device::cpu(), 7, 500, |_| {});
-    assert!(t.verified);
-    assert!(t.clean(), "{t:?}");
-    assert_eq!(t.detected + t.harmless, t.total(), "{t:?}");
-    assert!(t.total() >= 500 && t.injected.iter().all(|&n| n >= 50), "{t:?}");
+    for device in common::devices() {
+        let name = device.name();
+        let t = hicache_io::inject::inject_device(&device, 7, 500, |_| {});
+        assert!(t.verified);
+        assert!(t.clean(), "{name}: {t:?}");
+        assert_eq!(t.detected + t.harmless, t.total(), "{name}: {t:?}");
+        assert!(t.total() >= 500 && t.injected.iter().all(|&n| n >= 50), "{name}: {t:?}");
+    }
 }
 
 #[test]
 fn check_compares_recorded_checksums_with_the_oracle() {
-    let rows = hicache_io::check::check_device(&Device::cpu(), Profile::Extended, 3, 2, |_, _| {}).unwrap();
-    assert!(rows.iter().all(|(_, t)| t.matched == t.cases), "{rows:?}");
-    let sums: u64 = rows.iter().map(|(_, t)| t.checksums).sum();
-    assert!(sums > 100, "only {sums} checksums compared");
+    for device in common::devices() {
+        let name = device.name();
+        let rows = hicache_io::check::check_device(&device, Profile::Extended, 3, 2, |_, _| {}).unwrap();
+        assert!(rows.iter().all(|(_, t)| t.matched == t.cases), "{name}: {rows:?}");
+        let sums: u64 = rows.iter().map(|(_, t)| t.checksums).sum();
+        assert!(sums > 100, "{name}: only {sums} checksums compared");
+    }
 }

@@ -66,12 +66,14 @@ fn wgpu_tiny_windows_equal_oracle() {
             Err(e) => return eprintln!("skipping: {e}"),
         };
         let device = Device::Wgpu(exec);
+        // Item checksums summed across windows, each equal to the oracle's (extended cases).
+        let mut sums = 0;
         for profile in [Profile::Extended, Profile::Sglang] {
             for cell in supported_cells(profile) {
                 for _ in 0..2 {
                     let case = random_case(cell, profile, &mut rng);
                     match run_case(&device, &case).unwrap() {
-                        Outcome::Match { .. } => {}
+                        Outcome::Match { checksums, .. } => sums += checksums,
                         // Items wider than the window cannot be bound: the planner says so with a
                         // typed error, before anything moves.
                         Outcome::Rejected(TransferError::WindowTooSmall { required, .. }) if required > window => {}
@@ -81,6 +83,7 @@ fn wgpu_tiny_windows_equal_oracle() {
                 }
             }
         }
+        assert!(sums > 100, "window {window}: only {sums} checksums compared");
     }
 }
 
@@ -100,13 +103,16 @@ fn wgpu_tiny_segments_equal_oracle() {
             Err(e) => return eprintln!("skipping: {e}"),
         };
         let device = Device::Wgpu(exec);
-        let mut segmented = 0;
+        let (mut segmented, mut sums) = (0, 0);
         for profile in [Profile::Extended, Profile::Sglang] {
             for cell in supported_cells(profile) {
                 for _ in 0..3 {
                     let case = random_case(cell, profile, &mut rng);
                     match run_case(&device, &case) {
-                        Ok(Outcome::Match { .. }) => segmented += 1,
+                        Ok(Outcome::Match { checksums, .. }) => {
+                            segmented += 1;
+                            sums += checksums;
+                        }
                         // An item wider than a segment cannot be placed: refused before anything moves.
                         Err(TransferError::OutOfMemory { .. }) => {}
                         Ok(Outcome::Rejected(TransferError::WindowTooSmall { required, .. })) if required > window => {}
@@ -116,6 +122,7 @@ fn wgpu_tiny_segments_equal_oracle() {
             }
         }
         assert!(segmented > 150, "segment {segment}: only {segmented} cases ran");
+        assert!(sums > 100, "segment {segment}: only {sums} checksums compared");
     }
 }
 

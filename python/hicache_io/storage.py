@@ -334,8 +334,13 @@ class _Layout:
     def read_page(self, index: int) -> Any:
         return self.pool.get_data_page(index)
 
-    def write_page(self, index: int, data: Any) -> None:
-        self.pool.set_from_flat_data_page(index, data)
+    def write_page(self, index: int, data: Any, trusted: bool = True) -> None:
+        """Writes a page through the pool: a verified page's item checksums are recorded from
+        its bytes, an unverified one's forgotten (its loads read as unverified, never corrupt)."""
+        if trusted:
+            self.pool.set_from_flat_data_page(index, data)
+        else:
+            self.pool.set_from_flat_data_page_checked(index, data, [])
 
     def landed(self, idx: Any, trusted: List[bool]) -> None:
         """After a zero-copy read into the pool's memory (which may write any page it was asked
@@ -713,12 +718,12 @@ class MooncakeStore(HiCacheStorage):
                 ok = [False] * len(obj_keys)
                 self._fail(StorageError("batch_get_v1", INTEGRITY, keys, detail=f"could not verify: {e}"))
         pages = self._pages_ok(ok, len(keys))
+        per = lay.comps
+        sound = [ok[j] and not unverified[j] and t is not None and self.integrity for j in range(n_obj)]
+        trusted = [all(sound[i * per : (i + 1) * per]) for i in range(len(keys))]
         if not lay.zero_copy:
-            self._stage_in(pages, idx)
+            self._stage_in(pages, idx, trusted)
         elif hasattr(lay, "landed"):
-            per = lay.comps
-            sound = [ok[j] and not unverified[j] and t is not None and self.integrity for j in range(n_obj)]
-            trusted = [all(sound[i * per : (i + 1) * per]) for i in range(len(keys))]
             lay.landed(idx, [p and v for p, v in zip(pages, trusted)])
         return pages
 
@@ -773,12 +778,13 @@ class MooncakeStore(HiCacheStorage):
         for i in pages:
             self._staging[i * page_bytes : (i + 1) * page_bytes] = lay.read_page(int(idx[i * lay.page]))
 
-    def _stage_in(self, pages: List[bool], idx: Any) -> None:
+    def _stage_in(self, pages: List[bool], idx: Any, trusted: List[bool]) -> None:
         lay = self._layout
         page_bytes = lay.comps * lay.obj_bytes
         for i, ok in enumerate(pages):
             if ok:
-                lay.write_page(int(idx[i * lay.page]), self._staging[i * page_bytes : (i + 1) * page_bytes])
+                data = self._staging[i * page_bytes : (i + 1) * page_bytes]
+                lay.write_page(int(idx[i * lay.page]), data, trusted[i])
 
     # ---- the plain forms: raw keys, as sglang's Mooncake backend names them -----------------
 

@@ -361,6 +361,7 @@ impl Executor for CpuExecutor {
             max_pool_bytes: host_memory_bytes(),
             max_host_pool_bytes: host_memory_bytes(),
             checksums: true,
+            direct_checksums: true,
             ..Capabilities::UNLIMITED
         }
     }
@@ -660,37 +661,9 @@ fn gather_checked<const NT: bool>(
             ChecksumMode::Record => (d as u64, s as u64),
             ChecksumMode::Verify => (s as u64, d as u64),
         };
-        settle(mode, ib, (host, device, layer, comp), sum, &mut n);
+        ib.settle(mode, (host, device, layer, comp), sum, &mut n);
     }
     n
-}
-
-/// Records (backup) or verifies (load) the checksum `sum` of item `(host index, device index,
-/// host layer, component)`, counting into `n` (recorded, verified, unverified, mismatched).
-#[inline(always)]
-fn settle(mode: ChecksumMode, ib: &super::IntegrityBinding, (host, device, layer, comp): (u64, u64, u64, u8), sum: u64, n: &mut [u64; 4]) {
-    let Some(slot) = ib.sidecar.slot(host, layer, comp) else { return };
-    match mode {
-        ChecksumMode::Record => {
-            ib.sidecar.record(slot, sum);
-            n[0] += 1;
-        }
-        ChecksumMode::Verify => match ib.sidecar.expected(slot) {
-            None => n[2] += 1,
-            Some(e) if e == sum => n[1] += 1,
-            Some(expected) => {
-                n[3] += 1;
-                ib.sink.push(integrity::ItemMismatch {
-                    layer,
-                    component: comp,
-                    host_index: host,
-                    device_index: device,
-                    expected,
-                    found: sum,
-                });
-            }
-        },
-    }
 }
 
 /// One `direct` run, item by item, each copied and checksummed in one pass (the run's items are
@@ -718,7 +691,7 @@ fn copy_run_checked(
             let (s, d) = (sp.0.add(r.src_offset as usize + at), dp.0.add(r.dst_offset as usize + at));
             integrity::copy_and_sum(s, d, item, 0, keys, stream)
         };
-        settle(mode, ib, (r.host_unit + k, r.device_unit + k, r.host_layer, r.comp), sum, &mut n);
+        ib.settle(mode, (r.host_unit + k, r.device_unit + k, r.host_layer, r.comp), sum, &mut n);
     }
     n
 }

@@ -154,6 +154,42 @@ pub(crate) struct IntegrityBinding {
     pub(crate) sink: std::sync::Arc<crate::integrity::MismatchSink>,
 }
 
+impl IntegrityBinding {
+    /// Records (backup) or verifies (load) the checksum `sum` of item `(host index, device index,
+    /// host layer, component)`, counting into `n` (recorded, verified, unverified, mismatched).
+    #[inline(always)]
+    pub(crate) fn settle(
+        &self,
+        mode: crate::plan::ChecksumMode,
+        (host, device, layer, comp): (u64, u64, u64, u8),
+        sum: u64,
+        n: &mut [u64; 4],
+    ) {
+        let Some(slot) = self.sidecar.slot(host, layer, comp) else { return };
+        match mode {
+            crate::plan::ChecksumMode::Record => {
+                self.sidecar.record(slot, sum);
+                n[0] += 1;
+            }
+            crate::plan::ChecksumMode::Verify => match self.sidecar.expected(slot) {
+                None => n[2] += 1,
+                Some(e) if e == sum => n[1] += 1,
+                Some(expected) => {
+                    n[3] += 1;
+                    self.sink.push(crate::integrity::ItemMismatch {
+                        layer,
+                        component: comp,
+                        host_index: host,
+                        device_index: device,
+                        expected,
+                        found: sum,
+                    });
+                }
+            },
+        }
+    }
+}
+
 impl<'a, B> Bindings<'a, B> {
     /// The buffer `r` names.
     pub fn get(&self, r: BufRef) -> &'a B {

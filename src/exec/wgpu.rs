@@ -14,6 +14,13 @@
 //! pairs than [`Capabilities::max_gather_items`] into several steps.
 //! `direct` = one `copy_buffer_to_buffer` per coalesced run.
 //!
+//! Item checksums: a checksumming `kernel` step runs the gather's checksum pipelines, which sum
+//! each item as they copy it into a two-word entry per (index pair, address pair) of a buffer
+//! the step's submission copies into a mappable one. Once that submission has completed (any
+//! wait or poll that sees it), the entries are read and recorded into the host pool's table
+//! (backups) or compared with it (loads), in submission order. `direct` copies
+//! (`copy_buffer_to_buffer`) cannot sum: their plans keep no checksums.
+//!
 //! Each step is its own submission. A synchronous plan returns after the queue has finished all
 //! of them. An asynchronous one is encoded on the caller's thread and submitted by the
 //! executor's submit thread (started on first use): some drivers, lavapipe among them, run the
@@ -26,10 +33,10 @@ use std::time::Duration;
 
 use wgpu::util::DeviceExt;
 
-use super::{Bindings, Executor};
+use super::{Bindings, Executor, IntegrityBinding};
 use crate::error::{Result, TransferError};
 use crate::geometry::Addr;
-use crate::plan::{lcm, Capabilities, GatherStep, Plan, StepKind};
+use crate::plan::{lcm, Capabilities, ChecksumMode, GatherStep, Plan, StepKind};
 
 const SHADER: &str = include_str!("../../shaders/gather.wgsl");
 const WAIT: Duration = Duration::from_secs(120);
@@ -90,6 +97,15 @@ struct Inner {
     /// Pipelines for 4-byte (u32) and 16-byte (vec4<u32>) words.
     pipe4: wgpu::ComputePipeline,
     pipe16: wgpu::ComputePipeline,
+    /// The checksumming ones (`sum_layout`: also the item keys and the sums).
+    sum_layout: wgpu::BindGroupLayout,
+    sum4: wgpu::ComputePipeline,
+    sum16: wgpu::ComputePipeline,
+    /// Item keys on the device, per `(seed, words)`.
+    keys: Mutex<std::collections::HashMap<(u64, usize), wgpu::Buffer>>,
+    /// Checksum readbacks of submitted steps, in submission order (pushed under this lock
+    /// together with the submission).
+    pending: Mutex<std::collections::VecDeque<PendingSums>>,
     max_window: u64,
     max_buffer: u64,
     /// Largest segment of a pool buffer (at most `max_buffer`).
@@ -127,7 +143,88 @@ impl Drop for Inner {
 struct Submitter {
     state: Mutex<SubmitState>,
     submitted_cv: std::sync::Condvar,
-    tx: Mutex<Option<std::sync::mpsc::Sender<(u64, wgpu::CommandBuffer)>>>,
+    tx: Mutex<Option<std::sync::mpsc::Sender<Handed>>>,
+}
+
+/// What the submit thread is given: a ticket, its command buffer and its checksum readbacks.
+type Handed = (u64, wgpu::CommandBuffer, Vec<PendingSums>);
+
+/// The checksums of one gather step, on their way back: its sums buffers' copies (mappable),
+/// and what the host needs to record or verify them.
+struct PendingSums {
+    staging: Vec<wgpu::Buffer>,
+    /// Staging buffers mapped so far, and whether a mapping failed.
+    mapped: Arc<std::sync::atomic::AtomicUsize>,
+    failed: Arc<std::sync::atomic::AtomicBool>,
+    /// Address pairs per staging buffer and bytes per address pair in it.
+    per_buffer: usize,
+    stride: u64,
+    src_indices: Arc<[i64]>,
+    dst_indices: Arc<[i64]>,
+    items: Vec<(u64, u8)>,
+    mode: ChecksumMode,
+    binding: IntegrityBinding,
+}
+
+impl PendingSums {
+    /// Starts mapping the staging buffers: called right after the submission that fills them.
+    fn map(&self) {
+        use std::sync::atomic::Ordering::Release;
+        for b in &self.staging {
+            let (mapped, failed) = (self.mapped.clone(), self.failed.clone());
+            b.map_async(wgpu::MapMode::Read, .., move |r| match r {
+                Ok(()) => _ = mapped.fetch_add(1, Release),
+                Err(_) => failed.store(true, Release),
+            });
+        }
+    }
+    fn is_ready(&self) -> bool {
+        use std::sync::atomic::Ordering::Acquire;
+        self.failed.load(Acquire) || self.mapped.load(Acquire) == self.staging.len()
+    }
+    /// Records or verifies every live item's checksum (unknown ones when the readback failed:
+    /// a backup's are forgotten, a load's count as unverified).
+    fn settle(&self) {
+        let live: Vec<(usize, i64, i64)> = (self.src_indices.iter().zip(self.dst_indices.iter()))
+            .enumerate()
+            .filter(|(_, (s, d))| **s >= 0 && **d >= 0)
+            .map(|(i, (s, d))| (i, *s, *d))
+            .collect();
+        let mut n = [0u64; 4];
+        let views: Option<Vec<wgpu::BufferView>> = match self.failed.load(std::sync::atomic::Ordering::Acquire) {
+            true => None,
+            false => self.staging.iter().map(|b| b.get_mapped_range(..).ok()).collect(),
+        };
+        for (li, &(layer, comp)) in self.items.iter().enumerate() {
+            let entries = views.as_ref().map(|v| {
+                let at = (li % self.per_buffer) as u64 * self.stride;
+                &v[li / self.per_buffer][at as usize..]
+            });
+            for &(i, s, d) in &live {
+                let (host, device) = match self.mode {
+                    ChecksumMode::Record => (d as u64, s as u64),
+                    ChecksumMode::Verify => (s as u64, d as u64),
+                };
+                match entries {
+                    Some(e) => {
+                        let word = |k: usize| u32::from_le_bytes([e[4 * k], e[4 * k + 1], e[4 * k + 2], e[4 * k + 3]]) as u64;
+                        let sum = word(2 * i) | word(2 * i + 1) << 32;
+                        self.binding.settle(self.mode, (host, device, layer, comp), sum, &mut n);
+                    }
+                    None => match (self.mode, self.binding.sidecar.slot(host, layer, comp)) {
+                        (ChecksumMode::Record, Some(slot)) => self.binding.sidecar.forget(slot),
+                        (ChecksumMode::Verify, Some(_)) => n[2] += 1,
+                        (_, None) => {}
+                    },
+                }
+            }
+        }
+        drop(views);
+        for b in &self.staging {
+            b.unmap();
+        }
+        self.binding.sidecar.count(n);
+    }
 }
 
 #[derive(Default)]
@@ -232,6 +329,32 @@ impl WgpuBuffer {
     }
 }
 
+/// The gather shader for words of type `word` (`u32` or `vec4<u32>`), with item checksums
+/// (`sum`: the lines between `//<sum` and `//sum>`) or without (those between `//<plain` and
+/// `//plain>`).
+fn shader_source(word: &str, sum: bool) -> String {
+    let (lanes, lane) = if word == "u32" { ("1u", "x") } else { ("4u", "x[j]") };
+    let drop = if sum { "plain" } else { "sum" };
+    let mut out = String::with_capacity(SHADER.len());
+    let mut skipping = false;
+    for line in SHADER.lines() {
+        let t = line.trim();
+        if let Some(tag) = t.strip_prefix("//<") {
+            skipping = tag == drop;
+            continue;
+        }
+        if t.starts_with("//") && t.ends_with('>') && !t.contains(' ') {
+            skipping = false;
+            continue;
+        }
+        if !skipping {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out.replace("WORD_U32S", lanes).replace("WORD_LANE", lane).replace("WORD", word)
+}
+
 /// Loop iterations one invocation of the gather shader may run, all its loops together: Mesa's
 /// llvmpipe (lavapipe) stops an invocation's loops after 65,535 iterations without a word,
 /// which silently truncated chunks of more than 65,535 words per lane.
@@ -327,30 +450,44 @@ impl WgpuExecutor {
                 bgl_entry(3, wgpu::BufferBindingType::Storage { read_only: false }, false),
             ],
         });
-        let pl = device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
-            label: Some("hicache-io gather"),
-            bind_group_layouts: &[Some(&layout)],
-            immediate_size: 0,
+        let sum_layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+            label: Some("hicache-io gather with checksums"),
+            entries: &[
+                bgl_entry(0, wgpu::BufferBindingType::Uniform, true),
+                bgl_entry(1, wgpu::BufferBindingType::Storage { read_only: true }, false),
+                bgl_entry(2, wgpu::BufferBindingType::Storage { read_only: true }, false),
+                bgl_entry(3, wgpu::BufferBindingType::Storage { read_only: false }, false),
+                bgl_entry(4, wgpu::BufferBindingType::Storage { read_only: true }, false),
+                bgl_entry(5, wgpu::BufferBindingType::Storage { read_only: false }, false),
+            ],
         });
+        let pipeline_layout = |layout: &wgpu::BindGroupLayout| {
+            device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+                label: Some("hicache-io gather"),
+                bind_group_layouts: &[Some(layout)],
+                immediate_size: 0,
+            })
+        };
+        let (pl, sum_pl) = (pipeline_layout(&layout), pipeline_layout(&sum_layout));
         let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
         // naga's bounds checks stay: dropping them (`create_shader_module_trusted`) measured no
         // faster on lavapipe, so the shader keeps wgpu's guarantee.
-        let make = |word: &str| {
+        let make = |word: &str, sum: bool| {
             let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
                 label: Some("gather.wgsl"),
-                source: wgpu::ShaderSource::Wgsl(SHADER.replace("WORD", word).into()),
+                source: wgpu::ShaderSource::Wgsl(shader_source(word, sum).into()),
             });
             device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
                 label: Some("hicache-io gather"),
-                layout: Some(&pl),
+                layout: Some(if sum { &sum_pl } else { &pl }),
                 module: &module,
                 entry_point: Some("main"),
                 compilation_options: Default::default(),
                 cache: None,
             })
         };
-        let pipe4 = make("u32");
-        let pipe16 = make("vec4<u32>");
+        let (pipe4, pipe16) = (make("u32", false), make("vec4<u32>", false));
+        let (sum4, sum16) = (make("u32", true), make("vec4<u32>", true));
         if let Some(e) = pollster::block_on(scope.pop()) {
             return Err(unavailable(format!("shader compilation failed on {}: {e}", info.name)));
         }
@@ -382,6 +519,11 @@ impl WgpuExecutor {
                 layout,
                 pipe4,
                 pipe16,
+                sum_layout,
+                sum4,
+                sum16,
+                keys: Default::default(),
+                pending: Default::default(),
                 max_window,
                 max_buffer,
                 max_segment,
@@ -441,11 +583,12 @@ impl WgpuExecutor {
         self.wait_index(None)
     }
 
+    /// Waits for submission `index` (all of them: `None`), then settles the checksums of what
+    /// has completed.
     fn wait_index(&self, index: Option<wgpu::SubmissionIndex>) -> Result<()> {
-        self.inner
-            .device
-            .poll(wgpu::PollType::Wait { submission_index: index, timeout: Some(WAIT) })
-            .map_err(|e| err(format!("waiting for the queue: {e}")))?;
+        let waited = self.inner.device.poll(wgpu::PollType::Wait { submission_index: index, timeout: Some(WAIT) });
+        self.settle();
+        waited.map_err(|e| err(format!("waiting for the queue: {e}")))?;
         self.check_lost()
     }
 
@@ -464,7 +607,7 @@ impl WgpuExecutor {
             return Ok(false);
         }
         let status = self.inner.device.poll(wgpu::PollType::Poll).map_err(|e| err(format!("polling the queue: {e}")))?;
-        Ok(match self.inner.submitter.index_of(t)? {
+        let done = match self.inner.submitter.index_of(t)? {
             // A poll that leaves the queue non-empty does not say which submissions are done; a
             // zero-timeout wait for this one does.
             Some(index) => {
@@ -473,30 +616,38 @@ impl WgpuExecutor {
             }
             // Too old to be remembered: done once the queue is empty.
             None => status.is_queue_empty(),
-        })
+        };
+        if done {
+            self.settle();
+        }
+        Ok(done)
     }
 
     /// Hands an encoded command buffer to the submit thread (started on first use).
-    fn submit_later(&self, cb: wgpu::CommandBuffer) -> Result<u64> {
+    fn submit_later(&self, cb: wgpu::CommandBuffer, sums: Vec<PendingSums>) -> Result<u64> {
         let sub = &self.inner.submitter;
         let mut tx = sub.tx.lock().unwrap_or_else(|e| e.into_inner());
         if tx.is_none() {
-            let (send, recv) = std::sync::mpsc::channel::<(u64, wgpu::CommandBuffer)>();
+            let (send, recv) = std::sync::mpsc::channel::<Handed>();
             let queue = self.inner.queue.clone();
+            let me = Arc::downgrade(&self.inner);
             let device = self.inner.device.clone();
             let map_lock = self.inner.map_lock.clone();
             let shared = Arc::downgrade(sub);
             let handle = std::thread::Builder::new()
                 .name("hicache-io wgpu submit".into())
                 .spawn(move || {
-                    for (ticket, cb) in recv {
+                    for (ticket, cb, sums) in recv {
                         // Error scopes are per thread: this one catches what the submission of
                         // this command buffer reports, and its waiters get it as an error. A panic
                         // inside wgpu must not leave them hanging either.
                         let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
                         let index = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                             let _no_mapping = map_lock.read().unwrap_or_else(|e| e.into_inner());
-                            queue.submit([cb])
+                            match me.upgrade() {
+                                Some(inner) => submit_with(&queue, &inner.pending, cb, sums),
+                                None => queue.submit([cb]),
+                            }
                         }));
                         let error = pollster::block_on(scope.pop());
                         let Some(s) = shared.upgrade() else { return };
@@ -531,7 +682,7 @@ impl WgpuExecutor {
             st.queued += 1;
             st.queued
         };
-        if tx.as_ref().map(|t| t.send((ticket, cb)).is_err()).unwrap_or(true) {
+        if tx.as_ref().map(|t| t.send((ticket, cb, sums)).is_err()).unwrap_or(true) {
             // The thread is gone: count the ticket as submitted-nothing so nobody waits forever.
             let mut st = sub.lock();
             st.submitted = st.submitted.max(ticket);
@@ -543,13 +694,18 @@ impl WgpuExecutor {
 
     /// Submits `encoder` inside validation and out-of-memory scopes and waits.
     fn submit(&self, build: impl FnOnce(&mut wgpu::CommandEncoder) -> Result<()>) -> Result<()> {
-        self.encode_and_submit(false, build)?;
+        self.encode_and_submit(false, |enc, _| build(enc))?;
         self.wait()
     }
 
     /// Submits `encoder` inside validation and out-of-memory scopes; with `later`, hands it to
     /// the submit thread instead (encoding errors are still caught here).
-    fn encode_and_submit(&self, later: bool, build: impl FnOnce(&mut wgpu::CommandEncoder) -> Result<()>) -> Result<()> {
+    /// `build` may add checksum readbacks, settled once the submission has completed.
+    fn encode_and_submit(
+        &self,
+        later: bool,
+        build: impl FnOnce(&mut wgpu::CommandEncoder, &mut Vec<PendingSums>) -> Result<()>,
+    ) -> Result<()> {
         self.check_lost()?;
         if !later {
             // Program order: what the submit thread holds goes first.
@@ -559,15 +715,16 @@ impl WgpuExecutor {
         let oom = dev.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
         let val = dev.push_error_scope(wgpu::ErrorFilter::Validation);
         let mut enc = dev.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("hicache-io") });
-        let built = build(&mut enc);
+        let mut sums = Vec::new();
+        let built = build(&mut enc, &mut sums);
         let mut handed = Ok(());
         if built.is_ok() {
             let cb = enc.finish();
             if later {
-                handed = self.submit_later(cb).map(|_| ());
+                handed = self.submit_later(cb, sums).map(|_| ());
             } else {
                 let _no_mapping = self.inner.map_lock.read().unwrap_or_else(|e| e.into_inner());
-                self.inner.queue.submit([cb]);
+                submit_with(&self.inner.queue, &self.inner.pending, cb, sums);
             }
         }
         let v = pollster::block_on(val.pop());
@@ -582,7 +739,13 @@ impl WgpuExecutor {
 
     /// Encodes one gather step: an index table, one parameter record per dispatch, one
     /// dispatch per (address pair, window pair) that holds an item.
-    fn gather(&self, g: &GatherStep, bufs: &Bindings<'_, WgpuBuffer>, enc: &mut wgpu::CommandEncoder) -> Result<()> {
+    fn gather(
+        &self,
+        g: &GatherStep,
+        bufs: &Bindings<'_, WgpuBuffer>,
+        enc: &mut wgpu::CommandEncoder,
+        out: &mut Vec<PendingSums>,
+    ) -> Result<()> {
         let inner = &self.inner;
         let (word, lanes_log2) = self.word_and_lanes(g, bufs);
         // The planner bounds indices by `max_index` (i32) and counts by `max_gather_items`.
@@ -606,33 +769,121 @@ impl WgpuExecutor {
             contents: &params,
             usage: wgpu::BufferUsages::UNIFORM,
         });
+        let sums = match (g.checksum, &bufs.integrity) {
+            (Some(mode), Some(b)) => Some(self.sum_buffers(g, mode, b)?),
+            _ => None,
+        };
         let groups: Vec<wgpu::BindGroup> = dispatches
             .iter()
             .map(|(li, _, sw, dw)| {
                 let l = &g.pairs[*li];
-                inner.device.create_bind_group(&wgpu::BindGroupDescriptor {
-                    label: None,
-                    layout: &inner.layout,
-                    entries: &[
-                        entry(0, &param_buf, 0, std::mem::size_of::<Params>() as u64),
-                        entry(1, &index_buf, 0, index_buf.size()),
-                        entry(2, &bufs.get(l.src.buf).segments[sw.seg], sw.start, sw.len),
-                        entry(3, &bufs.get(l.dst.buf).segments[dw.seg], dw.start, dw.len),
-                    ],
-                })
+                let mut entries = vec![
+                    entry(0, &param_buf, 0, std::mem::size_of::<Params>() as u64),
+                    entry(1, &index_buf, 0, index_buf.size()),
+                    entry(2, &bufs.get(l.src.buf).segments[sw.seg], sw.start, sw.len),
+                    entry(3, &bufs.get(l.dst.buf).segments[dw.seg], dw.start, dw.len),
+                ];
+                if let Some(s) = &sums {
+                    let at = (li % s.pending.per_buffer) as u64 * s.pending.stride;
+                    entries.push(entry(4, &s.keys, 0, s.keys.size()));
+                    entries.push(entry(5, &s.buffers[li / s.pending.per_buffer], at, 8 * pairs.len() as u64));
+                }
+                let layout = if sums.is_some() { &inner.sum_layout } else { &inner.layout };
+                inner.device.create_bind_group(&wgpu::BindGroupDescriptor { label: None, layout, entries: &entries })
             })
             .collect();
         let workgroups = ((pairs.len() as u64) << lanes_log2).div_ceil(64);
         let max_x = inner.limits.max_compute_workgroups_per_dimension as u64;
         let (x, y) = (workgroups.min(max_x), workgroups.div_ceil(max_x));
         let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("hicache-io gather"), timestamp_writes: None });
-        pass.set_pipeline(if word == 16 { &inner.pipe16 } else { &inner.pipe4 });
+        pass.set_pipeline(match (word, sums.is_some()) {
+            (16, false) => &inner.pipe16,
+            (_, false) => &inner.pipe4,
+            (16, true) => &inner.sum16,
+            (_, true) => &inner.sum4,
+        });
         for (i, bg) in groups.iter().enumerate() {
             pass.set_bind_group(0, bg, &[(i as u64 * stride) as u32]);
             pass.dispatch_workgroups(x as u32, y as u32, 1);
         }
-        // wgpu keeps the index and parameter buffers alive until the submission completes.
+        drop(pass);
+        if let Some(s) = sums {
+            for (b, staging) in s.buffers.iter().zip(&s.pending.staging) {
+                enc.copy_buffer_to_buffer(b, 0, staging, 0, b.size());
+            }
+            out.push(s.pending);
+        }
+        // wgpu keeps the index, parameter and sums buffers alive until the submission completes.
         Ok(())
+    }
+
+    /// The device buffers of a checksumming gather: the item keys, zeroed sums (two u32 per
+    /// index pair and address pair, each address pair's at a binding offset, packed into as
+    /// few buffers as the buffer size allows) and their mappable copies.
+    fn sum_buffers(&self, g: &GatherStep, mode: ChecksumMode, b: &IntegrityBinding) -> Result<SumBuffers> {
+        let inner = &self.inner;
+        let n = g.src_indices.len() as u64;
+        let align = inner.limits.min_storage_buffer_offset_alignment as u64;
+        let stride = (8 * n.max(1)).next_multiple_of(align);
+        // Within one binding (the planner bounds `n` by it) and one buffer.
+        let per_buffer = (inner.max_buffer.min(1 << 28) / stride).max(1) as usize;
+        let pairs = g.pairs.len();
+        let make = |label: &'static str, size: u64, usage: wgpu::BufferUsages| {
+            inner.device.create_buffer(&wgpu::BufferDescriptor { label: Some(label), size, usage, mapped_at_creation: false })
+        };
+        let (mut buffers, mut staging) = (Vec::new(), Vec::new());
+        for first in (0..pairs).step_by(per_buffer) {
+            let size = stride * (pairs - first).min(per_buffer) as u64;
+            // New buffers are zeroed (WebGPU guarantees it).
+            buffers.push(make("hicache-io sums", size, wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC));
+            staging.push(make("hicache-io sums readback", size, wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST));
+        }
+        let keys = self.keys_buffer(b.sidecar.keys());
+        Ok(SumBuffers {
+            keys,
+            buffers,
+            pending: PendingSums {
+                staging,
+                mapped: Default::default(),
+                failed: Default::default(),
+                per_buffer,
+                stride,
+                src_indices: g.src_indices.clone(),
+                dst_indices: g.dst_indices.clone(),
+                items: g.items.clone(),
+                mode,
+                binding: b.clone(),
+            },
+        })
+    }
+
+    /// The item keys of `keys` on the device (uploaded once per key table).
+    fn keys_buffer(&self, keys: &crate::integrity::Keys) -> wgpu::Buffer {
+        let mut cache = self.inner.keys.lock().unwrap_or_else(|e| e.into_inner());
+        cache
+            .entry((keys.seed(), keys.words()))
+            .or_insert_with(|| {
+                // Whole 16-byte words for the vec4 pipeline.
+                let mut table = keys.table().to_vec();
+                table.resize(table.len().max(1).next_multiple_of(4), 0);
+                self.inner.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                    label: Some("hicache-io item keys"),
+                    contents: bytemuck::cast_slice(&table),
+                    usage: wgpu::BufferUsages::STORAGE,
+                })
+            })
+            .clone()
+    }
+
+    /// Records or verifies the checksums of every completed checksumming step, oldest first
+    /// (mappings complete in submission order, so the settled ones are a prefix).
+    fn settle(&self) {
+        let mut q = self.inner.pending.lock().unwrap_or_else(|e| e.into_inner());
+        while q.front().is_some_and(|p| p.is_ready()) {
+            if let Some(p) = q.pop_front() {
+                p.settle();
+            }
+        }
     }
 
     /// The shader's word (16 bytes when every offset, size and the window allow, else 4) and
@@ -728,6 +979,30 @@ struct Window {
     start: u64,
     len: u64,
     abs: u64,
+}
+
+/// A checksumming gather's device buffers (see [`WgpuExecutor::sum_buffers`]).
+struct SumBuffers {
+    keys: wgpu::Buffer,
+    buffers: Vec<wgpu::Buffer>,
+    pending: PendingSums,
+}
+
+/// Submits `cb` and starts mapping its checksum readbacks, in the pending list in submission
+/// order (the lock covers both).
+fn submit_with(
+    queue: &wgpu::Queue,
+    pending: &Mutex<std::collections::VecDeque<PendingSums>>,
+    cb: wgpu::CommandBuffer,
+    sums: Vec<PendingSums>,
+) -> wgpu::SubmissionIndex {
+    let mut q = pending.lock().unwrap_or_else(|e| e.into_inner());
+    let index = queue.submit([cb]);
+    for s in sums {
+        s.map();
+        q.push_back(s);
+    }
+    index
 }
 
 /// One dispatch: address pair index, parameters, source and destination windows.
@@ -868,8 +1143,9 @@ impl Executor for WgpuExecutor {
             // Every adapter: which drivers stop long loops is not something wgpu reports.
             max_loop_trips: GATHER_MAX_TRIPS,
             device_index_lists: false,
-            // The WGSL gather does not checksum yet: host pools on wgpu keep no checksums.
-            checksums: false,
+            // The WGSL gather sums as it copies; buffer-to-buffer copies cannot.
+            checksums: true,
+            direct_checksums: false,
             auto: crate::plan::AutoTable::DEFAULT,
         }
     }
@@ -935,9 +1211,9 @@ impl Executor for WgpuExecutor {
     /// Both streams are the one queue: a pipeline's backups run in submission order with its
     /// loads (so no ordering between the streams is ever needed).
     fn execute_step(&self, plan: &Plan, k: usize, bufs: &Bindings<'_, WgpuBuffer>, enqueue: bool, _stream: super::Stream) -> Result<()> {
-        self.encode_and_submit(enqueue, |enc| {
+        self.encode_and_submit(enqueue, |enc, sums| {
             match plan.steps()[k].kind() {
-                StepKind::Gather(g) => self.gather(g, bufs, enc)?,
+                StepKind::Gather(g) => self.gather(g, bufs, enc, sums)?,
                 StepKind::Copy(runs) => {
                     if runs.len() > MANY_RUNS {
                         static WARNED: std::sync::Once = std::sync::Once::new();
