@@ -480,6 +480,10 @@ pub struct Step {
     /// Whether a `direct` step's copies checksum the items they move (a `kernel` step says so in
     /// its [`GatherStep`]).
     pub(crate) checksum: Option<ChecksumMode>,
+    /// For a `direct` step of a checksummed pool whose executor's copies cannot sum
+    /// ([`Capabilities::direct_checksums`]): the executor settles the step's items as unknown,
+    /// in queue order (a backup forgets their checksums, a load counts them unverified).
+    pub(crate) unsummed: Option<ChecksumMode>,
 }
 
 impl Step {
@@ -490,6 +494,11 @@ impl Step {
     /// Host layers this step moves (a layer split over several steps is listed by each).
     pub fn layers(&self) -> &[u64] {
         &self.layers
+    }
+    /// How a step that moves items without checksumming them settles them in queue order (see
+    /// [`Capabilities::direct_checksums`]).
+    pub fn unsummed(&self) -> Option<ChecksumMode> {
+        self.unsummed
     }
     /// Whether (and how) the step's copies checksum the items they move.
     pub fn checksum(&self) -> Option<ChecksumMode> {
@@ -542,9 +551,9 @@ pub struct Plan {
 
 impl Plan {
     /// The plan with its copies checksumming every item (`on`, on an executor whose copies can:
-    /// [`Capabilities::checksums`], and [`Capabilities::direct_checksums`] for `direct` steps;
-    /// index lists on the host). Other plans are unchanged, and their backups leave the items'
-    /// checksums unknown.
+    /// [`Capabilities::checksums`]; index lists on the host). `direct` steps on an executor
+    /// without [`Capabilities::direct_checksums`] settle their items as unknown instead, in queue
+    /// order. Other plans are unchanged, and their backups leave the items' checksums unknown.
     pub(crate) fn with_checksums(mut self, on: bool, caps: &Capabilities) -> Plan {
         if !on || !caps.checksums || self.device_check.is_some() {
             return self;
@@ -558,7 +567,7 @@ impl Plan {
             match &mut step.kind {
                 StepKind::Gather(g) => g.checksum = Some(mode),
                 StepKind::Copy(_) if caps.direct_checksums => step.checksum = Some(mode),
-                StepKind::Copy(_) => {}
+                StepKind::Copy(_) => step.unsummed = Some(mode),
             }
         }
         self.steps = steps.into();
@@ -567,6 +576,13 @@ impl Plan {
     /// Whether every step checksums what it copies.
     pub fn is_checksummed(&self) -> bool {
         self.steps.iter().all(|s| s.checksum().is_some())
+    }
+    /// Whether every step settles its items' checksums in queue order: it computes them, or
+    /// (`direct` copies that cannot) records them as unknown. Such a plan needs the host pool's
+    /// table bound; a plan that does neither (made for a pool without checksums) is settled by
+    /// the pool before it runs.
+    pub fn settles_checksums(&self) -> bool {
+        self.steps.iter().all(|s| s.checksum().is_some() || s.unsummed.is_some())
     }
     /// Host indices of the call (in units), `None` when they live in CUDA memory.
     pub(crate) fn host_units(&self) -> Option<&[i64]> {
@@ -1262,6 +1278,7 @@ fn lower_gather(
                 }),
                 layers: layers.iter().map(|l| l.0).collect(),
                 checksum: None,
+                unsummed: None,
             });
         }
     }
@@ -1306,7 +1323,7 @@ fn lower_direct(
                     }
                 }
             }
-            Step { kind: StepKind::Copy(runs), layers: layers.iter().map(|l| l.0).collect(), checksum: None }
+            Step { kind: StepKind::Copy(runs), layers: layers.iter().map(|l| l.0).collect(), checksum: None, unsummed: None }
         })
         .collect();
     (steps, bytes)

@@ -351,3 +351,46 @@ fn check_compares_recorded_checksums_with_the_oracle() {
         assert!(sums > 100, "{name}: only {sums} checksums compared");
     }
 }
+
+/// A backup whose copies cannot checksum (wgpu's `direct`) settles its items in queue order
+/// without waiting for the transfers queued before it: an engine's pipeline keeps running. The
+/// kernel backup queued first records the shared items, the direct one then forgets them, and a
+/// load reads them unverified, never as corrupt.
+#[test]
+fn backups_that_cannot_checksum_do_not_wait_and_forget_in_order() {
+    for device in common::devices() {
+        let name = device.name();
+        // 2 layers × 4096 slots × 16 KiB: a 128 MiB kernel backup, long enough to be in flight.
+        let slots = 4096u64;
+        let cfg = DevicePoolConfig { kind: PoolKind::Mla, bytes_per_token: 16384, slots, page_size: 1, layers: LayerMap::new(2) };
+        let mut dev = DevicePool::new(&device, &cfg).unwrap();
+        let mut rng = Rng::new(9);
+        for b in 0..2 {
+            let mut data = vec![0u8; dev.geometry().layer_bytes() as usize];
+            rng.fill(&mut data);
+            dev.write_buffer(0, b, &data).unwrap();
+        }
+        let hcfg = HostPoolConfig { layout: Layout::LayerFirst, size: slots, head_num: 1, profile: Profile::Extended, integrity: None };
+        let mut host = HostPool::new(&dev, &hcfg).unwrap();
+        let all: Vec<i64> = (0..slots as i64).collect();
+        let (shared, from): (Vec<i64>, Vec<i64>) = ((0..8).collect(), (100..108).collect());
+        {
+            let mut pipe = host.pipeline(&mut dev).unwrap();
+            let big = pipe.backup(&all, &all, IoBackend::Kernel).unwrap();
+            let small = pipe.backup(&shared, &from, IoBackend::Direct).unwrap();
+            assert!(!pipe.is_done(big).unwrap(), "{name}: the direct backup waited for the kernel backup queued before it");
+            pipe.wait(small).unwrap();
+            pipe.wait(big).unwrap();
+            pipe.finish().unwrap();
+        }
+        let before = host.integrity_stats().unwrap();
+        host.load_to_device_per_layer(&mut dev, &shared, &shared, 0, IoBackend::Kernel).unwrap();
+        let after = host.integrity_stats().unwrap();
+        let direct_sums = device.capabilities().direct_checksums;
+        let (verified, unverified) = (after.verified - before.verified, after.unverified - before.unverified);
+        assert_eq!((verified, unverified, after.mismatched), if direct_sums { (8, 0, 0) } else { (0, 8, 0) }, "{name}");
+        // The kernel backup's other items are recorded and verify.
+        host.load_to_device_per_layer(&mut dev, &all[8..64], &all[8..64], 1, IoBackend::Kernel).unwrap();
+        assert_eq!(host.integrity_stats().unwrap().verified - after.verified, 56, "{name}");
+    }
+}

@@ -19,7 +19,8 @@
 //! the step's submission copies into a mappable one. Once that submission has completed (any
 //! wait or poll that sees it), the entries are read and recorded into the host pool's table
 //! (backups) or compared with it (loads), in submission order. `direct` copies
-//! (`copy_buffer_to_buffer`) cannot sum: their plans keep no checksums.
+//! (`copy_buffer_to_buffer`) cannot sum: their items are settled as unknown in the same order (a
+//! backup forgets their checksums, a load counts them unverified), without waiting.
 //!
 //! Each step is its own submission. A synchronous plan returns after the queue has finished all
 //! of them. An asynchronous one is encoded on the caller's thread and submitted by the
@@ -149,21 +150,25 @@ struct Submitter {
 /// What the submit thread is given: a ticket, its command buffer and its checksum readbacks.
 type Handed = (u64, wgpu::CommandBuffer, Vec<PendingSums>);
 
-/// The checksums of one gather step, on their way back: its sums buffers' copies (mappable),
-/// and what the host needs to record or verify them.
+/// The checksums of one step, settled in submission order: a gather's sums on their way back
+/// (its sums buffers' mappable copies, and what the host needs to record or verify them), or
+/// the items of `direct` copies, which cannot sum (settled as unknown).
 struct PendingSums {
     staging: Vec<wgpu::Buffer>,
     /// Staging buffers mapped so far, and whether a mapping failed.
     mapped: Arc<std::sync::atomic::AtomicUsize>,
     failed: Arc<std::sync::atomic::AtomicBool>,
-    /// Address pairs per staging buffer and bytes per address pair in it.
-    per_buffer: usize,
-    stride: u64,
-    src_indices: Arc<[i64]>,
-    dst_indices: Arc<[i64]>,
-    items: Vec<(u64, u8)>,
+    what: Settles,
     mode: ChecksumMode,
     binding: IntegrityBinding,
+}
+
+enum Settles {
+    /// A gather's sums: `per_buffer` address pairs per staging buffer, `stride` bytes each, an
+    /// entry of two u32 per index pair.
+    Sums { per_buffer: usize, stride: u64, src_indices: Arc<[i64]>, dst_indices: Arc<[i64]>, items: Vec<(u64, u8)> },
+    /// Items copied without a checksum: `(host index, device index, host layer, component)`.
+    Unknown(Vec<(u64, u64, u64, u8)>),
 }
 
 impl PendingSums {
@@ -182,23 +187,53 @@ impl PendingSums {
         use std::sync::atomic::Ordering::Acquire;
         self.failed.load(Acquire) || self.mapped.load(Acquire) == self.staging.len()
     }
-    /// Records or verifies every live item's checksum (unknown ones when the readback failed:
-    /// a backup's are forgotten, a load's count as unverified).
+    /// The items of `direct` copies, which cannot sum: settled as unknown.
+    fn unknown(mode: ChecksumMode, binding: IntegrityBinding, runs: &[crate::plan::Run]) -> PendingSums {
+        let items = runs.iter().flat_map(|r| (0..r.items).map(move |k| (r.host_unit + k, r.device_unit + k, r.host_layer, r.comp)));
+        PendingSums {
+            staging: Vec::new(),
+            mapped: Default::default(),
+            failed: Default::default(),
+            what: Settles::Unknown(items.collect()),
+            mode,
+            binding,
+        }
+    }
+    /// Records or verifies every live item's checksum; unknown ones (copies that cannot sum, or
+    /// a failed readback) are forgotten by a backup and count as unverified for a load.
     fn settle(&self) {
-        let live: Vec<(usize, i64, i64)> = (self.src_indices.iter().zip(self.dst_indices.iter()))
+        let mut n = [0u64; 4];
+        let unknown =
+            |(host, layer, comp): (u64, u64, u8), n: &mut [u64; 4]| match (self.mode, self.binding.sidecar.slot(host, layer, comp)) {
+                (ChecksumMode::Record, Some(slot)) => self.binding.sidecar.forget(slot),
+                (ChecksumMode::Verify, Some(_)) => n[2] += 1,
+                (_, None) => {}
+            };
+        let (per_buffer, stride, src_indices, dst_indices, items) = match &self.what {
+            Settles::Sums { per_buffer, stride, src_indices, dst_indices, items } => {
+                (*per_buffer, *stride, src_indices, dst_indices, items)
+            }
+            Settles::Unknown(items) => {
+                for &(host, _, layer, comp) in items {
+                    unknown((host, layer, comp), &mut n);
+                }
+                self.binding.sidecar.count(n);
+                return;
+            }
+        };
+        let live: Vec<(usize, i64, i64)> = (src_indices.iter().zip(dst_indices.iter()))
             .enumerate()
             .filter(|(_, (s, d))| **s >= 0 && **d >= 0)
             .map(|(i, (s, d))| (i, *s, *d))
             .collect();
-        let mut n = [0u64; 4];
         let views: Option<Vec<wgpu::BufferView>> = match self.failed.load(std::sync::atomic::Ordering::Acquire) {
             true => None,
             false => self.staging.iter().map(|b| b.get_mapped_range(..).ok()).collect(),
         };
-        for (li, &(layer, comp)) in self.items.iter().enumerate() {
+        for (li, &(layer, comp)) in items.iter().enumerate() {
             let entries = views.as_ref().map(|v| {
-                let at = (li % self.per_buffer) as u64 * self.stride;
-                &v[li / self.per_buffer][at as usize..]
+                let at = (li % per_buffer) as u64 * stride;
+                &v[li / per_buffer][at as usize..]
             });
             for &(i, s, d) in &live {
                 let (host, device) = match self.mode {
@@ -211,11 +246,7 @@ impl PendingSums {
                         let sum = word(2 * i) | word(2 * i + 1) << 32;
                         self.binding.settle(self.mode, (host, device, layer, comp), sum, &mut n);
                     }
-                    None => match (self.mode, self.binding.sidecar.slot(host, layer, comp)) {
-                        (ChecksumMode::Record, Some(slot)) => self.binding.sidecar.forget(slot),
-                        (ChecksumMode::Verify, Some(_)) => n[2] += 1,
-                        (_, None) => {}
-                    },
+                    None => unknown((host, layer, comp), &mut n),
                 }
             }
         }
@@ -784,9 +815,9 @@ impl WgpuExecutor {
                     entry(3, &bufs.get(l.dst.buf).segments[dw.seg], dw.start, dw.len),
                 ];
                 if let Some(s) = &sums {
-                    let at = (li % s.pending.per_buffer) as u64 * s.pending.stride;
+                    let at = (li % s.per_buffer) as u64 * s.stride;
                     entries.push(entry(4, &s.keys, 0, s.keys.size()));
-                    entries.push(entry(5, &s.buffers[li / s.pending.per_buffer], at, 8 * pairs.len() as u64));
+                    entries.push(entry(5, &s.buffers[li / s.per_buffer], at, 8 * pairs.len() as u64));
                 }
                 let layout = if sums.is_some() { &inner.sum_layout } else { &inner.layout };
                 inner.device.create_bind_group(&wgpu::BindGroupDescriptor { label: None, layout, entries: &entries })
@@ -842,15 +873,19 @@ impl WgpuExecutor {
         Ok(SumBuffers {
             keys,
             buffers,
+            per_buffer,
+            stride,
             pending: PendingSums {
                 staging,
                 mapped: Default::default(),
                 failed: Default::default(),
-                per_buffer,
-                stride,
-                src_indices: g.src_indices.clone(),
-                dst_indices: g.dst_indices.clone(),
-                items: g.items.clone(),
+                what: Settles::Sums {
+                    per_buffer,
+                    stride,
+                    src_indices: g.src_indices.clone(),
+                    dst_indices: g.dst_indices.clone(),
+                    items: g.items.clone(),
+                },
                 mode,
                 binding: b.clone(),
             },
@@ -985,6 +1020,8 @@ struct Window {
 struct SumBuffers {
     keys: wgpu::Buffer,
     buffers: Vec<wgpu::Buffer>,
+    per_buffer: usize,
+    stride: u64,
     pending: PendingSums,
 }
 
@@ -1226,6 +1263,10 @@ impl Executor for WgpuExecutor {
                     }
                     for r in runs {
                         copy_run(enc, bufs.get(r.src), r.src_offset, bufs.get(r.dst), r.dst_offset, r.len);
+                    }
+                    // Buffer-to-buffer copies cannot sum: their items settle as unknown, in order.
+                    if let (Some(mode), Some(b)) = (plan.steps()[k].unsummed(), &bufs.integrity) {
+                        sums.push(PendingSums::unknown(mode, b.clone(), runs));
                     }
                 }
             }

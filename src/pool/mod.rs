@@ -454,18 +454,19 @@ impl<'m> HostPool<'m> {
         Ok(())
     }
 
-    /// The buffers `plan` runs over, with the checksum table when its copies checksum. A backup
-    /// whose copies do not (a `direct` one, device index lists) first forgets the checksums of
-    /// the items it writes, so that a later load reads them as unverified, never as corrupt.
+    /// The buffers `plan` runs over, with the checksum table when its steps settle checksums
+    /// (computed, or unknown in queue order). A backup by a plan that does neither (made for a
+    /// pool without checksums, device index lists) first forgets the checksums of the items it
+    /// writes, so that a later load reads them as unverified, never as corrupt.
     fn bindings<'a>(&'a self, device_pool: &'a DevicePool, plan: &Plan) -> Bindings<'a, Buffer> {
         let integrity = self.sidecar.as_ref().and_then(|sidecar| {
-            if plan.is_checksummed() {
+            if plan.settles_checksums() {
                 return Some(crate::exec::IntegrityBinding { sidecar: sidecar.clone(), sink: Default::default() });
             }
             if plan.direction() == Direction::DeviceToHost {
                 // In order with what is queued: a queued backup that records the same items must
                 // not record after this forgets. (Only plans made for a pool without checksums
-                // get here: this pool's own plans checksum on every path its executor has.)
+                // get here: this pool's own plans settle checksums on every path.)
                 if let Err(e) = self.device.wait_idle() {
                     log::error!("waiting before forgetting checksums: {e}");
                 }
