@@ -99,10 +99,25 @@ fn acc_total(a: Acc) -> array<WORD, 2> {
     return array<WORD, 2>(lo, hi);
 }
 
-// 32-bit lane `j` of a word (`WORD_U32S` of them).
-fn word_lane(x: WORD, j: u32) -> u32 {
-    return WORD_LANE;
+// The 64-bit sum (lo, hi) of a total's lanes, unrolled (no loop trips beyond the copy's, which
+// the planner bounds).
+//<w4
+fn lanes_total(t: array<WORD, 2>) -> vec2<u32> {
+    return vec2<u32>(t[0], t[1]);
 }
+//w4>
+//<w16
+fn add64(a: vec2<u32>, lo: u32, hi: u32) -> vec2<u32> {
+    let l = a.x + lo;
+    return vec2<u32>(l, a.y + hi + select(0u, 1u, l < lo));
+}
+
+fn lanes_total(t: array<WORD, 2>) -> vec2<u32> {
+    let a = add64(vec2<u32>(t[0].x, t[1].x), t[0].y, t[1].y);
+    let b = add64(a, t[0].z, t[1].z);
+    return add64(b, t[0].w, t[1].w);
+}
+//w16>
 
 // Adds the 64-bit (lo, hi) into entry `e`.
 fn add_sum(e: u32, lo: u32, hi: u32) {
@@ -174,15 +189,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
         //sum>
     }
     //<sum
-    let t2 = acc_total(acc);
-    var lo = 0u;
-    var hi = 0u;
-    for (var j = 0u; j < WORD_U32S; j++) {
-        let l = word_lane(t2[0], j);
-        let nl = lo + l;
-        hi = hi + word_lane(t2[1], j) + select(0u, 1u, nl < l);
-        lo = nl;
-    }
-    add_sum(item, lo, hi);
+    let total = lanes_total(acc_total(acc));
+    add_sum(item, total.x, total.y);
     //sum>
 }

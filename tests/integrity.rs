@@ -394,3 +394,41 @@ fn backups_that_cannot_checksum_do_not_wait_and_forget_in_order() {
         assert_eq!(host.integrity_stats().unwrap().verified - after.verified, 56, "{name}");
     }
 }
+
+/// A load's mismatches are reported by its own wait even while another thread polls the same
+/// executor (and so may be the one that receives the load's readback): 300 loads of a damaged
+/// item, each must fail.
+#[test]
+fn loads_report_mismatches_while_another_thread_polls_the_executor() {
+    for device in common::devices() {
+        let name = device.name();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let poller = {
+            let (device, stop) = (device.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let (mut dev, host) = pools(&device, PoolKind::Mha, Layout::PageFirst, 1, None, Profile::Extended);
+                let idx: Vec<i64> = (0..4).collect();
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let t = host.load_to_device_per_layer_async(&mut dev, &idx, &idx, 0, IoBackend::Kernel).unwrap();
+                    while !t.is_done().unwrap() {}
+                }
+            })
+        };
+        let (mut dev, mut host) = pools(&device, PoolKind::Mha, Layout::PageFirst, 1, None, Profile::Extended);
+        let hi: Vec<i64> = (8..16).collect();
+        host.backup_from_device_all_layer(&dev, &hi, &hi, IoBackend::Kernel).unwrap();
+        let off = host.geometry().addr(0, 0).offset(9, 0);
+        host.inject_host_corruption(0, off, &[0x42 ^ host.read_buffer(0).unwrap()[off as usize]]).unwrap();
+        let mut missed = 0;
+        for _ in 0..300 {
+            match host.load_to_device_per_layer(&mut dev, &hi, &hi, 0, IoBackend::Kernel) {
+                Err(TransferError::Integrity { host_index: 9, .. }) => {}
+                Ok(()) => missed += 1,
+                Err(e) => panic!("{name}: {e}"),
+            }
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        poller.join().unwrap();
+        assert_eq!(missed, 0, "{name}: {missed} of 300 loads did not report the damaged item");
+    }
+}

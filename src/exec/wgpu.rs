@@ -106,7 +106,7 @@ struct Inner {
     keys: Mutex<std::collections::HashMap<(u64, usize), wgpu::Buffer>>,
     /// Checksum readbacks of submitted steps, in submission order (pushed under this lock
     /// together with the submission).
-    pending: Mutex<std::collections::VecDeque<PendingSums>>,
+    pending: Mutex<PendingQueue>,
     max_window: u64,
     max_buffer: u64,
     /// Largest segment of a pool buffer (at most `max_buffer`).
@@ -145,6 +145,29 @@ struct Submitter {
     state: Mutex<SubmitState>,
     submitted_cv: std::sync::Condvar,
     tx: Mutex<Option<std::sync::mpsc::Sender<Handed>>>,
+}
+
+/// Checksum readbacks in submission order, and how many were ever pushed and settled (entry
+/// `k`, counting from 0, is settled once `settled > k`).
+#[derive(Default)]
+struct PendingQueue {
+    entries: std::collections::VecDeque<PendingSums>,
+    pushed: u64,
+    settled: u64,
+    /// Submissions made so far, and (set by `on_submitted_work_done`) the newest one known
+    /// complete: what `is_done` reads instead of a zero-timeout wait, which wgpu-core asserts
+    /// on when another thread's poll retires the submission first.
+    submissions: u64,
+    completed: Arc<std::sync::atomic::AtomicU64>,
+}
+
+/// A submission: wgpu's index, the checksum readbacks pushed up to it, and its number in
+/// [`PendingQueue::submissions`].
+#[derive(Clone)]
+struct Submitted {
+    index: wgpu::SubmissionIndex,
+    pushed: u64,
+    seq: u64,
 }
 
 /// What the submit thread is given: a ticket, its command buffer and its checksum readbacks.
@@ -250,9 +273,11 @@ impl PendingSums {
                 }
             }
         }
-        drop(views);
-        for b in &self.staging {
-            b.unmap();
+        if views.is_some() {
+            drop(views);
+            for b in &self.staging {
+                b.unmap();
+            }
         }
         self.binding.sidecar.count(n);
     }
@@ -262,8 +287,8 @@ impl PendingSums {
 struct SubmitState {
     queued: u64,
     submitted: u64,
-    /// Recent tickets' submissions (pruned to the last 4096).
-    indices: std::collections::BTreeMap<u64, wgpu::SubmissionIndex>,
+    /// Recent tickets' submissions (see [`Submitted`]; pruned to the last 4096).
+    indices: std::collections::BTreeMap<u64, Submitted>,
     /// Tickets whose submission failed, and why (pruned likewise).
     failed: std::collections::BTreeMap<u64, String>,
 }
@@ -281,9 +306,9 @@ impl Submitter {
             st = self.submitted_cv.wait(st).unwrap_or_else(|e| e.into_inner());
         }
     }
-    /// Waits until ticket `t` is submitted; its submission (`Err` when it failed, `None` when
-    /// it is too old to be remembered).
-    fn index_of(&self, t: u64) -> Result<Option<wgpu::SubmissionIndex>> {
+    /// Waits until ticket `t` is submitted; its submission and the checksum readbacks pushed up
+    /// to it (`Err` when it failed, `None` when it is too old to be remembered).
+    fn index_of(&self, t: u64) -> Result<Option<Submitted>> {
         let mut st = self.lock();
         while st.submitted < t {
             st = self.submitted_cv.wait(st).unwrap_or_else(|e| e.into_inner());
@@ -362,28 +387,30 @@ impl WgpuBuffer {
 
 /// The gather shader for words of type `word` (`u32` or `vec4<u32>`), with item checksums
 /// (`sum`: the lines between `//<sum` and `//sum>`) or without (those between `//<plain` and
-/// `//plain>`).
+/// `//plain>`); the lines tagged `w4` or `w16` are for one word type only.
 fn shader_source(word: &str, sum: bool) -> String {
-    let (lanes, lane) = if word == "u32" { ("1u", "x") } else { ("4u", "x[j]") };
-    let drop = if sum { "plain" } else { "sum" };
+    let drop = [if sum { "plain" } else { "sum" }, if word == "u32" { "w16" } else { "w4" }];
     let mut out = String::with_capacity(SHADER.len());
-    let mut skipping = false;
+    // Tagged sections nest (`w4` inside `sum`): a line is kept when no open tag is dropped.
+    let mut open: Vec<&str> = Vec::new();
     for line in SHADER.lines() {
         let t = line.trim();
         if let Some(tag) = t.strip_prefix("//<") {
-            skipping = tag == drop;
+            open.push(tag);
             continue;
         }
-        if t.starts_with("//") && t.ends_with('>') && !t.contains(' ') {
-            skipping = false;
-            continue;
+        if let Some(tag) = t.strip_prefix("//").and_then(|t| t.strip_suffix('>')).filter(|t| !t.contains(' ')) {
+            if open.last() == Some(&tag) {
+                open.pop();
+                continue;
+            }
         }
-        if !skipping {
+        if !open.iter().any(|t| drop.contains(t)) {
             out.push_str(line);
             out.push('\n');
         }
     }
-    out.replace("WORD_U32S", lanes).replace("WORD_LANE", lane).replace("WORD", word)
+    out.replace("WORD", word)
 }
 
 /// Loop iterations one invocation of the gather shader may run, all its loops together: Mesa's
@@ -609,9 +636,12 @@ impl WgpuExecutor {
         }
     }
 
+    /// Waits for everything submitted so far, checksums settled.
     fn wait(&self) -> Result<()> {
         self.inner.submitter.drain();
-        self.wait_index(None)
+        let pushed = self.inner.pending.lock().unwrap_or_else(|e| e.into_inner()).pushed;
+        self.wait_index(None)?;
+        self.settle_until(pushed)
     }
 
     /// Waits for submission `index` (all of them: `None`), then settles the checksums of what
@@ -623,11 +653,33 @@ impl WgpuExecutor {
         self.check_lost()
     }
 
-    /// Waits for the transfers up to ticket `t` of the submit thread.
+    /// Waits for the transfers up to ticket `t` of the submit thread, checksums settled.
     pub(crate) fn wait_for(&self, t: u64) -> Result<()> {
         match self.inner.submitter.index_of(t)? {
-            Some(i) => self.wait_index(Some(i)),
+            Some(s) => {
+                self.wait_index(Some(s.index))?;
+                self.settle_until(s.pushed)
+            }
             None => self.wait(),
+        }
+    }
+
+    /// Settles checksum readbacks until the first `pushed` are: their submissions have
+    /// completed, but another thread's poll may have taken their mapping callbacks and not run
+    /// them yet.
+    fn settle_until(&self, pushed: u64) -> Result<()> {
+        let start = std::time::Instant::now();
+        loop {
+            self.settle();
+            if self.inner.pending.lock().unwrap_or_else(|e| e.into_inner()).settled >= pushed {
+                return Ok(());
+            }
+            self.check_lost()?;
+            if start.elapsed() > WAIT {
+                return Err(err("waiting for checksum readbacks timed out"));
+            }
+            std::thread::yield_now();
+            self.inner.device.poll(wgpu::PollType::Poll).map_err(|e| err(format!("polling the queue: {e}")))?;
         }
     }
 
@@ -638,20 +690,20 @@ impl WgpuExecutor {
             return Ok(false);
         }
         let status = self.inner.device.poll(wgpu::PollType::Poll).map_err(|e| err(format!("polling the queue: {e}")))?;
-        let done = match self.inner.submitter.index_of(t)? {
-            // A poll that leaves the queue non-empty does not say which submissions are done; a
-            // zero-timeout wait for this one does.
-            Some(index) => {
-                status.is_queue_empty()
-                    || self.inner.device.poll(wgpu::PollType::Wait { submission_index: Some(index), timeout: Some(Duration::ZERO) }).is_ok()
-            }
+        let completed = self.inner.pending.lock().unwrap_or_else(|e| e.into_inner()).completed.clone();
+        let (done, pushed) = match self.inner.submitter.index_of(t)? {
+            // A poll that leaves the queue non-empty does not say which submissions are done;
+            // the completion callbacks the poll ran do.
+            Some(s) => (status.is_queue_empty() || completed.load(std::sync::atomic::Ordering::Acquire) >= s.seq, s.pushed),
             // Too old to be remembered: done once the queue is empty.
-            None => status.is_queue_empty(),
+            None => (status.is_queue_empty(), 0),
         };
-        if done {
-            self.settle();
+        if !done {
+            return Ok(false);
         }
-        Ok(done)
+        // Done once its checksums are settled too (their callbacks may still be on their way).
+        self.settle();
+        Ok(self.inner.pending.lock().unwrap_or_else(|e| e.into_inner()).settled >= pushed)
     }
 
     /// Hands an encoded command buffer to the submit thread (started on first use).
@@ -672,17 +724,26 @@ impl WgpuExecutor {
                         // Error scopes are per thread: this one catches what the submission of
                         // this command buffer reports, and its waiters get it as an error. A panic
                         // inside wgpu must not leave them hanging either.
-                        let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
+                        let mut scope = Some(device.push_error_scope(wgpu::ErrorFilter::Validation));
+                        let mut pop = || scope.take().and_then(|s| pollster::block_on(s.pop())).map(|e| e.to_string());
                         let index = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                             let _no_mapping = map_lock.read().unwrap_or_else(|e| e.into_inner());
                             match me.upgrade() {
-                                Some(inner) => submit_with(&queue, &inner.pending, cb, sums),
-                                None => queue.submit([cb]),
+                                Some(inner) => submit_with(&queue, &inner.pending, cb, sums, &mut pop),
+                                None => {
+                                    let index = queue.submit([cb]);
+                                    (Submitted { index, pushed: 0, seq: u64::MAX }, pop())
+                                }
                             }
                         }));
-                        let error = pollster::block_on(scope.pop());
+                        // A panic before the scope was popped: pop it now.
+                        let late = pop();
                         let Some(s) = shared.upgrade() else { return };
                         let mut st = s.lock();
+                        let (index, error) = match index {
+                            Ok((submitted, error)) => (Ok(submitted), error.or(late)),
+                            Err(e) => (Err(e), late),
+                        };
                         match (index, error) {
                             (Ok(index), None) => {
                                 st.indices.insert(ticket, index);
@@ -745,25 +806,36 @@ impl WgpuExecutor {
         let dev = &self.inner.device;
         let oom = dev.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
         let val = dev.push_error_scope(wgpu::ErrorFilter::Validation);
+        // Popped once (the inner scope first): after the submission when there is one, so that
+        // its checksum readbacks are marked failed before anyone can settle them.
+        let mut scopes = Some((val, oom));
+        let mut pop = || {
+            scopes.take().and_then(|(val, oom)| {
+                let v = pollster::block_on(val.pop());
+                let o = pollster::block_on(oom.pop());
+                v.or(o).map(|e| e.to_string())
+            })
+        };
         let mut enc = dev.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("hicache-io") });
         let mut sums = Vec::new();
         let built = build(&mut enc, &mut sums);
         let mut handed = Ok(());
+        let mut error = None;
         if built.is_ok() {
             let cb = enc.finish();
             if later {
+                // The submit thread's own scope catches what its submission reports.
                 handed = self.submit_later(cb, sums).map(|_| ());
             } else {
                 let _no_mapping = self.inner.map_lock.read().unwrap_or_else(|e| e.into_inner());
-                submit_with(&self.inner.queue, &self.inner.pending, cb, sums);
+                error = submit_with(&self.inner.queue, &self.inner.pending, cb, sums, &mut pop).1;
             }
         }
-        let v = pollster::block_on(val.pop());
-        let o = pollster::block_on(oom.pop());
+        let error = error.or_else(&mut pop);
         built?;
         handed?;
-        if let Some(e) = v.or(o) {
-            return Err(err(e.to_string()));
+        if let Some(e) = error {
+            return Err(err(e));
         }
         Ok(())
     }
@@ -914,9 +986,10 @@ impl WgpuExecutor {
     /// (mappings complete in submission order, so the settled ones are a prefix).
     fn settle(&self) {
         let mut q = self.inner.pending.lock().unwrap_or_else(|e| e.into_inner());
-        while q.front().is_some_and(|p| p.is_ready()) {
-            if let Some(p) = q.pop_front() {
+        while q.entries.front().is_some_and(|p| p.is_ready()) {
+            if let Some(p) = q.entries.pop_front() {
                 p.settle();
+                q.settled += 1;
             }
         }
     }
@@ -1025,21 +1098,35 @@ struct SumBuffers {
     pending: PendingSums,
 }
 
-/// Submits `cb` and starts mapping its checksum readbacks, in the pending list in submission
-/// order (the lock covers both).
+/// Submits `cb` and queues its checksum readbacks in submission order (the lock covers both):
+/// mapped, or marked failed when `errors` (popping the submission's error scopes) reports one,
+/// so that a submission that did not run never settles zeroed sums. Returns the submission and
+/// the error.
 fn submit_with(
     queue: &wgpu::Queue,
-    pending: &Mutex<std::collections::VecDeque<PendingSums>>,
+    pending: &Mutex<PendingQueue>,
     cb: wgpu::CommandBuffer,
     sums: Vec<PendingSums>,
-) -> wgpu::SubmissionIndex {
+    errors: impl FnOnce() -> Option<String>,
+) -> (Submitted, Option<String>) {
     let mut q = pending.lock().unwrap_or_else(|e| e.into_inner());
     let index = queue.submit([cb]);
+    q.submissions += 1;
+    let (seq, completed) = (q.submissions, q.completed.clone());
+    queue.on_submitted_work_done(move || {
+        completed.fetch_max(seq, std::sync::atomic::Ordering::Release);
+    });
+    let error = errors();
     for s in sums {
-        s.map();
-        q.push_back(s);
+        match error {
+            Some(_) => s.failed.store(true, std::sync::atomic::Ordering::Release),
+            None => s.map(),
+        }
+        q.entries.push_back(s);
+        q.pushed += 1;
     }
-    index
+    let pushed = q.pushed;
+    (Submitted { index, pushed, seq }, error)
 }
 
 /// One dispatch: address pair index, parameters, source and destination windows.

@@ -19,10 +19,13 @@ impl HostPool<'_> {
     }
 
     /// The recorded checksum of host item `(host_index, layer, comp)` (`host_index` in slots; in
-    /// indexer pages for the DSA indexer); `None` when the pool has none for it.
+    /// indexer pages for the DSA indexer) once the queued transfers are done; `None` when the
+    /// pool has none for it.
     pub fn item_checksum(&self, host_index: u64, layer: u64, comp: u8) -> Result<Option<u64>> {
         let Some(s) = &self.sidecar else { return Ok(None) };
         let slot = self.item_slot(s, host_index, layer, comp)?;
+        // As of every queued transfer (their checksums are settled when they complete).
+        self.device.wait_idle()?;
         Ok(s.expected(slot))
     }
 
@@ -54,13 +57,14 @@ impl HostPool<'_> {
         Ok(out)
     }
 
-    /// The recorded checksums of the items of the page starting at token `index` (component,
-    /// then layer, then slot; `None` where unknown): what a page carries to storage beside
+    /// The recorded checksums of the items of the page starting at token `index` once the
+    /// queued transfers are done (component, then layer, then slot; `None` where unknown): what a page carries to storage beside
     /// [`HostPool::get_data_page`]'s bytes, for [`HostPool::set_from_flat_data_page_checked`].
     /// Empty when the pool keeps no checksums.
     pub fn page_checksums(&self, index: i64) -> Result<Vec<Option<u64>>> {
         let items = self.page_items(index)?;
         let Some(s) = &self.sidecar else { return Ok(Vec::new()) };
+        self.device.wait_idle()?;
         items.into_iter().map(|(u, l, c)| Ok(s.expected(self.item_slot(s, u, l, c)?))).collect()
     }
 

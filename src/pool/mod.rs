@@ -615,11 +615,13 @@ impl<'m> HostPool<'m> {
     pub fn write_buffer(&mut self, comp: usize, data: &[u8]) -> Result<()> {
         let buf = self.buffer(comp)?;
         exact_size("host buffer", self.pair.host().buffer_bytes(), data)?;
-        // The write waits for queued transfers first; forgetting after it, nothing queued
-        // records over it.
         let written = self.device.write(buf, 0, data);
         if let Some(s) = &self.sidecar {
+            // After every queued transfer has settled its checksums (some executors land the
+            // write before those transfers' checksums are recorded): nothing records over this.
+            let waited = self.device.wait_idle();
             s.forget_all();
+            waited?;
         }
         written
     }
