@@ -3,6 +3,8 @@ damaged host item fails its load with ``IntegrityError`` naming it while the res
 carry their checksums between pools, and writes the pool cannot check are forgotten, never
 reported as corruption."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -12,8 +14,22 @@ from hicache_io import Device, DevicePool, HostPool, IntegrityError
 ITEM, PAGE, LAYERS = 64, 4, 3
 
 
-def pools(profile="extended", integrity=None, layout="page_first"):
-    dpool = DevicePool(Device("cpu"), "mha", ITEM, 32, PAGE, LAYERS)
+def executors():
+    out = ["cpu"]
+    try:
+        Device("wgpu")
+        out.append("wgpu")
+    except Exception:  # noqa: BLE001 - no adapter here
+        if os.environ.get("CI"):
+            raise  # CI has lavapipe: wgpu's checksumming gather must run there
+    return out
+
+
+EXECUTORS = executors()
+
+
+def pools(profile="extended", integrity=None, layout="page_first", executor="cpu"):
+    dpool = DevicePool(Device(executor), "mha", ITEM, 32, PAGE, LAYERS)
     kw = {} if integrity is None else {"integrity": integrity}
     hpool = HostPool(dpool, layout, 32, profile=profile, **kw)
     rng = np.random.default_rng(3)
@@ -23,16 +39,18 @@ def pools(profile="extended", integrity=None, layout="page_first"):
     return dpool, hpool
 
 
-def test_defaults_and_opt_out():
-    assert pools()[1].integrity
-    assert not pools(profile="sglang")[1].integrity
-    assert pools(profile="sglang", integrity=True)[1].integrity
-    assert not pools(integrity=False)[1].integrity
-    assert pools(integrity=False)[1].integrity_stats() is None
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_defaults_and_opt_out(executor):
+    assert pools(executor=executor)[1].integrity
+    assert not pools(profile="sglang", executor=executor)[1].integrity
+    assert pools(profile="sglang", integrity=True, executor=executor)[1].integrity
+    assert not pools(integrity=False, executor=executor)[1].integrity
+    assert pools(integrity=False, executor=executor)[1].integrity_stats() is None
 
 
-def test_a_damaged_item_fails_its_load_and_the_rest_lands():
-    dpool, hpool = pools()
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_a_damaged_item_fails_its_load_and_the_rest_lands(executor):
+    dpool, hpool = pools(executor=executor)
     hi = np.arange(8, 16, dtype=np.int64)
     di = np.arange(0, 8, dtype=np.int64)
     hpool.backup_from_device_all_layer(dpool, hi, di)
@@ -53,13 +71,14 @@ def test_a_damaged_item_fails_its_load_and_the_rest_lands():
     assert stats["recorded"] == 8 * LAYERS * 2 and stats["mismatched"] == 1 and stats["verified"] == 15
 
 
-def test_pages_carry_their_checksums():
-    dpool, hpool = pools()
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_pages_carry_their_checksums(executor):
+    dpool, hpool = pools(executor=executor)
     hi = np.arange(0, 8, dtype=np.int64)
     hpool.backup_from_device_all_layer(dpool, hi, hi)
     page, sums = hpool.get_data_page(4), hpool.page_checksums(4)
     assert len(sums) == 2 * LAYERS * PAGE and all(s is not None for s in sums)
-    _, other = pools()
+    _, other = pools(executor=executor)
     other.set_from_flat_data_page_checked(12, page, sums)
     assert other.page_checksums(12) == sums
     bad = np.array(page, copy=True)
@@ -73,8 +92,9 @@ def test_pages_carry_their_checksums():
     assert other.page_checksums(12) == sums
 
 
-def test_unverifiable_writes_are_never_reported_as_corrupt():
-    dpool, hpool = pools(layout="layer_first")
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_unverifiable_writes_are_never_reported_as_corrupt(executor):
+    dpool, hpool = pools(layout="layer_first", executor=executor)
     hi = np.arange(8, 16, dtype=np.int64)
     hpool.backup_from_device_all_layer(dpool, hi, hi)
     hpool.backup_from_device_all_layer(dpool, hi, hi, io_backend="direct")
