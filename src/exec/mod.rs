@@ -76,7 +76,7 @@ impl Completion {
     #[cfg(feature = "cuda")]
     pub fn wait_on_stream(&self, stream: &cudarc::driver::CudaStream) -> Result<()> {
         match &self.kind {
-            // Checksums are verified by copies on the host only (cpu); cuda reports none.
+            // cuda pools keep no checksums yet: nothing to report; other executors wait (and report).
             CompletionKind::Cuda(c) => c.wait_on_stream(stream),
             _ => self.wait(),
         }
