@@ -106,7 +106,9 @@ struct Inner {
     keys: Mutex<std::collections::HashMap<(u64, usize), wgpu::Buffer>>,
     /// Checksum readbacks of submitted steps, in submission order (pushed under this lock
     /// together with the submission).
-    pending: Mutex<PendingQueue>,
+    /// (Shared with the submit thread, which must never hold the executor itself: its last
+    /// reference would then drop the device there.)
+    pending: Arc<Mutex<PendingQueue>>,
     max_window: u64,
     max_buffer: u64,
     /// Largest segment of a pool buffer (at most `max_buffer`).
@@ -695,8 +697,9 @@ impl WgpuExecutor {
             // A poll that leaves the queue non-empty does not say which submissions are done;
             // the completion callbacks the poll ran do.
             Some(s) => (status.is_queue_empty() || completed.load(std::sync::atomic::Ordering::Acquire) >= s.seq, s.pushed),
-            // Too old to be remembered: done once the queue is empty.
-            None => (status.is_queue_empty(), 0),
+            // Too old to be remembered: done once the queue is empty (and, below, every readback
+            // pushed so far settled).
+            None => (status.is_queue_empty(), self.inner.pending.lock().unwrap_or_else(|e| e.into_inner()).pushed),
         };
         if !done {
             return Ok(false);
@@ -713,7 +716,7 @@ impl WgpuExecutor {
         if tx.is_none() {
             let (send, recv) = std::sync::mpsc::channel::<Handed>();
             let queue = self.inner.queue.clone();
-            let me = Arc::downgrade(&self.inner);
+            let pending = self.inner.pending.clone();
             let device = self.inner.device.clone();
             let map_lock = self.inner.map_lock.clone();
             let shared = Arc::downgrade(sub);
@@ -721,20 +724,23 @@ impl WgpuExecutor {
                 .name("hicache-io wgpu submit".into())
                 .spawn(move || {
                     for (ticket, cb, sums) in recv {
-                        // Error scopes are per thread: this one catches what the submission of
-                        // this command buffer reports, and its waiters get it as an error. A panic
-                        // inside wgpu must not leave them hanging either.
-                        let mut scope = Some(device.push_error_scope(wgpu::ErrorFilter::Validation));
-                        let mut pop = || scope.take().and_then(|s| pollster::block_on(s.pop())).map(|e| e.to_string());
+                        // Error scopes are per thread: these catch what the submission of this
+                        // command buffer reports (its readbacks are then marked failed), and its
+                        // waiters get it as an error. A panic inside wgpu must not leave them
+                        // hanging either.
+                        let oom = device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+                        let val = device.push_error_scope(wgpu::ErrorFilter::Validation);
+                        let mut scopes = Some((val, oom));
+                        let mut pop = || {
+                            scopes.take().and_then(|(val, oom)| {
+                                let v = pollster::block_on(val.pop());
+                                let o = pollster::block_on(oom.pop());
+                                v.or(o).map(|e| e.to_string())
+                            })
+                        };
                         let index = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                             let _no_mapping = map_lock.read().unwrap_or_else(|e| e.into_inner());
-                            match me.upgrade() {
-                                Some(inner) => submit_with(&queue, &inner.pending, cb, sums, &mut pop),
-                                None => {
-                                    let index = queue.submit([cb]);
-                                    (Submitted { index, pushed: 0, seq: u64::MAX }, pop())
-                                }
-                            }
+                            submit_with(&queue, &pending, cb, sums, &mut pop)
                         }));
                         // A panic before the scope was popped: pop it now.
                         let late = pop();
