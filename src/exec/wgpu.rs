@@ -163,6 +163,24 @@ struct PendingQueue {
     completed: Arc<std::sync::atomic::AtomicU64>,
 }
 
+/// Out-of-memory and validation error scopes around one submission, popped once (the inner
+/// one first; later pops give `None`).
+struct Scopes(Option<(wgpu::ErrorScopeGuard, wgpu::ErrorScopeGuard)>);
+
+impl Scopes {
+    fn push(device: &wgpu::Device) -> Scopes {
+        let oom = device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+        Scopes(Some((device.push_error_scope(wgpu::ErrorFilter::Validation), oom)))
+    }
+    /// The first error either scope caught.
+    fn pop(&mut self) -> Option<String> {
+        let (val, oom) = self.0.take()?;
+        let v = pollster::block_on(val.pop());
+        let o = pollster::block_on(oom.pop());
+        v.or(o).map(|e| e.to_string())
+    }
+}
+
 /// A submission: wgpu's index, the checksum readbacks pushed up to it, and its number in
 /// [`PendingQueue::submissions`].
 #[derive(Clone)]
@@ -189,9 +207,8 @@ struct PendingSums {
 }
 
 enum Settles {
-    /// A gather's sums: `per_buffer` address pairs per staging buffer, `stride` bytes each, an
-    /// entry of two u32 per index pair.
-    Sums { per_buffer: usize, stride: u64, src_indices: Arc<[i64]>, dst_indices: Arc<[i64]>, items: Vec<(u64, u8)> },
+    /// A gather's sums, an entry of two u32 per index pair and address pair.
+    Sums { layout: SumsLayout, src_indices: Arc<[i64]>, dst_indices: Arc<[i64]>, items: Vec<(u64, u8)> },
     /// Items copied without a checksum: `(host index, device index, host layer, component)`.
     Unknown(Vec<(u64, u64, u64, u8)>),
 }
@@ -234,10 +251,8 @@ impl PendingSums {
                 (ChecksumMode::Verify, Some(_)) => n[2] += 1,
                 (_, None) => {}
             };
-        let (per_buffer, stride, src_indices, dst_indices, items) = match &self.what {
-            Settles::Sums { per_buffer, stride, src_indices, dst_indices, items } => {
-                (*per_buffer, *stride, src_indices, dst_indices, items)
-            }
+        let (layout, src_indices, dst_indices, items) = match &self.what {
+            Settles::Sums { layout, src_indices, dst_indices, items } => (*layout, src_indices, dst_indices, items),
             Settles::Unknown(items) => {
                 for &(host, _, layer, comp) in items {
                     unknown((host, layer, comp), &mut n);
@@ -257,8 +272,8 @@ impl PendingSums {
         };
         for (li, &(layer, comp)) in items.iter().enumerate() {
             let entries = views.as_ref().map(|v| {
-                let at = (li % per_buffer) as u64 * stride;
-                &v[li / per_buffer][at as usize..]
+                let (b, at) = layout.at(li);
+                &v[b][at as usize..]
             });
             for &(i, s, d) in &live {
                 let (host, device) = match self.mode {
@@ -728,16 +743,8 @@ impl WgpuExecutor {
                         // command buffer reports (its readbacks are then marked failed), and its
                         // waiters get it as an error. A panic inside wgpu must not leave them
                         // hanging either.
-                        let oom = device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
-                        let val = device.push_error_scope(wgpu::ErrorFilter::Validation);
-                        let mut scopes = Some((val, oom));
-                        let mut pop = || {
-                            scopes.take().and_then(|(val, oom)| {
-                                let v = pollster::block_on(val.pop());
-                                let o = pollster::block_on(oom.pop());
-                                v.or(o).map(|e| e.to_string())
-                            })
-                        };
+                        let mut scopes = Scopes::push(&device);
+                        let mut pop = || scopes.pop();
                         let index = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                             let _no_mapping = map_lock.read().unwrap_or_else(|e| e.into_inner());
                             submit_with(&queue, &pending, cb, sums, &mut pop)
@@ -810,18 +817,10 @@ impl WgpuExecutor {
             self.inner.submitter.drain();
         }
         let dev = &self.inner.device;
-        let oom = dev.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
-        let val = dev.push_error_scope(wgpu::ErrorFilter::Validation);
-        // Popped once (the inner scope first): after the submission when there is one, so that
-        // its checksum readbacks are marked failed before anyone can settle them.
-        let mut scopes = Some((val, oom));
-        let mut pop = || {
-            scopes.take().and_then(|(val, oom)| {
-                let v = pollster::block_on(val.pop());
-                let o = pollster::block_on(oom.pop());
-                v.or(o).map(|e| e.to_string())
-            })
-        };
+        // Popped after the submission when there is one, so that its checksum readbacks are
+        // marked failed before anyone can settle them.
+        let mut scopes = Scopes::push(dev);
+        let mut pop = || scopes.pop();
         let mut enc = dev.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("hicache-io") });
         let mut sums = Vec::new();
         let built = build(&mut enc, &mut sums);
@@ -893,9 +892,9 @@ impl WgpuExecutor {
                     entry(3, &bufs.get(l.dst.buf).segments[dw.seg], dw.start, dw.len),
                 ];
                 if let Some(s) = &sums {
-                    let at = (li % s.per_buffer) as u64 * s.stride;
+                    let (b, at) = s.layout.at(*li);
                     entries.push(entry(4, &s.keys, 0, s.keys.size()));
-                    entries.push(entry(5, &s.buffers[li / s.per_buffer], at, 8 * pairs.len() as u64));
+                    entries.push(entry(5, &s.buffers[b], at, 8 * pairs.len() as u64));
                 }
                 let layout = if sums.is_some() { &inner.sum_layout } else { &inner.layout };
                 inner.device.create_bind_group(&wgpu::BindGroupDescriptor { label: None, layout, entries: &entries })
@@ -940,6 +939,7 @@ impl WgpuExecutor {
         let make = |label: &'static str, size: u64, usage: wgpu::BufferUsages| {
             inner.device.create_buffer(&wgpu::BufferDescriptor { label: Some(label), size, usage, mapped_at_creation: false })
         };
+        let layout = SumsLayout { per_buffer, stride };
         let (mut buffers, mut staging) = (Vec::new(), Vec::new());
         for first in (0..pairs).step_by(per_buffer) {
             let size = stride * (pairs - first).min(per_buffer) as u64;
@@ -951,15 +951,13 @@ impl WgpuExecutor {
         Ok(SumBuffers {
             keys,
             buffers,
-            per_buffer,
-            stride,
+            layout,
             pending: PendingSums {
                 staging,
                 mapped: Default::default(),
                 failed: Default::default(),
                 what: Settles::Sums {
-                    per_buffer,
-                    stride,
+                    layout,
                     src_indices: g.src_indices.clone(),
                     dst_indices: g.dst_indices.clone(),
                     items: g.items.clone(),
@@ -1099,9 +1097,23 @@ struct Window {
 struct SumBuffers {
     keys: wgpu::Buffer,
     buffers: Vec<wgpu::Buffer>,
+    layout: SumsLayout,
+    pending: PendingSums,
+}
+
+/// Where a gather's sums lie: `per_buffer` address pairs per sums buffer, `stride` bytes each
+/// (a binding offset alignment).
+#[derive(Clone, Copy)]
+struct SumsLayout {
     per_buffer: usize,
     stride: u64,
-    pending: PendingSums,
+}
+
+impl SumsLayout {
+    /// The buffer and byte offset of address pair `li`'s entries.
+    fn at(&self, li: usize) -> (usize, u64) {
+        (li / self.per_buffer, (li % self.per_buffer) as u64 * self.stride)
+    }
 }
 
 /// Submits `cb` and queues its checksum readbacks in submission order (the lock covers both):
