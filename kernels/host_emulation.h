@@ -121,6 +121,12 @@ static inline unsigned int atomicMin(unsigned int* p, unsigned int v) {
     return old;
 }
 
+// CUDA's 64-bit atomicAdd, as atomicMin above.
+static inline void hicache_emu_atomic_add(unsigned long long* p, unsigned long long v) {
+    const unsigned long long old = hicache_emu_load<unsigned long long>((const char*)p);
+    hicache_emu_store<unsigned long long>((char*)p, old + v);
+}
+
 // A kernel's host entry point (transfer.cu's hicache_emu_* thunks): the parameters as
 // cuLaunchKernel takes them, an array of pointers to each argument.
 typedef void (*hicache_emu_kernel)(void** params);

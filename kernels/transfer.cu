@@ -15,6 +15,11 @@
 // 16-byte aligned, else 8 or 4 bytes; non-coherent loads and L2-cached stores
 // (ld.global.nc / st.global.cg). Host memory is pinned and mapped (UVA).
 //
+// Item checksums: hicache_gather_sum_w{16,8,4} copy exactly as the plain kernels do and add each
+// 32-bit word's term key_i * word_i (mod 2^64; i = the word's position in its item, all head
+// chunks in order) into the item's entry of `sums` (zeroed before the launch), one 64-bit atomic
+// add per lane and (layer, component); the host settles the entries once they are copied back.
+//
 // CUDA index lists are checked on the device (hicache_check_indices, three launches on the same
 // stream before the copies): the gathers read the call's status word first and copy nothing
 // unless every check passed, so an invalid list moves no byte without a host round trip.
@@ -159,13 +164,53 @@ __device__ __forceinline__ void st_u32(u32* p, u32 v) {
 #endif
 }
 
+// 64-bit atomic add (the checksum entries several lanes add into).
+__device__ __forceinline__ void atomic_add(u64* p, u64 v) {
+#ifdef HICACHE_HOST_EMULATION
+    hicache_emu_atomic_add(p, v);
+#else
+    atomicAdd((unsigned long long*)p, (unsigned long long)v);
+#endif
+}
+
+// Checksum terms of one copy word: `Σ key_j · word_j` over its 32-bit words (little-endian
+// halves of the 64-bit fields), each an exact 32 × 32 → 64-bit product, mod 2^64.
+__device__ __forceinline__ u64 lo32(u64 x) { return x & 0xffffffffull; }
+__device__ __forceinline__ u64 dot(const V16& k, const V16& v) {
+    return lo32(k.lo) * lo32(v.lo) + (k.lo >> 32) * (v.lo >> 32) + lo32(k.hi) * lo32(v.hi) + (k.hi >> 32) * (v.hi >> 32);
+}
+__device__ __forceinline__ u64 dot(u64 k, u64 v) { return lo32(k) * lo32(v) + (k >> 32) * (v >> 32); }
+__device__ __forceinline__ u64 dot(u32 k, u32 v) { return (u64)k * (u64)v; }
+
 // One item (source index s, destination index d): the words of every (layer, component) and head
 // chunk as one sequence; lane `lane` copies words lane, lane + 32, ... of it. The lane's cursor
 // (launch l, head h, word w of that chunk) advances without division.
-template <typename W>
-__device__ __forceinline__ void copy_item(const Launch* __restrict__ launches, int n_launches, u64 s, u64 d, u64 heads,
-                                          u64 words, u32 lane) {
-    u64 w = lane, h = 0;
+//
+// SUM (the `_sum` kernels): the lane also adds each word's checksum terms (key of 32-bit word
+// (h · chunk words + word) of the item, from `keys`) into its running sum of the current launch,
+// and adds that sum into `sums[l]` (the item's entry for address pair l, zeroed before the
+// launch) when its cursor leaves the launch: a lane's words of one launch are consecutive in its
+// sequence, so each lane adds at most once per launch. Summing after the stores keeps the loads
+// in flight together, as in the plain kernel.
+template <bool SUM>
+struct Cursor {
+    typedef u64 T;
+};
+template <>
+struct Cursor<true> {
+    typedef u32 T;
+};
+
+template <typename W, bool SUM>
+__device__ __forceinline__ void copy_item(const Launch* __restrict__ launches, int n_launches, u64 s, u64 d,
+                                          typename Cursor<SUM>::T heads, typename Cursor<SUM>::T words, u32 lane,
+                                          const u32* __restrict__ keys, u64* sums) {
+    // 32-bit words per copy word.
+    constexpr u64 R = sizeof(W) / 4;
+    // The cursor's head and word: 32-bit in the summing kernels (registers are short there; the
+    // launch description keeps an item's words below 2^32).
+    typedef typename Cursor<SUM>::T C;
+    C w = lane, h = 0;
     int l = 0;
     while (w >= words) {
         w -= words;
@@ -177,10 +222,19 @@ __device__ __forceinline__ void copy_item(const Launch* __restrict__ launches, i
     const char* sp = nullptr;
     char* dp = nullptr;
     int at_l = -1;
-    u64 at_h = 0;
+    C at_h = 0;
+    u64 acc = 0;
+    int acc_l = -1;
     while (l < n_launches) {
         W v[UNROLL];
         W* to[UNROLL];
+        // Summing: copy word u's launch is l0 + an 8-bit step per word (a lane's cursor crosses
+        // at most 32 launches per word), and its position among its launch's words is
+        // q0 + 32·u less the words of the launches stepped over (registers are short in the
+        // 16-byte kernel: no per-word key index is kept).
+        const int l0 = l;
+        const C q0 = h * words + w;
+        u32 dl = 0;
 UNROLLED
         for (int u = 0; u < UNROLL; ++u) {
             to[u] = nullptr;
@@ -193,6 +247,9 @@ UNROLLED
                 }
                 v[u] = ld_nc((const W*)sp + w);
                 to[u] = (W*)dp + w;
+                if (SUM) {
+                    dl |= (u32)(l - l0) << (8 * u);
+                }
                 w += 32;
                 while (w >= words) {
                     w -= words;
@@ -207,15 +264,34 @@ UNROLLED
         for (int u = 0; u < UNROLL; ++u) {
             if (to[u] != nullptr) st_cg(to[u], v[u]);
         }
+        if (SUM) {
+UNROLLED
+            for (int u = 0; u < UNROLL; ++u) {
+                if (to[u] != nullptr) {
+                    const u32 step = (dl >> (8 * u)) & 0xff;
+                    const int lu = l0 + (int)step;
+                    if (lu != acc_l) {
+                        if (acc_l >= 0) atomic_add(sums + acc_l, acc);
+                        acc = 0;
+                        acc_l = lu;
+                    }
+                    const C q = q0 + 32 * (C)u - (C)step * heads * words;
+                    acc += dot(ld_nc((const W*)keys + q), v[u]);
+                }
+            }
+        }
     }
+    if (SUM && acc_l >= 0) atomic_add(sums + acc_l, acc);
 }
 
 // `status`: null, or the call's check word (hicache_check_indices): anything but ~0 means an
-// index failed a check, and nothing is copied.
-template <typename W>
+// index failed a check, and nothing is copied. `keys` / `sums`: the `_sum` kernels' key table
+// (u32 per 32-bit word of an item) and their sums, `n_launches` u64 entries per index pair.
+template <typename W, bool SUM>
 __device__ __forceinline__ void gather_impl(const Launch* __restrict__ launches, int n_launches, const i64* __restrict__ src_idx,
                                             const i64* __restrict__ dst_idx, i64 n_items, u64 heads, u64 chunk_bytes,
-                                            i64 items_per_warp, const u64* __restrict__ status) {
+                                            i64 items_per_warp, const u64* __restrict__ status, const u32* __restrict__ keys,
+                                            u64* __restrict__ sums) {
     if (status != nullptr && ld_u64(status) != ~0ull) return;
     const u64 words = chunk_bytes / sizeof(W);
     if (words == 0 || heads == 0 || n_launches <= 0) return;
@@ -228,7 +304,8 @@ __device__ __forceinline__ void gather_impl(const Launch* __restrict__ launches,
         const i64 s = src_idx[item];
         const i64 d = dst_idx[item];
         if (s < 0 || d < 0) continue;
-        copy_item<W>(launches, n_launches, (u64)s, (u64)d, heads, words, lane);
+        copy_item<W, SUM>(launches, n_launches, (u64)s, (u64)d, (typename Cursor<SUM>::T)heads, (typename Cursor<SUM>::T)words, lane, keys,
+                          SUM ? sums + (u64)item * (u64)n_launches : nullptr);
     }
 }
 
@@ -240,21 +317,43 @@ extern "C" __global__ void __launch_bounds__(1024) hicache_gather_w16(const Laun
                                                                       const i64* __restrict__ src_idx, const i64* __restrict__ dst_idx,
                                                                       i64 n_items, u64 heads, u64 chunk_bytes, i64 items_per_warp,
                                                                       const u64* __restrict__ status) {
-    gather_impl<V16>(launches, n_launches, src_idx, dst_idx, n_items, heads, chunk_bytes, items_per_warp, status);
+    gather_impl<V16, false>(launches, n_launches, src_idx, dst_idx, n_items, heads, chunk_bytes, items_per_warp, status, nullptr, nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(1024) hicache_gather_w8(const Launch* __restrict__ launches, int n_launches,
                                                                       const i64* __restrict__ src_idx, const i64* __restrict__ dst_idx,
                                                                       i64 n_items, u64 heads, u64 chunk_bytes, i64 items_per_warp,
                                                                       const u64* __restrict__ status) {
-    gather_impl<u64>(launches, n_launches, src_idx, dst_idx, n_items, heads, chunk_bytes, items_per_warp, status);
+    gather_impl<u64, false>(launches, n_launches, src_idx, dst_idx, n_items, heads, chunk_bytes, items_per_warp, status, nullptr, nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(1024) hicache_gather_w4(const Launch* __restrict__ launches, int n_launches,
                                                                       const i64* __restrict__ src_idx, const i64* __restrict__ dst_idx,
                                                                       i64 n_items, u64 heads, u64 chunk_bytes, i64 items_per_warp,
                                                                       const u64* __restrict__ status) {
-    gather_impl<u32>(launches, n_launches, src_idx, dst_idx, n_items, heads, chunk_bytes, items_per_warp, status);
+    gather_impl<u32, false>(launches, n_launches, src_idx, dst_idx, n_items, heads, chunk_bytes, items_per_warp, status, nullptr, nullptr);
+}
+
+// The checksumming gathers: the plain kernels' arguments, then the key table and the sums.
+extern "C" __global__ void __launch_bounds__(1024)
+    hicache_gather_sum_w16(const Launch* __restrict__ launches, int n_launches, const i64* __restrict__ src_idx,
+                          const i64* __restrict__ dst_idx, i64 n_items, u64 heads, u64 chunk_bytes, i64 items_per_warp,
+                          const u64* __restrict__ status, const u32* __restrict__ keys, u64* __restrict__ sums) {
+    gather_impl<V16, true>(launches, n_launches, src_idx, dst_idx, n_items, heads, chunk_bytes, items_per_warp, status, keys, sums);
+}
+
+extern "C" __global__ void __launch_bounds__(1024)
+    hicache_gather_sum_w8(const Launch* __restrict__ launches, int n_launches, const i64* __restrict__ src_idx,
+                          const i64* __restrict__ dst_idx, i64 n_items, u64 heads, u64 chunk_bytes, i64 items_per_warp,
+                          const u64* __restrict__ status, const u32* __restrict__ keys, u64* __restrict__ sums) {
+    gather_impl<u64, true>(launches, n_launches, src_idx, dst_idx, n_items, heads, chunk_bytes, items_per_warp, status, keys, sums);
+}
+
+extern "C" __global__ void __launch_bounds__(1024)
+    hicache_gather_sum_w4(const Launch* __restrict__ launches, int n_launches, const i64* __restrict__ src_idx,
+                          const i64* __restrict__ dst_idx, i64 n_items, u64 heads, u64 chunk_bytes, i64 items_per_warp,
+                          const u64* __restrict__ status, const u32* __restrict__ keys, u64* __restrict__ sums) {
+    gather_impl<u32, true>(launches, n_launches, src_idx, dst_idx, n_items, heads, chunk_bytes, items_per_warp, status, keys, sums);
 }
 
 // Checks of a call whose index lists are in device memory, in the planner's order: host indices
@@ -319,6 +418,14 @@ extern "C" __global__ void __launch_bounds__(1024)
 GATHER_THUNK(hicache_emu_gather_w16, hicache_gather_w16)
 GATHER_THUNK(hicache_emu_gather_w8, hicache_gather_w8)
 GATHER_THUNK(hicache_emu_gather_w4, hicache_gather_w4)
+#define GATHER_SUM_THUNK(name, kernel)                                                                                       \
+    extern "C" __attribute__((visibility("default"))) void name(void** params) {                                            \
+        kernel(P(0, const Launch*), P(1, int), P(2, const i64*), P(3, const i64*), P(4, i64), P(5, u64), P(6, u64), P(7, i64), \
+               P(8, const u64*), P(9, const u32*), P(10, u64*));                                                            \
+    }
+GATHER_SUM_THUNK(hicache_emu_gather_sum_w16, hicache_gather_sum_w16)
+GATHER_SUM_THUNK(hicache_emu_gather_sum_w8, hicache_gather_sum_w8)
+GATHER_SUM_THUNK(hicache_emu_gather_sum_w4, hicache_gather_sum_w4)
 extern "C" __attribute__((visibility("default"))) void hicache_emu_check_indices(void** params) {
     hicache_check_indices(P(0, const i64*), P(1, const i64*), P(2, i64), P(3, u64), P(4, u64), P(5, int), P(6, u32*), P(7, u64*),
                           P(8, int));

@@ -70,6 +70,9 @@ struct Emulator {
     w16: Kernel,
     w8: Kernel,
     w4: Kernel,
+    sum_w16: Kernel,
+    sum_w8: Kernel,
+    sum_w4: Kernel,
     check: Kernel,
     // Keeps the functions above loaded (the emulator lives in a static: never unloaded).
     _lib: libloading::Library,
@@ -120,8 +123,11 @@ fn build_emulator() -> Option<Emulator> {
         let w16 = *lib.get::<Kernel>(b"hicache_emu_gather_w16\0").expect("hicache_emu_gather_w16");
         let w8 = *lib.get::<Kernel>(b"hicache_emu_gather_w8\0").expect("hicache_emu_gather_w8");
         let w4 = *lib.get::<Kernel>(b"hicache_emu_gather_w4\0").expect("hicache_emu_gather_w4");
+        let sum_w16 = *lib.get::<Kernel>(b"hicache_emu_gather_sum_w16\0").expect("hicache_emu_gather_sum_w16");
+        let sum_w8 = *lib.get::<Kernel>(b"hicache_emu_gather_sum_w8\0").expect("hicache_emu_gather_sum_w8");
+        let sum_w4 = *lib.get::<Kernel>(b"hicache_emu_gather_sum_w4\0").expect("hicache_emu_gather_sum_w4");
         let check = *lib.get::<Kernel>(b"hicache_emu_check_indices\0").expect("hicache_emu_check_indices");
-        Some(Emulator { launch, w16, w8, w4, check, _lib: lib })
+        Some(Emulator { launch, w16, w8, w4, sum_w16, sum_w8, sum_w4, check, _lib: lib })
     }
 }
 
@@ -189,10 +195,23 @@ struct Ran {
     bytes: u64,
 }
 
+/// How a case launches: the plain kernels, or the checksumming ones (`Sum`, with a key table
+/// shifted by `key_shift` words to show that a wrong one is caught).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Plain,
+    Sum { key_shift: usize },
+}
+
 /// Plans `case` on cpu pools, runs every gather step of the plan on the emulated kernel with
 /// the executor's launch description (`tamper` may edit it, to show that mistakes are caught)
-/// and compares with the oracle.
+/// and compares with the oracle; in `Mode::Sum` also every item's checksum with the crate's own
+/// (`integrity::item_part` of the source bytes).
 fn run_case(emu: &Emulator, case: &Case, tuning: LaunchTuning, tamper: impl Fn(&mut GatherLaunch)) -> Result<Ran, String> {
+    run_case_in(emu, case, tuning, tamper, Mode::Plain)
+}
+
+fn run_case_in(emu: &Emulator, case: &Case, tuning: LaunchTuning, tamper: impl Fn(&mut GatherLaunch), mode: Mode) -> Result<Ran, String> {
     let device = Device::cpu();
     let dev = DevicePool::new(&device, &case.device).map_err(|e| format!("device pool: {e}"))?;
     let host = HostPool::new(&dev, &case.host).map_err(|e| format!("host pool: {e}"))?;
@@ -240,14 +259,35 @@ fn run_case(emu: &Emulator, case: &Case, tuning: LaunchTuning, tamper: impl Fn(&
                 ranges.push(Range { start, len, flags, host: start });
             }
         }
-        // The nine kernel arguments, built by the executor's own code (no device check: status 0).
-        let mut args = launch.args(launch.table.as_ptr() as u64, g.src_indices().as_ptr() as u64, g.dst_indices().as_ptr() as u64, 0);
-        let mut params = args.params();
-        let kernel = match launch.word {
-            16 => emu.w16,
-            8 => emu.w8,
-            4 => emu.w4,
-            w => return Err(format!("step {k}: word {w}")),
+        // The nine kernel arguments, built by the executor's own code (no device check: status 0);
+        // the summing kernels' eleven, with a key table and zeroed sums.
+        let (table, si, di) = (launch.table.as_ptr() as u64, g.src_indices().as_ptr() as u64, g.dst_indices().as_ptr() as u64);
+        let mut args = launch.args(table, si, di, 0);
+        let (mut keys, mut sums, mut sum_args) = (None, None, None);
+        if let Mode::Sum { key_shift } = mode {
+            let words = launch.item_words() as usize + key_shift;
+            let table_k = hicache_io::integrity::Keys::new(hicache_io::integrity::STORAGE_SEED, words).map_err(|e| e.to_string())?;
+            let entries = launch.sum_entries().map_err(|e| format!("step {k}: {e}"))? as usize;
+            let k_buf: &mut Aligned = keys.insert(Aligned::new(bytemuck::cast_slice(&table_k.table()[key_shift..])));
+            let ka = k_buf.addr();
+            ranges.push(Range { start: ka, len: k_buf.len as u64, flags: READ, host: ka });
+            let s_buf: &mut Aligned = sums.insert(Aligned::new(&vec![0u8; entries * 8]));
+            let sa = s_buf.addr();
+            ranges.push(Range { start: sa, len: s_buf.len as u64, flags: READ | WRITE, host: sa });
+            sum_args = Some(launch.sum_args(table, si, di, 0, ka, sa));
+        }
+        let mut params: Vec<*mut c_void> = match sum_args.as_mut() {
+            Some(a) => a.params().to_vec(),
+            None => args.params().to_vec(),
+        };
+        let kernel = match (launch.word, mode) {
+            (16, Mode::Plain) => emu.w16,
+            (8, Mode::Plain) => emu.w8,
+            (4, Mode::Plain) => emu.w4,
+            (16, Mode::Sum { .. }) => emu.sum_w16,
+            (8, Mode::Sum { .. }) => emu.sum_w8,
+            (4, Mode::Sum { .. }) => emu.sum_w4,
+            (w, _) => return Err(format!("step {k}: word {w}")),
         };
         let mut report = Report::default();
         // SAFETY: `params` points at live arguments of the kernel's types; the table and the
@@ -278,6 +318,37 @@ fn run_case(emu: &Emulator, case: &Case, tuning: LaunchTuning, tamper: impl Fn(&
                 "outside the step's buffers"
             };
             return Err(format!("step {k}: {} bad accesses; the first: {size}-byte {access} at {} ({why})", report.faults, where_is(addr)));
+        }
+        if let (Some(sums), Mode::Sum { .. }) = (&sums, mode) {
+            // Every live pair's item of every address pair: the crate's checksum of its source
+            // bytes (the kernel loaded them; a step never writes its own sources).
+            let got: &[u64] = bytemuck::cast_slice(sums.bytes());
+            let keys = hicache_io::integrity::Keys::new(hicache_io::integrity::STORAGE_SEED, launch.item_words() as usize)
+                .map_err(|e| e.to_string())?;
+            let bytes_of = |b: BufRef| match b {
+                BufRef::Host { comp } => host_bufs[comp as usize].bytes(),
+                BufRef::Device { comp, slot } => dev_bufs[comp as usize][slot as usize].bytes(),
+            };
+            let n_pairs = g.pairs().len();
+            for (i, (&si, &di)) in g.src_indices().iter().zip(g.dst_indices()).enumerate().take(launch.n_items as usize) {
+                for (l, p) in g.pairs().iter().enumerate() {
+                    let entry = got[i * n_pairs + l];
+                    let want = if si < 0 || di < 0 {
+                        0
+                    } else {
+                        let src = bytes_of(p.src().buf());
+                        (0..g.heads()).fold(0u64, |sum, h| {
+                            let off = p.src().offset(si as u64, h) as usize;
+                            sum.wrapping_add(hicache_io::integrity::item_part(&src[off..off + g.chunk_bytes() as usize], h, &keys))
+                        })
+                    };
+                    if entry != want {
+                        return Err(format!(
+                            "step {k}: the sum of index pair {i}, address pair {l} is {entry:#x}, the item's checksum {want:#x}"
+                        ));
+                    }
+                }
+            }
         }
         ran.launches += 1;
         match launch.word {
@@ -311,7 +382,16 @@ fn run_case(emu: &Emulator, case: &Case, tuning: LaunchTuning, tamper: impl Fn(&
     }
     // Equal bytes could still hide a duplicated or a missing-but-unchanged copy: every byte the
     // plan moves is loaded and stored exactly once.
-    if loaded != plan.bytes() || stored != plan.bytes() {
+    // The summing kernels also load one key word per word, and load and store each atomic add.
+    let atomics = match mode {
+        Mode::Plain => 0,
+        Mode::Sum { .. } => stored.saturating_sub(plan.bytes()),
+    };
+    if atomics % 8 != 0 {
+        return Err(format!("{atomics} bytes of sums stored: not whole 8-byte entries"));
+    }
+    let keys_loaded = if mode == Mode::Plain { 0 } else { plan.bytes() };
+    if loaded != plan.bytes() + keys_loaded + atomics || stored != plan.bytes() + atomics {
         return Err(format!("the plan moves {} bytes; the kernel loaded {loaded} and stored {stored}", plan.bytes()));
     }
     ran.bytes = stored;
@@ -328,6 +408,10 @@ fn first_diff(a: &[u8], b: &[u8]) -> Option<usize> {
 /// `seeds` random cases of every supported `kernel` cell of `profile` under `tuning`; panics
 /// with the failures, else returns what ran.
 fn sweep(emu: &Emulator, profile: Profile, tuning: LaunchTuning, seed: u64, seeds: u64) -> Ran {
+    sweep_in(emu, profile, tuning, seed, seeds, Mode::Plain)
+}
+
+fn sweep_in(emu: &Emulator, profile: Profile, tuning: LaunchTuning, seed: u64, seeds: u64, mode: Mode) -> Ran {
     let cells: Vec<_> = supported_cells(profile).into_iter().filter(|c| c.io == IoBackend::Kernel).collect();
     assert!(!cells.is_empty(), "{profile}: no supported kernel cell");
     let mut rng = Rng::new(seed);
@@ -337,7 +421,7 @@ fn sweep(emu: &Emulator, profile: Profile, tuning: LaunchTuning, seed: u64, seed
         let mut moved = 0;
         for _ in 0..seeds {
             let case = random_case(cell, profile, &mut rng);
-            match run_case(emu, &case, tuning, |_| {}) {
+            match run_case_in(emu, &case, tuning, |_| {}, mode) {
                 Ok(r) => {
                     moved += r.bytes;
                     total.cases += 1;
@@ -393,6 +477,41 @@ fn strided_grids_match_the_oracle() {
             sweep(emu, profile, tuning, 100 + i as u64, 8);
         }
     }
+}
+
+/// The checksumming kernels copy exactly what the plain ones copy, and every item's sum is the
+/// crate's checksum of it: every kernel cell of both profiles (every word size), sglang's grid
+/// and strided ones.
+#[test]
+fn summing_kernels_match_the_oracle_and_the_checksums() {
+    let Some(emu) = emulator() else { return };
+    let ran = sweep_in(emu, Profile::Extended, SGLANG_GRID, 3, 30, Mode::Sum { key_shift: 0 });
+    assert!(ran.w16 > 0 && ran.w8 > 0 && ran.w4 > 0, "{ran:?}");
+    sweep_in(emu, Profile::Sglang, SGLANG_GRID, 4, 20, Mode::Sum { key_shift: 0 });
+    for (i, (block_quota, num_warps_per_block)) in [(1, 1), (3, 7), (16, 2)].into_iter().enumerate() {
+        let tuning = LaunchTuning { block_quota, num_warps_per_block };
+        sweep_in(emu, Profile::Extended, tuning, 200 + i as u64, 6, Mode::Sum { key_shift: 0 });
+    }
+    eprintln!("summing kernels: {ran:?}");
+}
+
+/// The harness's sum check can fail: keys one word off give other sums.
+#[test]
+fn a_wrong_key_table_is_caught() {
+    let Some(emu) = emulator() else { return };
+    let mut rng = Rng::new(9);
+    let mut caught = 0;
+    for cell in supported_cells(Profile::Extended).into_iter().filter(|c| c.io == IoBackend::Kernel) {
+        let case = random_case(cell, Profile::Extended, &mut rng);
+        let ok = run_case_in(emu, &case, SGLANG_GRID, |_| {}, Mode::Sum { key_shift: 0 }).expect("the right keys match");
+        if ok.bytes == 0 {
+            continue;
+        }
+        let err = run_case_in(emu, &case, SGLANG_GRID, |_| {}, Mode::Sum { key_shift: 1 }).expect_err("keys one word off went unnoticed");
+        assert!(err.contains("the item's checksum"), "{err}");
+        caught += 1;
+    }
+    assert!(caught >= 4, "only {caught} cells moved bytes");
 }
 
 /// A named edit of a launch description.

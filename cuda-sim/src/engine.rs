@@ -121,7 +121,7 @@ pub enum OpKind {
         kernel: crate::emu::Kernel,
         grid: u32,
         block: u32,
-        args: [u64; 9],
+        args: [u64; crate::emu::MAX_ARGS],
     },
     HostFn {
         f: HostFn,
@@ -781,7 +781,7 @@ impl State {
         }
     }
 
-    fn kernel(&mut self, sid: usize, op: &Op, kernel: crate::emu::Kernel, grid: u32, block: u32, args: &[u64; 9]) {
+    fn kernel(&mut self, sid: usize, op: &Op, kernel: crate::emu::Kernel, grid: u32, block: u32, args: &[u64; crate::emu::MAX_ARGS]) {
         let dev = self.streams[sid].dev;
         if kernel == crate::emu::Kernel::CheckIndices {
             return self.check_kernel(sid, op, grid, block, args);
@@ -842,6 +842,12 @@ impl State {
             acc.push((args[0], n_launches.max(0) as u64 * 96, false));
             acc.push((args[2], n_items.max(0) as u64 * 8, false));
             acc.push((args[3], n_items.max(0) as u64 * 8, false));
+            if kernel.sums() {
+                // The key table (one u32 per 32-bit word of an item) and the sums it adds into.
+                let item_words = heads.saturating_mul(chunk / 4);
+                acc.push((args[9], item_words.saturating_mul(4), false));
+                acc.push((args[10], (n_items.max(0) as u64).saturating_mul(n_launches.max(0) as u64).saturating_mul(8), true));
+            }
             for (s, d) in src.iter().zip(&dst) {
                 if *s < 0 || *d < 0 {
                     continue;
@@ -868,7 +874,7 @@ impl State {
 
     /// `hicache_check_indices`: reads both index lists, and writes the claim words of the
     /// destination side's bound and the status words.
-    fn check_kernel(&mut self, sid: usize, op: &Op, grid: u32, block: u32, args: &[u64; 9]) {
+    fn check_kernel(&mut self, sid: usize, op: &Op, grid: u32, block: u32, args: &[u64; crate::emu::MAX_ARGS]) {
         let dev = self.streams[sid].dev;
         let n = (args[2] as i64).max(0) as u64;
         let bound = if args[5] as i32 != 0 { args[3] } else { args[4] };
@@ -886,7 +892,7 @@ impl State {
 
     /// Runs a kernel in the host emulation over every allocation; a bad access is the GPU's
     /// sticky error.
-    fn emulate(&mut self, sid: usize, op: &Op, kernel: crate::emu::Kernel, grid: u32, block: u32, args: &[u64; 9]) {
+    fn emulate(&mut self, sid: usize, op: &Op, kernel: crate::emu::Kernel, grid: u32, block: u32, args: &[u64; crate::emu::MAX_ARGS]) {
         let dev = self.streams[sid].dev;
         let ranges: Vec<crate::emu::Range> = self
             .allocs

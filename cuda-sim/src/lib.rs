@@ -1296,7 +1296,7 @@ pub unsafe extern "C" fn cuModuleGetFunction(f: *mut u64, m: u64, name: *const c
     })
 }
 
-const KERNELS: [Kernel; 4] = [Kernel::GatherW16, Kernel::GatherW8, Kernel::GatherW4, Kernel::CheckIndices];
+const KERNELS: [Kernel; 7] = Kernel::ALL;
 
 fn function(g: &State, f: u64) -> Result<Kernel, u32> {
     let (m, k) = (f & !0xF, f & 0xF);
@@ -1354,9 +1354,9 @@ pub unsafe extern "C" fn cuLaunchKernel(
         if params.is_null() {
             return CUDA_ERROR_INVALID_VALUE;
         }
-        // The kernels' nine arguments, copied now as the driver does (`int`s sign-extended).
-        let mut args = [0u64; 9];
-        for (i, a) in args.iter_mut().enumerate() {
+        // The kernel's arguments, copied now as the driver does (`int`s sign-extended).
+        let mut args = [0u64; emu::MAX_ARGS];
+        for (i, a) in args.iter_mut().enumerate().take(kernel.arg_count()) {
             let p = *params.add(i);
             if p.is_null() {
                 return CUDA_ERROR_INVALID_VALUE;

@@ -140,6 +140,30 @@ impl KernelArgs {
     }
 }
 
+/// The checksumming gathers' (`hicache_gather_sum_w{16,8,4}`) eleven arguments: the plain
+/// kernels' nine, then the key table and the sums.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SumKernelArgs {
+    /// The plain kernels' arguments.
+    pub args: KernelArgs,
+    /// Address of the key table: one `u32` key per 32-bit word of an item, at least
+    /// [`GatherLaunch::item_words`] of them, 16-byte aligned.
+    pub keys: u64,
+    /// Address of the sums, [`GatherLaunch::sum_entries`] `u64`s (index pair major, then address
+    /// pair), zeroed before the launch: entry `i · n_launches + l` ends as the checksum of index
+    /// pair `i`'s item of address pair `l` (skipped pairs stay zero).
+    pub sums: u64,
+}
+
+impl SumKernelArgs {
+    /// Pointers to each argument, as `cuLaunchKernel` takes them (valid while `self` is).
+    pub fn params(&mut self) -> [*mut std::ffi::c_void; 11] {
+        use std::ffi::c_void;
+        let [a0, a1, a2, a3, a4, a5, a6, a7, a8] = self.args.params();
+        [a0, a1, a2, a3, a4, a5, a6, a7, a8, &mut self.keys as *mut _ as *mut c_void, &mut self.sums as *mut _ as *mut c_void]
+    }
+}
+
 /// `hicache_check_indices`'s nine arguments, in its order, for one phase (0, 1 or 2) of the
 /// checks of `check`: the index lists, their length, both bounds, which side is the
 /// destination, the claim words and the call's status slot.
@@ -213,6 +237,34 @@ impl GatherLaunch {
             items_per_warp: self.items_per_warp,
             status,
         }
+    }
+}
+
+impl GatherLaunch {
+    /// 32-bit words of one item (all its head chunks): the key table's length.
+    pub fn item_words(&self) -> u64 {
+        self.heads.saturating_mul(self.chunk_bytes / 4)
+    }
+    /// The sums a checksumming launch writes (index pairs × address pairs), checked: the
+    /// summing kernels keep an item's word positions in 32 bits.
+    pub fn sum_entries(&self) -> Result<u64> {
+        let too_big = |what: &str, v: u64, limit: u64| TransferError::OutOfMemory {
+            what: format!("cuda checksums: {what}"),
+            requested: v,
+            limit: format!("at most {limit}"),
+        };
+        if self.item_words() > u32::MAX as u64 / 2 {
+            return Err(too_big("32-bit words per item", self.item_words(), u32::MAX as u64 / 2));
+        }
+        (self.n_items.max(0) as u64)
+            .checked_mul(self.table.len() as u64)
+            .filter(|n| n.checked_mul(8).is_some_and(|b| b <= isize::MAX as u64))
+            .ok_or_else(|| too_big("sum entries", u64::MAX, isize::MAX as u64 / 8))
+    }
+    /// The summing kernels' arguments: [`GatherLaunch::args`] and the key table and sums at
+    /// these addresses.
+    pub fn sum_args(&self, table: u64, src_idx: u64, dst_idx: u64, status: u64, keys: u64, sums: u64) -> SumKernelArgs {
+        SumKernelArgs { args: self.args(table, src_idx, dst_idx, status), keys, sums }
     }
 }
 
