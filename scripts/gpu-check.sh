@@ -5,7 +5,8 @@
 #   3. the CUDA engine example (borrowed engine memory, completion handles, layer overlap),
 #   4. the CUDA tests (when cargo is present) with HICACHE_REQUIRE_CUDA=1, the engine-stream
 #      ordering tests among them,
-#   5. hostile input on cuda (fuzz, 2,000 cases),
+#   5. hostile input on cuda (fuzz, 2,000 cases, with corruption injection) and the cost of
+#      item checksums (the summing kernel against the plain one),
 #   6. wgpu on the real GPU when its Vulkan driver is present (check, fuzz with corruption
 #      injection, and the cost of item checksums),
 #   7. a short bench: kernel vs direct (batched and per-run copies), H2D loads and D2H backups,
@@ -44,7 +45,8 @@ if command -v cargo >/dev/null; then
     step "cuda tests" cargo test --release --quiet --test cuda --test borrowed --test sglang_ports --test faults --test cuda_engine_stream --test pipeline \
         --test cuda_device_indices
 fi
-step "fuzz: cuda" "$bin" fuzz --backend cuda --cases 2000 --seed 3
+step "fuzz: cuda, with 2000 corruption injections" "$bin" fuzz --backend cuda --cases 2000 --seed 3
+step "bench: cuda item checksums on against off (the summing kernel against the plain one)" "$bin" bench --checksums --backend cuda --budget-ms 200
 if "$bin" info | grep -q "^wgpu: available"; then
     step "check: wgpu on this GPU" "$bin" check --backend wgpu --rounds 4 --seed 4
     step "fuzz: wgpu on this GPU, with 2000 corruption injections" "$bin" fuzz --backend wgpu --cases 2000 --seed 5

@@ -96,8 +96,7 @@ pub fn checksum_note(profile: Profile) -> String {
     };
     format!(
         "Item checksums are {default}. They are recorded by backups and verified by loads inside the copy: on the cpu \
-         executor in `kernel` and `direct` copies, on wgpu in `kernel` copies (its `direct` copies leave the items \
-         they write unknown and read them unverified). The cuda executor does not compute them yet: its host pools \
-         keep none."
+         executor in `kernel` and `direct` copies, on wgpu and cuda in `kernel` copies (their `direct` copies leave \
+         the items they write unknown and read them unverified)."
     )
 }

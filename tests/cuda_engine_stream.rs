@@ -145,3 +145,36 @@ fn the_engine_stream_waits_for_a_layer_on_the_device() {
     assert!(seen.iter().all(|b| *b == 9), "the engine read layer 2 before its load landed");
     unsafe { result::free_host(out as *mut c_void) }.unwrap();
 }
+
+/// Checksums keep the engine's pipeline: the engine's stream waits for a checksumming layer load
+/// on the device (no host wait), and the layer's completion then names the item whose bytes went
+/// bad in host memory; the other layers are sound, and every item landed.
+#[test]
+fn a_damaged_item_is_reported_by_its_layer_after_a_device_side_wait() {
+    let Some((engine, exec)) = setup() else { return };
+    let device = Device::Cuda(exec.clone());
+    let (mut dev, mut host) = pools(&device);
+    assert!(host.integrity_enabled());
+    let layers = layer_ptrs(&dev);
+    let idx: Vec<i64> = (0..SLOTS as i64).collect();
+    engine_writes(&engine, &layers, 9);
+    host.backup_from_device_all_layer(&dev, &idx, &idx, IoBackend::Kernel).unwrap();
+    let off = host.geometry().addr(0, 1).offset(7, 0) + 3;
+    host.inject_host_corruption(0, off, &[0x77]).unwrap();
+    let loads = host.load_layers(&mut dev, &idx, &idx, IoBackend::Kernel).unwrap();
+    loads.wait_layer_on_stream(1, &engine).unwrap();
+    engine.synchronize().unwrap();
+    match loads.wait_layer(1) {
+        Err(hicache_io::TransferError::Integrity { host_index: 7, layer: 1, items, .. }) => assert_eq!(items.len(), 1),
+        other => panic!("layer 1: {other:?}"),
+    }
+    loads.wait_layer(0).unwrap();
+    loads.wait_layer(2).unwrap();
+    drop(loads);
+    let stats = host.integrity_stats().unwrap();
+    assert_eq!((stats.verified, stats.mismatched), (3 * SLOTS as u64 - 1, 1));
+    let mut d = dev.read_buffer(0, 1).unwrap();
+    assert_eq!(d[7 * ITEM + 3], 0x77, "the damaged item landed as it was read");
+    d[7 * ITEM + 3] = 9;
+    assert!(d.iter().all(|b| *b == 9));
+}

@@ -51,6 +51,12 @@ fn expected(dev: &DevicePool, comp: usize, slot: usize, index: u64) -> u64 {
     integrity::checksum(&bytes[index as usize * item..][..item], &keys)
 }
 
+/// A plain call's result once its work is done: cpu and wgpu report a load's mismatches from
+/// the call itself; cuda's calls return once enqueued, and the next synchronize reports them.
+fn landed(device: &Device, r: Result<(), TransferError>) -> Result<(), TransferError> {
+    r.and_then(|_| device.synchronize())
+}
+
 fn tokens(units: &[u64], p: u64, dsa: bool) -> Vec<i64> {
     if dsa {
         units.iter().flat_map(|u| (u * p..(u + 1) * p).map(|t| t as i64)).collect()
@@ -117,7 +123,7 @@ fn a_corrupted_byte_fails_the_load_naming_the_item_and_the_rest_lands() {
         let before = host.read_buffer(1).unwrap()[off as usize];
         host.inject_host_corruption(1, off, &[before ^ 0x10]).unwrap();
         let back: Vec<i64> = (0..8).collect();
-        let err = host.load_to_device_per_layer(&mut dev, &hi, &back, 2, IoBackend::Kernel).unwrap_err();
+        let err = landed(&device, host.load_to_device_per_layer(&mut dev, &hi, &back, 2, IoBackend::Kernel)).unwrap_err();
         match &err {
             TransferError::Integrity { layer, host_index, device_index, items, .. } => {
                 assert_eq!((*layer, *host_index, *device_index), (2, 11, 3));
@@ -136,7 +142,7 @@ fn a_corrupted_byte_fails_the_load_naming_the_item_and_the_rest_lands() {
             assert_eq!(&d[k * item..][..item], &h[o..o + item]);
         }
         // K of the same layer had no fault.
-        host.load_to_device_per_layer(&mut dev, &hi[..3], &back[..3], 2, IoBackend::Kernel).unwrap();
+        landed(&device, host.load_to_device_per_layer(&mut dev, &hi[..3], &back[..3], 2, IoBackend::Kernel)).unwrap();
     }
 }
 
@@ -151,7 +157,7 @@ fn corrupted_checksums_swapped_and_replayed_pages_are_detected() {
         let back: Vec<i64> = (0..8).collect();
         // A table entry.
         assert!(host.inject_checksum_corruption(9, 0, 0, 1 << 40).unwrap());
-        let err = host.load_to_device_per_layer(&mut dev, &hi, &back, 0, IoBackend::Kernel).unwrap_err();
+        let err = landed(&device, host.load_to_device_per_layer(&mut dev, &hi, &back, 0, IoBackend::Kernel)).unwrap_err();
         assert!(matches!(err, TransferError::Integrity { host_index: 9, layer: 0, .. }), "{name}: {err:?}");
         host.backup_from_device_all_layer(&dev, &hi, &di, IoBackend::Kernel).unwrap();
         // Two pages swapped (pages 2 and 3: tokens 8..12 and 12..16).
@@ -164,7 +170,7 @@ fn corrupted_checksums_swapped_and_replayed_pages_are_detected() {
                 at += len as usize;
             }
         }
-        let err = host.load_to_device_per_layer(&mut dev, &hi, &back, 1, IoBackend::Kernel).unwrap_err();
+        let err = landed(&device, host.load_to_device_per_layer(&mut dev, &hi, &back, 1, IoBackend::Kernel)).unwrap_err();
         let TransferError::Integrity { items, .. } = &err else { panic!("{name}: {err:?}") };
         assert_eq!(items.len(), 16, "8 tokens × K and V");
         // An older page replayed over a newer backup.
@@ -179,7 +185,7 @@ fn corrupted_checksums_swapped_and_replayed_pages_are_detected() {
             host.inject_host_corruption(c, off, &old[at..at + len as usize]).unwrap();
             at += len as usize;
         }
-        let err = host.load_draft_to_device(&mut dev, &hi, &back, 3, IoBackend::Kernel).unwrap_err();
+        let err = landed(&device, host.load_draft_to_device(&mut dev, &hi, &back, 3, IoBackend::Kernel)).unwrap_err();
         assert!(matches!(err, TransferError::Integrity { host_index: 8, layer: 3, .. }), "{name}: {err:?}");
     }
 }
@@ -214,7 +220,7 @@ fn direct_copies_record_and_verify_where_they_can() {
         }
         let off = host.geometry().addr(0, 1).offset(21, 0) + 60;
         host.inject_host_corruption(0, off, &[0x5a]).unwrap();
-        let err = host.load_to_device_per_layer(&mut dev, &hi, &back, 1, IoBackend::Direct).unwrap_err();
+        let err = landed(&device, host.load_to_device_per_layer(&mut dev, &hi, &back, 1, IoBackend::Direct)).unwrap_err();
         assert!(matches!(err, TransferError::Integrity { host_index: 21, device_index: 9, layer: 1, .. }), "{name}: {err:?}");
         host.load_to_device_per_layer(&mut dev, &hi, &back, 0, IoBackend::Direct).unwrap();
     }
@@ -269,7 +275,7 @@ fn sglang_profile_is_off_unless_asked_and_extended_can_opt_out() {
         let hi: Vec<i64> = (8..16).collect();
         host.backup_from_device_all_layer(&dev, &hi, &hi, IoBackend::Kernel).unwrap();
         host.inject_host_corruption(0, 0, &[1]).unwrap();
-        host.load_to_device_per_layer(&mut dev, &hi, &hi, 0, IoBackend::Kernel).unwrap();
+        landed(&device, host.load_to_device_per_layer(&mut dev, &hi, &hi, 0, IoBackend::Kernel)).unwrap();
     }
 }
 
@@ -421,7 +427,7 @@ fn loads_report_mismatches_while_another_thread_polls_the_executor() {
         host.inject_host_corruption(0, off, &[0x42 ^ host.read_buffer(0).unwrap()[off as usize]]).unwrap();
         let mut missed = 0;
         for _ in 0..300 {
-            match host.load_to_device_per_layer(&mut dev, &hi, &hi, 0, IoBackend::Kernel) {
+            match landed(&device, host.load_to_device_per_layer(&mut dev, &hi, &hi, 0, IoBackend::Kernel)) {
                 Err(TransferError::Integrity { host_index: 9, .. }) => {}
                 Ok(()) => missed += 1,
                 Err(e) => panic!("{name}: {e}"),
@@ -430,5 +436,39 @@ fn loads_report_mismatches_while_another_thread_polls_the_executor() {
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
         poller.join().unwrap();
         assert_eq!(missed, 0, "{name}: {missed} of 300 loads did not report the damaged item");
+    }
+}
+
+/// Checksums settle in issue order across the two streams of a pipeline: each round backs items
+/// up (pipeline backups run on the side stream) and loads them back at once (the main stream,
+/// ordered after the backup on the device where they share host slots), with nobody waiting in
+/// between. Each load must verify against the backup just before it, never an older one, on
+/// every executor (the simulated CUDA driver delays every stream op at random).
+#[test]
+fn settling_follows_issue_order_across_the_pipelines_streams() {
+    for device in common::devices() {
+        let name = device.name();
+        let (mut dev, mut host) = pools(&device, PoolKind::Mha, Layout::PageFirst, 1, None, Profile::Extended);
+        let hi: Vec<i64> = (0..8).collect();
+        let di: Vec<i64> = (16..24).collect();
+        let back: Vec<i64> = (24..32).collect();
+        let before = host.integrity_stats().unwrap();
+        let mut rng = Rng::new(11);
+        for round in 0..12 {
+            // New bytes in the device slots the backup reads (a synchronous write).
+            for c in 0..2 {
+                let mut data = dev.read_buffer(c, 0).unwrap();
+                rng.fill(&mut data[16 * 64..24 * 64]);
+                dev.write_buffer(c, 0, &data).unwrap();
+            }
+            let mut pipe = host.pipeline(&mut dev).unwrap();
+            let b = pipe.backup(&hi, &di, IoBackend::Kernel).unwrap();
+            let l = pipe.load(&hi, &back, 0, IoBackend::Kernel).unwrap();
+            pipe.wait(l).unwrap_or_else(|e| panic!("{name} round {round}: {e}"));
+            pipe.wait(b).unwrap();
+            pipe.finish().unwrap();
+        }
+        let after = host.integrity_stats().unwrap();
+        assert_eq!((after.verified - before.verified, after.unverified - before.unverified, after.mismatched), (12 * 16, 0, 0), "{name}");
     }
 }

@@ -1274,11 +1274,14 @@ impl PyHostPool {
         let data = data_arg(data, "data")?;
         self.inner.inject_host_corruption(comp, offset, &data).py()
     }
-    /// Waits for every transfer queued on the pool's executor (another call's failed CUDA index
-    /// check stays pending for that call's own report).
+    /// Waits for every transfer queued on the pool's executor, then raises `IntegrityError` for
+    /// the items of plain loads that failed their checksums since the last report (cuda: its
+    /// plain calls return once enqueued, before their checksums arrive; other executors raise
+    /// from the call). Another call's failed CUDA index check stays pending for that call's own
+    /// report.
     fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
         let dev = self.inner.device().clone();
-        py.detach(|| dev.wait_idle()).py()
+        py.detach(|| dev.wait_idle().and_then(|_| dev.integrity_reports())).py()
     }
 }
 

@@ -22,6 +22,11 @@ def executors():
     except Exception:  # noqa: BLE001 - no adapter here
         if os.environ.get("CI"):
             raise  # CI has lavapipe: wgpu's checksumming gather must run there
+    try:
+        Device("cuda")  # a GPU, or the simulated driver (scripts/cuda-sim.sh)
+        out.append("cuda")
+    except Exception:  # noqa: BLE001 - no CUDA here
+        pass
     return out
 
 
@@ -61,6 +66,8 @@ def test_a_damaged_item_fails_its_load_and_the_rest_lands(executor):
     back = np.arange(16, 24, dtype=np.int64)
     with pytest.raises(IntegrityError, match="host item 10 of layer 1") as e:
         hpool.load_to_device_per_layer(dpool, hi, back, 1)
+        # cuda's plain calls return once enqueued: the next synchronize raises.
+        hpool.synchronize()
     assert isinstance(e.value, RuntimeError)
     assert [(layer, comp, h, d) for layer, comp, h, d, _, _ in e.value.items] == [(1, 1, 10, 18)]
     # Every item landed, the damaged one as read.

@@ -61,6 +61,11 @@ def executors():
     except Exception:  # noqa: BLE001 - no adapter here
         if os.environ.get("CI"):
             raise  # CI has lavapipe: the wgpu (staged) path must run there
+    try:
+        hicache_io.Device("cuda")  # a GPU, or the simulated driver (scripts/cuda-sim.sh)
+        out.append("cuda")
+    except Exception:  # noqa: BLE001 - no CUDA here
+        pass
     return out
 
 
@@ -142,8 +147,8 @@ def test_round_trip_through_the_store(store, executor, pool):
         # Pages under hicache-io's own names were verified against their trailers, then their
         # items' checksums recorded, so the loads verified every item; sglang-named objects carry
         # no trailer, so their pages load as unverified. Nothing is ever reported corrupt.
-        # wgpu's direct copies (buffer-to-buffer) compute no checksums: its direct loads read
-        # every item unverified.
+        # wgpu's and cuda's direct copies (buffer-to-buffer, DMA) compute no checksums: their
+        # direct loads read every item unverified.
         verifying = own_names and (executor == "cpu" or io_for(layout) == "kernel")
         stats = host.integrity_stats()
         assert stats["mismatched"] == 0 and (stats["verified"] > 0) == verifying and (stats["unverified"] > 0) != verifying, stats

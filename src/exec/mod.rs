@@ -72,11 +72,13 @@ impl Completion {
     /// Makes a CUDA stream (an engine's compute stream) wait for the transfers on the device,
     /// without blocking the host: what sglang's per-layer load events give the forward pass. On
     /// cuda the stream must belong to the executor's context; the transfers of other executors
-    /// do not run on CUDA streams, so there this blocks until they are done.
+    /// do not run on CUDA streams, so there this blocks until they are done (and reports their
+    /// integrity error). On cuda a checksumming load's verdict is not known on the host yet:
+    /// [`Completion::wait`] or [`Completion::is_done`] gives it once the transfers are done.
     #[cfg(feature = "cuda")]
     pub fn wait_on_stream(&self, stream: &cudarc::driver::CudaStream) -> Result<()> {
         match &self.kind {
-            // cuda pools keep no checksums yet: nothing to report; other executors wait (and report).
+            // No host wait: the checksums settle when the host next looks (wait, is_done).
             CompletionKind::Cuda(c) => c.wait_on_stream(stream),
             _ => self.wait(),
         }
@@ -441,9 +443,21 @@ impl Device {
         caps
     }
     /// Waits for every submitted transfer (on cuda, then reports an earlier call's failed
-    /// device index check, as `CudaExecutor::synchronize` does).
+    /// device index check, or else the mismatches of plain checksumming loads, as
+    /// `CudaExecutor::synchronize` does).
     pub fn synchronize(&self) -> Result<()> {
         each_backend!(self, e => e.synchronize())
+    }
+    /// The items of plain (synchronous) checksumming loads that failed their checksums and have
+    /// not been reported, as one [`TransferError::Integrity`]; does not wait. Only cuda has
+    /// any: its plain calls return once enqueued, before their checksums arrive (other
+    /// executors report them from the call). [`Device::synchronize`] reports them too.
+    pub fn integrity_reports(&self) -> Result<()> {
+        match self {
+            #[cfg(feature = "cuda")]
+            Device::Cuda(e) => e.integrity_reports(),
+            _ => Ok(()),
+        }
     }
     /// Waits for every submitted transfer and nothing more: a failed device index check of an
     /// earlier call stays pending for the code that issued it.

@@ -15,7 +15,12 @@ impl HostPool<'_> {
 
     /// Counters of the pool's checksums since it was made; `None` without checksums.
     pub fn integrity_stats(&self) -> Option<IntegrityStats> {
-        self.sidecar.as_ref().map(|s| s.stats())
+        let s = self.sidecar.as_ref()?;
+        // As of every queued transfer (executors that settle checksums when transfers complete).
+        if let Err(e) = self.device.wait_idle() {
+            log::error!("integrity_stats: waiting for queued transfers: {e}");
+        }
+        Some(s.stats())
     }
 
     /// The recorded checksum of host item `(host_index, layer, comp)` (`host_index` in slots; in
@@ -177,6 +182,8 @@ impl HostPool<'_> {
     pub fn inject_checksum_corruption(&mut self, host_index: u64, layer: u64, comp: u8, xor: u64) -> Result<bool> {
         let Some(s) = &self.sidecar else { return Ok(false) };
         let slot = self.item_slot(s, host_index, layer, comp)?;
+        // The checksum as the queued transfers leave it.
+        self.device.wait_idle()?;
         Ok(s.corrupt(slot, xor))
     }
 }

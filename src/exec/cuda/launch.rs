@@ -29,10 +29,55 @@ thread_local! {
     static SHARED: Cell<u32> = const { Cell::new(0) };
 }
 
+/// Index of a copy word's kernel in the executor's function tables: 16, 8, 4 bytes.
+fn word_index(word: u32) -> usize {
+    match word {
+        16 => 0,
+        8 => 1,
+        _ => 2,
+    }
+}
+
 impl CudaExecutor {
+    /// `direct` runs of a checksummed pool's step whose copies cannot sum: copied, then their
+    /// items queued to settle as unknown in stream order (under the stream's scratch lock, as
+    /// the summing gathers' entries).
+    pub(super) fn copies_unsummed(
+        &self,
+        runs: &[crate::plan::Run],
+        bufs: &Bindings<'_, CudaBuffer>,
+        on: Stream,
+        mode: crate::plan::ChecksumMode,
+        binding: &crate::exec::IntegrityBinding,
+        orphan: bool,
+    ) -> Result<()> {
+        let side = if on == Stream::Side { Some(self.side_stream()?) } else { None };
+        let (stream, scratch) = match &side {
+            Some(s) => (s.stream.cu_stream(), &s.scratch),
+            None => (self.cu_stream(), &self.inner.scratch),
+        };
+        let _order = scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let copied = self.copies(runs, bufs, on);
+        // Even after a failed copy: some runs may have been enqueued, and their items must not
+        // keep checksums of other bytes.
+        // SAFETY: the context is bound (execute_step); the runs were enqueued on `stream`.
+        let queued = unsafe { self.inner.sums.push_unknown(stream, runs, mode, binding, orphan) };
+        copied.and(queued)
+    }
+
     /// Step `k` of `plan`, a gather. A plan with CUDA index lists runs its checks before its
     /// first step and queues their report after its last; its gathers test the checks' status.
-    pub(super) fn gather(&self, plan: &Plan, k: usize, g: &GatherStep, bufs: &Bindings<'_, CudaBuffer>, on: Stream) -> Result<()> {
+    /// A checksumming step launches the summing kernel and queues its sums for settling
+    /// (`orphan`: a plain call's, whose mismatches the next `synchronize` reports).
+    pub(super) fn gather(
+        &self,
+        plan: &Plan,
+        k: usize,
+        g: &GatherStep,
+        bufs: &Bindings<'_, CudaBuffer>,
+        on: Stream,
+        orphan: bool,
+    ) -> Result<()> {
         let side = if on == Stream::Side { Some(self.side_stream()?) } else { None };
         let (stream, scratch) = match &side {
             Some(s) => (s.stream.cu_stream(), &s.scratch),
@@ -71,20 +116,50 @@ impl CudaExecutor {
             (None, Some(_)) => return Err(drv_msg("a gather with CUDA index lists but no device check")),
             (_, None) => 0,
         };
+        let summing = match (g.checksum(), &bufs.integrity) {
+            (Some(mode), Some(b)) => Some((mode, b, launch.sum_entries()? as usize)),
+            _ => None,
+        };
         let args = scratch.upload(stream, g, &launch)?;
         let [table, src_idx, dst_idx] = args;
-        let mut kernel_args = launch.args(table, src_idx, dst_idx, status);
-        let mut params = kernel_args.params();
         // A word aligned for 16 bytes is aligned for 8 and 4: a cap only narrows it.
-        let f = match launch.word.min(self.inner.max_word) {
-            16 => self.inner.f_w16,
-            8 => self.inner.f_w8,
-            _ => self.inner.f_w4,
-        };
-        // SAFETY: the arguments match the kernel's signature; the tables live in the scratch
-        // area, which later uploads overwrite only in stream order (after this kernel).
-        unsafe { result::launch_kernel(f, (launch.blocks, 1, 1), (launch.threads_per_block, 1, 1), 0, stream, &mut params) }
-            .map_err(|e| drv("cuLaunchKernel", e))?;
+        let word = launch.word.min(self.inner.max_word);
+        let grid = ((launch.blocks, 1, 1), (launch.threads_per_block, 1, 1));
+        match summing {
+            None => {
+                let mut kernel_args = launch.args(table, src_idx, dst_idx, status);
+                let mut params = kernel_args.params();
+                let f = self.inner.f_gather[word_index(word)];
+                // SAFETY: the arguments match the kernel's signature; the tables live in the
+                // scratch area, which later uploads overwrite only in stream order (after this
+                // kernel).
+                unsafe { result::launch_kernel(f, grid.0, grid.1, 0, stream, &mut params) }.map_err(|e| drv("cuLaunchKernel", e))?;
+            }
+            Some((mode, binding, entries)) => {
+                let sums = &self.inner.sums;
+                // SAFETY: the context is bound; the key table is uploaded in stream order.
+                let keys = unsafe { scratch.keys(stream, binding.sidecar.keys(), launch.item_words() as usize)? };
+                // SAFETY: as above.
+                let buf = unsafe { sums.buffer(entries * 8)? };
+                // SAFETY: the buffer's device half holds at least `entries · 8` bytes.
+                if let Err(e) = unsafe { result::memset_d8_async(buf.dev, 0, entries * 8, stream) } {
+                    sums.unused(buf);
+                    return Err(drv("cuMemsetD8Async (checksums)", e));
+                }
+                let mut kernel_args = launch.sum_args(table, src_idx, dst_idx, status, keys, buf.dev);
+                let mut params = kernel_args.params();
+                let f = self.inner.f_gather_sum[word_index(word)];
+                // SAFETY: as above; the key table covers an item's words and lives until the
+                // scratch is freed; the sums hold `entries` words.
+                if let Err(e) = unsafe { result::launch_kernel(f, grid.0, grid.1, 0, stream, &mut params) } {
+                    sums.retire(buf);
+                    return Err(drv("cuLaunchKernel (summing gather)", e));
+                }
+                // Queued under the scratch lock: this stream's entries stay in device order.
+                // SAFETY: the kernel was enqueued on `stream` just above.
+                unsafe { sums.push_sums(stream, buf, entries, g, mode, binding, orphan)? };
+            }
+        }
         drop(scratch);
         if plan.device_check().is_some() && k + 1 == plan.steps().len() && SHARED.get() == 0 {
             self.report_active()?;

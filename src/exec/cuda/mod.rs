@@ -18,6 +18,15 @@
 //!   busy: issuing never waits for the device), into a device scratch area reused across steps
 //!   and calls (the steps of a layer-sharded backup share their index lists and upload only
 //!   their table).
+//! - Item checksums (host pools that keep them): a checksumming gather step runs the summing
+//!   kernel (`hicache_gather_sum_w*`: the same copy, each lane adding its words' checksum terms
+//!   into the item's entry with a 64-bit atomic add), its sums copied into pinned memory after
+//!   it; the host records or verifies them once the event after that copy has completed, at
+//!   the next wait, poll, synchronize or issue (module `sums`). No host function sits in the
+//!   streams and nothing on the issue path waits. A plain call returns once enqueued, so its
+//!   mismatches are reported by the next [`CudaExecutor::synchronize`]
+//!   ([`CudaExecutor::integrity_reports`]); an asynchronous one's by its completion. `direct`
+//!   copies cannot sum: their items settle as unknown, in the same order.
 //! - `direct` uses `cuMemcpyBatchAsync` (resolved by ABI version 12.8, in calls of at most 4096
 //!   copies; not on the default streams, which it rejects), else one `cuMemcpyAsync` per run.
 //!
@@ -27,7 +36,8 @@
 //!
 //! The code: `driver` (probing, errors, kernel images), `buffer` (memory), `streams` (engine and
 //! side streams, completions), `staging` (tables uploaded without blocking), `launch` (gather
-//! kernels), `copies` (`direct`), and here the executor itself.
+//! kernels), `copies` (`direct`), `sums` (checksums settled in issue order), and here the
+//! executor itself.
 
 mod buffer;
 mod checks;
@@ -36,6 +46,7 @@ mod driver;
 mod launch;
 mod staging;
 mod streams;
+mod sums;
 
 use std::ffi::{c_void, CString};
 use std::sync::{Arc, Mutex};
@@ -84,9 +95,10 @@ struct Inner {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     module: sys::CUmodule,
-    f_w16: sys::CUfunction,
-    f_w8: sys::CUfunction,
-    f_w4: sys::CUfunction,
+    /// `hicache_gather_w16`, `_w8`, `_w4`.
+    f_gather: [sys::CUfunction; 3],
+    /// `hicache_gather_sum_w16`, `_w8`, `_w4`: the same copies, checksumming each item.
+    f_gather_sum: [sys::CUfunction; 3],
     f_check: sys::CUfunction,
     name: String,
     cc: (i32, i32),
@@ -103,6 +115,8 @@ struct Inner {
     engine: Mutex<Option<EngineStream>>,
     /// Reports of device-checked calls not yet looked at.
     reports: Mutex<checks::Reports>,
+    /// Checksums of summing gathers (and items of `direct` steps) not yet settled.
+    sums: Arc<sums::SumsQueue>,
     /// Threads per block every gather function allows (their register use decides it).
     max_threads: u32,
     /// The widest copy word used (`HICACHE_CUDA_MAX_WORD=8` or `4` caps it, to compare the
@@ -150,6 +164,7 @@ impl Drop for Inner {
             log::error!("cuda: dropped with an unreported failed index check: {e}");
         }
         reports.free();
+        self.sums.free();
         // SAFETY: the module was loaded by us and no launch is pending.
         let _ = unsafe { result::module::unload(self.module) };
     }
@@ -237,7 +252,7 @@ impl CudaExecutor {
                 return Err(TransferError::Executor { backend: "cuda", message: format!("cuMemcpyDtoHAsync: {rc:?}") });
             }
         }
-        self.synchronize()?;
+        self.sync_checked()?;
         Ok(out)
     }
 
@@ -284,11 +299,13 @@ impl CudaExecutor {
             // SAFETY: module loaded above.
             unsafe { result::module::get_function(module, c) }.map_err(|e| drv(&format!("function {n}"), e))
         };
-        let (f_w16, f_w8, f_w4) = (get("hicache_gather_w16")?, get("hicache_gather_w8")?, get("hicache_gather_w4")?);
+        let f_gather = [get("hicache_gather_w16")?, get("hicache_gather_w8")?, get("hicache_gather_w4")?];
+        let f_gather_sum = [get("hicache_gather_sum_w16")?, get("hicache_gather_sum_w8")?, get("hicache_gather_sum_w4")?];
         let f_check = get("hicache_check_indices")?;
         let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK;
         // SAFETY: the functions were just resolved from the loaded module.
-        let max_threads = unsafe { [f_w16, f_w8, f_w4].map(|f| result::function::get_function_attribute(f, attr)) };
+        let max_threads: Vec<_> =
+            [f_gather, f_gather_sum].concat().into_iter().map(|f| unsafe { result::function::get_function_attribute(f, attr) }).collect();
         let max_threads = max_threads
             .iter()
             .map(|r| r.map(|v| v.max(32) as u32))
@@ -304,9 +321,8 @@ impl CudaExecutor {
                 ctx,
                 stream,
                 module,
-                f_w16,
-                f_w8,
-                f_w4,
+                f_gather,
+                f_gather_sum,
                 f_check,
                 name,
                 cc,
@@ -318,6 +334,7 @@ impl CudaExecutor {
                 side: Mutex::new(None),
                 engine: Mutex::new(engine),
                 reports: Mutex::new(checks::Reports::default()),
+                sums: Arc::default(),
                 max_threads,
                 max_word: std::env::var("HICACHE_CUDA_MAX_WORD")
                     .ok()
@@ -334,7 +351,27 @@ impl CudaExecutor {
     /// ([`TransferError::DeviceIndexCheck`]; nothing of that call was copied).
     pub fn synchronize(&self) -> Result<()> {
         Executor::synchronize(self)?;
+        self.index_check_reports(true)?;
+        self.integrity_reports()
+    }
+
+    /// Waits for the streams, then reports a failed device index check of an earlier call (what
+    /// pool reads and writes did before checksums): an earlier load's mismatch is left for
+    /// [`CudaExecutor::synchronize`] and [`CudaExecutor::integrity_reports`].
+    fn sync_checked(&self) -> Result<()> {
+        Executor::synchronize(self)?;
         self.index_check_reports(true)
+    }
+
+    /// The items of plain (synchronous) checksumming loads whose bytes did not match their
+    /// checksums, settled since the last report ([`TransferError::Integrity`]; the other items
+    /// landed): those calls return once enqueued, before their checksums arrive. Does not wait;
+    /// each mismatch is reported once. Asynchronous transfers report on their completion.
+    pub fn integrity_reports(&self) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the context is bound.
+        unsafe { self.inner.sums.settle(false) };
+        self.inner.sums.take_unreported().map_or(Ok(()), Err)
     }
 
     /// The first call whose CUDA index lists failed their device checks, among the reports that
@@ -408,7 +445,7 @@ impl CudaExecutor {
             let _ = unsafe { result::event::destroy(event) };
             return Err(drv("cuEventRecord", e));
         }
-        Ok(Completion { event, ctx: self.inner.ctx.clone() })
+        Ok(Completion { event, ctx: self.inner.ctx.clone(), sums: self.inner.sums.clone() })
     }
 
     /// Whether `direct` uses `cuMemcpyBatchAsync` (not on the default streams, which it rejects).
@@ -476,7 +513,15 @@ impl Executor for CudaExecutor {
     }
     fn capabilities(&self) -> Capabilities {
         let host = super::cpu::host_memory_bytes();
-        Capabilities { name: "cuda", max_host_pool_bytes: host, device_index_lists: true, ..Capabilities::UNLIMITED }
+        Capabilities {
+            name: "cuda",
+            max_host_pool_bytes: host,
+            device_index_lists: true,
+            // The summing gathers; DMA copies cannot sum (their items settle as unknown).
+            checksums: true,
+            direct_checksums: false,
+            ..Capabilities::UNLIMITED
+        }
     }
     fn alloc(&self, bytes: u64) -> Result<CudaBuffer> {
         self.bind()?;
@@ -553,7 +598,7 @@ impl Executor for CudaExecutor {
         Ok(())
     }
     fn write(&self, buf: &CudaBuffer, offset: u64, data: &[u8]) -> Result<()> {
-        self.synchronize()?;
+        self.sync_checked()?;
         if buf.is_host() {
             // SAFETY: span checked by `Device::write`; no transfer in flight after the sync.
             unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), buf.host_ptr.add(offset as usize), data.len()) };
@@ -563,11 +608,11 @@ impl Executor for CudaExecutor {
             // return before its DMA lands and is not ordered against our stream.
             // SAFETY: span checked; `data` outlives the synchronize below.
             unsafe { result::memcpy_htod_async(buf.dev_ptr + offset, data, self.cu_stream()) }.map_err(|e| drv("cuMemcpyHtoDAsync", e))?;
-            self.synchronize()
+            self.sync_checked()
         }
     }
     fn read(&self, buf: &CudaBuffer, offset: u64, out: &mut [u8]) -> Result<()> {
-        self.synchronize()?;
+        self.sync_checked()?;
         if buf.is_host() {
             // SAFETY: span checked; transfers finished.
             unsafe { std::ptr::copy_nonoverlapping(buf.host_ptr.add(offset as usize), out.as_mut_ptr(), out.len()) };
@@ -575,7 +620,7 @@ impl Executor for CudaExecutor {
         } else {
             // SAFETY: span checked; `out` outlives the synchronize below.
             unsafe { result::memcpy_dtoh_async(out, buf.dev_ptr + offset, self.cu_stream()) }.map_err(|e| drv("cuMemcpyDtoHAsync", e))?;
-            self.synchronize()
+            self.sync_checked()
         }
     }
     fn time_one_copy(&self, bytes: u64, budget: std::time::Duration) -> Result<f64> {
@@ -588,12 +633,16 @@ impl Executor for CudaExecutor {
             if rc != sys::CUresult::CUDA_SUCCESS {
                 return Err(TransferError::Executor { backend: "cuda", message: format!("cuMemcpyAsync: {rc:?}") });
             }
-            self.synchronize()
+            self.sync_checked()
         })
     }
     fn synchronize(&self) -> Result<()> {
         self.bind()?;
-        self.inner.sync_all().map_err(|e| drv("cuStreamSynchronize", e))
+        let synced = self.inner.sync_all().map_err(|e| drv("cuStreamSynchronize", e));
+        // Every queued checksum has arrived (or its stream failed: settled as unknown).
+        // SAFETY: the context is bound.
+        unsafe { self.inner.sums.settle(true) };
+        synced
     }
     fn completion(&self, stream: Stream) -> Result<super::Completion> {
         self.record_on(stream).map(super::Completion::cuda)
@@ -621,14 +670,21 @@ impl Executor for CudaExecutor {
         // SAFETY: a live stream of the bound context. Anything but "done" counts as busy.
         unsafe { sys::cuStreamQuery(raw) != sys::CUresult::CUDA_SUCCESS }
     }
-    fn execute_step(&self, plan: &Plan, k: usize, bufs: &Bindings<'_, CudaBuffer>, _enqueue: bool, stream: Stream) -> Result<()> {
+    fn execute_step(&self, plan: &Plan, k: usize, bufs: &Bindings<'_, CudaBuffer>, enqueue: bool, stream: Stream) -> Result<()> {
         self.bind()?;
+        // Sums that have arrived free their buffers (a look at each event, no wait).
+        // SAFETY: the context is bound.
+        unsafe { self.inner.sums.settle(false) };
         if k == 0 && plan.direction() == crate::plan::Direction::DeviceToHost {
             self.order_after_engine(stream)?;
         }
-        match plan.steps()[k].kind() {
-            StepKind::Gather(g) => self.gather(plan, k, g, bufs, stream),
-            StepKind::Copy(runs) => self.copies(runs, bufs, stream),
+        let step = &plan.steps()[k];
+        // A plain call returns once enqueued: its mismatches go to the next synchronize.
+        let orphan = !enqueue;
+        match (step.kind(), step.unsummed(), &bufs.integrity) {
+            (StepKind::Gather(g), _, _) => self.gather(plan, k, g, bufs, stream, orphan),
+            (StepKind::Copy(runs), Some(mode), Some(b)) => self.copies_unsummed(runs, bufs, stream, mode, b, orphan),
+            (StepKind::Copy(runs), _, _) => self.copies(runs, bufs, stream),
         }
     }
 }

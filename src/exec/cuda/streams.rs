@@ -49,16 +49,22 @@ pub(super) struct SideStream {
 pub struct Completion {
     pub(super) event: sys::CUevent,
     pub(super) ctx: Arc<CudaContext>,
+    /// The executor's checksums to settle once the recorded work is done.
+    pub(super) sums: Arc<super::sums::SumsQueue>,
 }
 
 unsafe impl Send for Completion {}
 
 impl Completion {
-    /// Blocks until the recorded work is done.
+    /// Blocks until the recorded work is done (and its checksums are settled).
     pub fn wait(&self) -> Result<()> {
         self.ctx.bind_to_thread().map_err(|e| drv("bind", e))?;
         // SAFETY: event created and recorded by us.
-        unsafe { result::event::synchronize(self.event) }.map_err(|e| drv("cuEventSynchronize", e))
+        let r = unsafe { result::event::synchronize(self.event) }.map_err(|e| drv("cuEventSynchronize", e));
+        // The recorded work's sums arrived before the event completed.
+        // SAFETY: the context is bound.
+        unsafe { self.sums.settle(false) };
+        r
     }
     /// Makes `stream` wait for the recorded work on the device, without blocking the host (what
     /// an engine's compute stream does before it reads a layer being loaded).
@@ -89,7 +95,11 @@ impl Completion {
         self.ctx.bind_to_thread().map_err(|e| drv("bind", e))?;
         // SAFETY: as above.
         match unsafe { result::event::query(self.event) } {
-            Ok(()) => Ok(true),
+            Ok(()) => {
+                // SAFETY: the context is bound.
+                unsafe { self.sums.settle(false) };
+                Ok(true)
+            }
             Err(DriverError(sys::CUresult::CUDA_ERROR_NOT_READY)) => Ok(false),
             Err(e) => Err(drv("cuEventQuery", e)),
         }

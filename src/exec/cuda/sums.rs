@@ -1,0 +1,326 @@
+//! Item checksums on cuda: the summing gathers write one sum per (index pair, address pair) into
+//! device memory, a copy brings them into pinned memory, and the host settles them — records a
+//! backup's, verifies a load's against the host pool's table — once the event after that copy
+//! has completed, at the next call that looks (any wait, poll or synchronize of this executor,
+//! and every issue of a transfer). Nothing on the issue path waits for the device, and no host
+//! function sits in the streams (it would stall the engine's layer pipeline behind the host).
+//!
+//! Settling follows issue order. Entries are queued under the lock that orders their stream's
+//! work (the stream's scratch), so one stream's entries are in device order; work on the other
+//! stream that depends on them was ordered after them on the device (an event wait issued later,
+//! so queued later). Completion is read newest first, then settled oldest first: a newer entry
+//! seen complete implies every entry it depends on is seen complete too, and a backup's record
+//! always lands before a dependent load's verification.
+//!
+//! `direct` copies (DMA) cannot sum: their items settle as unknown in the same order (a backup
+//! forgets their checksums, a load counts them unverified). A stream that failed settles its
+//! entries as unknown too, never as zeroed sums.
+
+use std::collections::VecDeque;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::result;
+use cudarc::driver::sys;
+use cudarc::driver::DriverError;
+
+use super::driver::drv;
+use crate::error::{Result, TransferError};
+use crate::exec::IntegrityBinding;
+use crate::integrity::{ItemMismatch, MismatchSink};
+use crate::plan::{ChecksumMode, Run};
+
+/// One step's sums: device memory the kernel adds into and the pinned memory they are copied to.
+pub(super) struct SumsBuf {
+    pub(super) dev: sys::CUdeviceptr,
+    host: *mut u64,
+    /// Bytes of each.
+    cap: usize,
+}
+
+/// What an entry settles.
+enum What {
+    /// A summing gather: entry `i · pairs + l` of the sums is index pair `i`'s item of address
+    /// pair `l`, whose host item is `items[l]`.
+    Sums { buf: SumsBuf, src: Arc<[i64]>, dst: Arc<[i64]>, items: Vec<(u64, u8)> },
+    /// `direct` runs, copied without a checksum.
+    Unknown(Vec<Run>),
+}
+
+struct Entry {
+    event: sys::CUevent,
+    what: What,
+    mode: ChecksumMode,
+    binding: IntegrityBinding,
+    /// A plain (synchronous) call's entry: it returned before its sums arrived, so its
+    /// mismatches are reported by the executor's next `synchronize`.
+    orphan: bool,
+}
+
+#[derive(Default)]
+struct State {
+    pending: VecDeque<Entry>,
+    free: Vec<SumsBuf>,
+    /// Buffers of entries that could not be queued (work that may still use them was enqueued):
+    /// freed only when the executor drops.
+    retired: Vec<SumsBuf>,
+    /// Mismatches of plain calls, for the next `synchronize`.
+    unreported: Vec<ItemMismatch>,
+}
+
+/// The executor's queue of sums to settle.
+#[derive(Default)]
+pub(crate) struct SumsQueue {
+    state: Mutex<State>,
+}
+
+// SAFETY: device and pinned host pointers and events, used only under the mutex with the
+// context bound.
+unsafe impl Send for SumsQueue {}
+unsafe impl Sync for SumsQueue {}
+
+fn oom(what: &str, bytes: usize, e: DriverError) -> TransferError {
+    TransferError::OutOfMemory { what: what.into(), requested: bytes as u64, limit: format!("{e:?}") }
+}
+
+impl SumsQueue {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A sums buffer of at least `bytes` bytes: one whose entry has settled, or a new one.
+    ///
+    /// # Safety
+    /// The context is bound.
+    pub(super) unsafe fn buffer(&self, bytes: usize) -> Result<SumsBuf> {
+        let bytes = bytes.max(8);
+        {
+            let mut st = self.lock();
+            if let Some(i) = st.free.iter().position(|b| b.cap >= bytes) {
+                return Ok(st.free.swap_remove(i));
+            }
+        }
+        let cap = bytes.checked_next_power_of_two().unwrap_or(bytes).max(4096);
+        // SAFETY: plain allocations with the context bound; freed by `free` (or on failure here).
+        unsafe {
+            let dev = result::malloc_sync(cap).map_err(|e| oom("cuda checksum sums", cap, e))?;
+            match result::malloc_host(cap, 0) {
+                Ok(host) => Ok(SumsBuf { dev, host: host as *mut u64, cap }),
+                Err(e) => {
+                    let _ = result::free_sync(dev);
+                    Err(oom("cuda checksum sums (pinned)", cap, e))
+                }
+            }
+        }
+    }
+
+    /// Gives back a buffer whose work was never enqueued.
+    pub(super) fn unused(&self, buf: SumsBuf) {
+        self.lock().free.push(buf);
+    }
+
+    /// Keeps a buffer that enqueued work may still use until the executor drops.
+    pub(super) fn retire(&self, buf: SumsBuf) {
+        self.lock().retired.push(buf);
+    }
+
+    /// After the summing gather on `stream` that adds into `buf` (`entries` sums): copies them
+    /// into the pinned half and queues their settling. The caller holds the lock that orders
+    /// `stream`'s work. `orphan`: a plain call's (see [`SumsQueue::take_unreported`]).
+    ///
+    /// # Safety
+    /// The context is bound, `stream` is live and the kernel was enqueued on it.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn push_sums(
+        &self,
+        stream: sys::CUstream,
+        buf: SumsBuf,
+        entries: usize,
+        g: &crate::plan::GatherStep,
+        mode: ChecksumMode,
+        binding: &IntegrityBinding,
+        orphan: bool,
+    ) -> Result<()> {
+        // SAFETY: the pinned half holds `cap >= entries · 8` bytes and lives until `free`.
+        let rc = unsafe { sys::cuMemcpyDtoHAsync_v2(buf.host as *mut c_void, buf.dev, entries * 8, stream) };
+        if rc != sys::CUresult::CUDA_SUCCESS {
+            self.retire(buf);
+            return Err(TransferError::Executor { backend: "cuda", message: format!("cuMemcpyDtoHAsync (checksums): {rc:?}") });
+        }
+        let what = What::Sums { buf, src: g.src_indices.clone(), dst: g.dst_indices.clone(), items: g.items.clone() };
+        // SAFETY: as the caller vouches.
+        unsafe { self.push(stream, what, mode, binding, orphan) }
+    }
+
+    /// After `direct` runs on `stream`: queues their items' settling as unknown.
+    ///
+    /// # Safety
+    /// As [`SumsQueue::push_sums`].
+    pub(super) unsafe fn push_unknown(
+        &self,
+        stream: sys::CUstream,
+        runs: &[Run],
+        mode: ChecksumMode,
+        binding: &IntegrityBinding,
+        orphan: bool,
+    ) -> Result<()> {
+        // SAFETY: as the caller vouches.
+        unsafe { self.push(stream, What::Unknown(runs.to_vec()), mode, binding, orphan) }
+    }
+
+    unsafe fn push(&self, stream: sys::CUstream, what: What, mode: ChecksumMode, binding: &IntegrityBinding, orphan: bool) -> Result<()> {
+        let binding = match orphan {
+            // A sink of its own: the call that made it has returned.
+            true => IntegrityBinding { sidecar: binding.sidecar.clone(), sink: Arc::new(MismatchSink::default()) },
+            false => binding.clone(),
+        };
+        let event = match result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            // SAFETY: a live event and stream of the bound context.
+            .and_then(|ev| {
+                unsafe { result::event::record(ev, stream) }.map(|_| ev).inspect_err(|_| {
+                    let _ = unsafe { result::event::destroy(ev) };
+                })
+            }) {
+            Ok(ev) => ev,
+            Err(e) => {
+                // Without an event nothing tells when the sums arrive: their items settle as
+                // unknown now, after everything queued before them.
+                let mut st = self.lock();
+                let entry = Entry { event: std::ptr::null_mut(), what, mode, binding, orphan };
+                st.settle_one(entry, false);
+                return Err(drv("cuEventRecord (checksums)", e));
+            }
+        };
+        self.lock().pending.push_back(Entry { event, what, mode, binding, orphan });
+        Ok(())
+    }
+
+    /// Settles every entry whose sums have arrived (`wait`: all of them, waiting for each).
+    ///
+    /// # Safety
+    /// The context is bound.
+    pub(super) unsafe fn settle(&self, wait: bool) {
+        let mut st = self.lock();
+        if st.pending.is_empty() {
+            return;
+        }
+        // Newest first: an entry seen complete implies every entry it depends on is.
+        let n = st.pending.len();
+        let mut status = vec![None; n];
+        for i in (0..n).rev() {
+            let ev = st.pending[i].event;
+            // SAFETY: our events.
+            let r = unsafe {
+                if wait {
+                    result::event::synchronize(ev)
+                } else {
+                    result::event::query(ev)
+                }
+            };
+            status[i] = match r {
+                Ok(()) => Some(true),
+                Err(DriverError(sys::CUresult::CUDA_ERROR_NOT_READY)) => None,
+                // A failed stream: the sums may never have been written.
+                Err(_) => Some(false),
+            };
+        }
+        let mut keep = VecDeque::with_capacity(n);
+        let pending = std::mem::take(&mut st.pending);
+        for (entry, s) in pending.into_iter().zip(status) {
+            match s {
+                None => keep.push_back(entry),
+                Some(ok) => st.settle_one(entry, ok),
+            }
+        }
+        st.pending = keep;
+    }
+
+    /// The mismatches of plain calls settled since the last time, as one error.
+    pub(super) fn take_unreported(&self) -> Option<TransferError> {
+        crate::integrity::mismatch_error(std::mem::take(&mut self.lock().unreported))
+    }
+
+    /// Frees everything (the streams have been synchronized; the context is bound).
+    pub(super) fn free(&self) {
+        let st = &mut *self.lock();
+        let pending = std::mem::take(&mut st.pending);
+        let mut bufs: Vec<SumsBuf> = st.free.drain(..).chain(st.retired.drain(..)).collect();
+        for e in pending {
+            // SAFETY: our event; nothing waits on it any more.
+            let _ = unsafe { result::event::destroy(e.event) };
+            if let What::Sums { buf, .. } = e.what {
+                bufs.push(buf);
+            }
+        }
+        for b in bufs {
+            // SAFETY: allocated by `buffer`; nothing queued uses them any more.
+            unsafe {
+                let _ = result::free_sync(b.dev);
+                let _ = result::free_host(b.host as *mut c_void);
+            }
+        }
+    }
+}
+
+impl State {
+    /// Settles one entry: its sums (`arrived`), or its items as unknown.
+    fn settle_one(&mut self, e: Entry, arrived: bool) {
+        if !e.event.is_null() {
+            // SAFETY: our event, complete or failed; nothing waits on it.
+            let _ = unsafe { result::event::destroy(e.event) };
+        }
+        let mut n = [0u64; 4];
+        let b = &e.binding;
+        match e.what {
+            What::Sums { buf, src, dst, items } => {
+                let pairs = items.len();
+                // SAFETY: the copy into the pinned half completed (its event did) and wrote
+                // `src.len() · pairs` sums, which the buffer holds.
+                let sums = arrived.then(|| unsafe { std::slice::from_raw_parts(buf.host, src.len() * pairs) });
+                for (i, (&s, &d)) in src.iter().zip(dst.iter()).enumerate() {
+                    if s < 0 || d < 0 {
+                        continue;
+                    }
+                    let (host, device) = match e.mode {
+                        ChecksumMode::Record => (d as u64, s as u64),
+                        ChecksumMode::Verify => (s as u64, d as u64),
+                    };
+                    for (l, &(layer, comp)) in items.iter().enumerate() {
+                        match sums {
+                            Some(sums) => b.settle(e.mode, (host, device, layer, comp), sums[i * pairs + l], &mut n),
+                            None => unknown(b, e.mode, (host, layer, comp), &mut n),
+                        }
+                    }
+                }
+                match arrived {
+                    true => self.free.push(buf),
+                    // The stream failed: the device half may still be in use.
+                    false => self.retired.push(buf),
+                }
+            }
+            What::Unknown(runs) => {
+                for r in &runs {
+                    for k in 0..r.items {
+                        unknown(b, e.mode, (r.host_unit + k, r.host_layer, r.comp), &mut n);
+                    }
+                }
+            }
+        }
+        b.sidecar.count(n);
+        if e.orphan {
+            if let Some(TransferError::Integrity { items, .. }) = b.sink.error() {
+                self.unreported.extend(items);
+            }
+        }
+    }
+}
+
+/// An item moved without a checksum: a backup forgets its recorded one, a load counts it
+/// unverified.
+fn unknown(b: &IntegrityBinding, mode: ChecksumMode, (host, layer, comp): (u64, u64, u8), n: &mut [u64; 4]) {
+    let Some(slot) = b.sidecar.slot(host, layer, comp) else { return };
+    match mode {
+        ChecksumMode::Record => b.sidecar.forget(slot),
+        ChecksumMode::Verify => n[2] += 1,
+    }
+}
