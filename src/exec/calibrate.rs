@@ -72,7 +72,7 @@ fn cache_file(device: &Device) -> Option<std::path::PathBuf> {
 /// Times `kernel` and `direct` loads of one layer for every cell of the table.
 fn measure(device: &Device, caps: Capabilities) -> Result<AutoTable> {
     // Work already queued on the executor would be timed with ours.
-    device.synchronize()?;
+    device.wait_idle()?;
     let start = Instant::now();
     let mut table = AutoTable { calibrated: true, ..AutoTable::DEFAULT };
     let mut rng = Rng::new(0x5eed);
@@ -105,7 +105,7 @@ fn measure(device: &Device, caps: Capabilities) -> Result<AutoTable> {
                     let p = plan::plan(Profile::Extended, &caps, device.id(), &pair, &req)?;
                     let bufs = Bindings { host: vec![&host_buf], device: vec![dev_bufs.iter().collect()], integrity: None };
                     // Stream-ordered executors (cuda) return once the work is queued: wait for it.
-                    let run = || device.execute_unfaulted(&p, &bufs).and_then(|_| device.synchronize());
+                    let run = || device.execute_unfaulted(&p, &bufs).and_then(|_| device.wait_idle());
                     run()?; // warm-up
                     let mut best = f64::MAX;
                     for _ in 0..3 {

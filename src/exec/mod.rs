@@ -459,6 +459,16 @@ impl Device {
             _ => Ok(()),
         }
     }
+    /// Waits until the item checksums of every transfer queued so far are settled (recorded,
+    /// verified or forgotten in the host pools' tables): on cuda only for the steps that carry
+    /// checksums (not for the engine's stream or other work), elsewhere for every queued transfer.
+    pub(crate) fn settle_checksums(&self) -> Result<()> {
+        match self {
+            #[cfg(feature = "cuda")]
+            Device::Cuda(e) => e.settle_checksums(),
+            _ => self.wait_idle(),
+        }
+    }
     /// Waits for every submitted transfer and nothing more: a failed device index check of an
     /// earlier call stays pending for the code that issued it.
     pub fn wait_idle(&self) -> Result<()> {

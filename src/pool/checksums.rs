@@ -13,11 +13,12 @@ impl HostPool<'_> {
         self.sidecar.is_some()
     }
 
-    /// Counters of the pool's checksums since it was made; `None` without checksums.
+    /// Counters of the pool's checksums since it was made, once the queued transfers' checksums
+    /// have settled; `None` without checksums.
     pub fn integrity_stats(&self) -> Option<IntegrityStats> {
         let s = self.sidecar.as_ref()?;
         // As of every queued transfer (executors that settle checksums when transfers complete).
-        if let Err(e) = self.device.wait_idle() {
+        if let Err(e) = self.device.settle_checksums() {
             log::error!("integrity_stats: waiting for queued transfers: {e}");
         }
         Some(s.stats())
@@ -30,7 +31,7 @@ impl HostPool<'_> {
         let Some(s) = &self.sidecar else { return Ok(None) };
         let slot = self.item_slot(s, host_index, layer, comp)?;
         // As of every queued transfer (their checksums are settled when they complete).
-        self.device.wait_idle()?;
+        self.device.settle_checksums()?;
         Ok(s.expected(slot))
     }
 
@@ -69,7 +70,7 @@ impl HostPool<'_> {
     pub fn page_checksums(&self, index: i64) -> Result<Vec<Option<u64>>> {
         let items = self.page_items(index)?;
         let Some(s) = &self.sidecar else { return Ok(Vec::new()) };
-        self.device.wait_idle()?;
+        self.device.settle_checksums()?;
         items.into_iter().map(|(u, l, c)| Ok(s.expected(self.item_slot(s, u, l, c)?))).collect()
     }
 
@@ -111,7 +112,7 @@ impl HostPool<'_> {
         let items = self.page_items(index)?;
         if let Some(s) = &self.sidecar {
             // After the transfers queued so far (a backup recording these items).
-            self.device.wait_idle()?;
+            self.device.settle_checksums()?;
             for (u, l, c) in items {
                 s.forget(self.item_slot(s, u, l, c)?);
             }
@@ -183,7 +184,7 @@ impl HostPool<'_> {
         let Some(s) = &self.sidecar else { return Ok(false) };
         let slot = self.item_slot(s, host_index, layer, comp)?;
         // The checksum as the queued transfers leave it.
-        self.device.wait_idle()?;
+        self.device.settle_checksums()?;
         Ok(s.corrupt(slot, xor))
     }
 }

@@ -363,6 +363,15 @@ impl CudaExecutor {
         self.index_check_reports(true)
     }
 
+    /// Waits for the queued steps that carry item checksums (their events only: not the engine's
+    /// stream, not other work) and settles them.
+    pub(crate) fn settle_checksums(&self) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the context is bound.
+        unsafe { self.inner.sums.settle(true) };
+        Ok(())
+    }
+
     /// The items of plain (synchronous) checksumming loads whose bytes did not match their
     /// checksums, settled since the last report ([`TransferError::Integrity`]; the other items
     /// landed): those calls return once enqueued, before their checksums arrive. Does not wait;

@@ -48,6 +48,8 @@ enum What {
 }
 
 struct Entry {
+    /// Recorded after the step's work; null when it could not be (or the sums could not be
+    /// copied back): the entry then settles as unknown once every older entry has settled.
     event: sys::CUevent,
     what: What,
     mode: ChecksumMode,
@@ -143,11 +145,13 @@ impl SumsQueue {
     ) -> Result<()> {
         // SAFETY: the pinned half holds `cap >= entries · 8` bytes and lives until `free`.
         let rc = unsafe { sys::cuMemcpyDtoHAsync_v2(buf.host as *mut c_void, buf.dev, entries * 8, stream) };
+        let what = What::Sums { buf, src: g.src_indices.clone(), dst: g.dst_indices.clone(), items: g.items.clone() };
         if rc != sys::CUresult::CUDA_SUCCESS {
-            self.retire(buf);
+            // The kernel may have written the items: they settle as unknown, in order (the
+            // buffer is kept until the executor drops).
+            self.push_failed(what, mode, binding, orphan);
             return Err(TransferError::Executor { backend: "cuda", message: format!("cuMemcpyDtoHAsync (checksums): {rc:?}") });
         }
-        let what = What::Sums { buf, src: g.src_indices.clone(), dst: g.dst_indices.clone(), items: g.items.clone() };
         // SAFETY: as the caller vouches.
         unsafe { self.push(stream, what, mode, binding, orphan) }
     }
@@ -168,12 +172,14 @@ impl SumsQueue {
         unsafe { self.push(stream, What::Unknown(runs.to_vec()), mode, binding, orphan) }
     }
 
+    /// Queues an entry settled when its event has completed.
+    ///
+    /// Queue order is the order entries are pushed: one stream's entries are pushed under its
+    /// scratch lock, so in device order; an entry on the other stream that depends on one of them
+    /// (a pipeline's load ordered after its backup) was issued after it by the same thread. Two
+    /// threads cannot race a backup and a load of one host pool: a backup borrows the host pool
+    /// exclusively.
     unsafe fn push(&self, stream: sys::CUstream, what: What, mode: ChecksumMode, binding: &IntegrityBinding, orphan: bool) -> Result<()> {
-        let binding = match orphan {
-            // A sink of its own: the call that made it has returned.
-            true => IntegrityBinding { sidecar: binding.sidecar.clone(), sink: Arc::new(MismatchSink::default()) },
-            false => binding.clone(),
-        };
         let event = match result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
             // SAFETY: a live event and stream of the bound context.
             .and_then(|ev| {
@@ -184,15 +190,21 @@ impl SumsQueue {
             Ok(ev) => ev,
             Err(e) => {
                 // Without an event nothing tells when the sums arrive: their items settle as
-                // unknown now, after everything queued before them.
-                let mut st = self.lock();
-                let entry = Entry { event: std::ptr::null_mut(), what, mode, binding, orphan };
-                st.settle_one(entry, false);
+                // unknown, once everything queued before them has settled.
+                self.push_failed(what, mode, binding, orphan);
                 return Err(drv("cuEventRecord (checksums)", e));
             }
         };
+        let binding = own_sink(binding, orphan);
         self.lock().pending.push_back(Entry { event, what, mode, binding, orphan });
         Ok(())
+    }
+
+    /// Queues an entry whose sums will never be read (no event, or no copy back): its items
+    /// settle as unknown when every older entry has settled.
+    fn push_failed(&self, what: What, mode: ChecksumMode, binding: &IntegrityBinding, orphan: bool) {
+        let binding = own_sink(binding, orphan);
+        self.lock().pending.push_back(Entry { event: std::ptr::null_mut(), what, mode, binding, orphan });
     }
 
     /// Settles every entry whose sums have arrived (`wait`: all of them, waiting for each).
@@ -209,6 +221,9 @@ impl SumsQueue {
         let mut status = vec![None; n];
         for i in (0..n).rev() {
             let ev = st.pending[i].event;
+            if ev.is_null() {
+                continue;
+            }
             // SAFETY: our events.
             let r = unsafe {
                 if wait {
@@ -227,6 +242,8 @@ impl SumsQueue {
         let mut keep = VecDeque::with_capacity(n);
         let pending = std::mem::take(&mut st.pending);
         for (entry, s) in pending.into_iter().zip(status) {
+            // An entry without sums settles (as unknown) only after every older one.
+            let s = if entry.event.is_null() { keep.is_empty().then_some(false) } else { s };
             match s {
                 None => keep.push_back(entry),
                 Some(ok) => st.settle_one(entry, ok),
@@ -243,11 +260,16 @@ impl SumsQueue {
     /// Frees everything (the streams have been synchronized; the context is bound).
     pub(super) fn free(&self) {
         let st = &mut *self.lock();
+        if let Some(e) = crate::integrity::mismatch_error(std::mem::take(&mut st.unreported)) {
+            log::error!("cuda: dropped with unreported checksum mismatches of plain loads: {e}");
+        }
         let pending = std::mem::take(&mut st.pending);
         let mut bufs: Vec<SumsBuf> = st.free.drain(..).chain(st.retired.drain(..)).collect();
         for e in pending {
-            // SAFETY: our event; nothing waits on it any more.
-            let _ = unsafe { result::event::destroy(e.event) };
+            if !e.event.is_null() {
+                // SAFETY: our event; nothing waits on it any more.
+                let _ = unsafe { result::event::destroy(e.event) };
+            }
             if let What::Sums { buf, .. } = e.what {
                 bufs.push(buf);
             }
@@ -312,6 +334,15 @@ impl State {
                 self.unreported.extend(items);
             }
         }
+    }
+}
+
+/// The binding an entry settles into: a plain call's gets a sink of its own (the call has
+/// returned; its mismatches go to the executor's unreported list).
+fn own_sink(binding: &IntegrityBinding, orphan: bool) -> IntegrityBinding {
+    match orphan {
+        true => IntegrityBinding { sidecar: binding.sidecar.clone(), sink: Arc::new(MismatchSink::default()) },
+        false => binding.clone(),
     }
 }
 
