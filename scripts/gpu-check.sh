@@ -51,6 +51,7 @@ if "$bin" info | grep -q "^wgpu: available"; then
     step "check: wgpu on this GPU" "$bin" check --backend wgpu --rounds 4 --seed 4
     step "fuzz: wgpu on this GPU, with 2000 corruption injections" "$bin" fuzz --backend wgpu --cases 2000 --seed 5
     step "bench: wgpu item checksums on against off" "$bin" bench --checksums --backend wgpu --budget-ms 200
+    step "bench: the same without 64-bit integers in the shader" env HICACHE_WGPU_INT64=0 "$bin" bench --checksums --backend wgpu --budget-ms 200
 fi
 echo "== bench: batched direct copies"
 "$bin" bench --backend cuda --items 8448,1152,656 --budget-ms 200 --json > "$out/bench-cuda-batched.json" || status=1

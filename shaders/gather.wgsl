@@ -23,10 +23,13 @@
 // invocation also sums key[j] * word[j] mod 2^64 over the 32-bit words j it copies (j counted
 // from the item's first head chunk), and adds its sum into the item's two-word (lo, hi) entry
 // of `sums` with two atomic adds (the carry of the low word's add goes into the high word, so
-// the entry ends up as the exact sum whatever the order). WGSL has no 64-bit integers: a
-// product of a key below 2^32 and a word is formed from 16-bit halves, and an invocation keeps
-// three exact partial sums (low-half products with their carries, cross products with their
-// carries, high-half products mod 2^32) that it combines once at the end.
+// the entry ends up as the exact sum whatever the order). Core WGSL has no 64-bit integers: a
+// product of a key below 2^32 and a word is formed from 16-bit halves (sections `i16`), and an
+// invocation keeps three exact partial sums (low-half products with their carries, cross
+// products with their carries, high-half products mod 2^32) that it combines once at the end.
+// Where the device has 64-bit integers (wgpu's SHADER_INT64: Vulkan's shaderInt64, lavapipe's
+// among them) the sections `i64` replace them: one 64-bit multiply-add per word into a `WIDE`
+// (u64, lane-wise) sum. Both give the same bits.
 
 struct Side {
     rel0: u32,
@@ -61,6 +64,7 @@ struct Params {
 @group(0) @binding(4) var<storage, read> keys: array<WORD>;
 @group(0) @binding(5) var<storage, read_write> sums: array<atomic<u32>>;
 
+//<i16
 // Partial sums of one invocation: exact, each word of them lane-wise (`WORD` may be a vector).
 struct Acc {
     lo: WORD,     // sum of klo*vlo, low word
@@ -118,6 +122,24 @@ fn lanes_total(t: array<WORD, 2>) -> vec2<u32> {
     return add64(b, t[0].w, t[1].w);
 }
 //w16>
+//i16>
+//<i64
+// Sum of key * word mod 2^64, lane-wise: keys and words are below 2^32, so each product is exact.
+fn acc_add(a: WIDE, k: WORD, v: WORD) -> WIDE {
+    return a + WIDE(k) * WIDE(v);
+}
+
+// The 64-bit sum (lo, hi) of the lanes.
+fn wide_total(a: WIDE) -> vec2<u32> {
+//<w4
+    let t = a;
+//w4>
+//<w16
+    let t = a.x + a.y + a.z + a.w;
+//w16>
+    return vec2<u32>(u32(t), u32(t >> 32u));
+}
+//i64>
 
 // Adds the 64-bit (lo, hi) into entry `e`.
 fn add_sum(e: u32, lo: u32, hi: u32) {
@@ -163,7 +185,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
         return;
     }
     //<sum
+    //<i16
     var acc = Acc(WORD(0u), WORD(0u), WORD(0u), WORD(0u), WORD(0u));
+    //i16>
+    //<i64
+    var acc = WIDE();
+    //i64>
     //sum>
     for (var head = 0u; head < params.heads; head++) {
         let so = s0 + head * params.src.head_stride;
@@ -189,7 +216,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
         //sum>
     }
     //<sum
+    //<i16
     let total = lanes_total(acc_total(acc));
+    //i16>
+    //<i64
+    let total = wide_total(acc);
+    //i64>
     add_sum(item, total.x, total.y);
     //sum>
 }

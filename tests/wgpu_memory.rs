@@ -146,3 +146,62 @@ fn mapped_reads_race_with_loads() {
     let want: Vec<u8> = (0..256usize).flat_map(|t| data[(t * 2 + 1) * 64..][..64].to_vec()).collect();
     assert_eq!(dev.read_buffer(0, 1).unwrap(), want);
 }
+
+/// The checksumming gather gives the same bits with 64-bit integers (where the adapter has
+/// `SHADER_INT64`) and with 16-bit halves: every item's recorded checksum equals the crate's of
+/// its bytes, for 4-byte and 16-byte words, several heads and the DSA indexer's pages.
+#[test]
+fn checksums_agree_with_and_without_64_bit_integers() {
+    if common::open(BackendKind::Wgpu).is_none() {
+        return;
+    }
+    for int64 in [false, true] {
+        let exec = WgpuExecutor::with_options(WgpuOptions { int64: Some(int64), ..Default::default() }).unwrap();
+        let d = exec_describe(&exec);
+        assert!(d.contains("checksums in"), "{d}");
+        if !int64 {
+            assert!(d.contains("16-bit halves"), "{d}");
+        }
+        let device = Device::Wgpu(exec);
+        for (kind, layout, heads, per_token) in [
+            (PoolKind::Mha, Layout::PageFirst, 1, 64),
+            (PoolKind::Mha, Layout::PageHead, 4, 36),
+            (PoolKind::Mla, Layout::LayerFirst, 1, 1152),
+            (PoolKind::DsaIndexer, Layout::PageFirst, 1, 132),
+        ] {
+            let (slots, page) = if kind == PoolKind::DsaIndexer { (8, 4) } else { (32, 4) };
+            let cfg = DevicePoolConfig { kind, bytes_per_token: per_token * heads, slots, page_size: page, layers: LayerMap::new(2) };
+            let mut dev = DevicePool::new(&device, &cfg).unwrap();
+            let mut rng = hicache_io::rng::Rng::new(3);
+            for c in 0..kind.components() {
+                for b in 0..dev.geometry().buffer_count() {
+                    let mut data = vec![0u8; dev.geometry().layer_bytes() as usize];
+                    rng.fill(&mut data);
+                    dev.write_buffer(c, b, &data).unwrap();
+                }
+            }
+            let hcfg = HostPoolConfig { layout, size: 64, head_num: heads, profile: Profile::Extended, integrity: None };
+            let mut host = HostPool::new(&dev, &hcfg).unwrap();
+            let units: Vec<u64> = if kind == PoolKind::DsaIndexer { vec![1, 6] } else { (3..11).collect() };
+            let p = if kind == PoolKind::DsaIndexer { page } else { 1 };
+            let tokens: Vec<i64> = units.iter().flat_map(|u| (u * p..(u + 1) * p).map(|t| t as i64)).collect();
+            host.backup_from_device_all_layer(&dev, &tokens, &tokens, IoBackend::Kernel).unwrap();
+            let item = dev.geometry().item_bytes() as usize;
+            let keys = hicache_io::integrity::Keys::new(hicache_io::integrity::STORAGE_SEED, item / 4 + 1).unwrap();
+            for c in 0..kind.components() {
+                for layer in 0..2usize {
+                    let bytes = dev.read_buffer(c, layer).unwrap();
+                    for &u in &units {
+                        let want = hicache_io::integrity::checksum(&bytes[u as usize * item..][..item], &keys);
+                        let got = host.item_checksum(u, layer as u64, c as u8).unwrap();
+                        assert_eq!(got, Some(want), "int64 {int64}: {kind:?} {layout} c{c} L{layer} item {u}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn exec_describe(exec: &WgpuExecutor) -> String {
+    Device::Wgpu(exec.clone()).describe()
+}

@@ -61,6 +61,10 @@ pub struct WgpuOptions {
     /// Host pools in host-visible memory (`MAPPABLE_PRIMARY_BUFFERS`): `None` uses it where the
     /// adapter has it, unless `HICACHE_WGPU_MAPPED_HOST=0`; `Some(false)` never does.
     pub mapped_host: Option<bool>,
+    /// 64-bit integers in the checksumming gather (`SHADER_INT64`): `None` uses them where the
+    /// adapter has them, unless `HICACHE_WGPU_INT64=0`; `Some(false)` never does (16-bit halves,
+    /// the same bits).
+    pub int64: Option<bool>,
 }
 
 /// Where a pool's memory is, as `info` reports it.
@@ -102,6 +106,8 @@ struct Inner {
     sum_layout: wgpu::BindGroupLayout,
     sum4: wgpu::ComputePipeline,
     sum16: wgpu::ComputePipeline,
+    /// Whether the checksumming gathers use 64-bit integers (else 16-bit halves).
+    int64: bool,
     /// Item keys on the device, per `(seed, words)`.
     keys: Mutex<std::collections::HashMap<(u64, usize), wgpu::Buffer>>,
     /// Checksum readbacks of submitted steps, in submission order (pushed under this lock
@@ -405,8 +411,8 @@ impl WgpuBuffer {
 /// The gather shader for words of type `word` (`u32` or `vec4<u32>`), with item checksums
 /// (`sum`: the lines between `//<sum` and `//sum>`) or without (those between `//<plain` and
 /// `//plain>`); the lines tagged `w4` or `w16` are for one word type only.
-fn shader_source(word: &str, sum: bool) -> String {
-    let drop = [if sum { "plain" } else { "sum" }, if word == "u32" { "w16" } else { "w4" }];
+fn shader_source(word: &str, sum: bool, int64: bool) -> String {
+    let drop = [if sum { "plain" } else { "sum" }, if word == "u32" { "w16" } else { "w4" }, if int64 { "i16" } else { "i64" }];
     let mut out = String::with_capacity(SHADER.len());
     // Tagged sections nest (`w4` inside `sum`): a line is kept when no open tag is dropped.
     let mut open: Vec<&str> = Vec::new();
@@ -427,7 +433,15 @@ fn shader_source(word: &str, sum: bool) -> String {
             out.push('\n');
         }
     }
-    out.replace("WORD", word)
+    let wide = if word == "u32" { "u64" } else { "vec4<u64>" };
+    out.replace("WIDE", wide).replace("WORD", word)
+}
+
+/// Whether the checksumming gathers may use 64-bit integers where the device has them
+/// (SHADER_INT64): [`WgpuOptions::int64`], else unless `HICACHE_WGPU_INT64=0` (to compare the
+/// two in benchmarks).
+fn int64_wanted(opts: &WgpuOptions) -> bool {
+    opts.int64.unwrap_or_else(|| std::env::var("HICACHE_WGPU_INT64").map_or(true, |v| v != "0"))
 }
 
 /// Loop iterations one invocation of the gather shader may run, all its loops together: Mesa's
@@ -487,7 +501,11 @@ impl WgpuExecutor {
         let limits = adapter.limits();
         let mapped = wgpu::Features::MAPPABLE_PRIMARY_BUFFERS;
         let want_mapped = opts.mapped_host.unwrap_or_else(|| std::env::var("HICACHE_WGPU_MAPPED_HOST").map_or(true, |v| v != "0"));
-        let features = if want_mapped && adapter.features().contains(mapped) { mapped } else { wgpu::Features::empty() };
+        let mut features = if want_mapped && adapter.features().contains(mapped) { mapped } else { wgpu::Features::empty() };
+        // 64-bit integers make the checksumming gather one multiply-add per word.
+        if int64_wanted(&opts) && adapter.features().contains(wgpu::Features::SHADER_INT64) {
+            features |= wgpu::Features::SHADER_INT64;
+        }
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("hicache-io"),
             required_features: features,
@@ -547,10 +565,11 @@ impl WgpuExecutor {
         let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
         // naga's bounds checks stay: dropping them (`create_shader_module_trusted`) measured no
         // faster on lavapipe, so the shader keeps wgpu's guarantee.
+        let int64 = int64_wanted(&opts) && device.features().contains(wgpu::Features::SHADER_INT64);
         let make = |word: &str, sum: bool| {
             let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
                 label: Some("gather.wgsl"),
-                source: wgpu::ShaderSource::Wgsl(shader_source(word, sum).into()),
+                source: wgpu::ShaderSource::Wgsl(shader_source(word, sum, int64).into()),
             });
             device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
                 label: Some("hicache-io gather"),
@@ -597,6 +616,7 @@ impl WgpuExecutor {
                 sum_layout,
                 sum4,
                 sum16,
+                int64,
                 keys: Default::default(),
                 pending: Default::default(),
                 max_window,
@@ -1250,7 +1270,7 @@ impl Executor for WgpuExecutor {
     fn describe(&self) -> String {
         let i = &self.inner.info;
         format!(
-            "{} ({:?}, {:?}, driver {} {}; storage binding {} MiB, buffer {} MiB, offset alignment {}; device pools {}, host pools {}{})",
+            "{} ({:?}, {:?}, driver {} {}; storage binding {} MiB, buffer {} MiB, offset alignment {}; device pools {}, host pools {}{}{})",
             i.name,
             i.backend,
             i.device_type,
@@ -1261,7 +1281,8 @@ impl Executor for WgpuExecutor {
             self.inner.limits.min_storage_buffer_offset_alignment,
             self.device_pool_memory().name(),
             self.host_pool_memory().name(),
-            if self.inner.mapped_host { ", mapped" } else { " (no MAPPABLE_PRIMARY_BUFFERS: staged host reads and writes)" }
+            if self.inner.mapped_host { ", mapped" } else { " (no MAPPABLE_PRIMARY_BUFFERS: staged host reads and writes)" },
+            if self.inner.int64 { "; checksums in 64-bit integers" } else { "; checksums in 16-bit halves (no SHADER_INT64)" }
         )
     }
     fn capabilities(&self) -> Capabilities {
