@@ -427,7 +427,7 @@ class MooncakeStore(HiCacheStorage):
         self._sglang_keys = bool(extra.get("hicache_io_sglang_keys_any_layout", False))
         self.integrity = bool(extra.get("hicache_io_integrity", True)) if integrity is None else integrity
         self._trailers: Optional[np.ndarray] = None
-        self.stats = {"verified": 0, "unverified": 0, "corrupt": 0}
+        self.stats = {"verified": 0, "unverified": 0, "corrupt": 0, "damaged_puts": 0}
         self.mem_pool_host: Any = None
         self._registered: List[int] = []
         self._staging: Optional[np.ndarray] = None
@@ -615,6 +615,16 @@ class MooncakeStore(HiCacheStorage):
                 for j, e in enumerate(exist):
                     ok[j] = e == 1
                 self._stage_out(sorted({j // lay.comps for j in todo}), idx)
+            if todo and self.integrity and getattr(self.mem_pool_host, "integrity", False):
+                # A page whose host bytes no longer match the item checksums its backup recorded
+                # is not put: a fault in host memory must not reach storage under a trailer of
+                # its own. The page reads as not written.
+                intact = self.mem_pool_host.pages_intact(idx)
+                damaged = sorted({j // lay.comps for j in todo if not intact[j // lay.comps]})
+                if damaged:
+                    self.stats["damaged_puts"] += len(damaged)
+                    logger.error("hicache-io L3: %d page(s) not put, their host bytes fail their checksums: %s", len(damaged), [keys[i] for i in damaged])
+                    todo = [j for j in todo if intact[j // lay.comps]]
             if todo and self._trailers is not None and self.integrity:
                 pick = np.asarray(todo, dtype=np.intp)
                 t = self._trailers
@@ -841,7 +851,8 @@ class MooncakeStore(HiCacheStorage):
     def integrity_stats(self) -> Dict[str, int]:
         """Objects of hicache-io's own (shard-named) pages read so far: ``verified`` (checksum
         matched), ``unverified`` (no trailer), ``corrupt`` (refused). sglang-named objects carry no
-        checksum and are not counted."""
+        checksum and are not counted. ``damaged_puts``: pages not put because their bytes in the
+        host pool failed the item checksums their backup recorded (any naming)."""
         return dict(self.stats)
 
     def close(self) -> None:

@@ -1229,6 +1229,12 @@ impl PyHostPool {
         let sums = py.detach(|| self.inner.object_checksums(&idx, seed)).py()?;
         u64_array(py, sums)
     }
+    /// Per page of `indices` (first tokens at `indices[0], indices[P], …`): whether its bytes
+    /// still match every item checksum the pool recorded for it (`True` where it has none).
+    fn pages_intact(&self, py: Python<'_>, indices: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
+        let idx = index_list(indices, "Host", Ctx { stream: None })?;
+        py.detach(|| self.inner.pages_intact(&idx)).py()
+    }
     /// Whether the pool keeps item checksums (recorded by backups, verified by loads).
     #[getter]
     fn integrity(&self) -> bool {

@@ -535,6 +535,32 @@ def test_pages_carry_checksums_and_corruption_is_caught(store):
         store.unregister_mem_pool_host()
 
 
+@pytest.mark.parametrize("executor", executors())
+def test_a_page_damaged_in_host_memory_is_not_put(store, executor):
+    """The item checksums a backup recorded inside its copy guard the put too: a page whose host
+    bytes changed after the backup is refused (not written, counted as ``damaged_puts``), the
+    other pages of the batch are stored, and nothing damaged reaches storage under a trailer of
+    its own."""
+    host = _dsa_store_pages(store, executor=executor)
+    store.register_mem_pool_host(host)
+    try:
+        keys = [uuid.uuid4().hex for _ in range(2)]
+        assert host.pages_intact(tokens([1, 2])) == [True, True]
+        # One byte of page 2 (tokens 16..24), as a fault in host memory would change it.
+        off = host.get_page_buffer_meta(tokens([2]))[0][1] + 7
+        byte = np.asarray(host.read_buffer(0))[off]
+        host.inject_host_corruption(0, off, bytes([byte ^ 0x08]))
+        assert host.pages_intact(tokens([1, 2])) == [True, False]
+        damaged = store.stats["damaged_puts"]
+        assert store.batch_set_v1(keys, tokens([1, 2])) == [True, False]
+        assert store.stats["damaged_puts"] == damaged + 1
+        assert store.batch_exists(keys) == 1  # the leading pages that exist: only the first
+        assert store.batch_get_v1(keys[:1], tokens([8])) == [True]
+        assert store.batch_get_v1(keys[1:], tokens([9])) == [False]
+    finally:
+        store.unregister_mem_pool_host()
+
+
 def test_integrity_can_be_turned_off(master):
     s = make_store(master, integrity=False)
     try:
@@ -545,7 +571,7 @@ def test_integrity_can_be_turned_off(master):
         (obj,) = s.object_keys(key)
         assert s.store.get_size(obj) == host.get_data_page(P).size  # no trailer
         assert s.batch_get_v1([key], tokens([3])) == [True]
-        assert s.integrity_stats() == {"verified": 0, "unverified": 0, "corrupt": 0}
+        assert s.integrity_stats() == {"verified": 0, "unverified": 0, "corrupt": 0, "damaged_puts": 0}
         assert s.get_stats() is None  # sglang's metrics hook
     finally:
         s.close()

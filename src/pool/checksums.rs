@@ -91,6 +91,32 @@ impl HostPool<'_> {
             .collect()
     }
 
+    /// For each page whose first token is `indices[0], indices[P], …` (as
+    /// [`HostPool::get_page_buffer_meta`] takes them): whether its bytes in host memory still match
+    /// every item checksum the pool recorded for it, once the queued transfers are done (`true`
+    /// for items it has none for, and for every page of a pool without checksums). What an L3
+    /// store asks before it puts pages: bytes damaged in host memory after their backup must not
+    /// reach storage under a checksum of their own.
+    pub fn pages_intact(&self, indices: &[i64]) -> Result<Vec<bool>> {
+        self.get_page_buffer_meta(indices)?;
+        let p = self.pair.host().page_size() as usize;
+        let Some(s) = self.sidecar.clone() else { return Ok(vec![true; indices.len() / p.max(1)]) };
+        self.device.settle_checksums()?;
+        indices
+            .chunks(p.max(1))
+            .map(|page| {
+                let items = self.page_items(page[0])?;
+                let sums = self.item_sums(s.keys(), &items)?;
+                for (&(u, l, c), sum) in items.iter().zip(sums) {
+                    if s.expected(self.item_slot(&s, u, l, c)?).is_some_and(|e| e != sum) {
+                        return Ok(false);
+                    }
+                }
+                Ok(true)
+            })
+            .collect()
+    }
+
     /// Recomputes and records the checksums of the page starting at token `index` from its bytes
     /// in host memory: for pages written by something that does not record them (an L3 store
     /// writing the pool's memory in place) once their bytes are known good (the store verified
