@@ -1282,7 +1282,7 @@ impl Executor for WgpuExecutor {
             self.device_pool_memory().name(),
             self.host_pool_memory().name(),
             if self.inner.mapped_host { ", mapped" } else { " (no MAPPABLE_PRIMARY_BUFFERS: staged host reads and writes)" },
-            if self.inner.int64 { "; checksums in 64-bit integers" } else { "; checksums in 16-bit halves (no SHADER_INT64)" }
+            if self.inner.int64 { "; checksums in 64-bit integers" } else { "; checksums in 16-bit halves" }
         )
     }
     fn capabilities(&self) -> Capabilities {
