@@ -143,6 +143,13 @@ fn ensure_runtime_dir() {
 }
 
 fn main() -> ExitCode {
+    // A reader that stops early (`hicache-io matrix | head -1`) ends the process quietly, as it
+    // does other command-line tools, instead of a panic in `println!` (Rust ignores SIGPIPE).
+    #[cfg(target_os = "linux")]
+    // SAFETY: restores the default disposition of one signal, before any other thread runs.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     ensure_runtime_dir();
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let cli = Cli::parse();

@@ -116,3 +116,23 @@ fn info_refuses_an_unknown_backend_name() {
     let (ok, _, err) = run_env(&["info"], &[("HICACHE_IO_BACKEND", "cpu")]);
     assert!(ok, "{err}");
 }
+
+/// A reader that stops early (`hicache-io matrix | head -1`) ends the process quietly, as it does
+/// other command-line tools: no panic in the printing code.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_closed_pipe_is_not_a_panic() {
+    use std::process::Stdio;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_hicache-io"))
+        .args(["matrix", "--profile", "extended"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run hicache-io");
+    // Nothing read: the first write past the pipe's buffer (or any write) finds it closed.
+    drop(child.stdout.take());
+    let out = child.wait_with_output().expect("wait for hicache-io");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_ne!(out.status.code(), Some(101), "{stderr}");
+}
