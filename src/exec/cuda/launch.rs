@@ -51,11 +51,8 @@ impl CudaExecutor {
         binding: &crate::exec::IntegrityBinding,
         orphan: bool,
     ) -> Result<()> {
-        let side = if on == Stream::Side { Some(self.side_stream()?) } else { None };
-        let (stream, scratch) = match &side {
-            Some(s) => (s.stream.cu_stream(), &s.scratch),
-            None => (self.cu_stream(), &self.inner.scratch),
-        };
+        let mut side = None;
+        let (stream, scratch) = self.stream_scratch(on, &mut side)?;
         let _order = scratch.lock().unwrap_or_else(|e| e.into_inner());
         let copied = self.copies(runs, bufs, on);
         // Even after a failed copy: some runs may have been enqueued, and their items must not
@@ -78,11 +75,8 @@ impl CudaExecutor {
         on: Stream,
         orphan: bool,
     ) -> Result<()> {
-        let side = if on == Stream::Side { Some(self.side_stream()?) } else { None };
-        let (stream, scratch) = match &side {
-            Some(s) => (s.stream.cu_stream(), &s.scratch),
-            None => (self.cu_stream(), &self.inner.scratch),
-        };
+        let mut side = None;
+        let (stream, scratch) = self.stream_scratch(on, &mut side)?;
         let tuning = call_tuning().unwrap_or(self.inner.tuning);
         let launch = gather_launch(g, |b| bufs.get(b).dev_ptr, tuning, self.inner.max_threads)?;
         let mut scratch = scratch.lock().unwrap_or_else(|e| e.into_inner());

@@ -483,6 +483,18 @@ impl CudaExecutor {
         Ok(s)
     }
 
+    /// The raw stream of `on` and the scratch whose lock orders its gathers (and their
+    /// checksum entries); for the side stream (made on first use) `side` keeps it alive.
+    fn stream_scratch<'a>(&'a self, on: Stream, side: &'a mut Option<Arc<SideStream>>) -> Result<(sys::CUstream, &'a Mutex<Scratch>)> {
+        if on == Stream::Side {
+            *side = Some(self.side_stream()?);
+        }
+        Ok(match side {
+            Some(s) => (s.stream.cu_stream(), &s.scratch),
+            None => (self.cu_stream(), &self.inner.scratch),
+        })
+    }
+
     /// The raw stream of `stream` (the side stream made on first use).
     fn raw_stream(&self, stream: Stream) -> Result<sys::CUstream> {
         match stream {
