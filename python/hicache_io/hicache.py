@@ -1,16 +1,24 @@
-"""sglang's JIT HiCache entry points (``sglang.kernels.ops.kvcache.hicache``, formerly
-``sglang.jit_kernel.hicache``) under the same names, argument order and keywords, on hicache-io,
-so a host pool that calls them can be pointed here unchanged.
+"""sglang's JIT HiCache entry points (``sglang.kernels.ops.kvcache.hicache`` in sglang 0.5.23,
+formerly ``sglang.jit_kernel.hicache``) under the same names, argument order and keywords, on
+hicache-io, so a host pool that calls them can be pointed here unchanged
+(:func:`hicache_io.sglang.install` does it for a whole sglang process).
 
 Unlike :mod:`hicache_io.kvcacheio` these put the **destination first**:
 ``transfer_hicache_one_layer(k_cache_dst, v_cache_dst, indices_dst, k_cache_src, v_cache_src,
-indices_src, *, element_dim=None, unroll=None, block_quota=None)``. Caches are viewed as rows of
-``element_dim`` elements (``(-1, element_dim)``, by default ``dst.shape[-1]``); a cache may be a
-strided view whose row stride is a whole number of rows, as sglang's page_first pools pass
-``k_buffer.transpose(0, 1)[layer]`` (its rows are then addressed inside the buffer it views).
-Indices are int32 or int64 (converted to int64 on their device). ``unroll`` and ``block_quota``
-tune sglang's kernel and never change the bytes: ``block_quota`` sizes hicache-io's cuda launch,
-``unroll`` is checked and otherwise unused.
+indices_src, *, element_dim=None, unroll=None, block_quota=None, page_size=None)``. Caches are
+viewed as rows of ``element_dim`` elements (``(-1, element_dim)``, by default ``dst.shape[-1]``); a
+cache may be a strided view whose row stride is a whole number of rows, as sglang's page_first
+pools pass ``k_buffer.transpose(0, 1)[layer]`` (its rows are then addressed inside the buffer it
+views). The all-layer copies take uint64 tables of layer addresses and byte strides per side
+(``kv_cache_src_stride_bytes`` / ``kv_cache_dst_stride_bytes``): a side whose stride is the row
+itself is a set of layer_first layers; a side with a larger stride must be the layers of one
+page_first host buffer (the table sglang builds from ``buffer.transpose(0, 1)[layer]`` views, every
+layer of it), as sglang's K-only and page_first pools pass them.
+
+Indices are int32 or int64 (converted to int64 on their device). ``unroll``, ``block_quota`` and
+``page_size`` tune or gate sglang's kernels and never change the bytes: ``block_quota`` sizes
+hicache-io's cuda launch, ``page_size`` only decides sglang's TMA path (hicache-io has none, so
+:func:`use_hicache_tma_kernel` answers ``False``), ``unroll`` is checked and otherwise unused.
 
 The calls run on the executor of their arrays like every hicache-io op: host arrays on the cpu
 executor, CUDA arrays on the cuda executor, enqueued on the caller's current stream. Checks
@@ -18,13 +26,22 @@ carry sglang's messages where it has them (``HicacheKernel: cache dimension mism
 hicache-io's range and uniqueness checks beyond them; a call that raises has moved no byte.
 """
 
+import ctypes
 import sys
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
-from . import kvcacheio
+from . import _native, kvcacheio
 
 __all__ = [
     "DEFAULT_BLOCK_QUOTA",
+    "COPY_GROUP_THREADS",
+    "GROUP_BYTES",
+    "TMA_STAGE_BYTES",
+    "TMA_NUM_STAGES",
+    "TMA_STORE_WARPS",
+    "TMA_BLOCK_QUOTA",
+    "hicache_tma_rows_per_chunk",
+    "use_hicache_tma_kernel",
     "can_use_hicache_jit_kernel",
     "can_use_write_back_jit_kernel",
     "transfer_hicache_one_layer",
@@ -35,13 +52,40 @@ __all__ = [
     "transfer_hicache_all_layer_mla_staged_lf_pf",
 ]
 
+# sglang 0.5.23's module constants (CUDA values), for code that reads them.
 DEFAULT_BLOCK_QUOTA = 2
+COPY_GROUP_THREADS = 32
+GROUP_BYTES = (128,)
+TMA_STAGE_BYTES = 32768
+TMA_NUM_STAGES = 6
+TMA_STORE_WARPS = 4
+TMA_BLOCK_QUOTA = 4
 
 
-def can_use_hicache_jit_kernel(*, element_size: int, unroll: Optional[int] = None, block_quota: Optional[int] = None) -> bool:
+def hicache_tma_rows_per_chunk(element_size: int) -> int:
+    """Rows sglang's TMA kernel moves per stage: the largest power of two at most
+    ``min(TMA_STAGE_BYTES // element_size, 128)`` (sglang's formula; at least 1)."""
+    if element_size <= 0:
+        raise ValueError(f"element_size must be positive, got {element_size}")
+    rows = 1
+    while rows * 2 <= TMA_STAGE_BYTES // element_size and rows * 2 <= 128:
+        rows *= 2
+    return rows
+
+
+def use_hicache_tma_kernel(*, element_size: int, block_quota: int, page_size: Optional[int] = None) -> bool:
+    """Whether the copies go through sglang's TMA bulk-copy kernel: never here. hicache-io's
+    cuda executor moves rows with its own gather kernels (and copy-engine copies for ``direct``),
+    whatever the page size."""
+    return False
+
+
+def can_use_hicache_jit_kernel(*, element_size: int, unroll: Optional[int] = None, block_quota: Optional[int] = None, page_size: Optional[int] = None) -> bool:
     """Whether rows of ``element_size`` bytes can move through these entry points: any positive
-    multiple of 8 bytes (sglang's own kernel needs multiples of 128)."""
-    return element_size > 0 and element_size % 8 == 0 and (unroll is None or unroll > 0) and (block_quota is None or block_quota > 0)
+    multiple of 8 bytes, on every executor (sglang's own kernel needs multiples of 128 on CUDA).
+    ``page_size`` only gates sglang's TMA path and is accepted for its callers; ``unroll`` and
+    ``block_quota`` must be positive when given (``0`` and ``None`` mean the default)."""
+    return element_size > 0 and element_size % 8 == 0 and (unroll is None or unroll >= 0) and (block_quota is None or block_quota >= 0)
 
 
 def can_use_write_back_jit_kernel(*, element_size: int, unroll: Optional[int] = None, block_quota: Optional[int] = None) -> bool:
@@ -212,7 +256,7 @@ def _same_dtype(tag: str, *arrays: Any) -> None:
 # ---- one layer -----------------------------------------------------------------------------
 
 
-def transfer_hicache_one_layer(k_cache_dst: Any, v_cache_dst: Any, indices_dst: Any, k_cache_src: Any, v_cache_src: Any, indices_src: Any, *, element_dim: Optional[int] = None, unroll: Optional[int] = None, block_quota: Optional[int] = None) -> None:
+def transfer_hicache_one_layer(k_cache_dst: Any, v_cache_dst: Any, indices_dst: Any, k_cache_src: Any, v_cache_src: Any, indices_src: Any, *, element_dim: Optional[int] = None, unroll: Optional[int] = None, block_quota: Optional[int] = None, page_size: Optional[int] = None) -> None:
     """Row ``indices_src[i]`` of the source K and V caches → row ``indices_dst[i]`` of the
     destination caches, for one layer (either side may be host or device memory, and either side,
     not both, a strided layer view of a page_first buffer)."""
@@ -243,7 +287,7 @@ def _page_first_pair(k: _Cache, v: _Cache) -> Tuple[int, int]:
     return k.layer, k.stride
 
 
-def transfer_hicache_one_layer_mla(cache_dst: Any, indices_dst: Any, cache_src: Any, indices_src: Any, *, element_dim: Optional[int] = None, unroll: Optional[int] = None, block_quota: Optional[int] = None) -> None:
+def transfer_hicache_one_layer_mla(cache_dst: Any, indices_dst: Any, cache_src: Any, indices_src: Any, *, element_dim: Optional[int] = None, unroll: Optional[int] = None, block_quota: Optional[int] = None, page_size: Optional[int] = None) -> None:
     """:func:`transfer_hicache_one_layer` with one cache per side (MLA, the DSA indexer)."""
     quota = _tuning(unroll, block_quota)
     tag = "HicacheKernel MLA"
@@ -268,35 +312,89 @@ def _table_len(table: Any) -> int:
     return len(table) if isinstance(table, (list, tuple)) else int(table.shape[0])
 
 
-def _all_layer_item(src_stride: int, dst_stride: int, element_size: Optional[int], tag: str) -> int:
+def _table_entries(table: Any) -> List[int]:
+    """A 1-D table of layer addresses as ints (a GPU table is copied to the host on the caller's
+    stream, which this waits for)."""
+    return [int(x) for x in _native.host_words(table, stream=kvcacheio._cuda_stream(table))]
+
+
+def _rows_needed(idx: Any) -> int:
+    """One more than the largest index (negative indices are skipped), at least 1."""
+    if isinstance(idx, (list, tuple)):
+        values = [int(v) for v in idx]
+    else:
+        values = [v if v < 1 << 63 else v - (1 << 64) for v in _native.host_words(idx, stream=kvcacheio._cuda_stream(idx))]
+    return max(max(values, default=0) + 1, 1)
+
+
+def _host_bytes(addr: int, nbytes: int) -> Any:
+    """``nbytes`` of host memory at ``addr`` as a writable uint8 array (trusted, like a table)."""
+    import numpy as np
+
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
+
+
+def _page_first_side(table: Any, stride: int, item: int, indices: Any, what: str) -> Any:
+    """A side of an all-layer copy whose rows are ``stride`` bytes apart: it must be sglang's table
+    of every layer of one page_first host buffer (entry ``l`` = the buffer's start + ``l * item``,
+    ``stride`` = layers × ``item``). Returns that buffer's bytes, as far as the indices reach."""
+    if isinstance(table, (list, tuple)):
+        raise ValueError(f"{what}: rows at a stride of {stride} bytes need a table of layer addresses, not a list of arrays")
+    entries = _table_entries(table)
+    base = entries[0] if entries else 0
+    if not entries or stride % item or stride // item != len(entries) or any(e != base + l * item for l, e in enumerate(entries)):
+        raise ValueError(
+            f"{what}: rows of {item} bytes at a stride of {stride} are taken as the layers of one page_first host buffer "
+            f"(a table of every layer, entry l at its start + l * {item}); this table is not one"
+        )
+    return _host_bytes(base, _rows_needed(indices) * stride)
+
+
+def _all_layer(tag: str, src_tables: List[Any], dst_tables: List[Any], indices_src: Any, indices_dst: Any, src_stride: int, dst_stride: int, element_size: Optional[int], quota: int) -> None:
+    """The all-layer copy of :func:`transfer_hicache_all_layer` (two tables a side, K and V) or
+    its MLA twin (one)."""
     if element_size is None:
         # sglang asserts this.
         assert src_stride == dst_stride, f"{tag}: element_size is required when the source and destination strides differ"
         element_size = src_stride
-    if src_stride != element_size or dst_stride != element_size:
+    item = element_size
+    if src_stride != item:
         raise ValueError(
-            f"{tag}: hicache-io's layer tables take rows at a stride of element_size ({element_size}), got {src_stride} and "
-            f"{dst_stride}; page_first backups go through transfer_hicache_all_layer_staged_lf_pf"
+            f"{tag}: source rows at a stride of {src_stride} bytes for {item}-byte rows (strided device rows) are not supported; "
+            "hicache-io's all-layer copies read layer_first layers"
         )
-    return element_size
+    if dst_stride < item:
+        raise ValueError(f"{tag}: destination stride {dst_stride} is smaller than the {item}-byte rows")
+    si, di = _indices(indices_src), _indices(indices_dst)
+    layers = _table_len(src_tables[0])
+    if dst_stride == item:
+        if len(src_tables) == 2:
+            kvcacheio.transfer_kv_all_layer(src_tables[0], dst_tables[0], src_tables[1], dst_tables[1], si, di, item, layers, block_quota=quota)
+        else:
+            kvcacheio.transfer_kv_all_layer_mla(src_tables[0], dst_tables[0], si, di, item, layers, block_quota=quota)
+        return
+    dst = [_page_first_side(t, dst_stride, item, di, f"{tag}: destination") for t in dst_tables]
+    if len(src_tables) == 2:
+        kvcacheio.transfer_kv_all_layer_lf_pf(src_tables[0], dst[0], src_tables[1], dst[1], si, di, item, dst_stride, layers, block_quota=quota)
+    else:
+        kvcacheio.transfer_kv_all_layer_mla_lf_pf(src_tables[0], dst[0], si, di, item, dst_stride, layers, block_quota=quota)
 
 
-def transfer_hicache_all_layer(k_ptr_dst: Any, v_ptr_dst: Any, indices_dst: Any, k_ptr_src: Any, v_ptr_src: Any, indices_src: Any, *, kv_cache_src_stride_bytes: int, kv_cache_dst_stride_bytes: int, element_size: Optional[int] = None, unroll: Optional[int] = None, block_quota: Optional[int] = None) -> None:
-    """Every layer ``l`` of the uint64 pointer tables (or lists of arrays): row ``indices_src[i]``
-    of source layer ``l`` → row ``indices_dst[i]`` of destination layer ``l``, K then V. The
-    tables are trusted as in sglang (each layer holds the rows its largest index needs)."""
+def transfer_hicache_all_layer(k_ptr_dst: Any, v_ptr_dst: Any, indices_dst: Any, k_ptr_src: Any, v_ptr_src: Any, indices_src: Any, *, kv_cache_src_stride_bytes: int, kv_cache_dst_stride_bytes: int, element_size: Optional[int] = None, unroll: Optional[int] = None, block_quota: Optional[int] = None, page_size: Optional[int] = None) -> None:
+    """Every layer ``l`` of the uint64 pointer tables (or lists of arrays): ``element_size`` bytes
+    at ``src[l] + indices_src[i] * kv_cache_src_stride_bytes`` → ``dst[l] + indices_dst[i] *
+    kv_cache_dst_stride_bytes``, K then V. The source rows are packed (stride = element_size);
+    the destination is layer_first rows, or every layer of a page_first host buffer (stride =
+    layers × element_size). Tables are trusted as in sglang (each layer holds the rows its
+    largest index needs)."""
     quota = _tuning(unroll, block_quota)
-    tag = "HicacheKernel"
-    item = _all_layer_item(kv_cache_src_stride_bytes, kv_cache_dst_stride_bytes, element_size, tag)
-    layers = _table_len(k_ptr_src)
-    kvcacheio.transfer_kv_all_layer(k_ptr_src, k_ptr_dst, v_ptr_src, v_ptr_dst, _indices(indices_src), _indices(indices_dst), item, layers, block_quota=quota)
+    _all_layer("HicacheKernel", [k_ptr_src, v_ptr_src], [k_ptr_dst, v_ptr_dst], indices_src, indices_dst, kv_cache_src_stride_bytes, kv_cache_dst_stride_bytes, element_size, quota)
 
 
-def transfer_hicache_all_layer_mla(ptr_dst: Any, indices_dst: Any, ptr_src: Any, indices_src: Any, *, cache_src_stride_bytes: int, cache_dst_stride_bytes: int, element_size: Optional[int] = None, unroll: Optional[int] = None, block_quota: Optional[int] = None) -> None:
-    """:func:`transfer_hicache_all_layer` with one table per side (MLA)."""
+def transfer_hicache_all_layer_mla(ptr_dst: Any, indices_dst: Any, ptr_src: Any, indices_src: Any, *, cache_src_stride_bytes: int, cache_dst_stride_bytes: int, element_size: Optional[int] = None, unroll: Optional[int] = None, block_quota: Optional[int] = None, page_size: Optional[int] = None) -> None:
+    """:func:`transfer_hicache_all_layer` with one table per side (MLA, K-only pools)."""
     quota = _tuning(unroll, block_quota)
-    item = _all_layer_item(cache_src_stride_bytes, cache_dst_stride_bytes, element_size, "HicacheKernel MLA")
-    kvcacheio.transfer_kv_all_layer_mla(ptr_src, ptr_dst, _indices(indices_src), _indices(indices_dst), item, _table_len(ptr_src), block_quota=quota)
+    _all_layer("HicacheKernel MLA", [ptr_src], [ptr_dst], indices_src, indices_dst, cache_src_stride_bytes, cache_dst_stride_bytes, element_size, quota)
 
 
 # ---- staged page_first write-back ----------------------------------------------------------

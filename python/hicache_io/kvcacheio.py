@@ -52,6 +52,7 @@ __all__ = [
     "transfer_kv_all_layer_lf_pfdhg",
     "transfer_embedding_ranges_direct",
     "copy_all_layer_kv_cache_cpu",
+    "get_device_accessible_ptr",
     "register_torch_ops",
 ]
 
@@ -371,6 +372,40 @@ def copy_all_layer_kv_cache_cpu(data_ptrs: Any, strides: Any, tgt_loc: Any, src_
     if _scalar_type(tgt_loc) not in ("Int", "Long"):
         raise RuntimeError(f'"copy_all_layer_kv_cache_cpu" not implemented for \'{_scalar_type(tgt_loc)}\'')
     _native.copy_all_layer_kv_cache_cpu(data_ptrs, strides, tgt_loc, src_loc)
+
+
+def _address(t: Any) -> "tuple[int, bool]":
+    """(address of element 0, whether it is CUDA device memory) of a torch, CuPy, numpy or other
+    DLPack array, strided views included (their first element's address)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(t, torch.Tensor):
+        return t.data_ptr(), t.device.type == "cuda"
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and isinstance(t, cupy.ndarray):
+        return t.data.ptr, True
+    ai = getattr(t, "__array_interface__", None)
+    if ai is not None:
+        return int(ai["data"][0]), False
+    device = getattr(t, "__dlpack_device__", None)
+    if device is not None and device()[0] == _DL_CUDA and hasattr(t, "ptr"):
+        return int(t.ptr), True
+    raise TypeError(f"get_device_accessible_ptr: cannot take the address of a {type(t).__name__}")
+
+
+def get_device_accessible_ptr(tensor: Any, device_index: int) -> int:
+    """The address a kernel on CUDA device ``device_index`` reads ``tensor`` at, as sglang builds
+    its layer tables (``make_kernel_ptr_table``): a CUDA tensor's own address; for host memory,
+    the device alias of pinned or registered memory (``cuMemHostGetDevicePointer``; interior
+    pointers of a registered region, such as a page_first buffer's per-layer views, keep their
+    offset; unregistered memory raises). Without a CUDA device (none in this build or on this
+    machine) a host tensor's address itself: where the cpu executor reads it.
+
+    Registered as ``torch.ops.sgl_kernel.get_device_accessible_ptr`` by
+    :func:`register_torch_ops`, which sglang's ``hasattr`` gate looks for."""
+    addr, on_device = _address(tensor)
+    if on_device or addr == 0:
+        return addr
+    return int(_native.device_accessible_ptr(addr, int(device_index)))
 
 
 def register_torch_ops(namespace: str = "sgl_kernel", *, overwrite: bool = False) -> List[str]:

@@ -482,7 +482,7 @@ const CUDA_EXECUTORS: usize = 8;
 /// recently used one is released (after its streams drain) when another pair needs one, so a
 /// process that cycles through streams does not keep an executor per stream forever.
 #[cfg(feature = "cuda")]
-fn cuda(device_id: i32, stream: u64) -> PyResult<Device> {
+fn cuda_device(device_id: i32, stream: u64) -> hicache_io::Result<Device> {
     use std::sync::Mutex;
     type Cache = Vec<((i32, u64), Device)>;
     static CUDA: OnceLock<Mutex<Cache>> = OnceLock::new();
@@ -493,9 +493,13 @@ fn cuda(device_id: i32, stream: u64) -> PyResult<Device> {
         cache.push(entry);
         return Ok(d);
     }
-    let ordinal = usize::try_from(device_id).map_err(|_| PyValueError::new_err(format!("CUDA device id {device_id}")))?;
+    let ordinal = usize::try_from(device_id).map_err(|_| TransferError::BadArgument {
+        arg: "device_index",
+        value: device_id as i64,
+        message: "a CUDA device ordinal is not negative".into(),
+    })?;
     // SAFETY: the stream is the caller's current stream on that device (see kvcacheio.py).
-    let exec = unsafe { hicache_io::exec::cuda::CudaExecutor::on_raw_stream(ordinal, stream, Default::default()) }.py()?;
+    let exec = unsafe { hicache_io::exec::cuda::CudaExecutor::on_raw_stream(ordinal, stream, Default::default()) }?;
     let d = Device::Cuda(exec);
     if cache.len() == CUDA_EXECUTORS {
         cache.remove(0);
@@ -505,8 +509,45 @@ fn cuda(device_id: i32, stream: u64) -> PyResult<Device> {
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda(_device_id: i32, _stream: u64) -> PyResult<Device> {
-    Err(PyRuntimeError::new_err("cuda: unavailable (this build has no cuda executor)"))
+fn cuda_device(_device_id: i32, _stream: u64) -> hicache_io::Result<Device> {
+    Err(TransferError::Unavailable { backend: "cuda", reason: "this build has no cuda executor".into() })
+}
+
+fn cuda(device_id: i32, stream: u64) -> PyResult<Device> {
+    cuda_device(device_id, stream).py()
+}
+
+/// The values of a 1-D array of 64-bit integers (a layer table or an index list), wherever it
+/// lives: a CUDA array is copied on the caller's stream, which this waits for.
+#[pyfunction]
+#[pyo3(signature = (array, *, stream = None))]
+fn host_words(array: &Bound<'_, PyAny>, stream: Option<u64>) -> PyResult<Vec<u64>> {
+    let ctx = Ctx { stream };
+    let h = view(array, "table", ctx)?;
+    if !(h.dtype == (DL_INT, 64) || h.dtype == (DL_UINT, 64)) || h.raw.dims().len() != 1 {
+        return Err(PyTypeError::new_err("expected a 1-D int64 or uint64 array"));
+    }
+    if h.device_type == DL_CUDA {
+        return Ok(read_cuda(&h, ctx)?.chunks_exact(8).map(|c| u64::from_ne_bytes(c.try_into().expect("8 bytes"))).collect());
+    }
+    let p = h.raw.addr() as *const u64;
+    // SAFETY: `dims[0]` 8-byte values of a live host array (kept by `h`).
+    Ok((0..h.raw.dims()[0] as usize).map(|j| unsafe { p.add(j).read_unaligned() }).collect())
+}
+
+/// sglang's `get_device_accessible_ptr`: the address kernels on CUDA device `device_index` read
+/// host memory at `addr` through (the driver's alias of pinned or registered memory; refused
+/// for other host memory). Without a CUDA device (none in this build or on this machine) the
+/// host address itself, which is where the cpu executor reads it.
+#[pyfunction]
+fn device_accessible_ptr(addr: u64, device_index: i32) -> PyResult<u64> {
+    match cuda_device(device_index, 1) {
+        Err(TransferError::Unavailable { .. }) => Ok(addr),
+        Err(e) => Err(py_err(e)),
+        #[cfg(feature = "cuda")]
+        Ok(Device::Cuda(e)) => e.host_device_pointer(addr).py(),
+        Ok(_) => Ok(addr),
+    }
 }
 
 /// Device bytes of a CUDA index list or layer table, read on the caller's stream.
@@ -1325,6 +1366,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(matrix_json, m)?)?;
     m.add_function(wrap_pyfunction!(check_json, m)?)?;
     m.add_function(wrap_pyfunction!(synchronize, m)?)?;
+    m.add_function(wrap_pyfunction!(device_accessible_ptr, m)?)?;
+    m.add_function(wrap_pyfunction!(host_words, m)?)?;
     m.add_function(wrap_pyfunction!(transfer_kv_per_layer, m)?)?;
     m.add_function(wrap_pyfunction!(transfer_kv_per_layer_pf_lf, m)?)?;
     m.add_function(wrap_pyfunction!(transfer_kv_per_layer_ph_lf, m)?)?;

@@ -334,3 +334,53 @@ def test_jit_checks():
     assert hicache.can_use_hicache_jit_kernel(element_size=1152)
     assert not hicache.can_use_write_back_jit_kernel(element_size=1160)
     assert not a.any()
+
+
+def test_jit_probes_and_keywords_of_sglang_0_5_23():
+    """sglang 0.5.23 passes ``page_size=`` to the probe and to every copy; it only gates
+    sglang's TMA path, which hicache-io does not have."""
+    assert hicache.can_use_hicache_jit_kernel(element_size=1152, page_size=64)
+    assert hicache.can_use_hicache_jit_kernel(element_size=8, unroll=None, block_quota=None, page_size=None)
+    assert not hicache.can_use_hicache_jit_kernel(element_size=12, page_size=1)
+    assert not hicache.use_hicache_tma_kernel(element_size=1024, block_quota=4, page_size=64)
+    assert [hicache.hicache_tma_rows_per_chunk(e) for e in (16, 256, 576, 1024, 32768)] == [128, 128, 32, 32, 1]
+    a = np.arange(8 * 16, dtype=np.float16).reshape(8, 16)
+    d = np.zeros_like(a)
+    hicache.transfer_hicache_one_layer(d, d.copy(), np.array([2], np.int32), a, a.copy(), np.array([5], np.int32), element_dim=16, page_size=64)
+    np.testing.assert_array_equal(d[2], a[5])
+    m = np.zeros_like(a)
+    hicache.transfer_hicache_one_layer_mla(cache_dst=m, indices_dst=[1], cache_src=a, indices_src=[7], page_size=1)
+    np.testing.assert_array_equal(m[1], a[7])
+
+
+def test_jit_all_layer_into_a_page_first_buffer_by_its_layer_table():
+    """sglang's K-only pool backs up page_first with ``transfer_hicache_all_layer_mla(ptr_dst=
+    k_data_ptrs, cache_dst_stride_bytes=layout_dim, cache_src_stride_bytes=row, element_size=row)``:
+    the destination table holds ``k_buffer.transpose(0, 1)[l]`` of every layer."""
+    rng = np.random.default_rng(25)
+    layers, rows, heads, dim, dtype = 3, 40, 2, 8, np.float32
+    row = heads * dim * 4
+    src = [rng.standard_normal((rows, heads, dim)).astype(dtype) for _ in range(layers)]
+    host = np.zeros((rows, layers, heads, dim), dtype)
+    table = lambda arrs: np.array([a.ctypes.data for a in arrs], np.uint64)  # noqa: E731
+    host_table = table([host.transpose(1, 0, 2, 3)[l] for l in range(layers)])
+    si, di = rng.permutation(rows)[:11].astype(np.int64), rng.permutation(rows)[:11].astype(np.int64)
+    hicache.transfer_hicache_all_layer_mla(ptr_dst=host_table, indices_dst=di, ptr_src=table(src), indices_src=si, cache_dst_stride_bytes=layers * row, cache_src_stride_bytes=row, element_size=row, page_size=4)
+    want = np.zeros_like(host)
+    for l in range(layers):
+        want[di, l] = src[l][si]
+    np.testing.assert_array_equal(host, want)
+    # K and V, the MHA shape of the same call.
+    hk, hv = np.zeros_like(host), np.zeros_like(host)
+    hicache.transfer_hicache_all_layer(table([hk.transpose(1, 0, 2, 3)[l] for l in range(layers)]), table([hv.transpose(1, 0, 2, 3)[l] for l in range(layers)]), di, table(src), table(src[::-1]), si, kv_cache_src_stride_bytes=row, kv_cache_dst_stride_bytes=layers * row, element_size=row)
+    np.testing.assert_array_equal(hk, want)
+    for l in range(layers):
+        np.testing.assert_array_equal(hv[di, l], src[layers - 1 - l][si])
+    # A table that is not every layer of one page_first buffer, or strided source rows: refused,
+    # nothing moved.
+    before = host.copy()
+    with pytest.raises(ValueError, match="not one"):
+        hicache.transfer_hicache_all_layer_mla(host_table[:2], di, table(src[:2]), si, cache_dst_stride_bytes=layers * row, cache_src_stride_bytes=row, element_size=row)
+    with pytest.raises(ValueError, match="strided device rows"):
+        hicache.transfer_hicache_all_layer_mla(table(src), si, host_table, di, cache_dst_stride_bytes=row, cache_src_stride_bytes=layers * row, element_size=row)
+    np.testing.assert_array_equal(host, before)

@@ -1,7 +1,6 @@
 """``torch.ops.sgl_kernel.<op>`` through :func:`hicache_io.kvcacheio.register_torch_ops`, and the
 JIT entry points on torch tensors (strided page_first views, int32 indices). Skipped without
-torch (a multi-GB wheel kept out of CI); run them with torch installed:
-``pip install torch numpy pytest ./python && python -m pytest python/tests/test_torch_ops.py``."""
+torch; CI installs it for the sglang client suite and runs these there."""
 
 import re
 
@@ -23,7 +22,7 @@ def ops():
 
 
 def test_every_kvcacheio_op_is_registered_with_sglangs_schema(ops):
-    public = {n for n in kv.__all__ if n.startswith(("transfer_", "copy_"))}
+    public = {n for n in kv.__all__ if n.startswith(("transfer_", "copy_", "get_"))}
     assert public == set(SCHEMAS)
     for name, schema in SCHEMAS.items():
         got = str(getattr(ops, name).default._schema)
@@ -46,6 +45,18 @@ def test_positional_dispatch_moves_the_right_bytes(ops):
     ops.transfer_kv_all_layer_mla.default(table(layers), table(out), si, di, 256, 3, 2, 32)
     for a, b in zip(layers, out):
         assert torch.equal(b[di], a[si])
+
+
+def test_get_device_accessible_ptr_as_sglangs_gate_and_tables_use_it(ops):
+    """sglang calls ``get_device_accessible_ptr`` only when ``torch.ops.sgl_kernel`` has it, on
+    per-layer views of its host buffers; without a CUDA device a host tensor's address is itself
+    (interior views keep their offset)."""
+    assert hasattr(torch.ops.sgl_kernel, "get_device_accessible_ptr")
+    buf = torch.zeros(16, 3, 8)
+    for layer in range(3):
+        view = buf.transpose(0, 1)[layer]
+        assert ops.get_device_accessible_ptr.default(view, 0) == view.data_ptr() == buf.data_ptr() + layer * 32
+        assert kv.get_device_accessible_ptr(view, 0) == view.data_ptr()
 
 
 def test_embedding_and_cpu_copy_through_the_dispatcher(ops):

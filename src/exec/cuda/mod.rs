@@ -256,6 +256,25 @@ impl CudaExecutor {
         Ok(out)
     }
 
+    /// The address kernels of this executor's device read host memory at `addr` through: the
+    /// device alias the driver maps pinned or registered host memory at (interior addresses
+    /// keep their offset). Host memory that is neither is refused with the driver's answer.
+    pub fn host_device_pointer(&self, addr: u64) -> Result<u64> {
+        self.bind()?;
+        let mut dev_ptr = 0;
+        // SAFETY: a plain query; the driver answers for any address.
+        let rc = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev_ptr, addr as *mut c_void, 0) };
+        if rc != sys::CUresult::CUDA_SUCCESS {
+            return Err(TransferError::Executor {
+                backend: "cuda",
+                message: format!(
+                    "host memory at {addr:#x} is not pinned or registered for this device (cuMemHostGetDevicePointer: {rc:?})"
+                ),
+            });
+        }
+        Ok(dev_ptr)
+    }
+
     fn from_parts(ctx: Arc<CudaContext>, stream: Arc<CudaStream>, driver: i32, tuning: LaunchTuning, engine: bool) -> Result<CudaExecutor> {
         let engine = engine.then(|| EngineStream { raw: stream.cu_stream(), _keep: Some(stream.clone()) });
         let name = ctx.name().unwrap_or_else(|_| "?".into());
