@@ -860,6 +860,17 @@ impl State {
                 }
             }
         }
+        // A GPU cannot reach pageable host memory (only pinned or registered memory is mapped
+        // for it): a kernel that touches any is an illegal address, as on the device. DMA copies
+        // (`copy`) may read and write pageable memory; kernels may not.
+        if let Some(&(a, n, _)) = acc.iter().find(|&&(a, n, _)| n > 0 && matches!(self.locate(a, n), Loc::Pageable(_))) {
+            let msg = format!(
+                "{} on {}: the kernel touches {n} bytes at {a:#x}, pageable host memory the GPU cannot reach",
+                op.desc,
+                self.stream_name(sid)
+            );
+            return self.fault(dev, CUDA_ERROR_ILLEGAL_ADDRESS, msg);
+        }
         if let Err(why) = self.check_and_record(sid, op, &acc) {
             return self.fault(dev, CUDA_ERROR_ILLEGAL_ADDRESS, why);
         }

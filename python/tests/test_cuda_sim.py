@@ -96,6 +96,9 @@ class DevArray:
 
     device_id = 0
 
+    def __len__(self):
+        return self.shape[0]
+
     def __dlpack_device__(self):
         return (2, self.device_id)
 
@@ -346,4 +349,111 @@ def test_jit_one_layer_on_cuda_arrays():
     ref = np.zeros((SLOTS, ITEM), np.uint8)
     ref[di] = host[hi]
     assert np.array_equal(dk.numpy(), ref)
+    assert sim_errors() == (0, 0)
+
+
+_registered = []
+cu.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+cu.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
+
+
+def registered(shape, dtype, cuts=(), fill=None, skip=()):
+    """sglang's host pool memory: anonymous mmap (not cuMemHostAlloc), registered with
+    ``cuMemHostRegister(ptr, size, 0)`` in chunks that end at the byte offsets ``cuts`` (sglang
+    registers large pools chunk by chunk, on page boundaries); chunks numbered in ``skip`` are
+    left unregistered (a hole)."""
+    import mmap
+
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape)) * dtype.itemsize
+    m = mmap.mmap(-1, n)
+    a = np.frombuffer(m, dtype=dtype).reshape(shape)
+    base = a.ctypes.data
+    bounds = [0, *cuts, n]
+    for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        if i not in skip:
+            check(cu.cuMemHostRegister_v2(base + lo, hi - lo, 0), "cuMemHostRegister")
+            _registered.append((m, base + lo))
+    if fill is not None:
+        a[...] = fill
+    return a
+
+
+def table(ptrs):
+    """A uint64 layer table on the GPU, as sglang's ``make_kernel_ptr_table`` builds it."""
+    return DevArray.of(np.array(ptrs, np.uint64))
+
+
+def test_sglang_registered_host_pool_chunked_page_first():
+    """sglang's page_first MLA pool on CUDA: mmap'd memory registered in two chunks split on a page
+    boundary, a device table of ``get_device_accessible_ptr`` of every layer's strided view
+    (``kv_buffer.transpose(0, 1)[l]``), backups through the JIT all-layer copy (the K-only pool's
+    call) and AOT ``transfer_kv_all_layer_mla_lf_pf``, loads through the JIT one-layer copy from
+    the strided views, every byte compared."""
+    from hicache_io import hicache
+
+    page = 16
+    host = registered((SLOTS, LAYERS, ITEM), np.uint8, cuts=(SLOTS // 2 * LAYERS * ITEM,))
+    views = [host.transpose(1, 0, 2)[layer] for layer in range(LAYERS)]
+    ptrs = [kv.get_device_accessible_ptr(v, 0) for v in views]
+    assert ptrs == [host.ctypes.data + layer * ITEM for layer in range(LAYERS)]
+    dev = [DevArray.of(rng.integers(0, 256, (SLOTS, ITEM), dtype=np.uint8)) for _ in range(LAYERS)]
+    dev_table, host_table = table([d.ptr for d in dev]), table(ptrs)
+    # Pages on both sides of the registration boundary.
+    di, hi = pages(256, page, 11), pages(256, page, 12)
+    hicache.transfer_hicache_all_layer_mla(host_table, DevArray.of(hi), dev_table, DevArray.of(di), cache_dst_stride_bytes=LAYERS * ITEM, cache_src_stride_bytes=ITEM, element_size=ITEM, page_size=page)
+    sync()
+    for layer in range(LAYERS):
+        assert np.array_equal(host[hi, layer], dev[layer].numpy()[di])
+    # The AOT op sglang's MLA pool uses when the JIT probe says no.
+    host2 = registered((SLOTS, LAYERS, ITEM), np.uint8, cuts=(SLOTS // 4 * LAYERS * ITEM, SLOTS // 2 * LAYERS * ITEM))
+    kv.transfer_kv_all_layer_mla_lf_pf(dev_table, host2, DevArray.of(di), DevArray.of(hi), ITEM, LAYERS * ITEM, LAYERS)
+    sync()
+    assert np.array_equal(host2[hi], host[hi])
+    # Per-layer loads from the strided views, as sglang's pools pass them.
+    for layer in range(LAYERS):
+        back = DevArray.of(np.zeros((SLOTS, ITEM), np.uint8))
+        hicache.transfer_hicache_one_layer_mla(back, DevArray.of(di), views[layer], DevArray.of(hi), element_dim=ITEM, page_size=page)
+        sync()
+        assert np.array_equal(back.numpy()[di], dev[layer].numpy()[di])
+    assert sim_errors() == (0, 0)
+
+
+def test_sglang_registered_host_pool_layer_first_tables():
+    """sglang's layer_first MLA pool: per-layer views ``kv_buffer[l]`` of one registered buffer in
+    host and device tables, both on the GPU (``transfer_kv_all_layer_mla`` and its JIT twin)."""
+    from hicache_io import hicache
+
+    host = registered((LAYERS, SLOTS, ITEM), np.uint8, cuts=(SLOTS * ITEM,))
+    dev = [DevArray.of(rng.integers(0, 256, (SLOTS, ITEM), dtype=np.uint8)) for _ in range(LAYERS)]
+    host_table = table([kv.get_device_accessible_ptr(host[layer], 0) for layer in range(LAYERS)])
+    dev_table = table([d.ptr for d in dev])
+    di, hi = pages(128, 16, 13), pages(128, 16, 14)
+    kv.transfer_kv_all_layer_mla(dev_table, host_table, DevArray.of(di), DevArray.of(hi), ITEM, LAYERS)
+    sync()
+    for layer in range(LAYERS):
+        assert np.array_equal(host[layer][hi], dev[layer].numpy()[di])
+    host[...] = 0
+    hicache.transfer_hicache_all_layer_mla(host_table, DevArray.of(hi), dev_table, DevArray.of(di), cache_src_stride_bytes=ITEM, cache_dst_stride_bytes=ITEM)
+    sync()
+    for layer in range(LAYERS):
+        assert np.array_equal(host[layer][hi], dev[layer].numpy()[di])
+    assert sim_errors() == (0, 0)
+
+
+def test_host_memory_with_an_unregistered_hole_is_refused_before_the_gpu_touches_it():
+    """A host span whose middle chunk was never registered: a kernel touching it would fault the
+    context (the simulator faults too); the op refuses it up front and moves nothing."""
+    third = SLOTS // 3 // 16 * 16 * ITEM
+    host = registered((SLOTS, ITEM), np.uint8, cuts=(third, 2 * third), fill=7, skip=(1,))
+    dev = DevArray.of(rng.integers(0, 256, (SLOTS, ITEM), dtype=np.uint8))
+    # Rows inside the hole: without the up-front check the copy kernel would write them.
+    hole = np.arange(third // ITEM + 1, third // ITEM + 17, dtype=np.int64)
+    with pytest.raises(RuntimeError, match="not pinned or registered"):
+        kv.transfer_kv_per_layer_mla(dev, host, DevArray.of(np.arange(16, dtype=np.int64)), DevArray.of(hole), ITEM)
+    sync()
+    assert (host == 7).all()
+    with pytest.raises(RuntimeError, match="not pinned or registered"):
+        kv.get_device_accessible_ptr(host[third // ITEM + 1], 0)
+    assert kv.get_device_accessible_ptr(host[3], 0) == host[3].ctypes.data
     assert sim_errors() == (0, 0)

@@ -147,7 +147,9 @@ impl CudaBuffer {
             }
             unsafe { CudaBuffer::from_device_ptr(exec, ptr, len) }
         } else {
-            unsafe { CudaBuffer::from_host_ptr(exec, ptr as *mut u8, len, false)? }
+            let b = unsafe { CudaBuffer::from_host_ptr(exec, ptr as *mut u8, len, false)? };
+            host_span_mapped(ptr, len, b.dev_ptr)?;
+            b
         };
         b.stream_ordered = true;
         Ok(b)
@@ -161,6 +163,66 @@ impl CudaBuffer {
     pub fn is_host(&self) -> bool {
         !self.host_ptr.is_null()
     }
+}
+
+/// Checks that every byte of host span `ptr..ptr + len`, whose first byte the device reads at
+/// `dev_ptr`, is pinned or registered memory mapped at the same offset from `dev_ptr`. Engines
+/// register large host pools in chunks (sglang: `cudaHostRegister` per chunk of whole pages), so
+/// a span may cover several registrations; a gap between them, or a chunk the device maps
+/// elsewhere, would make a copy fault on the GPU (a sticky error that ends the context), so it is
+/// refused here, naming the address. Where the driver does not say where a registration ends
+/// (no `RANGE_START_ADDR` / `RANGE_SIZE` answer for host memory), the start's mapping is trusted,
+/// as before.
+fn host_span_mapped(ptr: u64, len: u64, dev_ptr: u64) -> Result<()> {
+    let end = ptr.saturating_add(len);
+    let mut at = ptr;
+    while at < end {
+        let (mut start, mut size): (u64, usize) = (0, 0);
+        // SAFETY: plain queries; the outputs are large enough for the attributes asked.
+        let rc = unsafe {
+            [
+                sys::cuPointerGetAttribute(
+                    &mut start as *mut u64 as *mut c_void,
+                    sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+                    at,
+                ),
+                sys::cuPointerGetAttribute(
+                    &mut size as *mut usize as *mut c_void,
+                    sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+                    at,
+                ),
+            ]
+        };
+        if rc.iter().any(|rc| *rc != sys::CUresult::CUDA_SUCCESS) {
+            if at == ptr {
+                return Ok(());
+            }
+            return Err(TransferError::Executor {
+                backend: "cuda",
+                message: format!("{len} bytes of host memory at {ptr:#x}: {at:#x} is not pinned or registered for the device"),
+            });
+        }
+        if at != ptr {
+            let mut alias = 0;
+            // SAFETY: a plain query.
+            let rc = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut alias, at as *mut c_void, 0) };
+            if rc != sys::CUresult::CUDA_SUCCESS || alias != dev_ptr.wrapping_add(at - ptr) {
+                return Err(TransferError::Executor {
+                    backend: "cuda",
+                    message: format!(
+                        "{len} bytes of host memory at {ptr:#x} span registrations the device maps apart (at {at:#x}: {rc:?}); \
+                         keep one transfer's buffer in one registration"
+                    ),
+                });
+            }
+        }
+        let next = start.saturating_add(size as u64);
+        if next <= at {
+            return Ok(());
+        }
+        at = next;
+    }
+    Ok(())
 }
 
 impl Drop for CudaBuffer {
