@@ -358,6 +358,16 @@ class _Layout:
             self.pool.forget_page_checksums(stale)
 
 
+def _sglang_indices(values: Any) -> Any:
+    """Host indices as sglang's pools take them in ``get_page_buffer_meta``: a 1-D CPU int64
+    torch tensor (they call ``.tolist()`` and ``.reshape`` on it)."""
+    import torch
+
+    if isinstance(values, torch.Tensor):
+        return values.to(device="cpu", dtype=torch.int64).reshape(-1)
+    return torch.from_numpy(np.ascontiguousarray(np.asarray(list(values) if isinstance(values, range) else values, dtype=np.int64).reshape(-1)))
+
+
 class _SglangLayout:
     """An sglang host pool (``MHATokenToKVPoolHost`` and kin, torch tensors): its own
     ``get_page_buffer_meta`` gives the objects' addresses and sizes, K and V interleaved per page,
@@ -368,7 +378,7 @@ class _SglangLayout:
         self.kind = "mla" if mla else "mha"
         self.comps = 1 if mla else 2
         self.page = pool.page_size
-        ptrs, sizes = pool.get_page_buffer_meta(list(range(self.page)))
+        ptrs, sizes = pool.get_page_buffer_meta(_sglang_indices(range(self.page)))
         if len(ptrs) != self.comps or len(set(sizes)) != 1:
             raise ValueError(f"sglang pool pages of {len(ptrs)} objects ({list(sizes)}); expected {self.comps} of one size (layer_first pages are one span per layer)")
         self.obj_bytes = int(sizes[0])
@@ -382,13 +392,13 @@ class _SglangLayout:
         return None  # sglang's controller orders its own transfers before storage calls
 
     def spans(self, host_indices: Sequence[int]) -> List[List[int]]:
-        ptrs, _sizes = self.pool.get_page_buffer_meta(host_indices)
+        ptrs, _sizes = self.pool.get_page_buffer_meta(_sglang_indices(host_indices))
         return [list(map(int, ptrs[i : i + self.comps])) for i in range(0, len(ptrs), self.comps)]
 
     def validate(self, host_indices: Any) -> None:
         """sglang's pools compute addresses without checks: every object must lie inside the
         registered buffer."""
-        ptrs, sizes = self.pool.get_page_buffer_meta(host_indices)
+        ptrs, sizes = self.pool.get_page_buffer_meta(_sglang_indices(host_indices))
         (start, length), = self.regions
         for ptr, size in zip(ptrs, sizes):
             if not (start <= int(ptr) and int(ptr) + int(size) <= start + length):

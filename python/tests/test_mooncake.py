@@ -365,6 +365,9 @@ class FakeSglangMhaPool:
         self.kv_buffer = _Tensor(self.buf)
 
     def get_page_buffer_meta(self, indices):
+        # As sglang's pools: a tensor of host indices, read through tolist() (a list fails here
+        # as it fails there).
+        indices = indices.tolist()
         base, v_offset = self.buf.ctypes.data, self.buf[0].nbytes
         ptrs, sizes = [], []
         for i in range(0, len(indices), self.page_size):
