@@ -1,0 +1,263 @@
+"""sglang 0.5.23's own host pools over its own CPU device pools, moving bytes through
+hicache-io: backup_from_device_all_layer, then load_to_device_per_layer layer by layer, with the
+controller's index conventions; every byte of every buffer checked against the torch reference
+after the backup and after each layer, and the functions sglang called recorded.
+
+Paths: ``cuda_staged`` = sglang's CUDA code paths with the staged write-back capability (what a
+GPU box runs: JIT names, staged page_first backup), ``cuda_unstaged`` = CUDA paths without the
+capability, ``cpu`` = sglang's CPU paths (``_is_cuda`` False: the AOT ``sgl_kernel.kvcacheio``
+ops)."""
+
+from ._env import require_sglang
+
+require_sglang()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from . import cpu_shims  # noqa: E402
+from . import sgl_pools as sp  # noqa: E402
+from .harness import Spy, expected_target  # noqa: E402
+
+PATHS = {"cuda_staged": dict(cuda=True, device_kernels=True), "cuda_unstaged": dict(cuda=True, device_kernels=False), "cpu": dict(cuda=False, device_kernels=False)}
+
+JIT_ALL, JIT_ONE = "jit_transfer_hicache_all_layer", "jit_transfer_hicache_one_layer"
+JIT_STAGED = "jit_transfer_hicache_all_layer_staged_lf_pf"
+JIT_ALL_MLA, JIT_ONE_MLA = "jit_transfer_hicache_all_layer_mla", "jit_transfer_hicache_one_layer_mla"
+JIT_STAGED_MLA = "jit_transfer_hicache_all_layer_mla_staged_lf_pf"
+DIRECT = "transfer_kv_direct"
+PFD_BACKUP, PFD_LOAD = "transfer_kv_all_layer_direct_lf_pf", "transfer_kv_per_layer_direct_pf_lf"
+
+
+def case(*values, id):
+    return pytest.param(*values, id=id)
+
+
+def _check_route(res, backup, load):
+    assert res["backup_calls"] == [backup], f"backup went through {res['backup_calls']}, expected {backup}"
+    assert res["load_calls"] == [load], f"loads went through {res['load_calls']}, expected {load}"
+    for bound, target in res["targets"].items():
+        assert target == expected_target(bound), f"sglang's {bound} is hicache-io's {target}"
+
+
+# --------------------------------------------------------------------------------- MHA
+
+MHA_CASES = [
+    # layout, io, path, backup route, load route
+    case("layer_first", "kernel", "cuda_staged", JIT_ALL, JIT_ONE, id="lf-kernel-cuda"),
+    case("page_first", "kernel", "cuda_staged", JIT_STAGED, JIT_ONE, id="pf-kernel-cuda_staged"),
+    case("page_first", "kernel", "cuda_unstaged", "transfer_kv_all_layer_lf_pf", JIT_ONE, id="pf-kernel-cuda_unstaged"),
+    case("page_head", "kernel", "cuda_staged", "transfer_kv_all_layer_lf_ph", "transfer_kv_per_layer_ph_lf", id="ph-kernel-cuda"),
+    case("layer_first", "direct", "cuda_staged", DIRECT, DIRECT, id="lf-direct-cuda"),
+    case("page_first_direct", "direct", "cuda_staged", PFD_BACKUP, PFD_LOAD, id="pfd-direct-cuda"),
+    case("layer_first", "kernel", "cpu", "transfer_kv_all_layer", "transfer_kv_per_layer", id="lf-kernel-cpu"),
+    case("page_first", "kernel", "cpu", "transfer_kv_all_layer_lf_pf", "transfer_kv_per_layer_pf_lf", id="pf-kernel-cpu"),
+    case("page_head", "kernel", "cpu", "transfer_kv_all_layer_lf_ph", "transfer_kv_per_layer_ph_lf", id="ph-kernel-cpu"),
+    case("layer_first", "direct", "cpu", DIRECT, DIRECT, id="lf-direct-cpu"),
+    case("page_first_direct", "direct", "cpu", PFD_BACKUP, PFD_LOAD, id="pfd-direct-cpu"),
+]
+
+
+@pytest.mark.parametrize("layout,io,path,backup,load", MHA_CASES)
+def test_mha(layout, io, path, backup, load):
+    with cpu_shims.sglang_paths(**PATHS[path]):
+        res = sp.run_mha(layout, io, seed=sp.seed_of(layout, io, path))
+    assert res["can_use_jit"] is PATHS[path]["cuda"]
+    assert res["staged"] is (backup == JIT_STAGED)
+    _check_route(res, backup, load)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_mha_packed_mtp_draft(dtype):
+    """One packed MTP draft layer after the target layers (loaded with is_draft=True)."""
+    with cpu_shims.sglang_paths(cuda=True, device_kernels=True):
+        res = sp.run_mha("page_first", "kernel", drafts=1, dtype=dtype, seed=7)
+    assert res["host_layers"] == 4
+    _check_route(res, JIT_STAGED, JIT_ONE)
+
+
+@pytest.mark.parametrize("layout,path,backup,load", [
+    case("page_first", "cuda_staged", JIT_STAGED, JIT_ONE, id="pf-kernel-cuda_staged"),
+    case("layer_first", "cpu", "transfer_kv_all_layer", "transfer_kv_per_layer", id="lf-kernel-cpu"),
+])
+def test_mha_fp8(layout, path, backup, load):
+    """torch.float8_e4m3fn: sglang's MHATokenToKVPool accepts it on CPU and stores it as uint8
+    (store_dtype); the host pool follows. One byte per element, 128-byte rows."""
+    with cpu_shims.sglang_paths(**PATHS[path]):
+        res = sp.run_mha(layout, "kernel", dtype=torch.float8_e4m3fn, seed=11)
+    assert res["dev"].dtype == torch.float8_e4m3fn and res["dev"].store_dtype == torch.uint8
+    assert res["host"].kv_buffer.dtype == torch.uint8
+    _check_route(res, backup, load)
+
+
+# --------------------------------------------------------------------------------- MLA + draft
+
+MLA_CASES = [
+    case("layer_first", "kernel", "cuda_staged", JIT_ALL_MLA, JIT_ONE_MLA, id="lf-kernel-cuda"),
+    case("page_first", "kernel", "cuda_staged", JIT_STAGED_MLA, JIT_ONE_MLA, id="pf-kernel-cuda_staged"),
+    case("page_first", "kernel", "cuda_unstaged", "transfer_kv_all_layer_mla_lf_pf", JIT_ONE_MLA, id="pf-kernel-cuda_unstaged"),
+    case("layer_first", "direct", "cuda_staged", DIRECT, DIRECT, id="lf-direct-cuda"),
+    case("page_first_direct", "direct", "cuda_staged", PFD_BACKUP, PFD_LOAD, id="pfd-direct-cuda"),
+    case("layer_first", "kernel", "cpu", "transfer_kv_all_layer_mla", "transfer_kv_per_layer_mla", id="lf-kernel-cpu"),
+    case("page_first", "kernel", "cpu", "transfer_kv_all_layer_mla_lf_pf", "transfer_kv_per_layer_mla_pf_lf", id="pf-kernel-cpu"),
+    case("layer_first", "direct", "cpu", DIRECT, DIRECT, id="lf-direct-cpu"),
+    case("page_first_direct", "direct", "cpu", PFD_BACKUP, PFD_LOAD, id="pfd-direct-cpu"),
+]
+
+
+@pytest.mark.parametrize("layout,io,path,backup,load", MLA_CASES)
+def test_mla_with_packed_draft(layout, io, path, backup, load):
+    with cpu_shims.sglang_paths(**PATHS[path]):
+        res = sp.run_mla(layout, io, drafts=1, seed=sp.seed_of(layout, io, path))
+    assert res["host_layers"] == 4  # 3 target layers + the packed draft layer
+    assert res["can_use_jit"] is PATHS[path]["cuda"]
+    assert res["staged"] is (backup == JIT_STAGED_MLA)
+    _check_route(res, backup, load)
+
+
+@pytest.mark.parametrize("layout,io,path,backup,load", [MLA_CASES[1], MLA_CASES[4], MLA_CASES[6]])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_mla_deepseek_dims_two_drafts(layout, io, path, backup, load, dtype):
+    """DeepSeek's latent width (kv_lora_rank 512 + rope 64: 1152- or 576-byte rows) and two
+    packed MTP draft layers."""
+    with cpu_shims.sglang_paths(**PATHS[path]):
+        res = sp.run_mla(layout, io, drafts=2, kv_lora_rank=512, rope=64, dtype=dtype, seed=sp.seed_of(layout, io, path, str(dtype)))
+    assert res["host_layers"] == 5
+    _check_route(res, backup, load)
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla+draft"])
+def test_staged_write_back_beyond_staging_capacity(kind):
+    """70 pages in one backup: more than sglang's staging buffer holds (64 pages,
+    _WRITE_BACK_STAGING_PAGE_CHUNK), so sglang's own kernel would run in chunks."""
+    with cpu_shims.sglang_paths(cuda=True, device_kernels=True):
+        if kind == "mha":
+            res = sp.run_mha("page_first", "kernel", size=320, n_pages=70, seed=70)
+        else:
+            res = sp.run_mla("page_first", "kernel", size=320, n_pages=70, seed=71)
+    assert res["host"].staging_page_capacity == 64 and res["units"] == 70 * sp.P
+    _check_route(res, JIT_STAGED if kind == "mha" else JIT_STAGED_MLA, JIT_ONE if kind == "mha" else JIT_ONE_MLA)
+
+
+# --------------------------------------------------------------------------------- layer-sharded MLA
+
+@pytest.mark.parametrize("layout,io,path,backup,load", [
+    case("layer_first", "kernel", "cuda_staged", JIT_ONE_MLA, JIT_ONE_MLA, id="lf-kernel-cuda"),
+    case("layer_first", "kernel", "cpu", "transfer_kv_per_layer_mla", "transfer_kv_per_layer_mla", id="lf-kernel-cpu"),
+    case("page_first", "kernel", "cuda_staged", JIT_ONE_MLA, JIT_ONE_MLA, id="pf-kernel-cuda"),
+    case("layer_first", "direct", "cpu", DIRECT, DIRECT, id="lf-direct-cpu"),
+])
+def test_layer_sharded_mla(layout, io, path, backup, load):
+    """LayerSplitDSATokenToKVPool rank 1 of 2 (layers 2..3 of 4) + one draft layer: sglang backs
+    it up layer by layer (the one-layer copy), 64-token pages."""
+    with cpu_shims.sglang_paths(**PATHS[path]):
+        res = sp.run_mla_sharded(layout, io, seed=sp.seed_of(layout, io, path))
+    assert res["host_layers"] == 3 and not res["staged"]
+    _check_route(res, backup, load)
+
+
+# --------------------------------------------------------------------------------- DSA indexer
+
+DSA_CASES = [
+    case("layer_first", "kernel", "cuda_staged", None, "transfer_kv_all_layer_mla", "transfer_kv_per_layer_mla", id="lf-kernel"),
+    case("page_first", "kernel", "cuda_staged", None, JIT_STAGED_MLA, "transfer_kv_per_layer_mla_pf_lf", id="pf-kernel-cuda_staged"),
+    case("page_first", "kernel", "cuda_unstaged", None, "transfer_kv_all_layer_mla_lf_pf", "transfer_kv_per_layer_mla_pf_lf", id="pf-kernel-cuda_unstaged"),
+    case("page_first", "kernel", "cpu", None, "transfer_kv_all_layer_mla_lf_pf", "transfer_kv_per_layer_mla_pf_lf", id="pf-kernel-cpu"),
+    case("layer_first", "direct", "cuda_staged", None, DIRECT, DIRECT, id="lf-direct"),
+    case("page_first_direct", "direct", "cuda_staged", None, PFD_BACKUP, PFD_LOAD, id="pfd-direct"),
+    case("layer_first", "kernel", "cuda_staged", (1, 2), "transfer_kv_per_layer_mla", "transfer_kv_per_layer_mla", id="sharded-lf-kernel"),
+    case("layer_first", "direct", "cuda_staged", (1, 2), DIRECT, DIRECT, id="sharded-lf-direct"),
+]
+
+
+@pytest.mark.parametrize("layout,io,path,shard,backup,load", DSA_CASES)
+def test_dsa_indexer(layout, io, path, shard, backup, load):
+    """DSAIndexerPoolHost (page rows of the top-k indexer) with a packed draft; unsharded pools
+    have a skip-topk layer (layer 1) that holds no indexer rows."""
+    with cpu_shims.sglang_paths(**PATHS[path]):
+        res = sp.run_dsa(layout, io, shard=shard, seed=sp.seed_of(layout, io, path, shard))
+    assert res["live"] == ([0, 2, 3] if shard is None else [2, 3])
+    assert res["staged"] is (backup == JIT_STAGED_MLA)
+    _check_route(res, backup, load)
+
+
+# --------------------------------------------------------------------------------- DeepSeek-V4
+
+@pytest.mark.parametrize("layout,io,path,backup,load", [
+    case("layer_first", "kernel", "cuda_staged", "transfer_kv_all_layer_mla", "transfer_kv_per_layer_mla", id="lf-kernel"),
+    case("page_first", "kernel", "cuda_staged", JIT_STAGED_MLA, "transfer_kv_per_layer_mla_pf_lf", id="pf-kernel-cuda_staged"),
+    case("page_first", "kernel", "cuda_unstaged", "transfer_kv_all_layer_mla_lf_pf", "transfer_kv_per_layer_mla_pf_lf", id="pf-kernel-cuda_unstaged"),
+    case("layer_first", "direct", "cuda_staged", DIRECT, DIRECT, id="lf-direct"),
+    case("page_first_direct", "direct", "cuda_staged", PFD_BACKUP, PFD_LOAD, id="pfd-direct"),
+])
+def test_deepseek_v4_paged(layout, io, path, backup, load):
+    """DeepSeekV4PagedHostPool over DeepSeekV4SingleKVPool (fp8 C4 rows, 37440-byte pages),
+    whole 64-token pages."""
+    with cpu_shims.sglang_paths(**PATHS[path]):
+        res = sp.run_dsv4(layout, io, seed=sp.seed_of(layout, io, path))
+    assert res["host"].item_bytes == 37440
+    assert res["staged"] is (backup == JIT_STAGED_MLA)
+    _check_route(res, backup, load)
+
+
+@pytest.mark.skip(reason="transfer_cache_dsv4_mla: not in hicache-io yet (issue 37)")
+def test_deepseek_v4_token_granular():
+    """Token counts that are not a multiple of 64 go through transfer_cache_dsv4_mla (sglang's
+    hisparse JIT op, which hicache-io does not provide yet)."""
+    with cpu_shims.sglang_paths(cuda=True):
+        dev = sp.dsv4_device()
+        host = sp.dsv4_host(dev, "layer_first")
+        with Spy() as spy:
+            host.backup_from_device_all_layer(dev, torch.tensor([3, 64, 129, 500, 700]), torch.tensor([65, 70, 130, 200, 201]), "kernel")
+        assert spy.take() == ["transfer_cache_dsv4_mla"]
+
+
+# --------------------------------------------------------------------------------- what sglang refuses
+
+def _one_backup(host, dev, io, n_tokens, page):
+    h = host.alloc(n_tokens)
+    host.backup_from_device_all_layer(dev, h, torch.arange(page, page + n_tokens, dtype=torch.int64), io)
+
+
+def _mha(layout, io):
+    dev = sp.mha_device()
+    _one_backup(sp.mha_host(dev, layout), dev, io, 2 * sp.P, sp.P)
+
+
+def _mla_sharded(layout, io):
+    dev = sp.dsa_device(shard=(1, 2))
+    _one_backup(sp.mla_host(dev, layout, page_size=sp.PD), dev, io, sp.PD, sp.PD)
+
+
+def _dsa_sharded(layout, io):
+    dev = sp.dsa_device(shard=(1, 2))
+    _one_backup(sp.dsa_indexer_host(dev, layout), dev, io, sp.PD, sp.PD)
+
+
+def _dsv4_unaligned_on_aligned_only():
+    dev = sp.dsv4_device()
+    host = sp.dsv4_host(dev, "layer_first", page_aligned_only=True)
+    host.backup_from_device_all_layer(dev, torch.tensor([1, 2]), torch.tensor([65, 66]), "kernel")
+
+
+REJECTED = [
+    case(lambda: _mha("page_first_direct", "kernel"), "cuda_staged", ValueError, "Unsupported layout: page_first_direct", id="mha-pfd-kernel"),
+    case(lambda: _mha("page_first", "direct"), "cuda_staged", ValueError, "Unsupported layout: page_first", id="mha-pf-direct"),
+    case(lambda: sp.mla_host(sp.mla_device(), "page_head"), "cuda_staged", ValueError, "Unsupported layout: page_head", id="mla-page_head"),
+    case(lambda: _mla_sharded("page_first", "kernel"), "cpu", ValueError, "requires the JIT one-layer kernel", id="mla-sharded-pf-kernel-cpu"),
+    case(lambda: _mla_sharded("page_first_direct", "direct"), "cuda_staged", ValueError, "only supports layer_first", id="mla-sharded-pfd-direct"),
+    case(lambda: _dsa_sharded("page_first", "kernel"), "cuda_staged", ValueError, "per-layer LF->PF kernel", id="dsa-sharded-pf-kernel"),
+    case(lambda: _dsa_sharded("page_first_direct", "direct"), "cuda_staged", ValueError, "only supports layer_first", id="dsa-sharded-pfd-direct"),
+    case(_dsv4_unaligned_on_aligned_only, "cuda_staged", ValueError, "expects page-aligned indices", id="dsv4-unaligned-on-page_aligned_only"),
+]
+
+
+@pytest.mark.parametrize("fn,path,exc,message", REJECTED)
+def test_sglang_rejects(fn, path, exc, message):
+    """Combinations sglang 0.5.23 itself refuses (the same on a GPU): its own exception and
+    message, and no hicache-io function was reached."""
+    with cpu_shims.sglang_paths(**PATHS[path]), Spy() as spy:
+        with pytest.raises(exc) as info:
+            fn()
+    assert message in str(info.value)
+    assert spy.take() == []
