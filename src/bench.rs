@@ -289,6 +289,7 @@ pub fn pipeline(device: &Device, layers: usize, items: u64, compute: Option<Dura
             cpu_budget = Device::Cpu(crate::exec::cpu::CpuExecutor::with_threads(cores.saturating_sub(1).max(1)));
             &cpu_budget
         }
+        #[allow(unreachable_patterns)] // the cpu executor alone (no GPU features)
         other => other,
     };
     let spec = BenchSpec {

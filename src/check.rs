@@ -317,7 +317,7 @@ impl Mirrored {
         let g = self.host.geometry();
         let (chunk, heads) = (g.chunk_bytes() as usize, g.head_num());
         let keys = crate::integrity::Keys::new(crate::integrity::STORAGE_SEED, crate::integrity::words(chunk) * heads as usize)?;
-        let layers = crate::pool::plan_layers(plan);
+        let layers = plan.layers();
         let summed = plan.is_checksummed();
         let mut compared = 0;
         for &l in &layers {

@@ -380,6 +380,12 @@ pub enum TransferError {
 pub type Result<T, E = TransferError> = std::result::Result<T, E>;
 
 impl TransferError {
+    /// [`TransferError::Partial`]: step `failed_step` of `total_steps` failed with `source`
+    /// after `completed_layers` (ascending host layers) had landed.
+    pub(crate) fn partial(failed_step: usize, total_steps: usize, completed_layers: Vec<u64>, source: TransferError) -> TransferError {
+        TransferError::Partial { failed_step, total_steps, completed_layers, source: Box::new(source) }
+    }
+
     /// The same error with its index lists named `host` and `device` instead of the pools'
     /// "host" / "device" (the kvcacheio ops name them after sglang's source and destination).
     pub(crate) fn with_sides(self, host: &'static str, device: &'static str) -> TransferError {

@@ -382,12 +382,7 @@ impl Call {
 /// What an op that moves nothing still owes its caller: the report of an earlier call whose CUDA
 /// index lists failed their device checks, as any other op on the executor gives it.
 fn earlier_reports(device: &Device) -> Result<()> {
-    #[cfg(feature = "cuda")]
-    if let Device::Cuda(e) = device {
-        return e.index_check_reports(false);
-    }
-    let _ = device;
-    Ok(())
+    device.index_check_reports(false)
 }
 
 /// Runs calls that were all validated first, in order. A failure after the first call (an
@@ -400,13 +395,10 @@ fn run_all(calls: Vec<Call>) -> Result<()> {
     if checks.windows(2).any(|w| w[0] != w[1]) {
         return Err(bad("indices", "CUDA index lists need layers of one size (their device checks must be the same); pass host indices"));
     }
-    #[cfg(feature = "cuda")]
-    if let Some(Device::Cuda(e)) = calls.first().map(|c| c.dev.device()) {
-        let e = e.clone();
-        e.index_check_reports(false)?;
-        if !checks.is_empty() {
-            return e.with_shared_index_check(|| run_calls(calls));
-        }
+    let Some(device) = calls.first().map(|c| c.dev.device().clone()) else { return Ok(()) };
+    device.index_check_reports(false)?;
+    if !checks.is_empty() {
+        return device.with_shared_index_check(|| run_calls(calls));
     }
     run_calls(calls)
 }
@@ -422,8 +414,7 @@ fn run_calls(calls: Vec<Call>) -> Result<()> {
             if k == 0 {
                 return Err(e);
             }
-            let completed_layers = (0..k as u64).collect();
-            return Err(TransferError::Partial { failed_step: k, total_steps: total, completed_layers, source: Box::new(e) });
+            return Err(TransferError::partial(k, total, (0..k as u64).collect(), e));
         }
     }
     Ok(())

@@ -549,6 +549,14 @@ pub struct Plan {
     host_units: Arc<[i64]>,
 }
 
+/// The host layers of `steps`, ascending, each once.
+pub(crate) fn layers_of<'a>(steps: impl IntoIterator<Item = &'a Step>) -> Vec<u64> {
+    let mut layers: Vec<u64> = steps.into_iter().flat_map(|s| s.layers().iter().copied()).collect();
+    layers.sort_unstable();
+    layers.dedup();
+    layers
+}
+
 impl Plan {
     /// The plan with its copies checksumming every item (`on`, on an executor whose copies can:
     /// [`Capabilities::checksums`]; index lists on the host). `direct` steps on an executor
@@ -611,6 +619,10 @@ impl Plan {
     /// The steps, in order.
     pub fn steps(&self) -> &[Step] {
         &self.steps
+    }
+    /// The host layers the plan moves, ascending, each once.
+    pub fn layers(&self) -> Vec<u64> {
+        layers_of(self.steps.iter())
     }
     /// The steps, shared (a queued transfer holds them).
     pub(crate) fn shared_steps(&self) -> Arc<[Step]> {
@@ -1056,10 +1068,7 @@ impl Footprint {
             p.dedup();
             p
         };
-        let mut layers: Vec<u64> = plan.steps().iter().flat_map(|s| s.layers().iter().copied()).collect();
-        layers.sort_unstable();
-        layers.dedup();
-        Footprint { layers, host: pages(hi), device: pages(di) }
+        Footprint { layers: plan.layers(), host: pages(hi), device: pages(di) }
     }
 
     /// Whether the two calls touch the same bytes: a common layer and a common host or device

@@ -140,6 +140,8 @@ fn wgpu_giant_item() {
 
 /// The bounded fuzz run (`scripts/fuzz.sh` runs the long one): hostile cases through the public
 /// API on every executor present, in a child process so that an abort or a signal is counted.
+/// (Needs the CLI binary: feature `cli`, on by default.)
+#[cfg(feature = "cli")]
 #[test]
 fn fuzz_finds_no_panic_and_no_corruption() {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_hicache-io"))

@@ -3,8 +3,7 @@
 //! at most about a second), and kept in a cache file per adapter (`$XDG_CACHE_HOME` or
 //! `~/.cache`, `hicache-io/auto-*.json`; `HICACHE_IO_AUTO_CACHE=0` neither reads nor writes it).
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::{Bindings, Device};
@@ -13,20 +12,23 @@ use crate::geometry::{DeviceGeometry, IoBackend, LayerMap, Layout, PoolKind, Poo
 use crate::plan::{self, AutoTable, Capabilities, Op, Request, AUTO_ITEMS, AUTO_RUNS};
 use crate::rng::Rng;
 
-/// Measured tables by executor id.
-static TABLES: Mutex<Option<HashMap<u64, AutoTable>>> = Mutex::new(None);
-
 /// Most time the measurement may take; cells not reached keep the default rule.
 const BUDGET: Duration = Duration::from_millis(1000);
 
-/// The table measured for executor `id`, if any.
-pub(super) fn cached(id: u64) -> Option<AutoTable> {
-    TABLES.lock().unwrap_or_else(|e| e.into_inner()).as_ref().and_then(|m| m.get(&id).copied())
+impl Device {
+    /// [`Device::capabilities`] with the `auto` table measured: on first use per executor
+    /// instance (at most about a second, or read from the cache file of this adapter).
+    pub fn calibrated_capabilities(&self) -> Capabilities {
+        let mut caps = self.base_capabilities();
+        caps.auto = table(self, caps);
+        caps
+    }
 }
 
-/// The table of `device`: measured (or read from the cache file) on first use.
-pub(super) fn table(device: &Device, caps: Capabilities) -> AutoTable {
-    if let Some(t) = cached(device.id()) {
+/// The table of `device`: measured (or read from the cache file) on first use, then kept on
+/// the instance.
+fn table(device: &Device, caps: Capabilities) -> AutoTable {
+    if let Some(t) = device.auto_slot().get() {
         return t;
     }
     let file = cache_file(device);
@@ -47,7 +49,7 @@ pub(super) fn table(device: &Device, caps: Capabilities) -> AutoTable {
             }
             t
         });
-    TABLES.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert_with(HashMap::new).insert(device.id(), t);
+    device.auto_slot().set(t);
     t
 }
 

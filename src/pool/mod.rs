@@ -100,7 +100,11 @@ impl<'m> DevicePool<'m> {
     /// anything moves.
     pub fn from_cpu_slices(config: &DevicePoolConfig, layers: Vec<Vec<&'m mut [u8]>>) -> Result<DevicePool<'m>> {
         let device = Device::cpu();
-        let Device::Cpu(exec) = &device else { unreachable!("Device::cpu is a cpu executor") };
+        #[allow(irrefutable_let_patterns)] // the cpu executor alone (no GPU features)
+        let Device::Cpu(exec) = &device
+        else {
+            unreachable!("Device::cpu is a cpu executor")
+        };
         let buffers = layers.into_iter().map(|c| c.into_iter().map(|s| crate::exec::borrow_cpu_slice(exec, s)).collect()).collect();
         DevicePool::wrap(&device, config, buffers)
     }
@@ -384,7 +388,9 @@ impl<'m> HostPool<'m> {
     /// Wraps an engine's host region(s) on the device pool's cpu executor, one slice per
     /// component.
     pub fn from_cpu_slices(device_pool: &DevicePool, config: &HostPoolConfig, components: Vec<&'m mut [u8]>) -> Result<HostPool<'m>> {
-        let Device::Cpu(exec) = &device_pool.device else {
+        #[allow(irrefutable_let_patterns)] // the cpu executor alone (no GPU features)
+        let Device::Cpu(exec) = &device_pool.device
+        else {
             return Err(TransferError::ExecutorMismatch { expected: device_pool.device.label(), found: "host memory slices (cpu)".into() });
         };
         let buffers = components.into_iter().map(|s| crate::exec::borrow_cpu_slice(exec, s)).collect();
@@ -474,7 +480,7 @@ impl<'m> HostPool<'m> {
             } else if let Some(units) = plan.host_units() {
                 // Loads read these items unverified.
                 let live = units.iter().filter(|u| **u >= 0).count() as u64;
-                let layers = plan_layers(plan).len() as u64;
+                let layers = plan.layers().len() as u64;
                 sidecar.count([0, 0, live * layers * self.pair.host().kind().components() as u64, 0]);
             }
             None
@@ -492,7 +498,7 @@ impl<'m> HostPool<'m> {
             return;
         };
         let comps = self.pair.host().kind().components() as u8;
-        for l in plan_layers(plan) {
+        for l in plan.layers() {
             for c in 0..comps {
                 for &u in units.iter().filter(|u| **u >= 0) {
                     if let Some(slot) = sidecar.slot(u as u64, l, c) {
@@ -647,14 +653,6 @@ impl<'m> HostPool<'m> {
     }
 }
 
-/// The host layers a plan moves, each once.
-pub(crate) fn plan_layers(plan: &Plan) -> Vec<u64> {
-    let mut layers: Vec<u64> = plan.steps().iter().flat_map(|s| s.layers().iter().copied()).collect();
-    layers.sort_unstable();
-    layers.dedup();
-    layers
-}
-
 /// The checksum table a host pool of `config` keeps on `device`: when the config (or its
 /// profile's default) asks for one and the executor's copies can compute it.
 fn sidecar_for(device: &Device, pair: &PoolPair, config: &HostPoolConfig) -> Result<Option<Arc<crate::integrity::Sidecar>>> {
@@ -688,14 +686,8 @@ fn layer_load_plans(
 /// The error of a layer-wise load that failed to issue layer `enqueued.len()` of `total`:
 /// names the host layers of the enqueued plans (none unless `landed`: they were waited for).
 fn partial_layers(enqueued: &[(usize, Op, Plan)], landed: bool, err: TransferError, total: usize) -> TransferError {
-    let mut completed_layers: Vec<u64> = if landed {
-        enqueued.iter().flat_map(|(_, _, p)| p.steps().iter().flat_map(|s| s.layers().iter().copied())).collect()
-    } else {
-        Vec::new()
-    };
-    completed_layers.sort_unstable();
-    completed_layers.dedup();
-    TransferError::Partial { failed_step: enqueued.len(), total_steps: total, completed_layers, source: Box::new(err) }
+    let completed_layers = if landed { crate::plan::layers_of(enqueued.iter().flat_map(|(_, _, p)| p.steps())) } else { Vec::new() };
+    TransferError::partial(enqueued.len(), total, completed_layers, err)
 }
 
 /// A zeroed byte vector, or `OutOfMemory` (never an abort).

@@ -45,17 +45,18 @@ pub(super) struct SideStream {
     pub(super) scratch: Mutex<Scratch>,
 }
 
-/// Completion of everything enqueued before [`super::CudaExecutor::record`].
-pub struct Completion {
+/// Completion of everything enqueued before [`super::CudaExecutor::record`] (an event on the
+/// executor's stream).
+pub struct CudaTicket {
     pub(super) event: sys::CUevent,
     pub(super) ctx: Arc<CudaContext>,
     /// The executor's checksums to settle once the recorded work is done.
-    pub(super) sums: Arc<super::sums::SumsQueue>,
+    pub(super) sums: Arc<super::checksums::SumsQueue>,
 }
 
-unsafe impl Send for Completion {}
+unsafe impl Send for CudaTicket {}
 
-impl Completion {
+impl CudaTicket {
     /// Blocks until the recorded work is done (and its checksums are settled).
     pub fn wait(&self) -> Result<()> {
         self.ctx.bind_to_thread().map_err(|e| drv("bind", e))?;
@@ -75,7 +76,7 @@ impl Completion {
         // SAFETY: a live stream of this (now bound) context.
         unsafe { self.wait_on_raw_stream(stream.cu_stream()) }
     }
-    /// [`Completion::wait_on_stream`] with a raw handle.
+    /// [`CudaTicket::wait_on_stream`] with a raw handle.
     ///
     /// # Safety
     /// `stream` must be a live stream of the transfer's context (or a default-stream handle).
@@ -106,7 +107,16 @@ impl Completion {
     }
 }
 
-impl Drop for Completion {
+impl crate::exec::Ticket for CudaTicket {
+    fn wait(&self) -> Result<()> {
+        CudaTicket::wait(self)
+    }
+    fn is_done(&self) -> Result<bool> {
+        CudaTicket::is_done(self)
+    }
+}
+
+impl Drop for CudaTicket {
     fn drop(&mut self) {
         let _ = self.ctx.bind_to_thread();
         // SAFETY: created by us; destroying a pending event is allowed.

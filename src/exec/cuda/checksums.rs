@@ -26,6 +26,7 @@ use cudarc::driver::DriverError;
 
 use super::driver::drv;
 use crate::error::{Result, TransferError};
+use crate::exec::settle::Settle;
 use crate::exec::IntegrityBinding;
 use crate::integrity::{ItemMismatch, MismatchSink};
 use crate::plan::{ChecksumMode, Run};
@@ -38,13 +39,11 @@ pub(super) struct SumsBuf {
     cap: usize,
 }
 
-/// What an entry settles.
-enum What {
-    /// A summing gather: entry `i · pairs + l` of the sums is index pair `i`'s item of address
-    /// pair `l`, whose host item is `items[l]`.
-    Sums { buf: SumsBuf, src: Arc<[i64]>, dst: Arc<[i64]>, items: Vec<(u64, u8)> },
-    /// `direct` runs, copied without a checksum.
-    Unknown(Vec<Run>),
+/// What an entry settles, and for a summing gather the buffer its sums arrive in (entry
+/// `i · pairs + l` is index pair `i`'s item of address pair `l`).
+struct What {
+    settle: Settle,
+    buf: Option<SumsBuf>,
 }
 
 struct Entry {
@@ -145,7 +144,10 @@ impl SumsQueue {
     ) -> Result<()> {
         // SAFETY: the pinned half holds `cap >= entries · 8` bytes and lives until `free`.
         let rc = unsafe { sys::cuMemcpyDtoHAsync_v2(buf.host as *mut c_void, buf.dev, entries * 8, stream) };
-        let what = What::Sums { buf, src: g.src_indices.clone(), dst: g.dst_indices.clone(), items: g.items.clone() };
+        let what = What {
+            settle: Settle::Sums { src: g.src_indices.clone(), dst: g.dst_indices.clone(), items: g.items.clone() },
+            buf: Some(buf),
+        };
         if rc != sys::CUresult::CUDA_SUCCESS {
             // The kernel may have written the items: they settle as unknown, in order (the
             // buffer is kept until the executor drops).
@@ -169,7 +171,7 @@ impl SumsQueue {
         orphan: bool,
     ) -> Result<()> {
         // SAFETY: as the caller vouches.
-        unsafe { self.push(stream, What::Unknown(runs.to_vec()), mode, binding, orphan) }
+        unsafe { self.push(stream, What { settle: Settle::Unknown(runs.to_vec()), buf: None }, mode, binding, orphan) }
     }
 
     /// Queues an entry settled when its event has completed.
@@ -270,7 +272,7 @@ impl SumsQueue {
                 // SAFETY: our event; nothing waits on it any more.
                 let _ = unsafe { result::event::destroy(e.event) };
             }
-            if let What::Sums { buf, .. } = e.what {
+            if let Some(buf) = e.what.buf {
                 bufs.push(buf);
             }
         }
@@ -291,28 +293,16 @@ impl State {
             // SAFETY: our event, complete or failed; nothing waits on it.
             let _ = unsafe { result::event::destroy(e.event) };
         }
-        let mut n = [0u64; 4];
         let b = &e.binding;
-        match e.what {
-            What::Sums { buf, src, dst, items } => {
+        match (e.what.buf, &e.what.settle) {
+            (Some(buf), Settle::Sums { src, items, .. }) => {
                 let pairs = items.len();
                 // SAFETY: the copy into the pinned half completed (its event did) and wrote
                 // `src.len() · pairs` sums, which the buffer holds.
                 let sums = arrived.then(|| unsafe { std::slice::from_raw_parts(buf.host, src.len() * pairs) });
-                for (i, (&s, &d)) in src.iter().zip(dst.iter()).enumerate() {
-                    if s < 0 || d < 0 {
-                        continue;
-                    }
-                    let (host, device) = match e.mode {
-                        ChecksumMode::Record => (d as u64, s as u64),
-                        ChecksumMode::Verify => (s as u64, d as u64),
-                    };
-                    for (l, &(layer, comp)) in items.iter().enumerate() {
-                        match sums {
-                            Some(sums) => b.settle(e.mode, (host, device, layer, comp), sums[i * pairs + l], &mut n),
-                            None => unknown(b, e.mode, (host, layer, comp), &mut n),
-                        }
-                    }
+                match sums {
+                    Some(sums) => b.settle_step(e.mode, &e.what.settle, Some(&|i, l| sums[i * pairs + l])),
+                    None => b.settle_step(e.mode, &e.what.settle, None),
                 }
                 match arrived {
                     true => self.free.push(buf),
@@ -320,15 +310,12 @@ impl State {
                     false => self.retired.push(buf),
                 }
             }
-            What::Unknown(runs) => {
-                for r in &runs {
-                    for k in 0..r.items {
-                        unknown(b, e.mode, (r.host_unit + k, r.host_layer, r.comp), &mut n);
-                    }
-                }
+            (buf, settle) => {
+                // `direct` runs (no buffer): their items settle as unknown.
+                debug_assert!(buf.is_none());
+                b.settle_step(e.mode, settle, None);
             }
         }
-        b.sidecar.count(n);
         if e.orphan {
             if let Some(TransferError::Integrity { items, .. }) = b.sink.error() {
                 self.unreported.extend(items);
@@ -343,15 +330,5 @@ fn own_sink(binding: &IntegrityBinding, orphan: bool) -> IntegrityBinding {
     match orphan {
         true => IntegrityBinding { sidecar: binding.sidecar.clone(), sink: Arc::new(MismatchSink::default()) },
         false => binding.clone(),
-    }
-}
-
-/// An item moved without a checksum: a backup forgets its recorded one, a load counts it
-/// unverified.
-fn unknown(b: &IntegrityBinding, mode: ChecksumMode, (host, layer, comp): (u64, u64, u8), n: &mut [u64; 4]) {
-    let Some(slot) = b.sidecar.slot(host, layer, comp) else { return };
-    match mode {
-        ChecksumMode::Record => b.sidecar.forget(slot),
-        ChecksumMode::Verify => n[2] += 1,
     }
 }
