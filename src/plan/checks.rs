@@ -1,0 +1,154 @@
+//! hicache-io's own index checks: ranges, whole pages, unique destinations.
+
+use super::*;
+use crate::error::{Result, TransferError};
+use crate::geometry::{DeviceGeometry, HostGeometry, IoBackend, Layout, PoolKind};
+
+/// hicache-io's own checks: ranges, whole pages, unique destinations, executor limits.
+pub(super) fn check_indices(
+    host: &HostGeometry,
+    dev: &DeviceGeometry,
+    caps: &Capabilities,
+    direction: Direction,
+    io: IoBackend,
+    hi: &[i64],
+    di: &[i64],
+) -> Result<()> {
+    let unit = if host.kind() == PoolKind::DsaIndexer { "pages" } else { "slots" };
+    check_range("host", hi, host.slots(), unit)?;
+    check_range("device", di, dev.slots(), unit)?;
+    let group = host.index_page_size();
+    if io == IoBackend::Direct && host.layout() == Layout::PageFirstDirect && group > 1 {
+        check_whole_pages("host", hi, group)?;
+        check_whole_pages("device", di, group)?;
+    }
+    let (dst_side, dst_list, dst_bound) = match direction {
+        Direction::HostToDevice => ("device", di, dev.slots()),
+        Direction::DeviceToHost => ("host", hi, host.slots()),
+    };
+    check_unique(dst_side, dst_list, hi, di, dst_bound, unit)?;
+    match io {
+        IoBackend::Direct | IoBackend::Auto => {
+            if !host.item_bytes().is_multiple_of(caps.direct_align) {
+                return Err(TransferError::Misaligned {
+                    what: format!("{} direct copy item bytes", caps.name),
+                    value: host.item_bytes(),
+                    required: caps.direct_align,
+                });
+            }
+        }
+        IoBackend::Kernel => {
+            let granule = caps.window_granule(host.chunk_bytes());
+            if granule > caps.max_binding {
+                return Err(TransferError::WindowTooSmall {
+                    executor: caps.name,
+                    chunk_bytes: host.chunk_bytes(),
+                    window: caps.max_binding,
+                    required: granule,
+                });
+            }
+            if gather_lanes(caps, host.chunk_bytes(), host.head_num()).is_none() {
+                return Err(TransferError::ExecutorLimit {
+                    executor: caps.name,
+                    what: "head chunks per item (each costs an invocation two loop iterations at least)",
+                    value: host.head_num(),
+                    limit: caps.max_loop_trips / 2,
+                });
+            }
+            // Indices a gather cannot address (a pool larger than the executor's index width).
+            for (side, slots) in [("host", host.slots()), ("device", dev.slots())] {
+                if slots - 1 > caps.max_index {
+                    let list = if side == "host" { hi } else { di };
+                    if let Some(position) = list.iter().position(|&x| x >= 0 && x as u64 > caps.max_index) {
+                        return Err(TransferError::IndexOutOfRange {
+                            side,
+                            index: list[position],
+                            position,
+                            bound: caps.max_index + 1,
+                            unit: "slots (executor index width)",
+                        });
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Token indices → page indices, one per group of `p`, from the group's first token like
+/// sglang (`[:, 0] // P`; negative stays negative). Whether each group really is a whole page is
+/// checked later, with hicache-io's own checks, so that sglang's errors come first.
+pub(super) fn to_pages(tokens: &[i64], p: u64) -> Vec<i64> {
+    tokens.chunks(p as usize).map(|g| g[0].div_euclid(p as i64)).collect()
+}
+
+/// Each group of `p` must be a whole page (`k·p, k·p + 1, …, k·p + p − 1`) or all negative
+/// (skipped). sglang reads only the first entry of each group and assumes the rest; every entry
+/// is checked here, so that no accepted call means something other than its index list says.
+/// `p` is at most 2^32 (checked by the geometry).
+pub(super) fn check_whole_pages(side: &'static str, idx: &[i64], p: u64) -> Result<()> {
+    let pu = p as usize;
+    let pi = p as i64;
+    for (g, chunk) in idx.chunks_exact(pu).enumerate() {
+        let first = chunk[0];
+        let ok = if first < 0 {
+            chunk.iter().all(|&x| x < 0)
+        } else {
+            // Branch-free over the page (it vectorizes): every entry minus its position is `first`.
+            first % pi == 0
+                && first.checked_add(pi - 1).is_some()
+                && chunk.iter().zip(0..pi).fold(0i64, |acc, (&x, k)| acc | (x.wrapping_sub(k) ^ first)) == 0
+        };
+        if !ok {
+            return Err(TransferError::NotWholePage { side, start: first, end: chunk[pu - 1], position: g * pu, page_size: p });
+        }
+    }
+    Ok(())
+}
+
+pub(super) fn check_range(side: &'static str, idx: &[i64], bound: u64, unit: &'static str) -> Result<()> {
+    match idx.iter().position(|&x| x >= 0 && x as u64 >= bound) {
+        Some(position) => Err(TransferError::IndexOutOfRange { side, index: idx[position], position, bound, unit }),
+        None => Ok(()),
+    }
+}
+
+/// Rejects a destination written twice by live pairs (an executor-dependent result otherwise).
+/// Indices are already range-checked against `bound`.
+pub(super) fn check_unique(side: &'static str, dst: &[i64], hi: &[i64], di: &[i64], bound: u64, unit: &'static str) -> Result<()> {
+    let words = usize::try_from(bound.div_ceil(64)).unwrap_or(usize::MAX);
+    let mut seen: Vec<u64> = Vec::new();
+    // A pool of 2^40 slots would need 128 GiB of bitmap; sort instead when the list is smaller.
+    if seen.try_reserve_exact(words).is_err() || words / 8 > dst.len() + 1024 {
+        return check_unique_sorted(side, dst, hi, di, unit);
+    }
+    seen.resize(words, 0);
+    for (i, &d) in dst.iter().enumerate() {
+        if hi[i] < 0 || di[i] < 0 {
+            continue;
+        }
+        let (w, b) = ((d as u64 / 64) as usize, d as u64 % 64);
+        if seen[w] & (1 << b) != 0 {
+            return Err(duplicate(side, dst, hi, di, i, unit));
+        }
+        seen[w] |= 1 << b;
+    }
+    Ok(())
+}
+
+pub(super) fn check_unique_sorted(side: &'static str, dst: &[i64], hi: &[i64], di: &[i64], unit: &'static str) -> Result<()> {
+    let mut live: Vec<(i64, usize)> = (0..dst.len()).filter(|&i| hi[i] >= 0 && di[i] >= 0).map(|i| (dst[i], i)).collect();
+    live.sort_unstable();
+    match live.windows(2).filter(|w| w[0].0 == w[1].0).map(|w| w[1].1).min() {
+        Some(i) => Err(duplicate(side, dst, hi, di, i, unit)),
+        None => Ok(()),
+    }
+}
+
+/// The error for a destination written again at position `second` (rare path: finds where it
+/// was first written, for the message).
+pub(super) fn duplicate(side: &'static str, dst: &[i64], hi: &[i64], di: &[i64], second: usize, unit: &'static str) -> TransferError {
+    let d = dst[second];
+    let first = dst[..second].iter().enumerate().position(|(j, &x)| x == d && hi[j] >= 0 && di[j] >= 0).unwrap_or(0);
+    TransferError::DuplicateDestination { side, unit, index: d, first, second }
+}

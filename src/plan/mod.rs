@@ -1,0 +1,127 @@
+//! The one validation table and the lowering of accepted requests into plans.
+//!
+//! [`decide`] is the table: for a profile and a [`Cell`] (pool kind, operation, layout, io
+//! backend) it returns the path sglang would run (named after its op) or the error sglang
+//! raises, verbatim. [`HostPool::plan`](crate::HostPool::plan) checks one call in sglang's order
+//! (in the order listed under "Order of checks" below) and lowers it into a [`Plan`]: plain data that every executor runs the same
+//! way. Executors never decide support; their limits reach this module as [`Capabilities`].
+//!
+//! # Order of checks
+//! sglang's pool code checks a call in this order, and so does the planner, so that the same
+//! call fails with the same message:
+//! 1. layers: a load of a layer this rank does not own, or of a DSA skip-topk layer, is a no-op
+//!    before anything else is looked at; a layer id the model does not have, or a draft id past
+//!    the drafts, is an error;
+//! 2. DSA indexer: token indices become pages (`Index buffer transfer expects page-aligned
+//!    indices for DSA.` when a list is not a whole number of pages), before the table;
+//! 3. the table ([`decide`]): layout and io backend;
+//! 4. the launcher checks: equal lengths, the `kernel` word (item, then per-head chunk), the
+//!    `direct` page multiple;
+//! 5. an empty call is a no-op;
+//! 6. hicache-io's own checks: index ranges, whole pages, unique destinations, executor
+//!    capabilities.
+//!
+//! Plans are unforgeable: only this module builds them, their fields are private, and a plan
+//! runs only on the executor instance and pools it was made for.
+//!
+//! Rooms: `capabilities` (what an executor can address, the `auto` table), `table` ([`decide`]:
+//! one screen of rules), `types` (plans, steps, runs, requests), `planner` (the entry: checks in
+//! sglang's order, then lowering), `device_lists` (index lists checked on the device),
+//! `footprint` (what a call touches, for a pipeline's ordering), `checks` (index checks),
+//! `lower` (gathers and coalesced runs), `int` (integer helpers).
+
+mod capabilities;
+mod checks;
+mod device_lists;
+mod footprint;
+mod int;
+mod lower;
+mod planner;
+mod table;
+mod types;
+
+pub use capabilities::*;
+pub use device_lists::*;
+pub use int::*;
+pub use lower::coalesce;
+pub use table::*;
+pub use types::*;
+
+pub(crate) use footprint::Footprint;
+pub(crate) use planner::plan;
+pub(crate) use types::layers_of;
+
+use checks::*;
+use lower::*;
+use planner::*;
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::error::TransferError;
+    use crate::geometry::{IoBackend, LayerMap, Layout, PoolKind, PoolPair, Profile};
+
+    #[test]
+    fn auto_default_rule_and_nearest_cells() {
+        let t = AutoTable::DEFAULT;
+        assert_eq!(t.choose(1, 128.0 as u64, 1.0), IoBackend::Kernel);
+        assert_eq!(t.choose(1, 8448, 1.0), IoBackend::Direct);
+        assert_eq!(t.choose(8, 1152, 64.0), IoBackend::Direct);
+        assert_eq!(t.choose(8, 1152, 2.0), IoBackend::Kernel);
+        assert!((mean_run(&[0, 1, 2, 9], &[5, 6, 7, 1]) - 2.0).abs() < 1e-9);
+        assert!((mean_run(&[0, -1, 2], &[0, 1, 2]) - 1.0).abs() < 1e-9);
+    }
+
+    /// `auto` answers a wrong call with the same error whichever path the calibration prefers.
+    #[test]
+    fn auto_answers_a_wrong_call_alike_whatever_the_calibration() {
+        let dc =
+            crate::pool::DevicePoolConfig { kind: PoolKind::Mla, bytes_per_token: 64, slots: 64, page_size: 4, layers: LayerMap::new(2) };
+        let pair = Arc::new(PoolPair::new(dc.geometry().unwrap(), Layout::LayerFirst, 64, 1).unwrap());
+        let op = Op::Load { layer_id: 0, is_draft: false };
+        let calls: [(Vec<i64>, Vec<i64>); 2] = [(vec![0, 1], vec![2, 64]), ((0..8).collect(), vec![8, 9, 10, 11, 12, 13, 14, 8])];
+        let answers = |direct: bool| -> Vec<String> {
+            let caps = Capabilities { auto: AutoTable { direct: [[[direct; 4]; 6]; 2], calibrated: true }, ..Capabilities::UNLIMITED };
+            assert_eq!(caps.auto.choose(1, 64, 8.0), if direct { IoBackend::Direct } else { IoBackend::Kernel });
+            calls
+                .iter()
+                .map(|(hi, di)| {
+                    let req = Request { op, io_backend: IoBackend::Auto, host_indices: hi, device_indices: di };
+                    plan(Profile::Extended, &caps, 1, &pair, &req).unwrap_err().to_string()
+                })
+                .collect()
+        };
+        let (k, d) = (answers(false), answers(true));
+        assert_eq!(k, d);
+        assert!(k[0].contains("64") && k[0].contains("device"), "{}", k[0]);
+        assert!(k[1].contains("written twice") || k[1].to_lowercase().contains("duplicate"), "{}", k[1]);
+    }
+
+    #[test]
+    fn coalescing_like_transfer_kv_direct() {
+        assert_eq!(coalesce(&[0, 1, 2, 7, 8], &[10, 11, 5, 6, 7]), vec![(0, 10, 2), (2, 5, 1), (7, 6, 2)]);
+        assert_eq!(coalesce(&[0, -1, 2, 3], &[0, 1, 2, 3]), vec![(0, 0, 1), (2, 2, 2)]);
+    }
+
+    #[test]
+    fn whole_pages_near_the_integer_limit() {
+        assert!(check_whole_pages("host", &[i64::MAX - 3, i64::MAX - 2, i64::MAX - 1, i64::MAX], 4).is_ok());
+        // (2^63 - 2) is a multiple of 3 whose page would end past i64::MAX.
+        assert!(check_whole_pages("host", &[i64::MAX - 1, 0, 0], 3).is_err());
+        // Interior entries count, not only the first and last.
+        assert!(check_whole_pages("host", &[4, 6, 5, 7], 4).is_err());
+        assert!(check_whole_pages("host", &[-1, 2, -1, -1], 4).is_err());
+        assert!(check_whole_pages("host", &[4, 5, 6, 7, -1, -1, -1, -1], 4).is_ok());
+    }
+
+    #[test]
+    fn duplicates_are_found_with_and_without_a_bitmap() {
+        let (hi, di) = ([0i64, 1, 2, 3], [5i64, 9, 5, 7]);
+        let e = check_unique("device", &di, &hi, &di, 10, "slots").unwrap_err();
+        assert!(matches!(e, TransferError::DuplicateDestination { first: 0, second: 2, .. }), "{e:?}");
+        let e = check_unique("device", &di, &hi, &di, 1 << 50, "slots").unwrap_err();
+        assert!(matches!(e, TransferError::DuplicateDestination { first: 0, second: 2, .. }), "{e:?}");
+    }
+}
