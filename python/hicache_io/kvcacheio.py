@@ -24,37 +24,17 @@ arguments given as tables of addresses, need index values on the host: there a C
 is copied first, which waits for the stream (as sgl-kernel does for ``direct``).
 """
 
+import json
 import os
 import sys
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from . import _native
 
-__all__ = [
-    "synchronize",
-    "transfer_kv_per_layer",
-    "transfer_kv_per_layer_pf_lf",
-    "transfer_kv_per_layer_ph_lf",
-    "transfer_kv_all_layer",
-    "transfer_kv_all_layer_lf_pf",
-    "transfer_kv_all_layer_lf_ph",
-    "transfer_kv_per_layer_mla",
-    "transfer_kv_per_layer_mla_pf_lf",
-    "transfer_kv_all_layer_mla",
-    "transfer_kv_all_layer_mla_lf_pf",
-    "transfer_kv_direct",
-    "transfer_kv_per_layer_direct_pf_lf",
-    "transfer_kv_all_layer_direct_lf_pf",
-    "transfer_kv_per_layer_lf_pf",
-    "transfer_kv_per_layer_mla_lf_pf",
-    "transfer_kv_per_layer_direct_lf_pf",
-    "transfer_kv_per_layer_pfdhg_lf",
-    "transfer_kv_all_layer_lf_pfdhg",
-    "transfer_embedding_ranges_direct",
-    "copy_all_layer_kv_cache_cpu",
-    "get_device_accessible_ptr",
-    "register_torch_ops",
-]
+#: Every op of hicache-io's catalogue (``hicache_io::kvcacheio::catalogue``): name, arguments and
+#: their kinds, launch tuning, sglang's torch schema, dispatch keys, docstring. The generic ops
+#: below are made from it; :mod:`hicache_io.torch_ops` and :mod:`hicache_io.sglang` read it too.
+CATALOGUE: List[Dict[str, Any]] = json.loads(_native.op_catalogue())
 
 _DL_CUDA = 2
 
@@ -124,189 +104,47 @@ def synchronize(device: Optional[int] = None) -> None:
     _native.synchronize(index, stream=stream)
 
 
-def transfer_kv_per_layer(src_k: Any, dst_k: Any, src_v: Any, dst_v: Any, src_indices: Any, dst_indices: Any, item_size: int, block_quota: Optional[int] = None, num_warps_per_block: Optional[int] = None) -> None:
-    """One layer, layer_first to layer_first: ``dst_k[d] = src_k[s]`` and ``dst_v[d] = src_v[s]`` for each index pair (items of ``item_size`` bytes; negative indices skipped).
+# ---- the generic ops, made from the catalogue ----------------------------------------------
 
-    Sizes are bytes; arrays, executors and checks: see the module docstring.
-    """
-    _native.transfer_kv_per_layer(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, item_size, stream=_cuda_stream(src_k, dst_k, src_v, dst_v, src_indices, dst_indices), block_quota=block_quota, num_warps_per_block=num_warps_per_block)
+_INT_KINDS = {"Int": "int", "Ints": "List[int]"}
 
 
-def transfer_kv_per_layer_pf_lf(src_k: Any, dst_k: Any, src_v: Any, dst_v: Any, src_indices: Any, dst_indices: Any, layer_id: int, item_size: int, src_layout_dim: int, block_quota: Optional[int] = None, num_warps_per_block: Optional[int] = None) -> None:
-    """Layer ``layer_id`` of a page_first host buffer ``[slots][L][item]`` (``src_layout_dim = L * item_size``) into one layer_first device layer.
-
-    Sizes are bytes; arrays, executors and checks: see the module docstring.
-    """
-    _native.transfer_kv_per_layer_pf_lf(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, layer_id, item_size, src_layout_dim, stream=_cuda_stream(src_k, dst_k, src_v, dst_v, src_indices, dst_indices), block_quota=block_quota, num_warps_per_block=num_warps_per_block)
-
-
-def transfer_kv_per_layer_ph_lf(src_k: Any, dst_k: Any, src_v: Any, dst_v: Any, src_indices: Any, dst_indices: Any, layer_id: int, item_size: int, src_layout_dim: int, page_size: int, head_num: int, block_quota: Optional[int] = None, num_warps_per_block: Optional[int] = None) -> None:
-    """Layer ``layer_id`` of a page_head host buffer ``[pages][head_num][page_size][L][item / head_num]`` into one layer_first device layer.
-
-    Sizes are bytes; arrays, executors and checks: see the module docstring.
-    """
-    _native.transfer_kv_per_layer_ph_lf(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, layer_id, item_size, src_layout_dim, page_size, head_num, stream=_cuda_stream(src_k, dst_k, src_v, dst_v, src_indices, dst_indices), block_quota=block_quota, num_warps_per_block=num_warps_per_block)
-
-
-def transfer_kv_all_layer(src_k_layers: Any, dst_k_layers: Any, src_v_layers: Any, dst_v_layers: Any, src_indices: Any, dst_indices: Any, item_size: int, num_layers: int, block_quota: Optional[int] = None, num_warps_per_block: Optional[int] = None) -> None:
-    """Every layer ``j < num_layers``: ``dst_*_layers[j][d] = src_*_layers[j][s]`` (layer_first both sides).
-
-    ``*_layers`` arguments take a list of arrays (every index is bounds-checked against its layer) or, as sglang passes them, a 1-D int64 or uint64 table of layer base addresses (host or GPU memory), which is trusted: each layer is assumed to hold what the largest index needs.
-
-    Sizes are bytes; arrays, executors and checks: see the module docstring.
-    """
-    _native.transfer_kv_all_layer(src_k_layers, dst_k_layers, src_v_layers, dst_v_layers, src_indices, dst_indices, item_size, num_layers, stream=_cuda_stream(src_k_layers, dst_k_layers, src_v_layers, dst_v_layers, src_indices, dst_indices), block_quota=block_quota, num_warps_per_block=num_warps_per_block)
+def _tuning(spec: Dict[str, Any]) -> "tuple[str, str, str]":
+    """(extra parameters, prologue, extra keyword arguments of the native call) of an op's launch
+    tuning."""
+    t = spec["tuning"]
+    if t == "None":
+        return "", "", ""
+    params = ", block_quota: Optional[int] = None, num_warps_per_block: Optional[int] = None"
+    kw = ", block_quota=block_quota, num_warps_per_block=num_warps_per_block"
+    if t == "Env":
+        return params, "    if block_quota is None:\n        block_quota = _env_block_quota(None)\n", kw
+    if isinstance(t, dict) and "EnvOr" in t:
+        return params, f"    block_quota = _positive_quota(_env_block_quota({t['EnvOr']}) if block_quota is None else block_quota)\n", kw
+    return params, "", kw
 
 
-def transfer_kv_all_layer_lf_pf(src_k_layers: Any, dst_k: Any, src_v_layers: Any, dst_v: Any, src_indices: Any, dst_indices: Any, item_size: int, dst_layout_dim: int, num_layers: int, block_quota: Optional[int] = None, num_warps_per_block: Optional[int] = None) -> None:
-    """Every device layer into its layer of a page_first host buffer (``dst_layout_dim = num_layers * item_size``).
-
-    ``*_layers`` arguments take a list of arrays (every index is bounds-checked against its layer) or, as sglang passes them, a 1-D int64 or uint64 table of layer base addresses (host or GPU memory), which is trusted: each layer is assumed to hold what the largest index needs.
-
-    Sizes are bytes; arrays, executors and checks: see the module docstring.
-    """
-    _native.transfer_kv_all_layer_lf_pf(src_k_layers, dst_k, src_v_layers, dst_v, src_indices, dst_indices, item_size, dst_layout_dim, num_layers, stream=_cuda_stream(src_k_layers, dst_k, src_v_layers, dst_v, src_indices, dst_indices), block_quota=block_quota, num_warps_per_block=num_warps_per_block)
-
-
-def transfer_kv_all_layer_lf_ph(src_k_layers: Any, dst_k: Any, src_v_layers: Any, dst_v: Any, src_indices: Any, dst_indices: Any, item_size: int, dst_layout_dim: int, num_layers: int, page_size: int, head_num: int, block_quota: Optional[int] = None, num_warps_per_block: Optional[int] = None) -> None:
-    """Every device layer into its layer of a page_head host buffer.
-
-    ``*_layers`` arguments take a list of arrays (every index is bounds-checked against its layer) or, as sglang passes them, a 1-D int64 or uint64 table of layer base addresses (host or GPU memory), which is trusted: each layer is assumed to hold what the largest index needs.
-
-    Sizes are bytes; arrays, executors and checks: see the module docstring.
-    """
-    _native.transfer_kv_all_layer_lf_ph(src_k_layers, dst_k, src_v_layers, dst_v, src_indices, dst_indices, item_size, dst_layout_dim, num_layers, page_size, head_num, stream=_cuda_stream(src_k_layers, dst_k, src_v_layers, dst_v, src_indices, dst_indices), block_quota=block_quota, num_warps_per_block=num_warps_per_block)
+def _source(spec: Dict[str, Any]) -> str:
+    """The Python source of a generic op's wrapper: its signature, docstring and one native call."""
+    names = [a for a, _ in spec["args"]]
+    typed = ", ".join(f"{a}: {_INT_KINDS.get(k, 'Any')}" for a, k in spec["args"])
+    tensors = ", ".join(a for a, k in spec["args"] if k not in _INT_KINDS)
+    params, prologue, kw = _tuning(spec)
+    doc = "\n".join(("    " + line) if line else "" for line in spec["docstring"].replace("\\", "\\\\").split("\n")).lstrip()
+    return (
+        f"def {spec['name']}({typed}{params}) -> None:\n"
+        f'    """{doc}\n    """\n'
+        f"{prologue}"
+        f"    _native.call_op({spec['name']!r}, ({', '.join(names)},), stream=_cuda_stream({tensors}){kw})\n"
+    )
 
 
-def transfer_kv_per_layer_mla(src: Any, dst: Any, src_indices: Any, dst_indices: Any, item_size: int, block_quota: Optional[int] = None, num_warps_per_block: Optional[int] = None) -> None:
-    """One layer, layer_first to layer_first, one buffer (MLA, DSA indexer). ``block_quota=None``
-    takes ``SGLANG_HICACHE_BLOCK_QUOTA`` when set, as sglang does.
+_GENERIC = [spec for spec in CATALOGUE if spec["binding"] == "Generic"]
+for _spec in _GENERIC:
+    exec(compile(_source(_spec), f"<hicache_io.kvcacheio {_spec['name']}>", "exec"), globals())
+del _spec
 
-    Sizes are bytes; arrays, executors and checks: see the module docstring.
-    """
-    if block_quota is None:
-        block_quota = _env_block_quota(None)
-    _native.transfer_kv_per_layer_mla(src, dst, src_indices, dst_indices, item_size, stream=_cuda_stream(src, dst, src_indices, dst_indices), block_quota=block_quota, num_warps_per_block=num_warps_per_block)
-
-
-def transfer_kv_per_layer_mla_pf_lf(src: Any, dst: Any, src_indices: Any, dst_indices: Any, layer_id: int, item_size: int, src_layout_dim: int, block_quota: Optional[int] = None, num_warps_per_block: Optional[int] = None) -> None:
-    """Layer ``layer_id`` of a page_first host buffer into one layer_first device layer (one buffer). ``block_quota=None`` takes ``SGLANG_HICACHE_BLOCK_QUOTA`` when set, as sglang does.
-
-    Sizes are bytes; arrays, executors and checks: see the module docstring.
-    """
-    if block_quota is None:
-        block_quota = _env_block_quota(None)
-    _native.transfer_kv_per_layer_mla_pf_lf(src, dst, src_indices, dst_indices, layer_id, item_size, src_layout_dim, stream=_cuda_stream(src, dst, src_indices, dst_indices), block_quota=block_quota, num_warps_per_block=num_warps_per_block)
-
-
-def transfer_kv_all_layer_mla(src_layers: Any, dst_layers: Any, src_indices: Any, dst_indices: Any, item_size: int, num_layers: int, block_quota: Optional[int] = None, num_warps_per_block: Optional[int] = None) -> None:
-    """Every layer, layer_first to layer_first, one buffer per layer.
-
-    ``*_layers`` arguments take a list of arrays (every index is bounds-checked against its layer) or, as sglang passes them, a 1-D int64 or uint64 table of layer base addresses (host or GPU memory), which is trusted: each layer is assumed to hold what the largest index needs.
-
-    Sizes are bytes; arrays, executors and checks: see the module docstring.
-    """
-    _native.transfer_kv_all_layer_mla(src_layers, dst_layers, src_indices, dst_indices, item_size, num_layers, stream=_cuda_stream(src_layers, dst_layers, src_indices, dst_indices), block_quota=block_quota, num_warps_per_block=num_warps_per_block)
-
-
-def transfer_kv_all_layer_mla_lf_pf(src_layers: Any, dst: Any, src_indices: Any, dst_indices: Any, item_size: int, dst_layout_dim: int, num_layers: int, block_quota: Optional[int] = None, num_warps_per_block: Optional[int] = None) -> None:
-    """Every device layer into its layer of a page_first host buffer (one buffer).
-
-    ``*_layers`` arguments take a list of arrays (every index is bounds-checked against its layer) or, as sglang passes them, a 1-D int64 or uint64 table of layer base addresses (host or GPU memory), which is trusted: each layer is assumed to hold what the largest index needs.
-
-    Sizes are bytes; arrays, executors and checks: see the module docstring.
-    """
-    _native.transfer_kv_all_layer_mla_lf_pf(src_layers, dst, src_indices, dst_indices, item_size, dst_layout_dim, num_layers, stream=_cuda_stream(src_layers, dst, src_indices, dst_indices), block_quota=block_quota, num_warps_per_block=num_warps_per_block)
-
-
-def transfer_kv_direct(src_layers: Any, dst_layers: Any, src_indices: Any, dst_indices: Any, page_size: int) -> None:
-    """For every layer ``j``, the runs of consecutive index pairs copied row by row, ``src_layers[j]`` to ``dst_layers[j]`` (rows along dimension 0). ``page_size`` only gates the index count, as in sglang.
-
-    Sizes are bytes; arrays, executors and checks: see the module docstring.
-    """
-    _native.transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_size, stream=_cuda_stream(src_layers, dst_layers, src_indices, dst_indices))
-
-
-def transfer_kv_per_layer_direct_pf_lf(src_ptrs: List[Any], dst_ptrs: List[Any], src_indices: Any, dst_indices: Any, layer_id: int, page_size: int) -> None:
-    """Whole pages of layer ``layer_id + j`` of page_first_direct host buffers (``src_ptrs``: ``[K, V]`` or ``[C]``, shape ``[pages, L, page_size, ...]``) into device layer ``j`` (``dst_ptrs``: K layers then V layers). Only the first index of each page is read; the rest must follow it.
-
-    Sizes are bytes; arrays, executors and checks: see the module docstring.
-    """
-    _native.transfer_kv_per_layer_direct_pf_lf(src_ptrs, dst_ptrs, src_indices, dst_indices, layer_id, page_size, stream=_cuda_stream(src_ptrs, dst_ptrs, src_indices, dst_indices))
-
-
-def transfer_kv_all_layer_direct_lf_pf(src_ptrs: List[Any], dst_ptrs: List[Any], src_indices: Any, dst_indices: Any, page_size: int) -> None:
-    """Whole pages of every device layer (``src_ptrs``: K layers then V layers, or the MLA layers) into page_first_direct host buffers (``dst_ptrs``: ``[K, V]`` or ``[C]``).
-
-    Sizes are bytes; arrays, executors and checks: see the module docstring.
-    """
-    _native.transfer_kv_all_layer_direct_lf_pf(src_ptrs, dst_ptrs, src_indices, dst_indices, page_size, stream=_cuda_stream(src_ptrs, dst_ptrs, src_indices, dst_indices))
-
-
-def transfer_kv_per_layer_lf_pf(src_k: Any, dst_k: Any, src_v: Any, dst_v: Any, src_indices: Any, dst_indices: Any, layer_id: int, item_size: int, dst_layout_dim: int, block_quota: Optional[int] = None, num_warps_per_block: Optional[int] = None) -> None:
-    """Not in sglang: one device layer into layer ``layer_id`` of a page_first host buffer (``dst_layout_dim = L * item_size``) -- the per-layer LF->PF path whose absence makes sglang raise ``Layer-sharded DSA indexer HiCache backup with page_first layout is not supported without a per-layer LF->PF kernel.``
-
-    Sizes are bytes; arrays, executors and checks: see the module docstring.
-    """
-    _native.transfer_kv_per_layer_lf_pf(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, layer_id, item_size, dst_layout_dim, stream=_cuda_stream(src_k, dst_k, src_v, dst_v, src_indices, dst_indices), block_quota=block_quota, num_warps_per_block=num_warps_per_block)
-
-
-def transfer_kv_per_layer_mla_lf_pf(src: Any, dst: Any, src_indices: Any, dst_indices: Any, layer_id: int, item_size: int, dst_layout_dim: int, block_quota: Optional[int] = None, num_warps_per_block: Optional[int] = None) -> None:
-    """Not in sglang: :func:`transfer_kv_per_layer_lf_pf` with one buffer (MLA, and the DSA indexer with page-sized items and page indices).
-
-    Sizes are bytes; arrays, executors and checks: see the module docstring.
-    """
-    _native.transfer_kv_per_layer_mla_lf_pf(src, dst, src_indices, dst_indices, layer_id, item_size, dst_layout_dim, stream=_cuda_stream(src, dst, src_indices, dst_indices), block_quota=block_quota, num_warps_per_block=num_warps_per_block)
-
-
-def transfer_kv_per_layer_direct_lf_pf(src_ptrs: List[Any], dst_ptrs: List[Any], src_indices: Any, dst_indices: Any, layer_id: int, page_size: int) -> None:
-    """Not in sglang: whole pages of one device layer (``src_ptrs``: ``[K, V]`` or ``[C]``) into layer ``layer_id`` of page_first_direct host buffers (``dst_ptrs``: ``[K, V]`` or ``[C]``, shape ``[pages, L, page_size, ...]``).
-
-    Sizes are bytes; arrays, executors and checks: see the module docstring.
-    """
-    _native.transfer_kv_per_layer_direct_lf_pf(src_ptrs, dst_ptrs, src_indices, dst_indices, layer_id, page_size, stream=_cuda_stream(src_ptrs, dst_ptrs, src_indices, dst_indices))
-
-
-def transfer_kv_per_layer_pfdhg_lf(src_k: Any, dst_k: Any, src_v: Any, dst_v: Any, src_indices: Any, dst_indices: Any, layer_id: int, item_size: int, src_layout_dim: int, page_size: int, head_num: int, block_quota: Optional[int] = None, num_warps_per_block: Optional[int] = None) -> None:
-    """Layer ``layer_id`` of a head-group-major page_first_direct host buffer into one device layer.
-
-    Host shape per component: ``[pages][head_num][L][page_size][item_size / head_num]`` (``head_num``
-    counts head GROUPS; ``src_layout_dim = L * item_size``); device rows ``[rows][item_size]``, whose
-    group ``g`` is bytes ``[g * item_size / head_num, (g + 1) * item_size / head_num)``. One head group
-    is plain page_first_direct. Indices are token slots. Empty lists are a no-op once the integers
-    pass. ``block_quota=None`` takes ``SGLANG_HICACHE_BLOCK_QUOTA`` when set, else 2 (sglang's).
-
-    Sizes are bytes; arrays, executors and checks: see the module docstring.
-    """
-    block_quota = _positive_quota(_env_block_quota(2) if block_quota is None else block_quota)
-    _native.transfer_kv_per_layer_pfdhg_lf(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, layer_id, item_size, src_layout_dim, page_size, head_num, stream=_cuda_stream(src_k, dst_k, src_v, dst_v, src_indices, dst_indices), block_quota=block_quota, num_warps_per_block=num_warps_per_block)
-
-
-def transfer_kv_all_layer_lf_pfdhg(src_k_layers: Any, dst_k: Any, src_v_layers: Any, dst_v: Any, src_indices: Any, dst_indices: Any, item_size: int, dst_layout_dim: int, num_layers: int, page_size: int, head_num: int, block_quota: Optional[int] = None, num_warps_per_block: Optional[int] = None) -> None:
-    """Every device layer into its layer of a head-group-major page_first_direct host buffer: the
-    mirror of :func:`transfer_kv_per_layer_pfdhg_lf` (``head_num`` counts head groups, so both
-    directions agree on one host byte order; ``dst_layout_dim = num_layers * item_size``).
-
-    ``*_layers`` arguments take a list of arrays (every index is bounds-checked against its layer) or, as sglang passes them, a 1-D table of layer base addresses, which is trusted: each layer is assumed to hold what the largest index needs.
-
-    Sizes are bytes; arrays, executors and checks: see the module docstring.
-    """
-    block_quota = _positive_quota(_env_block_quota(2) if block_quota is None else block_quota)
-    _native.transfer_kv_all_layer_lf_pfdhg(src_k_layers, dst_k, src_v_layers, dst_v, src_indices, dst_indices, item_size, dst_layout_dim, num_layers, page_size, head_num, stream=_cuda_stream(src_k_layers, dst_k, src_v_layers, dst_v, src_indices, dst_indices), block_quota=block_quota, num_warps_per_block=num_warps_per_block)
-
-
-def transfer_embedding_ranges_direct(src: Any, dst: Any, src_starts: List[int], dst_starts: List[int], lengths: List[int]) -> None:
-    """Copy embedding ranges between host and CUDA tensors: for each ``k``,
-    ``dst[dst_starts[k] : dst_starts[k] + lengths[k]] = src[src_starts[k] : src_starts[k] + lengths[k]]``
-    along dimension 0 (rows of equal bytes in both; any dtype and row width, 74-byte rows too).
-
-    Copy engine only, one copy per range (adjacent ranges merge), enqueued on the caller's stream
-    for CUDA arrays; host to host and device to device work as well. Beyond sglang: every range
-    must lie inside its tensor and destination ranges must not overlap; a call that raises has
-    moved no row.
-    """
-    _native.transfer_embedding_ranges_direct(src, dst, list(src_starts), list(dst_starts), list(lengths), stream=_cuda_stream(src, dst))
-
+__all__ = ["CATALOGUE", "synchronize", *(spec["name"] for spec in CATALOGUE), "register_torch_ops"]
 
 _SCALAR_TYPES = {
     "int64": "Long", "int32": "Int", "int16": "Short", "int8": "Char", "uint8": "Byte", "uint16": "UInt16",

@@ -54,24 +54,8 @@ SUPPORTED_VERSIONS = ("0.5.23",)
 #: Where sglang 0.5.23 keeps its JIT HiCache entry points.
 JIT_MODULE = "sglang.kernels.ops.kvcache.hicache"
 
-#: What sglang imports from ``sgl_kernel.kvcacheio``.
-KVCACHEIO_OPS = (
-    "transfer_kv_per_layer",
-    "transfer_kv_per_layer_pf_lf",
-    "transfer_kv_per_layer_ph_lf",
-    "transfer_kv_all_layer",
-    "transfer_kv_all_layer_lf_pf",
-    "transfer_kv_all_layer_lf_ph",
-    "transfer_kv_per_layer_mla",
-    "transfer_kv_per_layer_mla_pf_lf",
-    "transfer_kv_all_layer_mla",
-    "transfer_kv_all_layer_mla_lf_pf",
-    "transfer_kv_direct",
-    "transfer_kv_per_layer_direct_pf_lf",
-    "transfer_kv_all_layer_direct_lf_pf",
-    "transfer_embedding_ranges_direct",
-    "get_device_accessible_ptr",
-)
+#: What sglang imports from ``sgl_kernel.kvcacheio`` (the catalogue's sglang ops).
+KVCACHEIO_OPS = tuple(spec["name"] for spec in kvcacheio.CATALOGUE if spec["sglang"])
 
 #: The JIT names sglang's pools import (and the probes and constants beside them).
 JIT_NAMES = tuple(hicache.__all__)

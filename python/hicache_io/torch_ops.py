@@ -18,38 +18,13 @@ from typing import Any, Callable, Dict, List
 
 from . import kvcacheio
 
-_T = "Tensor src_k, Tensor dst_k, Tensor src_v, Tensor dst_v, Tensor src_indices, Tensor dst_indices"
-_TUNING = "int block_quota, int num_warps_per_block"
-
-#: Name -> schema (without the name), as sgl-kernel registers them; the spacing of the two
-#: page_first_direct schemas is sgl-kernel's own. The last three rows are hicache-io's
-#: per-layer backups (not in sgl-kernel), named and shaped like their all-layer siblings.
-SCHEMAS: Dict[str, str] = {
-    "transfer_kv_per_layer": f"({_T}, int item_size, {_TUNING}) -> ()",
-    "transfer_kv_per_layer_pf_lf": f"({_T}, int layer_id, int item_size, int src_layout_dim, {_TUNING}) -> ()",
-    "transfer_kv_per_layer_ph_lf": f"({_T}, int layer_id, int item_size, int src_layout_dim, int page_size, int head_num, {_TUNING}) -> ()",
-    "transfer_kv_all_layer": "(Tensor src_k_layers, Tensor dst_k_layers, Tensor src_v_layers, Tensor dst_v_layers, Tensor src_indices, Tensor dst_indices, int item_size, int num_layers, int block_quota, int num_warps_per_block) -> ()",
-    "transfer_kv_all_layer_lf_pf": "(Tensor src_k_layers, Tensor dst_k, Tensor src_v_layers, Tensor dst_v, Tensor src_indices, Tensor dst_indices, int item_size, int dst_layout_dim, int num_layers, int block_quota, int num_warps_per_block) -> ()",
-    "transfer_kv_all_layer_lf_ph": "(Tensor src_k_layers, Tensor dst_k, Tensor src_v_layers, Tensor dst_v, Tensor src_indices, Tensor dst_indices, int item_size, int dst_layout_dim, int num_layers, int page_size, int head_num, int block_quota, int num_warps_per_block) -> ()",
-    "transfer_kv_per_layer_mla": "(Tensor src, Tensor dst, Tensor src_indices, Tensor dst_indices, int item_size, int block_quota, int num_warps_per_block) -> ()",
-    "transfer_kv_per_layer_mla_pf_lf": "(Tensor src, Tensor dst, Tensor src_indices, Tensor dst_indices, int layer_id, int item_size, int src_layout_dim, int block_quota, int num_warps_per_block) -> ()",
-    "transfer_kv_all_layer_mla": "(Tensor src_layers, Tensor dst_layers, Tensor src_indices, Tensor dst_indices, int item_size, int num_layers, int block_quota, int num_warps_per_block) -> ()",
-    "transfer_kv_all_layer_mla_lf_pf": "(Tensor src_layers, Tensor dst, Tensor src_indices, Tensor dst_indices, int item_size, int dst_layout_dim, int num_layers, int block_quota, int num_warps_per_block) -> ()",
-    "transfer_kv_direct": "(Tensor[] src_layers, Tensor[] dst_layers, Tensor src_indices, Tensor dst_indices, int page_size) -> ()",
-    "transfer_kv_per_layer_direct_pf_lf": "(Tensor[] src_ptrs, Tensor[] dst_ptrs, Tensor src_indices, Tensor dst_indices, int layer_id, int page_size)->()",
-    "transfer_kv_all_layer_direct_lf_pf": "(Tensor[] src_ptrs, Tensor[] dst_ptrs, Tensor src_indices, Tensor dst_indices, int page_size) ->()",
-    "transfer_embedding_ranges_direct": "(Tensor src, Tensor! dst, int[] src_starts, int[] dst_starts, int[] lengths) -> ()",
-    "transfer_kv_per_layer_pfdhg_lf": f"({_T}, int layer_id, int item_size, int src_layout_dim, int page_size, int head_num, {_TUNING}) -> ()",
-    "transfer_kv_all_layer_lf_pfdhg": "(Tensor src_k_layers, Tensor dst_k, Tensor src_v_layers, Tensor dst_v, Tensor src_indices, Tensor dst_indices, int item_size, int dst_layout_dim, int num_layers, int page_size, int head_num, int block_quota, int num_warps_per_block) -> ()",
-    "copy_all_layer_kv_cache_cpu": "(Tensor data_ptrs, Tensor strides, Tensor tgt_loc, Tensor src_loc) -> ()",
-    "get_device_accessible_ptr": "(Tensor tensor, int device_index) -> int",
-    "transfer_kv_per_layer_lf_pf": f"({_T}, int layer_id, int item_size, int dst_layout_dim, {_TUNING}) -> ()",
-    "transfer_kv_per_layer_mla_lf_pf": "(Tensor src, Tensor dst, Tensor src_indices, Tensor dst_indices, int layer_id, int item_size, int dst_layout_dim, int block_quota, int num_warps_per_block) -> ()",
-    "transfer_kv_per_layer_direct_lf_pf": "(Tensor[] src_ptrs, Tensor[] dst_ptrs, Tensor src_indices, Tensor dst_indices, int layer_id, int page_size) -> ()",
-}
+#: Name -> schema (without the name), as sgl-kernel registers them (its own spacing), for every
+#: op of the catalogue; hicache-io's own ops (not in sgl-kernel) are named and shaped like their
+#: sglang siblings.
+SCHEMAS: Dict[str, str] = {spec["name"]: spec["schema"] for spec in kvcacheio.CATALOGUE}
 
 #: Dispatch keys each op is implemented for (sgl-kernel: CUDA, and CPU for the CPU op).
-_CPU_ONLY = {"copy_all_layer_kv_cache_cpu"}
+_KEYS: Dict[str, List[str]] = {spec["name"]: list(spec["keys"]) for spec in kvcacheio.CATALOGUE}
 
 # Library objects must outlive their registrations: one per namespace, kept for the process.
 _LIBRARIES: Dict[str, object] = {}
@@ -119,8 +94,7 @@ def _register(namespace: str, *, overwrite: bool, keep_mismatched: bool) -> "tup
     for name in served:
         if name not in existing:
             lib.define(name + SCHEMAS[name])
-        keys = ("CPU",) if name in _CPU_ONLY else ("CPU", "CUDA")
-        for key in keys:
+        for key in _KEYS[name]:
             lib.impl(name, _kernel(name), key)
     _LIBRARIES[namespace] = lib
     _REGISTERED[namespace] = served

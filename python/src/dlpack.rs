@@ -1,0 +1,249 @@
+//! Arrays in: DLPack capsules (versioned first, so read-only arrays say so) or numpy's
+//! `__array_interface__`.
+
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+
+use hicache_io::kvcacheio::{Memory, RawTensor};
+
+use std::ffi::c_void;
+
+// ---- DLPack ------------------------------------------------------------------------------
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct DlDevice {
+    pub(crate) device_type: i32,
+    pub(crate) device_id: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct DlDataType {
+    pub(crate) code: u8,
+    pub(crate) bits: u8,
+    pub(crate) lanes: u16,
+}
+
+#[repr(C)]
+pub(crate) struct DlTensor {
+    pub(crate) data: *mut c_void,
+    pub(crate) device: DlDevice,
+    pub(crate) ndim: i32,
+    pub(crate) dtype: DlDataType,
+    pub(crate) shape: *const i64,
+    pub(crate) strides: *const i64,
+    pub(crate) byte_offset: u64,
+}
+
+/// DLPack ≥ 1.0's `DLManagedTensorVersioned` (capsule `dltensor_versioned`), which can say
+/// read-only.
+#[repr(C)]
+pub(crate) struct DlManagedTensorVersioned {
+    pub(crate) version: [u32; 2],
+    pub(crate) manager_ctx: *mut c_void,
+    pub(crate) deleter: *mut c_void,
+    pub(crate) flags: u64,
+    pub(crate) dl_tensor: DlTensor,
+}
+
+pub(crate) const DL_CPU: i32 = 1;
+pub(crate) const DL_CUDA: i32 = 2;
+pub(crate) const DL_CUDA_HOST: i32 = 3;
+pub(crate) const DL_INT: u8 = 0;
+pub(crate) const DL_UINT: u8 = 1;
+pub(crate) const DL_FLAG_READ_ONLY: u64 = 1;
+
+/// An array argument, kept alive (its capsule or the array) while an op runs.
+pub(crate) struct Held {
+    pub(crate) raw: RawTensor,
+    /// DLPack type code and bits per element.
+    pub(crate) dtype: (u8, u8),
+    pub(crate) device_type: i32,
+    pub(crate) device_id: i32,
+    pub(crate) writable: bool,
+    pub(crate) _keep: Py<PyAny>,
+}
+
+impl Held {
+    pub(crate) fn is_int64(&self) -> bool {
+        self.dtype == (DL_INT, 64)
+    }
+    pub(crate) fn on_host(&self) -> bool {
+        self.device_type == DL_CPU || self.device_type == DL_CUDA_HOST
+    }
+}
+
+/// The stream a CUDA array is handed over on: the executor's (the caller's current stream).
+#[derive(Clone, Copy)]
+pub(crate) struct Ctx {
+    pub(crate) stream: Option<u64>,
+}
+
+/// Reads an array through DLPack (versioned first, so read-only arrays say so), or numpy's
+/// `__array_interface__` where DLPack is refused (e.g. non-native byte order).
+pub(crate) fn view(obj: &Bound<'_, PyAny>, name: &str, ctx: Ctx) -> PyResult<Held> {
+    let py = obj.py();
+    if obj.hasattr("__dlpack__")? {
+        let device: Option<(i32, i32)> = obj.call_method0("__dlpack_device__").ok().and_then(|d| d.extract().ok());
+        let kw = pyo3::types::PyDict::new(py);
+        kw.set_item("max_version", (1, 0))?;
+        if matches!(device, Some((DL_CUDA, _))) {
+            // DLPack: the consumer's stream; the producer orders its pending work before it.
+            kw.set_item("stream", ctx.stream.unwrap_or(1))?;
+        }
+        let cap = match obj.call_method("__dlpack__", (), Some(&kw)) {
+            Ok(c) => Ok(c),
+            // Producers older than DLPack 1.0 take no max_version.
+            Err(e) if e.is_instance_of::<PyTypeError>(py) => {
+                kw.del_item("max_version")?;
+                obj.call_method("__dlpack__", (), Some(&kw))
+            }
+            Err(e) => Err(e),
+        };
+        match cap {
+            Ok(cap) => return from_capsule(&cap, name),
+            Err(e) if !obj.hasattr("__array_interface__")? => {
+                return Err(PyTypeError::new_err(format!("{name}: DLPack export failed ({e})")))
+            }
+            Err(_) => {}
+        }
+    }
+    match obj.getattr("__array_interface__") {
+        Ok(ai) => from_array_interface(obj, &ai, name),
+        Err(_) => Err(PyTypeError::new_err(format!("{name}: expected an array that speaks DLPack"))),
+    }
+}
+
+pub(crate) fn from_capsule(cap: &Bound<'_, PyAny>, name: &str) -> PyResult<Held> {
+    // SAFETY: the capsule's name says which DLPack struct it holds; the capsule (kept in
+    // `Held`) keeps it alive and frees it when collected, since it is never renamed `used_*`.
+    let (t, flags) = unsafe {
+        let cname = pyo3::ffi::PyCapsule_GetName(cap.as_ptr());
+        if cname.is_null() {
+            return Err(PyErr::take(cap.py()).unwrap_or_else(|| PyTypeError::new_err(format!("{name}: not a DLPack capsule"))));
+        }
+        let versioned = std::ffi::CStr::from_ptr(cname) == c"dltensor_versioned";
+        let p = pyo3::ffi::PyCapsule_GetPointer(cap.as_ptr(), cname);
+        if p.is_null() {
+            return Err(PyErr::take(cap.py()).unwrap_or_else(|| PyTypeError::new_err(format!("{name}: empty DLPack capsule"))));
+        }
+        if versioned {
+            let m = &*(p as *const DlManagedTensorVersioned);
+            if m.version[0] != 1 {
+                return Err(PyTypeError::new_err(format!("{name}: DLPack {}.{} is not supported", m.version[0], m.version[1])));
+            }
+            (&m.dl_tensor, m.flags)
+        } else {
+            // DLManagedTensor starts with its DLTensor.
+            (&*(p as *const DlTensor), 0)
+        }
+    };
+    let ndim = usize::try_from(t.ndim).map_err(|_| PyValueError::new_err(format!("{name}: negative ndim")))?;
+    // SAFETY: DLPack gives `ndim` shape entries and, when non-null, `ndim` strides.
+    let shape: Vec<i64> = if ndim == 0 { vec![] } else { unsafe { std::slice::from_raw_parts(t.shape, ndim) }.to_vec() };
+    let strides: Option<Vec<i64>> =
+        if t.strides.is_null() || ndim == 0 { None } else { Some(unsafe { std::slice::from_raw_parts(t.strides, ndim) }.to_vec()) };
+    let bits = t.dtype.bits as u64 * t.dtype.lanes as u64;
+    if bits == 0 || !bits.is_multiple_of(8) {
+        return Err(PyValueError::new_err(format!("{name}: {bits}-bit elements are not whole bytes")));
+    }
+    let addr = (t.data as u64).checked_add(t.byte_offset).ok_or_else(|| PyValueError::new_err(format!("{name}: address overflows")))?;
+    let memory = match t.device.device_type {
+        DL_CPU | DL_CUDA_HOST => Memory::Host,
+        DL_CUDA => Memory::CudaDevice,
+        other => return Err(PyValueError::new_err(format!("{name}: DLPack device type {other} is not host or CUDA memory"))),
+    };
+    let raw = described(name, addr, &shape, strides.as_deref(), bits / 8, memory)?;
+    Ok(Held {
+        raw,
+        dtype: (t.dtype.code, t.dtype.bits),
+        device_type: t.device.device_type,
+        device_id: t.device.device_id,
+        writable: flags & DL_FLAG_READ_ONLY == 0,
+        _keep: cap.clone().unbind(),
+    })
+}
+
+/// numpy's `__array_interface__` (strides in bytes; native byte order only).
+pub(crate) fn from_array_interface(obj: &Bound<'_, PyAny>, ai: &Bound<'_, PyAny>, name: &str) -> PyResult<Held> {
+    let (ptr, readonly): (u64, bool) = ai.get_item("data")?.extract()?;
+    let shape: Vec<i64> = ai.get_item("shape")?.extract()?;
+    let strides: Option<Vec<i64>> = ai.get_item("strides").ok().map(|s| s.extract()).transpose()?.flatten();
+    let typestr: String = ai.get_item("typestr")?.extract()?;
+    let order = typestr.chars().next().unwrap_or('?');
+    let foreign = if cfg!(target_endian = "little") { '>' } else { '<' };
+    let kind = typestr.chars().nth(1).unwrap_or('?');
+    let size: u64 = typestr
+        .get(2..)
+        .and_then(|s| s.parse().ok())
+        .filter(|&s| s > 0)
+        .ok_or_else(|| PyTypeError::new_err(format!("{name}: dtype {typestr}")))?;
+    if order == foreign && size > 1 {
+        return Err(PyValueError::new_err(format!("{name}: byte order {typestr} is not this machine's")));
+    }
+    let strides = match strides {
+        Some(st) => {
+            if st.iter().any(|&b| b % size as i64 != 0) {
+                return Err(PyValueError::new_err(format!("{name}: strides {st:?} are not whole elements")));
+            }
+            Some(st.iter().map(|&b| b / size as i64).collect::<Vec<_>>())
+        }
+        None => None,
+    };
+    let code = match kind {
+        'i' => DL_INT,
+        'u' => DL_UINT,
+        'f' => 2,
+        _ => 255,
+    };
+    let raw = described(name, ptr, &shape, strides.as_deref(), size, Memory::Host)?;
+    Ok(Held {
+        raw,
+        dtype: (code, (size * 8).min(255) as u8),
+        device_type: DL_CPU,
+        device_id: 0,
+        writable: !readonly,
+        _keep: obj.clone().unbind(),
+    })
+}
+
+/// A contiguous tensor's byte span (strides in elements; only C order, dimensions of extent 1
+/// may have any stride).
+pub(crate) fn described(name: &str, addr: u64, shape: &[i64], strides: Option<&[i64]>, elem: u64, memory: Memory) -> PyResult<RawTensor> {
+    let dims: Vec<u64> = shape
+        .iter()
+        .map(|&d| u64::try_from(d))
+        .collect::<Result<_, _>>()
+        .map_err(|_| PyValueError::new_err(format!("{name}: negative extent")))?;
+    let count =
+        dims.iter().try_fold(1u64, |a, &d| a.checked_mul(d)).ok_or_else(|| PyValueError::new_err(format!("{name}: size overflows")))?;
+    // An empty array has no element to misplace (numpy exports its strides as 0).
+    if let Some(strides) = strides.filter(|_| count > 0) {
+        if strides.len() != shape.len() {
+            return Err(PyValueError::new_err(format!("{name}: {} strides for {} dimensions", strides.len(), shape.len())));
+        }
+        let mut want = 1i64;
+        for (i, &d) in shape.iter().enumerate().rev() {
+            if d != 1 && strides[i] != want {
+                return Err(PyValueError::new_err(format!(
+                    "{name}: must be contiguous (C order), got strides {strides:?} for shape {shape:?}"
+                )));
+            }
+            want = want.saturating_mul(d);
+        }
+    }
+    let len = count.checked_mul(elem).ok_or_else(|| PyValueError::new_err(format!("{name}: size overflows")))?;
+    // SAFETY: the span is the array's own memory, kept alive by `Held` for the op; the ops
+    // refuse destinations that overlap another argument.
+    Ok(unsafe { RawTensor::new(addr, len, dims, memory) })
+}
+
+/// A destination array: writable.
+pub(crate) fn dst_view(obj: &Bound<'_, PyAny>, name: &str, ctx: Ctx) -> PyResult<Held> {
+    let h = view(obj, name, ctx)?;
+    if !h.writable {
+        return Err(PyValueError::new_err(format!("{name}: destination array is read-only")));
+    }
+    Ok(h)
+}

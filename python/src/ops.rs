@@ -1,0 +1,245 @@
+//! Every op of the catalogue (`hicache_io::kvcacheio::catalogue`) through one binding, and the
+//! bespoke ones.
+
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyTuple;
+
+use hicache_io::kvcacheio::{self as kv, Memory, RawTensor};
+
+use crate::*;
+
+use hicache_io::kvcacheio::catalogue::{self, ArgKind, Binding, OpSpec, Value};
+
+/// Every op of the catalogue, as JSON (for the Python wrappers, their stubs and `torch.ops`):
+/// each entry with its whole `docstring`.
+#[pyfunction]
+pub(crate) fn op_catalogue() -> PyResult<String> {
+    let entries = catalogue::CATALOGUE
+        .iter()
+        .map(|spec| {
+            let mut v = serde_json::to_value(spec)?;
+            v["docstring"] = serde_json::Value::String(catalogue::docstring(spec));
+            Ok(v)
+        })
+        .collect::<Result<Vec<_>, serde_json::Error>>()
+        .map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
+    serde_json::to_string(&entries).map_err(|e| PyRuntimeError::new_err(e.to_string()))
+}
+
+/// One argument as read from Python, before the executor is chosen.
+pub(crate) enum Read {
+    One(Held),
+    Many(Vec<Held>),
+    Int(i64),
+    Ints(Vec<i64>),
+    /// An index list: placed later, with its partner.
+    Index,
+}
+
+/// Runs generic op `name` of the catalogue with `args` (positional, in the catalogue's order):
+/// each read by its kind, in sgl-kernel's order of checks (the layer count first, then the index
+/// lists, then layer arguments, arrays and lists), on the executor of the arrays.
+#[pyfunction]
+#[pyo3(signature = (name, args, *, stream = None, block_quota = None, num_warps_per_block = None))]
+pub(crate) fn call_op(
+    py: Python<'_>,
+    name: &str,
+    args: &Bound<'_, PyTuple>,
+    stream: Option<u64>,
+    block_quota: Option<i64>,
+    num_warps_per_block: Option<i64>,
+) -> PyResult<()> {
+    let spec: &OpSpec = OpSpec::find(name)
+        .filter(|s| s.binding == Binding::Generic)
+        .ok_or_else(|| PyValueError::new_err(format!("{name}: not a generic op of the catalogue")))?;
+    if args.len() != spec.args.len() {
+        return Err(PyTypeError::new_err(format!("{name}() takes {} arguments, got {}", spec.args.len(), args.len())));
+    }
+    let ctx = Ctx { stream };
+    let arg = |i: usize| args.get_item(i);
+    let position = |want: &str| spec.args.iter().position(|(n, _)| *n == want);
+    // Integers first, as a typed signature reads them.
+    let mut read: Vec<Read> = Vec::with_capacity(spec.args.len());
+    for (i, (n, kind)) in spec.args.iter().enumerate() {
+        read.push(match kind {
+            ArgKind::Int => Read::Int(arg(i)?.extract().map_err(|_| PyTypeError::new_err(format!("{name}(): {n} must be an int")))?),
+            ArgKind::Ints => {
+                Read::Ints(arg(i)?.extract().map_err(|_| PyTypeError::new_err(format!("{name}(): {n} must be a sequence of ints")))?)
+            }
+            _ => Read::Index,
+        });
+    }
+    let int = |want: &str| -> i64 {
+        position(want)
+            .and_then(|i| match &read[i] {
+                Read::Int(v) => Some(*v),
+                _ => None,
+            })
+            .unwrap_or(0)
+    };
+    // sgl-kernel's first check of the all-layer ops: the source table's length.
+    if let Some(mla) = spec.num_layers {
+        let table = spec.args.iter().position(|(_, k)| *k == ArgKind::InLayers).expect("an all-layer op has source layers");
+        kv::check_num_layers(mla, int("num_layers"), arg(table)?.len()?).py()?;
+    }
+    // The index lists: left in CUDA memory for `kernel` ops, values on the host for `direct` ops.
+    let lists: Vec<usize> =
+        spec.args.iter().enumerate().filter(|(_, (_, k))| matches!(k, ArgKind::Idx | ArgKind::HostIdx)).map(|(i, _)| i).collect();
+    let kernel = spec.args.iter().any(|(_, k)| *k == ArgKind::Idx);
+    let (mut kernel_lists, mut host_lists) = (None, None);
+    if let [s, d] = lists[..] {
+        if kernel {
+            kernel_lists = Some(index_args(&arg(s)?, &arg(d)?, ctx)?);
+        } else {
+            host_lists = Some(index_pair(&arg(s)?, &arg(d)?, ctx)?);
+        }
+    }
+    // A layer argument given as a table of addresses: its layers are as long as its side's
+    // largest index needs, so that side's values come to the host.
+    let is_table = |k: ArgKind| -> PyResult<bool> {
+        for (i, (_, kind)) in spec.args.iter().enumerate() {
+            if *kind == k && !is_list(&arg(i)?) {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    };
+    let (mut src_extent, mut dst_extent) = (0, 0);
+    if let Some((si, di)) = kernel_lists.take() {
+        let (src_table, dst_table) = (is_table(ArgKind::InLayers)?, is_table(ArgKind::OutLayers)?);
+        let (si, di, se, de) = table_extents(si, di, src_table, dst_table, int("item_size"), ctx)?;
+        (src_extent, dst_extent) = (se, de);
+        kernel_lists = Some((si, di));
+    }
+    // Layer arguments, then arrays, then lists of arrays, each in the catalogue's order.
+    for pass in 0..3 {
+        for (i, (n, kind)) in spec.args.iter().enumerate() {
+            let obj = arg(i)?;
+            match (pass, kind) {
+                (0, ArgKind::InLayers) => read[i] = Read::Many(layers(&obj, n, false, src_extent, ctx)?),
+                (0, ArgKind::OutLayers) => read[i] = Read::Many(layers(&obj, n, true, dst_extent, ctx)?),
+                (1, ArgKind::In) => read[i] = Read::One(view(&obj, n, ctx)?),
+                (1, ArgKind::Out) => read[i] = Read::One(dst_view(&obj, n, ctx)?),
+                (2, ArgKind::InList) => read[i] = Read::Many(array_list(&obj, n, false, ctx)?),
+                (2, ArgKind::OutList) => read[i] = Read::Many(array_list(&obj, n, true, ctx)?),
+                _ => {}
+            }
+        }
+    }
+    let held: Vec<&Held> = read
+        .iter()
+        .flat_map(|r| match r {
+            Read::One(h) => std::slice::from_ref(h),
+            Read::Many(v) => v.as_slice(),
+            _ => &[],
+        })
+        .collect();
+    if spec.same_dtype {
+        let one = |k: ArgKind| {
+            spec.args.iter().position(|(_, x)| *x == k).and_then(|i| match &read[i] {
+                Read::One(h) => Some(h.dtype),
+                _ => None,
+            })
+        };
+        if one(ArgKind::In) != one(ArgKind::Out) {
+            return Err(PyRuntimeError::new_err("src and dst must have the same dtype"));
+        }
+    }
+    let dev = executor_for(&held, ctx)?;
+    let kernel_lists = match kernel_lists {
+        Some((si, di)) => Some(place(si, di, &held, ctx)?),
+        None => None,
+    };
+    let mut values: Vec<Value<'_>> = Vec::with_capacity(spec.args.len());
+    for (i, r) in read.iter().enumerate() {
+        values.push(match r {
+            Read::One(h) => Value::Tensor(h.raw.clone()),
+            Read::Many(v) => Value::Tensors(raws(v)),
+            Read::Int(v) => Value::Int(*v),
+            Read::Ints(v) => Value::Ints(v),
+            Read::Index => {
+                let first = lists.first() == Some(&i);
+                match (&kernel_lists, &host_lists) {
+                    (Some((si, di)), _) => Value::Indices(if first { si.indices() } else { di.indices() }),
+                    (_, Some((si, di))) => Value::Ints(if first { si } else { di }),
+                    _ => return Err(PyRuntimeError::new_err(format!("{name}: index lists missing"))),
+                }
+            }
+        });
+    }
+    py.detach(|| tuned(block_quota, num_warps_per_block, || catalogue::call(name, &dev, &values))).py()
+}
+
+/// sglang's `copy_all_layer_kv_cache_cpu`: `data_ptrs` (uint64 host addresses of the buffers,
+/// trusted as sglang trusts them: each holds the rows the largest location needs), `strides`
+/// (int64 bytes per row), `tgt_loc` / `src_loc` (int32 or int64 rows). The type and shape checks
+/// with sglang's messages are made by the Python wrapper; here the values.
+#[pyfunction]
+pub(crate) fn copy_all_layer_kv_cache_cpu(
+    py: Python<'_>,
+    data_ptrs: &Bound<'_, PyAny>,
+    strides: &Bound<'_, PyAny>,
+    tgt_loc: &Bound<'_, PyAny>,
+    src_loc: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let ctx = Ctx { stream: None };
+    let host_values = |obj: &Bound<'_, PyAny>, name: &str| -> PyResult<Vec<i64>> {
+        let h = view(obj, name, ctx)?;
+        if !h.on_host() {
+            return Err(PyRuntimeError::new_err(format!("{name} must be a CPU tensor")));
+        }
+        let n = h.raw.dims().iter().product::<u64>() as usize;
+        let p = h.raw.addr() as *const u8;
+        // SAFETY: `n` elements of a live host array (kept by `h`), read unaligned.
+        let read = |i: usize| unsafe {
+            match h.dtype.1 {
+                32 => (p as *const i32).add(i).read_unaligned() as i64,
+                _ => (p as *const i64).add(i).read_unaligned(),
+            }
+        };
+        match h.dtype {
+            (DL_INT | DL_UINT, 64) | (DL_INT, 32) => Ok((0..n).map(read).collect()),
+            _ => Err(PyRuntimeError::new_err(format!("\"copy_all_layer_kv_cache_cpu\" not implemented for {name}'s dtype"))),
+        }
+    };
+    let ptrs = host_values(data_ptrs, "data_ptrs")?;
+    let row_bytes = host_values(strides, "strides")?;
+    if ptrs.len() != row_bytes.len() {
+        return Err(PyRuntimeError::new_err(format!("CHECK_EQ(strides.numel(), num_bufs) failed. {} vs {}", row_bytes.len(), ptrs.len())));
+    }
+    let (tgt, src) = (host_values(tgt_loc, "tgt_loc")?, host_values(src_loc, "src_loc")?);
+    let top = tgt.iter().chain(&src).copied().max().unwrap_or(-1);
+    let rows = u64::try_from(top.saturating_add(1)).unwrap_or(0);
+    let mut buffers = Vec::with_capacity(ptrs.len());
+    let mut rb = Vec::with_capacity(ptrs.len());
+    for (b, (&addr, &row)) in ptrs.iter().zip(&row_bytes).enumerate() {
+        let row = u64::try_from(row).map_err(|_| PyValueError::new_err(format!("strides[{b}] must not be negative, got {row}")))?;
+        let extent = rows.checked_mul(row).ok_or_else(|| PyValueError::new_err(format!("strides[{b}]: buffer extent overflows")))?;
+        // SAFETY: sglang's contract for these address tables: the caller vouches that buffer `b`
+        // holds every row the locations address.
+        buffers.push(unsafe { RawTensor::new(addr as u64, extent, vec![rows, row], Memory::Host) });
+        rb.push(row);
+    }
+    py.detach(|| kv::copy_all_layer_kv_cache(&buffers, &rb, &tgt, &src)).py()
+}
+
+/// The integrity checksum of a host array's bytes (or any bytes-like object): the multilinear
+/// hash every hicache-io checksum uses, keys seeded by `seed`.
+#[pyfunction]
+#[pyo3(signature = (data, seed = hicache_io::integrity::STORAGE_SEED))]
+pub(crate) fn checksum(py: Python<'_>, data: &Bound<'_, PyAny>, seed: u64) -> PyResult<u64> {
+    let bytes = data_arg(data, "data")?;
+    py.detach(|| {
+        let keys = hicache_io::integrity::shared_keys(seed, hicache_io::integrity::words(bytes.len()))?;
+        Ok(hicache_io::integrity::checksum(&bytes, &keys))
+    })
+    .py()
+}
+
+/// 64-bit tags of names (FNV-1a of their UTF-8 bytes), as a `numpy.uint64` array: what the L3
+/// store folds into an object's checksum to bind it to its key.
+#[pyfunction]
+pub(crate) fn name_tags<'py>(py: Python<'py>, names: Vec<String>) -> PyResult<Bound<'py, PyAny>> {
+    u64_array(py, names.iter().map(|n| hicache_io::integrity::name_hash(n.as_bytes())))
+}

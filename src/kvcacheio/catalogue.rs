@@ -1,0 +1,398 @@
+//! The one table of sglang's ops: each entry names an op, its arguments and what kind each is,
+//! its launch tuning, sglang's torch schema and its documentation. The Python bindings read
+//! their arguments by kind from it and call [`call`]; the Python wrappers, their stubs, the
+//! `torch.ops` schemas and the list of names sglang imports are made from [`CATALOGUE`]. Adding
+//! an op is one entry here plus its semantics (its function in this module).
+
+use super::*;
+use crate::exec::Device;
+use crate::{Result, TransferError};
+
+/// What an argument is, for the bindings (how to read it) and for the op (what it takes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum ArgKind {
+    /// An array the op reads (`&RawTensor`).
+    In,
+    /// An array the op writes (`&RawTensor`).
+    Out,
+    /// Layers the op reads: a list of arrays, or a 1-D table of layer addresses (`&[RawTensor]`).
+    InLayers,
+    /// Layers the op writes, likewise.
+    OutLayers,
+    /// A list of arrays the op reads (`Tensor[]`; `&[RawTensor]`).
+    InList,
+    /// A list of arrays the op writes.
+    OutList,
+    /// An index list that may stay in CUDA memory (`impl Into<Indices>`; the source list, then the
+    /// destination list).
+    Idx,
+    /// An index list read on the host (`&[i64]`).
+    HostIdx,
+    /// An integer (`i64`).
+    Int,
+    /// A list of integers (`&[i64]`).
+    Ints,
+}
+
+/// The launch tuning an op takes from Python (`block_quota`, `num_warps_per_block`), and what
+/// `block_quota=None` means there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum Tuning {
+    /// No tuning arguments (copy-engine ops).
+    None,
+    /// Passed through; `None` is the executor's own grid.
+    Pass,
+    /// `None` takes `SGLANG_HICACHE_BLOCK_QUOTA` when set, as sglang's MLA per-layer ops do.
+    Env,
+    /// `None` takes `SGLANG_HICACHE_BLOCK_QUOTA` when set, else this; must be positive.
+    EnvOr(i64),
+}
+
+/// How the bindings serve an op.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum Binding {
+    /// Arguments read by kind and passed to [`call`].
+    Generic,
+    /// Its own binding and wrapper (checks of sglang's that need more than the kinds say).
+    Custom,
+}
+
+/// One op of the catalogue.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct OpSpec {
+    /// sglang's name.
+    pub name: &'static str,
+    /// Arguments in sglang's order, with their kinds.
+    pub args: &'static [(&'static str, ArgKind)],
+    /// Launch tuning.
+    pub tuning: Tuning,
+    /// sglang's `torch.ops` schema without the name (sgl-kernel's own spacing).
+    pub schema: &'static str,
+    /// Whether sglang 0.5.23 imports it from `sgl_kernel.kvcacheio` (false: hicache-io's own).
+    pub sglang: bool,
+    /// `torch.library` dispatch keys.
+    pub keys: &'static [&'static str],
+    /// sgl-kernel checks the source layer table's length against `num_layers` first: `Some(mla)`
+    /// (the MLA ops' wording).
+    pub num_layers: Option<bool>,
+    /// The source and destination arrays must have one dtype (sglang's check).
+    pub same_dtype: bool,
+    /// How the bindings serve it.
+    pub binding: Binding,
+    /// What it does (the Python docstring).
+    pub doc: &'static str,
+}
+
+impl OpSpec {
+    /// The op named `name`.
+    pub fn find(name: &str) -> Option<&'static OpSpec> {
+        CATALOGUE.iter().find(|s| s.name == name)
+    }
+}
+
+/// One converted argument, as the bindings hand it over.
+#[derive(Debug)]
+pub enum Value<'a> {
+    /// [`ArgKind::In`], [`ArgKind::Out`].
+    Tensor(RawTensor),
+    /// [`ArgKind::InLayers`], [`ArgKind::OutLayers`], [`ArgKind::InList`], [`ArgKind::OutList`].
+    Tensors(Vec<RawTensor>),
+    /// [`ArgKind::Idx`].
+    Indices(Indices<'a>),
+    /// [`ArgKind::HostIdx`], [`ArgKind::Ints`].
+    Ints(&'a [i64]),
+    /// [`ArgKind::Int`].
+    Int(i64),
+}
+
+fn wrong(name: &str, i: usize) -> TransferError {
+    TransferError::BadArgument {
+        arg: "args",
+        value: i as i64,
+        message: format!("{name}: argument {i} is of another kind than the catalogue says"),
+    }
+}
+
+/// Reads argument `i` of op `name` as the type its kind takes.
+trait Take<'v, 'a>: Sized {
+    fn take(v: &'v [Value<'a>], i: usize, name: &str) -> Result<Self>;
+}
+
+impl<'v, 'a> Take<'v, 'a> for &'v RawTensor {
+    fn take(v: &'v [Value<'a>], i: usize, name: &str) -> Result<Self> {
+        match v.get(i) {
+            Some(Value::Tensor(t)) => Ok(t),
+            _ => Err(wrong(name, i)),
+        }
+    }
+}
+
+impl<'v, 'a> Take<'v, 'a> for &'v [RawTensor] {
+    fn take(v: &'v [Value<'a>], i: usize, name: &str) -> Result<Self> {
+        match v.get(i) {
+            Some(Value::Tensors(t)) => Ok(t),
+            _ => Err(wrong(name, i)),
+        }
+    }
+}
+
+impl<'v, 'a: 'v> Take<'v, 'a> for Indices<'v> {
+    fn take(v: &'v [Value<'a>], i: usize, name: &str) -> Result<Self> {
+        match v.get(i) {
+            Some(Value::Indices(x)) => Ok(*x),
+            _ => Err(wrong(name, i)),
+        }
+    }
+}
+
+impl<'v, 'a: 'v> Take<'v, 'a> for &'v [i64] {
+    fn take(v: &'v [Value<'a>], i: usize, name: &str) -> Result<Self> {
+        match v.get(i) {
+            Some(Value::Ints(x)) => Ok(x),
+            _ => Err(wrong(name, i)),
+        }
+    }
+}
+
+impl<'v, 'a> Take<'v, 'a> for i64 {
+    fn take(v: &'v [Value<'a>], i: usize, name: &str) -> Result<Self> {
+        match v.get(i) {
+            Some(Value::Int(x)) => Ok(*x),
+            _ => Err(wrong(name, i)),
+        }
+    }
+}
+
+/// The Rust type an argument kind is taken as.
+macro_rules! rust_type {
+    (In) => { &RawTensor };
+    (Out) => { &RawTensor };
+    (InLayers) => { &[RawTensor] };
+    (OutLayers) => { &[RawTensor] };
+    (InList) => { &[RawTensor] };
+    (OutList) => { &[RawTensor] };
+    (Idx) => { Indices<'_> };
+    (HostIdx) => { &[i64] };
+    (Int) => { i64 };
+    (Ints) => { &[i64] };
+}
+
+macro_rules! catalogue {
+    (
+        generic { $( $name:ident ( $($arg:ident : $kind:ident),* ) { $($field:ident : $value:expr),* $(,)? } )* }
+        custom { $( $cname:ident ( $($carg:ident : $ckind:ident),* ) { $($cfield:ident : $cvalue:expr),* $(,)? } )* }
+    ) => {
+        /// Every op, in the order of the Python module.
+        pub static CATALOGUE: &[OpSpec] = &[
+            $( OpSpec { name: stringify!($name), args: &[$((stringify!($arg), ArgKind::$kind)),*], binding: Binding::Generic, $($field: $value),* }, )*
+            $( OpSpec { name: stringify!($cname), args: &[$((stringify!($carg), ArgKind::$ckind)),*], binding: Binding::Custom, $($cfield: $cvalue),* }, )*
+        ];
+
+        /// Runs generic op `name` with its converted arguments (`values`, in the catalogue's
+        /// order and kinds) on `device`.
+        pub fn call(name: &str, device: &Device, values: &[Value<'_>]) -> Result<()> {
+            match name {
+                $( stringify!($name) => {
+                    let mut next = 0usize..;
+                    $name(device, $( <rust_type!($kind) as Take>::take(values, next.next().unwrap_or_default(), name)? ),*)
+                } )*
+                other => Err(TransferError::BadArgument { arg: "name", value: 0, message: format!("no generic op {other} in the catalogue") }),
+            }
+        }
+    };
+}
+
+/// What every kernel op's docstring ends with.
+const SIZES: &str = "Sizes are bytes; arrays, executors and checks: see the module docstring.";
+
+const CUDA: &[&str] = &["CPU", "CUDA"];
+
+catalogue! {
+    generic {
+        transfer_kv_per_layer(src_k: In, dst_k: Out, src_v: In, dst_v: Out, src_indices: Idx, dst_indices: Idx, item_size: Int) {
+            tuning: Tuning::Pass, sglang: true, keys: CUDA, num_layers: None, same_dtype: false,
+            schema: "(Tensor src_k, Tensor dst_k, Tensor src_v, Tensor dst_v, Tensor src_indices, Tensor dst_indices, int item_size, int block_quota, int num_warps_per_block) -> ()",
+            doc: "One layer, layer_first to layer_first: ``dst_k[d] = src_k[s]`` and ``dst_v[d] = src_v[s]`` for each index pair (items of ``item_size`` bytes; negative indices skipped).",
+        }
+        transfer_kv_per_layer_pf_lf(src_k: In, dst_k: Out, src_v: In, dst_v: Out, src_indices: Idx, dst_indices: Idx, layer_id: Int, item_size: Int, src_layout_dim: Int) {
+            tuning: Tuning::Pass, sglang: true, keys: CUDA, num_layers: None, same_dtype: false,
+            schema: "(Tensor src_k, Tensor dst_k, Tensor src_v, Tensor dst_v, Tensor src_indices, Tensor dst_indices, int layer_id, int item_size, int src_layout_dim, int block_quota, int num_warps_per_block) -> ()",
+            doc: "Layer ``layer_id`` of a page_first host buffer ``[slots][L][item]`` (``src_layout_dim = L * item_size``) into one layer_first device layer.",
+        }
+        transfer_kv_per_layer_ph_lf(src_k: In, dst_k: Out, src_v: In, dst_v: Out, src_indices: Idx, dst_indices: Idx, layer_id: Int, item_size: Int, src_layout_dim: Int, page_size: Int, head_num: Int) {
+            tuning: Tuning::Pass, sglang: true, keys: CUDA, num_layers: None, same_dtype: false,
+            schema: "(Tensor src_k, Tensor dst_k, Tensor src_v, Tensor dst_v, Tensor src_indices, Tensor dst_indices, int layer_id, int item_size, int src_layout_dim, int page_size, int head_num, int block_quota, int num_warps_per_block) -> ()",
+            doc: "Layer ``layer_id`` of a page_head host buffer ``[pages][head_num][page_size][L][item / head_num]`` into one layer_first device layer.",
+        }
+        transfer_kv_all_layer(src_k_layers: InLayers, dst_k_layers: OutLayers, src_v_layers: InLayers, dst_v_layers: OutLayers, src_indices: Idx, dst_indices: Idx, item_size: Int, num_layers: Int) {
+            tuning: Tuning::Pass, sglang: true, keys: CUDA, num_layers: Some(false), same_dtype: false,
+            schema: "(Tensor src_k_layers, Tensor dst_k_layers, Tensor src_v_layers, Tensor dst_v_layers, Tensor src_indices, Tensor dst_indices, int item_size, int num_layers, int block_quota, int num_warps_per_block) -> ()",
+            doc: "Every layer ``j < num_layers``: ``dst_*_layers[j][d] = src_*_layers[j][s]`` (layer_first both sides).",
+        }
+        transfer_kv_all_layer_lf_pf(src_k_layers: InLayers, dst_k: Out, src_v_layers: InLayers, dst_v: Out, src_indices: Idx, dst_indices: Idx, item_size: Int, dst_layout_dim: Int, num_layers: Int) {
+            tuning: Tuning::Pass, sglang: true, keys: CUDA, num_layers: Some(false), same_dtype: false,
+            schema: "(Tensor src_k_layers, Tensor dst_k, Tensor src_v_layers, Tensor dst_v, Tensor src_indices, Tensor dst_indices, int item_size, int dst_layout_dim, int num_layers, int block_quota, int num_warps_per_block) -> ()",
+            doc: "Every device layer into its layer of a page_first host buffer (``dst_layout_dim = num_layers * item_size``).",
+        }
+        transfer_kv_all_layer_lf_ph(src_k_layers: InLayers, dst_k: Out, src_v_layers: InLayers, dst_v: Out, src_indices: Idx, dst_indices: Idx, item_size: Int, dst_layout_dim: Int, num_layers: Int, page_size: Int, head_num: Int) {
+            tuning: Tuning::Pass, sglang: true, keys: CUDA, num_layers: Some(false), same_dtype: false,
+            schema: "(Tensor src_k_layers, Tensor dst_k, Tensor src_v_layers, Tensor dst_v, Tensor src_indices, Tensor dst_indices, int item_size, int dst_layout_dim, int num_layers, int page_size, int head_num, int block_quota, int num_warps_per_block) -> ()",
+            doc: "Every device layer into its layer of a page_head host buffer.",
+        }
+        transfer_kv_per_layer_mla(src: In, dst: Out, src_indices: Idx, dst_indices: Idx, item_size: Int) {
+            tuning: Tuning::Env, sglang: true, keys: CUDA, num_layers: None, same_dtype: false,
+            schema: "(Tensor src, Tensor dst, Tensor src_indices, Tensor dst_indices, int item_size, int block_quota, int num_warps_per_block) -> ()",
+            doc: "One layer, layer_first to layer_first, one buffer (MLA, DSA indexer).",
+        }
+        transfer_kv_per_layer_mla_pf_lf(src: In, dst: Out, src_indices: Idx, dst_indices: Idx, layer_id: Int, item_size: Int, src_layout_dim: Int) {
+            tuning: Tuning::Env, sglang: true, keys: CUDA, num_layers: None, same_dtype: false,
+            schema: "(Tensor src, Tensor dst, Tensor src_indices, Tensor dst_indices, int layer_id, int item_size, int src_layout_dim, int block_quota, int num_warps_per_block) -> ()",
+            doc: "Layer ``layer_id`` of a page_first host buffer into one layer_first device layer (one buffer).",
+        }
+        transfer_kv_all_layer_mla(src_layers: InLayers, dst_layers: OutLayers, src_indices: Idx, dst_indices: Idx, item_size: Int, num_layers: Int) {
+            tuning: Tuning::Pass, sglang: true, keys: CUDA, num_layers: Some(true), same_dtype: false,
+            schema: "(Tensor src_layers, Tensor dst_layers, Tensor src_indices, Tensor dst_indices, int item_size, int num_layers, int block_quota, int num_warps_per_block) -> ()",
+            doc: "Every layer, layer_first to layer_first, one buffer per layer.",
+        }
+        transfer_kv_all_layer_mla_lf_pf(src_layers: InLayers, dst: Out, src_indices: Idx, dst_indices: Idx, item_size: Int, dst_layout_dim: Int, num_layers: Int) {
+            tuning: Tuning::Pass, sglang: true, keys: CUDA, num_layers: Some(true), same_dtype: false,
+            schema: "(Tensor src_layers, Tensor dst, Tensor src_indices, Tensor dst_indices, int item_size, int dst_layout_dim, int num_layers, int block_quota, int num_warps_per_block) -> ()",
+            doc: "Every device layer into its layer of a page_first host buffer (one buffer).",
+        }
+        transfer_kv_direct(src_layers: InList, dst_layers: OutList, src_indices: HostIdx, dst_indices: HostIdx, page_size: Int) {
+            tuning: Tuning::None, sglang: true, keys: CUDA, num_layers: None, same_dtype: false,
+            schema: "(Tensor[] src_layers, Tensor[] dst_layers, Tensor src_indices, Tensor dst_indices, int page_size) -> ()",
+            doc: "For every layer ``j``, the runs of consecutive index pairs copied row by row, ``src_layers[j]`` to ``dst_layers[j]`` (rows along dimension 0). ``page_size`` only gates the index count, as in sglang.",
+        }
+        transfer_kv_per_layer_direct_pf_lf(src_ptrs: InList, dst_ptrs: OutList, src_indices: HostIdx, dst_indices: HostIdx, layer_id: Int, page_size: Int) {
+            tuning: Tuning::None, sglang: true, keys: CUDA, num_layers: None, same_dtype: false,
+            schema: "(Tensor[] src_ptrs, Tensor[] dst_ptrs, Tensor src_indices, Tensor dst_indices, int layer_id, int page_size)->()",
+            doc: "Whole pages of layer ``layer_id + j`` of page_first_direct host buffers (``src_ptrs``: ``[K, V]`` or ``[C]``, shape ``[pages, L, page_size, ...]``) into device layer ``j`` (``dst_ptrs``: K layers then V layers). Only the first index of each page is read; the rest must follow it.",
+        }
+        transfer_kv_all_layer_direct_lf_pf(src_ptrs: InList, dst_ptrs: OutList, src_indices: HostIdx, dst_indices: HostIdx, page_size: Int) {
+            tuning: Tuning::None, sglang: true, keys: CUDA, num_layers: None, same_dtype: false,
+            schema: "(Tensor[] src_ptrs, Tensor[] dst_ptrs, Tensor src_indices, Tensor dst_indices, int page_size) ->()",
+            doc: "Whole pages of every device layer (``src_ptrs``: K layers then V layers, or the MLA layers) into page_first_direct host buffers (``dst_ptrs``: ``[K, V]`` or ``[C]``).",
+        }
+        transfer_kv_per_layer_lf_pf(src_k: In, dst_k: Out, src_v: In, dst_v: Out, src_indices: Idx, dst_indices: Idx, layer_id: Int, item_size: Int, dst_layout_dim: Int) {
+            tuning: Tuning::Pass, sglang: false, keys: CUDA, num_layers: None, same_dtype: false,
+            schema: "(Tensor src_k, Tensor dst_k, Tensor src_v, Tensor dst_v, Tensor src_indices, Tensor dst_indices, int layer_id, int item_size, int dst_layout_dim, int block_quota, int num_warps_per_block) -> ()",
+            doc: "Not in sglang: one device layer into layer ``layer_id`` of a page_first host buffer (``dst_layout_dim = L * item_size``) -- the per-layer LF->PF path whose absence makes sglang raise ``Layer-sharded DSA indexer HiCache backup with page_first layout is not supported without a per-layer LF->PF kernel.``",
+        }
+        transfer_kv_per_layer_mla_lf_pf(src: In, dst: Out, src_indices: Idx, dst_indices: Idx, layer_id: Int, item_size: Int, dst_layout_dim: Int) {
+            tuning: Tuning::Pass, sglang: false, keys: CUDA, num_layers: None, same_dtype: false,
+            schema: "(Tensor src, Tensor dst, Tensor src_indices, Tensor dst_indices, int layer_id, int item_size, int dst_layout_dim, int block_quota, int num_warps_per_block) -> ()",
+            doc: "Not in sglang: :func:`transfer_kv_per_layer_lf_pf` with one buffer (MLA, and the DSA indexer with page-sized items and page indices).",
+        }
+        transfer_kv_per_layer_direct_lf_pf(src_ptrs: InList, dst_ptrs: OutList, src_indices: HostIdx, dst_indices: HostIdx, layer_id: Int, page_size: Int) {
+            tuning: Tuning::None, sglang: false, keys: CUDA, num_layers: None, same_dtype: false,
+            schema: "(Tensor[] src_ptrs, Tensor[] dst_ptrs, Tensor src_indices, Tensor dst_indices, int layer_id, int page_size) -> ()",
+            doc: "Not in sglang: whole pages of one device layer (``src_ptrs``: ``[K, V]`` or ``[C]``) into layer ``layer_id`` of page_first_direct host buffers (``dst_ptrs``: ``[K, V]`` or ``[C]``, shape ``[pages, L, page_size, ...]``).",
+        }
+        transfer_kv_per_layer_pfdhg_lf(src_k: In, dst_k: Out, src_v: In, dst_v: Out, src_indices: Idx, dst_indices: Idx, layer_id: Int, item_size: Int, src_layout_dim: Int, page_size: Int, head_num: Int) {
+            tuning: Tuning::EnvOr(2), sglang: false, keys: CUDA, num_layers: None, same_dtype: false,
+            schema: "(Tensor src_k, Tensor dst_k, Tensor src_v, Tensor dst_v, Tensor src_indices, Tensor dst_indices, int layer_id, int item_size, int src_layout_dim, int page_size, int head_num, int block_quota, int num_warps_per_block) -> ()",
+            doc: "Layer ``layer_id`` of a head-group-major page_first_direct host buffer into one device layer.\n\nHost shape per component: ``[pages][head_num][L][page_size][item_size / head_num]`` (``head_num`` counts head GROUPS; ``src_layout_dim = L * item_size``); device rows ``[rows][item_size]``, whose group ``g`` is bytes ``[g * item_size / head_num, (g + 1) * item_size / head_num)``. One head group is plain page_first_direct. Indices are token slots. Empty lists are a no-op once the integers pass.",
+        }
+        transfer_kv_all_layer_lf_pfdhg(src_k_layers: InLayers, dst_k: Out, src_v_layers: InLayers, dst_v: Out, src_indices: Idx, dst_indices: Idx, item_size: Int, dst_layout_dim: Int, num_layers: Int, page_size: Int, head_num: Int) {
+            tuning: Tuning::EnvOr(2), sglang: false, keys: CUDA, num_layers: Some(false), same_dtype: false,
+            schema: "(Tensor src_k_layers, Tensor dst_k, Tensor src_v_layers, Tensor dst_v, Tensor src_indices, Tensor dst_indices, int item_size, int dst_layout_dim, int num_layers, int page_size, int head_num, int block_quota, int num_warps_per_block) -> ()",
+            doc: "Every device layer into its layer of a head-group-major page_first_direct host buffer: the mirror of :func:`transfer_kv_per_layer_pfdhg_lf` (``head_num`` counts head groups, so both directions agree on one host byte order; ``dst_layout_dim = num_layers * item_size``).",
+        }
+        transfer_embedding_ranges_direct(src: In, dst: Out, src_starts: Ints, dst_starts: Ints, lengths: Ints) {
+            tuning: Tuning::None, sglang: true, keys: CUDA, num_layers: None, same_dtype: true,
+            schema: "(Tensor src, Tensor! dst, int[] src_starts, int[] dst_starts, int[] lengths) -> ()",
+            doc: "Copy embedding ranges between host and CUDA tensors: for each ``k``, ``dst[dst_starts[k] : dst_starts[k] + lengths[k]] = src[src_starts[k] : src_starts[k] + lengths[k]]`` along dimension 0 (rows of equal bytes in both; any dtype and row width, 74-byte rows too).\n\nCopy engine only, one copy per range (adjacent ranges merge), enqueued on the caller's stream for CUDA arrays; host to host and device to device work as well. Beyond sglang: every range must lie inside its tensor and destination ranges must not overlap; a call that raises has moved no row.",
+        }
+    }
+    custom {
+        copy_all_layer_kv_cache_cpu(data_ptrs: In, strides: In, tgt_loc: In, src_loc: In) {
+            tuning: Tuning::None, sglang: false, keys: &["CPU"], num_layers: None, same_dtype: false,
+            schema: "(Tensor data_ptrs, Tensor strides, Tensor tgt_loc, Tensor src_loc) -> ()",
+            doc: "sglang's CPU row move inside the device KV pool (sgl_kernel's top-level op).",
+        }
+        get_device_accessible_ptr(tensor: In, device_index: Int) {
+            tuning: Tuning::None, sglang: true, keys: CUDA, num_layers: None, same_dtype: false,
+            schema: "(Tensor tensor, int device_index) -> int",
+            doc: "The address a kernel on CUDA device ``device_index`` reads ``tensor`` at.",
+        }
+    }
+}
+
+/// An op's whole docstring: its documentation, then how its arguments and tuning are taken.
+pub fn docstring(spec: &OpSpec) -> String {
+    let mut out = spec.doc.to_string();
+    match spec.tuning {
+        Tuning::Env => out.push_str(" ``block_quota=None`` takes ``SGLANG_HICACHE_BLOCK_QUOTA`` when set, as sglang does."),
+        Tuning::EnvOr(n) => {
+            out.push_str(&format!(" ``block_quota=None`` takes ``SGLANG_HICACHE_BLOCK_QUOTA`` when set, else {n} (sglang's)."))
+        }
+        Tuning::None | Tuning::Pass => {}
+    }
+    if spec.binding == Binding::Custom {
+        return out;
+    }
+    if spec.args.iter().any(|(_, k)| matches!(k, ArgKind::InLayers | ArgKind::OutLayers)) {
+        out.push_str(
+            "\n\n``*_layers`` arguments take a list of arrays (every index is bounds-checked against its layer) or, as sglang \
+             passes them, a 1-D int64 or uint64 table of layer base addresses (host or GPU memory), which is trusted: each layer \
+             is assumed to hold what the largest index needs.",
+        );
+    }
+    if spec.args.iter().any(|(_, k)| matches!(k, ArgKind::Idx | ArgKind::HostIdx)) {
+        out.push_str("\n\n");
+        out.push_str(SIZES);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each schema names the catalogue's arguments in its order with matching types, then the
+    /// tuning arguments exactly where the op takes them.
+    #[test]
+    fn schemas_agree_with_the_arguments() {
+        for spec in CATALOGUE {
+            let (args, _) = spec.schema.rsplit_once("->").expect("schema has a result");
+            let inner = args.trim().strip_prefix('(').and_then(|a| a.strip_suffix(')')).expect("schema has arguments");
+            let params: Vec<(String, String)> = inner
+                .split(',')
+                .map(|p| {
+                    let mut w = p.split_whitespace();
+                    let ty = w.next().unwrap_or_default().to_string();
+                    (w.next().unwrap_or_default().to_string(), ty)
+                })
+                .collect();
+            let mut want: Vec<(String, String)> = spec
+                .args
+                .iter()
+                .map(|(n, k)| {
+                    let ty = match k {
+                        ArgKind::InList | ArgKind::OutList => "Tensor[]",
+                        ArgKind::Int => "int",
+                        ArgKind::Ints => "int[]",
+                        ArgKind::Out if spec.schema.contains("Tensor!") => "Tensor!",
+                        _ => "Tensor",
+                    };
+                    (n.to_string(), ty.to_string())
+                })
+                .collect();
+            if !matches!(spec.tuning, Tuning::None) {
+                want.push(("block_quota".into(), "int".into()));
+                want.push(("num_warps_per_block".into(), "int".into()));
+            }
+            assert_eq!(params, want, "{}", spec.name);
+            assert!(spec.schema.ends_with("()") || spec.schema.ends_with("-> int"), "{}", spec.name);
+        }
+    }
+
+    #[test]
+    fn names_are_unique_and_found() {
+        for (i, s) in CATALOGUE.iter().enumerate() {
+            assert!(CATALOGUE[..i].iter().all(|t| t.name != s.name), "{} twice", s.name);
+            assert_eq!(OpSpec::find(s.name).map(|t| t.name), Some(s.name));
+        }
+    }
+}

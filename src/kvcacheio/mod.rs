@@ -1,0 +1,59 @@
+//! sglang's `sgl_kernel.kvcacheio` transfer ops over caller memory, with the same names and
+//! argument order, on the cpu and cuda executors.
+//!
+//! Each op is a pool call in disguise: its tensors are wrapped as a device pool (the layer-first
+//! side) and a host pool (the layout side) of exactly their sizes, and the call goes through the
+//! one planner, so it obeys the same table, order of checks and messages as the pools, and adds
+//! what sglang's ops lack: every index is range-checked against the tensor it addresses, and
+//! destinations must be unique and must not overlap another argument. Nothing moves unless every
+//! check of every layer passes.
+//!
+//! Sizes are in bytes (`item_size`, `src_layout_dim`, `dst_layout_dim`), as in sgl-kernel since
+//! its layer-table refactor. The launch tuning arguments (`block_quota`, `num_warps_per_block`)
+//! are the executor's business and are not taken here.
+//!
+//! | op | device side | host side | call |
+//! |---|---|---|---|
+//! | [`transfer_kv_per_layer`], [`transfer_kv_per_layer_mla`] | `dst` layer | `src` layer (layer_first, one layer) | load |
+//! | [`transfer_kv_per_layer_pf_lf`], [`transfer_kv_per_layer_mla_pf_lf`] | `dst` layer | `src` page_first | load of `layer_id` |
+//! | [`transfer_kv_per_layer_ph_lf`] | `dst` layer | `src` page_head | load of `layer_id` |
+//! | [`transfer_kv_all_layer`], [`transfer_kv_all_layer_mla`], [`transfer_kv_direct`] | `dst[j]` | `src[j]` | one load per layer |
+//! | [`transfer_kv_all_layer_lf_pf`], [`transfer_kv_all_layer_mla_lf_pf`] | `src` layers | `dst` page_first | backup |
+//! | [`transfer_kv_all_layer_lf_ph`] | `src` layers | `dst` page_head | backup |
+//! | [`transfer_kv_per_layer_pfdhg_lf`] | `dst` layer | `src` page_first_direct_hg | load of `layer_id` |
+//! | [`transfer_kv_all_layer_lf_pfdhg`] | `src` layers | `dst` page_first_direct_hg | backup |
+//! | [`transfer_kv_per_layer_direct_pf_lf`] | `dst` layers | `src` page_first_direct | load of `layer_id` |
+//! | [`transfer_kv_all_layer_direct_lf_pf`] | `src` layers | `dst` page_first_direct | backup |
+//! | [`transfer_kv_per_layer_lf_pf`], [`transfer_kv_per_layer_mla_lf_pf`], [`transfer_kv_per_layer_direct_lf_pf`] | `src` layer | `dst` page_first / page_first_direct | per-layer backup (not in sglang) |
+//!
+//! The last row is what sglang lacks (its seed error): a one-layer backup into page_first or
+//! page_first_direct, for layer-sharded and layer-wise backups. It runs under profile
+//! `extended`; the thirteen sglang ops run under profile `sglang`.
+
+#![allow(clippy::too_many_arguments)] // sglang's signatures
+
+//!
+//! Rooms: `tensors` (caller memory and index lists), `call` (an op's pools and plans, run all or
+//! nothing), `loads` (one-layer loads), `lists` (all-layer copies between layer lists, `direct`
+//! included), `backups` (all-layer and one-layer backups into a layout), `direct`
+//! (page_first_direct), `rows` (whole rows), and `catalogue` (the one table of ops the Python
+//! bindings, their stubs and torch schemas are made from).
+
+mod backups;
+mod call;
+pub mod catalogue;
+mod direct;
+mod lists;
+mod loads;
+mod rows;
+mod tensors;
+
+pub use backups::*;
+pub use direct::*;
+pub use lists::*;
+pub use loads::*;
+pub use rows::*;
+pub use tensors::{CudaIndices, Indices, Memory, RawTensor};
+
+use call::*;
+use tensors::*;

@@ -1,0 +1,228 @@
+//! Caller memory as an op sees it: tensors, index lists (host or CUDA), named arguments and
+//! the overlap checks between them.
+
+use std::ptr::NonNull;
+
+use crate::exec::{Buffer, Device};
+use crate::{Result, TransferError};
+
+/// Where a tensor's memory is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Memory {
+    /// Host memory (pinned or mapped for the cuda executor).
+    Host,
+    /// CUDA device memory.
+    CudaDevice,
+}
+
+/// One tensor argument: `len` contiguous bytes at `addr`, with its shape in elements (the
+/// direct ops slice along dimension 0, and read page_first_direct pages from dimensions 1–2).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RawTensor {
+    pub(super) addr: u64,
+    pub(super) len: u64,
+    dims: Vec<u64>,
+    pub(super) memory: Memory,
+}
+
+impl RawTensor {
+    /// Describes caller memory.
+    ///
+    /// # Safety
+    /// `addr..addr + len` must be valid for reads and writes, in `memory`, and nothing else may
+    /// access it while the op's copies run. On the cpu executor the op returns after its copies.
+    /// On the cuda executor it returns once they are enqueued on the executor's stream, as
+    /// sgl-kernel's ops do on torch's current stream: the memory must stay valid until that
+    /// stream reaches them, and work on other streams must be ordered with it by the caller
+    /// (an executor made with `CudaExecutor::from_stream` on the caller's stream needs nothing
+    /// more).
+    pub unsafe fn new(addr: u64, len: u64, dims: Vec<u64>, memory: Memory) -> RawTensor {
+        RawTensor { addr, len, dims, memory }
+    }
+    /// Bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+    /// True when it holds no byte.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Shape in elements.
+    pub fn dims(&self) -> &[u64] {
+        &self.dims
+    }
+    /// Start address.
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+    /// Bytes of one row along dimension 0 (the whole tensor for a scalar).
+    pub(super) fn row_bytes(&self) -> u64 {
+        match self.dims.first() {
+            Some(&rows) if rows > 0 => self.len / rows,
+            _ => self.len,
+        }
+    }
+}
+
+/// An index list: `i64` values on the host, or in CUDA memory ([`CudaIndices`]). Host lists
+/// are checked before anything is enqueued; CUDA lists (the `kernel` ops on the cuda executor)
+/// are checked on the device, without a host round trip: a failing list moves nothing, and the
+/// error ([`TransferError::DeviceIndexCheck`], naming the op) comes from the next
+/// `CudaExecutor::synchronize` or the next op on that executor — which then does not run (it
+/// returns the earlier op's error; issue it again). The layers of one all-layer op share one
+/// check: all of them move, or none.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Indices<'a> {
+    /// Host values.
+    Host(&'a [i64]),
+    /// Values in CUDA device memory.
+    Cuda(CudaIndices),
+}
+
+/// `len` `i64` indices at device address `addr`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CudaIndices {
+    pub(super) addr: u64,
+    pub(super) len: usize,
+    pub(super) call: &'static str,
+}
+
+impl CudaIndices {
+    /// Describes an index list in CUDA memory.
+    ///
+    /// # Safety
+    /// `addr..addr + 8 × len` must be device memory of the executor's context, holding `i64`s,
+    /// valid and unchanged until the executor's stream has run the op (as for [`RawTensor`]).
+    pub unsafe fn new(addr: u64, len: usize) -> CudaIndices {
+        CudaIndices { addr, len, call: "" }
+    }
+}
+
+impl Indices<'_> {
+    /// Entries.
+    pub fn len(&self) -> usize {
+        match self {
+            Indices::Host(v) => v.len(),
+            Indices::Cuda(c) => c.len,
+        }
+    }
+    /// True when it has no entry.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// This list as an argument of op `call` (named in its device check's error).
+    fn call(self, call: &'static str) -> Self {
+        match self {
+            Indices::Cuda(c) => Indices::Cuda(CudaIndices { call, ..c }),
+            host => host,
+        }
+    }
+}
+
+/// The two index lists of op `call`.
+pub(super) fn op_lists<'i>(call: &'static str, src: impl Into<Indices<'i>>, dst: impl Into<Indices<'i>>) -> (Indices<'i>, Indices<'i>) {
+    (src.into().call(call), dst.into().call(call))
+}
+
+impl<'a> From<&'a [i64]> for Indices<'a> {
+    fn from(v: &'a [i64]) -> Self {
+        Indices::Host(v)
+    }
+}
+
+impl<'a> From<&'a Vec<i64>> for Indices<'a> {
+    fn from(v: &'a Vec<i64>) -> Self {
+        Indices::Host(v)
+    }
+}
+
+impl<'a, const N: usize> From<&'a [i64; N]> for Indices<'a> {
+    fn from(v: &'a [i64; N]) -> Self {
+        Indices::Host(v)
+    }
+}
+
+impl From<CudaIndices> for Indices<'_> {
+    fn from(c: CudaIndices) -> Self {
+        Indices::Cuda(c)
+    }
+}
+
+/// A named argument.
+#[derive(Clone)]
+pub(super) struct Arg<'a> {
+    pub(super) name: String,
+    pub(super) t: &'a RawTensor,
+}
+
+pub(super) fn arg(name: impl Into<String>, t: &RawTensor) -> Arg<'_> {
+    Arg { name: name.into(), t }
+}
+
+pub(super) fn bad(arg: &str, reason: impl Into<String>) -> TransferError {
+    TransferError::BadTensor { arg: arg.into(), reason: reason.into() }
+}
+
+/// Wraps one tensor as a buffer of `device`, without owning it.
+pub(super) fn wrap(device: &Device, a: &Arg<'_>) -> Result<Buffer> {
+    let t = a.t;
+    let Some(ptr) = NonNull::new(t.addr as *mut u8) else { return Err(bad(&a.name, "null data pointer")) };
+    let len = usize::try_from(t.len).map_err(|_| bad(&a.name, "larger than the address space"))?;
+    if t.addr.checked_add(t.len).is_none() {
+        return Err(bad(&a.name, "address range wraps"));
+    }
+    match device {
+        Device::Cpu(e) => {
+            if t.memory != Memory::Host {
+                return Err(bad(&a.name, "the cpu executor moves host memory only"));
+            }
+            // SAFETY: the caller of `RawTensor::new` vouches for the span; the buffer is dropped
+            // before the op returns.
+            Ok(Buffer::Cpu(unsafe { crate::exec::cpu::CpuBuffer::from_raw(ptr, len, e) }))
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(e) => {
+            // SAFETY: as above, and the op's copies are ordered on the executor's stream (the
+            // caller's, for an executor made with `CudaExecutor::from_stream`); host memory must
+            // be pinned or registered (refused otherwise).
+            let b = unsafe { crate::exec::cuda::CudaBuffer::stream_ordered(e, t.addr, t.len, t.memory == Memory::CudaDevice)? };
+            Ok(Buffer::Cuda(b))
+        }
+        #[cfg(feature = "wgpu")]
+        Device::Wgpu(_) => Err(bad(&a.name, "the wgpu executor moves between its own pools only (use DevicePool / HostPool)")),
+    }
+}
+
+/// Refuses a destination that overlaps any other argument (the result would depend on the
+/// order of the copies, and differ between executors).
+pub(super) fn check_overlaps(reads: &[Arg<'_>], writes: &[Arg<'_>]) -> Result<()> {
+    overlaps(reads, writes, false)
+}
+
+/// [`check_overlaps`] for the `kernel` ops, where `reads[i]` pairs with `writes[i]` (K and V,
+/// layer by layer): two destinations that are exactly the same tensor (span and shape), read
+/// from sources that are exactly the same tensor too, receive the same bytes twice, and are
+/// accepted (sglang's own tests pass `dst_k` as `dst_v` that way). Safe because a gather writes
+/// every pair of one index from the same lane or thread, in order; `direct` copies split runs
+/// across threads, so the `direct` ops keep the strict check.
+pub(super) fn check_overlaps_kernel(reads: &[Arg<'_>], writes: &[Arg<'_>]) -> Result<()> {
+    overlaps(reads, writes, true)
+}
+
+pub(super) fn overlaps(reads: &[Arg<'_>], writes: &[Arg<'_>], same_bytes_twice_ok: bool) -> Result<()> {
+    let span = |t: &RawTensor| (t.memory, t.addr, t.addr.saturating_add(t.len));
+    let same = |a: &RawTensor, b: &RawTensor| span(a) == span(b) && a.dims == b.dims;
+    let paired = same_bytes_twice_ok && reads.len() == writes.len();
+    let same_bytes_twice = |i: usize, j: usize| paired && same(writes[i].t, writes[j].t) && same(reads[i].t, reads[j].t);
+    for (i, w) in writes.iter().enumerate() {
+        let (wm, ws, we) = span(w.t);
+        let others = reads.iter().chain(writes.iter().enumerate().filter(|&(j, _)| j != i && !same_bytes_twice(i, j)).map(|(_, a)| a));
+        for o in others {
+            let (om, os, oe) = span(o.t);
+            if wm == om && ws < oe && os < we && w.t.len > 0 && o.t.len > 0 {
+                return Err(bad(&w.name, format!("destination overlaps {}", o.name)));
+            }
+        }
+    }
+    Ok(())
+}
