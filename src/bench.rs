@@ -261,7 +261,7 @@ pub struct PipelineResult {
     /// A backup of other pages issued right after the layer loads: seconds until it has landed
     /// when it queues behind them on one stream.
     pub backup_one_stream_s: f64,
-    /// The same on a [`crate::Pipeline`]'s side stream (cpu: its own worker; wgpu: the same
+    /// The same on a [`crate::Pipeline`]'s backup stream (cpu: its own worker; wgpu: the same
     /// queue, so no faster).
     pub backup_side_stream_s: f64,
     /// Bytes that backup moves.
@@ -363,7 +363,7 @@ pub fn pipeline(device: &Device, layers: usize, items: u64, compute: Option<Dura
 
 /// A backup of pages the loads do not touch (up to 128 host and device pages each), issued
 /// right after every layer's load: median seconds until it lands behind the loads on one
-/// stream, and on a pipeline's side stream; and its bytes.
+/// stream, and on a pipeline's backup stream; and its bytes.
 fn backup_latency(fx: &mut Fixture, hi: &[i64], di: &[i64], runs: usize) -> Result<(f64, f64, u64)> {
     let page = fx.host.geometry().page_size().max(1) as i64;
     let units = fx.dev.geometry().slots() as i64;

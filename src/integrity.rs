@@ -4,7 +4,7 @@
 //! `checksum(m) = Σ_i k_i · m_i  (mod 2^64)`, where `m_i` is the `i`-th little-endian 32-bit word
 //! of the bytes (a tail shorter than a word is zero-padded), `k_i` the `i`-th key of a seeded key
 //! stream: odd, below `2^32`, so every product is an exact 32 × 32 → 64-bit multiply (one
-//! instruction on every executor). The sum of [`partial`] over disjoint word ranges is the
+//! instruction on every executor). The sum of [`range_sum`] over disjoint word ranges is the
 //! checksum of the whole, whatever the split, so every executor and lane layout gives the same
 //! bits.
 //!
@@ -99,14 +99,14 @@ pub fn words(len: usize) -> usize {
 /// The checksum of `bytes` (see the module docs), with keys from `keys` where it has them and
 /// computed for words past its table.
 pub fn checksum(bytes: &[u8], keys: &Keys) -> u64 {
-    partial(bytes, 0, keys)
+    range_sum(bytes, 0, keys)
 }
 
 /// The checksum terms of `bytes` taken as words `first_word ..` of a longer string: the checksum
 /// of a string is the sum of `partial` over any split of it into word-aligned pieces (every piece
 /// but the last a whole number of words: a partial word is zero-padded).
 #[inline]
-pub fn partial(bytes: &[u8], first_word: usize, keys: &Keys) -> u64 {
+pub fn range_sum(bytes: &[u8], first_word: usize, keys: &Keys) -> u64 {
     let table = keys.table.get(first_word..).unwrap_or(&[]);
     let covered = (bytes.len() / 4).min(table.len());
     let mut sum = tabled(&bytes[..covered * 4], &table[..covered]);
@@ -127,6 +127,12 @@ pub fn partial(bytes: &[u8], first_word: usize, keys: &Keys) -> u64 {
         sum = sum.wrapping_add(k * u32::from_le_bytes(w) as u64);
     }
     sum
+}
+
+/// The former name of [`range_sum`].
+#[deprecated(note = "renamed range_sum")]
+pub fn partial(bytes: &[u8], first_word: usize, keys: &Keys) -> u64 {
+    range_sum(bytes, first_word, keys)
 }
 
 /// `Σ keys[i] · word_i (mod 2^64)` over whole words, `words.len() == 4 · keys.len()`: AVX2 where
@@ -208,7 +214,7 @@ unsafe fn tabled_avx2(words: &[u8], keys: &[u32]) -> u64 {
 }
 
 /// Copies `len` bytes from `src` to `dst` and returns their checksum terms as words
-/// `first_word ..` ([`partial`] of the source bytes), in one pass where the processor has AVX2:
+/// `first_word ..` ([`range_sum`] of the source bytes), in one pass where the processor has AVX2:
 /// each 32-byte block is loaded once, stored, and multiplied in from the same register.
 /// `stream`: non-temporal stores where `dst` is 32-byte aligned (the caller fences them).
 ///
@@ -226,13 +232,13 @@ pub(crate) unsafe fn copy_and_sum(src: *const u8, dst: *mut u8, len: usize, firs
             std::ptr::copy_nonoverlapping(src.add(done), dst.add(done), len - done);
             std::slice::from_raw_parts(src.add(done), len - done)
         };
-        return sum.wrapping_add(partial(tail, first_word + done / 4, keys));
+        return sum.wrapping_add(range_sum(tail, first_word + done / 4, keys));
     }
     let _ = stream;
     // SAFETY: as the caller vouches.
     unsafe {
         std::ptr::copy_nonoverlapping(src, dst, len);
-        partial(std::slice::from_raw_parts(src, len), first_word, keys)
+        range_sum(std::slice::from_raw_parts(src, len), first_word, keys)
     }
 }
 
@@ -295,7 +301,7 @@ pub fn name_hash(bytes: &[u8]) -> u64 {
 /// with a partial last word is zero-padded on its own, so every executor gets the same bits (and
 /// "a change within one word is always detected" holds per padded word of a chunk).
 pub fn item_part(chunk: &[u8], head: u64, keys: &Keys) -> u64 {
-    partial(chunk, (head as usize).saturating_mul(words(chunk.len())), keys)
+    range_sum(chunk, (head as usize).saturating_mul(words(chunk.len())), keys)
 }
 
 /// One item whose bytes did not match the checksum its backup recorded (see
@@ -322,7 +328,7 @@ pub struct ItemMismatch {
 /// unverified: one item in 2^64, never a false alarm). Written by the copies of backups (each
 /// item by one lane: the planner makes destinations unique), read by the copies of loads; a
 /// transfer's completion orders both for the caller.
-pub(crate) struct Sidecar {
+pub(crate) struct ChecksumTable {
     entries: Box<[std::sync::atomic::AtomicU64]>,
     units: u64,
     comps: u64,
@@ -344,9 +350,9 @@ pub struct IntegrityStats {
     pub mismatched: u64,
 }
 
-impl Sidecar {
+impl ChecksumTable {
     /// A table for `units × layers × comps` items of `heads` chunks of `chunk` bytes.
-    pub(crate) fn new(units: u64, layers: u64, comps: u64, chunk: u64, heads: u64) -> crate::Result<Sidecar> {
+    pub(crate) fn new(units: u64, layers: u64, comps: u64, chunk: u64, heads: u64) -> crate::Result<ChecksumTable> {
         let n = units.checked_mul(layers).and_then(|x| x.checked_mul(comps));
         let oom = |requested: u64| crate::TransferError::OutOfMemory {
             what: "host pool checksum table".into(),
@@ -357,7 +363,7 @@ impl Sidecar {
         let entries = zeroed::<std::sync::atomic::AtomicU64>(n).ok_or_else(|| oom((n as u64).saturating_mul(8)))?;
         let item_words = usize::try_from(words(chunk as usize) as u64 * heads).map_err(|_| oom(u64::MAX))?;
         let keys = shared_keys(STORAGE_SEED, item_words)?;
-        Ok(Sidecar { entries, units, comps, keys, counts: Default::default() })
+        Ok(ChecksumTable { entries, units, comps, keys, counts: Default::default() })
     }
     /// The key stream items are checksummed with.
     pub(crate) fn keys(&self) -> &Keys {
@@ -506,13 +512,13 @@ mod tests {
         let whole = checksum(&m, &keys);
         for split in [0usize, 4, 8, 400, 996, 1000] {
             let (a, b) = m.split_at(split);
-            assert_eq!(partial(a, 0, &keys).wrapping_add(partial(b, split / 4, &keys)), whole, "split at {split}");
+            assert_eq!(range_sum(a, 0, &keys).wrapping_add(range_sum(b, split / 4, &keys)), whole, "split at {split}");
         }
         // Keys past the table are the stream's own, also for a piece that starts past it.
         let short = Keys::new(STORAGE_SEED, 10).unwrap();
         assert_eq!(checksum(&m, &short), whole);
         let (a, b) = m.split_at(600);
-        assert_eq!(partial(a, 0, &short).wrapping_add(partial(b, 150, &short)), whole);
+        assert_eq!(range_sum(a, 0, &short).wrapping_add(range_sum(b, 150, &short)), whole);
     }
 
     #[test]
@@ -539,7 +545,7 @@ mod tests {
             // SAFETY: `len` bytes of each, disjoint.
             let sum = unsafe { copy_and_sum(m.as_ptr(), out.as_mut_ptr().add(at), len, first, &keys, stream) };
             assert_eq!(&out[at..at + len], &m[..], "{len}");
-            assert_eq!(sum, partial(&m, first, &keys), "{len} at word {first}");
+            assert_eq!(sum, range_sum(&m, first, &keys), "{len} at word {first}");
         }
     }
 

@@ -13,7 +13,7 @@
 //! # Vocabulary
 //! | word | meaning |
 //! |---|---|
-//! | executor | a backend that moves bytes: `cpu`, `wgpu` or `cuda` (which one: [`BackendKind`]) |
+//! | executor | a backend that moves bytes: `cpu`, `wgpu` or `cuda` (which one: [`ExecutorKind`]) |
 //! | [`Device`] | a handle to one executor *instance*, chosen at run time; clones share its identity, and pools, buffers and plans of two instances never mix |
 //! | io backend | sglang's `kernel` (gather/scatter copy kernel) or `direct` (one copy per coalesced run): [`IoBackend`] |
 //! | `L` | host layers: owned target layers (minus DSA skip-topk layers), then one per MTP draft pool |
@@ -26,7 +26,7 @@
 //! use hicache_io::{Device, DevicePool, DevicePoolConfig, HostPool, HostPoolConfig, IoBackend, Layout, LayerMap, PoolKind, Profile};
 //!
 //! # fn main() -> Result<(), hicache_io::TransferError> {
-//! let device = Device::cpu(); // or Device::from_env()? for HICACHE_IO_BACKEND=cpu|wgpu|cuda|auto
+//! let device = Device::cpu(); // or Device::from_env()? for HICACHE_IO_EXECUTOR=cpu|wgpu|cuda|auto
 //! // MLA device pool: 4 layers of 256 token slots, 1152-byte records, page size 16.
 //! let mut dev = DevicePool::new(&device, &DevicePoolConfig {
 //!     kind: PoolKind::Mla, bytes_per_token: 1152, slots: 256, page_size: 16, layers: LayerMap::new(4),
@@ -66,7 +66,9 @@ pub mod rng;
 pub mod timing;
 
 pub use error::{Result, TransferError};
-pub use exec::{BackendKind, Completion, Device};
+#[allow(deprecated)]
+pub use exec::BackendKind;
+pub use exec::{Completion, Device, ExecutorKind};
 pub use geometry::{IoBackend, LayerMap, Layout, PoolKind, Profile};
 pub use plan::{Capabilities, Op, Plan, Request};
 pub use pool::{DevicePool, DevicePoolConfig, HostPool, HostPoolConfig, LayerLoads, Pipeline, Ticket, Transfer};

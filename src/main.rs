@@ -7,7 +7,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use hicache_io::check::Tally;
-use hicache_io::exec::{probe_all, BackendKind, Device};
+use hicache_io::exec::{probe_all, Device, ExecutorKind};
 use hicache_io::geometry::{PoolKind, Profile};
 use hicache_io::matrix::{matrix, render_markdown};
 
@@ -50,8 +50,8 @@ enum Cmd {
 #[derive(clap::Args)]
 struct BenchArgs {
     /// Executors to measure; every available one by default.
-    #[arg(long, value_delimiter = ',')]
-    backend: Vec<BackendKind>,
+    #[arg(long = "executor", alias = "backend", value_delimiter = ',')]
+    executor: Vec<ExecutorKind>,
     /// The whole matrix (the default is the quick subset: random pages, N = 4096, L = 8,
     /// 8448/1152/128 B items): 4 item sizes × 3 patterns × N 256/4096 × L 8/61.
     #[arg(long)]
@@ -86,8 +86,8 @@ struct BenchArgs {
 #[derive(clap::Args)]
 struct FuzzArgs {
     /// Executors to fuzz; every available one by default.
-    #[arg(long, value_delimiter = ',')]
-    backend: Vec<BackendKind>,
+    #[arg(long = "executor", alias = "backend", value_delimiter = ',')]
+    executor: Vec<ExecutorKind>,
     #[arg(long, default_value_t = 1)]
     seed: u64,
     /// Cases per executor (at least 1).
@@ -104,8 +104,8 @@ struct FuzzArgs {
 #[derive(clap::Args, Default)]
 struct CheckArgs {
     /// Executors to check (cpu, wgpu, cuda); every available one by default.
-    #[arg(long, value_delimiter = ',')]
-    backend: Vec<BackendKind>,
+    #[arg(long = "executor", alias = "backend", value_delimiter = ',')]
+    executor: Vec<ExecutorKind>,
     #[arg(long, default_value_t = 1)]
     seed: u64,
     /// Random cases per cell and executor (at least 1).
@@ -174,23 +174,22 @@ fn main() -> ExitCode {
     }
 }
 
-/// The executors to run on: `--backend` if given, else `HICACHE_IO_BACKEND` if set (an unknown
-/// name is an error; `auto` means every executor present), else every executor present.
-fn open_devices(requested: &[BackendKind]) -> Option<Vec<Device>> {
+/// The executors to run on: `--executor` if given, else `HICACHE_IO_EXECUTOR` (or its older name
+/// `HICACHE_IO_BACKEND`) if set (an unknown name is an error; `auto` means every executor
+/// present), else every executor present.
+fn open_devices(requested: &[ExecutorKind]) -> Option<Vec<Device>> {
     let mut requested = requested.to_vec();
     if requested.is_empty() {
-        match std::env::var("HICACHE_IO_BACKEND").ok().as_deref() {
-            None | Some("") | Some("auto") => {}
-            Some(name) => match name.parse::<BackendKind>() {
-                Ok(k) => requested.push(k),
-                Err(e) => {
-                    eprintln!("HICACHE_IO_BACKEND: {e}");
-                    return None;
-                }
-            },
+        match hicache_io::exec::executor_from_env() {
+            Ok(Some(k)) => requested.push(k),
+            Ok(None) => {}
+            Err(e) => {
+                eprintln!("{e}");
+                return None;
+            }
         }
     }
-    let kinds = if requested.is_empty() { BackendKind::ALL.to_vec() } else { requested.clone() };
+    let kinds = if requested.is_empty() { ExecutorKind::ALL.to_vec() } else { requested.clone() };
     let mut devices = Vec::new();
     for k in kinds {
         match Device::open(k) {
@@ -209,7 +208,7 @@ fn open_devices(requested: &[BackendKind]) -> Option<Vec<Device>> {
 }
 
 fn bench(args: BenchArgs) -> ExitCode {
-    let Some(devices) = open_devices(&args.backend) else { return ExitCode::FAILURE };
+    let Some(devices) = open_devices(&args.executor) else { return ExitCode::FAILURE };
     if args.pipeline {
         return bench_pipeline(&devices, &args);
     }
@@ -420,14 +419,9 @@ fn bench_pipeline(devices: &[Device], args: &BenchArgs) -> ExitCode {
 
 fn info() -> ExitCode {
     // The library's `Device::from_env` refuses an unknown name; so does every command here.
-    match std::env::var("HICACHE_IO_BACKEND").ok().as_deref() {
-        None | Some("") | Some("auto") => {}
-        Some(name) => {
-            if let Err(e) = name.parse::<BackendKind>() {
-                eprintln!("HICACHE_IO_BACKEND: {e}");
-                return ExitCode::FAILURE;
-            }
-        }
+    if let Err(e) = hicache_io::exec::executor_from_env() {
+        eprintln!("{e}");
+        return ExitCode::FAILURE;
     }
     println!("hicache-io {}", env!("CARGO_PKG_VERSION"));
     for (kind, dev) in probe_all() {
@@ -458,7 +452,7 @@ fn check(args: CheckArgs) -> ExitCode {
         eprintln!("--io auto: the auto io backend exists only in profile extended (sglang answers \"Unsupported IO backend: auto\")");
         return ExitCode::from(2);
     }
-    let Some(devices) = open_devices(&args.backend) else { return ExitCode::FAILURE };
+    let Some(devices) = open_devices(&args.executor) else { return ExitCode::FAILURE };
     let mut failed = false;
     let mut report = Vec::new();
     for dev in &devices {
@@ -534,7 +528,7 @@ fn check(args: CheckArgs) -> ExitCode {
 }
 
 fn fuzz(args: FuzzArgs) -> ExitCode {
-    let Some(devices) = open_devices(&args.backend) else { return ExitCode::FAILURE };
+    let Some(devices) = open_devices(&args.executor) else { return ExitCode::FAILURE };
     if devices.is_empty() {
         eprintln!("no executor available");
         return ExitCode::FAILURE;

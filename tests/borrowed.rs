@@ -6,7 +6,7 @@
 mod common;
 
 use hicache_io::check::{random_case, supported_cells, Case, Rng};
-use hicache_io::exec::{BackendKind, Buffer};
+use hicache_io::exec::{Buffer, ExecutorKind};
 use hicache_io::plan::Op;
 use hicache_io::{Device, DevicePool, HostPool, Profile, TransferError};
 
@@ -95,7 +95,7 @@ fn cpu_borrowed_buffers_are_validated() {
 #[test]
 fn wgpu_engine_buffers_match_owned_pools() {
     use hicache_io::exec::wgpu::{WgpuBuffer, WgpuExecutor, WgpuOptions, REQUIRED_USAGES};
-    let Some(Device::Wgpu(probe)) = common::open(BackendKind::Wgpu) else { return };
+    let Some(Device::Wgpu(probe)) = common::open(ExecutorKind::Wgpu) else { return };
     // The engine's device, queue and buffers; hicache-io runs on them.
     let (gpu, queue) = (probe.device().clone(), probe.queue().clone());
     let exec = WgpuExecutor::from_device(gpu.clone(), queue.clone(), WgpuOptions::default()).unwrap();
@@ -156,7 +156,7 @@ fn wgpu_engine_buffers_match_owned_pools() {
 #[test]
 fn cuda_borrowed_memory_skips_without_a_gpu() {
     use hicache_io::exec::cuda::CudaBuffer;
-    let Some(Device::Cuda(exec)) = common::open(BackendKind::Cuda) else { return };
+    let Some(Device::Cuda(exec)) = common::open(ExecutorKind::Cuda) else { return };
     let device = Device::Cuda(exec.clone());
     let case = random_case(supported_cells(Profile::Extended)[0], Profile::Extended, &mut Rng::new(8));
     let want = run_owned(&device, &case);

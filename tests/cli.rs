@@ -26,7 +26,7 @@ fn check_cpu_passes() {
 
 #[test]
 fn check_wgpu_names_the_adapter() {
-    if common::open(hicache_io::BackendKind::Wgpu).is_none() {
+    if common::open(hicache_io::ExecutorKind::Wgpu).is_none() {
         return;
     }
     let (ok, out) = run(&["check", "--backend", "wgpu", "--rounds", "2"]);
@@ -81,6 +81,13 @@ fn cli_refuses_what_it_cannot_honour() {
     }
     // HICACHE_IO_BACKEND picks the executor when --backend is absent.
     let (ok, out, err) = run_env(&["check", "--rounds", "1"], &[("HICACHE_IO_BACKEND", "cpu")]);
+    assert!(ok && out.contains("cpu: ") && !out.contains("wgpu: "), "{out} {err}");
+    // Its new name HICACHE_IO_EXECUTOR first, and --executor (--backend still accepted).
+    let (ok, out, err) = run_env(&["check", "--rounds", "1"], &[("HICACHE_IO_EXECUTOR", "cpu"), ("HICACHE_IO_BACKEND", "garbage")]);
+    assert!(ok && out.contains("cpu: ") && !out.contains("wgpu: "), "{out} {err}");
+    let (ok, _, err) = run_env(&["check", "--rounds", "1"], &[("HICACHE_IO_EXECUTOR", "garbage")]);
+    assert!(!ok && err.contains("HICACHE_IO_EXECUTOR") && err.contains("garbage"), "{err}");
+    let (ok, out, err) = run_env(&["check", "--executor", "cpu", "--rounds", "1"], &[]);
     assert!(ok && out.contains("cpu: ") && !out.contains("wgpu: "), "{out} {err}");
 }
 

@@ -4,12 +4,12 @@
 mod common;
 
 use hicache_io::check::check_device;
-use hicache_io::exec::BackendKind;
+use hicache_io::exec::ExecutorKind;
 use hicache_io::geometry::Profile;
 
 #[test]
 fn cuda_without_a_gpu_is_unavailable_not_a_panic() {
-    match hicache_io::Device::open(BackendKind::Cuda) {
+    match hicache_io::Device::open(ExecutorKind::Cuda) {
         Ok(d) => eprintln!("cuda present: {}", d.describe()),
         Err(e) => {
             let msg = e.to_string();
@@ -20,7 +20,7 @@ fn cuda_without_a_gpu_is_unavailable_not_a_panic() {
 
 #[test]
 fn cuda_equals_oracle_on_every_cell() {
-    let Some(device) = common::open(BackendKind::Cuda) else { return };
+    let Some(device) = common::open(ExecutorKind::Cuda) else { return };
     for profile in [Profile::Extended, Profile::Sglang] {
         let rows = check_device(&device, profile, 3, 6, |_, _| {}).unwrap();
         for (cell, t) in rows {
@@ -36,7 +36,7 @@ fn cuda_driver_without_device_reports_no_device() {
     if std::env::var("HICACHE_EXPECT_CUDA_NO_DEVICE").is_err() {
         return;
     }
-    let e = hicache_io::Device::open(BackendKind::Cuda).err().expect("no GPU expected here");
+    let e = hicache_io::Device::open(ExecutorKind::Cuda).err().expect("no GPU expected here");
     assert!(e.to_string().contains("CUDA_ERROR_NO_DEVICE"), "{e}");
-    assert!(matches!(hicache_io::Device::auto(), hicache_io::Device::Cpu(_)) || hicache_io::Device::auto().kind() == BackendKind::Wgpu);
+    assert!(matches!(hicache_io::Device::auto(), hicache_io::Device::Cpu(_)) || hicache_io::Device::auto().kind() == ExecutorKind::Wgpu);
 }

@@ -13,7 +13,7 @@ use std::ffi::c_void;
 
 use cudarc::driver::{result, sys};
 use hicache_io::exec::cuda::CudaExecutor;
-use hicache_io::exec::BackendKind;
+use hicache_io::exec::ExecutorKind;
 use hicache_io::kvcacheio::{self as kv, CudaIndices, Memory, RawTensor};
 use hicache_io::{Device, TransferError};
 
@@ -77,7 +77,7 @@ impl Mem {
 }
 
 fn setup() -> Option<(Device, CudaExecutor)> {
-    let Some(Device::Cuda(exec)) = common::open(BackendKind::Cuda) else { return None };
+    let Some(Device::Cuda(exec)) = common::open(ExecutorKind::Cuda) else { return None };
     // The test's own allocations use the executor's (primary) context.
     let ctx = cudarc::driver::CudaContext::new(0).unwrap();
     ctx.bind_to_thread().unwrap();

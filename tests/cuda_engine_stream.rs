@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{result, sys, CudaContext, CudaStream};
 use hicache_io::exec::cuda::CudaExecutor;
-use hicache_io::exec::{BackendKind, Buffer};
+use hicache_io::exec::{Buffer, ExecutorKind};
 use hicache_io::{Device, DevicePool, DevicePoolConfig, HostPool, HostPoolConfig, IoBackend, LayerMap, Layout, PoolKind, Profile};
 
 const SLOTS: usize = 256;
@@ -27,7 +27,7 @@ unsafe extern "C" fn slow(_: *mut c_void) {
 }
 
 fn setup() -> Option<(Arc<CudaStream>, CudaExecutor)> {
-    let Some(Device::Cuda(probe)) = common::open(BackendKind::Cuda) else { return None };
+    let Some(Device::Cuda(probe)) = common::open(ExecutorKind::Cuda) else { return None };
     drop(probe);
     let ctx = CudaContext::new(0).unwrap();
     let engine = ctx.new_stream().unwrap();

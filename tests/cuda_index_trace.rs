@@ -11,7 +11,7 @@ mod common;
 use std::ffi::c_void;
 
 use cudarc::driver::{result, sys};
-use hicache_io::exec::BackendKind;
+use hicache_io::exec::ExecutorKind;
 use hicache_io::kvcacheio::{self as kv, CudaIndices, Memory, RawTensor};
 use hicache_io::Device;
 
@@ -28,7 +28,7 @@ fn sixty_one_layer_loads_and_a_backup_with_cuda_index_lists_never_block_the_host
     let trace = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("cuda-index-trace-{}.txt", std::process::id()));
     // Read by the simulator at its first call, which comes after this (one test per process).
     std::env::set_var("HICACHE_CUDA_SIM_TRACE", &trace);
-    let Some(Device::Cuda(exec)) = common::open(BackendKind::Cuda) else { panic!("cuda on the simulator") };
+    let Some(Device::Cuda(exec)) = common::open(ExecutorKind::Cuda) else { panic!("cuda on the simulator") };
     let device = Device::Cuda(exec.clone());
     cudarc::driver::CudaContext::new(0).unwrap().bind_to_thread().unwrap();
     // The host pool: page_first, [slots][layers][item], pinned; the device pool: a layer each.

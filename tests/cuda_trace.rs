@@ -6,7 +6,7 @@
 
 mod common;
 
-use hicache_io::exec::BackendKind;
+use hicache_io::exec::ExecutorKind;
 use hicache_io::{DevicePool, DevicePoolConfig, HostPool, HostPoolConfig, IoBackend, LayerMap, Layout, PoolKind, Profile};
 
 #[test]
@@ -18,7 +18,7 @@ fn sixty_one_layer_loads_and_a_backup_never_block_the_host() {
     let trace = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("cuda-trace-{}.txt", std::process::id()));
     // Read by the simulator at its first call, which comes after this (one test per process).
     std::env::set_var("HICACHE_CUDA_SIM_TRACE", &trace);
-    let device = common::open(BackendKind::Cuda).expect("cuda on the simulator");
+    let device = common::open(ExecutorKind::Cuda).expect("cuda on the simulator");
     let layers = 61;
     let cfg = DevicePoolConfig { kind: PoolKind::Mla, bytes_per_token: 656, slots: 1024, page_size: 64, layers: LayerMap::new(layers) };
     let mut dev = DevicePool::new(&device, &cfg).unwrap();

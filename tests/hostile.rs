@@ -5,7 +5,7 @@
 mod common;
 
 use hicache_io::error::TransferError;
-use hicache_io::exec::BackendKind;
+use hicache_io::exec::ExecutorKind;
 use hicache_io::{Device, DevicePool, DevicePoolConfig, HostPool, HostPoolConfig, IoBackend, LayerMap, Layout, PoolKind, Profile};
 
 fn cfg(kind: PoolKind, bytes_per_token: u64, slots: u64, page_size: u64, layers: LayerMap) -> DevicePoolConfig {
@@ -98,7 +98,7 @@ fn missing_buffers_are_errors() {
 #[cfg(feature = "wgpu")]
 #[test]
 fn two_wgpu_executors_never_mix() {
-    let (Some(a), Some(b)) = (common::open(BackendKind::Wgpu), common::open(BackendKind::Wgpu)) else { return };
+    let (Some(a), Some(b)) = (common::open(ExecutorKind::Wgpu), common::open(ExecutorKind::Wgpu)) else { return };
     let c = cfg(PoolKind::Mla, 64, 16, 1, LayerMap::new(2));
     let dev_a = DevicePool::new(&a, &c).unwrap();
     let host_a = HostPool::new(&dev_a, &host_cfg(Layout::LayerFirst, 16)).unwrap();
@@ -132,7 +132,7 @@ fn two_wgpu_executors_never_mix() {
 #[cfg(feature = "wgpu")]
 #[test]
 fn wgpu_giant_item() {
-    let Some(w) = common::open(BackendKind::Wgpu) else { return };
+    let Some(w) = common::open(ExecutorKind::Wgpu) else { return };
     let r = DevicePool::new(&w, &cfg(PoolKind::Mla, u64::MAX, 1, 1, LayerMap::new(1)));
     assert!(r.is_err());
     assert!(w.alloc(u64::MAX).is_err());

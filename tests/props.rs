@@ -6,7 +6,7 @@ mod common;
 
 use hicache_io::check::{all_cells, random_case, run_case, supported_cells, Outcome, Rng};
 use hicache_io::error::TransferError;
-use hicache_io::exec::BackendKind;
+use hicache_io::exec::ExecutorKind;
 use hicache_io::geometry::{IoBackend, Layout, PoolKind, Profile};
 use hicache_io::plan::{decide, Cell, TableOp};
 use hicache_io::{Device, DevicePool, DevicePoolConfig, HostPool, HostPoolConfig, LayerMap};
@@ -46,7 +46,7 @@ proptest! {
 
 fn gpu_devices() -> &'static [Device] {
     static DEVICES: std::sync::OnceLock<Vec<Device>> = std::sync::OnceLock::new();
-    DEVICES.get_or_init(|| [BackendKind::Wgpu, BackendKind::Cuda].into_iter().filter_map(common::open).collect())
+    DEVICES.get_or_init(|| [ExecutorKind::Wgpu, ExecutorKind::Cuda].into_iter().filter_map(common::open).collect())
 }
 
 /// Every supported cell on wgpu with windows of 64..512 bytes: pools of a few KiB span many
@@ -62,7 +62,7 @@ fn wgpu_tiny_windows_equal_oracle() {
         let exec = match WgpuExecutor::with_options(WgpuOptions { max_window: Some(window), max_gather_items: items, ..Default::default() })
         {
             Ok(e) => e,
-            Err(e) if common::required(BackendKind::Wgpu) => panic!("{e}"),
+            Err(e) if common::required(ExecutorKind::Wgpu) => panic!("{e}"),
             Err(e) => return eprintln!("skipping: {e}"),
         };
         let device = Device::Wgpu(exec);
@@ -99,7 +99,7 @@ fn wgpu_tiny_segments_equal_oracle() {
         let opts = WgpuOptions { max_segment: Some(segment), max_window: Some(window), ..Default::default() };
         let exec = match WgpuExecutor::with_options(opts) {
             Ok(e) => e,
-            Err(e) if common::required(BackendKind::Wgpu) => panic!("{e}"),
+            Err(e) if common::required(ExecutorKind::Wgpu) => panic!("{e}"),
             Err(e) => return eprintln!("skipping: {e}"),
         };
         let device = Device::Wgpu(exec);

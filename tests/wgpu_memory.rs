@@ -5,11 +5,11 @@
 mod common;
 
 use hicache_io::exec::wgpu::{PoolMemory, WgpuExecutor, WgpuOptions};
-use hicache_io::exec::{BackendKind, Buffer};
+use hicache_io::exec::{Buffer, ExecutorKind};
 use hicache_io::{Device, DevicePool, DevicePoolConfig, HostPool, HostPoolConfig, IoBackend, LayerMap, Layout, PoolKind, Profile};
 
 fn wgpu(mapped_host: Option<bool>) -> Option<(Device, WgpuExecutor)> {
-    common::open(BackendKind::Wgpu)?;
+    common::open(ExecutorKind::Wgpu)?;
     let exec = WgpuExecutor::with_options(WgpuOptions { mapped_host, ..Default::default() }).unwrap();
     Some((Device::Wgpu(exec.clone()), exec))
 }
@@ -152,7 +152,7 @@ fn mapped_reads_race_with_loads() {
 /// its bytes, for 4-byte and 16-byte words, several heads and the DSA indexer's pages.
 #[test]
 fn checksums_agree_with_and_without_64_bit_integers() {
-    if common::open(BackendKind::Wgpu).is_none() {
+    if common::open(ExecutorKind::Wgpu).is_none() {
         return;
     }
     for int64 in [false, true] {

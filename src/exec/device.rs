@@ -9,7 +9,7 @@ use crate::plan::Capabilities;
 use super::cuda;
 #[cfg(feature = "wgpu")]
 use super::wgpu;
-use super::{cpu, fault, AutoSlot, BackendKind, Bindings, Executor};
+use super::{cpu, fault, AutoSlot, Bindings, Executor, ExecutorKind};
 
 /// An executor chosen at run time. Clones share one executor instance (one identity).
 #[derive(Clone)]
@@ -127,13 +127,13 @@ impl Device {
     }
 
     /// Opens one executor; a missing driver or adapter is `Err(Unavailable)`, never a panic.
-    pub fn open(kind: BackendKind) -> Result<Device> {
+    pub fn open(kind: ExecutorKind) -> Result<Device> {
         match kind {
-            BackendKind::Cpu => Ok(Device::cpu()),
+            ExecutorKind::Cpu => Ok(Device::cpu()),
             #[cfg(feature = "wgpu")]
-            BackendKind::Wgpu => Ok(Device::Wgpu(wgpu::WgpuExecutor::new()?)),
+            ExecutorKind::Wgpu => Ok(Device::Wgpu(wgpu::WgpuExecutor::new()?)),
             #[cfg(feature = "cuda")]
-            BackendKind::Cuda => Ok(Device::Cuda(cuda::CudaExecutor::new(0)?)),
+            ExecutorKind::Cuda => Ok(Device::Cuda(cuda::CudaExecutor::new(0)?)),
             #[allow(unreachable_patterns)]
             other => Err(TransferError::Unavailable { backend: other.name(), reason: "not compiled in (cargo feature off)".into() }),
         }
@@ -141,7 +141,7 @@ impl Device {
 
     /// `auto`: cuda, then wgpu, then cpu.
     pub fn auto() -> Device {
-        for kind in [BackendKind::Cuda, BackendKind::Wgpu] {
+        for kind in [ExecutorKind::Cuda, ExecutorKind::Wgpu] {
             match Device::open(kind) {
                 Ok(d) => return d,
                 Err(e) => log::info!("auto: {e}"),
@@ -150,17 +150,17 @@ impl Device {
         Device::cpu()
     }
 
-    /// From `HICACHE_IO_BACKEND=cpu|wgpu|cuda|auto` (unset or empty means auto); an unknown
-    /// name is an error.
+    /// From `HICACHE_IO_EXECUTOR=cpu|wgpu|cuda|auto` (or its older name `HICACHE_IO_BACKEND`;
+    /// unset or empty means auto); an unknown name is an error.
     pub fn from_env() -> Result<Device> {
-        match std::env::var("HICACHE_IO_BACKEND").ok().as_deref() {
-            None | Some("") | Some("auto") => Ok(Device::auto()),
-            Some(name) => Device::open(name.parse()?),
+        match executor_from_env()? {
+            None => Ok(Device::auto()),
+            Some(kind) => Device::open(kind),
         }
     }
 
     /// Which executor.
-    pub fn kind(&self) -> BackendKind {
+    pub fn kind(&self) -> ExecutorKind {
         each_backend!(self, e => kind_of(e))
     }
 
@@ -315,7 +315,7 @@ impl Device {
     }
 }
 
-fn kind_of<E: Executor>(_: &E) -> BackendKind {
+fn kind_of<E: Executor>(_: &E) -> ExecutorKind {
     E::KIND
 }
 
@@ -327,7 +327,27 @@ pub(crate) fn borrow_cpu_slice(exec: &cpu::CpuExecutor, s: &mut [u8]) -> Buffer 
     Buffer::Cpu(unsafe { cpu::CpuBuffer::from_raw(std::ptr::NonNull::from(&mut *s).cast(), s.len(), exec) })
 }
 
+/// The executor the environment names: `HICACHE_IO_EXECUTOR`, else its older name
+/// `HICACHE_IO_BACKEND`; `None` when unset, empty or `auto`, an error (naming the variable) for
+/// an unknown name.
+pub fn executor_from_env() -> Result<Option<ExecutorKind>> {
+    for var in ["HICACHE_IO_EXECUTOR", "HICACHE_IO_BACKEND"] {
+        match std::env::var(var).ok().as_deref() {
+            None | Some("") => continue,
+            Some("auto") => return Ok(None),
+            Some(name) => {
+                return name.parse().map(Some).map_err(|e: TransferError| TransferError::BadArgument {
+                    arg: var,
+                    value: 0,
+                    message: format!("{var}: {e}"),
+                })
+            }
+        }
+    }
+    Ok(None)
+}
+
 /// One line per executor: what is present here and why not.
-pub fn probe_all() -> Vec<(BackendKind, Result<Device>)> {
-    BackendKind::ALL.into_iter().map(|k| (k, Device::open(k))).collect()
+pub fn probe_all() -> Vec<(ExecutorKind, Result<Device>)> {
+    ExecutorKind::ALL.into_iter().map(|k| (k, Device::open(k))).collect()
 }

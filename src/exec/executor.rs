@@ -8,12 +8,12 @@ use crate::error::{Result, TransferError};
 use crate::geometry::BufRef;
 use crate::plan::{AutoTable, Capabilities, Plan};
 
-use super::settle::IntegrityBinding;
+use super::settle::ChecksumBinding;
 
 /// Which executor, by name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
-pub enum BackendKind {
+pub enum ExecutorKind {
     /// Host memory (the reference).
     Cpu,
     /// WGSL compute shaders on Vulkan, Metal or DX12.
@@ -22,33 +22,33 @@ pub enum BackendKind {
     Cuda,
 }
 
-impl BackendKind {
+impl ExecutorKind {
     /// Every executor, in `auto` order reversed.
-    pub const ALL: [BackendKind; 3] = [BackendKind::Cpu, BackendKind::Wgpu, BackendKind::Cuda];
+    pub const ALL: [ExecutorKind; 3] = [ExecutorKind::Cpu, ExecutorKind::Wgpu, ExecutorKind::Cuda];
     /// `cpu`, `wgpu` or `cuda`.
     pub fn name(self) -> &'static str {
         match self {
-            BackendKind::Cpu => "cpu",
-            BackendKind::Wgpu => "wgpu",
-            BackendKind::Cuda => "cuda",
+            ExecutorKind::Cpu => "cpu",
+            ExecutorKind::Wgpu => "wgpu",
+            ExecutorKind::Cuda => "cuda",
         }
     }
 }
 
-impl std::str::FromStr for BackendKind {
+impl std::str::FromStr for ExecutorKind {
     type Err = TransferError;
     fn from_str(s: &str) -> Result<Self> {
         match s {
-            "cpu" => Ok(BackendKind::Cpu),
-            "wgpu" => Ok(BackendKind::Wgpu),
-            "cuda" => Ok(BackendKind::Cuda),
+            "cpu" => Ok(ExecutorKind::Cpu),
+            "wgpu" => Ok(ExecutorKind::Wgpu),
+            "cuda" => Ok(ExecutorKind::Cuda),
             other => Err(TransferError::UnknownName { what: "executor", name: other.into(), expected: "cpu, wgpu, cuda, auto" }),
         }
     }
 }
 
 /// One of an executor's two ordered queues of transfers. Plain calls and a [`crate::Pipeline`]'s
-/// loads run on `Main`; a pipeline's backups on `Side`, so a backup need not wait for the loads
+/// loads run on `Main`; a pipeline's backups on `Backup`, so a backup need not wait for the loads
 /// in flight. cpu: two worker threads; cuda: the executor's stream and a second stream of its
 /// context; wgpu: one queue, so both name the same submission order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -56,7 +56,7 @@ pub(crate) enum Stream {
     /// Plain calls and pipeline loads.
     Main,
     /// Pipeline backups.
-    Side,
+    Backup,
 }
 
 /// Buffers a plan refers to: host component buffers `[comp]` and device buffers
@@ -66,7 +66,7 @@ pub(crate) struct Bindings<'a, B> {
     pub(crate) device: Vec<Vec<&'a B>>,
     /// The host pool's checksum table and this transfer's mismatch report, for plans whose
     /// copies checksum.
-    pub(crate) integrity: Option<IntegrityBinding>,
+    pub(crate) integrity: Option<ChecksumBinding>,
 }
 
 impl<'a, B> Bindings<'a, B> {
@@ -113,7 +113,7 @@ pub(crate) trait Executor {
     /// The backend's handle on enqueued transfers.
     type Ticket: Ticket;
     /// Which executor this is.
-    const KIND: BackendKind;
+    const KIND: ExecutorKind;
     /// `cpu`, `wgpu` or `cuda`.
     fn name(&self) -> &'static str {
         Self::KIND.name()

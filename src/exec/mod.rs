@@ -29,7 +29,10 @@ pub mod wgpu;
 
 pub use completion::Completion;
 pub(crate) use device::borrow_cpu_slice;
-pub use device::{probe_all, Buffer, Device};
-pub use executor::BackendKind;
+pub use device::{executor_from_env, probe_all, Buffer, Device};
+pub use executor::ExecutorKind;
+/// The former name of [`ExecutorKind`].
+#[deprecated(note = "renamed ExecutorKind")]
+pub type BackendKind = ExecutorKind;
 pub(crate) use executor::{AutoSlot, Bindings, Executor, Stream, Ticket};
-pub(crate) use settle::IntegrityBinding;
+pub(crate) use settle::ChecksumBinding;

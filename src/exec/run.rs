@@ -38,7 +38,7 @@ impl Device {
     }
 
     /// `stream: None` is a plain call: the main stream, after anything still running on the
-    /// side stream (a pipeline's backups; even a leaked pipeline's come before later calls).
+    /// backup stream (a pipeline's backups; even a leaked pipeline's come before later calls).
     fn dispatch(&self, plan: &Plan, bufs: &Bindings<'_, Buffer>, enqueue: bool, stream: Option<Stream>) -> Result<Completion> {
         if plan.owner() != self.id() {
             return Err(TransferError::ExecutorMismatch {
@@ -75,8 +75,8 @@ impl Device {
         let stream = match stream {
             Some(s) => s,
             None => {
-                if e.is_busy(Stream::Side) {
-                    e.order_after(Stream::Side, Stream::Main)?;
+                if e.is_busy(Stream::Backup) {
+                    e.order_after(Stream::Backup, Stream::Main)?;
                 }
                 Stream::Main
             }
@@ -96,7 +96,7 @@ impl Device {
                 // "completed" is true: a sticky device error fails the drain, and then nothing is
                 // reported complete.
                 let drained = e.finish().and_then(|_| e.synchronize()).is_ok();
-                return Err(partial(steps, k, drained, err));
+                return Err(failed_at(steps, k, drained, err));
             }
         }
         if enqueue {
@@ -105,7 +105,7 @@ impl Device {
                 let _ = e.synchronize();
             });
         }
-        e.finish().map_err(|err| partial(steps, steps.len().saturating_sub(1), false, err))?;
+        e.finish().map_err(|err| failed_at(steps, steps.len().saturating_sub(1), false, err))?;
         Ok(Completion::done())
     }
 }
@@ -113,7 +113,7 @@ impl Device {
 /// The error of a plan that failed at step `failed`. A single-step plan returns the executor's
 /// error as it is (nothing completed); otherwise it names the host layers whose every step
 /// completed before the failure (`drained`: the executor confirmed the earlier steps).
-fn partial(steps: &[Step], failed: usize, drained: bool, err: TransferError) -> TransferError {
+fn failed_at(steps: &[Step], failed: usize, drained: bool, err: TransferError) -> TransferError {
     if steps.len() <= 1 {
         return err;
     }

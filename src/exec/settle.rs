@@ -3,17 +3,17 @@
 
 use std::sync::Arc;
 
-use crate::integrity::{ItemMismatch, MismatchSink, Sidecar};
+use crate::integrity::{ChecksumTable, ItemMismatch, MismatchSink};
 use crate::plan::{ChecksumMode, Run};
 
 /// A host pool's checksum table bound to one transfer.
 #[derive(Clone)]
-pub(crate) struct IntegrityBinding {
-    pub(crate) sidecar: Arc<Sidecar>,
+pub(crate) struct ChecksumBinding {
+    pub(crate) sidecar: Arc<ChecksumTable>,
     pub(crate) sink: Arc<MismatchSink>,
 }
 
-impl IntegrityBinding {
+impl ChecksumBinding {
     /// Records (backup) or verifies (load) the checksum `sum` of item `(host index, device index,
     /// host layer, component)`, counting into `n` (recorded, verified, unverified, mismatched).
     #[inline(always)]
@@ -48,7 +48,7 @@ pub(crate) enum Settle {
 }
 
 #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
-impl IntegrityBinding {
+impl ChecksumBinding {
     /// Settles a step's items in the host pool's table: with `sum(i, l)` (the sum of index pair
     /// `i`'s item of address pair `l`) each is recorded (backup) or verified (load); without
     /// (the sums never arrived, or the copies could not sum) each is unknown: a backup forgets

@@ -35,7 +35,7 @@ impl HostPool<'_> {
         Ok(s.expected(slot))
     }
 
-    fn item_slot(&self, s: &integrity::Sidecar, host_index: u64, layer: u64, comp: u8) -> Result<usize> {
+    fn item_slot(&self, s: &integrity::ChecksumTable, host_index: u64, layer: u64, comp: u8) -> Result<usize> {
         let g = self.pair.host();
         s.slot(host_index, layer, comp).ok_or_else(|| {
             TransferError::InvalidConfig(format!(

@@ -11,7 +11,7 @@ use crate::geometry::IoBackend;
 use crate::plan::{Direction, Footprint, Op, Plan, Request};
 
 /// Loads and backups between one host pool and one device pool, issued without waiting and in
-/// flight together: loads run on the executor's main stream, backups on its side stream, so a
+/// flight together: loads run on the executor's main stream, backups on its backup stream, so a
 /// backup does not queue behind the loads issued before it (cpu: a second worker thread; cuda:
 /// a second stream of the context; wgpu has one queue, so there they run in issue order).
 ///
@@ -41,7 +41,7 @@ use crate::plan::{Direction, Footprint, Op, Plan, Request};
 #[must_use = "dropping a pipeline waits for everything it issued"]
 pub struct Pipeline<'a> {
     host: &'a HostPool<'static>,
-    device: &'a DevicePool<'static>,
+    pub(super) device: &'a DevicePool<'static>,
     id: u64,
     issued: Vec<Issued>,
     /// Per stream (main, side): transfers of the other stream issued before this index are
@@ -66,7 +66,7 @@ pub struct Ticket {
 fn slot(stream: Stream) -> usize {
     match stream {
         Stream::Main => 0,
-        Stream::Side => 1,
+        Stream::Backup => 1,
     }
 }
 
@@ -76,9 +76,9 @@ impl HostPool<'static> {
     pub fn pipeline<'a>(&'a mut self, device_pool: &'a mut DevicePool<'static>) -> Result<Pipeline<'a>> {
         self.check_pair(device_pool)?;
         // Backups start after what the main stream holds now (earlier plain calls), and
-        // loads after what the side stream holds (a leaked pipeline's backups).
-        self.device().order_after(Stream::Main, Stream::Side)?;
-        self.device().order_after(Stream::Side, Stream::Main)?;
+        // loads after what the backup stream holds (a leaked pipeline's backups).
+        self.device().order_after(Stream::Main, Stream::Backup)?;
+        self.device().order_after(Stream::Backup, Stream::Main)?;
         static NEXT: AtomicU64 = AtomicU64::new(1);
         Ok(Pipeline {
             host: self,
@@ -124,12 +124,12 @@ impl Pipeline<'_> {
         Ok(tickets)
     }
 
-    /// `backup_from_device_all_layer` on the side stream.
+    /// `backup_from_device_all_layer` on the backup stream.
     pub fn backup(&mut self, host_indices: &[i64], device_indices: &[i64], io_backend: IoBackend) -> Result<Ticket> {
         self.issue(Op::Backup, io_backend, host_indices, device_indices)
     }
 
-    /// [`HostPool::backup_from_device_per_layer`] on the side stream.
+    /// [`HostPool::backup_from_device_per_layer`] on the backup stream.
     pub fn backup_layer(
         &mut self,
         host_indices: &[i64],
@@ -187,7 +187,7 @@ impl Pipeline<'_> {
         let plan = self.host.plan(self.device, &req)?;
         let stream = match op.direction() {
             Direction::HostToDevice => Stream::Main,
-            Direction::DeviceToHost => Stream::Side,
+            Direction::DeviceToHost => Stream::Backup,
         };
         self.run(&plan, Footprint::of(&plan, &req), stream)
     }
@@ -195,7 +195,7 @@ impl Pipeline<'_> {
     /// Orders `stream` after the other one where `footprint` meets a transfer still in flight
     /// there, then enqueues.
     fn run(&mut self, plan: &Plan, footprint: Footprint, stream: Stream) -> Result<Ticket> {
-        let other = if stream == Stream::Main { Stream::Side } else { Stream::Main };
+        let other = if stream == Stream::Main { Stream::Backup } else { Stream::Main };
         let start = self.ordered[slot(stream)];
         let hazard = self.issued[start..]
             .iter()

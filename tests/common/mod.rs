@@ -2,7 +2,7 @@
 //! pool pair's bytes.
 #![allow(dead_code)]
 
-use hicache_io::exec::{BackendKind, Device};
+use hicache_io::exec::{Device, ExecutorKind};
 use hicache_io::{DevicePool, HostPool};
 
 /// A pool pair's bytes: device `[comp][buffer]`, host `[comp]`.
@@ -21,7 +21,7 @@ pub fn contents(dev: &DevicePool, host: &HostPool) -> Contents {
 /// otherwise the test prints why it skips that executor.
 pub fn devices() -> Vec<Device> {
     let mut out = vec![Device::cpu()];
-    for kind in [BackendKind::Wgpu, BackendKind::Cuda] {
+    for kind in [ExecutorKind::Wgpu, ExecutorKind::Cuda] {
         if let Some(d) = open(kind) {
             out.push(d);
         }
@@ -29,17 +29,17 @@ pub fn devices() -> Vec<Device> {
     out
 }
 
-pub fn required(kind: BackendKind) -> bool {
+pub fn required(kind: ExecutorKind) -> bool {
     let set = |k: &str| std::env::var(k).is_ok_and(|v| !v.is_empty() && v != "0");
     match kind {
-        BackendKind::Cpu => true,
-        BackendKind::Wgpu => set("CI") || set("HICACHE_REQUIRE_WGPU"),
-        BackendKind::Cuda => set("HICACHE_REQUIRE_CUDA"),
+        ExecutorKind::Cpu => true,
+        ExecutorKind::Wgpu => set("CI") || set("HICACHE_REQUIRE_WGPU"),
+        ExecutorKind::Cuda => set("HICACHE_REQUIRE_CUDA"),
     }
 }
 
 /// Opens one executor, or `None` with a printed reason (panics if it is required).
-pub fn open(kind: BackendKind) -> Option<Device> {
+pub fn open(kind: ExecutorKind) -> Option<Device> {
     match Device::open(kind) {
         Ok(d) => Some(d),
         Err(e) if required(kind) => panic!("{} is required here but {e}", kind.name()),

@@ -1,7 +1,7 @@
 //! Copies that checksum every item in the same pass (each block of the source is loaded once,
 //! stored and multiplied in), settling into the host pool's table as they go.
 
-use crate::exec::IntegrityBinding;
+use crate::exec::ChecksumBinding;
 use crate::geometry::Addr;
 use crate::integrity;
 use crate::plan::ChecksumMode;
@@ -24,7 +24,7 @@ pub(super) fn gather_checked<const NT: bool>(
     lo: usize,
     hi: usize,
     mode: ChecksumMode,
-    ib: &IntegrityBinding,
+    ib: &ChecksumBinding,
 ) -> [u64; 4] {
     let keys = ib.sidecar.keys();
     let chunk_words = integrity::words(chunk);
@@ -60,7 +60,7 @@ pub(super) fn copy_run_checked(
     (sp, dp): (SendPtr, SendPtr),
     stream: bool,
     mode: ChecksumMode,
-    ib: &IntegrityBinding,
+    ib: &ChecksumBinding,
 ) -> [u64; 4] {
     let keys = ib.sidecar.keys();
     let mut n = [0u64; 4];

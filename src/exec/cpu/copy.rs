@@ -1,7 +1,7 @@
 //! One step of a plan over raw buffer addresses: gathers item by item and `direct` runs, split
 //! across threads for large transfers, with non-temporal stores and prefetch where they pay.
 
-use crate::exec::IntegrityBinding;
+use crate::exec::ChecksumBinding;
 use crate::geometry::{Addr, BufRef};
 use crate::plan::{Step, StepKind};
 
@@ -26,7 +26,7 @@ impl SendPtr {
 pub(super) struct RawBindings {
     pub(super) host: Vec<SendPtr>,
     pub(super) device: Vec<Vec<SendPtr>>,
-    pub(super) integrity: Option<IntegrityBinding>,
+    pub(super) integrity: Option<ChecksumBinding>,
 }
 
 impl RawBindings {

@@ -5,7 +5,7 @@
 //! Ordering works like a GPU stream: transfers run in submission order. A synchronous call on
 //! an idle executor runs on the caller's thread; an asynchronous one (or any call while others
 //! are queued) runs on the executor's worker thread, started on first use. A second queue with
-//! its own worker (the side stream) runs a pipeline's backups next to its loads. Everything that
+//! its own worker (the backup stream) runs a pipeline's backups next to its loads. Everything that
 //! touches pool memory from outside a transfer — reads, writes, dropping a buffer — first waits
 //! for both queues, so a transfer never races with them, whatever happens to its handle.
 //!
@@ -21,7 +21,7 @@ mod queue;
 use std::sync::Arc;
 
 use super::host::{host_memory_bytes, next_executor_id};
-use super::{AutoSlot, BackendKind, Bindings, Executor, Stream};
+use super::{AutoSlot, Bindings, Executor, ExecutorKind, Stream};
 use crate::error::Result;
 use crate::plan::{Capabilities, Plan};
 
@@ -30,7 +30,7 @@ pub use memory::CpuBuffer;
 pub(crate) use queue::{CpuQueues, CpuTicket};
 
 /// The cpu executor: plain host memory, `threads` threads per large transfer, two ordered
-/// queues of transfers (main and side stream).
+/// queues of transfers (main and backup stream).
 #[derive(Clone)]
 pub struct CpuExecutor {
     threads: usize,
@@ -64,7 +64,7 @@ impl CpuExecutor {
 impl Executor for CpuExecutor {
     type Buffer = CpuBuffer;
     type Ticket = CpuTicket;
-    const KIND: BackendKind = BackendKind::Cpu;
+    const KIND: ExecutorKind = ExecutorKind::Cpu;
 
     fn id(&self) -> u64 {
         self.id
@@ -108,7 +108,7 @@ impl Executor for CpuExecutor {
         Ok(())
     }
     fn synchronize(&self) -> Result<()> {
-        let side = self.queues.side.wait(self.queues.side.last_ticket());
+        let side = self.queues.backup.wait(self.queues.backup.last_ticket());
         self.queues.main.wait(self.queues.main.last_ticket()).and(side)
     }
     fn finish(&self) -> Result<()> {

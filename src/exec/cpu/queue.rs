@@ -1,4 +1,4 @@
-//! The cpu executor's two ordered queues of transfers (main and side stream), one worker
+//! The cpu executor's two ordered queues of transfers (main and backup stream), one worker
 //! thread each, and the tickets that wait on them.
 
 use std::sync::{mpsc, Arc, Condvar, Mutex};
@@ -6,25 +6,25 @@ use std::sync::{mpsc, Arc, Condvar, Mutex};
 use crate::error::{Result, TransferError};
 use crate::exec::{Stream, Ticket};
 
-/// The main and the side stream.
+/// The main and the backup stream.
 pub(crate) struct CpuQueues {
     pub(super) main: Arc<CpuQueue>,
-    pub(super) side: Arc<CpuQueue>,
+    pub(super) backup: Arc<CpuQueue>,
 }
 
 impl CpuQueues {
     pub(super) fn new() -> Arc<CpuQueues> {
-        Arc::new(CpuQueues { main: CpuQueue::new("hicache-io cpu"), side: CpuQueue::new("hicache-io cpu side") })
+        Arc::new(CpuQueues { main: CpuQueue::new("hicache-io cpu"), backup: CpuQueue::new("hicache-io cpu backup") })
     }
     pub(super) fn get(&self, stream: Stream) -> &Arc<CpuQueue> {
         match stream {
             Stream::Main => &self.main,
-            Stream::Side => &self.side,
+            Stream::Backup => &self.backup,
         }
     }
     /// Waits until everything queued so far on both streams has run.
     pub(super) fn idle(&self) {
-        self.side.idle();
+        self.backup.idle();
         self.main.idle();
     }
 }

@@ -27,7 +27,7 @@ use cudarc::driver::DriverError;
 use super::driver::drv;
 use crate::error::{Result, TransferError};
 use crate::exec::settle::Settle;
-use crate::exec::IntegrityBinding;
+use crate::exec::ChecksumBinding;
 use crate::integrity::{ItemMismatch, MismatchSink};
 use crate::plan::{ChecksumMode, Run};
 
@@ -52,7 +52,7 @@ struct Entry {
     event: sys::CUevent,
     what: What,
     mode: ChecksumMode,
-    binding: IntegrityBinding,
+    binding: ChecksumBinding,
     /// A plain (synchronous) call's entry: it returned before its sums arrived, so its
     /// mismatches are reported by the executor's next `synchronize`.
     orphan: bool,
@@ -139,7 +139,7 @@ impl SumsQueue {
         entries: usize,
         g: &crate::plan::GatherStep,
         mode: ChecksumMode,
-        binding: &IntegrityBinding,
+        binding: &ChecksumBinding,
         orphan: bool,
     ) -> Result<()> {
         // SAFETY: the pinned half holds `cap >= entries · 8` bytes and lives until `free`.
@@ -167,7 +167,7 @@ impl SumsQueue {
         stream: sys::CUstream,
         runs: &[Run],
         mode: ChecksumMode,
-        binding: &IntegrityBinding,
+        binding: &ChecksumBinding,
         orphan: bool,
     ) -> Result<()> {
         // SAFETY: as the caller vouches.
@@ -181,7 +181,7 @@ impl SumsQueue {
     /// (a pipeline's load ordered after its backup) was issued after it by the same thread. Two
     /// threads cannot race a backup and a load of one host pool: a backup borrows the host pool
     /// exclusively.
-    unsafe fn push(&self, stream: sys::CUstream, what: What, mode: ChecksumMode, binding: &IntegrityBinding, orphan: bool) -> Result<()> {
+    unsafe fn push(&self, stream: sys::CUstream, what: What, mode: ChecksumMode, binding: &ChecksumBinding, orphan: bool) -> Result<()> {
         let event = match result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
             // SAFETY: a live event and stream of the bound context.
             .and_then(|ev| {
@@ -204,7 +204,7 @@ impl SumsQueue {
 
     /// Queues an entry whose sums will never be read (no event, or no copy back): its items
     /// settle as unknown when every older entry has settled.
-    fn push_failed(&self, what: What, mode: ChecksumMode, binding: &IntegrityBinding, orphan: bool) {
+    fn push_failed(&self, what: What, mode: ChecksumMode, binding: &ChecksumBinding, orphan: bool) {
         let binding = own_sink(binding, orphan);
         self.lock().pending.push_back(Entry { event: std::ptr::null_mut(), what, mode, binding, orphan });
     }
@@ -326,9 +326,9 @@ impl State {
 
 /// The binding an entry settles into: a plain call's gets a sink of its own (the call has
 /// returned; its mismatches go to the executor's unreported list).
-fn own_sink(binding: &IntegrityBinding, orphan: bool) -> IntegrityBinding {
+fn own_sink(binding: &ChecksumBinding, orphan: bool) -> ChecksumBinding {
     match orphan {
-        true => IntegrityBinding { sidecar: binding.sidecar.clone(), sink: Arc::new(MismatchSink::default()) },
+        true => ChecksumBinding { sidecar: binding.sidecar.clone(), sink: Arc::new(MismatchSink::default()) },
         false => binding.clone(),
     }
 }

@@ -48,7 +48,7 @@ impl CudaExecutor {
         bufs: &Bindings<'_, CudaBuffer>,
         on: Stream,
         mode: crate::plan::ChecksumMode,
-        binding: &crate::exec::IntegrityBinding,
+        binding: &crate::exec::ChecksumBinding,
         orphan: bool,
     ) -> Result<()> {
         let mut side = None;

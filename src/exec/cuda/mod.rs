@@ -35,7 +35,7 @@
 
 //!
 //! Rooms: `driver` (probing, errors, kernel images), `abi` (the kernels' launch descriptors),
-//! `memory` (device and pinned or registered host memory), `queue` (engine and side streams,
+//! `memory` (device and pinned or registered host memory), `queue` (engine and backup streams,
 //! tickets), `staging` (tables uploaded without blocking), `gather` (the copy kernels), `checks`
 //! (index lists checked on the device), `copy` (`direct`), `checksums` (settled in issue order),
 //! `open` (construction), and here the executor itself.
@@ -58,7 +58,7 @@ use cudarc::driver::sys;
 use cudarc::driver::{CudaContext, CudaStream, DriverError};
 
 use super::host::{host_memory_bytes, next_executor_id};
-use super::{AutoSlot, BackendKind, Bindings, Executor, Stream};
+use super::{AutoSlot, Bindings, Executor, ExecutorKind, Stream};
 use crate::error::{Result, TransferError};
 use crate::plan::{Capabilities, Plan, StepKind};
 
@@ -69,7 +69,7 @@ pub use queue::CudaTicket;
 use staging::Scratch;
 /// The former name of [`CudaTicket`].
 pub type Completion = CudaTicket;
-use queue::{EngineStream, SideStream};
+use queue::{BackupStream, EngineStream};
 
 /// The kernels' launch descriptors (also compiled without the cuda feature, for the host
 /// emulation of the kernels in the tests).
@@ -118,8 +118,8 @@ struct Inner {
     tuning: LaunchTuning,
     /// Index tables and address pairs of gather steps, uploaded once per step.
     scratch: Mutex<Scratch>,
-    /// The side stream (a pipeline's backups) and its own scratch, made on first use.
-    side: Mutex<Option<Arc<SideStream>>>,
+    /// The backup stream (a pipeline's backups) and its own scratch, made on first use.
+    backup: Mutex<Option<Arc<BackupStream>>>,
     /// The engine's stream (the forward pass writing KV): every backup waits for the work queued
     /// on it when the backup is issued.
     engine: Mutex<Option<EngineStream>>,
@@ -141,13 +141,13 @@ unsafe impl Send for Inner {}
 unsafe impl Sync for Inner {}
 
 impl Inner {
-    fn side(&self) -> Option<Arc<SideStream>> {
-        self.side.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    fn backup(&self) -> Option<Arc<BackupStream>> {
+        self.backup.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
     /// Waits for both streams and the engine stream, which may write the pools' memory too
     /// (the context is bound by the caller).
     fn sync_all(&self) -> std::result::Result<(), DriverError> {
-        let side = self.side().map_or(Ok(()), |s| s.stream.synchronize());
+        let side = self.backup().map_or(Ok(()), |s| s.stream.synchronize());
         let engine = self.engine.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|e| e.raw);
         // SAFETY: the engine stream is live while it is set (see `set_engine_stream_raw`).
         let engine = engine.filter(|e| *e != self.stream.cu_stream()).map_or(Ok(()), |e| unsafe { result::stream::synchronize(e) });
@@ -159,10 +159,10 @@ impl Drop for Inner {
     fn drop(&mut self) {
         let _ = self.ctx.bind_to_thread();
         let _ = self.sync_all();
-        if let Some(side) = self.side.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
+        if let Some(side) = self.backup.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
             if let Ok(side) = Arc::try_unwrap(side) {
                 side.scratch.into_inner().unwrap_or_else(|e| e.into_inner()).free();
-                // SAFETY: made by `side_stream`, synchronized above; nothing uses it any more.
+                // SAFETY: made by `backup_stream`, synchronized above; nothing uses it any more.
                 let _ = unsafe { result::stream::destroy(side.stream.cu_stream()) };
             }
         }
@@ -307,28 +307,28 @@ impl CudaExecutor {
         self.inner.ctx.bind_to_thread().map_err(|e| drv("bind", e))
     }
 
-    /// The side stream, made on first use (a non-blocking stream of the executor's context).
-    fn side_stream(&self) -> Result<Arc<SideStream>> {
-        let mut side = self.inner.side.lock().unwrap_or_else(|e| e.into_inner());
+    /// The backup stream, made on first use (a non-blocking stream of the executor's context).
+    fn backup_stream(&self) -> Result<Arc<BackupStream>> {
+        let mut side = self.inner.backup.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(s) = side.as_ref() {
             return Ok(s.clone());
         }
         // cuStreamCreate directly: cudarc's new_stream synchronizes the whole context when it
         // makes a context's first stream (an engine's work included).
         // The context is bound by the caller; the stream is destroyed in `Inner::drop`.
-        let raw = result::stream::create(result::stream::StreamKind::NonBlocking).map_err(|e| drv("cuStreamCreate (side stream)", e))?;
+        let raw = result::stream::create(result::stream::StreamKind::NonBlocking).map_err(|e| drv("cuStreamCreate (backup stream)", e))?;
         // SAFETY: a live stream of this context, destroyed only after the executor is done with it.
         let stream = unsafe { self.inner.ctx.wrap_borrowed_stream(raw) };
-        let s = Arc::new(SideStream { stream, scratch: Mutex::new(Scratch::default()) });
+        let s = Arc::new(BackupStream { stream, scratch: Mutex::new(Scratch::default()) });
         *side = Some(s.clone());
         Ok(s)
     }
 
     /// The raw stream of `on` and the scratch whose lock orders its gathers (and their
-    /// checksum entries); for the side stream (made on first use) `side` keeps it alive.
-    fn stream_scratch<'a>(&'a self, on: Stream, side: &'a mut Option<Arc<SideStream>>) -> Result<(sys::CUstream, &'a Mutex<Scratch>)> {
-        if on == Stream::Side {
-            *side = Some(self.side_stream()?);
+    /// checksum entries); for the backup stream (made on first use) `side` keeps it alive.
+    fn stream_scratch<'a>(&'a self, on: Stream, side: &'a mut Option<Arc<BackupStream>>) -> Result<(sys::CUstream, &'a Mutex<Scratch>)> {
+        if on == Stream::Backup {
+            *side = Some(self.backup_stream()?);
         }
         Ok(match side {
             Some(s) => (s.stream.cu_stream(), &s.scratch),
@@ -336,11 +336,11 @@ impl CudaExecutor {
         })
     }
 
-    /// The raw stream of `stream` (the side stream made on first use).
+    /// The raw stream of `stream` (the backup stream made on first use).
     fn raw_stream(&self, stream: Stream) -> Result<sys::CUstream> {
         match stream {
             Stream::Main => Ok(self.cu_stream()),
-            Stream::Side => Ok(self.side_stream()?.stream.cu_stream()),
+            Stream::Backup => Ok(self.backup_stream()?.stream.cu_stream()),
         }
     }
 }
@@ -348,7 +348,7 @@ impl CudaExecutor {
 impl Executor for CudaExecutor {
     type Buffer = CudaBuffer;
     type Ticket = CudaTicket;
-    const KIND: BackendKind = BackendKind::Cuda;
+    const KIND: ExecutorKind = ExecutorKind::Cuda;
 
     fn id(&self) -> u64 {
         self.inner.id
@@ -538,7 +538,7 @@ impl Executor for CudaExecutor {
     fn is_busy(&self, stream: Stream) -> bool {
         let raw = match stream {
             Stream::Main => self.cu_stream(),
-            Stream::Side => match self.inner.side() {
+            Stream::Backup => match self.inner.backup() {
                 Some(s) => s.stream.cu_stream(),
                 None => return false,
             },

@@ -184,7 +184,7 @@ impl CudaExecutor {
                 batch,
                 tuning,
                 scratch: Mutex::new(Scratch::default()),
-                side: Mutex::new(None),
+                backup: Mutex::new(None),
                 engine: Mutex::new(engine),
                 reports: Mutex::new(checks::Reports::default()),
                 sums: Arc::default(),

@@ -1,4 +1,4 @@
-//! Streams besides the executor's own: the engine's (backups wait for it), the side stream
+//! Streams besides the executor's own: the engine's (backups wait for it), the backup stream
 //! (a pipeline's backups), and completions (events) the host or an engine's stream waits on.
 
 use std::sync::{Arc, Mutex};
@@ -40,7 +40,7 @@ unsafe impl Send for EngineStream {}
 
 /// A second stream of the executor's context, for work that must not queue behind the main
 /// stream's; gather steps on it upload through their own scratch.
-pub(super) struct SideStream {
+pub(super) struct BackupStream {
     pub(super) stream: Arc<CudaStream>,
     pub(super) scratch: Mutex<Scratch>,
 }

@@ -8,7 +8,7 @@ use wgpu::util::DeviceExt;
 use super::*;
 use crate::error::Result;
 use crate::exec::settle::Settle;
-use crate::exec::IntegrityBinding;
+use crate::exec::ChecksumBinding;
 use crate::plan::{ChecksumMode, GatherStep};
 
 /// The checksums of one step, settled in submission order: a gather's sums on their way back
@@ -23,7 +23,7 @@ pub(super) struct PendingSums {
     pub(super) layout: Option<SumsLayout>,
     what: Settle,
     mode: ChecksumMode,
-    binding: IntegrityBinding,
+    binding: ChecksumBinding,
 }
 
 impl PendingSums {
@@ -43,7 +43,7 @@ impl PendingSums {
         self.failed.load(Acquire) || self.mapped.load(Acquire) == self.staging.len()
     }
     /// The items of `direct` copies, which cannot sum: settled as unknown.
-    pub(super) fn unknown(mode: ChecksumMode, binding: IntegrityBinding, runs: &[crate::plan::Run]) -> PendingSums {
+    pub(super) fn unknown(mode: ChecksumMode, binding: ChecksumBinding, runs: &[crate::plan::Run]) -> PendingSums {
         PendingSums {
             staging: Vec::new(),
             mapped: Default::default(),
@@ -109,7 +109,7 @@ impl WgpuExecutor {
     /// The device buffers of a checksumming gather: the item keys, zeroed sums (two u32 per
     /// index pair and address pair, each address pair's at a binding offset, packed into as
     /// few buffers as the buffer size allows) and their mappable copies.
-    pub(super) fn sum_buffers(&self, g: &GatherStep, mode: ChecksumMode, b: &IntegrityBinding) -> Result<SumBuffers> {
+    pub(super) fn sum_buffers(&self, g: &GatherStep, mode: ChecksumMode, b: &ChecksumBinding) -> Result<SumBuffers> {
         let inner = &self.inner;
         let n = g.src_indices.len() as u64;
         let align = inner.limits.min_storage_buffer_offset_alignment as u64;

@@ -10,7 +10,7 @@ use crate::plan::{Capabilities, Plan, StepKind};
 impl Executor for WgpuExecutor {
     type Buffer = WgpuBuffer;
     type Ticket = WgpuTicket;
-    const KIND: BackendKind = BackendKind::Wgpu;
+    const KIND: ExecutorKind = ExecutorKind::Wgpu;
 
     fn id(&self) -> u64 {
         self.inner.id

@@ -48,7 +48,7 @@ use std::time::Duration;
 
 use crate::error::{Result, TransferError};
 use crate::exec::host::{host_memory_bytes, next_executor_id};
-use crate::exec::{AutoSlot, BackendKind, Stream, Ticket};
+use crate::exec::{AutoSlot, ExecutorKind, Stream, Ticket};
 
 use checksums::PendingSums;
 use copy::{copy_run, MANY_RUNS};

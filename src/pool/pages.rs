@@ -1,4 +1,4 @@
-//! Storage helpers of the host pool (sglang's `get_data_page`, `set_from_flat_data_page`,
+//! Page helpers of the host pool (sglang's `get_data_page`, `set_from_flat_data_page`,
 //! `get_dummy_flat_data_page`, `get_page_buffer_meta`), used by L3 storage backends that move
 //! whole pages.
 //!
