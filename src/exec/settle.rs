@@ -9,7 +9,7 @@ use crate::plan::{ChecksumMode, Run};
 /// A host pool's checksum table bound to one transfer.
 #[derive(Clone)]
 pub(crate) struct ChecksumBinding {
-    pub(crate) sidecar: Arc<ChecksumTable>,
+    pub(crate) table: Arc<ChecksumTable>,
     pub(crate) sink: Arc<MismatchSink>,
 }
 
@@ -18,13 +18,13 @@ impl ChecksumBinding {
     /// host layer, component)`, counting into `n` (recorded, verified, unverified, mismatched).
     #[inline(always)]
     pub(crate) fn settle(&self, mode: ChecksumMode, (host, device, layer, comp): (u64, u64, u64, u8), sum: u64, n: &mut [u64; 4]) {
-        let Some(slot) = self.sidecar.slot(host, layer, comp) else { return };
+        let Some(slot) = self.table.slot(host, layer, comp) else { return };
         match mode {
             ChecksumMode::Record => {
-                self.sidecar.record(slot, sum);
+                self.table.record(slot, sum);
                 n[0] += 1;
             }
-            ChecksumMode::Verify => match self.sidecar.expected(slot) {
+            ChecksumMode::Verify => match self.table.expected(slot) {
                 None => n[2] += 1,
                 Some(e) if e == sum => n[1] += 1,
                 Some(expected) => {
@@ -81,15 +81,15 @@ impl ChecksumBinding {
                 }
             }
         }
-        self.sidecar.count(n);
+        self.table.count(n);
     }
 
     /// An item moved without a checksum: a backup forgets its recorded one, a load counts it
     /// unverified.
     fn unknown(&self, mode: ChecksumMode, (host, layer, comp): (u64, u64, u8), n: &mut [u64; 4]) {
-        let Some(slot) = self.sidecar.slot(host, layer, comp) else { return };
+        let Some(slot) = self.table.slot(host, layer, comp) else { return };
         match mode {
-            ChecksumMode::Record => self.sidecar.forget(slot),
+            ChecksumMode::Record => self.table.forget(slot),
             ChecksumMode::Verify => n[2] += 1,
         }
     }

@@ -10,13 +10,13 @@ impl HostPool<'_> {
     /// Whether this pool keeps item checksums: its config (or the profile's default) asked for
     /// them and its executor's copies compute them.
     pub fn integrity_enabled(&self) -> bool {
-        self.sidecar.is_some()
+        self.checksums.is_some()
     }
 
     /// Counters of the pool's checksums since it was made, once the queued transfers' checksums
     /// have settled; `None` without checksums.
     pub fn integrity_stats(&self) -> Option<IntegrityStats> {
-        let s = self.sidecar.as_ref()?;
+        let s = self.checksums.as_ref()?;
         // As of every queued transfer (executors that settle checksums when transfers complete).
         if let Err(e) = self.device.settle_checksums() {
             log::error!("integrity_stats: waiting for queued transfers: {e}");
@@ -28,7 +28,7 @@ impl HostPool<'_> {
     /// indexer pages for the DSA indexer) once the queued transfers are done; `None` when the
     /// pool has none for it.
     pub fn item_checksum(&self, host_index: u64, layer: u64, comp: u8) -> Result<Option<u64>> {
-        let Some(s) = &self.sidecar else { return Ok(None) };
+        let Some(s) = &self.checksums else { return Ok(None) };
         let slot = self.item_slot(s, host_index, layer, comp)?;
         // As of every queued transfer (their checksums are settled when they complete).
         self.device.settle_checksums()?;
@@ -69,7 +69,7 @@ impl HostPool<'_> {
     /// Empty when the pool keeps no checksums.
     pub fn page_checksums(&self, index: i64) -> Result<Vec<Option<u64>>> {
         let items = self.page_items(index)?;
-        let Some(s) = &self.sidecar else { return Ok(Vec::new()) };
+        let Some(s) = &self.checksums else { return Ok(Vec::new()) };
         self.device.settle_checksums()?;
         items.into_iter().map(|(u, l, c)| Ok(s.expected(self.item_slot(s, u, l, c)?))).collect()
     }
@@ -100,7 +100,7 @@ impl HostPool<'_> {
     pub fn pages_intact(&self, indices: &[i64]) -> Result<Vec<bool>> {
         self.get_page_buffer_meta(indices)?;
         let p = self.pair.host().page_size() as usize;
-        let Some(s) = self.sidecar.clone() else { return Ok(vec![true; indices.len() / p.max(1)]) };
+        let Some(s) = self.checksums.clone() else { return Ok(vec![true; indices.len() / p.max(1)]) };
         self.device.settle_checksums()?;
         indices
             .chunks(p.max(1))
@@ -129,7 +129,7 @@ impl HostPool<'_> {
     /// them). A no-op without checksums.
     pub fn recompute_page_checksums(&mut self, index: i64) -> Result<()> {
         let items = self.page_items(index)?;
-        let Some(s) = self.sidecar.clone() else { return Ok(()) };
+        let Some(s) = self.checksums.clone() else { return Ok(()) };
         let sums = self.item_sums(s.keys(), &items)?;
         for (&(u, l, c), sum) in items.iter().zip(sums) {
             s.record(self.item_slot(&s, u, l, c)?, sum);
@@ -142,7 +142,7 @@ impl HostPool<'_> {
     /// something unverified): loads read it as unverified, never as corrupt.
     pub fn forget_page_checksums(&mut self, index: i64) -> Result<()> {
         let items = self.page_items(index)?;
-        if let Some(s) = &self.sidecar {
+        if let Some(s) = &self.checksums {
             // After the transfers queued so far (a backup recording these items).
             self.device.settle_checksums()?;
             for (u, l, c) in items {
@@ -163,7 +163,7 @@ impl HostPool<'_> {
         let items = self.page_items(index)?;
         let unverified = vec![None; if checksums.is_empty() { items.len() } else { 0 }];
         let checksums = if checksums.is_empty() { &unverified[..] } else { checksums };
-        if self.sidecar.is_some() && checksums.len() != items.len() {
+        if self.checksums.is_some() && checksums.len() != items.len() {
             return Err(TransferError::BufferSize {
                 what: "page item checksums".into(),
                 expected: items.len() as u64,
@@ -171,7 +171,7 @@ impl HostPool<'_> {
             });
         }
         self.write_flat_page(index, data)?;
-        let Some(s) = self.sidecar.clone() else { return Ok(()) };
+        let Some(s) = self.checksums.clone() else { return Ok(()) };
         let sink = integrity::MismatchSink::default();
         let sums = self.item_sums(s.keys(), &items)?;
         let mut n = [0u64; 4];
@@ -213,7 +213,7 @@ impl HostPool<'_> {
     /// Fault injection: flips the bits `xor` of the recorded checksum of host item
     /// `(host_index, layer, comp)`. `Ok(false)` when it has none (nothing to corrupt).
     pub fn inject_checksum_corruption(&mut self, host_index: u64, layer: u64, comp: u8, xor: u64) -> Result<bool> {
-        let Some(s) = &self.sidecar else { return Ok(false) };
+        let Some(s) = &self.checksums else { return Ok(false) };
         let slot = self.item_slot(s, host_index, layer, comp)?;
         // The checksum as the queued transfers leave it.
         self.device.settle_checksums()?;

@@ -37,7 +37,7 @@ pub struct HostPool<'m> {
     pub(super) device: Device,
     pub(super) buffers: Vec<Buffer>,
     /// Item checksums, when the pool keeps them.
-    pub(super) sidecar: Option<Arc<crate::integrity::ChecksumTable>>,
+    pub(super) checksums: Option<Arc<crate::integrity::ChecksumTable>>,
     _memory: PhantomData<&'m mut [u8]>,
 }
 
@@ -50,9 +50,9 @@ impl HostPool<'static> {
         let host = pair.host();
         let comps = host.kind().components() as u64;
         check_budget("host pool", host.buffer_bytes().saturating_mul(comps), device.capabilities().max_host_pool_bytes)?;
-        let sidecar = sidecar_for(&device, &pair, config)?;
+        let checksums = checksum_table_for(&device, &pair, config)?;
         let buffers = (0..comps).map(|_| device.alloc_pool(host.buffer_bytes(), host.chunk_bytes(), true)).collect::<Result<Vec<_>>>()?;
-        Ok(HostPool { pair: Arc::new(pair), profile: config.profile, device, buffers, sidecar, _memory: PhantomData })
+        Ok(HostPool { pair: Arc::new(pair), profile: config.profile, device, buffers, checksums, _memory: PhantomData })
     }
 
     /// Wraps existing buffers of the device pool's executor, one per component (e.g. an
@@ -82,8 +82,8 @@ impl<'m> HostPool<'m> {
         let nested = vec![buffers];
         check_wrapped(&device, &nested, 1, pair.host().kind().components(), pair.host().buffer_bytes(), "host buffer")?;
         let buffers = nested.into_iter().next().unwrap_or_default();
-        let sidecar = sidecar_for(&device, &pair, config)?;
-        Ok(HostPool { pair: Arc::new(pair), profile: config.profile, device, buffers, sidecar, _memory: PhantomData })
+        let checksums = checksum_table_for(&device, &pair, config)?;
+        Ok(HostPool { pair: Arc::new(pair), profile: config.profile, device, buffers, checksums, _memory: PhantomData })
     }
 
     /// The host geometry.
@@ -107,7 +107,7 @@ impl<'m> HostPool<'m> {
     pub fn plan(&self, device_pool: &DevicePool, req: &Request<'_>) -> Result<Plan> {
         self.check_pair(device_pool)?;
         let caps = if req.io_backend == IoBackend::Auto { self.device.calibrated_capabilities() } else { self.device.capabilities() };
-        Ok(plan::plan(self.profile, &caps, self.device.id(), &self.pair, req)?.with_checksums(self.sidecar.is_some(), &caps))
+        Ok(plan::plan(self.profile, &caps, self.device.id(), &self.pair, req)?.with_checksums(self.checksums.is_some(), &caps))
     }
 
     /// [`HostPool::plan`] for index lists in CUDA memory: the value checks are the plan's
@@ -144,9 +144,9 @@ impl<'m> HostPool<'m> {
     /// pool without checksums, device index lists) first forgets the checksums of the items it
     /// writes, so that a later load reads them as unverified, never as corrupt.
     pub(super) fn bindings<'a>(&'a self, device_pool: &'a DevicePool, plan: &Plan) -> Bindings<'a, Buffer> {
-        let integrity = self.sidecar.as_ref().and_then(|sidecar| {
+        let integrity = self.checksums.as_ref().and_then(|table| {
             if plan.settles_checksums() {
-                return Some(crate::exec::ChecksumBinding { sidecar: sidecar.clone(), sink: Default::default() });
+                return Some(crate::exec::ChecksumBinding { table: table.clone(), sink: Default::default() });
             }
             if plan.direction() == Direction::DeviceToHost {
                 // In order with what is queued: a queued backup that records the same items must
@@ -155,12 +155,12 @@ impl<'m> HostPool<'m> {
                 if let Err(e) = self.device.wait_idle() {
                     log::error!("waiting before forgetting checksums: {e}");
                 }
-                self.forget_written(sidecar, plan);
+                self.forget_written(table, plan);
             } else if let Some(units) = plan.host_units() {
                 // Loads read these items unverified.
                 let live = units.iter().filter(|u| **u >= 0).count() as u64;
                 let layers = plan.layers().len() as u64;
-                sidecar.count([0, 0, live * layers * self.pair.host().kind().components() as u64, 0]);
+                table.count([0, 0, live * layers * self.pair.host().kind().components() as u64, 0]);
             }
             None
         });
@@ -171,17 +171,17 @@ impl<'m> HostPool<'m> {
         }
     }
 
-    fn forget_written(&self, sidecar: &crate::integrity::ChecksumTable, plan: &Plan) {
+    fn forget_written(&self, table: &crate::integrity::ChecksumTable, plan: &Plan) {
         let Some(units) = plan.host_units() else {
-            sidecar.forget_all();
+            table.forget_all();
             return;
         };
         let comps = self.pair.host().kind().components() as u8;
         for l in plan.layers() {
             for c in 0..comps {
                 for &u in units.iter().filter(|u| **u >= 0) {
-                    if let Some(slot) = sidecar.slot(u as u64, l, c) {
-                        sidecar.forget(slot);
+                    if let Some(slot) = table.slot(u as u64, l, c) {
+                        table.forget(slot);
                     }
                 }
             }
@@ -301,7 +301,7 @@ impl<'m> HostPool<'m> {
         let buf = self.buffer(comp)?;
         exact_size("host buffer", self.pair.host().buffer_bytes(), data)?;
         let written = self.device.write(buf, 0, data);
-        if let Some(s) = &self.sidecar {
+        if let Some(s) = &self.checksums {
             // After every queued transfer has settled its checksums (some executors land the
             // write before those transfers' checksums are recorded): nothing records over this.
             let waited = self.device.wait_idle();
@@ -334,7 +334,7 @@ impl<'m> HostPool<'m> {
 
 /// The checksum table a host pool of `config` keeps on `device`: when the config (or its
 /// profile's default) asks for one and the executor's copies can compute it.
-pub(super) fn sidecar_for(
+pub(super) fn checksum_table_for(
     device: &Device,
     pair: &PoolPair,
     config: &HostPoolConfig,

@@ -26,7 +26,7 @@ pub(super) fn gather_checked<const NT: bool>(
     mode: ChecksumMode,
     ib: &ChecksumBinding,
 ) -> [u64; 4] {
-    let keys = ib.sidecar.keys();
+    let keys = ib.table.keys();
     let chunk_words = integrity::words(chunk);
     let mut n = [0u64; 4];
     for i in lo..hi {
@@ -62,7 +62,7 @@ pub(super) fn copy_run_checked(
     mode: ChecksumMode,
     ib: &ChecksumBinding,
 ) -> [u64; 4] {
-    let keys = ib.sidecar.keys();
+    let keys = ib.table.keys();
     let mut n = [0u64; 4];
     let item = (r.len / r.items.max(1)) as usize;
     for k in 0..r.items {

@@ -68,7 +68,7 @@ pub(super) fn run_step(step: &Step, bufs: &RawBindings, threads: usize, streamin
                         );
                     }
                     store_fence(streaming);
-                    ib.sidecar.count(n);
+                    ib.table.count(n);
                 };
                 split(g.src_indices.len(), threads, &work);
                 return;
@@ -102,7 +102,7 @@ pub(super) fn run_step(step: &Step, bufs: &RawBindings, threads: usize, streamin
                     n = add4(n, copy_run_checked(&runs[k], ptrs[k], streaming, mode, ib));
                 }
                 store_fence(streaming);
-                ib.sidecar.count(n);
+                ib.table.count(n);
             };
             split(runs.len(), threads, &work);
         }

@@ -328,7 +328,7 @@ impl State {
 /// returned; its mismatches go to the executor's unreported list).
 fn own_sink(binding: &ChecksumBinding, orphan: bool) -> ChecksumBinding {
     match orphan {
-        true => ChecksumBinding { sidecar: binding.sidecar.clone(), sink: Arc::new(MismatchSink::default()) },
+        true => ChecksumBinding { table: binding.table.clone(), sink: Arc::new(MismatchSink::default()) },
         false => binding.clone(),
     }
 }

@@ -132,7 +132,7 @@ impl CudaExecutor {
             Some((mode, binding, entries)) => {
                 let sums = &self.inner.sums;
                 // SAFETY: the context is bound; the key table is uploaded in stream order.
-                let keys = unsafe { scratch.keys(stream, binding.sidecar.keys(), launch.item_words() as usize)? };
+                let keys = unsafe { scratch.keys(stream, binding.table.keys(), launch.item_words() as usize)? };
                 // SAFETY: as above.
                 let buf = unsafe { sums.buffer(entries * 8)? };
                 // SAFETY: the buffer's device half holds at least `entries · 8` bytes.

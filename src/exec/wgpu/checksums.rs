@@ -128,7 +128,7 @@ impl WgpuExecutor {
             buffers.push(make("hicache-io sums", size, wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC));
             staging.push(make("hicache-io sums readback", size, wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST));
         }
-        let keys = self.keys_buffer(b.sidecar.keys());
+        let keys = self.keys_buffer(b.table.keys());
         Ok(SumBuffers {
             keys,
             buffers,
