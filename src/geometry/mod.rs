@@ -1,0 +1,315 @@
+//! Shapes and byte offsets of sglang's host and device pools. Pure functions, no I/O.
+//!
+//! Symbols: `L` host layers, `P` page size in tokens, `size` host token slots,
+//! item = bytes per (index, layer) — the token stride for MHA/MLA, the page stride for the DSA
+//! indexer — `layout_dim = item × L`, `H` heads and `D = item / H` head bytes (page_head).
+//!
+//! Host layouts (one buffer per component; MHA has K and V):
+//! ```text
+//! layer_first        [L][slots][item]
+//! page_first         [slots][L][item]
+//! page_first_direct  [pages][L][P][item]
+//! page_head          [pages][H][P][L][D]      (MHA only)
+//! ```
+//! The device pool is always layer_first, one buffer per live layer (and per component).//!
+//! Rooms: here the names (pool kinds, layouts, io backends, profiles), `layers` (which layers a
+//! pool holds), `shapes` (device and host geometry, addresses).
+
+mod layers;
+mod shapes;
+
+pub use layers::{LayerMap, MAX_LAYERS};
+pub use shapes::*;
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::error::{Result, TransferError};
+
+/// Which of sglang's three host pools.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PoolKind {
+    /// `MHATokenToKVPoolHost`: K and V, token slots.
+    Mha,
+    /// `MLATokenToKVPoolHost`: one buffer, token slots.
+    Mla,
+    /// `DSAIndexerPoolHost`: one uint8 buffer, page-sized items, indices are pages.
+    DsaIndexer,
+}
+
+impl PoolKind {
+    /// Every pool kind.
+    pub const ALL: [PoolKind; 3] = [PoolKind::Mha, PoolKind::Mla, PoolKind::DsaIndexer];
+    /// K and V for MHA, one buffer otherwise.
+    pub fn components(self) -> usize {
+        if self == PoolKind::Mha {
+            2
+        } else {
+            1
+        }
+    }
+    /// sglang's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            PoolKind::Mha => "mha",
+            PoolKind::Mla => "mla",
+            PoolKind::DsaIndexer => "dsa",
+        }
+    }
+}
+
+impl fmt::Display for PoolKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for PoolKind {
+    type Err = TransferError;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "mha" => Ok(PoolKind::Mha),
+            "mla" => Ok(PoolKind::Mla),
+            "dsa" | "dsa_indexer" | "dsa-indexer" => Ok(PoolKind::DsaIndexer),
+            other => Err(TransferError::UnknownName { what: "pool kind", name: other.into(), expected: "mha, mla, dsa" }),
+        }
+    }
+}
+
+/// Host layout, sglang's names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Layout {
+    /// `[L][slots][item]`.
+    LayerFirst,
+    /// `[slots][L][item]`.
+    PageFirst,
+    /// `[pages][L][P][item]`.
+    PageFirstDirect,
+    /// `[pages][H][P][L][D]` (MHA only).
+    PageHead,
+    /// page_first_direct with each page block stored head-group-major,
+    /// `[pages][HG][L][P][hg × D]` (MHA only; `HG` = the pool's `head_num`, `hg = H / HG`
+    /// heads per group): every (page, head group, layer) is one contiguous run, so a reader with
+    /// another tensor-parallel degree fetches its heads in one piece. `HG = 1` is byte for byte
+    /// page_first_direct. sglang's `transfer_kv_*_pfdhg*` ops move it.
+    PageFirstDirectHeadGroups,
+}
+
+/// The name of [`Layout::PageFirstDirectHeadGroups`] (sglang's pools call it page_first_direct
+/// with head groups and have no name of their own for it yet; one place to follow a rename).
+pub const PAGE_FIRST_DIRECT_HG: &str = "page_first_direct_hg";
+
+impl Layout {
+    /// Every layout.
+    pub const ALL: [Layout; 5] =
+        [Layout::LayerFirst, Layout::PageFirst, Layout::PageFirstDirect, Layout::PageHead, Layout::PageFirstDirectHeadGroups];
+    /// sglang's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Layout::LayerFirst => "layer_first",
+            Layout::PageFirst => "page_first",
+            Layout::PageFirstDirect => "page_first_direct",
+            Layout::PageHead => "page_head",
+            Layout::PageFirstDirectHeadGroups => PAGE_FIRST_DIRECT_HG,
+        }
+    }
+}
+
+impl Layout {
+    /// Whether the host item is split into `head_num` chunks stored apart (page_head's heads,
+    /// page_first_direct_hg's head groups). Both exist for MHA only.
+    pub fn splits_heads(self) -> bool {
+        matches!(self, Layout::PageHead | Layout::PageFirstDirectHeadGroups)
+    }
+}
+
+impl fmt::Display for Layout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Layout {
+    type Err = TransferError;
+    /// Unknown names fail with sglang's `Unsupported layout: {layout}`.
+    fn from_str(s: &str) -> Result<Self> {
+        Layout::ALL.into_iter().find(|l| l.name() == s).ok_or_else(|| TransferError::UnsupportedLayout { layout: s.to_string() })
+    }
+}
+
+/// sglang's `--hicache-io-backend`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum IoBackend {
+    /// Gather/scatter copy kernel (`transfer_kv_*`).
+    Kernel,
+    /// Copy engine: one copy per coalesced run (`transfer_kv_direct`, `*_direct_*`).
+    Direct,
+    /// hicache-io's choice per call (profile `extended` only): `kernel` or `direct`, whichever
+    /// the executor's calibration says is faster for the call's item size and run length, among
+    /// the ones the table allows.
+    Auto,
+}
+
+impl IoBackend {
+    /// The two concrete io backends (the table's columns; `Auto` picks one of them).
+    pub const ALL: [IoBackend; 2] = [IoBackend::Kernel, IoBackend::Direct];
+    /// sglang's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            IoBackend::Kernel => "kernel",
+            IoBackend::Direct => "direct",
+            IoBackend::Auto => "auto",
+        }
+    }
+}
+
+impl fmt::Display for IoBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for IoBackend {
+    type Err = TransferError;
+    /// Unknown names (including sglang's NPU-only `kernel_ascend`) fail with
+    /// `Unsupported IO backend: {io_backend}`.
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "kernel" => Ok(IoBackend::Kernel),
+            "direct" => Ok(IoBackend::Direct),
+            "auto" => Ok(IoBackend::Auto),
+            other => Err(TransferError::UnsupportedIoBackend { io_backend: other.to_string() }),
+        }
+    }
+}
+
+/// Which validation table to obey.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Profile {
+    /// sglang's accept/reject decisions and messages, drop-in.
+    Sglang,
+    /// sglang plus the paths sglang lacks (layer-sharded backups into every layout, the DSA
+    /// `kernel` quirk lifted). The default.
+    #[default]
+    Extended,
+}
+
+impl Profile {
+    /// sglang's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Profile::Sglang => "sglang",
+            Profile::Extended => "extended",
+        }
+    }
+}
+
+impl fmt::Display for Profile {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Profile {
+    type Err = TransferError;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "sglang" => Ok(Profile::Sglang),
+            "extended" => Ok(Profile::Extended),
+            other => Err(TransferError::UnknownName { what: "profile", name: other.into(), expected: "sglang, extended" }),
+        }
+    }
+}
+
+/// DSA indexer bytes per token per layer: fp8 keys plus one fp32 scale per quant block
+/// (132 for DeepSeek V3.2: `128 + 128/128*4`).
+pub fn dsa_bytes_per_token(index_head_dim: u64, quant_block_size: u64) -> u64 {
+    index_head_dim + index_head_dim / quant_block_size * 4
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sglang_sizing() {
+        let g = HostGeometry::new(PoolKind::Mla, Layout::PageFirst, 64, 1000, 4, 1152, 1).unwrap();
+        assert_eq!(g.page_num(), 1000 / 64 + 1);
+        assert_eq!(g.size(), 16 * 64);
+        let d = HostGeometry::new(PoolKind::DsaIndexer, Layout::LayerFirst, 64, 1000, 4, 64 * 132, 1).unwrap();
+        assert_eq!(d.slots(), (1024 + 64 + 1) / 64);
+        assert_eq!(dsa_bytes_per_token(128, 128), 132);
+    }
+
+    #[test]
+    fn page_head_matches_sglang_formula() {
+        let g = HostGeometry::new(PoolKind::Mha, Layout::PageHead, 16, 100, 4, 1024, 8).unwrap();
+        let (p, h, item, l) = (16u64, 8u64, 1024u64, 4u64);
+        let page_dim = item * l;
+        for slot in [0u64, 5, 17, 63] {
+            for layer in 0..l {
+                for head in 0..h {
+                    let sg = (slot / p) * p * page_dim + (page_dim / h) * head * p + ((slot % p) * page_dim) / h + (layer * item) / h;
+                    assert_eq!(g.addr(0, layer).offset(slot, head), sg);
+                }
+            }
+        }
+    }
+
+    /// The head-group-major element formula: `((((p·HG + g)·L + l)·P + t)·hg + j)·D + e`.
+    #[test]
+    fn head_groups_match_the_element_formula() {
+        let (p, hgs, l, heads, dim, es) = (4u64, 4u64, 3u64, 8u64, 16u64, 2u64);
+        let item = heads * dim * es;
+        let g = HostGeometry::new(PoolKind::Mha, Layout::PageFirstDirectHeadGroups, p, 10, l, item, hgs).unwrap();
+        let hg = heads / hgs;
+        assert_eq!(g.chunk_bytes(), hg * dim * es);
+        for slot in [0u64, 3, 5, 11] {
+            for layer in 0..l {
+                for group in 0..hgs {
+                    let (page, t) = (slot / p, slot % p);
+                    let element = (((page * hgs + group) * l + layer) * p + t) * hg * dim;
+                    assert_eq!(g.addr(0, layer).offset(slot, group), element * es);
+                }
+            }
+        }
+        // One group is page_first_direct byte for byte.
+        let one = HostGeometry::new(PoolKind::Mha, Layout::PageFirstDirectHeadGroups, p, 10, l, item, 1).unwrap();
+        let pfd = HostGeometry::new(PoolKind::Mha, Layout::PageFirstDirect, p, 10, l, item, 1).unwrap();
+        for slot in 0..12 {
+            for layer in 0..l {
+                assert_eq!(one.addr(1, layer).offset(slot, 0), pfd.addr(1, layer).offset(slot, 0));
+            }
+        }
+        for kind in [PoolKind::Mla, PoolKind::DsaIndexer] {
+            assert!(matches!(
+                HostGeometry::new(kind, Layout::PageFirstDirectHeadGroups, p, 10, l, item, 1),
+                Err(TransferError::UnsupportedLayout { .. })
+            ));
+        }
+    }
+
+    #[test]
+    fn overflow_is_a_config_error() {
+        assert!(matches!(HostGeometry::new(PoolKind::Mla, Layout::LayerFirst, 1, u64::MAX, 1, 1, 1), Err(TransferError::InvalidConfig(_))));
+        assert!(matches!(DeviceGeometry::new(PoolKind::Mla, 1 << 32, 1 << 32, 1, LayerMap::new(1)), Err(TransferError::InvalidConfig(_))));
+    }
+
+    #[test]
+    fn layer_map() {
+        let mut m = LayerMap::new(6);
+        m.layer_shard = Some((2, 5));
+        m.skipped[3] = true;
+        m.drafts = 1;
+        assert_eq!(m.live_layers(), vec![2, 4]);
+        assert_eq!(m.target_slot(4), Some(1));
+        assert_eq!(m.target_slot(3), None);
+        assert_eq!(m.target_slot(5), None);
+        assert_eq!(m.draft_slot(0), 2);
+        assert_eq!(m.host_layers(), 3);
+    }
+}

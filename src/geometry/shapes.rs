@@ -1,0 +1,365 @@
+//! Device and host geometry: sizes, strides and the address of every item.
+
+use super::*;
+use crate::error::{Result, TransferError};
+
+/// Largest page size in tokens (sglang uses 1 to 256); keeps page arithmetic on `i64` token
+/// indices exact.
+pub const MAX_PAGE_SIZE: u64 = 1 << 32;
+
+fn check_page_size(page_size: u64) -> Result<()> {
+    if page_size == 0 {
+        return Err(TransferError::PageSizeNotPositive);
+    }
+    if page_size > MAX_PAGE_SIZE {
+        return Err(TransferError::InvalidConfig(format!("page size {page_size} exceeds {MAX_PAGE_SIZE} tokens")));
+    }
+    Ok(())
+}
+
+/// `a × b`, or an `InvalidConfig` error naming what overflowed.
+pub(crate) fn mul(a: u64, b: u64, what: &str) -> Result<u64> {
+    a.checked_mul(b).ok_or_else(|| TransferError::InvalidConfig(format!("{what} overflows: {a} × {b}")))
+}
+
+/// `a + b`, or an `InvalidConfig` error naming what overflowed.
+pub(crate) fn add(a: u64, b: u64, what: &str) -> Result<u64> {
+    a.checked_add(b).ok_or_else(|| TransferError::InvalidConfig(format!("{what} overflows: {a} + {b}")))
+}
+
+/// A buffer of a pool pair: host component buffer, or device buffer `slot` (live target
+/// layers in order, then drafts) of a component. Component 0 is K (or the only buffer), 1 is V.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BufRef {
+    /// The host pool's buffer of component `comp`.
+    Host {
+        /// Component (0 = K or the only buffer, 1 = V).
+        comp: u8,
+    },
+    /// The device pool's buffer `slot` of component `comp`.
+    Device {
+        /// Component (0 = K or the only buffer, 1 = V).
+        comp: u8,
+        /// Buffer slot: live target layers in order, then drafts.
+        slot: u32,
+    },
+}
+
+/// Where item `idx`, head chunk `head` of one (buffer, layer) lies: byte offset
+/// `base + (idx / page) × page_stride + (idx % page) × row_stride + head × head_stride`.
+/// One formula covers layer_first (`page = 1`), page_first, page_first_direct and page_head.
+/// Built only by the geometry, so its strides always describe a validated pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Addr {
+    pub(crate) buf: BufRef,
+    pub(crate) base: u64,
+    pub(crate) page: u64,
+    pub(crate) page_stride: u64,
+    pub(crate) row_stride: u64,
+    pub(crate) head_stride: u64,
+}
+
+impl Addr {
+    /// Byte offset of item `idx`, head chunk `head`. Exact for every index below the pool's
+    /// slot count (the planner range-checks indices first).
+    #[inline(always)]
+    pub fn offset(&self, idx: u64, head: u64) -> u64 {
+        // page == 1 (every layout but page_head / page_first_direct) skips two divisions.
+        let paged = if self.page == 1 {
+            idx * self.page_stride
+        } else {
+            (idx / self.page) * self.page_stride + (idx % self.page) * self.row_stride
+        };
+        self.base + paged + head * self.head_stride
+    }
+    /// The buffer this address is in.
+    pub fn buf(&self) -> BufRef {
+        self.buf
+    }
+    /// `(base, page, page_stride, row_stride, head_stride)`, as the copy kernels take them.
+    pub fn strides(&self) -> (u64, u64, u64, u64, u64) {
+        (self.base, self.page, self.page_stride, self.row_stride, self.head_stride)
+    }
+}
+
+/// Device pool geometry: layer_first, one buffer of `slots × item` bytes per live layer and
+/// component. Built by [`DeviceGeometry::new`], which checks every size once.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceGeometry {
+    kind: PoolKind,
+    item_bytes: u64,
+    slots: u64,
+    page_size: u64,
+    layers: LayerMap,
+    layer_bytes: u64,
+    total_bytes: u64,
+}
+
+impl DeviceGeometry {
+    /// `item_bytes` per slot (token stride, or indexer page stride for DSA), `slots` per layer
+    /// buffer (tokens, or indexer pages), `page_size` tokens per page.
+    pub fn new(kind: PoolKind, item_bytes: u64, slots: u64, page_size: u64, layers: LayerMap) -> Result<Self> {
+        check_page_size(page_size)?;
+        if item_bytes == 0 || slots == 0 {
+            return Err(TransferError::InvalidConfig("device item bytes and slots must be positive".into()));
+        }
+        layers.validate()?;
+        let layer_bytes = mul(slots, item_bytes, "device layer buffer bytes (slots × item)")?;
+        let buffers = (layers.host_layers() * kind.components()) as u64;
+        let total_bytes = mul(layer_bytes, buffers, "device pool bytes (layer bytes × buffers)")?;
+        Ok(DeviceGeometry { kind, item_bytes, slots, page_size, layers, layer_bytes, total_bytes })
+    }
+    /// Pool kind.
+    pub fn kind(&self) -> PoolKind {
+        self.kind
+    }
+    /// Bytes per slot: token stride (MHA/MLA) or indexer page stride (DSA).
+    pub fn item_bytes(&self) -> u64 {
+        self.item_bytes
+    }
+    /// Slots per layer buffer: tokens (MHA/MLA) or indexer pages (DSA).
+    pub fn slots(&self) -> u64 {
+        self.slots
+    }
+    /// Tokens per page `P`.
+    pub fn page_size(&self) -> u64 {
+        self.page_size
+    }
+    /// The layer map.
+    pub fn layers(&self) -> &LayerMap {
+        &self.layers
+    }
+    /// Bytes of one layer buffer.
+    pub fn layer_bytes(&self) -> u64 {
+        self.layer_bytes
+    }
+    /// Bytes of every buffer together.
+    pub fn total_bytes(&self) -> u64 {
+        self.total_bytes
+    }
+    /// Buffers per component: live target layers then drafts.
+    pub fn buffer_count(&self) -> usize {
+        self.layers.host_layers()
+    }
+    /// Addressing of component `comp`, buffer `slot`; `heads` splits the item for page_head.
+    pub fn addr(&self, comp: u8, slot: u32, heads: u64) -> Addr {
+        Addr {
+            buf: BufRef::Device { comp, slot },
+            base: 0,
+            page: 1,
+            page_stride: self.item_bytes,
+            row_stride: 0,
+            head_stride: self.item_bytes / heads,
+        }
+    }
+}
+
+/// Host pool geometry. Built by [`HostGeometry::new`], which rounds the size like sglang and
+/// checks every size once.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostGeometry {
+    kind: PoolKind,
+    layout: Layout,
+    page_size: u64,
+    size: u64,
+    layer_num: u64,
+    item_bytes: u64,
+    head_num: u64,
+    slots: u64,
+    buffer_bytes: u64,
+}
+
+impl HostGeometry {
+    /// Builds a host geometry the sglang way. `requested_size` is rounded to
+    /// `(requested_size / P + 1) × P` token slots. Fails with `Unsupported layout` for
+    /// page_head on MLA/DSA, like sglang's allocator, and with `InvalidConfig` for sizes whose
+    /// arithmetic overflows.
+    pub fn new(
+        kind: PoolKind,
+        layout: Layout,
+        page_size: u64,
+        requested_size: u64,
+        layer_num: u64,
+        item_bytes: u64,
+        head_num: u64,
+    ) -> Result<Self> {
+        check_page_size(page_size)?;
+        if layer_num == 0 || item_bytes == 0 {
+            return Err(TransferError::InvalidConfig("layer_num and item_bytes must be positive".into()));
+        }
+        if layout.splits_heads() {
+            if kind != PoolKind::Mha {
+                return Err(TransferError::UnsupportedLayout { layout: layout.name().into() });
+            }
+            // The per-head (page_head) or per-group arithmetic is exact only when H (HG) divides
+            // the item.
+            if head_num == 0 || !item_bytes.is_multiple_of(head_num) {
+                return Err(TransferError::InvalidConfig(format!(
+                    "{layout} needs head_num ({head_num}) to divide the item ({item_bytes} bytes)"
+                )));
+            }
+        }
+        let page_num = add(requested_size / page_size, 1, "host page count (size / P + 1)")?;
+        let size = mul(page_num, page_size, "host token slots (page_num × P)")?;
+        let slots = match kind {
+            // indexer_page_num = (size + P + 1) / P
+            PoolKind::DsaIndexer => add(size, add(page_size, 1, "indexer page count")?, "indexer page count")? / page_size,
+            _ => size,
+        };
+        let layout_dim = mul(item_bytes, layer_num, "host layout_dim (item × L)")?;
+        let buffer_bytes = mul(slots, layout_dim, "host buffer bytes (slots × item × L)")?;
+        mul(buffer_bytes, kind.components() as u64, "host pool bytes")?;
+        Ok(HostGeometry {
+            kind,
+            layout,
+            page_size,
+            size,
+            layer_num,
+            item_bytes,
+            head_num: if layout.splits_heads() { head_num } else { 1 },
+            slots,
+            buffer_bytes,
+        })
+    }
+    /// Pool kind.
+    pub fn kind(&self) -> PoolKind {
+        self.kind
+    }
+    /// Host layout.
+    pub fn layout(&self) -> Layout {
+        self.layout
+    }
+    /// `P`, tokens per page.
+    pub fn page_size(&self) -> u64 {
+        self.page_size
+    }
+    /// Token slots after sglang's rounding: `page_num × P`.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+    /// `L`: live target layers plus one per draft.
+    pub fn layer_num(&self) -> u64 {
+        self.layer_num
+    }
+    /// Bytes per (slot, layer): token stride, or the indexer page stride for DSA.
+    pub fn item_bytes(&self) -> u64 {
+        self.item_bytes
+    }
+    /// `H` for page_head, `HG` for page_first_direct_hg (1 otherwise).
+    pub fn head_num(&self) -> u64 {
+        self.head_num
+    }
+    /// sglang's host `page_num`.
+    pub fn page_num(&self) -> u64 {
+        self.size / self.page_size
+    }
+    /// Slots along the index dimension: tokens (MHA/MLA) or indexer pages (DSA:
+    /// `indexer_page_num = (size + P + 1) / P`).
+    pub fn slots(&self) -> u64 {
+        self.slots
+    }
+    /// Stride between consecutive slots in page_first: `item × L`.
+    pub fn layout_dim(&self) -> u64 {
+        self.item_bytes * self.layer_num
+    }
+    /// Bytes of one component buffer.
+    pub fn buffer_bytes(&self) -> u64 {
+        self.buffer_bytes
+    }
+    /// Pages of the index dimension in page-granular layouts (pfd/ph: `page_num`; DSA: its
+    /// slots are pages already).
+    pub fn index_pages(&self) -> u64 {
+        match self.kind {
+            PoolKind::DsaIndexer => self.slots,
+            _ => self.page_num(),
+        }
+    }
+    /// Tokens per "page" at the index granularity: `P` for MHA/MLA, 1 for DSA (its indices are
+    /// pages already, and sglang passes `page_size=1` to the direct ops).
+    pub fn index_page_size(&self) -> u64 {
+        match self.kind {
+            PoolKind::DsaIndexer => 1,
+            _ => self.page_size,
+        }
+    }
+    /// Bytes of one head's (page_head) or head group's (page_first_direct_hg) share of the
+    /// item: the `kernel` copy unit; the item itself in the other layouts.
+    pub fn chunk_bytes(&self) -> u64 {
+        self.item_bytes / self.head_num
+    }
+    /// Addressing of component `comp`, host layer `layer`.
+    pub fn addr(&self, comp: u8, layer: u64) -> Addr {
+        let item = self.item_bytes;
+        let l = self.layer_num;
+        let h = self.head_num;
+        let d = item / h;
+        let buf = BufRef::Host { comp };
+        match self.layout {
+            Layout::LayerFirst => Addr { buf, base: layer * self.slots * item, page: 1, page_stride: item, row_stride: 0, head_stride: d },
+            Layout::PageFirst => Addr { buf, base: layer * item, page: 1, page_stride: l * item, row_stride: 0, head_stride: d },
+            Layout::PageFirstDirect => {
+                let p = self.index_page_size();
+                Addr { buf, base: layer * p * item, page: p, page_stride: l * p * item, row_stride: item, head_stride: d }
+            }
+            Layout::PageHead => {
+                let p = self.page_size;
+                Addr { buf, base: layer * d, page: p, page_stride: h * p * l * d, row_stride: l * d, head_stride: p * l * d }
+            }
+            // [pages][HG][L][P][d]: d = one head group's share of the item.
+            Layout::PageFirstDirectHeadGroups => {
+                let p = self.page_size;
+                Addr { buf, base: layer * p * d, page: p, page_stride: l * p * item, row_stride: d, head_stride: l * p * d }
+            }
+        }
+    }
+    /// The storage helpers' flat page `page` (index-granular) of one component, as byte spans
+    /// `(offset, len)` in the order sglang flattens its slice:
+    /// layer_first `[L][P][item]` (one span per layer), page_first `[P][L][item]`,
+    /// page_first_direct `[L][P][item]`, page_head `[H][P][L][D]`, page_first_direct_hg
+    /// `[HG][L][P][hg × D]` (one span each). The DSA
+    /// indexer's page is one slot, so every layout gives `[L][item]`.
+    pub fn flat_page_spans(&self, page: u64) -> Vec<(u64, u64)> {
+        let p = self.index_page_size();
+        match self.layout {
+            Layout::LayerFirst => {
+                (0..self.layer_num).map(|l| (l * self.slots * self.item_bytes + page * p * self.item_bytes, p * self.item_bytes)).collect()
+            }
+            _ => {
+                let len = p * self.layout_dim();
+                vec![(page * len, len)]
+            }
+        }
+    }
+}
+
+/// The geometry of one sglang-shaped pool pair, checked to belong together once.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolPair {
+    host: HostGeometry,
+    device: DeviceGeometry,
+}
+
+impl PoolPair {
+    /// A host geometry built against a device geometry: same kind, item and page size; `L`
+    /// from the device's live layers and drafts.
+    pub fn new(device: DeviceGeometry, layout: Layout, host_size: u64, head_num: u64) -> Result<Self> {
+        let host = HostGeometry::new(
+            device.kind,
+            layout,
+            device.page_size,
+            host_size,
+            device.layers.host_layers() as u64,
+            device.item_bytes,
+            head_num,
+        )?;
+        Ok(PoolPair { host, device })
+    }
+    /// The host side.
+    pub fn host(&self) -> &HostGeometry {
+        &self.host
+    }
+    /// The device side.
+    pub fn device(&self) -> &DeviceGeometry {
+        &self.device
+    }
+}
