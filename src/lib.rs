@@ -77,3 +77,8 @@ pub use pool::{DevicePool, DevicePoolConfig, HostPool, HostPoolConfig, LayerLoad
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
+
+/// So do those of the Rust guide.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/rust.md")]
+pub struct RustGuideDoctests;

@@ -1,6 +1,6 @@
 //! The support matrix as a table: every cell of pool × operation × layout × io backend, with
 //! the op that runs it or the exact error. Generated from [`crate::plan::decide`], never
-//! written by hand (the README's copy is checked by a test).
+//! written by hand (docs/support-matrix.md's copy is checked by a test).
 
 use crate::error::{Result, TransferError};
 use crate::geometry::{dsa_bytes_per_token, IoBackend, PoolKind, Profile, MAX_PAGE_SIZE};

@@ -1,5 +1,5 @@
 //! The support table against sglang's pool code, written out here independently of the planner,
-//! for both profiles, and the README's copy of `hicache-io matrix` kept in sync.
+//! for both profiles, and docs/support-matrix.md's copy of `hicache-io matrix` kept in sync.
 
 use hicache_io::geometry::{IoBackend, Layout, PoolKind, Profile};
 use hicache_io::plan::{decide, kernel_word, Capabilities, Cell, TableOp};
@@ -125,15 +125,15 @@ fn names_parse_with_sglang_messages() {
     assert_eq!("kernel_ascend".parse::<IoBackend>().unwrap_err().to_string(), "Unsupported IO backend: kernel_ascend");
 }
 
-/// The README's matrices are the output of `hicache-io matrix`, regenerated, not hand-kept.
+/// The matrices of docs/support-matrix.md are the output of `hicache-io matrix`, regenerated, not hand-kept.
 #[test]
 fn readme_matrix_is_current() {
-    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/support-matrix.md")).unwrap();
     for profile in [Profile::Sglang, Profile::Extended] {
         let start = format!("<!-- matrix:{profile} -->\n");
-        let from = readme.find(&start).unwrap_or_else(|| panic!("README lacks {start:?}")) + start.len();
+        let from = readme.find(&start).unwrap_or_else(|| panic!("docs/support-matrix.md lacks {start:?}")) + start.len();
         let to = from + readme[from..].find("<!-- /matrix -->").expect("end marker");
         let want = hicache_io::matrix::render_markdown(profile, &PoolKind::ALL, 64);
-        assert_eq!(&readme[from..to], want, "README matrix for {profile} is stale: run `hicache-io matrix --profile {profile}`");
+        assert_eq!(&readme[from..to], want, "docs/support-matrix.md: the matrix for {profile} is stale: run `hicache-io matrix --profile {profile}`");
     }
 }
