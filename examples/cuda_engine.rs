@@ -5,11 +5,11 @@
 //! `cargo run --example cuda_engine` (prints why it skips without a driver or GPU)
 
 use hicache_io::exec::cuda::{CudaBuffer, CudaExecutor, LaunchTuning};
-use hicache_io::exec::{BackendKind, Buffer};
+use hicache_io::exec::{Buffer, ExecutorKind};
 use hicache_io::{Device, DevicePool, DevicePoolConfig, HostPool, HostPoolConfig, IoBackend, LayerMap, Layout, PoolKind, Profile};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let probe = match Device::open(BackendKind::Cuda) {
+    let probe = match Device::open(ExecutorKind::Cuda) {
         Ok(Device::Cuda(e)) => e,
         Ok(_) => unreachable!(),
         Err(e) => {

@@ -263,7 +263,7 @@ pub struct PipelineResult {
     pub backup_one_stream_s: f64,
     /// The same on a [`crate::Pipeline`]'s backup stream (cpu: its own worker; wgpu: the same
     /// queue, so no faster).
-    pub backup_side_stream_s: f64,
+    pub backup_stream_s: f64,
     /// Bytes that backup moves.
     pub backup_bytes: u64,
 }
@@ -342,7 +342,7 @@ pub fn pipeline(device: &Device, layers: usize, items: u64, compute: Option<Dura
     }
     let (sequential_s, pipelined_s, first_layer_s) =
         (crate::timing::median(seq), crate::timing::median(pipe), crate::timing::median(first));
-    let (backup_one_stream_s, backup_side_stream_s, backup_bytes) = backup_latency(&mut fx, &hi, &di, RUNS)?;
+    let (backup_one_stream_s, backup_stream_s, backup_bytes) = backup_latency(&mut fx, &hi, &di, RUNS)?;
     let compute_s = compute.as_secs_f64();
     let hidden = (sequential_s - pipelined_s) / load_s.min(compute_s * layers as f64);
     Ok(PipelineResult {
@@ -356,7 +356,7 @@ pub fn pipeline(device: &Device, layers: usize, items: u64, compute: Option<Dura
         load_s,
         overlap: hidden,
         backup_one_stream_s,
-        backup_side_stream_s,
+        backup_stream_s,
         backup_bytes,
     })
 }

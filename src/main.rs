@@ -411,7 +411,7 @@ fn bench_pipeline(devices: &[Device], args: &BenchArgs) -> ExitCode {
             r.first_layer_s * 1e3,
             r.overlap,
             r.backup_one_stream_s * 1e3,
-            r.backup_side_stream_s * 1e3
+            r.backup_stream_s * 1e3
         );
     }
     ExitCode::SUCCESS

@@ -440,7 +440,7 @@ fn loads_report_mismatches_while_another_thread_polls_the_executor() {
 }
 
 /// Checksums settle in issue order across the two streams of a pipeline: each round backs items
-/// up (pipeline backups run on the side stream) and loads them back at once (the main stream,
+/// up (pipeline backups run on the backup stream) and loads them back at once (the main stream,
 /// ordered after the backup on the device where they share host slots), with nobody waiting in
 /// between. Each load must verify against the backup just before it, never an older one, on
 /// every executor (the simulated CUDA driver delays every stream op at random).

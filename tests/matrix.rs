@@ -134,6 +134,10 @@ fn readme_matrix_is_current() {
         let from = readme.find(&start).unwrap_or_else(|| panic!("docs/support-matrix.md lacks {start:?}")) + start.len();
         let to = from + readme[from..].find("<!-- /matrix -->").expect("end marker");
         let want = hicache_io::matrix::render_markdown(profile, &PoolKind::ALL, 64);
-        assert_eq!(&readme[from..to], want, "docs/support-matrix.md: the matrix for {profile} is stale: run `hicache-io matrix --profile {profile}`");
+        assert_eq!(
+            &readme[from..to],
+            want,
+            "docs/support-matrix.md: the matrix for {profile} is stale: run `hicache-io matrix --profile {profile}`"
+        );
     }
 }

@@ -1,7 +1,7 @@
-//! Pipelines: loads on the main stream and backups on the side stream, in flight together.
+//! Pipelines: loads on the main stream and backups on the backup stream, in flight together.
 //! Whatever the two streams overlap, the pools end up with the bytes of running every call in
 //! issue order (the oracle); a backup that touches nothing a load touches does not wait for
-//! the loads (cpu, where the side stream is a second worker); a leaked pipeline never exposes
+//! the loads (cpu, where the backup stream is a second worker); a leaked pipeline never exposes
 //! a pool mid-transfer.
 #![allow(clippy::needless_range_loop)] // K and V by index, as the pools number them
 
@@ -159,7 +159,7 @@ fn a_backup_of_slots_being_loaded_waits_for_the_loads() {
     }
 }
 
-/// On cpu the side stream is its own worker: a backup that shares no page of any layer with
+/// On cpu the backup stream is its own worker: a backup that shares no page of any layer with
 /// the loads in flight lands while they are still running. (Timing-based, so a few tries: on
 /// a busy machine the side worker may start late once.)
 #[test]
@@ -193,7 +193,7 @@ fn an_independent_backup_does_not_wait_for_loads_in_flight() {
     panic!("in 5 tries the backup never landed before the loads issued ahead of it");
 }
 
-/// A leaked pipeline whose backups are still running on the side stream when the pools are
+/// A leaked pipeline whose backups are still running on the backup stream when the pools are
 /// free again: six backups of every page of every layer, each to other host pages (so every
 /// intermediate state differs from the final one). Returns the pools, their bytes before, the
 /// backups' index lists and the pages.
@@ -230,7 +230,7 @@ fn a_leaked_pipeline_never_exposes_a_pool_to_reads() {
     }
 }
 
-/// A plain call runs after the side stream's work (here: a load of host pages the backups
+/// A plain call runs after the backup stream's work (here: a load of host pages the backups
 /// write).
 #[test]
 fn a_leaked_pipeline_orders_later_plain_calls() {
