@@ -151,11 +151,12 @@ pub(crate) fn call_op(
         Some((si, di)) => Some(place(si, di, &held, ctx)?),
         None => None,
     };
+    let many: Vec<Vec<RawTensor>> = read.iter().map(|r| if let Read::Many(v) = r { raws(v) } else { Vec::new() }).collect();
     let mut values: Vec<Value<'_>> = Vec::with_capacity(spec.args.len());
     for (i, r) in read.iter().enumerate() {
         values.push(match r {
-            Read::One(h) => Value::Tensor(h.raw.clone()),
-            Read::Many(v) => Value::Tensors(raws(v)),
+            Read::One(h) => Value::Tensor(&h.raw),
+            Read::Many(_) => Value::Tensors(&many[i]),
             Read::Int(v) => Value::Int(*v),
             Read::Ints(v) => Value::Ints(v),
             Read::Index => {

@@ -180,7 +180,12 @@ pub(super) fn run_calls(calls: Vec<Call>) -> Result<()> {
     Ok(())
 }
 
-/// The K and V components of an MHA op.
-pub(super) fn kv<'a>(k: &'a RawTensor, v: &'a RawTensor, k_name: &str, v_name: &str) -> [Arg<'a>; 2] {
-    [arg(k_name, k), arg(v_name, v)]
+/// The pool kind of an op with `components` source arrays or layer lists: one is MLA (and the
+/// DSA indexer), two are MHA's K and V.
+pub(super) fn kind_of(components: usize) -> PoolKind {
+    if components == 1 {
+        PoolKind::Mla
+    } else {
+        PoolKind::Mha
+    }
 }

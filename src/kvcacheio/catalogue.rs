@@ -2,10 +2,13 @@
 //! its launch tuning, sglang's torch schema and its documentation. The Python bindings read
 //! their arguments by kind from it and call [`call`]; the Python wrappers, their stubs, the
 //! `torch.ops` schemas and the list of names sglang imports are made from [`CATALOGUE`]. Adding
-//! an op is one entry here plus its semantics (its function in this module).
+//! an op is one entry here (with its [`Shape`]); a new shape adds its semantics, one function.
 
+use super::args::OpArgs;
+pub use super::args::Value;
 use super::*;
 use crate::exec::Device;
+use crate::geometry::{IoBackend, Layout};
 use crate::{Result, TransferError};
 
 /// What an argument is, for the bindings (how to read it) and for the op (what it takes).
@@ -57,6 +60,34 @@ pub enum Binding {
     Custom,
 }
 
+/// What an op does, as one of the semantics the ops share (each a function of this module that
+/// reads the op's arguments by role and name).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum Shape {
+    /// One layer_first layer to another: the `In` arrays (K, V or one) into the `Out` arrays.
+    LayerPair,
+    /// Layer `layer_id` of a paged host buffer of this layout into one device layer
+    /// (`src_layout_dim`; `page_size` and `head_num` where the layout has them).
+    PagedLoad(Layout),
+    /// Layer `j` of the source layer lists into layer `j` of the destination lists.
+    LayerLists(IoBackend),
+    /// Every device layer of the source lists into its layer of a paged host buffer of this
+    /// layout (`dst_layout_dim`).
+    LayoutBackup(Layout),
+    /// One device layer into layer `layer_id` of a page_first host buffer (not in sglang).
+    LayerBackup,
+    /// page_first_direct host pages of layers `layer_id + j` into device layers `j`.
+    DirectLoad,
+    /// Every device layer into page_first_direct host pages.
+    DirectBackup,
+    /// One device layer into layer `layer_id` of page_first_direct host pages (not in sglang).
+    DirectLayerBackup,
+    /// Row ranges by the copy engine.
+    EmbeddingRanges,
+    /// Served by its own binding.
+    Custom,
+}
+
 /// One op of the catalogue.
 #[derive(Debug, Clone, Copy, serde::Serialize)]
 pub struct OpSpec {
@@ -64,6 +95,8 @@ pub struct OpSpec {
     pub name: &'static str,
     /// Arguments in sglang's order, with their kinds.
     pub args: &'static [(&'static str, ArgKind)],
+    /// Its semantics.
+    pub shape: Shape,
     /// Launch tuning.
     pub tuning: Tuning,
     /// sglang's `torch.ops` schema without the name (sgl-kernel's own spacing).
@@ -90,116 +123,103 @@ impl OpSpec {
     }
 }
 
-/// One converted argument, as the bindings hand it over.
-#[derive(Debug)]
-pub enum Value<'a> {
-    /// [`ArgKind::In`], [`ArgKind::Out`].
-    Tensor(RawTensor),
-    /// [`ArgKind::InLayers`], [`ArgKind::OutLayers`], [`ArgKind::InList`], [`ArgKind::OutList`].
-    Tensors(Vec<RawTensor>),
-    /// [`ArgKind::Idx`].
-    Indices(Indices<'a>),
-    /// [`ArgKind::HostIdx`], [`ArgKind::Ints`].
-    Ints(&'a [i64]),
-    /// [`ArgKind::Int`].
-    Int(i64),
-}
-
-fn wrong(name: &str, i: usize) -> TransferError {
-    TransferError::BadArgument {
-        arg: "args",
-        value: i as i64,
-        message: format!("{name}: argument {i} is of another kind than the catalogue says"),
-    }
-}
-
-/// Reads argument `i` of op `name` as the type its kind takes.
-trait Take<'v, 'a>: Sized {
-    fn take(v: &'v [Value<'a>], i: usize, name: &str) -> Result<Self>;
-}
-
-impl<'v, 'a> Take<'v, 'a> for &'v RawTensor {
-    fn take(v: &'v [Value<'a>], i: usize, name: &str) -> Result<Self> {
-        match v.get(i) {
-            Some(Value::Tensor(t)) => Ok(t),
-            _ => Err(wrong(name, i)),
-        }
-    }
-}
-
-impl<'v, 'a> Take<'v, 'a> for &'v [RawTensor] {
-    fn take(v: &'v [Value<'a>], i: usize, name: &str) -> Result<Self> {
-        match v.get(i) {
-            Some(Value::Tensors(t)) => Ok(t),
-            _ => Err(wrong(name, i)),
-        }
-    }
-}
-
-impl<'v, 'a: 'v> Take<'v, 'a> for Indices<'v> {
-    fn take(v: &'v [Value<'a>], i: usize, name: &str) -> Result<Self> {
-        match v.get(i) {
-            Some(Value::Indices(x)) => Ok(*x),
-            _ => Err(wrong(name, i)),
-        }
-    }
-}
-
-impl<'v, 'a: 'v> Take<'v, 'a> for &'v [i64] {
-    fn take(v: &'v [Value<'a>], i: usize, name: &str) -> Result<Self> {
-        match v.get(i) {
-            Some(Value::Ints(x)) => Ok(x),
-            _ => Err(wrong(name, i)),
-        }
-    }
-}
-
-impl<'v, 'a> Take<'v, 'a> for i64 {
-    fn take(v: &'v [Value<'a>], i: usize, name: &str) -> Result<Self> {
-        match v.get(i) {
-            Some(Value::Int(x)) => Ok(*x),
-            _ => Err(wrong(name, i)),
-        }
-    }
-}
-
-/// The Rust type an argument kind is taken as.
-macro_rules! rust_type {
-    (In) => { &RawTensor };
-    (Out) => { &RawTensor };
-    (InLayers) => { &[RawTensor] };
-    (OutLayers) => { &[RawTensor] };
-    (InList) => { &[RawTensor] };
-    (OutList) => { &[RawTensor] };
-    (Idx) => { Indices<'_> };
-    (HostIdx) => { &[i64] };
+/// The Rust parameter type of an argument kind.
+macro_rules! param {
+    (In) => { &'i RawTensor };
+    (Out) => { &'i RawTensor };
+    (InLayers) => { &'i [RawTensor] };
+    (OutLayers) => { &'i [RawTensor] };
+    (InList) => { &'i [RawTensor] };
+    (OutList) => { &'i [RawTensor] };
+    (Idx) => { impl Into<Indices<'i>> };
+    (HostIdx) => { &'i [i64] };
     (Int) => { i64 };
-    (Ints) => { &[i64] };
+    (Ints) => { &'i [i64] };
+}
+
+/// A parameter as a [`Value`].
+macro_rules! value {
+    (In, $a:ident) => {
+        Value::Tensor($a)
+    };
+    (Out, $a:ident) => {
+        Value::Tensor($a)
+    };
+    (InLayers, $a:ident) => {
+        Value::Tensors($a)
+    };
+    (OutLayers, $a:ident) => {
+        Value::Tensors($a)
+    };
+    (InList, $a:ident) => {
+        Value::Tensors($a)
+    };
+    (OutList, $a:ident) => {
+        Value::Tensors($a)
+    };
+    (Idx, $a:ident) => {
+        Value::Indices($a.into())
+    };
+    (HostIdx, $a:ident) => {
+        Value::Ints($a)
+    };
+    (Int, $a:ident) => {
+        Value::Int($a)
+    };
+    (Ints, $a:ident) => {
+        Value::Ints($a)
+    };
 }
 
 macro_rules! catalogue {
     (
-        generic { $( $name:ident ( $($arg:ident : $kind:ident),* ) { $($field:ident : $value:expr),* $(,)? } )* }
-        custom { $( $cname:ident ( $($carg:ident : $ckind:ident),* ) { $($cfield:ident : $cvalue:expr),* $(,)? } )* }
+        generic { $( $name:ident ( $($arg:ident : $kind:ident),* ) { doc: $doc:literal, $($field:ident : $value:expr),* $(,)? } )* }
+        custom { $( $cname:ident ( $($carg:ident : $ckind:ident),* ) { doc: $cdoc:literal, $($cfield:ident : $cvalue:expr),* $(,)? } )* }
     ) => {
         /// Every op, in the order of the Python module.
         pub static CATALOGUE: &[OpSpec] = &[
-            $( OpSpec { name: stringify!($name), args: &[$((stringify!($arg), ArgKind::$kind)),*], binding: Binding::Generic, $($field: $value),* }, )*
-            $( OpSpec { name: stringify!($cname), args: &[$((stringify!($carg), ArgKind::$ckind)),*], binding: Binding::Custom, $($cfield: $cvalue),* }, )*
+            $( OpSpec { name: stringify!($name), args: &[$((stringify!($arg), ArgKind::$kind)),*], binding: Binding::Generic, doc: $doc, $($field: $value),* }, )*
+            $( OpSpec { name: stringify!($cname), args: &[$((stringify!($carg), ArgKind::$ckind)),*], binding: Binding::Custom, doc: $cdoc, $($cfield: $cvalue),* }, )*
         ];
 
-        /// Runs generic op `name` with its converted arguments (`values`, in the catalogue's
-        /// order and kinds) on `device`.
-        pub fn call(name: &str, device: &Device, values: &[Value<'_>]) -> Result<()> {
-            match name {
-                $( stringify!($name) => {
-                    let mut next = 0usize..;
-                    $name(device, $( <rust_type!($kind) as Take>::take(values, next.next().unwrap_or_default(), name)? ),*)
-                } )*
-                other => Err(TransferError::BadArgument { arg: "name", value: 0, message: format!("no generic op {other} in the catalogue") }),
+        $(
+            #[doc = concat!("sglang's `", stringify!($name), "` (its catalogue entry; sizes in bytes): ", $doc)]
+            pub fn $name<'i>(device: &Device, $($arg: param!($kind)),*) -> Result<()> {
+                run(stringify!($name), device, &[$(value!($kind, $arg)),*])
             }
-        }
+        )*
     };
+}
+
+/// Runs generic op `name` with its arguments (`values`, in the catalogue's order and kinds) on
+/// `device`: the Python bindings' entry, and what every generated op function calls.
+pub fn call(name: &str, device: &Device, values: &[Value<'_>]) -> Result<()> {
+    run(name, device, values)
+}
+
+fn run(name: &str, device: &Device, values: &[Value<'_>]) -> Result<()> {
+    let spec = OpSpec::find(name).filter(|s| s.binding == Binding::Generic).ok_or_else(|| TransferError::BadArgument {
+        arg: "name",
+        value: 0,
+        message: format!("no generic op {name} in the catalogue"),
+    })?;
+    let a = OpArgs::new(spec, values)?;
+    if let Some(mla) = spec.num_layers {
+        let (_, first) = a.list(ArgKind::InLayers)?;
+        check_num_layers(mla, a.int("num_layers")?, first.len())?;
+    }
+    match spec.shape {
+        Shape::LayerPair => layer_pair(device, &a),
+        Shape::PagedLoad(layout) => paged_load(device, &a, layout),
+        Shape::LayerLists(io) => layer_lists_op(device, &a, io),
+        Shape::LayoutBackup(layout) => layout_backup(device, &a, layout),
+        Shape::LayerBackup => layer_backup(device, &a),
+        Shape::DirectLoad => direct_load(device, &a),
+        Shape::DirectBackup => direct_backup(device, &a),
+        Shape::DirectLayerBackup => direct_layer_backup(device, &a),
+        Shape::EmbeddingRanges => embedding_ranges(device, &a),
+        Shape::Custom => Err(TransferError::BadArgument { arg: "name", value: 0, message: format!("{name} has its own binding") }),
+    }
 }
 
 /// What every kernel op's docstring ends with.
@@ -210,111 +230,132 @@ const CUDA: &[&str] = &["CPU", "CUDA"];
 catalogue! {
     generic {
         transfer_kv_per_layer(src_k: In, dst_k: Out, src_v: In, dst_v: Out, src_indices: Idx, dst_indices: Idx, item_size: Int) {
+            doc: "One layer, layer_first to layer_first: ``dst_k[d] = src_k[s]`` and ``dst_v[d] = src_v[s]`` for each index pair (items of ``item_size`` bytes; negative indices skipped).",
+            shape: Shape::LayerPair,
             tuning: Tuning::Pass, sglang: true, keys: CUDA, num_layers: None, same_dtype: false,
             schema: "(Tensor src_k, Tensor dst_k, Tensor src_v, Tensor dst_v, Tensor src_indices, Tensor dst_indices, int item_size, int block_quota, int num_warps_per_block) -> ()",
-            doc: "One layer, layer_first to layer_first: ``dst_k[d] = src_k[s]`` and ``dst_v[d] = src_v[s]`` for each index pair (items of ``item_size`` bytes; negative indices skipped).",
         }
         transfer_kv_per_layer_pf_lf(src_k: In, dst_k: Out, src_v: In, dst_v: Out, src_indices: Idx, dst_indices: Idx, layer_id: Int, item_size: Int, src_layout_dim: Int) {
+            doc: "Layer ``layer_id`` of a page_first host buffer ``[slots][L][item]`` (``src_layout_dim = L * item_size``) into one layer_first device layer.",
+            shape: Shape::PagedLoad(Layout::PageFirst),
             tuning: Tuning::Pass, sglang: true, keys: CUDA, num_layers: None, same_dtype: false,
             schema: "(Tensor src_k, Tensor dst_k, Tensor src_v, Tensor dst_v, Tensor src_indices, Tensor dst_indices, int layer_id, int item_size, int src_layout_dim, int block_quota, int num_warps_per_block) -> ()",
-            doc: "Layer ``layer_id`` of a page_first host buffer ``[slots][L][item]`` (``src_layout_dim = L * item_size``) into one layer_first device layer.",
         }
         transfer_kv_per_layer_ph_lf(src_k: In, dst_k: Out, src_v: In, dst_v: Out, src_indices: Idx, dst_indices: Idx, layer_id: Int, item_size: Int, src_layout_dim: Int, page_size: Int, head_num: Int) {
+            doc: "Layer ``layer_id`` of a page_head host buffer ``[pages][head_num][page_size][L][item / head_num]`` into one layer_first device layer.",
+            shape: Shape::PagedLoad(Layout::PageHead),
             tuning: Tuning::Pass, sglang: true, keys: CUDA, num_layers: None, same_dtype: false,
             schema: "(Tensor src_k, Tensor dst_k, Tensor src_v, Tensor dst_v, Tensor src_indices, Tensor dst_indices, int layer_id, int item_size, int src_layout_dim, int page_size, int head_num, int block_quota, int num_warps_per_block) -> ()",
-            doc: "Layer ``layer_id`` of a page_head host buffer ``[pages][head_num][page_size][L][item / head_num]`` into one layer_first device layer.",
         }
         transfer_kv_all_layer(src_k_layers: InLayers, dst_k_layers: OutLayers, src_v_layers: InLayers, dst_v_layers: OutLayers, src_indices: Idx, dst_indices: Idx, item_size: Int, num_layers: Int) {
+            doc: "Every layer ``j < num_layers``: ``dst_*_layers[j][d] = src_*_layers[j][s]`` (layer_first both sides).",
+            shape: Shape::LayerLists(IoBackend::Kernel),
             tuning: Tuning::Pass, sglang: true, keys: CUDA, num_layers: Some(false), same_dtype: false,
             schema: "(Tensor src_k_layers, Tensor dst_k_layers, Tensor src_v_layers, Tensor dst_v_layers, Tensor src_indices, Tensor dst_indices, int item_size, int num_layers, int block_quota, int num_warps_per_block) -> ()",
-            doc: "Every layer ``j < num_layers``: ``dst_*_layers[j][d] = src_*_layers[j][s]`` (layer_first both sides).",
         }
         transfer_kv_all_layer_lf_pf(src_k_layers: InLayers, dst_k: Out, src_v_layers: InLayers, dst_v: Out, src_indices: Idx, dst_indices: Idx, item_size: Int, dst_layout_dim: Int, num_layers: Int) {
+            doc: "Every device layer into its layer of a page_first host buffer (``dst_layout_dim = num_layers * item_size``).",
+            shape: Shape::LayoutBackup(Layout::PageFirst),
             tuning: Tuning::Pass, sglang: true, keys: CUDA, num_layers: Some(false), same_dtype: false,
             schema: "(Tensor src_k_layers, Tensor dst_k, Tensor src_v_layers, Tensor dst_v, Tensor src_indices, Tensor dst_indices, int item_size, int dst_layout_dim, int num_layers, int block_quota, int num_warps_per_block) -> ()",
-            doc: "Every device layer into its layer of a page_first host buffer (``dst_layout_dim = num_layers * item_size``).",
         }
         transfer_kv_all_layer_lf_ph(src_k_layers: InLayers, dst_k: Out, src_v_layers: InLayers, dst_v: Out, src_indices: Idx, dst_indices: Idx, item_size: Int, dst_layout_dim: Int, num_layers: Int, page_size: Int, head_num: Int) {
+            doc: "Every device layer into its layer of a page_head host buffer.",
+            shape: Shape::LayoutBackup(Layout::PageHead),
             tuning: Tuning::Pass, sglang: true, keys: CUDA, num_layers: Some(false), same_dtype: false,
             schema: "(Tensor src_k_layers, Tensor dst_k, Tensor src_v_layers, Tensor dst_v, Tensor src_indices, Tensor dst_indices, int item_size, int dst_layout_dim, int num_layers, int page_size, int head_num, int block_quota, int num_warps_per_block) -> ()",
-            doc: "Every device layer into its layer of a page_head host buffer.",
         }
         transfer_kv_per_layer_mla(src: In, dst: Out, src_indices: Idx, dst_indices: Idx, item_size: Int) {
+            doc: "One layer, layer_first to layer_first, one buffer (MLA, DSA indexer).",
+            shape: Shape::LayerPair,
             tuning: Tuning::Env, sglang: true, keys: CUDA, num_layers: None, same_dtype: false,
             schema: "(Tensor src, Tensor dst, Tensor src_indices, Tensor dst_indices, int item_size, int block_quota, int num_warps_per_block) -> ()",
-            doc: "One layer, layer_first to layer_first, one buffer (MLA, DSA indexer).",
         }
         transfer_kv_per_layer_mla_pf_lf(src: In, dst: Out, src_indices: Idx, dst_indices: Idx, layer_id: Int, item_size: Int, src_layout_dim: Int) {
+            doc: "Layer ``layer_id`` of a page_first host buffer into one layer_first device layer (one buffer).",
+            shape: Shape::PagedLoad(Layout::PageFirst),
             tuning: Tuning::Env, sglang: true, keys: CUDA, num_layers: None, same_dtype: false,
             schema: "(Tensor src, Tensor dst, Tensor src_indices, Tensor dst_indices, int layer_id, int item_size, int src_layout_dim, int block_quota, int num_warps_per_block) -> ()",
-            doc: "Layer ``layer_id`` of a page_first host buffer into one layer_first device layer (one buffer).",
         }
         transfer_kv_all_layer_mla(src_layers: InLayers, dst_layers: OutLayers, src_indices: Idx, dst_indices: Idx, item_size: Int, num_layers: Int) {
+            doc: "Every layer, layer_first to layer_first, one buffer per layer.",
+            shape: Shape::LayerLists(IoBackend::Kernel),
             tuning: Tuning::Pass, sglang: true, keys: CUDA, num_layers: Some(true), same_dtype: false,
             schema: "(Tensor src_layers, Tensor dst_layers, Tensor src_indices, Tensor dst_indices, int item_size, int num_layers, int block_quota, int num_warps_per_block) -> ()",
-            doc: "Every layer, layer_first to layer_first, one buffer per layer.",
         }
         transfer_kv_all_layer_mla_lf_pf(src_layers: InLayers, dst: Out, src_indices: Idx, dst_indices: Idx, item_size: Int, dst_layout_dim: Int, num_layers: Int) {
+            doc: "Every device layer into its layer of a page_first host buffer (one buffer).",
+            shape: Shape::LayoutBackup(Layout::PageFirst),
             tuning: Tuning::Pass, sglang: true, keys: CUDA, num_layers: Some(true), same_dtype: false,
             schema: "(Tensor src_layers, Tensor dst, Tensor src_indices, Tensor dst_indices, int item_size, int dst_layout_dim, int num_layers, int block_quota, int num_warps_per_block) -> ()",
-            doc: "Every device layer into its layer of a page_first host buffer (one buffer).",
         }
         transfer_kv_direct(src_layers: InList, dst_layers: OutList, src_indices: HostIdx, dst_indices: HostIdx, page_size: Int) {
+            doc: "For every layer ``j``, the runs of consecutive index pairs copied row by row, ``src_layers[j]`` to ``dst_layers[j]`` (rows along dimension 0). ``page_size`` only gates the index count, as in sglang.",
+            shape: Shape::LayerLists(IoBackend::Direct),
             tuning: Tuning::None, sglang: true, keys: CUDA, num_layers: None, same_dtype: false,
             schema: "(Tensor[] src_layers, Tensor[] dst_layers, Tensor src_indices, Tensor dst_indices, int page_size) -> ()",
-            doc: "For every layer ``j``, the runs of consecutive index pairs copied row by row, ``src_layers[j]`` to ``dst_layers[j]`` (rows along dimension 0). ``page_size`` only gates the index count, as in sglang.",
         }
         transfer_kv_per_layer_direct_pf_lf(src_ptrs: InList, dst_ptrs: OutList, src_indices: HostIdx, dst_indices: HostIdx, layer_id: Int, page_size: Int) {
+            doc: "Whole pages of layer ``layer_id + j`` of page_first_direct host buffers (``src_ptrs``: ``[K, V]`` or ``[C]``, shape ``[pages, L, page_size, ...]``) into device layer ``j`` (``dst_ptrs``: K layers then V layers). Only the first index of each page is read; the rest must follow it.",
+            shape: Shape::DirectLoad,
             tuning: Tuning::None, sglang: true, keys: CUDA, num_layers: None, same_dtype: false,
             schema: "(Tensor[] src_ptrs, Tensor[] dst_ptrs, Tensor src_indices, Tensor dst_indices, int layer_id, int page_size)->()",
-            doc: "Whole pages of layer ``layer_id + j`` of page_first_direct host buffers (``src_ptrs``: ``[K, V]`` or ``[C]``, shape ``[pages, L, page_size, ...]``) into device layer ``j`` (``dst_ptrs``: K layers then V layers). Only the first index of each page is read; the rest must follow it.",
         }
         transfer_kv_all_layer_direct_lf_pf(src_ptrs: InList, dst_ptrs: OutList, src_indices: HostIdx, dst_indices: HostIdx, page_size: Int) {
+            doc: "Whole pages of every device layer (``src_ptrs``: K layers then V layers, or the MLA layers) into page_first_direct host buffers (``dst_ptrs``: ``[K, V]`` or ``[C]``).",
+            shape: Shape::DirectBackup,
             tuning: Tuning::None, sglang: true, keys: CUDA, num_layers: None, same_dtype: false,
             schema: "(Tensor[] src_ptrs, Tensor[] dst_ptrs, Tensor src_indices, Tensor dst_indices, int page_size) ->()",
-            doc: "Whole pages of every device layer (``src_ptrs``: K layers then V layers, or the MLA layers) into page_first_direct host buffers (``dst_ptrs``: ``[K, V]`` or ``[C]``).",
         }
         transfer_kv_per_layer_lf_pf(src_k: In, dst_k: Out, src_v: In, dst_v: Out, src_indices: Idx, dst_indices: Idx, layer_id: Int, item_size: Int, dst_layout_dim: Int) {
+            doc: "Not in sglang: one device layer into layer ``layer_id`` of a page_first host buffer (``dst_layout_dim = L * item_size``) -- the per-layer LF->PF path whose absence makes sglang raise ``Layer-sharded DSA indexer HiCache backup with page_first layout is not supported without a per-layer LF->PF kernel.``",
+            shape: Shape::LayerBackup,
             tuning: Tuning::Pass, sglang: false, keys: CUDA, num_layers: None, same_dtype: false,
             schema: "(Tensor src_k, Tensor dst_k, Tensor src_v, Tensor dst_v, Tensor src_indices, Tensor dst_indices, int layer_id, int item_size, int dst_layout_dim, int block_quota, int num_warps_per_block) -> ()",
-            doc: "Not in sglang: one device layer into layer ``layer_id`` of a page_first host buffer (``dst_layout_dim = L * item_size``) -- the per-layer LF->PF path whose absence makes sglang raise ``Layer-sharded DSA indexer HiCache backup with page_first layout is not supported without a per-layer LF->PF kernel.``",
         }
         transfer_kv_per_layer_mla_lf_pf(src: In, dst: Out, src_indices: Idx, dst_indices: Idx, layer_id: Int, item_size: Int, dst_layout_dim: Int) {
+            doc: "Not in sglang: ``transfer_kv_per_layer_lf_pf`` with one buffer (MLA, and the DSA indexer with page-sized items and page indices).",
+            shape: Shape::LayerBackup,
             tuning: Tuning::Pass, sglang: false, keys: CUDA, num_layers: None, same_dtype: false,
             schema: "(Tensor src, Tensor dst, Tensor src_indices, Tensor dst_indices, int layer_id, int item_size, int dst_layout_dim, int block_quota, int num_warps_per_block) -> ()",
-            doc: "Not in sglang: :func:`transfer_kv_per_layer_lf_pf` with one buffer (MLA, and the DSA indexer with page-sized items and page indices).",
         }
         transfer_kv_per_layer_direct_lf_pf(src_ptrs: InList, dst_ptrs: OutList, src_indices: HostIdx, dst_indices: HostIdx, layer_id: Int, page_size: Int) {
+            doc: "Not in sglang: whole pages of one device layer (``src_ptrs``: ``[K, V]`` or ``[C]``) into layer ``layer_id`` of page_first_direct host buffers (``dst_ptrs``: ``[K, V]`` or ``[C]``, shape ``[pages, L, page_size, ...]``).",
+            shape: Shape::DirectLayerBackup,
             tuning: Tuning::None, sglang: false, keys: CUDA, num_layers: None, same_dtype: false,
             schema: "(Tensor[] src_ptrs, Tensor[] dst_ptrs, Tensor src_indices, Tensor dst_indices, int layer_id, int page_size) -> ()",
-            doc: "Not in sglang: whole pages of one device layer (``src_ptrs``: ``[K, V]`` or ``[C]``) into layer ``layer_id`` of page_first_direct host buffers (``dst_ptrs``: ``[K, V]`` or ``[C]``, shape ``[pages, L, page_size, ...]``).",
         }
         transfer_kv_per_layer_pfdhg_lf(src_k: In, dst_k: Out, src_v: In, dst_v: Out, src_indices: Idx, dst_indices: Idx, layer_id: Int, item_size: Int, src_layout_dim: Int, page_size: Int, head_num: Int) {
+            doc: "Layer ``layer_id`` of a head-group-major page_first_direct host buffer into one device layer.\n\nHost shape per component: ``[pages][head_num][L][page_size][item_size / head_num]`` (``head_num`` counts head GROUPS; ``src_layout_dim = L * item_size``); device rows ``[rows][item_size]``, whose group ``g`` is bytes ``[g * item_size / head_num, (g + 1) * item_size / head_num)``. One head group is plain page_first_direct. Indices are token slots. Empty lists are a no-op once the integers pass.",
+            shape: Shape::PagedLoad(Layout::PageFirstDirectHeadGroups),
             tuning: Tuning::EnvOr(2), sglang: false, keys: CUDA, num_layers: None, same_dtype: false,
             schema: "(Tensor src_k, Tensor dst_k, Tensor src_v, Tensor dst_v, Tensor src_indices, Tensor dst_indices, int layer_id, int item_size, int src_layout_dim, int page_size, int head_num, int block_quota, int num_warps_per_block) -> ()",
-            doc: "Layer ``layer_id`` of a head-group-major page_first_direct host buffer into one device layer.\n\nHost shape per component: ``[pages][head_num][L][page_size][item_size / head_num]`` (``head_num`` counts head GROUPS; ``src_layout_dim = L * item_size``); device rows ``[rows][item_size]``, whose group ``g`` is bytes ``[g * item_size / head_num, (g + 1) * item_size / head_num)``. One head group is plain page_first_direct. Indices are token slots. Empty lists are a no-op once the integers pass.",
         }
         transfer_kv_all_layer_lf_pfdhg(src_k_layers: InLayers, dst_k: Out, src_v_layers: InLayers, dst_v: Out, src_indices: Idx, dst_indices: Idx, item_size: Int, dst_layout_dim: Int, num_layers: Int, page_size: Int, head_num: Int) {
+            doc: "Every device layer into its layer of a head-group-major page_first_direct host buffer: the mirror of ``transfer_kv_per_layer_pfdhg_lf`` (``head_num`` counts head groups, so both directions agree on one host byte order; ``dst_layout_dim = num_layers * item_size``).",
+            shape: Shape::LayoutBackup(Layout::PageFirstDirectHeadGroups),
             tuning: Tuning::EnvOr(2), sglang: false, keys: CUDA, num_layers: Some(false), same_dtype: false,
             schema: "(Tensor src_k_layers, Tensor dst_k, Tensor src_v_layers, Tensor dst_v, Tensor src_indices, Tensor dst_indices, int item_size, int dst_layout_dim, int num_layers, int page_size, int head_num, int block_quota, int num_warps_per_block) -> ()",
-            doc: "Every device layer into its layer of a head-group-major page_first_direct host buffer: the mirror of :func:`transfer_kv_per_layer_pfdhg_lf` (``head_num`` counts head groups, so both directions agree on one host byte order; ``dst_layout_dim = num_layers * item_size``).",
         }
         transfer_embedding_ranges_direct(src: In, dst: Out, src_starts: Ints, dst_starts: Ints, lengths: Ints) {
+            doc: "Copy embedding ranges between host and CUDA tensors: for each ``k``, ``dst[dst_starts[k] : dst_starts[k] + lengths[k]] = src[src_starts[k] : src_starts[k] + lengths[k]]`` along dimension 0 (rows of equal bytes in both; any dtype and row width, 74-byte rows too).\n\nCopy engine only, one copy per range (adjacent ranges merge), enqueued on the caller's stream for CUDA arrays; host to host and device to device work as well. Beyond sglang: every range must lie inside its tensor and destination ranges must not overlap; a call that raises has moved no row.",
+            shape: Shape::EmbeddingRanges,
             tuning: Tuning::None, sglang: true, keys: CUDA, num_layers: None, same_dtype: true,
             schema: "(Tensor src, Tensor! dst, int[] src_starts, int[] dst_starts, int[] lengths) -> ()",
-            doc: "Copy embedding ranges between host and CUDA tensors: for each ``k``, ``dst[dst_starts[k] : dst_starts[k] + lengths[k]] = src[src_starts[k] : src_starts[k] + lengths[k]]`` along dimension 0 (rows of equal bytes in both; any dtype and row width, 74-byte rows too).\n\nCopy engine only, one copy per range (adjacent ranges merge), enqueued on the caller's stream for CUDA arrays; host to host and device to device work as well. Beyond sglang: every range must lie inside its tensor and destination ranges must not overlap; a call that raises has moved no row.",
         }
     }
     custom {
         copy_all_layer_kv_cache_cpu(data_ptrs: In, strides: In, tgt_loc: In, src_loc: In) {
+            doc: "sglang's CPU row move inside the device KV pool (sgl_kernel's top-level op).",
+            shape: Shape::Custom,
             tuning: Tuning::None, sglang: false, keys: &["CPU"], num_layers: None, same_dtype: false,
             schema: "(Tensor data_ptrs, Tensor strides, Tensor tgt_loc, Tensor src_loc) -> ()",
-            doc: "sglang's CPU row move inside the device KV pool (sgl_kernel's top-level op).",
         }
         get_device_accessible_ptr(tensor: In, device_index: Int) {
+            doc: "The address a kernel on CUDA device ``device_index`` reads ``tensor`` at.",
+            shape: Shape::Custom,
             tuning: Tuning::None, sglang: true, keys: CUDA, num_layers: None, same_dtype: false,
             schema: "(Tensor tensor, int device_index) -> int",
-            doc: "The address a kernel on CUDA device ``device_index`` reads ``tensor`` at.",
         }
     }
 }
@@ -386,6 +427,53 @@ mod tests {
             assert_eq!(params, want, "{}", spec.name);
             assert!(spec.schema.ends_with("()") || spec.schema.ends_with("-> int"), "{}", spec.name);
         }
+    }
+
+    /// Every generic op runs through [`call`] on the cpu executor with one small argument of each
+    /// kind: each semantics finds every argument it reads by name and role (a name missing from
+    /// an entry is an `args` error), and the op succeeds.
+    #[test]
+    fn every_generic_op_finds_its_arguments() {
+        let dev = Device::cpu();
+        for spec in CATALOGUE.iter().filter(|s| s.binding == Binding::Generic) {
+            // One 64-byte array per argument: 8 rows of 8 bytes, also a page_first_direct
+            // buffer [8 pages, 1 layer, page_size 1, 8 bytes].
+            let mut bufs: Vec<Vec<u8>> = spec.args.iter().map(|_| vec![7u8; 64]).collect();
+            let tensors: Vec<Vec<RawTensor>> = bufs
+                .iter_mut()
+                .map(|b| vec![unsafe { RawTensor::new(b.as_mut_ptr() as u64, 64, vec![8, 1, 1, 8], Memory::Host) }])
+                .collect();
+            let (src, dst, none) = ([0i64], [1i64], [] as [i64; 0]);
+            let mut idx = 0;
+            let values: Vec<Value<'_>> = spec
+                .args
+                .iter()
+                .enumerate()
+                .map(|(i, (_, kind))| match kind {
+                    ArgKind::In | ArgKind::Out => Value::Tensor(&tensors[i][0]),
+                    ArgKind::InLayers | ArgKind::OutLayers | ArgKind::InList | ArgKind::OutList => Value::Tensors(&tensors[i]),
+                    ArgKind::Idx | ArgKind::HostIdx => {
+                        idx += 1;
+                        let list: &[i64] = if idx == 1 { &src } else { &dst };
+                        if *kind == ArgKind::Idx {
+                            Value::Indices(Indices::Host(list))
+                        } else {
+                            Value::Ints(list)
+                        }
+                    }
+                    ArgKind::Ints => Value::Ints(&none),
+                    ArgKind::Int => Value::Int(match spec.args[i].0 {
+                        "layer_id" => 0,
+                        "item_size" | "src_layout_dim" | "dst_layout_dim" => 8,
+                        _ => 1,
+                    }),
+                })
+                .collect();
+            let r = call(spec.name, &dev, &values);
+            assert!(r.is_ok(), "{}: {r:?}", spec.name);
+        }
+        let err = call("transfer_kv_per_layer", &dev, &[Value::Int(1)]).unwrap_err();
+        assert!(matches!(err, TransferError::BadArgument { arg: "args", .. }), "{err:?}");
     }
 
     #[test]

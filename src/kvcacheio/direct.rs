@@ -1,13 +1,13 @@
 //! page_first_direct: whole pages between a host buffer `[pages][L][P][...]` and device layers.
 
+use super::args::OpArgs;
+use super::catalogue::ArgKind;
 use super::*;
 use crate::exec::Device;
 use crate::geometry::{IoBackend, Layout, PoolKind, Profile};
 use crate::plan::Op;
 use crate::pool::{DevicePool, HostPool};
 use crate::Result;
-
-// ---- page_first_direct -------------------------------------------------------------------
 
 /// A page_first_direct host buffer's geometry from its shape `[pages][L][P][...]`:
 /// `(layers, token slots, bytes per token)`.
@@ -105,20 +105,15 @@ impl<'a> Pfd<'a> {
     }
 }
 
-/// `transfer_kv_per_layer_direct_pf_lf`: layer `layer_id + j` of a page_first_direct host buffer
-/// → device layer `j` (`src_ptrs`: `[K]` or `[K, V]` host buffers `[pages][L][P][...]`;
-/// `dst_ptrs`: the device layers, K then V). Whole pages only; page-aligned indices.
-pub fn transfer_kv_per_layer_direct_pf_lf(
-    device: &Device,
-    src_ptrs: &[RawTensor],
-    dst_ptrs: &[RawTensor],
-    src_indices: &[i64],
-    dst_indices: &[i64],
-    layer_id: i64,
-    page_size: i64,
-) -> Result<()> {
-    let a = Pfd::new(("src_ptrs", src_ptrs), ("dst_ptrs", dst_ptrs), src_indices, dst_indices, page_size, false)?;
-    let layer_id = layer_index(layer_id)?;
+/// [`Shape::DirectLoad`](super::catalogue::Shape::DirectLoad): layer `layer_id + j` of
+/// page_first_direct host buffers → device layer `j` (`src_ptrs`: `[K]` or `[K, V]` host buffers
+/// `[pages][L][P][...]`; `dst_ptrs`: the device layers, K then V). Whole pages only; page-aligned
+/// indices.
+pub(super) fn direct_load(device: &Device, args: &OpArgs<'_, '_>) -> Result<()> {
+    let (src_indices, dst_indices) = args.host_indices()?;
+    let (src_ptrs, dst_ptrs) = (args.list(ArgKind::InList)?, args.list(ArgKind::OutList)?);
+    let a = Pfd::new(src_ptrs, dst_ptrs, src_indices, dst_indices, args.int("page_size")?, false)?;
+    let layer_id = layer_index(args.int("layer_id")?)?;
     // Device layer j is host layer layer_id + j: one call per device layer, each validated first.
     let calls = (0..a.dev_layers())
         .map(|j| {
@@ -137,20 +132,15 @@ pub fn transfer_kv_per_layer_direct_pf_lf(
     run_all(calls)
 }
 
-/// `transfer_kv_all_layer_direct_lf_pf`: every device layer → its layer of a page_first_direct
-/// host buffer (`src_ptrs`: K layers then V layers, or the MLA layers; `dst_ptrs`: `[K]` or
-/// `[K, V]` host buffers `[pages][L][P][...]`).
-pub fn transfer_kv_all_layer_direct_lf_pf(
-    device: &Device,
-    src_ptrs: &[RawTensor],
-    dst_ptrs: &[RawTensor],
-    src_indices: &[i64],
-    dst_indices: &[i64],
-    page_size: i64,
-) -> Result<()> {
-    let a = Pfd::new(("dst_ptrs", dst_ptrs), ("src_ptrs", src_ptrs), src_indices, dst_indices, page_size, true)?;
+/// [`Shape::DirectBackup`](super::catalogue::Shape::DirectBackup): every device layer → its
+/// layer of page_first_direct host buffers (`src_ptrs`: K layers then V layers, or the MLA
+/// layers; `dst_ptrs`: `[K]` or `[K, V]` host buffers `[pages][L][P][...]`).
+pub(super) fn direct_backup(device: &Device, args: &OpArgs<'_, '_>) -> Result<()> {
+    let (src_indices, dst_indices) = args.host_indices()?;
+    let (src_ptrs, dst_ptrs) = (args.list(ArgKind::InList)?, args.list(ArgKind::OutList)?);
+    let a = Pfd::new(dst_ptrs, src_ptrs, src_indices, dst_indices, args.int("page_size")?, true)?;
     if a.dev_layers() as u64 != a.layers {
-        return Err(bad("src_ptrs", format!("{} layers per component, the host buffers hold {}", a.dev_layers(), a.layers)));
+        return Err(bad(src_ptrs.0, format!("{} layers per component, the host buffers hold {}", a.dev_layers(), a.layers)));
     }
     let dev = device_pool(device, a.kind, a.item, a.page, &a.dev.iter().map(|l| l.iter().collect()).collect::<Vec<_>>())?;
     let host = a.host_pool(&dev, Profile::Sglang)?;

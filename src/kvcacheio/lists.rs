@@ -1,11 +1,11 @@
 //! All-layer copies between layer lists (`kernel`) and `transfer_kv_direct`.
 
+use super::args::OpArgs;
+use super::catalogue::ArgKind;
 use super::*;
 use crate::exec::Device;
 use crate::geometry::{IoBackend, PoolKind};
 use crate::{Result, TransferError};
-
-// ---- all-layer copies between layer lists ------------------------------------------------
 
 /// sgl-kernel's first check of the all-layer `kernel` ops: the source layer table holds
 /// `num_layers` entries (`mla`: the MLA ops' wording). Bindings that read their arguments
@@ -17,59 +17,28 @@ pub fn check_num_layers(mla: bool, num_layers: i64, table_len: usize) -> Result<
     Ok(())
 }
 
-/// `transfer_kv_all_layer`: every layer `j < num_layers`, `src_*_layers[j]` → `dst_*_layers[j]`
-/// (layer_first both sides; sglang passes device tables of layer base pointers).
-pub fn transfer_kv_all_layer<'i>(
-    device: &Device,
-    src_k_layers: &[RawTensor],
-    dst_k_layers: &[RawTensor],
-    src_v_layers: &[RawTensor],
-    dst_v_layers: &[RawTensor],
-    src_indices: impl Into<Indices<'i>>,
-    dst_indices: impl Into<Indices<'i>>,
-    item_size: i64,
-    num_layers: i64,
-) -> Result<()> {
-    let (src_indices, dst_indices) = op_lists("transfer_kv_all_layer", src_indices, dst_indices);
-    check_num_layers(false, num_layers, src_k_layers.len())?;
-    let lists =
-        [("src_k_layers", src_k_layers), ("src_v_layers", src_v_layers), ("dst_k_layers", dst_k_layers), ("dst_v_layers", dst_v_layers)];
-    layer_lists(device, PoolKind::Mha, &lists, IoBackend::Kernel, src_indices, dst_indices, Some(item_size))
-}
-
-/// `transfer_kv_all_layer_mla`: [`transfer_kv_all_layer`] with one buffer per layer.
-pub fn transfer_kv_all_layer_mla<'i>(
-    device: &Device,
-    src_layers: &[RawTensor],
-    dst_layers: &[RawTensor],
-    src_indices: impl Into<Indices<'i>>,
-    dst_indices: impl Into<Indices<'i>>,
-    item_size: i64,
-    num_layers: i64,
-) -> Result<()> {
-    let (src_indices, dst_indices) = op_lists("transfer_kv_all_layer_mla", src_indices, dst_indices);
-    check_num_layers(true, num_layers, src_layers.len())?;
-    let lists = [("src_layers", src_layers), ("dst_layers", dst_layers)];
-    layer_lists(device, PoolKind::Mla, &lists, IoBackend::Kernel, src_indices, dst_indices, Some(item_size))
-}
-
-/// `transfer_kv_direct`: for every layer `j`, the coalesced runs of consecutive index pairs,
-/// `src_layers[j]` → `dst_layers[j]` (rows along dimension 0). `page_size` only gates the
-/// index count, as in sglang.
-pub fn transfer_kv_direct(
-    device: &Device,
-    src_layers: &[RawTensor],
-    dst_layers: &[RawTensor],
-    src_indices: &[i64],
-    dst_indices: &[i64],
-    page_size: i64,
-) -> Result<()> {
-    if src_layers.len() != dst_layers.len() {
-        return Err(TransferError::LayerListMismatch { src_len: src_layers.len(), dst_len: dst_layers.len() });
-    }
-    direct_counts(src_indices, dst_indices, page_size)?;
-    let lists = [("src_layers", src_layers), ("dst_layers", dst_layers)];
-    layer_lists(device, PoolKind::Mla, &lists, IoBackend::Direct, src_indices.into(), dst_indices.into(), None)
+/// [`Shape::LayerLists`](super::catalogue::Shape::LayerLists): for every layer `j`, the source
+/// lists' layer `j` → the destination lists' layer `j` (layer_first both sides). `kernel`
+/// (`transfer_kv_all_layer`, `_mla`): items of `item_size`, sglang passing device tables of
+/// layer base pointers. `direct` (`transfer_kv_direct`): coalesced runs of consecutive index
+/// pairs, rows along dimension 0; `page_size` only gates the index count, as in sglang.
+pub(super) fn layer_lists_op(device: &Device, a: &OpArgs<'_, '_>, io: IoBackend) -> Result<()> {
+    let src = a.lists(&[ArgKind::InLayers, ArgKind::InList]);
+    let dst = a.lists(&[ArgKind::OutLayers, ArgKind::OutList]);
+    let (hi, di) = a.indices()?;
+    let item = match io {
+        IoBackend::Direct => {
+            if src[0].1.len() != dst[0].1.len() {
+                return Err(TransferError::LayerListMismatch { src_len: src[0].1.len(), dst_len: dst[0].1.len() });
+            }
+            let (hi, di) = a.host_indices()?;
+            direct_counts(hi, di, a.int("page_size")?)?;
+            None
+        }
+        IoBackend::Kernel | IoBackend::Auto => Some(a.int("item_size")?),
+    };
+    let kind = kind_of(src.len());
+    layer_lists(device, kind, &[src, dst].concat(), io, hi, di, item)
 }
 
 /// The checks of sglang's direct ops, in their order.

@@ -39,6 +39,7 @@
 //! (page_first_direct), `rows` (whole rows), and `catalogue` (the one table of ops the Python
 //! bindings, their stubs and torch schemas are made from).
 
+mod args;
 mod backups;
 mod call;
 pub mod catalogue;
@@ -48,12 +49,15 @@ mod loads;
 mod rows;
 mod tensors;
 
-pub use backups::*;
-pub use direct::*;
-pub use lists::*;
-pub use loads::*;
-pub use rows::*;
+pub use catalogue::*;
+pub use lists::check_num_layers;
+pub use rows::{copy_all_layer_kv_cache, MAX_ROWS};
 pub use tensors::{CudaIndices, Indices, Memory, RawTensor};
 
+use backups::*;
 use call::*;
+use direct::*;
+use lists::*;
+use loads::*;
+use rows::*;
 use tensors::*;

@@ -1,5 +1,7 @@
 //! Whole rows: embedding ranges, and rows moved inside the device pool.
 
+use super::args::OpArgs;
+use super::catalogue::ArgKind;
 use super::*;
 use crate::exec::Device;
 use crate::geometry::{IoBackend, PoolKind};
@@ -7,20 +9,24 @@ use crate::{Result, TransferError};
 
 // ---- whole rows: embedding ranges ----------------------------------------------------------
 
-/// `transfer_embedding_ranges_direct`: for each range `k`, rows
+/// [`Shape::EmbeddingRanges`](super::catalogue::Shape::EmbeddingRanges):
+/// `transfer_embedding_ranges_direct`.
+pub(super) fn embedding_ranges(device: &Device, a: &OpArgs<'_, '_>) -> Result<()> {
+    let (src, dst) = (a.tensors(ArgKind::In), a.tensors(ArgKind::Out));
+    let (src, dst) = match (src.first(), dst.first()) {
+        (Some(s), Some(d)) => (s.t, d.t),
+        _ => return Err(bad("src", "an array to read and one to write")),
+    };
+    ranges(device, src, dst, a.ints("src_starts")?, a.ints("dst_starts")?, a.ints("lengths")?)
+}
+
+/// For each range `k`, rows
 /// `src[src_starts[k] .. src_starts[k] + lengths[k]]` → rows
 /// `dst[dst_starts[k] .. dst_starts[k] + lengths[k]]` (rows along dimension 0, of equal bytes in
 /// both tensors; any memory pair the executor moves). Copy engine only: one copy per range (or
 /// per run of adjacent ranges). Beyond sglang: ranges must lie inside their tensors and
 /// destination ranges must not overlap; nothing moves unless every range passes.
-pub fn transfer_embedding_ranges_direct(
-    device: &Device,
-    src: &RawTensor,
-    dst: &RawTensor,
-    src_starts: &[i64],
-    dst_starts: &[i64],
-    lengths: &[i64],
-) -> Result<()> {
+fn ranges(device: &Device, src: &RawTensor, dst: &RawTensor, src_starts: &[i64], dst_starts: &[i64], lengths: &[i64]) -> Result<()> {
     let argument = |arg: &'static str, value: i64, message: String| TransferError::BadArgument { arg, value, message };
     if src_starts.len() != lengths.len() || dst_starts.len() != lengths.len() {
         return Err(argument(

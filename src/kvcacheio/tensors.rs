@@ -111,17 +111,12 @@ impl Indices<'_> {
         self.len() == 0
     }
     /// This list as an argument of op `call` (named in its device check's error).
-    fn call(self, call: &'static str) -> Self {
+    pub(super) fn call(self, call: &'static str) -> Self {
         match self {
             Indices::Cuda(c) => Indices::Cuda(CudaIndices { call, ..c }),
             host => host,
         }
     }
-}
-
-/// The two index lists of op `call`.
-pub(super) fn op_lists<'i>(call: &'static str, src: impl Into<Indices<'i>>, dst: impl Into<Indices<'i>>) -> (Indices<'i>, Indices<'i>) {
-    (src.into().call(call), dst.into().call(call))
 }
 
 impl<'a> From<&'a [i64]> for Indices<'a> {

@@ -1,0 +1,150 @@
+//! An op's arguments as the catalogue names them: the values a binding (or a generated Rust
+//! function) hands over, checked against the entry's kinds once, then read by role and name by
+//! the op's semantics.
+
+use super::catalogue::{ArgKind, OpSpec};
+use super::*;
+use crate::{Result, TransferError};
+
+/// One argument, as the bindings hand it over.
+#[derive(Debug, Clone, Copy)]
+pub enum Value<'a> {
+    /// [`ArgKind::In`], [`ArgKind::Out`].
+    Tensor(&'a RawTensor),
+    /// [`ArgKind::InLayers`], [`ArgKind::OutLayers`], [`ArgKind::InList`], [`ArgKind::OutList`].
+    Tensors(&'a [RawTensor]),
+    /// [`ArgKind::Idx`].
+    Indices(Indices<'a>),
+    /// [`ArgKind::HostIdx`], [`ArgKind::Ints`].
+    Ints(&'a [i64]),
+    /// [`ArgKind::Int`].
+    Int(i64),
+}
+
+impl Value<'_> {
+    fn fits(&self, kind: ArgKind) -> bool {
+        use ArgKind::*;
+        matches!(
+            (self, kind),
+            (Value::Tensor(_), In | Out)
+                | (Value::Tensors(_), InLayers | OutLayers | InList | OutList)
+                | (Value::Indices(_), Idx)
+                | (Value::Ints(_), HostIdx | Ints)
+                | (Value::Int(_), Int)
+        )
+    }
+}
+
+/// A mistake between the catalogue and a caller of [`super::catalogue::call`] or an op's
+/// semantics: never the caller's data.
+fn mismatch(spec: &OpSpec, message: String) -> TransferError {
+    TransferError::BadArgument { arg: "args", value: spec.args.len() as i64, message: format!("{}: {message}", spec.name) }
+}
+
+/// The arguments of one op call: `values[i]` is argument `spec.args[i]`.
+pub(super) struct OpArgs<'v, 'a> {
+    pub(super) spec: &'static OpSpec,
+    values: &'v [Value<'a>],
+}
+
+impl<'v, 'a: 'v> OpArgs<'v, 'a> {
+    /// Checks that there is one value per argument, each of its kind.
+    pub(super) fn new(spec: &'static OpSpec, values: &'v [Value<'a>]) -> Result<Self> {
+        if values.len() != spec.args.len() {
+            return Err(mismatch(spec, format!("{} arguments, the catalogue lists {}", values.len(), spec.args.len())));
+        }
+        if let Some(i) = (0..values.len()).find(|&i| !values[i].fits(spec.args[i].1)) {
+            return Err(mismatch(spec, format!("argument {i} ({}) is of another kind than the catalogue says", spec.args[i].0)));
+        }
+        Ok(OpArgs { spec, values })
+    }
+
+    fn named(&self, name: &str) -> Option<&'v Value<'a>> {
+        self.spec.args.iter().position(|(n, _)| *n == name).map(|i| &self.values[i])
+    }
+
+    /// Integer argument `name`.
+    pub(super) fn int(&self, name: &str) -> Result<i64> {
+        match self.named(name) {
+            Some(Value::Int(v)) => Ok(*v),
+            _ => Err(mismatch(self.spec, format!("no integer argument {name}"))),
+        }
+    }
+
+    /// Integer argument `name`, or `default` for an op without it (`page_size` and `head_num`
+    /// of the page_first ops are 1).
+    pub(super) fn int_or(&self, name: &str, default: i64) -> Result<i64> {
+        match self.named(name) {
+            None => Ok(default),
+            Some(_) => self.int(name),
+        }
+    }
+
+    /// List of integers `name`.
+    pub(super) fn ints(&self, name: &str) -> Result<&'v [i64]> {
+        match self.named(name) {
+            Some(Value::Ints(v)) => Ok(v),
+            _ => Err(mismatch(self.spec, format!("no integer list {name}"))),
+        }
+    }
+
+    fn of_kind<'k>(&self, kinds: &'k [ArgKind]) -> impl Iterator<Item = (&'static str, &'v Value<'a>)> + 'k
+    where
+        'v: 'k,
+    {
+        self.spec.args.iter().zip(self.values).filter(move |((_, k), _)| kinds.contains(k)).map(|((n, _), v)| (*n, v))
+    }
+
+    /// The arrays of kind `kind` (`In`: the sources, K then V; `Out`: the destinations),
+    /// named by their arguments.
+    pub(super) fn tensors(&self, kind: ArgKind) -> Vec<Arg<'v>> {
+        self.of_kind(&[kind])
+            .filter_map(|(n, v)| match v {
+                Value::Tensor(t) => Some(arg(n, t)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The lists of arrays of kinds `kinds`, with their names.
+    pub(super) fn lists(&self, kinds: &[ArgKind]) -> Vec<(&'static str, &'v [RawTensor])> {
+        self.of_kind(kinds)
+            .filter_map(|(n, v)| match v {
+                Value::Tensors(t) => Some((n, *t)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The one list of arrays of kind `kind`, with its name.
+    pub(super) fn list(&self, kind: ArgKind) -> Result<(&'static str, &'v [RawTensor])> {
+        self.lists(&[kind]).into_iter().next().ok_or_else(|| mismatch(self.spec, format!("no {kind:?} argument")))
+    }
+
+    /// The source and destination index lists, CUDA ones tagged with the op's name (their device
+    /// check names it).
+    pub(super) fn indices(&self) -> Result<(Indices<'v>, Indices<'v>)> {
+        let mut lists = self.of_kind(&[ArgKind::Idx, ArgKind::HostIdx]).filter_map(|(_, v)| match v {
+            Value::Indices(x) => Some(x.call(self.spec.name)),
+            Value::Ints(x) => Some(Indices::Host(x)),
+            _ => None,
+        });
+        match (lists.next(), lists.next()) {
+            (Some(s), Some(d)) => Ok((s, d)),
+            _ => Err(mismatch(self.spec, "no source and destination index lists".into())),
+        }
+    }
+
+    /// The index lists of an op that reads them on the host.
+    pub(super) fn host_indices(&self) -> Result<(&'v [i64], &'v [i64])> {
+        match self.indices()? {
+            (Indices::Host(s), Indices::Host(d)) => Ok((s, d)),
+            _ => Err(mismatch(self.spec, "index lists must be on the host".into())),
+        }
+    }
+}
+
+/// The references of `args`, as the pool builders take them.
+pub(super) fn refs<'x, 'a>(args: &'x [Arg<'a>]) -> Vec<&'x Arg<'a>> {
+    args.iter().collect()
+}
