@@ -115,6 +115,8 @@ def _tuning(spec: Dict[str, Any]) -> "tuple[str, str, str]":
     t = spec["tuning"]
     if t == "None":
         return "", "", ""
+    if t == "PerItem":
+        return ", num_warps_per_item: int = 32", "", ""
     params = ", block_quota: Optional[int] = None, num_warps_per_block: Optional[int] = None"
     kw = ", block_quota=block_quota, num_warps_per_block=num_warps_per_block"
     if t == "Env":

@@ -23,7 +23,9 @@ sglang binds its transfer functions when its modules are imported, in three ways
    functions become :mod:`hicache_io.hicache`'s, and every ``sglang`` module already imported
    that bound one of the replaced objects under any name is rebound too. Where that module
    cannot be imported (its JIT toolchain's Python packages missing) a module of hicache-io's
-   functions takes its name.
+   functions takes its name. The other JIT modules whose ops the catalogue serves
+   (:data:`JIT_OPS`: the Mamba state copies, ...) are served the same way, by the
+   :mod:`hicache_io.kvcacheio` functions of those names.
 
 So :func:`install` may also run after some sglang modules were imported; only a pool module
 imported earlier on a machine without sgl-kernel has already failed (its import raised).
@@ -44,7 +46,7 @@ from typing import Any, Dict, List, Optional
 
 from . import hicache, kvcacheio
 
-__all__ = ["SUPPORTED_VERSIONS", "JIT_MODULE", "KVCACHEIO_OPS", "JIT_NAMES", "install", "installed"]
+__all__ = ["SUPPORTED_VERSIONS", "JIT_MODULE", "KVCACHEIO_OPS", "JIT_NAMES", "JIT_OPS", "install", "installed"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +56,17 @@ SUPPORTED_VERSIONS = ("0.5.23",)
 #: Where sglang 0.5.23 keeps its JIT HiCache entry points.
 JIT_MODULE = "sglang.kernels.ops.kvcache.hicache"
 
-#: What sglang imports from ``sgl_kernel.kvcacheio`` (the catalogue's sglang ops).
-KVCACHEIO_OPS = tuple(spec["name"] for spec in kvcacheio.CATALOGUE if spec["sglang"])
+#: What sglang imports from ``sgl_kernel.kvcacheio`` (the catalogue's sgl-kernel ops).
+KVCACHEIO_OPS = tuple(spec["name"] for spec in kvcacheio.CATALOGUE if spec["sglang"] == "Aot")
+
+#: sglang's other JIT modules the catalogue serves: module path -> op names (the Mamba state
+#: copies, ...).
+JIT_OPS: Dict[str, "tuple[str, ...]"] = {}
+for _spec in kvcacheio.CATALOGUE:
+    if isinstance(_spec["sglang"], dict):
+        _module = _spec["sglang"]["Jit"]
+        JIT_OPS[_module] = (*JIT_OPS.get(_module, ()), _spec["name"])
+del _spec
 
 #: The JIT names sglang's pools import (and the probes and constants beside them).
 JIT_NAMES = tuple(hicache.__all__)
@@ -112,24 +123,24 @@ def _kvcacheio_module() -> "tuple[Dict[str, Any], str]":
     return replaced, origin
 
 
-def _jit_module() -> "tuple[Dict[str, Any], str]":
-    """Makes the JIT module's names hicache-io's; returns the objects replaced, by name."""
+def _jit_module(module_name: str, names: Dict[str, Any], doc: Optional[str]) -> "tuple[Dict[str, Any], str]":
+    """Makes the names of sglang's JIT module ``module_name`` hicache-io's (``names``: name ->
+    function); returns the objects replaced, by name, and where the module came from."""
     try:
-        mod = importlib.import_module(JIT_MODULE)
+        mod = importlib.import_module(module_name)
         origin = "sglang's module, functions replaced"
     except Exception as e:  # noqa: BLE001 - its JIT toolchain packages missing
-        logger.warning("%s does not import (%s); hicache-io's functions take its name", JIT_MODULE, e)
-        mod = types.ModuleType(JIT_MODULE)
-        mod.__doc__ = hicache.__doc__
-        sys.modules[JIT_MODULE] = mod
-        parent_name, _, leaf = JIT_MODULE.rpartition(".")
+        logger.warning("%s does not import (%s); hicache-io's functions take its name", module_name, e)
+        mod = types.ModuleType(module_name)
+        mod.__doc__ = doc
+        sys.modules[module_name] = mod
+        parent_name, _, leaf = module_name.rpartition(".")
         parent = sys.modules.get(parent_name)
         if parent is not None:
             setattr(parent, leaf, mod)
         origin = "hicache-io's module under sglang's name"
     replaced = {}
-    for name in JIT_NAMES:
-        new = getattr(hicache, name)
+    for name, new in names.items():
         old = getattr(mod, name, None)
         if old is not None and old is not new and callable(old):
             replaced[name] = old
@@ -160,7 +171,8 @@ def _rebind(replacements: Dict[int, Any]) -> List[str]:
 def install(*, allow_other_versions: bool = False, torch_ops: bool = True) -> Dict[str, Any]:
     """Makes this process's sglang move KV-cache bytes through hicache-io (see the module
     docstring). Idempotent; returns what it did: ``sglang`` (version), ``sgl_kernel`` and
-    ``jit`` (where each came from), ``torch_ops`` (names defined or routed under
+    ``jit`` (where each came from), ``jit_families`` (the same for each module of
+    :data:`JIT_OPS`), ``torch_ops`` (names defined or routed under
     ``torch.ops.sgl_kernel``), ``torch_ops_kept`` (sgl-kernel's ops of another schema, left
     alone) and ``rebound`` (``module.name`` of every earlier binding replaced).
 
@@ -179,7 +191,12 @@ def install(*, allow_other_versions: bool = False, torch_ops: bool = True) -> Di
     if "report" in _STATE:
         return installed()  # type: ignore[return-value]
     old_ops, kernel_origin = _kvcacheio_module()
-    old_jit, jit_origin = _jit_module()
+    old_jit, jit_origin = _jit_module(JIT_MODULE, {name: getattr(hicache, name) for name in JIT_NAMES}, hicache.__doc__)
+    jit_families = {}
+    for module_name, names in JIT_OPS.items():
+        old, origin = _jit_module(module_name, {name: getattr(kvcacheio, name) for name in names}, None)
+        old_ops.update(old)
+        jit_families[module_name] = origin
     routed: List[str] = []
     kept: List[str] = []
     if torch_ops:
@@ -192,6 +209,7 @@ def install(*, allow_other_versions: bool = False, torch_ops: bool = True) -> Di
         "sglang": version,
         "sgl_kernel": kernel_origin,
         "jit": jit_origin,
+        "jit_families": jit_families,
         "torch_ops": routed,
         "torch_ops_kept": kept,
         "rebound": _rebind(replacements),

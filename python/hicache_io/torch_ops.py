@@ -21,10 +21,10 @@ from . import kvcacheio
 #: Name -> schema (without the name), as sgl-kernel registers them (its own spacing), for every
 #: op of the catalogue; hicache-io's own ops (not in sgl-kernel) are named and shaped like their
 #: sglang siblings.
-SCHEMAS: Dict[str, str] = {spec["name"]: spec["schema"] for spec in kvcacheio.CATALOGUE}
+SCHEMAS: Dict[str, str] = {spec["name"]: spec["schema"] for spec in kvcacheio.CATALOGUE if spec["schema"]}
 
 #: Dispatch keys each op is implemented for (sgl-kernel: CUDA, and CPU for the CPU op).
-_KEYS: Dict[str, List[str]] = {spec["name"]: list(spec["keys"]) for spec in kvcacheio.CATALOGUE}
+_KEYS: Dict[str, List[str]] = {spec["name"]: list(spec["keys"]) for spec in kvcacheio.CATALOGUE if spec["schema"]}
 
 # Library objects must outlive their registrations: one per namespace, kept for the process.
 _LIBRARIES: Dict[str, object] = {}

@@ -37,7 +37,9 @@ def render_stub() -> str:
     ]
     for spec in kv.CATALOGUE:
         params = [f"{a}: {_TYPES.get(k, 'Any')}" for a, k in spec["args"]]
-        if spec["tuning"] != "None":
+        if spec["tuning"] == "PerItem":
+            params += ["num_warps_per_item: int = 32"]
+        elif spec["tuning"] != "None":
             params += ["block_quota: Optional[int] = None", "num_warps_per_block: Optional[int] = None"]
         ret = "int" if spec["schema"].endswith("-> int") else "None"
         out.append(f"def {spec['name']}({', '.join(params)}) -> {ret}: ...")
@@ -57,15 +59,22 @@ def test_every_op_is_a_function_with_the_catalogues_signature():
     for spec in kv.CATALOGUE:
         fn = getattr(kv, spec["name"])
         params = list(inspect.signature(fn).parameters)
-        want = [a for a, _ in spec["args"]] + ([] if spec["tuning"] == "None" else ["block_quota", "num_warps_per_block"])
+        t = spec["tuning"]
+        tuning = [] if t == "None" else ["num_warps_per_item"] if t == "PerItem" else ["block_quota", "num_warps_per_block"]
+        want = [a for a, _ in spec["args"]] + tuning
         assert params == want, spec["name"]
         assert inspect.getdoc(fn), spec["name"]
 
 
 def test_torch_schemas_and_sglangs_names_come_from_the_catalogue():
-    assert list(torch_ops.SCHEMAS) == [s["name"] for s in kv.CATALOGUE]
-    assert all(torch_ops.SCHEMAS[s["name"]] == s["schema"] for s in kv.CATALOGUE)
+    torch_named = [s for s in kv.CATALOGUE if s["schema"]]
+    assert list(torch_ops.SCHEMAS) == [s["name"] for s in torch_named]
+    assert all(torch_ops.SCHEMAS[s["name"]] == s["schema"] for s in torch_named)
+    # sglang's JIT ops are no torch ops; everything else is.
+    assert all(isinstance(s["sglang"], dict) and "Jit" in s["sglang"] for s in kv.CATALOGUE if not s["schema"])
     assert set(hsg.KVCACHEIO_OPS) == SGLANG_0_5_23
+    jit = {name for names in hsg.JIT_OPS.values() for name in names}
+    assert jit == {s["name"] for s in kv.CATALOGUE if isinstance(s["sglang"], dict)}
 
 
 def test_generic_ops_refuse_other_argument_counts_and_kinds():

@@ -49,6 +49,30 @@ pub enum Tuning {
     Env,
     /// `None` takes `SGLANG_HICACHE_BLOCK_QUOTA` when set, else this; must be positive.
     EnvOr(i64),
+    /// `num_warps_per_item` (default 32), accepted and ignored, as sglang's JIT Mamba kernels do.
+    PerItem,
+}
+
+/// Where sglang takes an op from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum Sglang {
+    /// `sgl_kernel.kvcacheio` (sgl-kernel's AOT ops, also `torch.ops.sgl_kernel`).
+    Aot,
+    /// A JIT module of sglang's, by its import path.
+    Jit(&'static str),
+    /// Nowhere: hicache-io's own.
+    No,
+}
+
+/// sglang's checks of the item size (and layer count) before any tensor is read, with its words.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum ItemCheck {
+    /// sgl-kernel's launcher: a positive multiple of 8 bytes.
+    SglKernel,
+    /// A JIT kernel moving 16-byte vectors (`uint4`): `"<kernel>: item_size must be positive"`,
+    /// `"… 16-byte aligned (uint4)"`, then `"<kernel>: num_layers must be positive"` where the op
+    /// takes `num_layers`.
+    Uint4(&'static str),
 }
 
 /// How the bindings serve an op.
@@ -99,10 +123,11 @@ pub struct OpSpec {
     pub shape: Shape,
     /// Launch tuning.
     pub tuning: Tuning,
-    /// sglang's `torch.ops` schema without the name (sgl-kernel's own spacing).
+    /// sglang's `torch.ops` schema without the name (sgl-kernel's own spacing); empty for an op
+    /// that is no torch op (sglang's JIT ops).
     pub schema: &'static str,
-    /// Whether sglang 0.5.23 imports it from `sgl_kernel.kvcacheio` (false: hicache-io's own).
-    pub sglang: bool,
+    /// Where sglang 0.5.23 imports it from.
+    pub sglang: Sglang,
     /// `torch.library` dispatch keys.
     pub keys: &'static [&'static str],
     /// sgl-kernel checks the source layer table's length against `num_layers` first: `Some(mla)`
@@ -110,6 +135,8 @@ pub struct OpSpec {
     pub num_layers: Option<bool>,
     /// The source and destination arrays must have one dtype (sglang's check).
     pub same_dtype: bool,
+    /// sglang's item checks.
+    pub item_check: ItemCheck,
     /// How the bindings serve it.
     pub binding: Binding,
     /// What it does (the Python docstring).
@@ -117,6 +144,23 @@ pub struct OpSpec {
 }
 
 impl OpSpec {
+    /// What an entry does not say: an sgl-kernel op in `sgl_kernel.kvcacheio` with sgl-kernel's
+    /// tuning and checks, registered for CPU and CUDA tensors.
+    const DEFAULT: OpSpec = OpSpec {
+        name: "",
+        args: &[],
+        shape: Shape::Custom,
+        tuning: Tuning::Pass,
+        schema: "",
+        sglang: Sglang::Aot,
+        keys: &["CPU", "CUDA"],
+        num_layers: None,
+        same_dtype: false,
+        item_check: ItemCheck::SglKernel,
+        binding: Binding::Generic,
+        doc: "",
+    };
+
     /// The op named `name`.
     pub fn find(name: &str) -> Option<&'static OpSpec> {
         CATALOGUE.iter().find(|s| s.name == name)
@@ -178,8 +222,8 @@ macro_rules! catalogue {
     ) => {
         /// Every op, in the order of the Python module.
         pub static CATALOGUE: &[OpSpec] = &[
-            $( OpSpec { name: stringify!($name), args: &[$((stringify!($arg), ArgKind::$kind)),*], binding: Binding::Generic, doc: $doc, $($field: $value),* }, )*
-            $( OpSpec { name: stringify!($cname), args: &[$((stringify!($carg), ArgKind::$ckind)),*], binding: Binding::Custom, doc: $cdoc, $($cfield: $cvalue),* }, )*
+            $( OpSpec { name: stringify!($name), args: &[$((stringify!($arg), ArgKind::$kind)),*], binding: Binding::Generic, doc: $doc, $($field: $value,)* ..OpSpec::DEFAULT }, )*
+            $( OpSpec { name: stringify!($cname), args: &[$((stringify!($carg), ArgKind::$ckind)),*], binding: Binding::Custom, doc: $cdoc, $($cfield: $cvalue,)* ..OpSpec::DEFAULT }, )*
         ];
 
         $(
@@ -208,6 +252,20 @@ fn run(name: &str, device: &Device, values: &[Value<'_>]) -> Result<()> {
         let (_, first) = a.list(ArgKind::InLayers)?;
         check_num_layers(mla, a.int("num_layers")?, first.len())?;
     }
+    if let ItemCheck::Uint4(kernel) = spec.item_check {
+        let item = a.int("item_size")?;
+        let refuse =
+            |arg: &'static str, value: i64, what: &str| TransferError::BadArgument { arg, value, message: format!("{kernel}: {what}") };
+        if item <= 0 {
+            return Err(refuse("item_size", item, "item_size must be positive"));
+        }
+        if item % 16 != 0 {
+            return Err(refuse("item_size", item, "item_size must be 16-byte aligned (uint4)"));
+        }
+        if let Some(n) = a.int_or("num_layers", 1).ok().filter(|&n| n <= 0) {
+            return Err(refuse("num_layers", n, "num_layers must be positive"));
+        }
+    }
     match spec.shape {
         Shape::LayerPair => layer_pair(device, &a),
         Shape::PagedLoad(layout) => paged_load(device, &a, layout),
@@ -225,122 +283,117 @@ fn run(name: &str, device: &Device, values: &[Value<'_>]) -> Result<()> {
 /// What every kernel op's docstring ends with.
 const SIZES: &str = "Sizes are bytes; arrays, executors and checks: see the module docstring.";
 
-const CUDA: &[&str] = &["CPU", "CUDA"];
-
 catalogue! {
     generic {
         transfer_kv_per_layer(src_k: In, dst_k: Out, src_v: In, dst_v: Out, src_indices: Idx, dst_indices: Idx, item_size: Int) {
             doc: "One layer, layer_first to layer_first: ``dst_k[d] = src_k[s]`` and ``dst_v[d] = src_v[s]`` for each index pair (items of ``item_size`` bytes; negative indices skipped).",
             shape: Shape::LayerPair,
-            tuning: Tuning::Pass, sglang: true, keys: CUDA, num_layers: None, same_dtype: false,
             schema: "(Tensor src_k, Tensor dst_k, Tensor src_v, Tensor dst_v, Tensor src_indices, Tensor dst_indices, int item_size, int block_quota, int num_warps_per_block) -> ()",
         }
         transfer_kv_per_layer_pf_lf(src_k: In, dst_k: Out, src_v: In, dst_v: Out, src_indices: Idx, dst_indices: Idx, layer_id: Int, item_size: Int, src_layout_dim: Int) {
             doc: "Layer ``layer_id`` of a page_first host buffer ``[slots][L][item]`` (``src_layout_dim = L * item_size``) into one layer_first device layer.",
             shape: Shape::PagedLoad(Layout::PageFirst),
-            tuning: Tuning::Pass, sglang: true, keys: CUDA, num_layers: None, same_dtype: false,
             schema: "(Tensor src_k, Tensor dst_k, Tensor src_v, Tensor dst_v, Tensor src_indices, Tensor dst_indices, int layer_id, int item_size, int src_layout_dim, int block_quota, int num_warps_per_block) -> ()",
         }
         transfer_kv_per_layer_ph_lf(src_k: In, dst_k: Out, src_v: In, dst_v: Out, src_indices: Idx, dst_indices: Idx, layer_id: Int, item_size: Int, src_layout_dim: Int, page_size: Int, head_num: Int) {
             doc: "Layer ``layer_id`` of a page_head host buffer ``[pages][head_num][page_size][L][item / head_num]`` into one layer_first device layer.",
             shape: Shape::PagedLoad(Layout::PageHead),
-            tuning: Tuning::Pass, sglang: true, keys: CUDA, num_layers: None, same_dtype: false,
             schema: "(Tensor src_k, Tensor dst_k, Tensor src_v, Tensor dst_v, Tensor src_indices, Tensor dst_indices, int layer_id, int item_size, int src_layout_dim, int page_size, int head_num, int block_quota, int num_warps_per_block) -> ()",
         }
         transfer_kv_all_layer(src_k_layers: InLayers, dst_k_layers: OutLayers, src_v_layers: InLayers, dst_v_layers: OutLayers, src_indices: Idx, dst_indices: Idx, item_size: Int, num_layers: Int) {
             doc: "Every layer ``j < num_layers``: ``dst_*_layers[j][d] = src_*_layers[j][s]`` (layer_first both sides).",
             shape: Shape::LayerLists(IoBackend::Kernel),
-            tuning: Tuning::Pass, sglang: true, keys: CUDA, num_layers: Some(false), same_dtype: false,
+            num_layers: Some(false),
             schema: "(Tensor src_k_layers, Tensor dst_k_layers, Tensor src_v_layers, Tensor dst_v_layers, Tensor src_indices, Tensor dst_indices, int item_size, int num_layers, int block_quota, int num_warps_per_block) -> ()",
         }
         transfer_kv_all_layer_lf_pf(src_k_layers: InLayers, dst_k: Out, src_v_layers: InLayers, dst_v: Out, src_indices: Idx, dst_indices: Idx, item_size: Int, dst_layout_dim: Int, num_layers: Int) {
             doc: "Every device layer into its layer of a page_first host buffer (``dst_layout_dim = num_layers * item_size``).",
             shape: Shape::LayoutBackup(Layout::PageFirst),
-            tuning: Tuning::Pass, sglang: true, keys: CUDA, num_layers: Some(false), same_dtype: false,
+            num_layers: Some(false),
             schema: "(Tensor src_k_layers, Tensor dst_k, Tensor src_v_layers, Tensor dst_v, Tensor src_indices, Tensor dst_indices, int item_size, int dst_layout_dim, int num_layers, int block_quota, int num_warps_per_block) -> ()",
         }
         transfer_kv_all_layer_lf_ph(src_k_layers: InLayers, dst_k: Out, src_v_layers: InLayers, dst_v: Out, src_indices: Idx, dst_indices: Idx, item_size: Int, dst_layout_dim: Int, num_layers: Int, page_size: Int, head_num: Int) {
             doc: "Every device layer into its layer of a page_head host buffer.",
             shape: Shape::LayoutBackup(Layout::PageHead),
-            tuning: Tuning::Pass, sglang: true, keys: CUDA, num_layers: Some(false), same_dtype: false,
+            num_layers: Some(false),
             schema: "(Tensor src_k_layers, Tensor dst_k, Tensor src_v_layers, Tensor dst_v, Tensor src_indices, Tensor dst_indices, int item_size, int dst_layout_dim, int num_layers, int page_size, int head_num, int block_quota, int num_warps_per_block) -> ()",
         }
         transfer_kv_per_layer_mla(src: In, dst: Out, src_indices: Idx, dst_indices: Idx, item_size: Int) {
             doc: "One layer, layer_first to layer_first, one buffer (MLA, DSA indexer).",
             shape: Shape::LayerPair,
-            tuning: Tuning::Env, sglang: true, keys: CUDA, num_layers: None, same_dtype: false,
+            tuning: Tuning::Env,
             schema: "(Tensor src, Tensor dst, Tensor src_indices, Tensor dst_indices, int item_size, int block_quota, int num_warps_per_block) -> ()",
         }
         transfer_kv_per_layer_mla_pf_lf(src: In, dst: Out, src_indices: Idx, dst_indices: Idx, layer_id: Int, item_size: Int, src_layout_dim: Int) {
             doc: "Layer ``layer_id`` of a page_first host buffer into one layer_first device layer (one buffer).",
             shape: Shape::PagedLoad(Layout::PageFirst),
-            tuning: Tuning::Env, sglang: true, keys: CUDA, num_layers: None, same_dtype: false,
+            tuning: Tuning::Env,
             schema: "(Tensor src, Tensor dst, Tensor src_indices, Tensor dst_indices, int layer_id, int item_size, int src_layout_dim, int block_quota, int num_warps_per_block) -> ()",
         }
         transfer_kv_all_layer_mla(src_layers: InLayers, dst_layers: OutLayers, src_indices: Idx, dst_indices: Idx, item_size: Int, num_layers: Int) {
             doc: "Every layer, layer_first to layer_first, one buffer per layer.",
             shape: Shape::LayerLists(IoBackend::Kernel),
-            tuning: Tuning::Pass, sglang: true, keys: CUDA, num_layers: Some(true), same_dtype: false,
+            num_layers: Some(true),
             schema: "(Tensor src_layers, Tensor dst_layers, Tensor src_indices, Tensor dst_indices, int item_size, int num_layers, int block_quota, int num_warps_per_block) -> ()",
         }
         transfer_kv_all_layer_mla_lf_pf(src_layers: InLayers, dst: Out, src_indices: Idx, dst_indices: Idx, item_size: Int, dst_layout_dim: Int, num_layers: Int) {
             doc: "Every device layer into its layer of a page_first host buffer (one buffer).",
             shape: Shape::LayoutBackup(Layout::PageFirst),
-            tuning: Tuning::Pass, sglang: true, keys: CUDA, num_layers: Some(true), same_dtype: false,
+            num_layers: Some(true),
             schema: "(Tensor src_layers, Tensor dst, Tensor src_indices, Tensor dst_indices, int item_size, int dst_layout_dim, int num_layers, int block_quota, int num_warps_per_block) -> ()",
         }
         transfer_kv_direct(src_layers: InList, dst_layers: OutList, src_indices: HostIdx, dst_indices: HostIdx, page_size: Int) {
             doc: "For every layer ``j``, the runs of consecutive index pairs copied row by row, ``src_layers[j]`` to ``dst_layers[j]`` (rows along dimension 0). ``page_size`` only gates the index count, as in sglang.",
             shape: Shape::LayerLists(IoBackend::Direct),
-            tuning: Tuning::None, sglang: true, keys: CUDA, num_layers: None, same_dtype: false,
+            tuning: Tuning::None,
             schema: "(Tensor[] src_layers, Tensor[] dst_layers, Tensor src_indices, Tensor dst_indices, int page_size) -> ()",
         }
         transfer_kv_per_layer_direct_pf_lf(src_ptrs: InList, dst_ptrs: OutList, src_indices: HostIdx, dst_indices: HostIdx, layer_id: Int, page_size: Int) {
             doc: "Whole pages of layer ``layer_id + j`` of page_first_direct host buffers (``src_ptrs``: ``[K, V]`` or ``[C]``, shape ``[pages, L, page_size, ...]``) into device layer ``j`` (``dst_ptrs``: K layers then V layers). Only the first index of each page is read; the rest must follow it.",
             shape: Shape::DirectLoad,
-            tuning: Tuning::None, sglang: true, keys: CUDA, num_layers: None, same_dtype: false,
+            tuning: Tuning::None,
             schema: "(Tensor[] src_ptrs, Tensor[] dst_ptrs, Tensor src_indices, Tensor dst_indices, int layer_id, int page_size)->()",
         }
         transfer_kv_all_layer_direct_lf_pf(src_ptrs: InList, dst_ptrs: OutList, src_indices: HostIdx, dst_indices: HostIdx, page_size: Int) {
             doc: "Whole pages of every device layer (``src_ptrs``: K layers then V layers, or the MLA layers) into page_first_direct host buffers (``dst_ptrs``: ``[K, V]`` or ``[C]``).",
             shape: Shape::DirectBackup,
-            tuning: Tuning::None, sglang: true, keys: CUDA, num_layers: None, same_dtype: false,
+            tuning: Tuning::None,
             schema: "(Tensor[] src_ptrs, Tensor[] dst_ptrs, Tensor src_indices, Tensor dst_indices, int page_size) ->()",
         }
         transfer_kv_per_layer_lf_pf(src_k: In, dst_k: Out, src_v: In, dst_v: Out, src_indices: Idx, dst_indices: Idx, layer_id: Int, item_size: Int, dst_layout_dim: Int) {
             doc: "Not in sglang: one device layer into layer ``layer_id`` of a page_first host buffer (``dst_layout_dim = L * item_size``) -- the per-layer LF->PF path whose absence makes sglang raise ``Layer-sharded DSA indexer HiCache backup with page_first layout is not supported without a per-layer LF->PF kernel.``",
             shape: Shape::LayerBackup,
-            tuning: Tuning::Pass, sglang: false, keys: CUDA, num_layers: None, same_dtype: false,
+            sglang: Sglang::No,
             schema: "(Tensor src_k, Tensor dst_k, Tensor src_v, Tensor dst_v, Tensor src_indices, Tensor dst_indices, int layer_id, int item_size, int dst_layout_dim, int block_quota, int num_warps_per_block) -> ()",
         }
         transfer_kv_per_layer_mla_lf_pf(src: In, dst: Out, src_indices: Idx, dst_indices: Idx, layer_id: Int, item_size: Int, dst_layout_dim: Int) {
             doc: "Not in sglang: ``transfer_kv_per_layer_lf_pf`` with one buffer (MLA, and the DSA indexer with page-sized items and page indices).",
             shape: Shape::LayerBackup,
-            tuning: Tuning::Pass, sglang: false, keys: CUDA, num_layers: None, same_dtype: false,
+            sglang: Sglang::No,
             schema: "(Tensor src, Tensor dst, Tensor src_indices, Tensor dst_indices, int layer_id, int item_size, int dst_layout_dim, int block_quota, int num_warps_per_block) -> ()",
         }
         transfer_kv_per_layer_direct_lf_pf(src_ptrs: InList, dst_ptrs: OutList, src_indices: HostIdx, dst_indices: HostIdx, layer_id: Int, page_size: Int) {
             doc: "Not in sglang: whole pages of one device layer (``src_ptrs``: ``[K, V]`` or ``[C]``) into layer ``layer_id`` of page_first_direct host buffers (``dst_ptrs``: ``[K, V]`` or ``[C]``, shape ``[pages, L, page_size, ...]``).",
             shape: Shape::DirectLayerBackup,
-            tuning: Tuning::None, sglang: false, keys: CUDA, num_layers: None, same_dtype: false,
+            tuning: Tuning::None, sglang: Sglang::No,
             schema: "(Tensor[] src_ptrs, Tensor[] dst_ptrs, Tensor src_indices, Tensor dst_indices, int layer_id, int page_size) -> ()",
         }
         transfer_kv_per_layer_pfdhg_lf(src_k: In, dst_k: Out, src_v: In, dst_v: Out, src_indices: Idx, dst_indices: Idx, layer_id: Int, item_size: Int, src_layout_dim: Int, page_size: Int, head_num: Int) {
             doc: "Layer ``layer_id`` of a head-group-major page_first_direct host buffer into one device layer.\n\nHost shape per component: ``[pages][head_num][L][page_size][item_size / head_num]`` (``head_num`` counts head GROUPS; ``src_layout_dim = L * item_size``); device rows ``[rows][item_size]``, whose group ``g`` is bytes ``[g * item_size / head_num, (g + 1) * item_size / head_num)``. One head group is plain page_first_direct. Indices are token slots. Empty lists are a no-op once the integers pass.",
             shape: Shape::PagedLoad(Layout::PageFirstDirectHeadGroups),
-            tuning: Tuning::EnvOr(2), sglang: false, keys: CUDA, num_layers: None, same_dtype: false,
+            tuning: Tuning::EnvOr(2), sglang: Sglang::No,
             schema: "(Tensor src_k, Tensor dst_k, Tensor src_v, Tensor dst_v, Tensor src_indices, Tensor dst_indices, int layer_id, int item_size, int src_layout_dim, int page_size, int head_num, int block_quota, int num_warps_per_block) -> ()",
         }
         transfer_kv_all_layer_lf_pfdhg(src_k_layers: InLayers, dst_k: Out, src_v_layers: InLayers, dst_v: Out, src_indices: Idx, dst_indices: Idx, item_size: Int, dst_layout_dim: Int, num_layers: Int, page_size: Int, head_num: Int) {
             doc: "Every device layer into its layer of a head-group-major page_first_direct host buffer: the mirror of ``transfer_kv_per_layer_pfdhg_lf`` (``head_num`` counts head groups, so both directions agree on one host byte order; ``dst_layout_dim = num_layers * item_size``).",
             shape: Shape::LayoutBackup(Layout::PageFirstDirectHeadGroups),
-            tuning: Tuning::EnvOr(2), sglang: false, keys: CUDA, num_layers: Some(false), same_dtype: false,
+            tuning: Tuning::EnvOr(2), sglang: Sglang::No, num_layers: Some(false),
             schema: "(Tensor src_k_layers, Tensor dst_k, Tensor src_v_layers, Tensor dst_v, Tensor src_indices, Tensor dst_indices, int item_size, int dst_layout_dim, int num_layers, int page_size, int head_num, int block_quota, int num_warps_per_block) -> ()",
         }
         transfer_embedding_ranges_direct(src: In, dst: Out, src_starts: Ints, dst_starts: Ints, lengths: Ints) {
             doc: "Copy embedding ranges between host and CUDA tensors: for each ``k``, ``dst[dst_starts[k] : dst_starts[k] + lengths[k]] = src[src_starts[k] : src_starts[k] + lengths[k]]`` along dimension 0 (rows of equal bytes in both; any dtype and row width, 74-byte rows too).\n\nCopy engine only, one copy per range (adjacent ranges merge), enqueued on the caller's stream for CUDA arrays; host to host and device to device work as well. Beyond sglang: every range must lie inside its tensor and destination ranges must not overlap; a call that raises has moved no row.",
             shape: Shape::EmbeddingRanges,
-            tuning: Tuning::None, sglang: true, keys: CUDA, num_layers: None, same_dtype: true,
+            tuning: Tuning::None, same_dtype: true,
             schema: "(Tensor src, Tensor! dst, int[] src_starts, int[] dst_starts, int[] lengths) -> ()",
         }
     }
@@ -348,13 +401,13 @@ catalogue! {
         copy_all_layer_kv_cache_cpu(data_ptrs: In, strides: In, tgt_loc: In, src_loc: In) {
             doc: "sglang's CPU row move inside the device KV pool (sgl_kernel's top-level op).",
             shape: Shape::Custom,
-            tuning: Tuning::None, sglang: false, keys: &["CPU"], num_layers: None, same_dtype: false,
+            tuning: Tuning::None, sglang: Sglang::No, keys: &["CPU"],
             schema: "(Tensor data_ptrs, Tensor strides, Tensor tgt_loc, Tensor src_loc) -> ()",
         }
         get_device_accessible_ptr(tensor: In, device_index: Int) {
             doc: "The address a kernel on CUDA device ``device_index`` reads ``tensor`` at.",
             shape: Shape::Custom,
-            tuning: Tuning::None, sglang: true, keys: CUDA, num_layers: None, same_dtype: false,
+            tuning: Tuning::None,
             schema: "(Tensor tensor, int device_index) -> int",
         }
     }
@@ -368,6 +421,7 @@ pub fn docstring(spec: &OpSpec) -> String {
         Tuning::EnvOr(n) => {
             out.push_str(&format!(" ``block_quota=None`` takes ``SGLANG_HICACHE_BLOCK_QUOTA`` when set, else {n} (sglang's)."))
         }
+        Tuning::PerItem => out.push_str(" ``num_warps_per_item`` is accepted and ignored, as sglang's JIT kernel does."),
         Tuning::None | Tuning::Pass => {}
     }
     if spec.binding == Binding::Custom {
@@ -396,6 +450,11 @@ mod tests {
     #[test]
     fn schemas_agree_with_the_arguments() {
         for spec in CATALOGUE {
+            if spec.schema.is_empty() {
+                // No torch op: sglang calls it from a JIT module only.
+                assert!(matches!(spec.sglang, Sglang::Jit(_)) && spec.keys.is_empty(), "{}", spec.name);
+                continue;
+            }
             let (args, _) = spec.schema.rsplit_once("->").expect("schema has a result");
             let inner = args.trim().strip_prefix('(').and_then(|a| a.strip_suffix(')')).expect("schema has arguments");
             let params: Vec<(String, String)> = inner
@@ -420,9 +479,13 @@ mod tests {
                     (n.to_string(), ty.to_string())
                 })
                 .collect();
-            if !matches!(spec.tuning, Tuning::None) {
-                want.push(("block_quota".into(), "int".into()));
-                want.push(("num_warps_per_block".into(), "int".into()));
+            match spec.tuning {
+                Tuning::None => {}
+                Tuning::PerItem => want.push(("num_warps_per_item".into(), "int".into())),
+                Tuning::Pass | Tuning::Env | Tuning::EnvOr(_) => {
+                    want.push(("block_quota".into(), "int".into()));
+                    want.push(("num_warps_per_block".into(), "int".into()));
+                }
             }
             assert_eq!(params, want, "{}", spec.name);
             assert!(spec.schema.ends_with("()") || spec.schema.ends_with("-> int"), "{}", spec.name);
