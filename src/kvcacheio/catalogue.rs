@@ -396,6 +396,16 @@ catalogue! {
             tuning: Tuning::None, same_dtype: true,
             schema: "(Tensor src, Tensor! dst, int[] src_starts, int[] dst_starts, int[] lengths) -> ()",
         }
+        transfer_kv_mamba_pf_lf(src: In, dst: Out, src_indices: Idx, dst_indices: Idx, layer_id: Int, item_size: Int, src_layout_dim: Int) {
+            doc: "sglang's JIT Mamba load: layer ``layer_id`` of a page_first host buffer of state slots ``[slots][L][item]`` (``src_layout_dim = L * item_size``) into one device state tensor (rows of ``item_size`` bytes, a positive multiple of 16). Indices are slots.",
+            shape: Shape::PagedLoad(Layout::PageFirst),
+            tuning: Tuning::PerItem, sglang: Sglang::Jit("sglang.kernels.ops.mamba.transfer_mamba"), item_check: ItemCheck::Uint4("transfer_mamba"), keys: &[],
+        }
+        transfer_kv_mamba_lf_pf(src_ptrs: InLayers, dst: Out, src_indices: Idx, dst_indices: Idx, item_size: Int, dst_layout_dim: Int, num_layers: Int) {
+            doc: "sglang's JIT Mamba backup: every device state tensor (``src_ptrs``, one per layer) into its layer of a page_first host buffer of state slots (``dst_layout_dim = num_layers * item_size``, ``item_size`` a positive multiple of 16). Indices are slots.",
+            shape: Shape::LayoutBackup(Layout::PageFirst),
+            tuning: Tuning::PerItem, sglang: Sglang::Jit("sglang.kernels.ops.mamba.transfer_mamba"), item_check: ItemCheck::Uint4("transfer_mamba"), keys: &[], num_layers: Some(true),
+        }
     }
     custom {
         copy_all_layer_kv_cache_cpu(data_ptrs: In, strides: In, tgt_loc: In, src_loc: In) {
@@ -527,6 +537,7 @@ mod tests {
                     ArgKind::Ints => Value::Ints(&none),
                     ArgKind::Int => Value::Int(match spec.args[i].0 {
                         "layer_id" => 0,
+                        "item_size" | "src_layout_dim" | "dst_layout_dim" if matches!(spec.item_check, ItemCheck::Uint4(_)) => 16,
                         "item_size" | "src_layout_dim" | "dst_layout_dim" => 8,
                         _ => 1,
                     }),
