@@ -2,7 +2,7 @@
 //! Support decisions live in [`crate::plan`]; an executor states its limits as
 //! [`Capabilities`](crate::plan::Capabilities) and the planner reads them.
 //!
-//! The shared core is thin: the [`Executor`] trait a backend implements (`executor.rs`), the
+//! The shared core is thin: the `Executor` trait a backend implements (`executor.rs`), the
 //! settlement of checksums its copies compute (`settle.rs`), and the machine facts every backend
 //! reads (`host.rs`). The run-time choice is the [`Device`] enum (`device.rs`, candle-style): its
 //! match arms forward to each backend; [`Completion`] wraps each backend's own ticket

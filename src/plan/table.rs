@@ -106,7 +106,7 @@ pub(super) fn plain(kind: PoolKind, op: TableOp, layout: Layout, io: IoBackend) 
 }
 
 /// The validation table. `item_bytes` matters only for the DSA indexer's `kernel` gate;
-/// `word` is [`kernel_word`] of the profile and executor.
+/// `word` is `kernel_word` of the profile and executor.
 pub fn decide(profile: Profile, cell: Cell, item_bytes: u64, word: u64) -> Result<PathInfo> {
     use IoBackend::*;
     use Layout::*;

@@ -11,7 +11,7 @@
 //! pair of binding windows: buffers larger than `max_storage_buffer_binding_size` are bound by
 //! range, in windows of whole item chunks aligned to `min_storage_buffer_offset_alignment`.
 //! The index table is one binding and one dispatch, so the planner splits calls with more
-//! pairs than [`Capabilities::max_gather_items`] into several steps.
+//! pairs than [`Capabilities::max_gather_items`](crate::plan::Capabilities::max_gather_items) into several steps.
 //! `direct` = one `copy_buffer_to_buffer` per coalesced run.
 //!
 //! Item checksums: a checksumming `kernel` step runs the gather's checksum pipelines, which sum
@@ -32,7 +32,7 @@
 //! Rooms: `options` (what the caller may choose), `open` (adapter, device and pipelines),
 //! `memory` (segmented and mapped buffers), `submit` (the submit thread, waits and polls),
 //! `gather` (the shader and its dispatches), `copy` (`direct` runs), `checksums` (the summing
-//! gathers' buffers and their readback), `executor` (the [`Executor`] implementation).
+//! gathers' buffers and their readback), `executor` (the `Executor` implementation).
 
 mod checksums;
 mod copy;
