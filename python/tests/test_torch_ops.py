@@ -23,7 +23,9 @@ def ops():
 
 def test_every_kvcacheio_op_is_registered_with_sglangs_schema(ops):
     public = {n for n in kv.__all__ if n.startswith(("transfer_", "copy_", "get_"))}
-    assert public == set(SCHEMAS)
+    # sglang's JIT ops (the Mamba state copies) are functions only, as in sglang.
+    jit = {s["name"] for s in kv.CATALOGUE if isinstance(s["sglang"], dict)}
+    assert jit and public - jit == set(SCHEMAS)
     for name, schema in SCHEMAS.items():
         got = str(getattr(ops, name).default._schema)
         # torch prints the schema normalised; compare argument names and types.
