@@ -367,10 +367,21 @@ extern "C" __global__ void __launch_bounds__(1024)
 //            writes the failing entry's values: status[1] = the index, status[2] = for a
 //            duplicate the position that wrote it first — its claim, which that thread alone
 //            reads and releases (every other thread reads the same status key and skips it).
+//   phase 3 (after phase 2, once per layer table the call was planned from): `host_idx` is the
+//            caller's table of layer addresses, `dev_idx` the copy taken when it was planned,
+//            `host_bound` the position of its first entry among the call's tables; an entry
+//            that differs is check 3 (the table was rewritten: nothing moves). `owner` unused.
 // `n` < 2^32 - 1 (positions fit `owner`'s words).
 extern "C" __global__ void __launch_bounds__(1024)
     hicache_check_indices(const i64* __restrict__ host_idx, const i64* __restrict__ dev_idx, i64 n, u64 host_bound, u64 dev_bound,
                           int dst_is_host, u32* __restrict__ owner, u64* __restrict__ status, int phase) {
+    if (phase == 3) {
+        const i64 stride = (i64)gridDim.x * blockDim.x;
+        for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+            if (ld_i64(host_idx + i) != ld_i64(dev_idx + i)) atomicMin(status, (3ull << 56) | (host_bound + (u64)i));
+        }
+        return;
+    }
     const i64* dsts = dst_is_host ? host_idx : dev_idx;
     // Phase 2: the destination of a failed uniqueness check (-1: none), the same for every thread.
     i64 kept = -1;

@@ -336,6 +336,19 @@ pub enum TransferError {
         /// What the check found.
         source: Box<TransferError>,
     },
+    /// A caller's table of layer addresses in device memory no longer holds what it held when
+    /// the call was planned (the first use of a table reads it once; a table rewritten in place,
+    /// or freed and replaced by another at the same address, must be announced with
+    /// `forget_layer_tables`). Found on the device before the copies: nothing of the call moved.
+    #[error(
+        "the layer table at {table:#x} changed after it was first read (entry {entry} differs): nothing was copied;          after rewriting a table in place, call forget_layer_tables()"
+    )]
+    LayerTableChanged {
+        /// Device address of the table.
+        table: u64,
+        /// The first entry found changed.
+        entry: u64,
+    },
     /// A load read host items whose bytes do not match the checksums their backups recorded:
     /// the call's other items landed; these were copied too but must be treated as a cache miss
     /// (reload them from elsewhere). The fields name the first such item (lowest layer,

@@ -712,6 +712,7 @@ fn device_index_checks_find_what_the_planner_finds() {
             unit: "slots",
             call: "test",
             sides: ["host", "device"],
+            tables: Default::default(),
         };
         let mut owner = vec![u32::MAX; if dst_is_host { hb } else { db } as usize];
         let mut status = [u64::MAX; 4];
@@ -742,6 +743,64 @@ fn device_index_checks_find_what_the_planner_finds() {
         }
     }
     assert!(accepted > 40 && refused > 100, "accepted {accepted}, refused {refused}");
+}
+
+/// Phase 3 of the device checks compares each caller's layer table with the copy taken when the
+/// call was planned: equal tables leave the status passed; the first entry that differs, at its
+/// position among the call's tables, fails it as check 3 (the table rewritten), which the plan's
+/// check names with the table's address.
+#[test]
+fn the_table_check_finds_a_rewritten_table() {
+    let Some(emu) = emulator() else { return };
+    let kept: Vec<u64> = (0..5).map(|l| 0x7000_0000 + l * 0x1000).collect();
+    let (mut k_now, mut v_now) = (kept.clone(), kept.iter().map(|a| a + 0x10_0000).collect::<Vec<u64>>());
+    let v_kept = v_now.clone();
+    let mut guards = hicache_io::plan::TableGuards::default();
+    for (now, was) in [(&k_now, &kept), (&v_now, &v_kept)] {
+        guards.push(hicache_io::plan::TableGuard { table: now.as_ptr() as u64, expected: was.as_ptr() as u64, len: 5 }).unwrap();
+    }
+    let check = hicache_io::plan::DeviceIndexCheck {
+        lists: hicache_io::plan::DeviceIndexLists { host: 0, device: 0, len: 0 },
+        host_bound: 1,
+        device_bound: 1,
+        dst_is_host: true,
+        unit: "slots",
+        call: "test",
+        sides: ["host", "device"],
+        tables: guards,
+    };
+    for damage in [None, Some((1usize, 3usize)), Some((0, 4))] {
+        k_now.copy_from_slice(&kept);
+        v_now.copy_from_slice(&v_kept);
+        if let Some((table, entry)) = damage {
+            let t = if table == 0 { &mut k_now } else { &mut v_now };
+            t[entry] ^= 0x40;
+        }
+        let mut status = [u64::MAX; 4];
+        let mut ranges = vec![Range { start: status.as_mut_ptr() as u64, len: 32, flags: READ | WRITE, host: status.as_mut_ptr() as u64 }];
+        for v in [&k_now, &v_now, &kept, &v_kept] {
+            ranges.push(Range { start: v.as_ptr() as u64, len: 40, flags: READ, host: v.as_ptr() as u64 });
+        }
+        for (first, g) in check.tables.iter() {
+            let mut args = CheckArgs::table(g, first, status.as_mut_ptr() as u64);
+            let report = launch_raw(emu, emu.check, 2, 4, &mut args.params(), &ranges);
+            assert_eq!(report.faults, 0, "{report:?}");
+            assert_eq!(report.bytes_stored > 0, damage.is_some_and(|(t, _)| t == (first / 5) as usize), "only a differing entry writes");
+        }
+        match damage {
+            None => assert_eq!(status[0], u64::MAX),
+            Some((table, entry)) => {
+                assert_eq!(status[0], (3u64 << 56) | (table * 5 + entry) as u64);
+                let e = check.error(status[0] >> 56, status[0] & ((1 << 56) - 1), 0, 0);
+                let want_table = if table == 0 { k_now.as_ptr() } else { v_now.as_ptr() } as u64;
+                assert!(
+                    matches!(&e, hicache_io::TransferError::DeviceIndexCheck { source, .. }
+                        if matches!(**source, hicache_io::TransferError::LayerTableChanged { table, entry: en } if table == want_table && en == entry as u64)),
+                    "{e}"
+                );
+            }
+        }
+    }
 }
 
 /// A gather whose call failed its device check copies nothing; one whose check passed copies.

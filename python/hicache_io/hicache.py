@@ -236,6 +236,16 @@ def _indices(idx: Any) -> Any:
     return idx
 
 
+def _beside(idx: Any, other: Any) -> Any:
+    """``idx`` on ``other``'s CUDA device when ``other`` is a CUDA torch tensor and ``idx`` a host
+    one (sglang's staged write-back passes device rows on the GPU and host rows on the CPU):
+    copied from pinned memory on the current stream, so the op keeps both lists on the device
+    and never waits for the stream to read one on the host."""
+    if _lib(idx) != "torch" or _lib(other) != "torch" or not other.is_cuda or idx.is_cuda:
+        return idx
+    return idx.pin_memory().to(other.device, non_blocking=True)
+
+
 def _tuning(unroll: Optional[int], block_quota: Optional[int]) -> int:
     """sglang's ``unroll or default`` and ``block_quota or DEFAULT_BLOCK_QUOTA``: 0 or ``None``
     means the default; a negative value is refused."""
@@ -267,6 +277,7 @@ def transfer_hicache_one_layer(k_cache_dst: Any, v_cache_dst: Any, indices_dst: 
     kd, vd = _Cache(k_cache_dst, dim, tag), _Cache(v_cache_dst, dim, tag)
     ks, vs = _Cache(k_cache_src, dim, tag), _Cache(v_cache_src, dim, tag)
     si, di = _indices(indices_src), _indices(indices_dst)
+    si, di = _beside(si, di), _beside(di, si)
     item = kd.item
     strided_src, strided_dst = ks.flat is not None or vs.flat is not None, kd.flat is not None or vd.flat is not None
     if not strided_src and not strided_dst:
@@ -295,6 +306,7 @@ def transfer_hicache_one_layer_mla(cache_dst: Any, indices_dst: Any, cache_src: 
     dim = element_dim or cache_dst.shape[-1]
     d, s = _Cache(cache_dst, dim, tag), _Cache(cache_src, dim, tag)
     si, di = _indices(indices_src), _indices(indices_dst)
+    si, di = _beside(si, di), _beside(di, si)
     if s.flat is None and d.flat is None:
         kvcacheio.transfer_kv_per_layer_mla(s.view, d.view, si, di, d.item, block_quota=quota)
     elif d.flat is None:
@@ -366,6 +378,7 @@ def _all_layer(tag: str, src_tables: List[Any], dst_tables: List[Any], indices_s
     if dst_stride < item:
         raise ValueError(f"{tag}: destination stride {dst_stride} is smaller than the {item}-byte rows")
     si, di = _indices(indices_src), _indices(indices_dst)
+    si, di = _beside(si, di), _beside(di, si)
     layers = _table_len(src_tables[0])
     if dst_stride == item:
         if len(src_tables) == 2:
@@ -460,6 +473,7 @@ def transfer_hicache_all_layer_staged_lf_pf(k_ptr_src: Any, v_ptr_src: Any, src_
     item, layers = _staged_checks(page_size, staging_k, dst_k, element_size, src_indices, dst_indices)
     _staged_checks(page_size, staging_v, dst_v, element_size, src_indices, dst_indices)
     si, di = _whole_pages(src_indices, page_size), _whole_pages(dst_indices, page_size)
+    si, di = _beside(si, di), _beside(di, si)
     kvcacheio.transfer_kv_all_layer_lf_pf(k_ptr_src, dst_k, v_ptr_src, dst_v, si, di, item, layers * item, layers, block_quota=quota)
 
 
@@ -468,4 +482,5 @@ def transfer_hicache_all_layer_mla_staged_lf_pf(ptr_src: Any, src_indices: Any, 
     quota = _tuning(unroll, block_quota)
     item, layers = _staged_checks(page_size, staging, dst, element_size, src_indices, dst_indices)
     si, di = _whole_pages(src_indices, page_size), _whole_pages(dst_indices, page_size)
+    si, di = _beside(si, di), _beside(di, si)
     kvcacheio.transfer_kv_all_layer_mla_lf_pf(ptr_src, dst, si, di, item, layers * item, layers, block_quota=quota)

@@ -95,6 +95,16 @@ def _positive_quota(block_quota: int) -> int:
     return block_quota
 
 
+def forget_layer_tables() -> None:
+    """Forgets the tables of layer addresses in CUDA memory the cuda executors remember. The
+    all-layer ops read such a table (sglang's ``make_kernel_ptr_table``) once, at its first use
+    with CUDA index arrays, and then only check on the device, before each call's copies, that it
+    still holds the same addresses (a table that changed moves nothing; the error comes from
+    :func:`synchronize` or the next op). Call this after rewriting a table in place, or after
+    freeing one and making another at the same address."""
+    _native.forget_layer_tables()
+
+
 def synchronize(device: Optional[int] = None) -> None:
     """Waits for the caller's current stream on CUDA ``device`` (the current one by default),
     then raises the first op since the last report whose CUDA index arrays failed their device
@@ -146,7 +156,7 @@ for _spec in _GENERIC:
     exec(compile(_source(_spec), f"<hicache_io.kvcacheio {_spec['name']}>", "exec"), globals())
 del _spec
 
-__all__ = ["CATALOGUE", "synchronize", *(spec["name"] for spec in CATALOGUE), "register_torch_ops"]
+__all__ = ["CATALOGUE", "synchronize", "forget_layer_tables", *(spec["name"] for spec in CATALOGUE), "register_torch_ops"]
 
 _SCALAR_TYPES = {
     "int64": "Long", "int32": "Int", "int16": "Short", "int8": "Char", "uint8": "Byte", "uint16": "UInt16",

@@ -204,6 +204,92 @@ pub(crate) fn table_extents(
     Ok((si, di, se, de))
 }
 
+/// A table argument the executor remembers, and the array it came from, by argument.
+pub(crate) type Remembered = Vec<Option<(kv::LayerTable, Held)>>;
+
+/// The layer tables of a call when all of them are int64/uint64 tables in CUDA memory whose
+/// layers' extents the executor can tell without index values: each read once by the executor
+/// of its device (and checked on the device at every later call; see
+/// `CudaExecutor::layer_table`). `None` otherwise: the caller reads the tables and the index
+/// lists on the host.
+pub(crate) fn remembered_tables(
+    spec: &hicache_io::kvcacheio::catalogue::OpSpec,
+    args: &Bound<'_, PyTuple>,
+    ctx: Ctx,
+) -> PyResult<Option<Remembered>> {
+    use hicache_io::kvcacheio::catalogue::ArgKind;
+    let mut out: Remembered = (0..spec.args.len()).map(|_| None).collect();
+    for (i, (name, kind)) in spec.args.iter().enumerate() {
+        if !matches!(kind, ArgKind::InLayers | ArgKind::OutLayers) {
+            continue;
+        }
+        let obj = args.get_item(i)?;
+        if is_list(&obj) {
+            continue;
+        }
+        let table = view(&obj, name, ctx)?;
+        if table.device_type != DL_CUDA || !(table.dtype == (DL_INT, 64) || table.dtype == (DL_UINT, 64)) || table.raw.dims().len() != 1 {
+            return Ok(None);
+        }
+        let Some(t) = cuda_table(&table, &obj, ctx)? else { return Ok(None) };
+        out[i] = Some((t, table));
+    }
+    let tables: Vec<&kv::LayerTable> = out.iter().flatten().map(|(t, _)| t).collect();
+    if kv::table_extents(&tables).iter().flatten().any(Option::is_none) {
+        return Ok(None);
+    }
+    Ok(Some(out))
+}
+
+/// A table in CUDA memory as its device's executor remembers it (`None` without the cuda
+/// executor). The executor remembers a table by address; the Python object that owns it is
+/// remembered too (weakly), so that a table freed and replaced by another object at the same
+/// address is read again rather than refused by the device check as rewritten.
+fn cuda_table(table: &Held, owner: &Bound<'_, PyAny>, ctx: Ctx) -> PyResult<Option<kv::LayerTable>> {
+    #[cfg(feature = "cuda")]
+    if let hicache_io::Device::Cuda(e) = cuda(table.device_id, ctx.stream.unwrap_or(1))? {
+        let n = table.raw.dims()[0] as usize;
+        if !same_owner(table, owner, n) {
+            e.forget_layer_table(table.raw.addr(), n);
+        }
+        // SAFETY: a live 1-D table of `n` 8-byte entries on that device (kept by `table`) holding
+        // sglang's layer addresses, trusted as sglang trusts them.
+        return unsafe { e.layer_table(table.raw.addr(), n) }.py().map(Some);
+    }
+    let _ = (table, owner, ctx);
+    Ok(None)
+}
+
+/// Whether the object owning table `table` (`n` entries) is the one seen with that address
+/// before (and remembers it for next time). Objects that cannot be weakly referenced count as
+/// new each time.
+#[cfg(feature = "cuda")]
+fn same_owner(table: &Held, obj: &Bound<'_, PyAny>, n: usize) -> bool {
+    use pyo3::types::PyWeakrefReference;
+    use std::collections::HashMap;
+    use std::sync::{Mutex, OnceLock};
+    type Owners = Mutex<HashMap<(i32, u64, usize), Py<PyWeakrefReference>>>;
+    static OWNERS: OnceLock<Owners> = OnceLock::new();
+    let py = obj.py();
+    {
+        let key = (table.device_id, table.raw.addr(), n);
+        let mut owners = OWNERS.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+        let same = owners.get(&key).and_then(|w| w.bind(py).upgrade()).is_some_and(|o| o.is(obj));
+        if !same {
+            owners.retain(|_, w| w.bind(py).upgrade().is_some());
+            match PyWeakrefReference::new(obj) {
+                Ok(w) => {
+                    owners.insert(key, w.unbind());
+                }
+                Err(_) => {
+                    owners.remove(&key);
+                }
+            }
+        }
+        same
+    }
+}
+
 /// A direct op's list of arrays (sglang passes Python lists of tensors).
 pub(crate) fn array_list(obj: &Bound<'_, PyAny>, name: &str, writes: bool, ctx: Ctx) -> PyResult<Vec<Held>> {
     if !(obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>()) {

@@ -44,6 +44,7 @@ pub(crate) fn py_err(e: TransferError) -> PyErr {
             PyIndexError::new_err(msg)
         }
         E::DeviceIndexCheck { source, .. } if matches!(*source, E::IndexOutOfRange { .. }) => PyIndexError::new_err(msg),
+        E::DeviceIndexCheck { source, .. } if matches!(*source, E::LayerTableChanged { .. }) => PyRuntimeError::new_err(msg),
         E::OutOfMemory { .. } => PyMemoryError::new_err(msg),
         _ => PyValueError::new_err(msg),
     }

@@ -27,11 +27,31 @@ pub(crate) const CUDA_EXECUTORS: usize = 8;
 /// recently used one is released (after its streams drain) when another pair needs one, so a
 /// process that cycles through streams does not keep an executor per stream forever.
 #[cfg(feature = "cuda")]
+type CudaCache = std::sync::Mutex<Vec<((i32, u64), Device)>>;
+
+#[cfg(feature = "cuda")]
+fn cuda_cache() -> &'static CudaCache {
+    static CUDA: OnceLock<CudaCache> = OnceLock::new();
+    CUDA.get_or_init(Default::default)
+}
+
+/// Forgets the layer tables every cuda executor of this process remembers (the next use of a
+/// table reads it again): after rewriting a table in place, or freeing one and making another at
+/// the same address.
+#[pyfunction]
+pub(crate) fn forget_layer_tables() -> PyResult<()> {
+    #[cfg(feature = "cuda")]
+    for (_, d) in cuda_cache().lock().unwrap_or_else(|e| e.into_inner()).iter() {
+        if let Device::Cuda(e) = d {
+            e.forget_layer_tables().py()?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(feature = "cuda")]
 pub(crate) fn cuda_device(device_id: i32, stream: u64) -> hicache_io::Result<Device> {
-    use std::sync::Mutex;
-    type Cache = Vec<((i32, u64), Device)>;
-    static CUDA: OnceLock<Mutex<Cache>> = OnceLock::new();
-    let mut cache = CUDA.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+    let mut cache = cuda_cache().lock().unwrap_or_else(|e| e.into_inner());
     if let Some(i) = cache.iter().position(|(k, _)| *k == (device_id, stream)) {
         let entry = cache.remove(i);
         let d = entry.1.clone();

@@ -34,6 +34,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(executors::synchronize, m)?)?;
     m.add_function(wrap_pyfunction!(executors::device_accessible_ptr, m)?)?;
     m.add_function(wrap_pyfunction!(executors::host_words, m)?)?;
+    m.add_function(wrap_pyfunction!(executors::forget_layer_tables, m)?)?;
     m.add_function(wrap_pyfunction!(ops::call_op, m)?)?;
     m.add_function(wrap_pyfunction!(ops::op_catalogue, m)?)?;
     m.add_function(wrap_pyfunction!(ops::copy_all_layer_kv_cache_cpu, m)?)?;

@@ -31,6 +31,8 @@ pub(crate) fn op_catalogue() -> PyResult<String> {
 pub(crate) enum Read {
     One(Held),
     Many(Vec<Held>),
+    /// A table of layer addresses in CUDA memory the executor remembers (and the table).
+    Table(kv::LayerTable, Held),
     Int(i64),
     Ints(Vec<i64>),
     /// An index list: placed later, with its partner.
@@ -106,17 +108,34 @@ pub(crate) fn call_op(
         Ok(false)
     };
     let (mut src_extent, mut dst_extent) = (0, 0);
+    let mut remembered: Remembered = (0..spec.args.len()).map(|_| None).collect();
     if let Some((si, di)) = kernel_lists.take() {
         let (src_table, dst_table) = (is_table(ArgKind::InLayers)?, is_table(ArgKind::OutLayers)?);
-        let (si, di, se, de) = table_extents(si, di, src_table, dst_table, int("item_size"), ctx)?;
-        (src_extent, dst_extent) = (se, de);
-        kernel_lists = Some((si, di));
+        // sglang's path on CUDA: tables in GPU memory with CUDA index lists. The executor reads
+        // each table once and checks it on the device at every call; the lists stay on the
+        // device when every layer's extent is known without them.
+        if (src_table || dst_table) && matches!((&si, &di), (Idx::Cuda(_), Idx::Cuda(_))) {
+            if let Some(t) = remembered_tables(spec, args, ctx)? {
+                remembered = t;
+            }
+        }
+        kernel_lists = Some(if remembered.iter().all(Option::is_none) {
+            let (si, di, se, de) = table_extents(si, di, src_table, dst_table, int("item_size"), ctx)?;
+            (src_extent, dst_extent) = (se, de);
+            (si, di)
+        } else {
+            (si, di)
+        });
     }
     // Layer arguments, then arrays, then lists of arrays, each in the catalogue's order.
     for pass in 0..3 {
         for (i, (n, kind)) in spec.args.iter().enumerate() {
             let obj = arg(i)?;
             match (pass, kind) {
+                (0, ArgKind::InLayers | ArgKind::OutLayers) if remembered[i].is_some() => {
+                    let (t, h) = remembered[i].take().expect("checked");
+                    read[i] = Read::Table(t, h);
+                }
                 (0, ArgKind::InLayers) => read[i] = Read::Many(layers(&obj, n, false, src_extent, ctx)?),
                 (0, ArgKind::OutLayers) => read[i] = Read::Many(layers(&obj, n, true, dst_extent, ctx)?),
                 (1, ArgKind::In) => read[i] = Read::One(view(&obj, n, ctx)?),
@@ -130,7 +149,7 @@ pub(crate) fn call_op(
     let held: Vec<&Held> = read
         .iter()
         .flat_map(|r| match r {
-            Read::One(h) => std::slice::from_ref(h),
+            Read::One(h) | Read::Table(_, h) => std::slice::from_ref(h),
             Read::Many(v) => v.as_slice(),
             _ => &[],
         })
@@ -157,6 +176,7 @@ pub(crate) fn call_op(
         values.push(match r {
             Read::One(h) => Value::Tensor(&h.raw),
             Read::Many(_) => Value::Tensors(&many[i]),
+            Read::Table(t, _) => Value::Table(t),
             Read::Int(v) => Value::Int(*v),
             Read::Ints(v) => Value::Ints(v),
             Read::Index => {

@@ -34,6 +34,7 @@ def render_stub() -> str:
         "CATALOGUE: List[Dict[str, Any]]",
         "",
         "def synchronize(device: Optional[int] = None) -> None: ...",
+        "def forget_layer_tables() -> None: ...",
     ]
     for spec in kv.CATALOGUE:
         params = [f"{a}: {_TYPES.get(k, 'Any')}" for a, k in spec["args"]]
@@ -55,7 +56,7 @@ def test_stubs_are_the_catalogue():
 
 
 def test_every_op_is_a_function_with_the_catalogues_signature():
-    assert kv.__all__ == ["CATALOGUE", "synchronize", *(s["name"] for s in kv.CATALOGUE), "register_torch_ops"]
+    assert kv.__all__ == ["CATALOGUE", "synchronize", "forget_layer_tables", *(s["name"] for s in kv.CATALOGUE), "register_torch_ops"]
     for spec in kv.CATALOGUE:
         fn = getattr(kv, spec["name"])
         params = list(inspect.signature(fn).parameters)

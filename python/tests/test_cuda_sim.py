@@ -457,3 +457,53 @@ def test_host_memory_with_an_unregistered_hole_is_refused_before_the_gpu_touches
         kv.get_device_accessible_ptr(host[third // ITEM + 1], 0)
     assert kv.get_device_accessible_ptr(host[3], 0) == host[3].ctypes.data
     assert sim_errors() == (0, 0)
+
+
+def test_sglang_backups_with_gpu_tables_never_block_the_host(tmp_path):
+    """sglang's backup sequence on CUDA (all-layer AOT ops and JIT names with GPU layer tables and
+    CUDA index arrays, MHA, MLA and the DSA indexer's page rows): once each table has been read,
+    no driver call blocks the calling thread (the simulator's call trace, in a process of its own:
+    ``sim_table_trace.py``)."""
+    import subprocess
+    import sys
+
+    trace = tmp_path / "trace.txt"
+    script = os.path.join(os.path.dirname(__file__), "sim_table_trace.py")
+    r = subprocess.run([sys.executable, script], env={**os.environ, "HICACHE_CUDA_SIM_TRACE": str(trace)}, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "none blocking" in r.stdout
+
+
+def test_a_table_freed_and_replaced_at_its_address_is_read_again():
+    """The executors remember a GPU layer table by address, and the object that owned it: a new
+    table object at a recycled address is read again (no false 'changed' report), while a table
+    rewritten in place is refused on the device and moves nothing until forget_layer_tables()."""
+    host = pinned((SLOTS, LAYERS * ITEM), np.uint8)
+    a = [DevArray.of(rng.integers(0, 256, (SLOTS, ITEM), dtype=np.uint8)) for _ in range(LAYERS)]
+    b = [DevArray.of(rng.integers(0, 256, (SLOTS, ITEM), dtype=np.uint8)) for _ in range(LAYERS)]
+    si, di = DevArray.of(np.arange(8, dtype=np.int64)), DevArray.of(np.arange(8, 16, dtype=np.int64))
+    for layers in (a, b):
+        t = table([d.ptr for d in layers])
+        kv.transfer_kv_all_layer_mla_lf_pf(t, host, si, di, ITEM, LAYERS * ITEM, LAYERS)
+        kv.synchronize(0)
+        got = host.reshape(SLOTS, LAYERS, ITEM)
+        for layer in range(LAYERS):
+            assert np.array_equal(got[8:16, layer], layers[layer].numpy()[:8])
+        del t  # the next table may reuse its address
+    t = table([d.ptr for d in a])
+    kv.transfer_kv_all_layer_mla_lf_pf(t, host, si, di, ITEM, LAYERS * ITEM, LAYERS)
+    kv.synchronize(0)
+    swapped = np.array([d.ptr for d in b], np.uint64)
+    check(cu.cuMemcpyHtoD_v2(t.ptr, swapped.ctypes.data, swapped.nbytes), "cuMemcpyHtoD")
+    sync()
+    before = host.copy()
+    kv.transfer_kv_all_layer_mla_lf_pf(t, host, si, di, ITEM, LAYERS * ITEM, LAYERS)
+    with pytest.raises(RuntimeError, match="changed after it was first read"):
+        kv.synchronize(0)
+    assert np.array_equal(host, before)
+    kv.forget_layer_tables()
+    kv.transfer_kv_all_layer_mla_lf_pf(t, host, si, di, ITEM, LAYERS * ITEM, LAYERS)
+    kv.synchronize(0)
+    got = host.reshape(SLOTS, LAYERS, ITEM)
+    assert np.array_equal(got[8:16, 0], b[0].numpy()[:8])
+    assert sim_errors() == (0, 0)

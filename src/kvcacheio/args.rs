@@ -4,6 +4,7 @@
 
 use super::catalogue::{ArgKind, OpSpec};
 use super::*;
+use crate::plan::TableGuards;
 use crate::{Result, TransferError};
 
 /// One argument, as the bindings hand it over.
@@ -19,6 +20,17 @@ pub enum Value<'a> {
     Ints(&'a [i64]),
     /// [`ArgKind::Int`].
     Int(i64),
+    /// [`ArgKind::InLayers`], [`ArgKind::OutLayers`]: a table of layer addresses.
+    Table(&'a LayerTable),
+}
+
+impl<'a> From<Layers<'a>> for Value<'a> {
+    fn from(l: Layers<'a>) -> Self {
+        match l {
+            Layers::List(v) => Value::Tensors(v),
+            Layers::Table(t) => Value::Table(t),
+        }
+    }
 }
 
 impl Value<'_> {
@@ -28,6 +40,7 @@ impl Value<'_> {
             (self, kind),
             (Value::Tensor(_), In | Out)
                 | (Value::Tensors(_), InLayers | OutLayers | InList | OutList)
+                | (Value::Table(_), InLayers | OutLayers)
                 | (Value::Indices(_), Idx)
                 | (Value::Ints(_), HostIdx | Ints)
                 | (Value::Int(_), Int)
@@ -45,10 +58,16 @@ fn mismatch(spec: &OpSpec, message: String) -> TransferError {
 pub(super) struct OpArgs<'v, 'a> {
     pub(super) spec: &'static OpSpec,
     values: &'v [Value<'a>],
+    /// The layers of each table argument, by argument.
+    tables: Vec<Vec<RawTensor>>,
+    /// The device checks of the tables.
+    guards: TableGuards,
 }
 
 impl<'v, 'a: 'v> OpArgs<'v, 'a> {
-    /// Checks that there is one value per argument, each of its kind.
+    /// Checks that there is one value per argument, each of its kind, and sizes the layers of
+    /// its tables ([`table_extents`]; where that cannot tell, by the largest host index of the
+    /// table's side).
     pub(super) fn new(spec: &'static OpSpec, values: &'v [Value<'a>]) -> Result<Self> {
         if values.len() != spec.args.len() {
             return Err(mismatch(spec, format!("{} arguments, the catalogue lists {}", values.len(), spec.args.len())));
@@ -56,7 +75,62 @@ impl<'v, 'a: 'v> OpArgs<'v, 'a> {
         if let Some(i) = (0..values.len()).find(|&i| !values[i].fits(spec.args[i].1)) {
             return Err(mismatch(spec, format!("argument {i} ({}) is of another kind than the catalogue says", spec.args[i].0)));
         }
-        Ok(OpArgs { spec, values })
+        let mut a = OpArgs { spec, values, tables: vec![Vec::new(); values.len()], guards: TableGuards::default() };
+        let at: Vec<usize> = (0..values.len()).filter(|&i| matches!(values[i], Value::Table(_))).collect();
+        if at.is_empty() {
+            return Ok(a);
+        }
+        let tables: Vec<&LayerTable> = at.iter().filter_map(|&i| if let Value::Table(t) = values[i] { Some(t) } else { None }).collect();
+        let extents = table_extents(&tables);
+        let (src, dst) = a.indices()?;
+        for ((&i, t), ext) in at.iter().zip(&tables).zip(extents) {
+            let (name, kind) = spec.args[i];
+            // A table's layers are addressed by its side's list: the sources read, the
+            // destinations written.
+            let list = if kind == ArgKind::InLayers { src } else { dst };
+            let by_index = match list {
+                Indices::Host(v) => Some(v.iter().copied().filter(|&x| x >= 0).max().map_or(1, |m| m as u64 + 1)),
+                Indices::Cuda(_) => None,
+            };
+            let item = a.int("item_size").ok().and_then(|v| u64::try_from(v).ok()).unwrap_or(1).max(1);
+            let layers = t
+                .entries()
+                .iter()
+                .zip(ext)
+                .enumerate()
+                .map(|(j, (&addr, len))| {
+                    let len = len.or_else(|| by_index.map(|n| n.saturating_mul(item))).ok_or_else(|| {
+                        bad(
+                            &format!("{name}[{j}]"),
+                            format!(
+                                "the driver does not say how far the layer at {addr:#x} extends; pass the layers as a list of arrays, \
+                                 or host index lists"
+                            ),
+                        )
+                    })?;
+                    // SAFETY: the table's contract (`LayerTable::new`): each layer is valid
+                    // memory up to its allocation's end, which bounds `len`, or, sized by the
+                    // largest index, as sglang trusts its tables.
+                    Ok(unsafe { RawTensor::new(addr, len, vec![], t.memory()) })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            a.tables[i] = layers;
+            if let Some(g) = t.guard() {
+                a.guards.push(g)?;
+            }
+        }
+        Ok(a)
+    }
+
+    /// Runs the calls planned from these arguments ([`run_all`]), each carrying the device
+    /// checks of the tables it was planned from.
+    pub(super) fn run(&self, mut calls: Vec<Call>) -> Result<()> {
+        if !self.guards.is_empty() {
+            for c in &mut calls {
+                c.guard_tables(self.guards)?;
+            }
+        }
+        run_all(calls)
     }
 
     fn named(&self, name: &str) -> Option<&'v Value<'a>> {
@@ -106,18 +180,24 @@ impl<'v, 'a: 'v> OpArgs<'v, 'a> {
             .collect()
     }
 
-    /// The lists of arrays of kinds `kinds`, with their names.
-    pub(super) fn lists(&self, kinds: &[ArgKind]) -> Vec<(&'static str, &'v [RawTensor])> {
-        self.of_kind(kinds)
-            .filter_map(|(n, v)| match v {
-                Value::Tensors(t) => Some((n, *t)),
+    /// The lists of arrays of kinds `kinds` (a table's layers too), with their names.
+    pub(super) fn lists(&self, kinds: &[ArgKind]) -> Vec<(&'static str, &[RawTensor])> {
+        self.spec
+            .args
+            .iter()
+            .zip(self.values)
+            .zip(&self.tables)
+            .filter(|(((_, k), _), _)| kinds.contains(k))
+            .filter_map(|(((n, _), v), layers)| match v {
+                Value::Tensors(t) => Some((*n, *t)),
+                Value::Table(_) => Some((*n, layers.as_slice())),
                 _ => None,
             })
             .collect()
     }
 
     /// The one list of arrays of kind `kind`, with its name.
-    pub(super) fn list(&self, kind: ArgKind) -> Result<(&'static str, &'v [RawTensor])> {
+    pub(super) fn list(&self, kind: ArgKind) -> Result<(&'static str, &[RawTensor])> {
         self.lists(&[kind]).into_iter().next().ok_or_else(|| mismatch(self.spec, format!("no {kind:?} argument")))
     }
 

@@ -35,7 +35,7 @@ pub(super) fn layout_backup(device: &Device, a: &OpArgs<'_, '_>, layout: Layout)
     let slots = paged_slots(&refs(&dst), item * layers, page)?;
     let host = host_pool(&dev, layout, heads, Profile::Sglang, &refs(&dst), slots)?;
     let (h, d) = backup_lists(hi, di);
-    run_all(vec![Call::new(dev, host, Op::Backup, IoBackend::Kernel, h, d)?])
+    a.run(vec![Call::new(dev, host, Op::Backup, IoBackend::Kernel, h, d)?])
 }
 
 /// A backup's (host, device) index lists from the op's (src = device, dst = host) lists.
@@ -73,7 +73,7 @@ pub(super) fn layer_backup(device: &Device, a: &OpArgs<'_, '_>) -> Result<()> {
     let slots = paged_slots(&refs(&dst), item * layers, 1)?;
     let host = host_pool(&dev, Layout::PageFirst, 1, Profile::Extended, &refs(&dst), slots)?;
     let (h, d) = backup_lists(hi, di);
-    run_all(vec![Call::new(dev, host, Op::BackupLayer { layer_id, is_draft: false }, IoBackend::Kernel, h, d)?])
+    a.run(vec![Call::new(dev, host, Op::BackupLayer { layer_id, is_draft: false }, IoBackend::Kernel, h, d)?])
 }
 
 /// [`Shape::DirectLayerBackup`](super::catalogue::Shape::DirectLayerBackup): one device layer
@@ -91,5 +91,5 @@ pub(super) fn direct_layer_backup(device: &Device, args: &OpArgs<'_, '_>) -> Res
     let dev = one_layer_device(device, a.kind, a.item, a.page, a.layers, &a.dev_layer(0))?;
     let host = a.host_pool(&dev, Profile::Extended)?;
     let (hi, di) = backup_lists(src_indices, dst_indices);
-    run_all(vec![Call::new(dev, host, Op::BackupLayer { layer_id, is_draft: false }, IoBackend::Direct, hi.into(), di.into())?])
+    args.run(vec![Call::new(dev, host, Op::BackupLayer { layer_id, is_draft: false }, IoBackend::Direct, hi.into(), di.into())?])
 }

@@ -117,6 +117,11 @@ impl Call {
         Ok(call)
     }
 
+    /// Makes the plan's device checks compare the caller's layer tables with what they held.
+    pub(super) fn guard_tables(&mut self, tables: crate::plan::TableGuards) -> Result<()> {
+        self.plan.guard_tables(tables)
+    }
+
     fn planned(dev: DevicePool<'static>, host: HostPool<'static>, op: Op, io: IoBackend, hi: Indices<'_>, di: Indices<'_>) -> Result<Call> {
         let plan = match (hi, di) {
             (Indices::Host(hi), Indices::Host(di)) => {

@@ -171,8 +171,8 @@ impl OpSpec {
 macro_rules! param {
     (In) => { &'i RawTensor };
     (Out) => { &'i RawTensor };
-    (InLayers) => { &'i [RawTensor] };
-    (OutLayers) => { &'i [RawTensor] };
+    (InLayers) => { impl Into<Layers<'i>> };
+    (OutLayers) => { impl Into<Layers<'i>> };
     (InList) => { &'i [RawTensor] };
     (OutList) => { &'i [RawTensor] };
     (Idx) => { impl Into<Indices<'i>> };
@@ -190,10 +190,10 @@ macro_rules! value {
         Value::Tensor($a)
     };
     (InLayers, $a:ident) => {
-        Value::Tensors($a)
+        Value::from($a.into())
     };
     (OutLayers, $a:ident) => {
-        Value::Tensors($a)
+        Value::from($a.into())
     };
     (InList, $a:ident) => {
         Value::Tensors($a)

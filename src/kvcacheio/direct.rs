@@ -129,7 +129,7 @@ pub(super) fn direct_load(device: &Device, args: &OpArgs<'_, '_>) -> Result<()> 
             )
         })
         .collect::<Result<Vec<_>>>()?;
-    run_all(calls)
+    args.run(calls)
 }
 
 /// [`Shape::DirectBackup`](super::catalogue::Shape::DirectBackup): every device layer → its
@@ -145,7 +145,7 @@ pub(super) fn direct_backup(device: &Device, args: &OpArgs<'_, '_>) -> Result<()
     let dev = device_pool(device, a.kind, a.item, a.page, &a.dev.iter().map(|l| l.iter().collect()).collect::<Vec<_>>())?;
     let host = a.host_pool(&dev, Profile::Sglang)?;
     let (hi, di) = backup_lists(src_indices, dst_indices);
-    run_all(vec![Call::new(dev, host, Op::Backup, IoBackend::Direct, hi.into(), di.into())?])
+    args.run(vec![Call::new(dev, host, Op::Backup, IoBackend::Direct, hi.into(), di.into())?])
 }
 
 pub(super) fn check_rows(lists: &[Vec<Arg<'_>>], item: u64) -> Result<()> {

@@ -38,7 +38,7 @@ pub(super) fn layer_lists_op(device: &Device, a: &OpArgs<'_, '_>, io: IoBackend)
         IoBackend::Kernel | IoBackend::Auto => Some(a.int("item_size")?),
     };
     let kind = kind_of(src.len());
-    layer_lists(device, kind, &[src, dst].concat(), io, hi, di, item)
+    a.run(layer_lists(device, kind, &[src, dst].concat(), io, hi, di, item)?)
 }
 
 /// The checks of sglang's direct ops, in their order.
@@ -56,7 +56,7 @@ pub(super) fn direct_counts(hi: &[i64], di: &[i64], page_size: i64) -> Result<()
 }
 
 /// Layer `j` of the source lists → layer `j` of the destination lists, one pool pair per layer
-/// (`lists`: source components, then destination components).
+/// (`lists`: source components, then destination components), every layer validated first.
 pub(super) fn layer_lists(
     device: &Device,
     kind: PoolKind,
@@ -65,7 +65,7 @@ pub(super) fn layer_lists(
     hi: Indices<'_>,
     di: Indices<'_>,
     item_size: Option<i64>,
-) -> Result<()> {
+) -> Result<Vec<Call>> {
     // `kernel`: sglang's item; `direct`: each layer's own row bytes.
     let item = match item_size {
         Some(size) => Some(launcher(hi, di, size)?),
@@ -105,5 +105,5 @@ pub(super) fn layer_lists(
             lf_pair(device, kind, item, &src, &dst, io, hi, di)
         })
         .collect::<Result<Vec<_>>>()?;
-    run_all(calls)
+    Ok(calls)
 }

@@ -18,7 +18,7 @@ pub(super) fn layer_pair(device: &Device, a: &OpArgs<'_, '_>) -> Result<()> {
     let (src, dst) = (a.tensors(ArgKind::In), a.tensors(ArgKind::Out));
     check_overlaps_kernel(&src, &dst)?;
     let call = lf_pair(device, kind_of(src.len()), item, &refs(&src), &refs(&dst), IoBackend::Kernel, hi, di)?;
-    run_all(vec![call])
+    a.run(vec![call])
 }
 
 /// One layer_first layer to another: the source as a one-layer layer_first host pool, the
@@ -124,5 +124,5 @@ pub(super) fn paged_load(device: &Device, a: &OpArgs<'_, '_>, layout: Layout) ->
     let dev = one_layer_device(device, kind_of(src.len()), item, page, layers, &refs(&dst))?;
     let slots = paged_slots(&refs(&src), item * layers, page)?;
     let host = host_pool(&dev, layout, heads, Profile::Sglang, &refs(&src), slots)?;
-    run_all(vec![Call::new(dev, host, Op::Load { layer_id, is_draft: false }, IoBackend::Kernel, hi, di)?])
+    a.run(vec![Call::new(dev, host, Op::Load { layer_id, is_draft: false }, IoBackend::Kernel, hi, di)?])
 }

@@ -52,7 +52,7 @@ mod tensors;
 pub use catalogue::*;
 pub use lists::check_num_layers;
 pub use rows::{copy_all_layer_kv_cache, MAX_ROWS};
-pub use tensors::{CudaIndices, Indices, Memory, RawTensor};
+pub use tensors::{table_extents, CudaIndices, Indices, LayerTable, Layers, Memory, RawTensor};
 
 use backups::*;
 use call::*;

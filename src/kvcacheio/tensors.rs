@@ -6,6 +6,111 @@ use std::ptr::NonNull;
 use crate::exec::{Buffer, Device};
 use crate::{Result, TransferError};
 
+/// sglang's table of layer base addresses as a layer argument, read by the executor
+/// ([`CudaExecutor::layer_table`](crate::exec::cuda::CudaExecutor::layer_table) for a table in
+/// device memory): its entries, the allocation the driver says each lies in, and the device
+/// check that the caller's table still holds these entries when a call runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayerTable {
+    entries: Vec<u64>,
+    ranges: Vec<Option<(u64, u64)>>,
+    guard: Option<crate::plan::TableGuard>,
+    memory: Memory,
+}
+
+impl LayerTable {
+    /// A table of layer addresses `entries` in `memory`, with the allocation `(start, bytes)`
+    /// each lies in where known, and the device check of the caller's table.
+    ///
+    /// # Safety
+    /// Each entry addresses a layer that stays valid while calls use it, as for
+    /// [`RawTensor::new`], within its allocation; `guard` names a table and a copy of `entries`
+    /// in device memory of the executor that runs the calls.
+    pub unsafe fn new(entries: Vec<u64>, ranges: Vec<Option<(u64, u64)>>, guard: Option<crate::plan::TableGuard>, memory: Memory) -> Self {
+        LayerTable { entries, ranges, guard, memory }
+    }
+    /// Layers.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+    /// True when it names no layer.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+    /// The layer addresses.
+    pub fn entries(&self) -> &[u64] {
+        &self.entries
+    }
+    pub(super) fn guard(&self) -> Option<crate::plan::TableGuard> {
+        self.guard
+    }
+    pub(super) fn memory(&self) -> Memory {
+        self.memory
+    }
+}
+
+/// Each layer's bytes in the tables of one call, where they can be known without reading an
+/// index: up to the nearest of the end of its allocation (as the driver says), the next layer
+/// address above it in any of the tables, and, in a table of evenly spaced addresses (the
+/// layers of one buffer), that spacing. `None` where none of them is known.
+pub fn table_extents(tables: &[&LayerTable]) -> Vec<Vec<Option<u64>>> {
+    let mut all: Vec<u64> = tables.iter().flat_map(|t| t.entries.iter().copied()).collect();
+    all.sort_unstable();
+    all.dedup();
+    tables
+        .iter()
+        .map(|t| {
+            let e = &t.entries;
+            let spacing =
+                (e.len() >= 2 && e[1] > e[0]).then(|| e[1] - e[0]).filter(|&d| e.windows(2).all(|w| w[1].checked_sub(w[0]) == Some(d)));
+            e.iter()
+                .zip(&t.ranges)
+                .map(|(&addr, range)| {
+                    let ends = [
+                        range.and_then(|(start, len)| start.checked_add(len)),
+                        all.get(all.partition_point(|&a| a <= addr)).copied(),
+                        spacing.and_then(|d| addr.checked_add(d)),
+                    ];
+                    ends.into_iter().flatten().min().map(|end| end - addr)
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// A layer argument: a list of arrays, or a table of layer addresses.
+#[derive(Debug, Clone, Copy)]
+pub enum Layers<'a> {
+    /// One array per layer (every index is bounds-checked against its layer).
+    List(&'a [RawTensor]),
+    /// sglang's table of layer base addresses.
+    Table(&'a LayerTable),
+}
+
+impl<'a> From<&'a [RawTensor]> for Layers<'a> {
+    fn from(v: &'a [RawTensor]) -> Self {
+        Layers::List(v)
+    }
+}
+
+impl<'a> From<&'a Vec<RawTensor>> for Layers<'a> {
+    fn from(v: &'a Vec<RawTensor>) -> Self {
+        Layers::List(v)
+    }
+}
+
+impl<'a, const N: usize> From<&'a [RawTensor; N]> for Layers<'a> {
+    fn from(v: &'a [RawTensor; N]) -> Self {
+        Layers::List(v)
+    }
+}
+
+impl<'a> From<&'a LayerTable> for Layers<'a> {
+    fn from(t: &'a LayerTable) -> Self {
+        Layers::Table(t)
+    }
+}
+
 /// Where a tensor's memory is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Memory {

@@ -39,17 +39,70 @@ pub struct DeviceIndexCheck {
     /// How the error names the host and the device lists (`"host"`, `"device"` for pools;
     /// the kvcacheio ops say `"source"` / `"destination"`).
     pub sides: [&'static str; 2],
+    /// The caller's tables of layer addresses in device memory the plan's layers were read
+    /// from, each checked on the device to still hold what was read (check 3).
+    pub tables: TableGuards,
+}
+
+/// A caller's table of `len` layer addresses in device memory at `table`, and the copy of what
+/// it held when the call was planned, at `expected` (device memory of the executor's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TableGuard {
+    /// Device address of the caller's table (`len` u64 entries).
+    pub table: u64,
+    /// Device address of the entries the plan was made from.
+    pub expected: u64,
+    /// Entries.
+    pub len: u64,
+}
+
+/// The tables of one call: at most four (K and V, on either side of an all-layer copy).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TableGuards {
+    guards: [TableGuard; 4],
+    len: usize,
+}
+
+impl TableGuards {
+    /// Adds `g`; more than four tables in one call is refused.
+    pub fn push(&mut self, g: TableGuard) -> crate::Result<()> {
+        let slot = self.guards.get_mut(self.len).ok_or_else(|| TransferError::BadArgument {
+            arg: "tables",
+            value: 5,
+            message: "more than four layer tables in one call".into(),
+        })?;
+        *slot = g;
+        self.len += 1;
+        Ok(())
+    }
+    /// The guards, with the position of each one's first entry among all of them.
+    pub fn iter(&self) -> impl Iterator<Item = (u64, &TableGuard)> {
+        self.guards[..self.len].iter().scan(0u64, |at, g| {
+            let first = *at;
+            *at += g.len;
+            Some((first, g))
+        })
+    }
+    /// Whether there is none.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
 }
 
 impl DeviceIndexCheck {
-    /// The error for the device's finding: `check` 0 (host range), 1 (device range) or 2
-    /// (duplicate destination) at `position`, the index found there, and for a duplicate the
+    /// The error for the device's finding: `check` 0 (host range), 1 (device range), 2
+    /// (duplicate destination) or 3 (a layer table rewritten) at `position`, the index found there, and for a duplicate the
     /// position that wrote the destination first.
     pub fn error(&self, check: u64, position: u64, index: i64, first: u64) -> TransferError {
         let position = usize::try_from(position).unwrap_or(usize::MAX);
         let found = match check {
             0 => TransferError::IndexOutOfRange { side: self.sides[0], index, position, bound: self.host_bound, unit: self.unit },
             1 => TransferError::IndexOutOfRange { side: self.sides[1], index, position, bound: self.device_bound, unit: self.unit },
+            3 => {
+                let found = self.tables.iter().find(|(first, g)| (*first..first + g.len).contains(&(position as u64)));
+                let (table, entry) = found.map_or((0, position as u64), |(first, g)| (g.table, position as u64 - first));
+                TransferError::LayerTableChanged { table, entry }
+            }
             _ => TransferError::DuplicateDestination {
                 side: if self.dst_is_host { self.sides[0] } else { self.sides[1] },
                 unit: self.unit,
@@ -148,6 +201,7 @@ pub(crate) fn plan_device_lists(
         unit: "slots",
         call,
         sides: ["host", "device"],
+        tables: TableGuards::default(),
     });
     Ok(plan)
 }

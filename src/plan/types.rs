@@ -273,6 +273,24 @@ impl Plan {
         self.device_check.as_ref()
     }
     /// Names the host and device index lists in the errors of the plan's device check.
+    /// Attaches the device checks of the layer tables the plan was made from; a plan without
+    /// device index lists has no device check to carry them.
+    pub(crate) fn guard_tables(&mut self, tables: super::TableGuards) -> crate::Result<()> {
+        if tables.is_empty() {
+            return Ok(());
+        }
+        match &mut self.device_check {
+            Some(c) => {
+                c.tables = tables;
+                Ok(())
+            }
+            None => Err(crate::TransferError::BadArgument {
+                arg: "indices",
+                value: 0,
+                message: "a remembered layer table is checked on the device with CUDA index lists; pass both lists in CUDA memory".into(),
+            }),
+        }
+    }
     pub(crate) fn name_sides(&mut self, host: &'static str, device: &'static str) {
         if let Some(c) = &mut self.device_check {
             c.sides = [host, device];

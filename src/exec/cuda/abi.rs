@@ -6,7 +6,7 @@
 
 use crate::error::{Result, TransferError};
 use crate::geometry::{Addr, BufRef};
-use crate::plan::{DeviceIndexCheck, GatherStep};
+use crate::plan::{DeviceIndexCheck, GatherStep, TableGuard};
 
 /// Grid tuning, sglang's defaults: 2 blocks of 32 warps (so copies leave SMs to the forward
 /// pass). `HICACHE_CUDA_BLOCK_QUOTA` / `HICACHE_CUDA_WARPS_PER_BLOCK` override; a call can
@@ -123,6 +123,21 @@ pub struct KernelArgs {
 }
 
 impl KernelArgs {
+    /// The arguments of phase 3 for table guard `g`, whose first entry is at `first` among the
+    /// call's tables.
+    pub fn table(g: &TableGuard, first: u64, status: u64) -> CheckArgs {
+        CheckArgs {
+            host_idx: g.table,
+            dev_idx: g.expected,
+            n: g.len as i64,
+            host_bound: first,
+            dev_bound: 0,
+            dst_is_host: 0,
+            owner: 0,
+            status,
+            phase: 3,
+        }
+    }
     /// Pointers to each argument, as `cuLaunchKernel` takes them (valid while `self` is).
     pub fn params(&mut self) -> [*mut std::ffi::c_void; 9] {
         use std::ffi::c_void;
@@ -203,6 +218,21 @@ impl CheckArgs {
             owner,
             status,
             phase,
+        }
+    }
+    /// The arguments of phase 3 for table guard `g`, whose first entry is at `first` among the
+    /// call's tables.
+    pub fn table(g: &TableGuard, first: u64, status: u64) -> CheckArgs {
+        CheckArgs {
+            host_idx: g.table,
+            dev_idx: g.expected,
+            n: g.len as i64,
+            host_bound: first,
+            dev_bound: 0,
+            dst_is_host: 0,
+            owner: 0,
+            status,
+            phase: 3,
         }
     }
     /// Pointers to each argument, as `cuLaunchKernel` takes them (valid while `self` is).

@@ -44,7 +44,7 @@ fn failed(what: &str, rc: sys::CUresult) -> TransferError {
 
 impl CheckArea {
     /// Enqueues the checks of `c` on `stream` into the call's own status slot `status` (reset,
-    /// then phases 0, 1 and 2 of `hicache_check_indices`).
+    /// then phases 0, 1 and 2 of `hicache_check_indices`, then phase 3 for each layer table).
     ///
     /// # Safety
     /// The context is bound, `stream` is live, `f` is `hicache_check_indices`, `status` is a
@@ -86,6 +86,13 @@ impl CheckArea {
                     }
                     return Err(drv("cuLaunchKernel (hicache_check_indices)", e));
                 }
+            }
+            for (first, g) in c.tables.iter() {
+                let mut args = CheckArgs::table(g, first, status);
+                let mut params = args.params();
+                let blocks = g.len.div_ceil(CHECK_THREADS as u64).clamp(1, CHECK_MAX_BLOCKS as u64) as u32;
+                result::launch_kernel(f, (blocks, 1, 1), (CHECK_THREADS, 1, 1), 0, stream, &mut params)
+                    .map_err(|e| drv("cuLaunchKernel (hicache_check_indices, layer tables)", e))?;
             }
             Ok(())
         }

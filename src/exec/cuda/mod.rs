@@ -49,6 +49,7 @@ mod memory;
 mod open;
 mod queue;
 mod staging;
+mod tables;
 
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
@@ -125,6 +126,8 @@ struct Inner {
     engine: Mutex<Option<EngineStream>>,
     /// Reports of device-checked calls not yet looked at.
     reports: Mutex<checks::Reports>,
+    /// Layer tables read once and remembered.
+    tables: Mutex<tables::Tables>,
     /// Checksums of summing gathers (and items of `direct` steps) not yet settled.
     sums: Arc<checksums::SumsQueue>,
     /// Threads per block every gather function allows (their register use decides it).
@@ -174,6 +177,7 @@ impl Drop for Inner {
             log::error!("cuda: dropped with an unreported failed index check: {e}");
         }
         reports.free();
+        self.tables.get_mut().unwrap_or_else(|e| e.into_inner()).free();
         self.sums.free();
         // SAFETY: the module was loaded by us and no launch is pending.
         let _ = unsafe { result::module::unload(self.module) };

@@ -187,6 +187,7 @@ impl CudaExecutor {
                 backup: Mutex::new(None),
                 engine: Mutex::new(engine),
                 reports: Mutex::new(checks::Reports::default()),
+                tables: Mutex::new(tables::Tables::default()),
                 sums: Arc::default(),
                 max_threads,
                 max_word: std::env::var("HICACHE_CUDA_MAX_WORD")
