@@ -13,7 +13,8 @@
 #      DSA pages of 8448 B and MLA records of 1152 B and 656 B, 4096 random pages; the kernel with
 #      16-byte words (the default where aligned) against 8-byte words (HICACHE_CUDA_MAX_WORD=8),
 #      each next to the contiguous cuMemcpyAsync reference the bench prints,
-#   8. the Python package on CUDA tensors (torch), when a wheel is given in $HICACHE_IO_WHEEL
+#   8. the Python package on CUDA tensors (torch), when a wheel is given in $HICACHE_IO_WHEEL, also
+#      under PyTorch's expandable_segments:True and backend:cudaMallocAsync allocators
 #      (build it with `maturin build --release -m python/Cargo.toml`; installed --no-deps into a
 #      venv that sees the system's torch).
 # Uses $HICACHE_IO_BIN (default target/release/hicache-io) and $HICACHE_IO_EXAMPLE (default
@@ -43,7 +44,7 @@ else
 fi
 if command -v cargo >/dev/null; then
     step "cuda tests" cargo test --release --quiet --test cuda --test borrowed --test sglang_ports --test faults --test cuda_engine_stream --test pipeline \
-        --test cuda_device_indices
+        --test cuda_device_indices --test cuda_allocators
 fi
 step "fuzz: cuda, with 2000 corruption injections" "$bin" fuzz --backend cuda --cases 2000 --seed 3
 step "bench: cuda item checksums on against off (the summing kernel against the plain one)" "$bin" bench --checksums --backend cuda --budget-ms 200
@@ -67,8 +68,18 @@ if [ -n "${HICACHE_IO_WHEEL:-}" ]; then
     python3 -m venv --system-site-packages "$pyenv" && "$pyenv/bin/pip" install -q --no-deps --no-index "$HICACHE_IO_WHEEL" || status=1
     if "$pyenv/bin/python" -c "import pytest" 2>/dev/null; then
         step "pytest python/tests/test_cuda.py" "$pyenv/bin/python" -m pytest -q python/tests/test_cuda.py
+        # The allocators engines use: PyTorch's expandable segments (the virtual-memory API,
+        # chunks mapped side by side) and its stream-ordered allocator (cudaMallocAsync).
+        step "pytest python/tests/test_cuda.py under expandable_segments:True" \
+            env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "$pyenv/bin/python" -m pytest -q python/tests/test_cuda.py
+        step "pytest python/tests/test_cuda.py under backend:cudaMallocAsync" \
+            env PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync "$pyenv/bin/python" -m pytest -q python/tests/test_cuda.py
     else
         step "python/tests/test_cuda.py (as a script)" "$pyenv/bin/python" python/tests/test_cuda.py
+        step "python/tests/test_cuda.py under expandable_segments:True" \
+            env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "$pyenv/bin/python" python/tests/test_cuda.py
+        step "python/tests/test_cuda.py under backend:cudaMallocAsync" \
+            env PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync "$pyenv/bin/python" python/tests/test_cuda.py
     fi
 fi
 echo "gpu-check: $([ $status = 0 ] && echo PASSED || echo FAILED)"

@@ -75,7 +75,36 @@ pub struct Alloc {
     /// Backing memory we allocated (device and pinned), released on free.
     pub owned: bool,
     pub what: String,
+    /// How device memory came to be: `cuMemAlloc`, a stream-ordered pool, or a mapping of the
+    /// virtual-memory API (whose pointer attributes the driver answers differently).
+    pub origin: Origin,
 }
+
+/// Where a device allocation comes from.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Origin {
+    /// `cuMemAlloc`, `cuMemHostAlloc`, `cuMemHostRegister`.
+    Plain,
+    /// `cuMemAllocAsync` / `cuMemAllocFromPoolAsync` from `pool`: no context of its own.
+    Pool { pool: u64 },
+    /// `cuMemMap` of physical allocation `handle` into a reservation: no context of its own, and
+    /// unreachable until `cuMemSetAccess` grants `access`.
+    Mapped { handle: u64, access: bool },
+}
+
+/// A physical allocation of the virtual-memory API (`cuMemCreate`).
+pub struct Physical {
+    pub host: *mut u8,
+    pub len: u64,
+    pub dev: usize,
+    /// Live mappings of it.
+    pub maps: u32,
+    /// `cuMemRelease` was called: freed with its last mapping.
+    pub released: bool,
+}
+
+// SAFETY: owned backing memory, touched only under the state lock.
+unsafe impl Send for Physical {}
 
 // SAFETY: `host` is owned backing memory (or the caller's registered memory), touched only under
 // the state lock.
@@ -116,6 +145,10 @@ pub enum OpKind {
         len: u64,
         value: u32,
         width: u8,
+    },
+    /// `cuMemFreeAsync`: the allocation goes when the stream gets here.
+    Free {
+        addr: u64,
     },
     Kernel {
         kernel: crate::emu::Kernel,
@@ -214,6 +247,10 @@ pub struct State {
     pub inited: bool,
     pub allocs: BTreeMap<u64, Alloc>,
     pub freed: BTreeMap<u64, Freed>,
+    /// Address ranges reserved with `cuMemAddressReserve`: (bytes, device).
+    pub reserved: BTreeMap<u64, (u64, usize)>,
+    /// Physical allocations of `cuMemCreate`, by handle.
+    pub physical: HashMap<u64, Physical>,
     next_dev: u64,
     pub dev_used: Vec<u64>,
     pub streams: Vec<StreamSt>,
@@ -255,6 +292,8 @@ pub fn engine() -> &'static Engine {
                 inited: false,
                 allocs: BTreeMap::new(),
                 freed: BTreeMap::new(),
+                reserved: BTreeMap::new(),
+                physical: HashMap::new(),
                 next_dev: DEV_BASE,
                 dev_used: vec![0; n],
                 streams: Vec::new(),
@@ -312,6 +351,9 @@ fn splitmix(mut x: u64) -> u64 {
 }
 
 /// Where an address span is.
+/// A piece of a span inside one allocation: (its key, address, bytes, host view, origin).
+pub type Piece = (u64, u64, u64, *mut u8, Origin);
+
 pub enum Loc {
     /// Inside a live allocation (key = its start address).
     Tracked {
@@ -320,7 +362,7 @@ pub enum Loc {
         mem: Mem,
     },
     /// Host memory the driver does not know (pageable).
-    Pageable(*mut u8),
+    Pageable,
     Bad(String),
 }
 
@@ -351,10 +393,46 @@ impl State {
                 return format!("{addr:#x} is past the end of {} at {start:#x} ({} bytes)", a.what, a.len);
             }
         }
+        if let Some((start, (len, _))) = self.reserved.range(..=addr).next_back() {
+            if addr - start < *len {
+                return format!(
+                    "{addr:#x} is inside the address range reserved at {start:#x} ({len} bytes) where nothing is mapped (cuMemMap)"
+                );
+            }
+        }
         if (DEV_BASE..DEV_END).contains(&addr) {
             format!("{addr:#x} is not device memory of any allocation")
         } else {
             format!("{addr:#x} is host memory the driver does not know (not pinned or registered)")
+        }
+    }
+
+    /// `len` bytes at `addr` as pieces of allocations `(key, addr, len, host view, origin)`: one
+    /// piece, or several across mappings of the virtual-memory API that lie side by side (a
+    /// reservation mapped chunk by chunk is one span to the GPU, not to our host views).
+    pub fn span(&self, addr: u64, len: u64) -> Result<Option<Vec<Piece>>, String> {
+        let mut out = Vec::new();
+        let (mut at, mut left) = (addr, len);
+        loop {
+            match self.locate(at, 1) {
+                Loc::Tracked { key, host, .. } => {
+                    let a = &self.allocs[&key];
+                    let n = left.min(a.len - (at - key));
+                    out.push((key, at, n, host, a.origin));
+                    left -= n;
+                    at += n;
+                    if left == 0 {
+                        return Ok(Some(out));
+                    }
+                    let next_mapped = matches!(self.allocs.get(&at), Some(b) if matches!(b.origin, Origin::Mapped { .. }));
+                    if !matches!(a.origin, Origin::Mapped { .. }) || !next_mapped {
+                        return Err(format!("{len} bytes at {addr:#x} run past the end of {} at {key:#x} ({} bytes)", a.what, a.len));
+                    }
+                }
+                Loc::Pageable if out.is_empty() => return Ok(None),
+                Loc::Pageable => return Err(format!("{len} bytes at {addr:#x} run past mapped memory into {at:#x}")),
+                Loc::Bad(why) => return Err(why),
+            }
         }
     }
 
@@ -372,7 +450,7 @@ impl State {
         if (DEV_BASE..DEV_END).contains(&addr) || addr == 0 {
             return Loc::Bad(self.describe_bad(addr));
         }
-        Loc::Pageable(addr as *mut u8)
+        Loc::Pageable
     }
 
     /// Allocates device memory (`cuMemAlloc`) or pinned host memory.
@@ -411,7 +489,7 @@ impl State {
             _ => (host as u64, format!("cuMemHostAlloc #{} ({len} bytes)", self.alloc_count)),
         };
         self.freed.remove(&addr);
-        self.allocs.insert(addr, Alloc { len, host, mem, owned: true, what });
+        self.allocs.insert(addr, Alloc { len, host, mem, owned: true, what, origin: Origin::Plain });
         Ok(addr)
     }
 
@@ -455,11 +533,178 @@ impl State {
                 std::alloc::dealloc(a.host, std::alloc::Layout::from_size_align_unchecked(a.len as usize, 4096));
             }
         }
-        if let Mem::Device(d) = a.mem {
+        if let (Mem::Device(d), false) = (a.mem, matches!(a.origin, Origin::Mapped { .. })) {
             self.dev_used[d] -= a.len;
+        }
+        if let Origin::Mapped { handle, .. } = a.origin {
+            self.unmapped(handle);
         }
         self.freed.insert(addr, Freed { len: a.len, what: a.what });
         Ok(())
+    }
+
+    // ---- the virtual-memory API and stream-ordered pools --------------------------------
+
+    /// `cuMemAddressReserve`: `len` bytes of device addresses, nothing behind them yet.
+    pub fn reserve(&mut self, len: u64, dev: usize) -> Result<u64, u32> {
+        if len == 0 || !len.is_multiple_of(DEV_GRAIN) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let addr = self.next_dev;
+        self.next_dev = self.next_dev.saturating_add(len.saturating_add(DEV_GRAIN));
+        if self.next_dev >= DEV_END {
+            return Err(CUDA_ERROR_OUT_OF_MEMORY);
+        }
+        self.reserved.insert(addr, (len, dev));
+        Ok(addr)
+    }
+
+    /// `cuMemAddressFree`: the whole reservation, with nothing mapped in it.
+    pub fn address_free(&mut self, addr: u64, len: u64) -> Result<(), u32> {
+        match self.reserved.get(&addr) {
+            Some(&(l, _)) if l == len => {}
+            _ => return Err(CUDA_ERROR_INVALID_VALUE),
+        }
+        if self.allocs.range(addr..addr + len).next().is_some() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        self.reserved.remove(&addr);
+        Ok(())
+    }
+
+    /// `cuMemCreate`: physical memory on `dev`, reachable only once mapped.
+    pub fn create(&mut self, len: u64, dev: usize) -> Result<u64, u32> {
+        if len == 0 || !len.is_multiple_of(DEV_GRAIN) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        if self.dev_used[dev].saturating_add(len) > self.cfg.mem_bytes {
+            return Err(CUDA_ERROR_OUT_OF_MEMORY);
+        }
+        let size = usize::try_from(len).map_err(|_| CUDA_ERROR_OUT_OF_MEMORY)?;
+        let layout = std::alloc::Layout::from_size_align(size, 4096).map_err(|_| CUDA_ERROR_OUT_OF_MEMORY)?;
+        // SAFETY: non-zero size; checked for null below.
+        let host = unsafe { std::alloc::alloc(layout) };
+        if host.is_null() {
+            return Err(CUDA_ERROR_OUT_OF_MEMORY);
+        }
+        // SAFETY: fresh allocation of `size` bytes.
+        unsafe { std::ptr::write_bytes(host, UNINIT, size) };
+        self.dev_used[dev] += len;
+        let handle = self.new_handle();
+        self.physical.insert(handle, Physical { host, len, dev, maps: 0, released: false });
+        Ok(handle)
+    }
+
+    /// `cuMemMap`: `len` bytes of physical `handle` from `offset`, at `addr` inside a
+    /// reservation, not yet accessible.
+    pub fn map(&mut self, addr: u64, len: u64, offset: u64, handle: u64) -> Result<(), u32> {
+        let inside = self.reserved.range(..=addr).next_back().is_some_and(|(s, (l, _))| addr.saturating_add(len) <= s + l);
+        let p = self.physical.get(&handle).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+        if !inside || len == 0 || offset.checked_add(len).is_none_or(|e| e > p.len) || self.allocs.range(addr..addr + len).next().is_some()
+        {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        if self.allocs.range(..addr).next_back().is_some_and(|(s, a)| s + a.len > addr) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let (host, dev) = (p.host, p.dev);
+        self.physical.get_mut(&handle).expect("present").maps += 1;
+        self.alloc_count += 1;
+        let what = format!("cuMemMap #{} ({len} bytes of handle {handle:#x} at offset {offset}, device {dev})", self.alloc_count);
+        self.freed.remove(&addr);
+        // SAFETY: `offset + len` is inside the physical allocation.
+        let host = unsafe { host.add(offset as usize) };
+        self.allocs
+            .insert(addr, Alloc { len, host, mem: Mem::Device(dev), owned: false, what, origin: Origin::Mapped { handle, access: false } });
+        Ok(())
+    }
+
+    /// `cuMemSetAccess`: every mapping inside the span becomes reachable from the device.
+    pub fn set_access(&mut self, addr: u64, len: u64) -> Result<(), u32> {
+        let keys: Vec<u64> = self.allocs.range(addr..addr.saturating_add(len)).map(|(k, _)| *k).collect();
+        let mut any = false;
+        for k in keys {
+            let a = self.allocs.get_mut(&k).expect("present");
+            if let Origin::Mapped { handle, .. } = a.origin {
+                a.origin = Origin::Mapped { handle, access: true };
+                any = true;
+            }
+        }
+        if any {
+            Ok(())
+        } else {
+            Err(CUDA_ERROR_INVALID_VALUE)
+        }
+    }
+
+    /// `cuMemUnmap`: every mapping inside the span goes (its physical memory keeps its bytes);
+    /// queued work still using it is a race, later work a fault.
+    pub fn unmap(&mut self, addr: u64, len: u64) -> Result<(), u32> {
+        let keys: Vec<u64> = self
+            .allocs
+            .range(addr..addr.saturating_add(len))
+            .filter(|(_, a)| matches!(a.origin, Origin::Mapped { .. }))
+            .map(|(k, _)| *k)
+            .collect();
+        if keys.is_empty() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        for k in keys {
+            self.free(k, "cuMemUnmap")?;
+            if let Some(f) = self.freed.get_mut(&k) {
+                f.what.push_str(", unmapped");
+            }
+        }
+        Ok(())
+    }
+
+    /// One mapping of `handle` went.
+    fn unmapped(&mut self, handle: u64) {
+        if let Some(p) = self.physical.get_mut(&handle) {
+            p.maps = p.maps.saturating_sub(1);
+            if p.released && p.maps == 0 {
+                self.drop_physical(handle);
+            }
+        }
+    }
+
+    /// `cuMemRelease`: the physical memory goes with its last mapping.
+    pub fn release(&mut self, handle: u64) -> Result<(), u32> {
+        let p = self.physical.get_mut(&handle).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+        p.released = true;
+        if p.maps == 0 {
+            self.drop_physical(handle);
+        }
+        Ok(())
+    }
+
+    fn drop_physical(&mut self, handle: u64) {
+        if let Some(p) = self.physical.remove(&handle) {
+            // SAFETY: allocated in `create` with this layout; no mapping refers to it any more.
+            unsafe {
+                std::ptr::write_bytes(p.host, POISON, p.len as usize);
+                std::alloc::dealloc(p.host, std::alloc::Layout::from_size_align_unchecked(p.len as usize, 4096));
+            }
+            self.dev_used[p.dev] -= p.len;
+        }
+    }
+
+    /// `cuMemAllocAsync` / `cuMemAllocFromPoolAsync`: device memory from `pool`, usable in the
+    /// order of stream `sid` (an op on it writes the fresh bytes: other streams not ordered after
+    /// it race with it).
+    pub fn alloc_async(&mut self, len: u64, dev: usize, pool: u64, sid: usize) -> Result<u64, u32> {
+        let addr = self.alloc(len, Mem::Device(dev))?;
+        let a = self.allocs.get_mut(&addr).expect("present");
+        a.origin = Origin::Pool { pool };
+        a.what = a.what.replacen("cuMemAlloc", "cuMemAllocAsync", 1);
+        self.enqueue(
+            sid,
+            OpKind::Memset { dst: addr, len, value: UNINIT as u32, width: 1 },
+            format!("cuMemAllocAsync({len} bytes)"),
+            vec![],
+            None,
+        );
+        Ok(addr)
     }
 
     pub fn register_host(&mut self, ptr: u64, len: u64, read_only: bool) -> Result<(), u32> {
@@ -474,7 +719,10 @@ impl State {
         }
         self.alloc_count += 1;
         let what = format!("cuMemHostRegister #{} ({len} bytes{})", self.alloc_count, if read_only { ", read-only" } else { "" });
-        self.allocs.insert(ptr, Alloc { len, host: ptr as *mut u8, mem: Mem::Registered { read_only }, owned: false, what });
+        self.allocs.insert(
+            ptr,
+            Alloc { len, host: ptr as *mut u8, mem: Mem::Registered { read_only }, owned: false, what, origin: Origin::Plain },
+        );
         Ok(())
     }
 
@@ -624,15 +872,24 @@ impl State {
             if len == 0 {
                 continue;
             }
-            match self.locate(addr, len) {
-                Loc::Tracked { key, mem, .. } => {
-                    if write && mem == (Mem::Registered { read_only: true }) {
-                        return Err(format!("{} writes read-only registered memory at {addr:#x}", op.desc));
+            match self.span(addr, len) {
+                Ok(Some(pieces)) => {
+                    for (key, at, n, _, origin) in pieces {
+                        if write && self.allocs[&key].mem == (Mem::Registered { read_only: true }) {
+                            return Err(format!("{} writes read-only registered memory at {addr:#x}", op.desc));
+                        }
+                        if matches!(origin, Origin::Mapped { access: false, .. }) {
+                            return Err(format!(
+                                "{} on {}: {at:#x} is mapped but not accessible (no cuMemSetAccess for this device)",
+                                op.desc,
+                                self.stream_name(sid)
+                            ));
+                        }
+                        spans.push((key, at, at + n, write));
                     }
-                    spans.push((key, addr, addr + len, write));
                 }
-                Loc::Pageable(_) => {}
-                Loc::Bad(why) => return Err(format!("{} on {}: {why}", op.desc, self.stream_name(sid))),
+                Ok(None) => {}
+                Err(why) => return Err(format!("{} on {}: {why}", op.desc, self.stream_name(sid))),
             }
         }
         spans.sort_unstable_by_key(|s| (s.0, s.3, s.1));
@@ -730,42 +987,80 @@ impl State {
             }
             OpKind::Memset { dst, len, value, width } => {
                 let bytes = len * *width as u64;
-                self.check_and_record(sid, op, &[(*dst, bytes, true)]).and_then(|_| match self.locate(*dst, bytes) {
-                    Loc::Tracked { host, .. } | Loc::Pageable(host) => {
-                        // SAFETY: the span is inside one live allocation (or the caller's
-                        // pageable memory, as the real driver would touch it).
-                        unsafe {
-                            match width {
-                                1 => std::ptr::write_bytes(host, *value as u8, *len as usize),
-                                2 => (0..*len as usize).for_each(|i| (host as *mut u16).add(i).write_unaligned(*value as u16)),
-                                _ => (0..*len as usize).for_each(|i| (host as *mut u32).add(i).write_unaligned(*value)),
-                            }
+                self.check_and_record(sid, op, &[(*dst, bytes, true)]).and_then(|_| {
+                    // The pattern's bytes, written piece by piece (pieces of mappings are whole
+                    // granules, so a pattern element never straddles two).
+                    let pattern = value.to_ne_bytes();
+                    let w = *width as u64;
+                    let mut at = 0u64;
+                    for (host, n) in self.views(*dst, bytes)? {
+                        if w == 1 {
+                            // SAFETY: as below.
+                            unsafe { std::ptr::write_bytes(host, pattern[0], n as usize) };
+                            continue;
                         }
-                        Ok(())
+                        for i in 0..n {
+                            // SAFETY: inside a live piece (or the caller's pageable memory, as
+                            // the real driver would touch it).
+                            unsafe { *host.add(i as usize) = pattern[((at + i) % w) as usize] };
+                        }
+                        at += n;
                     }
-                    Loc::Bad(why) => Err(why),
+                    Ok(())
                 })
             }
             OpKind::Kernel { kernel, grid, block, args } => return self.kernel(sid, op, *kernel, *grid, *block, args),
+            OpKind::Free { addr } => {
+                let len = self.allocs.get(addr).map_or(0, |a| a.len);
+                if len == 0 {
+                    Err(format!("{}: {addr:#x} is no live stream-ordered allocation ({})", op.desc, self.describe_bad(*addr)))
+                } else {
+                    // As a host free, but ordered by the stream: work not ordered before this
+                    // op races with it.
+                    let host_vc = std::mem::replace(&mut self.host_vc, op.clock.clone());
+                    let r = self.free(*addr, "cuMemFreeAsync").map_err(|rc| format!("{}: {}", op.desc, crate::codes::name(rc)));
+                    self.host_vc = host_vc;
+                    r
+                }
+            }
         };
         if let Err(msg) = result {
             self.fault(dev, CUDA_ERROR_ILLEGAL_ADDRESS, msg);
         }
     }
 
+    /// The host views of a span, piece by piece (`(host pointer, bytes)`).
+    fn views(&self, addr: u64, len: u64) -> Result<Vec<(*mut u8, u64)>, String> {
+        Ok(match self.span(addr, len)? {
+            Some(pieces) => pieces.into_iter().map(|(_, _, n, host, _)| (host, n)).collect(),
+            None => vec![(addr as *mut u8, len)],
+        })
+    }
+
     fn copy(&self, dst: u64, src: u64, len: u64, staged: Option<&[u8]>) -> Result<(), String> {
-        let host = |addr: u64| match self.locate(addr, len) {
-            Loc::Tracked { host, .. } | Loc::Pageable(host) => Ok(host),
-            Loc::Bad(why) => Err(why),
-        };
-        let d = host(dst)?;
+        let d = self.views(dst, len)?;
         let s = match staged {
-            Some(bytes) => bytes.as_ptr(),
-            None => host(src)?,
+            Some(bytes) => vec![(bytes.as_ptr() as *mut u8, len)],
+            None => self.views(src, len)?,
         };
-        // SAFETY: both spans are inside live allocations or caller memory of `len` bytes;
-        // `copy` allows overlap, as the driver's copies do.
-        unsafe { std::ptr::copy(s, d, len as usize) };
+        // Walk both piece lists together.
+        let (mut di, mut si, mut doff, mut soff) = (0usize, 0usize, 0u64, 0u64);
+        while di < d.len() && si < s.len() {
+            let n = (d[di].1 - doff).min(s[si].1 - soff);
+            // SAFETY: both pieces are inside live allocations or caller memory; `copy` allows
+            // overlap, as the driver's copies do.
+            unsafe { std::ptr::copy(s[si].0.add(soff as usize), d[di].0.add(doff as usize), n as usize) };
+            doff += n;
+            soff += n;
+            if doff == d[di].1 {
+                di += 1;
+                doff = 0;
+            }
+            if soff == s[si].1 {
+                si += 1;
+                soff = 0;
+            }
+        }
         Ok(())
     }
 
@@ -776,7 +1071,7 @@ impl State {
         }
         match self.locate(addr, len) {
             Loc::Tracked { host, .. } => Ok(host),
-            Loc::Pageable(_) => Err(format!("the kernel's {what} at {addr:#x} is pageable host memory, which a GPU cannot read")),
+            Loc::Pageable => Err(format!("the kernel's {what} at {addr:#x} is pageable host memory, which a GPU cannot read")),
             Loc::Bad(why) => Err(format!("the kernel's {what}: {why}")),
         }
     }
@@ -863,7 +1158,7 @@ impl State {
         // A GPU cannot reach pageable host memory (only pinned or registered memory is mapped
         // for it): a kernel that touches any is an illegal address, as on the device. DMA copies
         // (`copy`) may read and write pageable memory; kernels may not.
-        if let Some(&(a, n, _)) = acc.iter().find(|&&(a, n, _)| n > 0 && matches!(self.locate(a, n), Loc::Pageable(_))) {
+        if let Some(&(a, n, _)) = acc.iter().find(|&&(a, n, _)| n > 0 && matches!(self.locate(a, n), Loc::Pageable)) {
             let msg = format!(
                 "{} on {}: the kernel touches {n} bytes at {a:#x}, pageable host memory the GPU cannot reach",
                 op.desc,
@@ -911,8 +1206,9 @@ impl State {
             .map(|(start, a)| crate::emu::Range {
                 start: *start,
                 len: a.len,
-                flags: match a.mem {
-                    Mem::Registered { read_only: true } => crate::emu::READ,
+                flags: match (a.mem, a.origin) {
+                    (_, Origin::Mapped { access: false, .. }) => 0,
+                    (Mem::Registered { read_only: true }, _) => crate::emu::READ,
                     _ => crate::emu::READ | crate::emu::WRITE,
                 },
                 host: a.host as u64,

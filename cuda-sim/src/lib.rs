@@ -34,7 +34,7 @@ use std::sync::{Mutex, OnceLock};
 
 use codes::*;
 use emu::Kernel;
-use engine::{lock, Loc, Mem, OpKind, State, StreamKind, BLOCKED};
+use engine::{lock, Loc, Mem, OpKind, Origin, State, StreamKind, BLOCKED};
 
 include!(concat!(env!("OUT_DIR"), "/unsupported.rs"));
 
@@ -636,6 +636,220 @@ pub unsafe extern "C" fn cuMemHostGetDevicePointer_v2(d: *mut u64, p: *mut c_voi
     })
 }
 
+// ---- the virtual-memory API ---------------------------------------------------------------
+
+/// `CUmemAllocationProp`'s device: `location.id` (after `type`, `requestedHandleTypes` and
+/// `location.type`, three `u32`s).
+unsafe fn prop_device(g: &State, prop: *const c_void) -> Result<usize, u32> {
+    if prop.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let id = *(prop as *const i32).add(3);
+    usize::try_from(id).ok().filter(|&d| d < g.dev_used.len()).ok_or(CUDA_ERROR_INVALID_DEVICE)
+}
+
+/// The granularity of mappings: 2 MiB, as on current GPUs.
+const GRANULARITY: usize = 2 << 20;
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemGetAllocationGranularity(granularity: *mut usize, prop: *const c_void, _option: c_uint) -> u32 {
+    api("cuMemGetAllocationGranularity", 0, || {
+        let g = lock();
+        tryc!(cur(&g));
+        tryc!(prop_device(&g, prop));
+        if granularity.is_null() {
+            return CUDA_ERROR_INVALID_VALUE;
+        }
+        *granularity = GRANULARITY;
+        CUDA_SUCCESS
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAddressReserve(ptr: *mut u64, size: usize, _alignment: usize, _addr: u64, _flags: u64) -> u32 {
+    api("cuMemAddressReserve", 0, || {
+        let mut g = lock();
+        let dev = tryc!(cur(&g));
+        if ptr.is_null() {
+            return CUDA_ERROR_INVALID_VALUE;
+        }
+        *ptr = tryc!(g.reserve(size as u64, dev));
+        CUDA_SUCCESS
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAddressFree(ptr: u64, size: usize) -> u32 {
+    api("cuMemAddressFree", 0, || {
+        let mut g = lock();
+        tryc!(cur(&g));
+        tryc!(g.address_free(ptr, size as u64).map(|_| CUDA_SUCCESS))
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemCreate(handle: *mut u64, size: usize, prop: *const c_void, _flags: u64) -> u32 {
+    api("cuMemCreate", 0, || {
+        let mut g = lock();
+        tryc!(cur(&g));
+        let dev = tryc!(prop_device(&g, prop));
+        if handle.is_null() {
+            return CUDA_ERROR_INVALID_VALUE;
+        }
+        *handle = tryc!(g.create(size as u64, dev));
+        CUDA_SUCCESS
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemRelease(handle: u64) -> u32 {
+    api("cuMemRelease", 0, || {
+        let mut g = lock();
+        tryc!(cur(&g));
+        tryc!(g.release(handle).map(|_| CUDA_SUCCESS))
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemMap(ptr: u64, size: usize, offset: usize, handle: u64, _flags: u64) -> u32 {
+    api("cuMemMap", 0, || {
+        let mut g = lock();
+        tryc!(cur(&g));
+        tryc!(g.map(ptr, size as u64, offset as u64, handle).map(|_| CUDA_SUCCESS))
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemUnmap(ptr: u64, size: usize) -> u32 {
+    api("cuMemUnmap", 0, || {
+        let mut g = lock();
+        tryc!(cur(&g));
+        // Queued work that may still use the memory is reported like a free's (a race).
+        tryc!(g.unmap(ptr, size as u64).map(|_| CUDA_SUCCESS))
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemSetAccess(ptr: u64, size: usize, desc: *const c_void, count: usize) -> u32 {
+    api("cuMemSetAccess", 0, || {
+        let mut g = lock();
+        tryc!(cur(&g));
+        if desc.is_null() || count == 0 {
+            return CUDA_ERROR_INVALID_VALUE;
+        }
+        tryc!(g.set_access(ptr, size as u64).map(|_| CUDA_SUCCESS))
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemGetAddressRange_v2(base: *mut u64, size: *mut usize, ptr: u64) -> u32 {
+    api("cuMemGetAddressRange_v2", 0, || {
+        let g = lock();
+        tryc!(cur(&g));
+        match g.locate(ptr, 1) {
+            Loc::Tracked { key, .. } => {
+                if !base.is_null() {
+                    *base = key;
+                }
+                if !size.is_null() {
+                    *size = g.allocs[&key].len as usize;
+                }
+                CUDA_SUCCESS
+            }
+            _ => CUDA_ERROR_NOT_FOUND,
+        }
+    })
+}
+
+// ---- stream-ordered allocation -------------------------------------------------------------
+
+/// The default pool of device `dev` (a handle of its own per device).
+fn default_pool(dev: usize) -> u64 {
+    0x9001_0000 + dev as u64
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceGetDefaultMemPool(pool: *mut u64, dev: c_int) -> u32 {
+    api("cuDeviceGetDefaultMemPool", 0, || {
+        let g = lock();
+        tryc!(cur(&g));
+        if pool.is_null() || dev < 0 || dev as usize >= g.dev_used.len() {
+            return CUDA_ERROR_INVALID_VALUE;
+        }
+        *pool = default_pool(dev as usize);
+        CUDA_SUCCESS
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemPoolCreate(pool: *mut u64, props: *const c_void) -> u32 {
+    api("cuMemPoolCreate", 0, || {
+        let mut g = lock();
+        tryc!(cur(&g));
+        // `CUmemPoolProps` starts like `CUmemAllocationProp`: the device at the same place.
+        let dev = tryc!(prop_device(&g, props));
+        if pool.is_null() {
+            return CUDA_ERROR_INVALID_VALUE;
+        }
+        let _ = dev;
+        *pool = g.new_handle();
+        CUDA_SUCCESS
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemPoolDestroy(_pool: u64) -> u32 {
+    api("cuMemPoolDestroy", 0, || CUDA_SUCCESS)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemPoolTrimTo(_pool: u64, _keep: usize) -> u32 {
+    api("cuMemPoolTrimTo", 0, || CUDA_SUCCESS)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemPoolSetAttribute(_pool: u64, _attr: c_int, _value: *mut c_void) -> u32 {
+    api("cuMemPoolSetAttribute", 0, || CUDA_SUCCESS)
+}
+
+unsafe fn alloc_async(name: &str, dptr: *mut u64, size: usize, pool: Option<u64>, stream: u64) -> u32 {
+    api(name, stream, || {
+        let mut g = lock();
+        let dev = tryc!(cur(&g));
+        if dptr.is_null() {
+            return CUDA_ERROR_INVALID_VALUE;
+        }
+        let sid = tryc!(g.resolve(stream, dev));
+        let pool = pool.unwrap_or_else(|| default_pool(dev));
+        *dptr = tryc!(g.alloc_async(size as u64, dev, pool, sid));
+        CUDA_SUCCESS
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAllocAsync(dptr: *mut u64, size: usize, stream: u64) -> u32 {
+    alloc_async("cuMemAllocAsync", dptr, size, None, stream)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAllocFromPoolAsync(dptr: *mut u64, size: usize, pool: u64, stream: u64) -> u32 {
+    alloc_async("cuMemAllocFromPoolAsync", dptr, size, Some(pool), stream)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemFreeAsync(dptr: u64, stream: u64) -> u32 {
+    api("cuMemFreeAsync", stream, || {
+        let mut g = lock();
+        let dev = tryc!(cur(&g));
+        if !matches!(g.allocs.get(&dptr).map(|a| a.origin), Some(Origin::Pool { .. })) {
+            return CUDA_ERROR_INVALID_VALUE;
+        }
+        let sid = tryc!(g.resolve(stream, dev));
+        g.enqueue(sid, OpKind::Free { addr: dptr }, "cuMemFreeAsync".to_string(), vec![], None);
+        CUDA_SUCCESS
+    })
+}
+
 /// Writes one pointer attribute; `Err` for an unknown pointer.
 unsafe fn pointer_attribute(g: &State, attr: c_int, data: *mut c_void, ptr: u64) -> Result<(), u32> {
     let (key, mem) = match g.locate(ptr, 1) {
@@ -649,6 +863,21 @@ unsafe fn pointer_attribute(g: &State, attr: c_int, data: *mut c_void, ptr: u64)
     };
     if data.is_null() {
         return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    match (attr, a.origin) {
+        // Memory of the virtual-memory API belongs to no context (the query fails); a
+        // stream-ordered pool's answers an empty context.
+        (1, Origin::Mapped { .. }) => return Err(CUDA_ERROR_INVALID_VALUE),
+        (1, Origin::Pool { .. }) => {
+            *(data as *mut u64) = 0;
+            return Ok(());
+        }
+        (17, Origin::Pool { pool }) => {
+            *(data as *mut u64) = pool;
+            return Ok(());
+        }
+        (17, _) => return Err(CUDA_ERROR_INVALID_VALUE),
+        _ => {}
     }
     match attr {
         1 => *(data as *mut u64) = CTX_BASE + dev as u64,
@@ -959,11 +1188,14 @@ fn side(g: &State, addr: u64, len: u64) -> Result<Side, u32> {
     if len == 0 {
         return Ok(Side::Pageable);
     }
-    match g.locate(addr, len) {
-        Loc::Tracked { mem: Mem::Device(_), .. } => Ok(Side::Device),
-        Loc::Tracked { .. } => Ok(Side::Pinned),
-        Loc::Pageable(_) => Ok(Side::Pageable),
-        Loc::Bad(why) => {
+    // A span may cross mappings of the virtual-memory API that lie side by side.
+    match g.span(addr, len) {
+        Ok(None) => Ok(Side::Pageable),
+        Ok(Some(pieces)) => match g.allocs[&pieces[0].0].mem {
+            Mem::Device(_) => Ok(Side::Device),
+            _ => Ok(Side::Pinned),
+        },
+        Err(why) => {
             eprintln!("cuda-sim: copy refused: {why}");
             Err(CUDA_ERROR_INVALID_VALUE)
         }

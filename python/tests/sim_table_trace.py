@@ -1,4 +1,4 @@
-"""sglang 0.5.23's backup sequence on CUDA with ``io_backend=kernel``, run twice on the simulated
+"""sglang 0.5.23's backup sequence on CUDA with ``io_backend=kernel`` (and the Mamba pool's), run twice on the simulated
 driver with its call trace on (``HICACHE_CUDA_SIM_TRACE``, read at the driver's first call, so
 this runs in its own process: ``test_cuda_sim.py`` starts it). The first round reads each layer
 table once; the second must make no driver call that blocks the calling thread. Every byte of
@@ -35,6 +35,7 @@ def main(trace: str) -> None:
     lf_tables = [table([kv.get_device_accessible_ptr(h[layer], 0) for layer in range(LAYERS)]) for h in (lf_k, lf_v, lf_m)]
     pf_k, pf_v, pf_m = (registered((SLOTS, LAYERS, ITEM), np.uint8) for _ in range(3))
     pf_x = registered((PAGES, LAYERS, ROW), np.uint8)
+    pf_s = registered((SLOTS, LAYERS, ITEM), np.uint8)  # Mamba state slots (MambaPoolHost, page_first)
 
     def pages(seed):
         p = np.random.default_rng(seed).permutation(SLOTS // PAGE)[:6]
@@ -55,11 +56,13 @@ def main(trace: str) -> None:
         kv.transfer_kv_all_layer_lf_pf(dk_t, pf_k, dv_t, pf_v, d_rows, h_rows, ITEM, LAYERS * ITEM, LAYERS)
         kv.transfer_kv_all_layer_mla_lf_pf(dm_t, pf_m, d_rows, h_rows, ITEM, LAYERS * ITEM, LAYERS)
         kv.transfer_kv_all_layer_mla_lf_pf(dx_t, pf_x, d_pages, h_pages, ROW, LAYERS * ROW, LAYERS)
+        # Mamba: the JIT state backup from the table of per-layer state tensors.
+        kv.transfer_kv_mamba_lf_pf(dm_t, pf_s, d_rows, h_rows, ITEM, LAYERS * ITEM, LAYERS)
 
     backups()  # the first use of each table reads it
     sync()
     kv.synchronize(0)
-    for h in (lf_k, lf_v, lf_m, pf_k, pf_v, pf_m, pf_x):
+    for h in (lf_k, lf_v, lf_m, pf_k, pf_v, pf_m, pf_x, pf_s):
         h[...] = 0
     before = len(open(trace).read().splitlines())
     backups()
@@ -79,6 +82,7 @@ def main(trace: str) -> None:
         assert np.array_equal(pf_v[host_rows, layer], v[dev_rows]), f"MHA pf V layer {layer}"
         assert np.array_equal(pf_m[host_rows, layer], m[dev_rows]), f"MLA pf layer {layer}"
         assert np.array_equal(pf_x[host_pages, layer], x[dev_pages]), f"indexer layer {layer}"
+        assert np.array_equal(pf_s[host_rows, layer], m[dev_rows]), f"Mamba layer {layer}"
     assert sim_errors() == (0, 0)
     print(f"ok: {len(issued)} driver calls, {len(launches)} launches, none blocking")
 

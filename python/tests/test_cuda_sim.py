@@ -507,3 +507,149 @@ def test_a_table_freed_and_replaced_at_its_address_is_read_again():
     got = host.reshape(SLOTS, LAYERS, ITEM)
     assert np.array_equal(got[8:16, 0], b[0].numpy()[:8])
     assert sim_errors() == (0, 0)
+
+
+class _Prop(ctypes.Structure):
+    """``CUmemAllocationProp``: pinned device memory on device 0."""
+
+    _fields_ = [("type", ctypes.c_uint32), ("handle_types", ctypes.c_uint32), ("loc_type", ctypes.c_uint32), ("loc_id", ctypes.c_int32),
+                ("win32", ctypes.c_void_p), ("flags", ctypes.c_uint64)]
+
+
+class _Access(ctypes.Structure):
+    """``CUmemAccessDesc``: read and write from device 0."""
+
+    _fields_ = [("loc_type", ctypes.c_uint32), ("loc_id", ctypes.c_int32), ("flags", ctypes.c_uint32)]
+
+
+CHUNK = 2 << 20
+
+
+class SegmentArray(DevArray):
+    """An array inside an expandable-segment style reservation (PyTorch's
+    ``expandable_segments:True``): ``chunks`` physical chunks mapped side by side; the array
+    starts at ``offset`` so it may straddle chunks."""
+
+    def __init__(self, shape, dtype, chunks=2, offset=0):
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.nbytes = int(np.prod(self.shape)) * self.dtype.itemsize
+        assert offset + self.nbytes <= chunks * CHUNK
+        base = ctypes.c_uint64()
+        check(cu.cuMemAddressReserve(ctypes.byref(base), ctypes.c_size_t(chunks * CHUNK), ctypes.c_size_t(0), ctypes.c_uint64(0), ctypes.c_uint64(0)), "cuMemAddressReserve")
+        self.base, self.chunks, self.handles = base.value, chunks, []
+        prop = _Prop(1, 0, 1, 0, None, 0)
+        for i in range(chunks):
+            h = ctypes.c_uint64()
+            check(cu.cuMemCreate(ctypes.byref(h), ctypes.c_size_t(CHUNK), ctypes.byref(prop), ctypes.c_uint64(0)), "cuMemCreate")
+            self.handles.append(h.value)
+            self.map(i)
+        self.ptr = self.base + offset
+        self._keep = []
+
+    def map(self, i):
+        at = ctypes.c_uint64(self.base + i * CHUNK)
+        check(cu.cuMemMap(at, ctypes.c_size_t(CHUNK), ctypes.c_size_t(0), ctypes.c_uint64(self.handles[i]), ctypes.c_uint64(0)), "cuMemMap")
+        access = _Access(1, 0, 3)
+        check(cu.cuMemSetAccess(at, ctypes.c_size_t(CHUNK), ctypes.byref(access), ctypes.c_size_t(1)), "cuMemSetAccess")
+
+    def unmap(self, i):
+        check(cu.cuMemUnmap(ctypes.c_uint64(self.base + i * CHUNK), ctypes.c_size_t(CHUNK)), "cuMemUnmap")
+
+    @classmethod
+    def of(cls, a, **kw):
+        a = np.ascontiguousarray(a)
+        d = cls(a.shape, a.dtype, **kw)
+        check(cu.cuMemcpyHtoD_v2(d.ptr, a.ctypes.data, a.nbytes), "cuMemcpyHtoD")
+        check(cu.cuCtxSynchronize(), "cuCtxSynchronize")
+        return d
+
+    def __del__(self):
+        pass  # the reservation lives as long as the test process
+
+
+def test_kv_layers_in_an_expandable_segment_and_the_memory_saver_cycle():
+    """Three layers in one reservation of three chunks (the middle layers straddle chunk
+    boundaries), backed up through the all-layer op and loaded back per layer, byte for byte;
+    a chunk unmapped between two backups (the memory-saver cycle) is refused before anything
+    moves, and once mapped again the same bytes move."""
+    layer_bytes = SLOTS * ITEM  # 256 KiB: place them so two straddle boundaries
+    seg = SegmentArray((3, SLOTS, ITEM), np.uint8, chunks=3, offset=2 * CHUNK - layer_bytes - 4096)
+    data = rng.integers(0, 256, (3, SLOTS, ITEM), dtype=np.uint8)
+    check(cu.cuMemcpyHtoD_v2(seg.ptr, data.ctypes.data, data.nbytes), "cuMemcpyHtoD")
+    sync()
+
+    class Layer(DevArray):
+        def __init__(self, ptr):
+            self.shape, self.dtype, self.nbytes, self.ptr, self._keep = (SLOTS, ITEM), np.dtype(np.uint8), layer_bytes, ptr, []
+
+        def __del__(self):
+            pass
+
+    layers = [Layer(seg.ptr + l * layer_bytes) for l in range(3)]
+    host = pinned((SLOTS, 3, ITEM), np.uint8)
+    di, hi = pages(128, 16, 21), pages(128, 16, 22)
+    kv.transfer_kv_all_layer_mla_lf_pf(layers, host.reshape(-1), DevArray.of(di), DevArray.of(hi), ITEM, 3 * ITEM, 3)
+    kv.synchronize(0)
+    for l in range(3):
+        assert np.array_equal(host[hi, l], data[l][di])
+    # The same through a GPU table of the layers (the executor bounds them by the chunks).
+    host[...] = 0
+    kv.transfer_kv_all_layer_mla_lf_pf(table([x.ptr for x in layers]), host.reshape(-1), DevArray.of(di), DevArray.of(hi), ITEM, 3 * ITEM, 3)
+    kv.synchronize(0)
+    for l in range(3):
+        assert np.array_equal(host[hi, l], data[l][di])
+    # Loads back into zeroed rows.
+    zero = np.zeros((len(di), ITEM), np.uint8)
+    for l in range(3):
+        check(cu.cuMemcpyHtoD_v2(layers[l].ptr, np.zeros((SLOTS, ITEM), np.uint8).ctypes.data, layer_bytes), "zero")
+    sync()
+    for l in range(3):
+        kv.transfer_kv_per_layer_mla_pf_lf(host.reshape(-1), layers[l], DevArray.of(hi), DevArray.of(di), l, ITEM, 3 * ITEM)
+    kv.synchronize(0)
+    for l in range(3):
+        got = layers[l].numpy()
+        assert np.array_equal(got[di], data[l][di])
+        assert not np.array_equal(got[di], zero)
+    # The memory-saver cycle: chunk 1 unmapped; a backup reaching it is refused; mapped again, it moves.
+    seg.unmap(1)
+    before = host.copy()
+    with pytest.raises(RuntimeError, match="not mapped|not device memory|not memory the CUDA driver knows"):
+        kv.transfer_kv_all_layer_mla_lf_pf(layers, host.reshape(-1), DevArray.of(di), DevArray.of(hi), ITEM, 3 * ITEM, 3)
+    kv.synchronize(0)
+    assert np.array_equal(host, before)
+    seg.map(1)
+    host[...] = 0
+    kv.transfer_kv_all_layer_mla_lf_pf(layers, host.reshape(-1), DevArray.of(di), DevArray.of(hi), ITEM, 3 * ITEM, 3)
+    kv.synchronize(0)
+    for l in range(3):
+        assert np.array_equal(host[hi, l], data[l][di])
+    assert sim_errors() == (0, 0)
+
+
+def test_kv_layers_from_a_stream_ordered_pool():
+    """A layer from ``cuMemAllocAsync`` (PyTorch's ``backend:cudaMallocAsync``): no context of its
+    own, the device ordinal decides; backed up and loaded byte for byte on the caller's stream."""
+    ptr = ctypes.c_uint64()
+    check(cu.cuMemAllocAsync(ctypes.byref(ptr), ctypes.c_size_t(SLOTS * ITEM), ctypes.c_void_p(0)), "cuMemAllocAsync")
+    data = rng.integers(0, 256, (SLOTS, ITEM), dtype=np.uint8)
+    check(cu.cuMemcpyHtoD_v2(ptr.value, data.ctypes.data, data.nbytes), "cuMemcpyHtoD")
+    sync()
+
+    class Pooled(DevArray):
+        def __init__(self):
+            self.shape, self.dtype, self.nbytes, self.ptr, self._keep = (SLOTS, ITEM), np.dtype(np.uint8), SLOTS * ITEM, ptr.value, []
+
+        def __del__(self):
+            pass
+
+    dev = Pooled()
+    host = pinned((SLOTS, ITEM), np.uint8)
+    di, hi = pages(64, 16, 31), pages(64, 16, 32)
+    kv.transfer_kv_per_layer_mla(dev, host, DevArray.of(di), DevArray.of(hi), ITEM)
+    kv.synchronize(0)
+    assert np.array_equal(host[hi], data[di])
+    check(cu.cuMemFreeAsync(ctypes.c_uint64(ptr.value), ctypes.c_void_p(0)), "cuMemFreeAsync")
+    sync()
+    with pytest.raises(RuntimeError):
+        kv.transfer_kv_per_layer_mla(dev, host, DevArray.of(di), DevArray.of(hi), ITEM)
+    assert sim_errors() == (0, 0)

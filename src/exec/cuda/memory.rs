@@ -122,29 +122,33 @@ impl CudaBuffer {
             });
         }
         let mut b = if is_device {
+            // cuMemAlloc memory names its context, which must be ours. Memory of the
+            // virtual-memory API (PyTorch's expandable segments, memory-saver regions) and of
+            // stream-ordered pools (cudaMallocAsync) belongs to no context: the query fails or
+            // answers none, and the device ordinal decides.
             let mut ctx: sys::CUcontext = std::ptr::null_mut();
-            let (mut start, mut size): (u64, usize) = (0, 0);
-            let rc = [
-                attr(sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_CONTEXT, &mut ctx as *mut _ as *mut c_void),
-                attr(sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, &mut start as *mut u64 as *mut c_void),
-                attr(sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_SIZE, &mut size as *mut usize as *mut c_void),
-            ];
-            if let Some(rc) = rc.iter().find(|rc| **rc != sys::CUresult::CUDA_SUCCESS) {
-                return Err(TransferError::Executor { backend: "cuda", message: format!("cuPointerGetAttribute({ptr:#x}): {rc:?}") });
+            let rc = attr(sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_CONTEXT, &mut ctx as *mut _ as *mut c_void);
+            if rc == sys::CUresult::CUDA_SUCCESS && !ctx.is_null() {
+                if ctx != exec.inner.ctx.cu_ctx() {
+                    return Err(TransferError::Executor {
+                        backend: "cuda",
+                        message: format!("device memory at {ptr:#x} belongs to another CUDA context (another device) than this executor's"),
+                    });
+                }
+            } else {
+                let ours = exec.inner.ctx.ordinal() as i32;
+                let on = device_ordinal(ptr);
+                if on != Some(ours) {
+                    return Err(TransferError::Executor {
+                        backend: "cuda",
+                        message: format!(
+                            "device memory at {ptr:#x} (no context: virtual-memory or pool memory) is on device {}, this executor's is {ours}",
+                            on.map_or("?".to_string(), |d| d.to_string())
+                        ),
+                    });
+                }
             }
-            if ctx != exec.inner.ctx.cu_ctx() {
-                return Err(TransferError::Executor {
-                    backend: "cuda",
-                    message: format!("device memory at {ptr:#x} belongs to another CUDA context (another device) than this executor's"),
-                });
-            }
-            let end = ptr.checked_add(len);
-            if end.is_none_or(|e| e > start.saturating_add(size as u64)) {
-                return Err(TransferError::Executor {
-                    backend: "cuda",
-                    message: format!("{len} bytes at {ptr:#x} extend past their allocation ({size} bytes at {start:#x})"),
-                });
-            }
+            device_span_mapped(ptr, len, exec.inner.ctx.ordinal() as i32)?;
             unsafe { CudaBuffer::from_device_ptr(exec, ptr, len) }
         } else {
             let b = unsafe { CudaBuffer::from_host_ptr(exec, ptr as *mut u8, len, false)? };
@@ -162,6 +166,59 @@ impl CudaBuffer {
     /// True for pinned host memory.
     pub fn is_host(&self) -> bool {
         !self.host_ptr.is_null()
+    }
+}
+
+/// The device the driver says `addr` is memory of.
+fn device_ordinal(addr: u64) -> Option<i32> {
+    let mut ord: i32 = -1;
+    // SAFETY: a plain query into an `i32`.
+    let rc = unsafe {
+        sys::cuPointerGetAttribute(&mut ord as *mut i32 as *mut c_void, sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, addr)
+    };
+    (rc == sys::CUresult::CUDA_SUCCESS).then_some(ord)
+}
+
+/// Checks that every byte of device span `ptr..ptr + len` is memory of device `ordinal`, walked
+/// allocation by allocation: one `cuMemAlloc` or pool allocation, or several mappings of the
+/// virtual-memory API side by side in one reservation (an expandable segment grows chunk by
+/// chunk, and a tensor may straddle two). A gap (a chunk not mapped, or unmapped since) is
+/// refused naming its address, before a kernel would fault on it.
+fn device_span_mapped(ptr: u64, len: u64, ordinal: i32) -> Result<()> {
+    let end = ptr
+        .checked_add(len)
+        .ok_or_else(|| TransferError::Executor { backend: "cuda", message: format!("{len} bytes at {ptr:#x} wrap") })?;
+    let mut at = ptr;
+    loop {
+        let (mut start, mut size): (u64, usize) = (0, 0);
+        // SAFETY: plain queries; the outputs are large enough for the attributes asked.
+        let rc = unsafe {
+            [
+                sys::cuPointerGetAttribute(
+                    &mut start as *mut u64 as *mut c_void,
+                    sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+                    at,
+                ),
+                sys::cuPointerGetAttribute(
+                    &mut size as *mut usize as *mut c_void,
+                    sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+                    at,
+                ),
+            ]
+        };
+        let next = start.saturating_add(size as u64);
+        if rc.iter().any(|rc| *rc != sys::CUresult::CUDA_SUCCESS) || start > at || next <= at || device_ordinal(at) != Some(ordinal) {
+            let what = if at == ptr {
+                "are not device memory the driver knows".to_string()
+            } else {
+                format!("extend past their allocation into {at:#x}, which is not mapped device memory of this device (a gap between mappings, or unmapped)")
+            };
+            return Err(TransferError::Executor { backend: "cuda", message: format!("{len} bytes at {ptr:#x} {what}") });
+        }
+        if next >= end {
+            return Ok(());
+        }
+        at = next;
     }
 }
 

@@ -50,8 +50,8 @@ impl Tables {
     }
 }
 
-/// The allocation (start, bytes) the driver says `addr` lies in, where it says one.
-fn allocation_of(addr: u64) -> Option<(u64, u64)> {
+/// The range (start, end) the driver says `addr` lies in, where it says one.
+fn range_of(addr: u64) -> Option<(u64, u64)> {
     let (mut start, mut size): (u64, usize) = (0, 0);
     // SAFETY: plain queries; the outputs are large enough for the attributes asked.
     let rc = unsafe {
@@ -69,7 +69,35 @@ fn allocation_of(addr: u64) -> Option<(u64, u64)> {
         ]
     };
     let end = start.checked_add(size as u64)?;
-    (rc.iter().all(|rc| *rc == sys::CUresult::CUDA_SUCCESS) && start <= addr && addr < end).then_some((start, size as u64))
+    (rc.iter().all(|rc| *rc == sys::CUresult::CUDA_SUCCESS) && start <= addr && addr < end).then_some((start, end))
+}
+
+/// Whether the driver names a context for `addr` (cuMemAlloc memory does; memory of the
+/// virtual-memory API and of stream-ordered pools does not).
+fn has_context(addr: u64) -> bool {
+    let mut ctx: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: a plain query into a pointer-sized output.
+    let rc = unsafe {
+        sys::cuPointerGetAttribute(&mut ctx as *mut _ as *mut c_void, sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_CONTEXT, addr)
+    };
+    rc == sys::CUresult::CUDA_SUCCESS && !ctx.is_null()
+}
+
+/// The allocation (start, bytes) `addr` lies in, where the driver says one. Mappings of the
+/// virtual-memory API that follow each other (an expandable segment's chunks) count as one, so
+/// a layer that straddles two chunks keeps its extent; `cuMemAlloc` allocations never merge.
+fn allocation_of(addr: u64) -> Option<(u64, u64)> {
+    let (start, mut end) = range_of(addr)?;
+    if !has_context(addr) {
+        // At most 4096 chunks (8 GiB of 2 MiB mappings) per walk.
+        for _ in 0..4096 {
+            match range_of(end) {
+                Some((s, e)) if s == end && !has_context(end) => end = e,
+                _ => break,
+            }
+        }
+    }
+    Some((start, end - start))
 }
 
 impl CudaExecutor {
