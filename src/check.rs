@@ -215,8 +215,18 @@ pub(crate) struct Mirrored {
 impl Mirrored {
     /// Allocates the pools and fills every buffer with random bytes from `seed`.
     pub(crate) fn new(device: &Device, dc: &DevicePoolConfig, hc: &HostPoolConfig, seed: u64) -> Result<Mirrored> {
+        Mirrored::with_geometry(device, dc.geometry()?, hc, seed)
+    }
+
+    /// [`Mirrored::new`] for pools of `geometry` (e.g. padded pages).
+    pub(crate) fn with_geometry(
+        device: &Device,
+        geometry: crate::geometry::DeviceGeometry,
+        hc: &HostPoolConfig,
+        seed: u64,
+    ) -> Result<Mirrored> {
         let mut rng = Rng::new(seed);
-        let mut dev = DevicePool::new(device, dc)?;
+        let mut dev = DevicePool::with_geometry(device, geometry)?;
         let mut host = HostPool::new(&dev, hc)?;
         let g = dev.geometry().clone();
         let comps = g.kind().components();

@@ -30,6 +30,8 @@ pub struct FuzzTally {
     pub large: u64,
     /// Calls that ran and matched the oracle (no-ops included).
     pub matched: u64,
+    /// Cases of pools with padded pages (DeepSeek-V4's C4 token parts), run or refused.
+    pub padded: u64,
     /// Calls refused with a typed error, every byte unchanged.
     pub rejected_call: u64,
     /// Panics caught (must be 0).
@@ -176,6 +178,11 @@ pub fn fuzz_device(device: &Device, seed: u64, cases: u64, mut progress: impl Fn
 /// One case: build (maybe refuse) the pools, run one call, check bytes; sometimes a storage
 /// helper round trip and a plan of other pools.
 fn one_case(device: &Device, other_device: Option<&Device>, seed: u64, t: &mut FuzzTally) {
+    // One case in eight moves padded pages (DeepSeek-V4's C4 token parts), drawn from its own
+    // stream so that every other seed draws the case it always did.
+    if Rng::new(seed ^ PADDED_SALT).chance(12) {
+        return padded_case(device, seed, t);
+    }
     let mut rng = Rng::new(seed);
     let profile = rng.pick(&[Profile::Sglang, Profile::Extended]);
     let cells = supported_cells(profile);
@@ -271,6 +278,94 @@ fn one_case(device: &Device, other_device: Option<&Device>, seed: u64, t: &mut F
             }
         }
     }
+}
+
+const PADDED_SALT: u64 = 0x7061_6464_6564;
+
+/// A padded-page case: a layer_first MLA pool pair whose pages hold `P` items `offset` bytes
+/// into `page_bytes`, one call of the `kernel` backend with distinct random tokens (partly
+/// hostile), against the oracle; `direct` must be refused.
+fn padded_case(device: &Device, seed: u64, t: &mut FuzzTally) {
+    use crate::geometry::{DeviceGeometry, LayerMap, PagePadding, PoolKind};
+    t.padded += 1;
+    let mut rng = Rng::new(seed);
+    let item = rng.pick(&[8u64, 16, 24, 576]);
+    let p = rng.pick(&[1u64, 2, 4, 64]);
+    let spare = 8 * rng.below(4);
+    let offset = rng.below(spare / 8 + 1) * 8;
+    let padding = PagePadding { page_bytes: p * item + spare, offset };
+    let (dev_pages, host_pages) = (1 + rng.below(3), 1 + rng.below(3));
+    let layer_num = 1 + rng.below(3) as usize;
+    let mut layers = LayerMap::new(layer_num);
+    layers.drafts = rng.below(2) as usize;
+    let geometry = match DeviceGeometry::new(PoolKind::Mla, item, dev_pages * p, p, layers).and_then(|g| g.with_padding(padding)) {
+        Ok(g) => g,
+        Err(e) => {
+            t.corrupted += 1;
+            return t.fail(format!("seed {seed}: a padded geometry was refused: {e}"));
+        }
+    };
+    let profile = rng.pick(&[Profile::Sglang, Profile::Extended]);
+    let hc = HostPoolConfig { layout: Layout::LayerFirst, size: (host_pages - 1) * p, head_num: 1, profile, integrity: None };
+    let mut m = match Mirrored::with_geometry(device, geometry, &hc, seed) {
+        Ok(m) => m,
+        Err(e) => {
+            t.corrupted += 1;
+            return t.fail(format!("seed {seed}: padded pools could not be built: {e}"));
+        }
+    };
+    let n = 1 + rng.below(dev_pages.min(host_pages) * p) as usize;
+    let draw = |rng: &mut Rng, bound: u64| -> Vec<i64> {
+        let mut all: Vec<i64> = (0..bound as i64).collect();
+        for i in 0..n {
+            let j = i + rng.below(bound - i as u64) as usize;
+            all.swap(i, j);
+        }
+        all.truncate(n);
+        all
+    };
+    let (mut hi, mut di) = (draw(&mut rng, host_pages * p), draw(&mut rng, dev_pages * p));
+    let layer_id = rng.below(layer_num as u64 + 1) as usize;
+    let op = rng.pick(&[
+        Op::Load { layer_id, is_draft: false },
+        Op::Backup,
+        Op::BackupLayer { layer_id, is_draft: false },
+        Op::Load { layer_id: layer_num, is_draft: true },
+    ]);
+    let mutated = rng.chance(40);
+    if mutated {
+        let list = if rng.chance(50) { &mut hi } else { &mut di };
+        let at = rng.below(list.len() as u64) as usize;
+        list[at] = rng.pick(&[-2, (host_pages.max(dev_pages) * p) as i64, list[0], i64::MAX, 1 << 32]);
+    }
+    let io = if rng.chance(10) { IoBackend::Direct } else { IoBackend::Kernel };
+    let tag = |what: &str| format!("seed {seed}: padded pages {what} ({op:?} {io}, item {item}, P {p}, {padding:?})");
+    let well_formed = !mutated
+        && io == IoBackend::Kernel
+        && !(op == (Op::Load { layer_id: layer_num, is_draft: true }) && m.dev.geometry().layers().drafts == 0);
+    match m.call(op, io, &hi, &di) {
+        Ok(()) => {
+            if io != IoBackend::Kernel {
+                t.corrupted += 1;
+                t.fail(tag("accepted by the direct backend"));
+            }
+            m.apply_oracle(op, &hi, &di);
+            t.matched += 1;
+        }
+        Err(e) => {
+            t.rejected_call += 1;
+            let owned = matches!(op, Op::Backup) || layer_id < layer_num;
+            if well_formed && owned {
+                t.refused_well_formed += 1;
+                t.fail(tag(&format!("a well-formed call was refused: {e}")));
+            }
+            if matches!(e, TransferError::Executor { .. } | TransferError::Partial { .. } | TransferError::Integrity { .. }) {
+                t.corrupted += 1;
+                t.fail(tag(&format!("failed after validation: {e}")));
+            }
+        }
+    }
+    check_mirror(&m, t, &tag("call"));
 }
 
 /// Builds the pools of a case: `None` (counted) when the configuration is refused or too large

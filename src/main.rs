@@ -561,13 +561,14 @@ fn fuzz(args: FuzzArgs) -> ExitCode {
     }
     for (name, t, i) in &report {
         let line = format!(
-            "{name}: tried {}, rejected {} ({} configurations, {} calls), matched the oracle {}, large pools checked {}, panics {}, corrupted {}, well-formed refused {}",
+            "{name}: tried {}, rejected {} ({} configurations, {} calls), matched the oracle {}, large pools checked {}, padded pages {}, panics {}, corrupted {}, well-formed refused {}",
             t.tried,
             t.rejected_config + t.rejected_call,
             t.rejected_config,
             t.rejected_call,
             t.matched,
             t.large,
+            t.padded,
             t.panics,
             t.corrupted,
             t.refused_well_formed

@@ -26,6 +26,11 @@ fn host_byte(pair: &PoolPair, layer: u64, unit: u64, b: u64) -> u64 {
     let l = h.layer_num();
     let dsa = h.kind() == PoolKind::DsaIndexer;
     let slots = if dsa { (h.size() + h.page_size() + 1) / h.page_size() } else { h.size() };
+    // Padded pages (layer_first): [L][pages][page_bytes], the items `offset` into each page.
+    if let Some(pad) = h.padding() {
+        let p = h.page_size();
+        return (layer * (slots / p) + unit / p) * pad.page_bytes + pad.offset + (unit % p) * item + b;
+    }
     match h.layout() {
         // [L][slots][item]
         Layout::LayerFirst => (layer * slots + unit) * item + b,
@@ -50,6 +55,16 @@ fn host_byte(pair: &PoolPair, layer: u64, unit: u64, b: u64) -> u64 {
             let (group, within) = (b / d, b % d);
             ((((unit / p) * groups + group) * l + layer) * p + unit % p) * d + within
         }
+    }
+}
+
+/// Device byte offset of (unit, byte `b` of the item): `[slots][item]`, or with padded pages
+/// `[pages][page_bytes]`, the items `offset` into each page.
+fn device_byte(pair: &PoolPair, unit: u64, b: u64) -> u64 {
+    let d = pair.device();
+    match d.padding() {
+        Some(pad) => (unit / d.page_size()) * pad.page_bytes + pad.offset + (unit % d.page_size()) * d.item_bytes() + b,
+        None => unit * d.item_bytes() + b,
     }
 }
 
@@ -101,7 +116,7 @@ pub fn apply(pair: &PoolPair, op: Op, host_indices: &[i64], device_indices: &[i6
             for c in 0..comps {
                 for b in 0..item {
                     let ho = host_byte(pair, hl, hu as u64, b) as usize;
-                    let dof = (du as u64 * item + b) as usize;
+                    let dof = device_byte(pair, du as u64, b) as usize;
                     match op {
                         Op::Load { .. } => bufs.device[c][slot][dof] = bufs.host[c][ho],
                         Op::Backup | Op::BackupLayer { .. } => bufs.host[c][ho] = bufs.device[c][slot][dof],

@@ -127,6 +127,12 @@ def _tuning(spec: Dict[str, Any]) -> "tuple[str, str, str]":
         return "", "", ""
     if t == "PerItem":
         return ", num_warps_per_item: int = 32", "", ""
+    if t == "BlockSize":
+        check = (
+            "    if not (32 <= block_size <= 1024 and block_size % 32 == 0):\n"
+            "        raise ValueError(f\"block_size must be a multiple of 32 from 32 to 1024, got {block_size}\")\n"
+        )
+        return ", block_size: int = 1024", check, ""
     params = ", block_quota: Optional[int] = None, num_warps_per_block: Optional[int] = None"
     kw = ", block_quota=block_quota, num_warps_per_block=num_warps_per_block"
     if t == "Env":

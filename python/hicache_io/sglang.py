@@ -24,7 +24,7 @@ sglang binds its transfer functions when its modules are imported, in three ways
    that bound one of the replaced objects under any name is rebound too. Where that module
    cannot be imported (its JIT toolchain's Python packages missing) a module of hicache-io's
    functions takes its name. The other JIT modules whose ops the catalogue serves
-   (:data:`JIT_OPS`: the Mamba state copies, ...) are served the same way, by the
+   (:data:`JIT_OPS`: the Mamba state copies, DeepSeek-V4's token copy) are served the same way, by the
    :mod:`hicache_io.kvcacheio` functions of those names.
 
 So :func:`install` may also run after some sglang modules were imported; only a pool module

@@ -145,10 +145,10 @@ pub(crate) fn layers(obj: &Bound<'_, PyAny>, name: &str, writes: bool, extent: u
         .collect()
 }
 
-/// Bytes a pointer-table layer must hold for `idx` items of `item` bytes.
-pub(crate) fn extent_for(idx: &[i64], item: i64) -> u64 {
+/// Bytes a pointer-table layer of op `spec` must hold for indices `idx` (items of `item` bytes).
+pub(crate) fn extent_for(spec: &hicache_io::kvcacheio::catalogue::OpSpec, idx: &[i64], item: i64) -> u64 {
     let top = idx.iter().copied().filter(|&i| i >= 0).max().map_or(1, |m| m as u64 + 1);
-    top.saturating_mul(item.max(1) as u64)
+    spec.trusted_extent(top, item)
 }
 
 /// Bytes of any bytes-like object or host array.
@@ -184,6 +184,7 @@ pub(crate) fn index_args(src: &Bound<'_, PyAny>, dst: &Bound<'_, PyAny>, ctx: Ct
 /// The lists of an all-layer op whose layer arguments may be tables of addresses: a table's
 /// layers are as long as its side's largest index needs, so that side's values come to the host.
 pub(crate) fn table_extents(
+    spec: &hicache_io::kvcacheio::catalogue::OpSpec,
     si: Idx,
     di: Idx,
     src_table: bool,
@@ -196,7 +197,7 @@ pub(crate) fn table_extents(
             return Ok((i, 0));
         }
         let v = i.into_host(ctx)?;
-        let e = extent_for(&v, item_size);
+        let e = extent_for(spec, &v, item_size);
         Ok((Idx::Host(v), e))
     };
     let (si, se) = host(si, src_table)?;

@@ -1,4 +1,5 @@
-"""sglang 0.5.23's backup sequence on CUDA with ``io_backend=kernel`` (and the Mamba pool's), run twice on the simulated
+"""sglang 0.5.23's backup sequence on CUDA with ``io_backend=kernel`` (and the Mamba pool's and
+DeepSeek-V4's token-granular one), run twice on the simulated
 driver with its call trace on (``HICACHE_CUDA_SIM_TRACE``, read at the driver's first call, so
 this runs in its own process: ``test_cuda_sim.py`` starts it). The first round reads each layer
 table once; the second must make no driver call that blocks the calling thread. Every byte of
@@ -19,6 +20,14 @@ ITEM = 256
 PAGE = 16
 ROW = 64 * 132  # the DSA indexer: a page row of 64 tokens x 132 bytes
 PAGES = 16
+C4 = 37440  # a DeepSeek-V4 C4 page: 64 tokens, 576-byte values then 8-byte scales
+
+
+def c4_token(buf, t):
+    """Token ``t`` of a C4 layer buffer: its value and its scale, as one array."""
+    page, slot = divmod(int(t), 64)
+    return np.concatenate([buf[page * C4 + slot * 576: page * C4 + (slot + 1) * 576],
+                           buf[page * C4 + 36864 + slot * 8: page * C4 + 36864 + (slot + 1) * 8]])
 
 
 def main(trace: str) -> None:
@@ -28,7 +37,8 @@ def main(trace: str) -> None:
     dv = [DevArray.of(rng.integers(0, 256, (SLOTS, ITEM), dtype=np.uint8)) for _ in range(LAYERS)]
     dm = [DevArray.of(rng.integers(0, 256, (SLOTS, ITEM), dtype=np.uint8)) for _ in range(LAYERS)]
     dx = [DevArray.of(rng.integers(0, 256, (PAGES, ROW), dtype=np.uint8)) for _ in range(LAYERS)]
-    dk_t, dv_t, dm_t, dx_t = (table([d.ptr for d in ds]) for ds in (dk, dv, dm, dx))
+    dc = [DevArray.of(rng.integers(0, 256, (2 * C4,), dtype=np.uint8)) for _ in range(LAYERS)]  # DeepSeek-V4 C4
+    dk_t, dv_t, dm_t, dx_t, dc_t = (table([d.ptr for d in ds]) for ds in (dk, dv, dm, dx, dc))
     # Host pools, registered in chunks as sglang allocates them: layer_first (MHA, MLA; tables of
     # device-accessible layer views) and page_first (MHA, MLA, indexer).
     lf_k, lf_v, lf_m = (registered((LAYERS, SLOTS, ITEM), np.uint8, cuts=(SLOTS * ITEM,)) for _ in range(3))
@@ -36,6 +46,11 @@ def main(trace: str) -> None:
     pf_k, pf_v, pf_m = (registered((SLOTS, LAYERS, ITEM), np.uint8) for _ in range(3))
     pf_x = registered((PAGES, LAYERS, ROW), np.uint8)
     pf_s = registered((SLOTS, LAYERS, ITEM), np.uint8)  # Mamba state slots (MambaPoolHost, page_first)
+    # DeepSeek-V4 C4 host pool (layer_first, 3 pages a layer) and its table of layer views.
+    lf_c = registered((LAYERS, 3 * C4), np.uint8, cuts=tuple(3 * C4 * (j + 1) for j in range(LAYERS - 1)))
+    c4_table = table([kv.get_device_accessible_ptr(lf_c[layer], 0) for layer in range(LAYERS)])
+    dev_tok, host_tok = np.array([5, 64, 127, 3, 90], np.int64), np.array([191, 0, 70, 64, 33], np.int64)
+    d_tok, h_tok = DevArray.of(dev_tok), DevArray.of(host_tok)
 
     def pages(seed):
         p = np.random.default_rng(seed).permutation(SLOTS // PAGE)[:6]
@@ -58,11 +73,13 @@ def main(trace: str) -> None:
         kv.transfer_kv_all_layer_mla_lf_pf(dx_t, pf_x, d_pages, h_pages, ROW, LAYERS * ROW, LAYERS)
         # Mamba: the JIT state backup from the table of per-layer state tensors.
         kv.transfer_kv_mamba_lf_pf(dm_t, pf_s, d_rows, h_rows, ITEM, LAYERS * ITEM, LAYERS)
+        # DeepSeek-V4: HiSparse's token-granular backup (tables on both sides).
+        kv.transfer_cache_dsv4_mla(dc_t, c4_table, d_tok, h_tok)
 
     backups()  # the first use of each table reads it
     sync()
     kv.synchronize(0)
-    for h in (lf_k, lf_v, lf_m, pf_k, pf_v, pf_m, pf_x, pf_s):
+    for h in (lf_k, lf_v, lf_m, pf_k, pf_v, pf_m, pf_x, pf_s, lf_c):
         h[...] = 0
     before = len(open(trace).read().splitlines())
     backups()
@@ -83,6 +100,14 @@ def main(trace: str) -> None:
         assert np.array_equal(pf_m[host_rows, layer], m[dev_rows]), f"MLA pf layer {layer}"
         assert np.array_equal(pf_x[host_pages, layer], x[dev_pages]), f"indexer layer {layer}"
         assert np.array_equal(pf_s[host_rows, layer], m[dev_rows]), f"Mamba layer {layer}"
+        c = dc[layer].numpy()
+        want = np.zeros(3 * C4, np.uint8)
+        for ht, dt in zip(host_tok, dev_tok):
+            page, slot = divmod(int(ht), 64)
+            tok = c4_token(c, dt)
+            want[page * C4 + slot * 576: page * C4 + (slot + 1) * 576] = tok[:576]
+            want[page * C4 + 36864 + slot * 8: page * C4 + 36864 + (slot + 1) * 8] = tok[576:]
+        assert np.array_equal(lf_c[layer], want), f"DeepSeek-V4 C4 layer {layer}"
     assert sim_errors() == (0, 0)
     print(f"ok: {len(issued)} driver calls, {len(launches)} launches, none blocking")
 

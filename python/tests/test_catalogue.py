@@ -61,7 +61,8 @@ def test_every_op_is_a_function_with_the_catalogues_signature():
         fn = getattr(kv, spec["name"])
         params = list(inspect.signature(fn).parameters)
         t = spec["tuning"]
-        tuning = [] if t == "None" else ["num_warps_per_item"] if t == "PerItem" else ["block_quota", "num_warps_per_block"]
+        named = {"None": [], "PerItem": ["num_warps_per_item"], "BlockSize": ["block_size"]}
+        tuning = named[t] if isinstance(t, str) and t in named else ["block_quota", "num_warps_per_block"]
         want = [a for a, _ in spec["args"]] + tuning
         assert params == want, spec["name"]
         assert inspect.getdoc(fn), spec["name"]

@@ -82,8 +82,22 @@ impl Addr {
     }
 }
 
+/// Padded pages: each page of `P` tokens of a layer_first buffer fills `page_bytes` bytes, its
+/// tokens' items `offset` bytes into the page, one after another. Token `t` of a layer lies at
+/// `(t / P) × page_bytes + offset + (t % P) × item`. DeepSeek-V4's C4 caches are such buffers,
+/// read as two of them: the 576-byte values at offset 0 and the 8-byte scales at `64 × 576`,
+/// pages of 37,440 bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PagePadding {
+    /// Bytes of one page.
+    pub page_bytes: u64,
+    /// Where the page's first item starts.
+    pub offset: u64,
+}
+
 /// Device pool geometry: layer_first, one buffer of `slots × item` bytes per live layer and
-/// component. Built by [`DeviceGeometry::new`], which checks every size once.
+/// component (pages of `page_bytes` with [`PagePadding`]). Built by [`DeviceGeometry::new`],
+/// which checks every size once.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeviceGeometry {
     kind: PoolKind,
@@ -93,6 +107,7 @@ pub struct DeviceGeometry {
     layers: LayerMap,
     layer_bytes: u64,
     total_bytes: u64,
+    padding: Option<PagePadding>,
 }
 
 impl DeviceGeometry {
@@ -107,7 +122,32 @@ impl DeviceGeometry {
         let layer_bytes = mul(slots, item_bytes, "device layer buffer bytes (slots × item)")?;
         let buffers = (layers.host_layers() * kind.components()) as u64;
         let total_bytes = mul(layer_bytes, buffers, "device pool bytes (layer bytes × buffers)")?;
-        Ok(DeviceGeometry { kind, item_bytes, slots, page_size, layers, layer_bytes, total_bytes })
+        Ok(DeviceGeometry { kind, item_bytes, slots, page_size, layers, layer_bytes, total_bytes, padding: None })
+    }
+    /// The same pool with padded pages: `slots` must be whole pages and each page's items must
+    /// fit after `offset` (`offset + P × item ≤ page_bytes`); a layer buffer is then
+    /// `slots / P × page_bytes` bytes.
+    pub fn with_padding(mut self, padding: PagePadding) -> Result<Self> {
+        let p = self.page_size;
+        if !self.slots.is_multiple_of(p) {
+            return Err(TransferError::InvalidConfig(format!("padded pages need whole pages: {} slots, page size {p}", self.slots)));
+        }
+        let used = add(padding.offset, mul(p, self.item_bytes, "padded page items (P × item)")?, "padded page use")?;
+        if used > padding.page_bytes {
+            return Err(TransferError::InvalidConfig(format!(
+                "padded page of {} bytes cannot hold {p} items of {} bytes after offset {}",
+                padding.page_bytes, self.item_bytes, padding.offset
+            )));
+        }
+        self.layer_bytes = mul(self.slots / p, padding.page_bytes, "device layer buffer bytes (pages × page bytes)")?;
+        let buffers = (self.layers.host_layers() * self.kind.components()) as u64;
+        self.total_bytes = mul(self.layer_bytes, buffers, "device pool bytes (layer bytes × buffers)")?;
+        self.padding = Some(padding);
+        Ok(self)
+    }
+    /// Padded pages, when the pool has them.
+    pub fn padding(&self) -> Option<PagePadding> {
+        self.padding
     }
     /// Pool kind.
     pub fn kind(&self) -> PoolKind {
@@ -143,14 +183,12 @@ impl DeviceGeometry {
     }
     /// Addressing of component `comp`, buffer `slot`; `heads` splits the item for page_head.
     pub fn addr(&self, comp: u8, slot: u32, heads: u64) -> Addr {
-        Addr {
-            buf: BufRef::Device { comp, slot },
-            base: 0,
-            page: 1,
-            page_stride: self.item_bytes,
-            row_stride: 0,
-            head_stride: self.item_bytes / heads,
+        let buf = BufRef::Device { comp, slot };
+        if let Some(pad) = self.padding {
+            let (p, item) = (self.page_size, self.item_bytes);
+            return Addr { buf, base: pad.offset, page: p, page_stride: pad.page_bytes, row_stride: item, head_stride: item / heads };
         }
+        Addr { buf, base: 0, page: 1, page_stride: self.item_bytes, row_stride: 0, head_stride: self.item_bytes / heads }
     }
 }
 
@@ -167,6 +205,7 @@ pub struct HostGeometry {
     head_num: u64,
     slots: u64,
     buffer_bytes: u64,
+    padding: Option<PagePadding>,
 }
 
 impl HostGeometry {
@@ -219,7 +258,27 @@ impl HostGeometry {
             head_num: if layout.splits_heads() { head_num } else { 1 },
             slots,
             buffer_bytes,
+            padding: None,
         })
+    }
+    /// The same host buffer with padded pages (layer_first only): each layer is
+    /// `page_num × page_bytes` bytes.
+    fn with_padding(mut self, padding: PagePadding) -> Result<Self> {
+        if self.layout != Layout::LayerFirst || self.kind == PoolKind::DsaIndexer {
+            return Err(TransferError::InvalidConfig(format!(
+                "padded pages need a layer_first MHA or MLA host pool, not {} {}",
+                self.kind, self.layout
+            )));
+        }
+        let layer = mul(self.page_num(), padding.page_bytes, "host layer bytes (pages × page bytes)")?;
+        self.buffer_bytes = mul(layer, self.layer_num, "host buffer bytes (layer bytes × L)")?;
+        mul(self.buffer_bytes, self.kind.components() as u64, "host pool bytes")?;
+        self.padding = Some(padding);
+        Ok(self)
+    }
+    /// Padded pages, when the pool has them.
+    pub fn padding(&self) -> Option<PagePadding> {
+        self.padding
     }
     /// Pool kind.
     pub fn kind(&self) -> PoolKind {
@@ -294,6 +353,11 @@ impl HostGeometry {
         let h = self.head_num;
         let d = item / h;
         let buf = BufRef::Host { comp };
+        if let Some(pad) = self.padding {
+            let p = self.page_size;
+            let base = layer * self.page_num() * pad.page_bytes + pad.offset;
+            return Addr { buf, base, page: p, page_stride: pad.page_bytes, row_stride: item, head_stride: d };
+        }
         match self.layout {
             Layout::LayerFirst => Addr { buf, base: layer * self.slots * item, page: 1, page_stride: item, row_stride: 0, head_stride: d },
             Layout::PageFirst => Addr { buf, base: layer * item, page: 1, page_stride: l * item, row_stride: 0, head_stride: d },
@@ -320,6 +384,10 @@ impl HostGeometry {
     /// indexer's page is one slot, so every layout gives `[L][item]`.
     pub fn flat_page_spans(&self, page: u64) -> Vec<(u64, u64)> {
         let p = self.index_page_size();
+        if let Some(pad) = self.padding {
+            let layer = self.page_num() * pad.page_bytes;
+            return (0..self.layer_num).map(|l| (l * layer + page * pad.page_bytes + pad.offset, p * self.item_bytes)).collect();
+        }
         match self.layout {
             Layout::LayerFirst => {
                 (0..self.layer_num).map(|l| (l * self.slots * self.item_bytes + page * p * self.item_bytes, p * self.item_bytes)).collect()
@@ -340,10 +408,10 @@ pub struct PoolPair {
 }
 
 impl PoolPair {
-    /// A host geometry built against a device geometry: same kind, item and page size; `L`
-    /// from the device's live layers and drafts.
+    /// A host geometry built against a device geometry: same kind, item and page size (and
+    /// padded pages, layer_first only); `L` from the device's live layers and drafts.
     pub fn new(device: DeviceGeometry, layout: Layout, host_size: u64, head_num: u64) -> Result<Self> {
-        let host = HostGeometry::new(
+        let mut host = HostGeometry::new(
             device.kind,
             layout,
             device.page_size,
@@ -352,6 +420,9 @@ impl PoolPair {
             device.item_bytes,
             head_num,
         )?;
+        if let Some(padding) = device.padding {
+            host = host.with_padding(padding)?;
+        }
         Ok(PoolPair { host, device })
     }
     /// The host side.

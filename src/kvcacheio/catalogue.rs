@@ -51,6 +51,9 @@ pub enum Tuning {
     EnvOr(i64),
     /// `num_warps_per_item` (default 32), accepted and ignored, as sglang's JIT Mamba kernels do.
     PerItem,
+    /// `block_size` (default 1024: threads of a block, a multiple of 32 up to 1024), checked and
+    /// otherwise ignored (sglang's JIT DeepSeek-V4 token copy compiles one kernel per value).
+    BlockSize,
 }
 
 /// Where sglang takes an op from.
@@ -108,6 +111,9 @@ pub enum Shape {
     DirectLayerBackup,
     /// Row ranges by the copy engine.
     EmbeddingRanges,
+    /// DeepSeek-V4 C4 tokens (a 576-byte value and an 8-byte scale in pages of 37,440 bytes)
+    /// between the layers of two tables.
+    Dsv4Tokens,
     /// Served by its own binding.
     Custom,
 }
@@ -164,6 +170,15 @@ impl OpSpec {
     /// The op named `name`.
     pub fn find(name: &str) -> Option<&'static OpSpec> {
         CATALOGUE.iter().find(|s| s.name == name)
+    }
+
+    /// Bytes a layer of a trusted table of addresses must hold for index values below `top`
+    /// (items of `item_size` bytes; DeepSeek-V4 C4 tokens fill whole 37,440-byte pages).
+    pub fn trusted_extent(&self, top: u64, item_size: i64) -> u64 {
+        match self.shape {
+            Shape::Dsv4Tokens => top.div_ceil(DSV4_PAGE_TOKENS).saturating_mul(DSV4_PAGE_BYTES),
+            _ => top.saturating_mul(item_size.max(1) as u64),
+        }
     }
 }
 
@@ -276,6 +291,7 @@ fn run(name: &str, device: &Device, values: &[Value<'_>]) -> Result<()> {
         Shape::DirectBackup => direct_backup(device, &a),
         Shape::DirectLayerBackup => direct_layer_backup(device, &a),
         Shape::EmbeddingRanges => embedding_ranges(device, &a),
+        Shape::Dsv4Tokens => dsv4_tokens(device, &a),
         Shape::Custom => Err(TransferError::BadArgument { arg: "name", value: 0, message: format!("{name} has its own binding") }),
     }
 }
@@ -406,6 +422,11 @@ catalogue! {
             shape: Shape::LayoutBackup(Layout::PageFirst),
             tuning: Tuning::PerItem, sglang: Sglang::Jit("sglang.kernels.ops.mamba.transfer_mamba"), item_check: ItemCheck::Uint4("transfer_mamba"), keys: &[], num_layers: Some(true),
         }
+        transfer_cache_dsv4_mla(src_ptrs: InLayers, dst_ptrs: OutLayers, src_indices: Idx, dst_indices: Idx) {
+            doc: "sglang's JIT DeepSeek-V4 token copy: for every layer ``l``, token ``src_indices[i]`` of the page-padded C4 buffer ``src_ptrs[l]`` into token ``dst_indices[i]`` of ``dst_ptrs[l]`` (either direction; 64 tokens a page of 37,440 bytes, each token a 576-byte value at ``page * 37440 + slot * 576`` and an 8-byte scale at ``page * 37440 + 36864 + slot * 8``). Indices are tokens; every layer of a side holds the whole pages its smallest layer holds.",
+            shape: Shape::Dsv4Tokens,
+            tuning: Tuning::BlockSize, sglang: Sglang::Jit("sglang.kernels.ops.kvcache.hisparse"), keys: &[],
+        }
     }
     custom {
         copy_all_layer_kv_cache_cpu(data_ptrs: In, strides: In, tgt_loc: In, src_loc: In) {
@@ -432,6 +453,9 @@ pub fn docstring(spec: &OpSpec) -> String {
             out.push_str(&format!(" ``block_quota=None`` takes ``SGLANG_HICACHE_BLOCK_QUOTA`` when set, else {n} (sglang's)."))
         }
         Tuning::PerItem => out.push_str(" ``num_warps_per_item`` is accepted and ignored, as sglang's JIT kernel does."),
+        Tuning::BlockSize => {
+            out.push_str(" ``block_size`` (sglang's threads per block) must be a multiple of 32 from 32 to 1024 and is otherwise ignored.")
+        }
         Tuning::None | Tuning::Pass => {}
     }
     if spec.binding == Binding::Custom {
@@ -490,7 +514,7 @@ mod tests {
                 })
                 .collect();
             match spec.tuning {
-                Tuning::None => {}
+                Tuning::None | Tuning::BlockSize => {}
                 Tuning::PerItem => want.push(("num_warps_per_item".into(), "int".into())),
                 Tuning::Pass | Tuning::Env | Tuning::EnvOr(_) => {
                     want.push(("block_quota".into(), "int".into()));
@@ -511,10 +535,14 @@ mod tests {
         for spec in CATALOGUE.iter().filter(|s| s.binding == Binding::Generic) {
             // One 64-byte array per argument: 8 rows of 8 bytes, also a page_first_direct
             // buffer [8 pages, 1 layer, page_size 1, 8 bytes].
-            let mut bufs: Vec<Vec<u8>> = spec.args.iter().map(|_| vec![7u8; 64]).collect();
+            // A DeepSeek-V4 C4 buffer is one page.
+            let len = if spec.shape == Shape::Dsv4Tokens { DSV4_PAGE_BYTES as usize } else { 64 };
+            let mut bufs: Vec<Vec<u8>> = spec.args.iter().map(|_| vec![7u8; len]).collect();
             let tensors: Vec<Vec<RawTensor>> = bufs
                 .iter_mut()
-                .map(|b| vec![unsafe { RawTensor::new(b.as_mut_ptr() as u64, 64, vec![8, 1, 1, 8], Memory::Host) }])
+                .map(|b| {
+                    vec![unsafe { RawTensor::new(b.as_mut_ptr() as u64, b.len() as u64, vec![8, 1, 1, len as u64 / 8], Memory::Host) }]
+                })
                 .collect();
             let (src, dst, none) = ([0i64], [1i64], [] as [i64; 0]);
             let mut idx = 0;

@@ -142,7 +142,11 @@ pub(super) fn plan_io(profile: Profile, caps: &Capabilities, owner: u64, pair: &
     let cell = Cell { kind: host.kind(), op: table_op, layout: host.layout(), io: req.io_backend };
     let word = kernel_word(profile, caps);
     let path = decide(profile, cell, host.item_bytes(), word)?;
-    // 4. Launcher checks.
+    // 4. Launcher checks. Padded pages move by kernel only: a direct run would cross the
+    // padding between pages.
+    if host.padding().is_some() && req.io_backend != IoBackend::Kernel {
+        return Err(TransferError::UnsupportedIoBackend { io_backend: req.io_backend.name().into() });
+    }
     launcher_checks(host, caps, word, req.io_backend, hi.len(), di.len())?;
     // 5. Nothing to move.
     if hi.is_empty() {

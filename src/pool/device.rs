@@ -97,7 +97,11 @@ impl<'m> DevicePool<'m> {
     }
 
     fn wrap(device: &Device, config: &DevicePoolConfig, buffers: Vec<Vec<Buffer>>) -> Result<DevicePool<'m>> {
-        let geometry = config.geometry()?;
+        DevicePool::wrap_geometry(device, config.geometry()?, buffers)
+    }
+
+    /// Wraps existing buffers of `device` as a pool of `geometry` (e.g. one with padded pages).
+    pub(crate) fn wrap_geometry(device: &Device, geometry: DeviceGeometry, buffers: Vec<Vec<Buffer>>) -> Result<DevicePool<'m>> {
         let (comps, count) = (geometry.kind().components(), geometry.buffer_count());
         check_wrapped(device, &buffers, comps, count, geometry.layer_bytes(), "device layer buffer")?;
         Ok(DevicePool { geometry, device: device.clone(), buffers, _memory: PhantomData })

@@ -200,16 +200,87 @@ def test_deepseek_v4_paged(layout, io, path, backup, load):
     _check_route(res, backup, load)
 
 
-@pytest.mark.skip(reason="transfer_cache_dsv4_mla: not in hicache-io yet (issue 37)")
-def test_deepseek_v4_token_granular():
-    """Token counts that are not a multiple of 64 go through transfer_cache_dsv4_mla (sglang's
-    hisparse JIT op, which hicache-io does not provide yet)."""
+def _c4_token(buf, t):
+    """Token ``t`` of a C4 layer buffer (uint8 rows of 37440-byte pages) as its 576-byte value
+    and 8-byte scale: sglang's page layout, [value_0..value_63][scale_0..scale_63][pad]."""
+    flat = buf.reshape(-1)
+    page, slot = divmod(int(t), 64)
+    base = page * 37440
+    return torch.cat([flat[base + slot * 576: base + (slot + 1) * 576], flat[base + 36864 + slot * 8: base + 36864 + (slot + 1) * 8]])
+
+
+@pytest.mark.parametrize("n", [1, 5, 70])
+def test_deepseek_v4_token_granular(n):
+    """Token counts that are not a multiple of 64 (HiSparse's one token per request, sglang's
+    unaligned branches) go through transfer_cache_dsv4_mla: a backup of every layer, then a
+    load of each layer back into other device tokens, byte-compared token by token, and every
+    other byte unchanged."""
+    g = torch.Generator().manual_seed(n)
     with cpu_shims.sglang_paths(cuda=True):
         dev = sp.dsv4_device()
         host = sp.dsv4_host(dev, "layer_first")
+    dev_bufs = [b.view(torch.uint8) for b in host.device_buffers]
+    for b in dev_bufs:
+        b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=g))
+    for b in host.kv_buffer:
+        b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=g))
+    dev_tokens = dev_bufs[0].numel() // 37440 * 64
+    host_tokens = host.kv_buffer[0].numel() // 37440 * 64
+    d = torch.randperm(dev_tokens, generator=g)[:n]
+    h = torch.randperm(host_tokens, generator=g)[:n]
+    host_before = [b.clone() for b in host.kv_buffer]
+    with Spy() as spy:
+        host.backup_from_device_all_layer(dev, h, d, "kernel")
+    assert spy.take() == ["transfer_cache_dsv4_mla"]
+    for layer, (hb, db, before) in enumerate(zip(host.kv_buffer, dev_bufs, host_before)):
+        want = before.clone()
+        for ht, dt in zip(h.tolist(), d.tolist()):
+            page, slot = divmod(ht, 64)
+            flat = want.reshape(-1)
+            tok = _c4_token(db, dt)
+            flat[page * 37440 + slot * 576: page * 37440 + (slot + 1) * 576] = tok[:576]
+            flat[page * 37440 + 36864 + slot * 8: page * 37440 + 36864 + (slot + 1) * 8] = tok[576:]
+        assert torch.equal(hb, want), f"layer {layer}"
+    # Load each layer's tokens back into other device tokens.
+    d2 = torch.randperm(dev_tokens, generator=g)[:n]
+    dev_before = [b.clone() for b in dev_bufs]
+    for layer in range(host.layer_num):
         with Spy() as spy:
-            host.backup_from_device_all_layer(dev, torch.tensor([3, 64, 129, 500, 700]), torch.tensor([65, 70, 130, 200, 201]), "kernel")
+            host.load_to_device_per_layer(dev, h, d2, layer, "kernel")
         assert spy.take() == ["transfer_cache_dsv4_mla"]
+    for layer, (db, before) in enumerate(zip(dev_bufs, dev_before)):
+        want = before.clone()
+        flat = want.reshape(-1)
+        for ht, dt in zip(h.tolist(), d2.tolist()):
+            page, slot = divmod(dt, 64)
+            tok = _c4_token(host.kv_buffer[layer], ht)
+            flat[page * 37440 + slot * 576: page * 37440 + (slot + 1) * 576] = tok[:576]
+            flat[page * 37440 + 36864 + slot * 8: page * 37440 + 36864 + (slot + 1) * 8] = tok[576:]
+        assert torch.equal(db, want), f"layer {layer}"
+        # And what went out came back: the device tokens hold what they held before the backup.
+        for dt, dt2 in zip(d.tolist(), d2.tolist()):
+            assert torch.equal(_c4_token(db, dt2), _c4_token(before, dt)), f"layer {layer}: token {dt} -> host -> {dt2}"
+
+
+def test_deepseek_v4_token_copy_refuses_before_moving():
+    """Given the layers as arrays (not sglang's trusted address tables), a token past a layer's
+    pages or a destination token written twice is refused before any byte moves (sglang's
+    kernel reads indices as 32 bits and writes wherever they point)."""
+    from hicache_io import kvcacheio
+
+    with cpu_shims.sglang_paths(cuda=True):
+        dev = sp.dsv4_device()
+        host = sp.dsv4_host(dev, "layer_first")
+    src = [b.view(torch.uint8) for b in host.device_buffers]
+    host_tokens = host.kv_buffer[0].numel() // 37440 * 64
+    before = [b.clone() for b in host.kv_buffer]
+    with pytest.raises(IndexError, match="out of range"):
+        kvcacheio.transfer_cache_dsv4_mla(src, list(host.kv_buffer), torch.tensor([1, 2]), torch.tensor([3, host_tokens]))
+    with pytest.raises(ValueError, match="written twice"):
+        kvcacheio.transfer_cache_dsv4_mla(src, list(host.kv_buffer), torch.tensor([1, 2]), torch.tensor([5, 5]))
+    with pytest.raises(ValueError, match="block_size"):
+        kvcacheio.transfer_cache_dsv4_mla(src, list(host.kv_buffer), torch.tensor([1]), torch.tensor([5]), block_size=48)
+    assert all(torch.equal(a, b) for a, b in zip(host.kv_buffer, before))
 
 
 # --------------------------------------------------------------------------------- what sglang refuses

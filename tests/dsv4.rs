@@ -1,0 +1,219 @@
+//! DeepSeek-V4 C4 token copies (`transfer_cache_dsv4_mla`) against a byte loop written from the
+//! page layout (64 tokens a page of 37,440 bytes: values at `slot × 576`, scales at
+//! `36864 + slot × 8`), and padded-page pools on every executor present; rejected calls leave
+//! every byte as it was.
+
+mod common;
+
+use hicache_io::check::Rng;
+use hicache_io::geometry::{DeviceGeometry, IoBackend, LayerMap, Layout, PagePadding, PoolKind, Profile};
+use hicache_io::kvcacheio::{self as kv, Memory, RawTensor, DSV4_PAGE_BYTES as PAGE};
+use hicache_io::plan::{Op, Request};
+use hicache_io::{Device, DevicePool, HostPool, HostPoolConfig, TransferError};
+
+const TOKENS: usize = 64;
+const VALUE: usize = 576;
+const SCALE: usize = 8;
+
+fn tensor(buf: &mut [u8]) -> RawTensor {
+    // SAFETY: `buf` outlives every op of these tests and nothing else touches it meanwhile.
+    unsafe { RawTensor::new(buf.as_mut_ptr() as u64, buf.len() as u64, vec![buf.len() as u64], Memory::Host) }
+}
+
+fn random(len: usize, seed: u64) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    Rng::new(seed).fill(&mut v);
+    v
+}
+
+/// The (offset, length) of token `t`'s value and scale in a C4 buffer.
+fn token_spans(t: usize) -> [(usize, usize); 2] {
+    let (page, slot) = (t / TOKENS, t % TOKENS);
+    let page_bytes = PAGE as usize;
+    [(page * page_bytes + slot * VALUE, VALUE), (page * page_bytes + TOKENS * VALUE + slot * SCALE, SCALE)]
+}
+
+/// The byte loop: every layer, every pair (negative entries skipped, as sglang's kernels do).
+fn reference(src: &[Vec<u8>], dst: &mut [Vec<u8>], si: &[i64], di: &[i64]) {
+    for (s, d) in src.iter().zip(dst.iter_mut()) {
+        for (&a, &b) in si.iter().zip(di) {
+            if a < 0 || b < 0 {
+                continue;
+            }
+            for ((so, n), (dof, _)) in token_spans(a as usize).into_iter().zip(token_spans(b as usize)) {
+                d[dof..dof + n].copy_from_slice(&s[so..so + n]);
+            }
+        }
+    }
+}
+
+/// Distinct random tokens below `bound`.
+fn distinct(rng: &mut Rng, n: usize, bound: usize) -> Vec<i64> {
+    let mut all: Vec<i64> = (0..bound as i64).collect();
+    for i in 0..n {
+        let j = i + rng.below((bound - i) as u64) as usize;
+        all.swap(i, j);
+    }
+    all.truncate(n);
+    all
+}
+
+#[test]
+fn page_layout_is_sglangs() {
+    assert_eq!(PAGE, 37_440);
+    assert_eq!(token_spans(64 + 3), [(37_440 + 3 * 576, 576), (37_440 + 36_864 + 24, 8)]);
+}
+
+#[test]
+fn token_copies_match_a_byte_loop_both_ways() {
+    let dev = Device::cpu();
+    let mut rng = Rng::new(7);
+    let layers = 3;
+    // A "device" side of 2 pages and a "host" side of 3 pages a layer.
+    let mut small: Vec<Vec<u8>> = (0..layers).map(|l| random(2 * PAGE as usize, 10 + l as u64)).collect();
+    let mut large: Vec<Vec<u8>> = (0..layers).map(|l| random(3 * PAGE as usize, 20 + l as u64)).collect();
+    // Backup of one token per request (HiSparse decode), then an unaligned run: small → large.
+    for n in [1usize, 5, 77] {
+        let si = distinct(&mut rng, n, 2 * TOKENS);
+        let di = distinct(&mut rng, n, 3 * TOKENS);
+        let mut want = large.clone();
+        reference(&small, &mut want, &si, &di);
+        let st: Vec<RawTensor> = small.iter_mut().map(|b| tensor(b)).collect();
+        let dt: Vec<RawTensor> = large.iter_mut().map(|b| tensor(b)).collect();
+        kv::transfer_cache_dsv4_mla(&dev, &st, &dt, &si[..], &di[..]).unwrap();
+        assert_eq!(large, want, "{n} tokens small → large");
+    }
+    // And back (a load), with skipped pairs.
+    let mut si = distinct(&mut rng, 40, 3 * TOKENS);
+    let mut di = distinct(&mut rng, 40, 2 * TOKENS);
+    si[3] = -1;
+    di[9] = -1;
+    let mut want = small.clone();
+    reference(&large, &mut want, &si, &di);
+    let st: Vec<RawTensor> = large.iter_mut().map(|b| tensor(b)).collect();
+    let dt: Vec<RawTensor> = small.iter_mut().map(|b| tensor(b)).collect();
+    kv::transfer_cache_dsv4_mla(&dev, &st, &dt, &si[..], &di[..]).unwrap();
+    assert_eq!(small, want, "large → small");
+}
+
+#[test]
+fn hostile_token_copies_move_nothing() {
+    let dev = Device::cpu();
+    let layers = 2;
+    let mut src: Vec<Vec<u8>> = (0..layers).map(|l| random(2 * PAGE as usize, 30 + l as u64)).collect();
+    let mut dst: Vec<Vec<u8>> = (0..layers).map(|l| random(PAGE as usize + 1000, 40 + l as u64)).collect();
+    let mut short = random(PAGE as usize - 8, 50);
+    let before = dst.clone();
+    let st: Vec<RawTensor> = src.iter_mut().map(|b| tensor(b)).collect();
+    let dt: Vec<RawTensor> = dst.iter_mut().map(|b| tensor(b)).collect();
+    let one_short = vec![dt[0].clone(), tensor(&mut short)];
+    let ok = (0..8i64).collect::<Vec<_>>();
+    type Case = (&'static str, Vec<RawTensor>, Vec<i64>, Vec<i64>);
+    let cases: Vec<Case> = vec![
+        // The destination holds one whole page: token 64 is past it (its value would fit in
+        // the 1000 spare bytes, its scale would not).
+        ("destination token past the last whole page", dt.clone(), ok.clone(), [&ok[..7], &[64]].concat()),
+        ("source token past the end", dt.clone(), [&ok[..7], &[128]].concat(), ok.clone()),
+        ("a token beyond 32 bits", dt.clone(), [&ok[..7], &[1i64 << 32]].concat(), ok.clone()),
+        ("a destination written twice", dt.clone(), ok.clone(), [&ok[..7], &[0]].concat()),
+        ("lengths differ", dt.clone(), ok.clone(), ok[..7].to_vec()),
+        ("a layer shorter than a page", one_short, ok.clone(), ok.clone()),
+        ("layer counts differ", dt[..1].to_vec(), ok.clone(), ok.clone()),
+        ("source and destination overlap", st.clone(), ok.clone(), (8..16).collect()),
+    ];
+    for (what, d, si, di) in cases {
+        let err = kv::transfer_cache_dsv4_mla(&dev, &st, &d, &si[..], &di[..]);
+        assert!(err.is_err(), "{what}: accepted");
+        let err = err.unwrap_err();
+        match what {
+            "lengths differ" => assert!(matches!(err, TransferError::LengthMismatch { .. }), "{what}: {err:?}"),
+            "layer counts differ" => assert!(matches!(err, TransferError::LayerListMismatch { .. }), "{what}: {err:?}"),
+            "a destination written twice" => assert!(matches!(err, TransferError::DuplicateDestination { .. }), "{what}: {err:?}"),
+            w if w.contains("past") || w.contains("32 bits") => {
+                assert!(matches!(err, TransferError::IndexOutOfRange { .. }), "{what}: {err:?}")
+            }
+            _ => assert!(matches!(err, TransferError::BadTensor { .. }), "{what}: {err:?}"),
+        }
+        assert_eq!(dst, before, "{what}: bytes moved");
+    }
+    // Nothing to move is fine.
+    kv::transfer_cache_dsv4_mla(&dev, &st, &dt, &[][..], &[][..]).unwrap();
+    assert_eq!(dst, before);
+}
+
+/// A padded-page pool pair of one part of a C4 token (`item` bytes at `offset` in each page):
+/// the geometry the op moves with, on every executor present, loads and backups against the
+/// byte loop of that part.
+#[test]
+fn padded_page_pools_move_exact_bytes_on_every_executor() {
+    for device in common::devices() {
+        for (item, offset) in [(VALUE as u64, 0u64), (SCALE as u64, (TOKENS * VALUE) as u64)] {
+            let (layers, dev_pages, host_pages) = (2u64, 2u64, 3u64);
+            let geometry =
+                DeviceGeometry::new(PoolKind::Mla, item, dev_pages * TOKENS as u64, TOKENS as u64, LayerMap::new(layers as usize))
+                    .unwrap()
+                    .with_padding(PagePadding { page_bytes: PAGE, offset })
+                    .unwrap();
+            assert_eq!(geometry.layer_bytes(), dev_pages * PAGE);
+            let mut dev = DevicePool::with_geometry(&device, geometry).unwrap();
+            let config = HostPoolConfig {
+                layout: Layout::LayerFirst,
+                size: (host_pages - 1) * TOKENS as u64,
+                head_num: 1,
+                profile: Profile::Sglang,
+                integrity: Some(false),
+            };
+            let mut host = HostPool::new(&dev, &config).unwrap();
+            assert_eq!(host.geometry().buffer_bytes(), layers * host_pages * PAGE);
+            let host0 = random((layers * host_pages * PAGE) as usize, 60 + item);
+            host.write_buffer(0, &host0).unwrap();
+            let dev0: Vec<Vec<u8>> = (0..layers).map(|l| random((dev_pages * PAGE) as usize, 70 + l)).collect();
+            for (l, b) in dev0.iter().enumerate() {
+                dev.write_buffer(0, l, b).unwrap();
+            }
+            let mut rng = Rng::new(item);
+            let hi = distinct(&mut rng, 50, host_pages as usize * TOKENS);
+            let di = distinct(&mut rng, 50, dev_pages as usize * TOKENS);
+            let part = |t: i64| {
+                let (page, slot) = (t as usize / TOKENS, t as usize % TOKENS);
+                page * PAGE as usize + offset as usize + slot * item as usize
+            };
+            let host_layer = (host_pages * PAGE) as usize;
+            // Load layer 1, then back up every layer.
+            let req = Request {
+                op: Op::Load { layer_id: 1, is_draft: false },
+                io_backend: IoBackend::Kernel,
+                host_indices: &hi,
+                device_indices: &di,
+            };
+            let plan = host.plan(&dev, &req).unwrap();
+            host.execute_load(&mut dev, &plan).unwrap();
+            device.synchronize().unwrap();
+            let mut want = dev0.clone();
+            for (&h, &d) in hi.iter().zip(&di) {
+                let n = item as usize;
+                want[1][part(d)..part(d) + n].copy_from_slice(&host0[host_layer + part(h)..][..n]);
+            }
+            for (l, w) in want.iter().enumerate() {
+                assert_eq!(&dev.read_buffer(0, l).unwrap(), w, "{}: load, part of {item} bytes, layer {l}", device.label());
+            }
+            let back_h = distinct(&mut rng, 30, host_pages as usize * TOKENS);
+            let back_d = distinct(&mut rng, 30, dev_pages as usize * TOKENS);
+            let req = Request { op: Op::Backup, io_backend: IoBackend::Kernel, host_indices: &back_h, device_indices: &back_d };
+            let plan = host.plan(&dev, &req).unwrap();
+            host.execute_backup(&dev, &plan).unwrap();
+            device.synchronize().unwrap();
+            let mut want_host = host0.clone();
+            for l in 0..layers as usize {
+                for (&h, &d) in back_h.iter().zip(&back_d) {
+                    let n = item as usize;
+                    want_host[l * host_layer + part(h)..][..n].copy_from_slice(&want[l][part(d)..part(d) + n]);
+                }
+            }
+            assert_eq!(host.read_buffer(0).unwrap(), want_host, "{}: backup, part of {item} bytes", device.label());
+            // Padded pages move by kernel only.
+            let req = Request { op: Op::Backup, io_backend: IoBackend::Direct, host_indices: &back_h, device_indices: &back_d };
+            assert!(matches!(host.plan(&dev, &req), Err(TransferError::UnsupportedIoBackend { .. })));
+        }
+    }
+}
