@@ -2,6 +2,9 @@
 
 use pyo3::prelude::*;
 
+use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use hicache_io::geometry::{DeviceGeometry, PoolPair};
 use hicache_io::{Device, DevicePool, DevicePoolConfig, HostPool, HostPoolConfig, IoBackend, LayerMap, Profile, TransferError};
 
 use crate::*;
@@ -62,9 +65,24 @@ pub(crate) fn parse<T: std::str::FromStr<Err = TransferError>>(s: &str) -> PyRes
 }
 
 /// A device pool (layer_first, one buffer per live layer and component), zero-initialised.
-#[pyclass(name = "DevicePool", module = "hicache_io")]
+///
+/// Shared by threads as sglang's cache controller shares it: every call takes the pool's lock
+/// with the GIL released (loads write it, backups and reads only read it), so calls from
+/// several threads wait for each other instead of failing, and none sees another half done.
+#[pyclass(name = "DevicePool", module = "hicache_io", frozen)]
 pub(crate) struct PyDevicePool {
-    pub(crate) inner: DevicePool<'static>,
+    inner: RwLock<DevicePool<'static>>,
+    geometry: DeviceGeometry,
+}
+
+/// A lock's guard; a lock poisoned by a panic in another call is still usable (every call
+/// validates before it moves anything, and a failed one leaves the pool as the error says).
+fn read<T>(l: &RwLock<T>) -> RwLockReadGuard<'_, T> {
+    l.read().unwrap_or_else(|e| e.into_inner())
+}
+
+fn write<T>(l: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
+    l.write().unwrap_or_else(|e| e.into_inner())
 }
 
 #[pymethods]
@@ -86,39 +104,46 @@ impl PyDevicePool {
         let layers = LayerMap { layer_num, layer_shard, skipped: skipped.unwrap_or_else(|| vec![false; layer_num]), drafts };
         let config = DevicePoolConfig { kind: parse(kind)?, bytes_per_token, slots, page_size, layers };
         let dev = device.inner.clone();
-        Ok(PyDevicePool { inner: py.detach(|| DevicePool::new(&dev, &config)).py()? })
+        let pool = py.detach(|| DevicePool::new(&dev, &config)).py()?;
+        Ok(PyDevicePool { geometry: pool.geometry().clone(), inner: RwLock::new(pool) })
     }
     /// Bytes per slot (the indexer page for the DSA indexer).
     #[getter]
     pub(crate) fn item_bytes(&self) -> u64 {
-        self.inner.geometry().item_bytes()
+        self.geometry.item_bytes()
     }
     /// Slots per layer buffer.
     #[getter]
     pub(crate) fn slots(&self) -> u64 {
-        self.inner.geometry().slots()
+        self.geometry.slots()
     }
     /// Buffers per component (live target layers, then drafts).
     #[getter]
     pub(crate) fn buffer_count(&self) -> usize {
-        self.inner.geometry().buffer_count()
+        self.geometry.buffer_count()
     }
     /// A copy of buffer `slot` of component `comp`, as a `numpy.uint8` array.
     pub(crate) fn read_buffer<'py>(&self, py: Python<'py>, comp: usize, slot: usize) -> PyResult<Bound<'py, PyAny>> {
-        let v = py.detach(|| self.inner.read_buffer(comp, slot)).py()?;
+        let v = py.detach(|| read(&self.inner).read_buffer(comp, slot)).py()?;
         u8_array(py, &v)
     }
     /// Replaces buffer `slot` of component `comp` (exactly its size, any bytes-like object).
-    pub(crate) fn write_buffer(&mut self, py: Python<'_>, comp: usize, slot: usize, data: &Bound<'_, PyAny>) -> PyResult<()> {
+    pub(crate) fn write_buffer(&self, py: Python<'_>, comp: usize, slot: usize, data: &Bound<'_, PyAny>) -> PyResult<()> {
         let data = data_arg(data, "data")?;
-        py.detach(|| self.inner.write_buffer(comp, slot, &data)).py()
+        py.detach(|| write(&self.inner).write_buffer(comp, slot, &data)).py()
     }
 }
 
 /// A host pool in one of sglang's layouts, for a device pool.
-#[pyclass(name = "HostPool", module = "hicache_io")]
+///
+/// Shared by threads like [`PyDevicePool`]: backups and page writes hold its lock for writing,
+/// loads and page reads for reading. A call that needs both pools takes the device pool's lock
+/// first, so two calls never wait for each other in a cycle.
+#[pyclass(name = "HostPool", module = "hicache_io", frozen)]
 pub(crate) struct PyHostPool {
-    pub(crate) inner: HostPool<'static>,
+    inner: RwLock<HostPool<'static>>,
+    pair: PoolPair,
+    device: Device,
 }
 
 pub(crate) fn io(name: &str) -> PyResult<IoBackend> {
@@ -145,39 +170,46 @@ impl PyHostPool {
         integrity: Option<bool>,
     ) -> PyResult<Self> {
         let config = HostPoolConfig { layout: parse(layout)?, size, head_num, profile: parse::<Profile>(profile)?, integrity };
-        Ok(PyHostPool { inner: py.detach(|| HostPool::new(&device_pool.inner, &config)).py()? })
+        let pool = py.detach(|| HostPool::new(&read(&device_pool.inner), &config)).py()?;
+        Ok(PyHostPool { pair: pool.pair().clone(), device: pool.device().clone(), inner: RwLock::new(pool) })
     }
     #[pyo3(signature = (device_pool, host_indices, device_indices, layer_id, io_backend = "kernel"))]
     pub(crate) fn load_to_device_per_layer(
         &self,
         py: Python<'_>,
-        device_pool: &mut PyDevicePool,
+        device_pool: &PyDevicePool,
         host_indices: &Bound<'_, PyAny>,
         device_indices: &Bound<'_, PyAny>,
         layer_id: usize,
         io_backend: &str,
     ) -> PyResult<()> {
         let (hi, di, io) = pool_args(host_indices, device_indices, io_backend)?;
-        let dev = &mut device_pool.inner;
-        py.detach(|| self.inner.load_to_device_per_layer(dev, &hi, &di, layer_id, io)).py()
+        py.detach(|| {
+            let mut dev = write(&device_pool.inner);
+            read(&self.inner).load_to_device_per_layer(&mut dev, &hi, &di, layer_id, io)
+        })
+        .py()
     }
     #[pyo3(signature = (device_pool, host_indices, device_indices, layer_id, io_backend = "kernel"))]
     pub(crate) fn load_draft_to_device(
         &self,
         py: Python<'_>,
-        device_pool: &mut PyDevicePool,
+        device_pool: &PyDevicePool,
         host_indices: &Bound<'_, PyAny>,
         device_indices: &Bound<'_, PyAny>,
         layer_id: usize,
         io_backend: &str,
     ) -> PyResult<()> {
         let (hi, di, io) = pool_args(host_indices, device_indices, io_backend)?;
-        let dev = &mut device_pool.inner;
-        py.detach(|| self.inner.load_draft_to_device(dev, &hi, &di, layer_id, io)).py()
+        py.detach(|| {
+            let mut dev = write(&device_pool.inner);
+            read(&self.inner).load_draft_to_device(&mut dev, &hi, &di, layer_id, io)
+        })
+        .py()
     }
     #[pyo3(signature = (device_pool, host_indices, device_indices, io_backend = "kernel"))]
     pub(crate) fn backup_from_device_all_layer(
-        &mut self,
+        &self,
         py: Python<'_>,
         device_pool: &PyDevicePool,
         host_indices: &Bound<'_, PyAny>,
@@ -185,12 +217,15 @@ impl PyHostPool {
         io_backend: &str,
     ) -> PyResult<()> {
         let (hi, di, io) = pool_args(host_indices, device_indices, io_backend)?;
-        let host = &mut self.inner;
-        py.detach(|| host.backup_from_device_all_layer(&device_pool.inner, &hi, &di, io)).py()
+        py.detach(|| {
+            let dev = read(&device_pool.inner);
+            write(&self.inner).backup_from_device_all_layer(&dev, &hi, &di, io)
+        })
+        .py()
     }
     #[pyo3(signature = (device_pool, host_indices, device_indices, layer_id, io_backend = "kernel", is_draft = false))]
     pub(crate) fn backup_from_device_per_layer(
-        &mut self,
+        &self,
         py: Python<'_>,
         device_pool: &PyDevicePool,
         host_indices: &Bound<'_, PyAny>,
@@ -200,96 +235,97 @@ impl PyHostPool {
         is_draft: bool,
     ) -> PyResult<()> {
         let (hi, di, io) = pool_args(host_indices, device_indices, io_backend)?;
-        let host = &mut self.inner;
-        py.detach(|| host.backup_from_device_per_layer(&device_pool.inner, &hi, &di, layer_id, is_draft, io)).py()
+        py.detach(|| {
+            let dev = read(&device_pool.inner);
+            write(&self.inner).backup_from_device_per_layer(&dev, &hi, &di, layer_id, is_draft, io)
+        })
+        .py()
     }
     /// sglang `get_data_page(index, flat=True)`: the flat page, a `numpy.uint8` array.
     pub(crate) fn get_data_page<'py>(&self, py: Python<'py>, index: i64) -> PyResult<Bound<'py, PyAny>> {
-        let v = py.detach(|| self.inner.get_data_page(index)).py()?;
+        let v = py.detach(|| read(&self.inner).get_data_page(index)).py()?;
         u8_array(py, &v)
     }
     /// sglang `get_dummy_flat_data_page()`: zeros of one flat page.
     pub(crate) fn get_dummy_flat_data_page<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        let v = self.inner.get_dummy_flat_data_page().py()?;
+        let v = py.detach(|| read(&self.inner).get_dummy_flat_data_page()).py()?;
         u8_array(py, &v)
     }
     /// sglang `set_from_flat_data_page(index, data_page)`.
-    pub(crate) fn set_from_flat_data_page(&mut self, py: Python<'_>, index: i64, data_page: &Bound<'_, PyAny>) -> PyResult<()> {
+    pub(crate) fn set_from_flat_data_page(&self, py: Python<'_>, index: i64, data_page: &Bound<'_, PyAny>) -> PyResult<()> {
         let data_page = data_arg(data_page, "data_page")?;
-        let host = &mut self.inner;
-        py.detach(|| host.set_from_flat_data_page(index, &data_page)).py()
+        py.detach(|| write(&self.inner).set_from_flat_data_page(index, &data_page)).py()
     }
     /// sglang `get_page_buffer_meta(indices)`: `(component, byte offset, bytes)` per span.
-    pub(crate) fn get_page_buffer_meta(&self, indices: &Bound<'_, PyAny>) -> PyResult<Vec<(usize, u64, u64)>> {
+    pub(crate) fn get_page_buffer_meta(&self, py: Python<'_>, indices: &Bound<'_, PyAny>) -> PyResult<Vec<(usize, u64, u64)>> {
         let idx = index_list(indices, "Host", Ctx { stream: None })?;
-        self.inner.get_page_buffer_meta(&idx).py()
+        py.detach(|| read(&self.inner).get_page_buffer_meta(&idx)).py()
     }
     /// A copy of component `comp`'s buffer, as a `numpy.uint8` array.
     pub(crate) fn read_buffer<'py>(&self, py: Python<'py>, comp: usize) -> PyResult<Bound<'py, PyAny>> {
-        let v = py.detach(|| self.inner.read_buffer(comp)).py()?;
+        let v = py.detach(|| read(&self.inner).read_buffer(comp)).py()?;
         u8_array(py, &v)
     }
     /// Replaces component `comp`'s buffer (exactly its size).
-    pub(crate) fn write_buffer(&mut self, py: Python<'_>, comp: usize, data: &Bound<'_, PyAny>) -> PyResult<()> {
+    pub(crate) fn write_buffer(&self, py: Python<'_>, comp: usize, data: &Bound<'_, PyAny>) -> PyResult<()> {
         let data = data_arg(data, "data")?;
-        let host = &mut self.inner;
-        py.detach(|| host.write_buffer(comp, &data)).py()
+        py.detach(|| write(&self.inner).write_buffer(comp, &data)).py()
     }
     /// Bytes of one component buffer.
     #[getter]
     pub(crate) fn buffer_bytes(&self) -> u64 {
-        self.inner.geometry().buffer_bytes()
+        self.pair.host().buffer_bytes()
     }
     /// Token slots after sglang's rounding.
     #[getter]
     pub(crate) fn size(&self) -> u64 {
-        self.inner.geometry().size()
+        self.pair.host().size()
     }
     /// Host layers `L`.
     #[getter]
     pub(crate) fn layer_num(&self) -> u64 {
-        self.inner.geometry().layer_num()
+        self.pair.host().layer_num()
     }
     /// `mha`, `mla` or `dsa`.
     #[getter]
     pub(crate) fn kind(&self) -> &'static str {
-        self.inner.geometry().kind().name()
+        self.pair.host().kind().name()
     }
     /// The host layout, sglang's name.
     #[getter]
     pub(crate) fn layout(&self) -> &'static str {
-        self.inner.geometry().layout().name()
+        self.pair.host().layout().name()
     }
     /// Tokens per page `P`.
     #[getter]
     pub(crate) fn page_size(&self) -> u64 {
-        self.inner.geometry().page_size()
+        self.pair.host().page_size()
     }
     /// Heads (page_head) or head groups (page_first_direct_hg); 1 otherwise.
     #[getter]
     pub(crate) fn head_num(&self) -> u64 {
-        self.inner.geometry().head_num()
+        self.pair.host().head_num()
     }
     /// Bytes per (slot, layer) of the host pool.
     #[getter]
     pub(crate) fn item_bytes(&self) -> u64 {
-        self.inner.geometry().item_bytes()
+        self.pair.host().item_bytes()
     }
     /// Component buffers: 2 (K, V) for MHA, 1 otherwise.
     #[getter]
     pub(crate) fn components(&self) -> usize {
-        self.inner.geometry().kind().components()
+        self.pair.host().kind().components()
     }
     /// The executor's name (`cpu`, `wgpu`, `cuda`).
     #[getter]
     pub(crate) fn executor(&self) -> &'static str {
-        self.inner.device().name()
+        self.device.name()
     }
     /// The device pool's layers as this host pool holds them: `(layer_num, owned start, owned
     /// end, drafts, skipped)`.
     #[getter]
     pub(crate) fn layer_map(&self) -> (usize, usize, usize, usize, Vec<bool>) {
-        let m = self.inner.pair().device().layers();
+        let m = self.pair.device().layers();
         let (start, end) = m.owned();
         (m.layer_num, start, end, m.drafts, m.skipped.clone())
     }
@@ -297,66 +333,72 @@ impl PyHostPool {
     /// executor keeps host pools in its own buffers (wgpu). Valid while the pool lives; call
     /// `synchronize()` before touching it.
     pub(crate) fn host_span(&self, comp: usize) -> PyResult<Option<(u64, u64)>> {
-        self.inner.host_span(comp).py()
+        read(&self.inner).host_span(comp).py()
     }
     /// The integrity checksum of each span `get_page_buffer_meta(indices)` names (per page, K then
     /// V), as a `numpy.uint64` array; keys seeded by `seed` (the storage seed by default).
     #[pyo3(signature = (indices, seed = hicache_io::integrity::STORAGE_SEED))]
     pub(crate) fn object_checksums<'py>(&self, py: Python<'py>, indices: &Bound<'_, PyAny>, seed: u64) -> PyResult<Bound<'py, PyAny>> {
         let idx = index_list(indices, "Host", Ctx { stream: None })?;
-        let sums = py.detach(|| self.inner.object_checksums(&idx, seed)).py()?;
+        let sums = py.detach(|| read(&self.inner).object_checksums(&idx, seed)).py()?;
         u64_array(py, sums)
     }
     /// Per page of `indices` (first tokens at `indices[0], indices[P], …`): whether its bytes
     /// still match every item checksum the pool recorded for it (`True` where it has none).
     pub(crate) fn pages_intact(&self, py: Python<'_>, indices: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
         let idx = index_list(indices, "Host", Ctx { stream: None })?;
-        py.detach(|| self.inner.pages_intact(&idx)).py()
+        py.detach(|| read(&self.inner).pages_intact(&idx)).py()
     }
     /// Whether the pool keeps item checksums (recorded by backups, verified by loads).
     #[getter]
-    pub(crate) fn integrity(&self) -> bool {
-        self.inner.integrity_enabled()
+    pub(crate) fn integrity(&self, py: Python<'_>) -> bool {
+        py.detach(|| read(&self.inner).integrity_enabled())
     }
     /// `{"recorded", "verified", "unverified", "mismatched"}` item counts, `None` without
     /// checksums.
-    pub(crate) fn integrity_stats(&self) -> Option<std::collections::BTreeMap<&'static str, u64>> {
-        self.inner.integrity_stats().map(|s| {
+    pub(crate) fn integrity_stats(&self, py: Python<'_>) -> Option<std::collections::BTreeMap<&'static str, u64>> {
+        py.detach(|| read(&self.inner).integrity_stats()).map(|s| {
             [("recorded", s.recorded), ("verified", s.verified), ("unverified", s.unverified), ("mismatched", s.mismatched)].into()
         })
     }
     /// The recorded checksums of the page starting at token `index` (component, layer, slot;
     /// `None` where unknown); empty without checksums.
-    pub(crate) fn page_checksums(&self, index: i64) -> PyResult<Vec<Option<u64>>> {
-        self.inner.page_checksums(index).py()
+    pub(crate) fn page_checksums(&self, py: Python<'_>, index: i64) -> PyResult<Vec<Option<u64>>> {
+        py.detach(|| read(&self.inner).page_checksums(index)).py()
     }
     /// `set_from_flat_data_page` verified against the page's carried checksums.
     pub(crate) fn set_from_flat_data_page_checked(
-        &mut self,
+        &self,
         py: Python<'_>,
         index: i64,
         data_page: &Bound<'_, PyAny>,
         checksums: Vec<Option<u64>>,
     ) -> PyResult<()> {
         let data_page = data_arg(data_page, "data_page")?;
-        let host = &mut self.inner;
-        py.detach(|| host.set_from_flat_data_page_checked(index, &data_page, &checksums)).py()
+        py.detach(|| write(&self.inner).set_from_flat_data_page_checked(index, &data_page, &checksums)).py()
     }
     /// Records the checksums of the pages starting at `indices` (token slots) from their bytes in
     /// host memory (written in place by a store that verified them).
-    pub(crate) fn recompute_page_checksums(&mut self, py: Python<'_>, indices: Vec<i64>) -> PyResult<()> {
-        let host = &mut self.inner;
-        py.detach(|| indices.iter().try_for_each(|&i| host.recompute_page_checksums(i))).py()
+    pub(crate) fn recompute_page_checksums(&self, py: Python<'_>, indices: Vec<i64>) -> PyResult<()> {
+        py.detach(|| {
+            let mut host = write(&self.inner);
+            indices.iter().try_for_each(|&i| host.recompute_page_checksums(i))
+        })
+        .py()
     }
     /// Forgets the checksums of the pages starting at `indices` (written in place, unverified).
-    pub(crate) fn forget_page_checksums(&mut self, indices: Vec<i64>) -> PyResult<()> {
-        indices.iter().try_for_each(|&i| self.inner.forget_page_checksums(i)).py()
+    pub(crate) fn forget_page_checksums(&self, py: Python<'_>, indices: Vec<i64>) -> PyResult<()> {
+        py.detach(|| {
+            let mut host = write(&self.inner);
+            indices.iter().try_for_each(|&i| host.forget_page_checksums(i))
+        })
+        .py()
     }
     /// Fault injection: writes `data` into component `comp` at byte `offset` without touching
     /// the checksums.
-    pub(crate) fn inject_host_corruption(&mut self, comp: usize, offset: u64, data: &Bound<'_, PyAny>) -> PyResult<()> {
+    pub(crate) fn inject_host_corruption(&self, py: Python<'_>, comp: usize, offset: u64, data: &Bound<'_, PyAny>) -> PyResult<()> {
         let data = data_arg(data, "data")?;
-        self.inner.inject_host_corruption(comp, offset, &data).py()
+        py.detach(|| write(&self.inner).inject_host_corruption(comp, offset, &data)).py()
     }
     /// Waits for every transfer queued on the pool's executor, then raises `IntegrityError` for
     /// the items of plain loads that failed their checksums since the last report (cuda: its
@@ -364,7 +406,7 @@ impl PyHostPool {
     /// from the call). Another call's failed CUDA index check stays pending for that call's own
     /// report.
     pub(crate) fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
-        let dev = self.inner.device().clone();
+        let dev = self.device.clone();
         py.detach(|| dev.wait_idle().and_then(|_| dev.integrity_reports())).py()
     }
 }

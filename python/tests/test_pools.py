@@ -165,3 +165,88 @@ def test_pool_buffers_take_arrays_and_bytes():
     assert not dpool.read_buffer(0, 0).any()
     with pytest.raises(ValueError, match="expected 128 bytes"):
         dpool.write_buffer(0, 0, bytes(127))
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_pools_shared_by_threads(executor):
+    """sglang's cache controller drives one pool pair from several threads: per-layer loads on
+    one, all-layer and per-layer backups on others, storage page reads on another. Each thread
+    owns its slots, so the end state is known whatever the interleaving; every byte is checked,
+    and a page read mid-backup is either all old or all new bytes, never torn."""
+    import threading
+
+    dev = device(executor)
+    slots, rounds = 64, 300
+    dpool = DevicePool(dev, "mha", ITEM, slots, PAGE, LAYERS)
+    hpool = HostPool(dpool, "page_first", slots - PAGE, profile="extended")
+    rng = np.random.default_rng(21)
+    dev0 = [[rng.integers(0, 256, slots * ITEM, dtype=np.uint8) for _ in range(LAYERS)] for _ in range(2)]
+    for c in range(2):
+        for s in range(LAYERS):
+            dpool.write_buffer(c, s, dev0[c][s].tobytes())
+    host0 = [rng.integers(0, 256, hpool.buffer_bytes, dtype=np.uint8) for _ in range(2)]
+    for c in range(2):
+        hpool.write_buffer(c, host0[c].tobytes())
+    r = lambda a, b: np.arange(a, b, dtype=np.int64)  # noqa: E731
+    loads_h, loads_d = r(0, 16), r(0, 16)  # host 0..15 → device 0..15 (layer by layer)
+    backup_d, backup_h = r(32, 48), r(32, 48)  # device 32..47 → host 32..47 (all layers)
+    layer_d, layer_h = r(16, 32), r(16, 32)  # device 16..31 → host 16..31 (one layer a call)
+    errors = []
+
+    def page_of(buf_k, buf_v, start):
+        view = lambda b: b.reshape(hpool.size, LAYERS, ITEM)[start:start + PAGE]  # noqa: E731
+        return np.concatenate([view(buf_k).reshape(-1), view(buf_v).reshape(-1)])
+
+    def dev_page(start):
+        k = np.stack([dev0[0][layer].reshape(slots, ITEM)[start:start + PAGE] for layer in range(LAYERS)], 1)
+        v = np.stack([dev0[1][layer].reshape(slots, ITEM)[start:start + PAGE] for layer in range(LAYERS)], 1)
+        return np.concatenate([k.reshape(-1), v.reshape(-1)])
+
+    def run(body):
+        def go():
+            try:
+                for i in range(rounds):
+                    body(i)
+            except Exception as e:  # noqa: BLE001 - reported by the main thread
+                errors.append(repr(e))
+        return threading.Thread(target=go)
+
+    def loads(i):
+        hpool.load_to_device_per_layer(dpool, loads_h, loads_d, i % LAYERS, IO["page_first"])
+
+    def backups(i):
+        hpool.backup_from_device_all_layer(dpool, backup_h, backup_d, "kernel")
+
+    def layer_backups(i):
+        hpool.backup_from_device_per_layer(dpool, layer_h, layer_d, i % LAYERS, "kernel")
+
+    def reads(i):
+        start = int(backup_h[(i * PAGE) % len(backup_h)])
+        got = np.asarray(hpool.get_data_page(start), np.uint8)
+        old, new = page_of(host0[0], host0[1], start), dev_page(start)
+        if not (np.array_equal(got, old) or np.array_equal(got, new)):
+            raise AssertionError(f"page {start} read torn")
+        start = int(loads_h[(i * PAGE) % len(loads_h)])
+        if not np.array_equal(np.asarray(hpool.get_data_page(start), np.uint8), page_of(host0[0], host0[1], start)):
+            raise AssertionError(f"page {start} changed")
+
+    threads = [run(f) for f in (loads, backups, layer_backups, reads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    hpool.synchronize()
+    assert not errors, errors[:3]
+    for c in range(2):
+        host = host_view(hpool.read_buffer(c), "page_first", hpool.size)
+        want = host_view(host0[c], "page_first", hpool.size).copy()
+        for layer in range(LAYERS):
+            d = dev0[c][layer].reshape(slots, ITEM)
+            want[backup_h, layer] = d[backup_d]
+            want[layer_h, layer] = d[layer_d]
+        assert np.array_equal(host, want), f"host component {c}"
+        for layer in range(LAYERS):
+            got = np.asarray(dpool.read_buffer(c, layer), np.uint8).reshape(slots, ITEM)
+            want = dev0[c][layer].reshape(slots, ITEM).copy()
+            want[loads_d] = host_view(host0[c], "page_first", hpool.size)[loads_h, layer]
+            assert np.array_equal(got, want), f"device component {c} layer {layer}"
