@@ -68,6 +68,15 @@ for _spec in kvcacheio.CATALOGUE:
         JIT_OPS[_module] = (*JIT_OPS.get(_module, ()), _spec["name"])
 del _spec
 
+def _no_warmup() -> None:
+    """sglang compiles its page-row JIT kernels here; hicache-io's copy needs no compiling."""
+
+
+#: Names beside a JIT module's ops that sglang's pools import from it.
+_JIT_EXTRAS: Dict[str, Dict[str, Any]] = {
+    "sglang.kernels.ops.kvcache.nvfp4_hicache": {"warmup_page_row_transfer": _no_warmup},
+}
+
 #: The JIT names sglang's pools import (and the probes and constants beside them).
 JIT_NAMES = tuple(hicache.__all__)
 
@@ -193,9 +202,12 @@ def install(*, allow_other_versions: bool = False, torch_ops: bool = True) -> Di
     old_ops, kernel_origin = _kvcacheio_module()
     old_jit, jit_origin = _jit_module(JIT_MODULE, {name: getattr(hicache, name) for name in JIT_NAMES}, hicache.__doc__)
     jit_families = {}
+    replacements: Dict[int, Any] = {}
     for module_name, names in JIT_OPS.items():
-        old, origin = _jit_module(module_name, {name: getattr(kvcacheio, name) for name in names}, None)
-        old_ops.update(old)
+        served = {name: getattr(kvcacheio, name) for name in names}
+        served.update(_JIT_EXTRAS.get(module_name, {}))
+        old, origin = _jit_module(module_name, served, None)
+        replacements.update({id(fn): served[name] for name, fn in old.items()})
         jit_families[module_name] = origin
     routed: List[str] = []
     kept: List[str] = []
@@ -203,7 +215,7 @@ def install(*, allow_other_versions: bool = False, torch_ops: bool = True) -> Di
         from . import torch_ops as ops
 
         routed, kept = ops.register_routing("sgl_kernel")
-    replacements = {id(old): getattr(kvcacheio, name) for name, old in old_ops.items()}
+    replacements.update({id(old): getattr(kvcacheio, name) for name, old in old_ops.items()})
     replacements.update({id(old): getattr(hicache, name) for name, old in old_jit.items()})
     report = {
         "sglang": version,

@@ -145,10 +145,11 @@ pub(crate) fn layers(obj: &Bound<'_, PyAny>, name: &str, writes: bool, extent: u
         .collect()
 }
 
-/// Bytes a pointer-table layer of op `spec` must hold for indices `idx` (items of `item` bytes).
-pub(crate) fn extent_for(spec: &hicache_io::kvcacheio::catalogue::OpSpec, idx: &[i64], item: i64) -> u64 {
+/// Bytes a pointer-table layer of op `spec` must hold for indices `idx` (`source`: its first
+/// layer argument; `int` reads the op's integer arguments).
+pub(crate) fn extent_for(spec: &hicache_io::kvcacheio::catalogue::OpSpec, source: bool, idx: &[i64], int: &dyn Fn(&str) -> i64) -> u64 {
     let top = idx.iter().copied().filter(|&i| i >= 0).max().map_or(1, |m| m as u64 + 1);
-    spec.trusted_extent(top, item)
+    spec.trusted_extent(source, top, int)
 }
 
 /// Bytes of any bytes-like object or host array.
@@ -189,19 +190,19 @@ pub(crate) fn table_extents(
     di: Idx,
     src_table: bool,
     dst_table: bool,
-    item_size: i64,
+    int: &dyn Fn(&str) -> i64,
     ctx: Ctx,
 ) -> PyResult<(Idx, Idx, u64, u64)> {
-    let host = |i: Idx, table: bool| -> PyResult<(Idx, u64)> {
+    let host = |i: Idx, table: bool, source: bool| -> PyResult<(Idx, u64)> {
         if !table {
             return Ok((i, 0));
         }
         let v = i.into_host(ctx)?;
-        let e = extent_for(spec, &v, item_size);
+        let e = extent_for(spec, source, &v, int);
         Ok((Idx::Host(v), e))
     };
-    let (si, se) = host(si, src_table)?;
-    let (di, de) = host(di, dst_table)?;
+    let (si, se) = host(si, src_table, true)?;
+    let (di, de) = host(di, dst_table, false)?;
     Ok((si, di, se, de))
 }
 
@@ -236,7 +237,7 @@ pub(crate) fn remembered_tables(
         out[i] = Some((t, table));
     }
     let tables: Vec<&kv::LayerTable> = out.iter().flatten().map(|(t, _)| t).collect();
-    if kv::table_extents(&tables).iter().flatten().any(Option::is_none) {
+    if spec.known_extents(&tables).iter().flatten().any(Option::is_none) {
         return Ok(None);
     }
     Ok(Some(out))

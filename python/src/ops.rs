@@ -120,7 +120,7 @@ pub(crate) fn call_op(
             }
         }
         kernel_lists = Some(if remembered.iter().all(Option::is_none) {
-            let (si, di, se, de) = table_extents(spec, si, di, src_table, dst_table, int("item_size"), ctx)?;
+            let (si, di, se, de) = table_extents(spec, si, di, src_table, dst_table, &int, ctx)?;
             (src_extent, dst_extent) = (se, de);
             (si, di)
         } else {

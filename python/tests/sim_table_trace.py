@@ -1,5 +1,5 @@
 """sglang 0.5.23's backup sequence on CUDA with ``io_backend=kernel`` (and the Mamba pool's and
-DeepSeek-V4's token-granular one), run twice on the simulated
+DeepSeek-V4's token-granular one and MiniMax M3's NVFP4 page rows), run twice on the simulated
 driver with its call trace on (``HICACHE_CUDA_SIM_TRACE``, read at the driver's first call, so
 this runs in its own process: ``test_cuda_sim.py`` starts it). The first round reads each layer
 table once; the second must make no driver call that blocks the calling thread. Every byte of
@@ -21,6 +21,7 @@ PAGE = 16
 ROW = 64 * 132  # the DSA indexer: a page row of 64 tokens x 132 bytes
 PAGES = 16
 C4 = 37440  # a DeepSeek-V4 C4 page: 64 tokens, 576-byte values then 8-byte scales
+NV_ROW = 512  # a MiniMax M3 NVFP4 page row
 
 
 def c4_token(buf, t):
@@ -38,7 +39,8 @@ def main(trace: str) -> None:
     dm = [DevArray.of(rng.integers(0, 256, (SLOTS, ITEM), dtype=np.uint8)) for _ in range(LAYERS)]
     dx = [DevArray.of(rng.integers(0, 256, (PAGES, ROW), dtype=np.uint8)) for _ in range(LAYERS)]
     dc = [DevArray.of(rng.integers(0, 256, (2 * C4,), dtype=np.uint8)) for _ in range(LAYERS)]  # DeepSeek-V4 C4
-    dk_t, dv_t, dm_t, dx_t, dc_t = (table([d.ptr for d in ds]) for ds in (dk, dv, dm, dx, dc))
+    dr = [DevArray.of(rng.integers(0, 256, (PAGES, NV_ROW), dtype=np.uint8)) for _ in range(LAYERS)]  # NVFP4 page rows
+    dk_t, dv_t, dm_t, dx_t, dc_t, dr_t = (table([d.ptr for d in ds]) for ds in (dk, dv, dm, dx, dc, dr))
     # Host pools, registered in chunks as sglang allocates them: layer_first (MHA, MLA; tables of
     # device-accessible layer views) and page_first (MHA, MLA, indexer).
     lf_k, lf_v, lf_m = (registered((LAYERS, SLOTS, ITEM), np.uint8, cuts=(SLOTS * ITEM,)) for _ in range(3))
@@ -51,6 +53,9 @@ def main(trace: str) -> None:
     c4_table = table([kv.get_device_accessible_ptr(lf_c[layer], 0) for layer in range(LAYERS)])
     dev_tok, host_tok = np.array([5, 64, 127, 3, 90], np.int64), np.array([191, 0, 70, 64, 33], np.int64)
     d_tok, h_tok = DevArray.of(dev_tok), DevArray.of(host_tok)
+    # MiniMax M3 NVFP4 host pool, page_first (pages, L, 1, row): a table of strided layer views.
+    pf_r = registered((PAGES, LAYERS, 1, NV_ROW), np.uint8)
+    nv_table = table([kv.get_device_accessible_ptr(pf_r[:, layer, 0], 0) for layer in range(LAYERS)])
 
     def pages(seed):
         p = np.random.default_rng(seed).permutation(SLOTS // PAGE)[:6]
@@ -75,11 +80,13 @@ def main(trace: str) -> None:
         kv.transfer_kv_mamba_lf_pf(dm_t, pf_s, d_rows, h_rows, ITEM, LAYERS * ITEM, LAYERS)
         # DeepSeek-V4: HiSparse's token-granular backup (tables on both sides).
         kv.transfer_cache_dsv4_mla(dc_t, c4_table, d_tok, h_tok)
+        # MiniMax M3 NVFP4: page rows from the device slab's rows into the host's strided views.
+        kv.transfer_page_rows(nv_table, dr_t, h_pages, d_pages, host_stride=LAYERS * NV_ROW, device_stride=NV_ROW, row_bytes=NV_ROW, load=False)
 
     backups()  # the first use of each table reads it
     sync()
     kv.synchronize(0)
-    for h in (lf_k, lf_v, lf_m, pf_k, pf_v, pf_m, pf_x, pf_s, lf_c):
+    for h in (lf_k, lf_v, lf_m, pf_k, pf_v, pf_m, pf_x, pf_s, lf_c, pf_r):
         h[...] = 0
     before = len(open(trace).read().splitlines())
     backups()
@@ -108,6 +115,7 @@ def main(trace: str) -> None:
             want[page * C4 + slot * 576: page * C4 + (slot + 1) * 576] = tok[:576]
             want[page * C4 + 36864 + slot * 8: page * C4 + 36864 + (slot + 1) * 8] = tok[576:]
         assert np.array_equal(lf_c[layer], want), f"DeepSeek-V4 C4 layer {layer}"
+        assert np.array_equal(pf_r[host_pages, layer, 0], dr[layer].numpy()[dev_pages]), f"NVFP4 layer {layer}"
     assert sim_errors() == (0, 0)
     print(f"ok: {len(issued)} driver calls, {len(launches)} launches, none blocking")
 

@@ -384,3 +384,42 @@ def test_jit_all_layer_into_a_page_first_buffer_by_its_layer_table():
     with pytest.raises(ValueError, match="strided device rows"):
         hicache.transfer_hicache_all_layer_mla(table(src), si, host_table, di, cache_dst_stride_bytes=row, cache_src_stride_bytes=layers * row, element_size=row)
     np.testing.assert_array_equal(host, before)
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_nvfp4_page_rows_from_address_tables(layout):
+    """sglang's MiniMax M3 NVFP4 pool: a device slab (L, pages, row) and a host buffer in its
+    layout, both addressed by uint64 tables of per-layer row 0 (the host's strided for
+    page_first), rows moved both ways and compared with numpy."""
+    rng = np.random.default_rng(5)
+    layers, row, host_pages, dev_pages = 3, 384, 7, 5
+    slab = rng.integers(0, 256, (layers, dev_pages, row), dtype=np.uint8)
+    if layout == "layer_first":
+        host = rng.integers(0, 256, (layers, host_pages, row), dtype=np.uint8)
+        views = [host[layer] for layer in range(layers)]
+    else:
+        host = rng.integers(0, 256, (host_pages, layers, 1, row), dtype=np.uint8)
+        views = [host[:, layer, 0] for layer in range(layers)]
+    host_table = np.array([v.ctypes.data for v in views], np.uint64)
+    dev_table = np.array([slab[layer].ctypes.data for layer in range(layers)], np.uint64)
+    host_stride = views[0].strides[0]
+    hp, dp = np.array([6, 0, 3], np.int64), np.array([1, 4, 0], np.int64)
+    want = [v.copy() for v in views]
+    for layer in range(layers):
+        want[layer][hp] = slab[layer][dp]
+    kv.transfer_page_rows(host_table, dev_table, hp, dp, host_stride=host_stride, device_stride=row, row_bytes=row, load=False)
+    for layer in range(layers):
+        assert np.array_equal(views[layer], want[layer]), f"backup layer {layer}"
+    hp, dp = np.array([2, 5], np.int64), np.array([3, 2], np.int64)
+    want = slab.copy()
+    for layer in range(layers):
+        want[layer][dp] = views[layer][hp]
+    kv.transfer_page_rows(host_table, dev_table, hp, dp, host_stride=host_stride, device_stride=row, row_bytes=row, load=True)
+    assert np.array_equal(slab, want)
+    # sglang's words; nothing moves.
+    before = slab.copy()
+    with pytest.raises(RuntimeError, match="page-row bytes must be a positive multiple of 128"):
+        kv.transfer_page_rows(host_table, dev_table, hp, dp, host_stride=host_stride, device_stride=row, row_bytes=100, load=True)
+    with pytest.raises(RuntimeError, match="page-row strides must be 128B aligned"):
+        kv.transfer_page_rows(host_table, dev_table, hp, dp, host_stride=host_stride, device_stride=row + 8, row_bytes=row, load=True)
+    assert np.array_equal(slab, before)

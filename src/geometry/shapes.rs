@@ -125,8 +125,8 @@ impl DeviceGeometry {
         Ok(DeviceGeometry { kind, item_bytes, slots, page_size, layers, layer_bytes, total_bytes, padding: None })
     }
     /// The same pool with padded pages: `slots` must be whole pages and each page's items must
-    /// fit after `offset` (`offset + P × item ≤ page_bytes`); a layer buffer is then
-    /// `slots / P × page_bytes` bytes.
+    /// fit after `offset` (`offset + P × item ≤ page_bytes`); a layer buffer then holds
+    /// `pages - 1` whole pages and the used part of the last, `offset + P × item` bytes.
     pub fn with_padding(mut self, padding: PagePadding) -> Result<Self> {
         let p = self.page_size;
         if !self.slots.is_multiple_of(p) {
@@ -139,7 +139,8 @@ impl DeviceGeometry {
                 padding.page_bytes, self.item_bytes, padding.offset
             )));
         }
-        self.layer_bytes = mul(self.slots / p, padding.page_bytes, "device layer buffer bytes (pages × page bytes)")?;
+        let whole = mul(self.slots / p - 1, padding.page_bytes, "device layer buffer bytes (pages × page bytes)")?;
+        self.layer_bytes = add(whole, used, "device layer buffer bytes")?;
         let buffers = (self.layers.host_layers() * self.kind.components()) as u64;
         self.total_bytes = mul(self.layer_bytes, buffers, "device pool bytes (layer bytes × buffers)")?;
         self.padding = Some(padding);
@@ -262,7 +263,7 @@ impl HostGeometry {
         })
     }
     /// The same host buffer with padded pages (layer_first only): each layer is
-    /// `page_num × page_bytes` bytes.
+    /// `page_num × page_bytes` bytes, the last layer's last page used up to its last item.
     fn with_padding(mut self, padding: PagePadding) -> Result<Self> {
         if self.layout != Layout::LayerFirst || self.kind == PoolKind::DsaIndexer {
             return Err(TransferError::InvalidConfig(format!(
@@ -270,8 +271,16 @@ impl HostGeometry {
                 self.kind, self.layout
             )));
         }
-        let layer = mul(self.page_num(), padding.page_bytes, "host layer bytes (pages × page bytes)")?;
-        self.buffer_bytes = mul(layer, self.layer_num, "host buffer bytes (layer bytes × L)")?;
+        let used = add(padding.offset, mul(self.page_size, self.item_bytes, "padded page items (P × item)")?, "padded page use")?;
+        if used > padding.page_bytes {
+            return Err(TransferError::InvalidConfig(format!(
+                "padded page of {} bytes cannot hold {} items of {} bytes after offset {}",
+                padding.page_bytes, self.page_size, self.item_bytes, padding.offset
+            )));
+        }
+        let pages = mul(self.page_num(), self.layer_num, "host pages (pages × L)")?;
+        let whole = mul(pages - 1, padding.page_bytes, "host buffer bytes (pages × page bytes)")?;
+        self.buffer_bytes = add(whole, used, "host buffer bytes")?;
         mul(self.buffer_bytes, self.kind.components() as u64, "host pool bytes")?;
         self.padding = Some(padding);
         Ok(self)
@@ -411,6 +420,18 @@ impl PoolPair {
     /// A host geometry built against a device geometry: same kind, item and page size (and
     /// padded pages, layer_first only); `L` from the device's live layers and drafts.
     pub fn new(device: DeviceGeometry, layout: Layout, host_size: u64, head_num: u64) -> Result<Self> {
+        let padding = device.padding;
+        PoolPair::with_host_padding(device, layout, host_size, head_num, padding)
+    }
+    /// [`PoolPair::new`] with the host's own padded pages (`None`: none), e.g. page rows whose
+    /// host and device strides differ.
+    pub fn with_host_padding(
+        device: DeviceGeometry,
+        layout: Layout,
+        host_size: u64,
+        head_num: u64,
+        padding: Option<PagePadding>,
+    ) -> Result<Self> {
         let mut host = HostGeometry::new(
             device.kind,
             layout,
@@ -420,7 +441,7 @@ impl PoolPair {
             device.item_bytes,
             head_num,
         )?;
-        if let Some(padding) = device.padding {
+        if let Some(padding) = padding {
             host = host.with_padding(padding)?;
         }
         Ok(PoolPair { host, device })

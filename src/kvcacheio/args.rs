@@ -81,25 +81,29 @@ impl<'v, 'a: 'v> OpArgs<'v, 'a> {
             return Ok(a);
         }
         let tables: Vec<&LayerTable> = at.iter().filter_map(|&i| if let Value::Table(t) = values[i] { Some(t) } else { None }).collect();
-        let extents = table_extents(&tables);
+        let extents = spec.known_extents(&tables);
         let (src, dst) = a.indices()?;
         for ((&i, t), ext) in at.iter().zip(&tables).zip(extents) {
             let (name, kind) = spec.args[i];
             // A table's layers are addressed by its side's list: the sources read, the
             // destinations written.
             let list = if kind == ArgKind::InLayers { src } else { dst };
+            let int = |name: &str| a.int(name).unwrap_or(0);
             let by_index = match list {
-                Indices::Host(v) => Some(v.iter().copied().filter(|&x| x >= 0).max().map_or(1, |m| m as u64 + 1)),
+                Indices::Host(v) => Some(spec.trusted_extent(
+                    kind == ArgKind::InLayers,
+                    v.iter().copied().filter(|&x| x >= 0).max().map_or(1, |m| m as u64 + 1),
+                    &int,
+                )),
                 Indices::Cuda(_) => None,
             };
-            let item = a.int("item_size").ok().and_then(|v| u64::try_from(v).ok()).unwrap_or(1).max(1);
             let layers = t
                 .entries()
                 .iter()
                 .zip(ext)
                 .enumerate()
                 .map(|(j, (&addr, len))| {
-                    let len = len.or_else(|| by_index.map(|n| n.saturating_mul(item))).ok_or_else(|| {
+                    let len = len.or(by_index).ok_or_else(|| {
                         bad(
                             &format!("{name}[{j}]"),
                             format!(

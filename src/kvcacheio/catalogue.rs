@@ -114,6 +114,9 @@ pub enum Shape {
     /// DeepSeek-V4 C4 tokens (a 576-byte value and an 8-byte scale in pages of 37,440 bytes)
     /// between the layers of two tables.
     Dsv4Tokens,
+    /// Page rows (`row_bytes` every stride) between the layers of a host and a device table,
+    /// either way (`load`).
+    PageRows,
     /// Served by its own binding.
     Custom,
 }
@@ -172,12 +175,29 @@ impl OpSpec {
         CATALOGUE.iter().find(|s| s.name == name)
     }
 
+    /// Each layer's extent in the tables of one call as the driver can tell it: up to the next
+    /// layer ([`table_extents`]), or for ops whose layers may interleave (page rows of strided
+    /// views) up to the end of its allocation ([`allocation_extents`]).
+    pub fn known_extents(&self, tables: &[&LayerTable]) -> Vec<Vec<Option<u64>>> {
+        match self.shape {
+            Shape::PageRows => allocation_extents(tables),
+            _ => table_extents(tables),
+        }
+    }
+
     /// Bytes a layer of a trusted table of addresses must hold for index values below `top`
-    /// (items of `item_size` bytes; DeepSeek-V4 C4 tokens fill whole 37,440-byte pages).
-    pub fn trusted_extent(&self, top: u64, item_size: i64) -> u64 {
+    /// (`source`: the op's first layer argument, else its second; `int` reads the op's integer
+    /// arguments, 0 where absent): items of `item_size` bytes, DeepSeek-V4 C4 tokens in whole
+    /// 37,440-byte pages, page rows of `row_bytes` every `host_stride` / `device_stride` bytes.
+    pub fn trusted_extent(&self, source: bool, top: u64, int: &dyn Fn(&str) -> i64) -> u64 {
+        let positive = |name: &str| u64::try_from(int(name)).unwrap_or(0).max(1);
         match self.shape {
             Shape::Dsv4Tokens => top.div_ceil(DSV4_PAGE_TOKENS).saturating_mul(DSV4_PAGE_BYTES),
-            _ => top.saturating_mul(item_size.max(1) as u64),
+            Shape::PageRows => {
+                let stride = positive(if source { "host_stride" } else { "device_stride" });
+                top.saturating_sub(1).saturating_mul(stride).saturating_add(positive("row_bytes"))
+            }
+            _ => top.saturating_mul(positive("item_size")),
         }
     }
 }
@@ -292,6 +312,7 @@ fn run(name: &str, device: &Device, values: &[Value<'_>]) -> Result<()> {
         Shape::DirectLayerBackup => direct_layer_backup(device, &a),
         Shape::EmbeddingRanges => embedding_ranges(device, &a),
         Shape::Dsv4Tokens => dsv4_tokens(device, &a),
+        Shape::PageRows => page_rows(device, &a),
         Shape::Custom => Err(TransferError::BadArgument { arg: "name", value: 0, message: format!("{name} has its own binding") }),
     }
 }
@@ -427,6 +448,11 @@ catalogue! {
             shape: Shape::Dsv4Tokens,
             tuning: Tuning::BlockSize, sglang: Sglang::Jit("sglang.kernels.ops.kvcache.hisparse"), keys: &[],
         }
+        transfer_page_rows(host_ptrs: InLayers, device_ptrs: OutLayers, host_pages: Idx, device_pages: Idx, host_stride: Int, device_stride: Int, row_bytes: Int, load: Int) {
+            doc: "sglang's JIT NVFP4 page-row copy (MiniMax M3): for every layer ``l`` and pair ``i``, ``row_bytes`` bytes between host row ``host_ptrs[l] + host_pages[i] * host_stride`` and device row ``device_ptrs[l] + device_pages[i] * device_stride``, host to device when ``load`` is true, else device to host. Row bytes and strides are multiples of 128, strides at least one row. Indices are pages. A list of arrays given for the side that is written must be writable (it is not checked for this op).",
+            shape: Shape::PageRows,
+            tuning: Tuning::None, sglang: Sglang::Jit("sglang.kernels.ops.kvcache.nvfp4_hicache"), keys: &[],
+        }
     }
     custom {
         copy_all_layer_kv_cache_cpu(data_ptrs: In, strides: In, tgt_loc: In, src_loc: In) {
@@ -535,8 +561,12 @@ mod tests {
         for spec in CATALOGUE.iter().filter(|s| s.binding == Binding::Generic) {
             // One 64-byte array per argument: 8 rows of 8 bytes, also a page_first_direct
             // buffer [8 pages, 1 layer, page_size 1, 8 bytes].
-            // A DeepSeek-V4 C4 buffer is one page.
-            let len = if spec.shape == Shape::Dsv4Tokens { DSV4_PAGE_BYTES as usize } else { 64 };
+            // A DeepSeek-V4 C4 buffer is one page; page rows are 128 bytes.
+            let len = match spec.shape {
+                Shape::Dsv4Tokens => DSV4_PAGE_BYTES as usize,
+                Shape::PageRows => 256,
+                _ => 64,
+            };
             let mut bufs: Vec<Vec<u8>> = spec.args.iter().map(|_| vec![7u8; len]).collect();
             let tensors: Vec<Vec<RawTensor>> = bufs
                 .iter_mut()
@@ -567,6 +597,7 @@ mod tests {
                         "layer_id" => 0,
                         "item_size" | "src_layout_dim" | "dst_layout_dim" if matches!(spec.item_check, ItemCheck::Uint4(_)) => 16,
                         "item_size" | "src_layout_dim" | "dst_layout_dim" => 8,
+                        "row_bytes" | "host_stride" | "device_stride" => 128,
                         _ => 1,
                     }),
                 })

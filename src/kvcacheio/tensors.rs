@@ -49,6 +49,22 @@ impl LayerTable {
     }
 }
 
+/// Each layer's bytes up to the end of its allocation, as the driver says (`None` where it does
+/// not): the extents of layers that may interleave (page rows of strided views), where the next
+/// layer's address bounds nothing.
+pub fn allocation_extents(tables: &[&LayerTable]) -> Vec<Vec<Option<u64>>> {
+    tables
+        .iter()
+        .map(|t| {
+            t.entries
+                .iter()
+                .zip(&t.ranges)
+                .map(|(&addr, range)| range.and_then(|(start, len)| start.checked_add(len)).and_then(|end| end.checked_sub(addr)))
+                .collect()
+        })
+        .collect()
+}
+
 /// Each layer's bytes in the tables of one call, where they can be known without reading an
 /// index: up to the nearest of the end of its allocation (as the driver says), the next layer
 /// address above it in any of the tables, and, in a table of evenly spaced addresses (the

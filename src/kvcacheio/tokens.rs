@@ -90,3 +90,95 @@ pub(super) fn dsv4_tokens(device: &Device, a: &OpArgs<'_, '_>) -> Result<()> {
     }
     a.run(calls)
 }
+
+/// [`Shape::PageRows`](super::catalogue::Shape::PageRows): `transfer_page_rows` (MiniMax M3's
+/// NVFP4 caches). For every layer `l` and pair `i`, `row_bytes` bytes between host row
+/// `host_ptrs[l] + host_pages[i] × host_stride` and device row
+/// `device_ptrs[l] + device_pages[i] × device_stride`, host to device when `load`, else back.
+/// sglang's checks (row bytes and strides in 128-byte units) with its words; beyond sglang:
+/// strides of at least one row (rows that overlap would be written twice), every page inside
+/// its layer (each layer of a side bounded by its smallest), destinations unique, sides
+/// disjoint; nothing moves unless all pass.
+pub(super) fn page_rows(device: &Device, a: &OpArgs<'_, '_>) -> Result<()> {
+    let (host_name, host) = a.list(ArgKind::InLayers)?;
+    let (device_name, dev) = a.list(ArgKind::OutLayers)?;
+    let (hi, di) = a.indices()?;
+    let (host_stride, device_stride, row_bytes, load) =
+        (a.int("host_stride")?, a.int("device_stride")?, a.int("row_bytes")?, a.int("load")? != 0);
+    let refuse = |arg: &'static str, value: i64, message: &str| TransferError::BadArgument { arg, value, message: message.into() };
+    if row_bytes <= 0 || row_bytes % 128 != 0 {
+        return Err(refuse("row_bytes", row_bytes, "page-row bytes must be a positive multiple of 128"));
+    }
+    for (arg, stride) in [("host_stride", host_stride), ("device_stride", device_stride)] {
+        if stride % 128 != 0 {
+            return Err(refuse(arg, stride, "page-row strides must be 128B aligned"));
+        }
+        if stride < row_bytes {
+            return Err(refuse(arg, stride, &format!("{arg} {stride} is less than row_bytes {row_bytes}: rows would overlap")));
+        }
+    }
+    if host.len() != dev.len() {
+        return Err(TransferError::LayerListMismatch { src_len: host.len(), dst_len: dev.len() });
+    }
+    if hi.len() != di.len() {
+        return Err(TransferError::LengthMismatch { src_len: hi.len(), dst_len: di.len() });
+    }
+    if host.is_empty() || hi.is_empty() {
+        return earlier_reports(device);
+    }
+    let (row, hs, ds) = (row_bytes as u64, host_stride as u64, device_stride as u64);
+    let rows = |name: &str, list: &[RawTensor], stride: u64| -> Result<u64> {
+        let fewest = list.iter().map(|t| if t.len < row { 0 } else { (t.len - row) / stride + 1 }).min().unwrap_or(0);
+        if fewest == 0 {
+            let (j, t) = list.iter().enumerate().min_by_key(|(_, t)| t.len).expect("a layer");
+            return Err(bad(&format!("{name}[{j}]"), format!("{} bytes hold no {row}-byte page row", t.len)));
+        }
+        Ok(fewest)
+    };
+    let (host_rows, dev_rows) = (rows(host_name, host, hs)?, rows(device_name, dev, ds)?);
+    let hosts: Vec<Arg<'_>> = host.iter().enumerate().map(|(j, t)| arg(format!("{host_name}[{j}]"), t)).collect();
+    let devs: Vec<Arg<'_>> = dev.iter().enumerate().map(|(j, t)| arg(format!("{device_name}[{j}]"), t)).collect();
+    let (reads, writes, stride) = if load { (&hosts, &devs, ds) } else { (&devs, &hosts, hs) };
+    strided_overlaps(reads, writes, stride, row)?;
+    let op = if load { Op::Load { layer_id: 0, is_draft: false } } else { Op::Backup };
+    let mut calls = Vec::with_capacity(hosts.len());
+    for (h, d) in hosts.iter().zip(&devs) {
+        let geometry = DeviceGeometry::new(PoolKind::Mla, row, dev_rows, 1, LayerMap::new(1))?
+            .with_padding(PagePadding { page_bytes: ds, offset: 0 })?;
+        let pool = DevicePool::wrap_geometry(device, geometry, vec![vec![wrap(device, d)?]])?;
+        let config = HostPoolConfig {
+            layout: Layout::LayerFirst,
+            size: host_rows - 1,
+            head_num: 1,
+            profile: Profile::Sglang,
+            integrity: Some(false),
+        };
+        let host_pool = HostPool::wrap_padded(&pool, &config, vec![wrap(device, h)?], Some(PagePadding { page_bytes: hs, offset: 0 }))?;
+        calls.push(Call::new(pool, host_pool, op, IoBackend::Kernel, hi, di)?);
+    }
+    a.run(calls)
+}
+
+/// The overlap checks of strided layers: no destination layer may share a byte with a source
+/// layer (spans), and two destination layers may share a span only where their rows interleave
+/// without touching (sglang's page_first host layers: views `row` bytes apart, one `stride`),
+/// i.e. their start addresses differ, modulo the stride, by at least a row either way.
+fn strided_overlaps(reads: &[Arg<'_>], writes: &[Arg<'_>], stride: u64, row: u64) -> Result<()> {
+    let span = |t: &RawTensor| (t.memory, t.addr, t.addr.saturating_add(t.len));
+    let meets = |a: &RawTensor, b: &RawTensor| {
+        let ((am, a0, a1), (bm, b0, b1)) = (span(a), span(b));
+        am == bm && a0 < b1 && b0 < a1 && a.len > 0 && b.len > 0
+    };
+    for (i, w) in writes.iter().enumerate() {
+        if let Some(r) = reads.iter().find(|r| meets(w.t, r.t)) {
+            return Err(bad(&w.name, format!("destination overlaps {}", r.name)));
+        }
+        for o in &writes[i + 1..] {
+            let apart = w.t.addr.abs_diff(o.t.addr) % stride;
+            if meets(w.t, o.t) && (apart < row || stride - apart < row) {
+                return Err(bad(&o.name, format!("destination rows overlap {}", w.name)));
+            }
+        }
+    }
+    Ok(())
+}

@@ -144,7 +144,7 @@ pub(super) fn plan_io(profile: Profile, caps: &Capabilities, owner: u64, pair: &
     let path = decide(profile, cell, host.item_bytes(), word)?;
     // 4. Launcher checks. Padded pages move by kernel only: a direct run would cross the
     // padding between pages.
-    if host.padding().is_some() && req.io_backend != IoBackend::Kernel {
+    if (host.padding().is_some() || dev.padding().is_some()) && req.io_backend != IoBackend::Kernel {
         return Err(TransferError::UnsupportedIoBackend { io_backend: req.io_backend.name().into() });
     }
     launcher_checks(host, caps, word, req.io_backend, hi.len(), di.len())?;

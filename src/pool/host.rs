@@ -77,7 +77,18 @@ impl<'m> HostPool<'m> {
     }
 
     fn wrap(device_pool: &DevicePool, config: &HostPoolConfig, buffers: Vec<Buffer>) -> Result<HostPool<'m>> {
-        let pair = PoolPair::new(device_pool.geometry.clone(), config.layout, config.size, config.head_num)?;
+        let padding = device_pool.geometry.padding();
+        HostPool::wrap_padded(device_pool, config, buffers, padding)
+    }
+
+    /// Wraps existing buffers with the host's own padded pages (see [`PoolPair::with_host_padding`]).
+    pub(crate) fn wrap_padded(
+        device_pool: &DevicePool,
+        config: &HostPoolConfig,
+        buffers: Vec<Buffer>,
+        padding: Option<crate::geometry::PagePadding>,
+    ) -> Result<HostPool<'m>> {
+        let pair = PoolPair::with_host_padding(device_pool.geometry.clone(), config.layout, config.size, config.head_num, padding)?;
         let device = device_pool.device.clone();
         let nested = vec![buffers];
         check_wrapped(&device, &nested, 1, pair.host().kind().components(), pair.host().buffer_bytes(), "host buffer")?;

@@ -1,7 +1,7 @@
-//! DeepSeek-V4 C4 token copies (`transfer_cache_dsv4_mla`) against a byte loop written from the
-//! page layout (64 tokens a page of 37,440 bytes: values at `slot × 576`, scales at
-//! `36864 + slot × 8`), and padded-page pools on every executor present; rejected calls leave
-//! every byte as it was.
+//! Padded pages: DeepSeek-V4 C4 token copies (`transfer_cache_dsv4_mla`) against a byte loop
+//! written from the page layout (64 tokens a page of 37,440 bytes: values at `slot × 576`,
+//! scales at `36864 + slot × 8`), NVFP4 page rows (`transfer_page_rows`) against a row loop, and
+//! padded-page pools on every executor present; rejected calls leave every byte as it was.
 
 mod common;
 
@@ -154,7 +154,8 @@ fn padded_page_pools_move_exact_bytes_on_every_executor() {
                     .unwrap()
                     .with_padding(PagePadding { page_bytes: PAGE, offset })
                     .unwrap();
-            assert_eq!(geometry.layer_bytes(), dev_pages * PAGE);
+            // The last page is used up to its last item.
+            assert_eq!(geometry.layer_bytes(), (dev_pages - 1) * PAGE + offset + TOKENS as u64 * item);
             let mut dev = DevicePool::with_geometry(&device, geometry).unwrap();
             let config = HostPoolConfig {
                 layout: Layout::LayerFirst,
@@ -164,10 +165,10 @@ fn padded_page_pools_move_exact_bytes_on_every_executor() {
                 integrity: Some(false),
             };
             let mut host = HostPool::new(&dev, &config).unwrap();
-            assert_eq!(host.geometry().buffer_bytes(), layers * host_pages * PAGE);
-            let host0 = random((layers * host_pages * PAGE) as usize, 60 + item);
+            assert_eq!(host.geometry().buffer_bytes(), (layers * host_pages - 1) * PAGE + offset + TOKENS as u64 * item);
+            let host0 = random(host.geometry().buffer_bytes() as usize, 60 + item);
             host.write_buffer(0, &host0).unwrap();
-            let dev0: Vec<Vec<u8>> = (0..layers).map(|l| random((dev_pages * PAGE) as usize, 70 + l)).collect();
+            let dev0: Vec<Vec<u8>> = (0..layers).map(|l| random(dev.geometry().layer_bytes() as usize, 70 + l)).collect();
             for (l, b) in dev0.iter().enumerate() {
                 dev.write_buffer(0, l, b).unwrap();
             }
@@ -216,4 +217,84 @@ fn padded_page_pools_move_exact_bytes_on_every_executor() {
             assert!(matches!(host.plan(&dev, &req), Err(TransferError::UnsupportedIoBackend { .. })));
         }
     }
+}
+
+/// Page rows: `row_bytes` every stride, host and device strides differing (sglang's page_first
+/// host pool: per-layer views `row_bytes` apart, stride `L × row_bytes`), both directions.
+#[test]
+fn page_rows_match_a_row_loop_both_ways() {
+    let dev = Device::cpu();
+    let (layers, row, host_pages, dev_pages) = (3usize, 256usize, 6usize, 5usize);
+    // Host page_first [pages][L][row]: layer l's view starts l rows in, stride L rows.
+    let mut host = random(host_pages * layers * row, 80);
+    let mut device: Vec<Vec<u8>> = (0..layers).map(|l| random(dev_pages * row, 90 + l as u64)).collect();
+    let (hs, ds) = (layers * row, row);
+    let host_views = |host: &mut Vec<u8>| -> Vec<RawTensor> {
+        (0..layers)
+            .map(|l| {
+                let len = (host_pages - 1) * hs + row;
+                // SAFETY: a view inside `host`, which outlives the call.
+                unsafe { RawTensor::new(host.as_mut_ptr().add(l * row) as u64, len as u64, vec![len as u64], Memory::Host) }
+            })
+            .collect()
+    };
+    let (hp, dp) = (vec![4i64, 0, 5], vec![1i64, 4, 0]);
+    // Backup (load = 0): device rows into host rows of every layer.
+    let mut want = host.clone();
+    for (l, d) in device.iter().enumerate() {
+        for (&h, &p) in hp.iter().zip(&dp) {
+            want[h as usize * hs + l * row..][..row].copy_from_slice(&d[p as usize * ds..][..row]);
+        }
+    }
+    let hv = host_views(&mut host);
+    let dv: Vec<RawTensor> = device.iter_mut().map(|b| tensor(b)).collect();
+    kv::transfer_page_rows(&dev, &hv, &dv, &hp[..], &dp[..], hs as i64, ds as i64, row as i64, 0).unwrap();
+    assert_eq!(host, want, "backup");
+    // Load (load = 1) of other rows, after scrambling the host.
+    host = random(host_pages * layers * row, 81);
+    let (hp, dp) = (vec![2i64, 3], vec![3i64, 2]);
+    let mut want: Vec<Vec<u8>> = device.clone();
+    for (l, w) in want.iter_mut().enumerate() {
+        for (&h, &p) in hp.iter().zip(&dp) {
+            w[p as usize * ds..][..row].copy_from_slice(&host[h as usize * hs + l * row..][..row]);
+        }
+    }
+    let hv = host_views(&mut host);
+    let dv: Vec<RawTensor> = device.iter_mut().map(|b| tensor(b)).collect();
+    kv::transfer_page_rows(&dev, &hv, &dv, &hp[..], &dp[..], hs as i64, ds as i64, row as i64, 1).unwrap();
+    assert_eq!(device, want, "load");
+    // sglang's checks with its words, and ours; nothing moves.
+    let before = device.clone();
+    let dv: Vec<RawTensor> = device.iter_mut().map(|b| tensor(b)).collect();
+    let refused = |r: hicache_io::Result<()>| r.unwrap_err().to_string();
+    assert_eq!(
+        refused(kv::transfer_page_rows(&dev, &hv, &dv, &hp[..], &dp[..], hs as i64, ds as i64, 200, 1)),
+        "page-row bytes must be a positive multiple of 128"
+    );
+    assert_eq!(
+        refused(kv::transfer_page_rows(&dev, &hv, &dv, &hp[..], &dp[..], hs as i64 + 64, ds as i64, row as i64, 1)),
+        "page-row strides must be 128B aligned"
+    );
+    assert!(refused(kv::transfer_page_rows(&dev, &hv, &dv, &hp[..], &dp[..], 128, ds as i64, row as i64, 1)).contains("rows would overlap"));
+    assert!(matches!(
+        kv::transfer_page_rows(&dev, &hv, &dv, &[6i64][..], &[0i64][..], hs as i64, ds as i64, row as i64, 1),
+        Err(TransferError::IndexOutOfRange { .. })
+    ));
+    assert!(matches!(
+        kv::transfer_page_rows(&dev, &hv, &dv, &[1i64, 2][..], &[0i64, 0][..], hs as i64, ds as i64, row as i64, 1),
+        Err(TransferError::DuplicateDestination { .. })
+    ));
+    assert_eq!(device, before);
+    // Destination layers whose rows collide (views half a row apart) are refused.
+    let mut host2 = host.clone();
+    let colliding: Vec<RawTensor> = (0..2)
+        .map(|l| {
+            let len = (host_pages - 2) * hs + row;
+            // SAFETY: a view inside `host2`, which outlives the call.
+            unsafe { RawTensor::new(host2.as_mut_ptr().add(l * 128) as u64, len as u64, vec![len as u64], Memory::Host) }
+        })
+        .collect();
+    let err = kv::transfer_page_rows(&dev, &colliding, &dv[..2], &hp[..], &dp[..], hs as i64, ds as i64, row as i64, 0).unwrap_err();
+    assert!(err.to_string().contains("rows overlap"), "{err}");
+    assert_eq!(host2, host);
 }
