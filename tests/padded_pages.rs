@@ -148,75 +148,125 @@ fn hostile_token_copies_move_nothing() {
 fn padded_page_pools_move_exact_bytes_on_every_executor() {
     for device in common::devices() {
         for (item, offset) in [(VALUE as u64, 0u64), (SCALE as u64, (TOKENS * VALUE) as u64)] {
-            let (layers, dev_pages, host_pages) = (2u64, 2u64, 3u64);
-            let geometry =
-                DeviceGeometry::new(PoolKind::Mla, item, dev_pages * TOKENS as u64, TOKENS as u64, LayerMap::new(layers as usize))
-                    .unwrap()
-                    .with_padding(PagePadding { page_bytes: PAGE, offset })
-                    .unwrap();
-            // The last page is used up to its last item.
-            assert_eq!(geometry.layer_bytes(), (dev_pages - 1) * PAGE + offset + TOKENS as u64 * item);
-            let mut dev = DevicePool::with_geometry(&device, geometry).unwrap();
-            let config = HostPoolConfig {
-                layout: Layout::LayerFirst,
-                size: (host_pages - 1) * TOKENS as u64,
-                head_num: 1,
-                profile: Profile::Sglang,
-                integrity: Some(false),
-            };
-            let mut host = HostPool::new(&dev, &config).unwrap();
-            assert_eq!(host.geometry().buffer_bytes(), (layers * host_pages - 1) * PAGE + offset + TOKENS as u64 * item);
-            let host0 = random(host.geometry().buffer_bytes() as usize, 60 + item);
-            host.write_buffer(0, &host0).unwrap();
-            let dev0: Vec<Vec<u8>> = (0..layers).map(|l| random(dev.geometry().layer_bytes() as usize, 70 + l)).collect();
-            for (l, b) in dev0.iter().enumerate() {
-                dev.write_buffer(0, l, b).unwrap();
-            }
-            let mut rng = Rng::new(item);
-            let hi = distinct(&mut rng, 50, host_pages as usize * TOKENS);
-            let di = distinct(&mut rng, 50, dev_pages as usize * TOKENS);
-            let part = |t: i64| {
-                let (page, slot) = (t as usize / TOKENS, t as usize % TOKENS);
-                page * PAGE as usize + offset as usize + slot * item as usize
-            };
-            let host_layer = (host_pages * PAGE) as usize;
-            // Load layer 1, then back up every layer.
-            let req = Request {
-                op: Op::Load { layer_id: 1, is_draft: false },
-                io_backend: IoBackend::Kernel,
-                host_indices: &hi,
-                device_indices: &di,
-            };
-            let plan = host.plan(&dev, &req).unwrap();
-            host.execute_load(&mut dev, &plan).unwrap();
-            device.synchronize().unwrap();
-            let mut want = dev0.clone();
-            for (&h, &d) in hi.iter().zip(&di) {
-                let n = item as usize;
-                want[1][part(d)..part(d) + n].copy_from_slice(&host0[host_layer + part(h)..][..n]);
-            }
-            for (l, w) in want.iter().enumerate() {
-                assert_eq!(&dev.read_buffer(0, l).unwrap(), w, "{}: load, part of {item} bytes, layer {l}", device.label());
-            }
-            let back_h = distinct(&mut rng, 30, host_pages as usize * TOKENS);
-            let back_d = distinct(&mut rng, 30, dev_pages as usize * TOKENS);
-            let req = Request { op: Op::Backup, io_backend: IoBackend::Kernel, host_indices: &back_h, device_indices: &back_d };
-            let plan = host.plan(&dev, &req).unwrap();
-            host.execute_backup(&dev, &plan).unwrap();
-            device.synchronize().unwrap();
-            let mut want_host = host0.clone();
-            for l in 0..layers as usize {
-                for (&h, &d) in back_h.iter().zip(&back_d) {
-                    let n = item as usize;
-                    want_host[l * host_layer + part(h)..][..n].copy_from_slice(&want[l][part(d)..part(d) + n]);
-                }
-            }
-            assert_eq!(host.read_buffer(0).unwrap(), want_host, "{}: backup, part of {item} bytes", device.label());
-            // Padded pages move by kernel only.
-            let req = Request { op: Op::Backup, io_backend: IoBackend::Direct, host_indices: &back_h, device_indices: &back_d };
-            assert!(matches!(host.plan(&dev, &req), Err(TransferError::UnsupportedIoBackend { .. })));
+            let padding = PagePadding { page_bytes: PAGE, offset };
+            padded_pools_move_exact_bytes(&device, item, TOKENS as u64, padding, (2, 3), item).unwrap();
         }
     }
+}
+
+/// wgpu binds pools in windows and segments whose edges fall on whole items; an item of a
+/// padded page whose page bytes or offset are not whole items could straddle one. Such pools
+/// larger than one window are refused before anything moves; whole-item padding crosses every
+/// edge exactly; the cpu executor (no windows) moves both.
+#[cfg(feature = "wgpu")]
+#[test]
+fn wgpu_windows_never_cut_a_padded_item() {
+    use hicache_io::exec::wgpu::{WgpuExecutor, WgpuOptions};
+    use hicache_io::exec::ExecutorKind;
+    let opts = WgpuOptions { max_segment: Some(1024), max_window: Some(256), ..Default::default() };
+    let wgpu = match WgpuExecutor::with_options(opts) {
+        Ok(e) => Device::Wgpu(e),
+        Err(e) if common::required(ExecutorKind::Wgpu) => panic!("{e}"),
+        Err(e) => return eprintln!("skipping: {e}"),
+    };
+    let (item, p) = (24u64, 2u64);
+    let cut = PagePadding { page_bytes: p * item + 8, offset: 8 };
+    let whole = PagePadding { page_bytes: p * item + item, offset: item };
+    // 40 device pages of 56 bytes: a layer spans nine 240-byte windows and three segments.
+    padded_pools_move_exact_bytes(&wgpu, item, p, whole, (40, 30), 1).unwrap();
+    padded_pools_move_exact_bytes(&Device::cpu(), item, p, cut, (40, 30), 2).unwrap();
+    match padded_pools_move_exact_bytes(&wgpu, item, p, cut, (40, 30), 3) {
+        Err(TransferError::ExecutorLimit { executor: "wgpu", .. }) => {}
+        other => panic!("an item cut by a window edge: {other:?}"),
+    }
+}
+
+/// Loads layer 1 of a two-layer padded pool pair (`p` items of `item` bytes at
+/// `padding.offset` of each `padding.page_bytes`-byte page; `pages` = (device, host) pages a
+/// layer), then backs up every layer, each against the byte loop; the planner's refusal, when
+/// it refuses, with every byte of both pools as it was.
+fn padded_pools_move_exact_bytes(
+    device: &Device,
+    item: u64,
+    p: u64,
+    padding: PagePadding,
+    (dev_pages, host_pages): (u64, u64),
+    seed: u64,
+) -> Result<(), TransferError> {
+    let layers = 2u64;
+    let offset = padding.offset;
+    let geometry =
+        DeviceGeometry::new(PoolKind::Mla, item, dev_pages * p, p, LayerMap::new(layers as usize)).unwrap().with_padding(padding).unwrap();
+    // The last page is used up to its last item.
+    assert_eq!(geometry.layer_bytes(), (dev_pages - 1) * padding.page_bytes + offset + p * item);
+    let mut dev = DevicePool::with_geometry(device, geometry).unwrap();
+    let config = HostPoolConfig {
+        layout: Layout::LayerFirst,
+        size: (host_pages - 1) * p,
+        head_num: 1,
+        profile: Profile::Sglang,
+        integrity: Some(false),
+    };
+    let mut host = HostPool::new(&dev, &config).unwrap();
+    assert_eq!(host.geometry().buffer_bytes(), (layers * host_pages - 1) * padding.page_bytes + offset + p * item);
+    let host0 = random(host.geometry().buffer_bytes() as usize, 60 + seed);
+    host.write_buffer(0, &host0).unwrap();
+    let dev0: Vec<Vec<u8>> = (0..layers).map(|l| random(dev.geometry().layer_bytes() as usize, 70 + seed + l)).collect();
+    for (l, b) in dev0.iter().enumerate() {
+        dev.write_buffer(0, l, b).unwrap();
+    }
+    let unchanged = |dev: &DevicePool, host: &HostPool, what: &str| {
+        assert_eq!(host.read_buffer(0).unwrap(), host0, "{}: refused {what} moved host bytes", device.label());
+        for (l, b) in dev0.iter().enumerate() {
+            assert_eq!(&dev.read_buffer(0, l).unwrap(), b, "{}: refused {what} moved device bytes", device.label());
+        }
+    };
+    let (host_slots, dev_slots) = ((host_pages * p) as usize, (dev_pages * p) as usize);
+    let mut rng = Rng::new(seed);
+    let hi = distinct(&mut rng, 50.min(dev_slots), host_slots);
+    let di = distinct(&mut rng, 50.min(dev_slots), dev_slots);
+    let part = |t: i64| {
+        let (page, slot) = (t as u64 / p, t as u64 % p);
+        (page * padding.page_bytes + offset + slot * item) as usize
+    };
+    let host_layer = (host_pages * padding.page_bytes) as usize;
+    let n = item as usize;
+    // Load layer 1, then back up every layer.
+    let req =
+        Request { op: Op::Load { layer_id: 1, is_draft: false }, io_backend: IoBackend::Kernel, host_indices: &hi, device_indices: &di };
+    let plan = match host.plan(&dev, &req) {
+        Ok(plan) => plan,
+        Err(e) => {
+            unchanged(&dev, &host, "load");
+            return Err(e);
+        }
+    };
+    host.execute_load(&mut dev, &plan).unwrap();
+    device.synchronize().unwrap();
+    let mut want = dev0.clone();
+    for (&h, &d) in hi.iter().zip(&di) {
+        want[1][part(d)..part(d) + n].copy_from_slice(&host0[host_layer + part(h)..][..n]);
+    }
+    for (l, w) in want.iter().enumerate() {
+        assert_eq!(&dev.read_buffer(0, l).unwrap(), w, "{}: load, part of {item} bytes, layer {l}", device.label());
+    }
+    let back_h = distinct(&mut rng, 30.min(dev_slots), host_slots);
+    let back_d = distinct(&mut rng, 30.min(dev_slots), dev_slots);
+    let req = Request { op: Op::Backup, io_backend: IoBackend::Kernel, host_indices: &back_h, device_indices: &back_d };
+    let plan = host.plan(&dev, &req)?;
+    host.execute_backup(&dev, &plan).unwrap();
+    device.synchronize().unwrap();
+    let mut want_host = host0.clone();
+    for l in 0..layers as usize {
+        for (&h, &d) in back_h.iter().zip(&back_d) {
+            want_host[l * host_layer + part(h)..][..n].copy_from_slice(&want[l][part(d)..part(d) + n]);
+        }
+    }
+    assert_eq!(host.read_buffer(0).unwrap(), want_host, "{}: backup, part of {item} bytes", device.label());
+    // Padded pages move by kernel only.
+    let req = Request { op: Op::Backup, io_backend: IoBackend::Direct, host_indices: &back_h, device_indices: &back_d };
+    assert!(matches!(host.plan(&dev, &req), Err(TransferError::UnsupportedIoBackend { .. })));
+    Ok(())
 }
 
 /// Page rows: `row_bytes` every stride, host and device strides differing (sglang's page_first

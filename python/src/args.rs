@@ -217,6 +217,7 @@ pub(crate) type Remembered = Vec<Option<(kv::LayerTable, Held)>>;
 pub(crate) fn remembered_tables(
     spec: &hicache_io::kvcacheio::catalogue::OpSpec,
     args: &Bound<'_, PyTuple>,
+    int: &dyn Fn(&str) -> i64,
     ctx: Ctx,
 ) -> PyResult<Option<Remembered>> {
     use hicache_io::kvcacheio::catalogue::ArgKind;
@@ -236,8 +237,9 @@ pub(crate) fn remembered_tables(
         let Some(t) = cuda_table(&table, &obj, ctx)? else { return Ok(None) };
         out[i] = Some((t, table));
     }
-    let tables: Vec<&kv::LayerTable> = out.iter().flatten().map(|(t, _)| t).collect();
-    if spec.known_extents(&tables).iter().flatten().any(Option::is_none) {
+    let tables: Vec<(ArgKind, &kv::LayerTable)> =
+        out.iter().enumerate().filter_map(|(i, o)| o.as_ref().map(|(t, _)| (spec.args[i].1, t))).collect();
+    if spec.known_extents(&tables, int).iter().flatten().any(Option::is_none) {
         return Ok(None);
     }
     Ok(Some(out))

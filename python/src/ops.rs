@@ -115,7 +115,7 @@ pub(crate) fn call_op(
         // each table once and checks it on the device at every call; the lists stay on the
         // device when every layer's extent is known without them.
         if (src_table || dst_table) && matches!((&si, &di), (Idx::Cuda(_), Idx::Cuda(_))) {
-            if let Some(t) = remembered_tables(spec, args, ctx)? {
+            if let Some(t) = remembered_tables(spec, args, &int, ctx)? {
                 remembered = t;
             }
         }
@@ -127,6 +127,8 @@ pub(crate) fn call_op(
             (si, di)
         });
     }
+    // Which layer arguments the op writes (page rows: whichever side `load` says).
+    let (writes_in, writes_out) = (spec.writes(ArgKind::InLayers, &int), spec.writes(ArgKind::OutLayers, &int));
     // Layer arguments, then arrays, then lists of arrays, each in the catalogue's order.
     for pass in 0..3 {
         for (i, (n, kind)) in spec.args.iter().enumerate() {
@@ -136,8 +138,8 @@ pub(crate) fn call_op(
                     let (t, h) = remembered[i].take().expect("checked");
                     read[i] = Read::Table(t, h);
                 }
-                (0, ArgKind::InLayers) => read[i] = Read::Many(layers(&obj, n, false, src_extent, ctx)?),
-                (0, ArgKind::OutLayers) => read[i] = Read::Many(layers(&obj, n, true, dst_extent, ctx)?),
+                (0, ArgKind::InLayers) => read[i] = Read::Many(layers(&obj, n, writes_in, src_extent, ctx)?),
+                (0, ArgKind::OutLayers) => read[i] = Read::Many(layers(&obj, n, writes_out, dst_extent, ctx)?),
                 (1, ArgKind::In) => read[i] = Read::One(view(&obj, n, ctx)?),
                 (1, ArgKind::Out) => read[i] = Read::One(dst_view(&obj, n, ctx)?),
                 (2, ArgKind::InList) => read[i] = Read::Many(array_list(&obj, n, false, ctx)?),

@@ -332,8 +332,9 @@ impl PyHostPool {
     /// `(address, bytes)` of component `comp`'s buffer in this process, or `None` when the
     /// executor keeps host pools in its own buffers (wgpu). Valid while the pool lives; call
     /// `synchronize()` before touching it.
-    pub(crate) fn host_span(&self, comp: usize) -> PyResult<Option<(u64, u64)>> {
-        read(&self.inner).host_span(comp).py()
+    pub(crate) fn host_span(&self, py: Python<'_>, comp: usize) -> PyResult<Option<(u64, u64)>> {
+        // Waiting for a transfer's lock without the GIL lets other Python threads run.
+        py.detach(|| read(&self.inner).host_span(comp)).py()
     }
     /// The integrity checksum of each span `get_page_buffer_meta(indices)` names (per page, K then
     /// V), as a `numpy.uint64` array; keys seeded by `seed` (the storage seed by default).

@@ -116,6 +116,17 @@ def main(trace: str) -> None:
             want[page * C4 + 36864 + slot * 8: page * C4 + 36864 + (slot + 1) * 8] = tok[576:]
         assert np.array_equal(lf_c[layer], want), f"DeepSeek-V4 C4 layer {layer}"
         assert np.array_equal(pf_r[host_pages, layer, 0], dr[layer].numpy()[dev_pages]), f"NVFP4 layer {layer}"
+    # MiniMax M3's device pool as sglang allocates it: every layer's rows in one slab
+    # (L, pages, row), loaded from the host's strided views. Each layer ends where the next
+    # begins (rows of one stride would meet), so the slab's layers are not refused as overlapping.
+    slab = DevArray.of(np.zeros((LAYERS, PAGES, NV_ROW), np.uint8))
+    slab_t = table([slab.ptr + layer * PAGES * NV_ROW for layer in range(LAYERS)])
+    kv.transfer_page_rows(nv_table, slab_t, h_pages, d_pages, host_stride=LAYERS * NV_ROW, device_stride=NV_ROW, row_bytes=NV_ROW, load=True)
+    sync()
+    got = slab.numpy().reshape(LAYERS, PAGES, NV_ROW)
+    for layer in range(LAYERS):
+        assert np.array_equal(got[layer][dev_pages], pf_r[host_pages, layer, 0]), f"NVFP4 slab layer {layer}"
+        assert not got[layer][np.setdiff1d(np.arange(PAGES), dev_pages)].any(), f"NVFP4 slab layer {layer}: other rows"
     assert sim_errors() == (0, 0)
     print(f"ok: {len(issued)} driver calls, {len(launches)} launches, none blocking")
 

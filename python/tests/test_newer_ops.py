@@ -423,3 +423,33 @@ def test_nvfp4_page_rows_from_address_tables(layout):
     with pytest.raises(RuntimeError, match="page-row strides must be 128B aligned"):
         kv.transfer_page_rows(host_table, dev_table, hp, dp, host_stride=host_stride, device_stride=row + 8, row_bytes=row, load=True)
     assert np.array_equal(slab, before)
+
+
+@pytest.mark.parametrize("load", [False, True])
+def test_nvfp4_page_rows_refuse_a_read_only_destination(load):
+    """Lists of arrays: the side ``load`` writes (host rows on a backup, device rows on a load)
+    must be writable, as for every other op; the side it reads may be read-only."""
+    rng = np.random.default_rng(9)
+    layers, row = 2, 256
+    host = [rng.integers(0, 256, (4, row), dtype=np.uint8) for _ in range(layers)]
+    dev = [rng.integers(0, 256, (3, row), dtype=np.uint8) for _ in range(layers)]
+    written, read = (dev, host) if load else (host, dev)
+    for a in written:
+        a.flags.writeable = False
+    before = [a.copy() for a in written]
+    hp, dp = np.array([3, 1], np.int64), np.array([0, 2], np.int64)
+    with pytest.raises(ValueError, match="read-only"):
+        kv.transfer_page_rows(host, dev, hp, dp, host_stride=row, device_stride=row, row_bytes=row, load=load)
+    for a, b in zip(written, before):
+        np.testing.assert_array_equal(a, b)
+    # The other way round moves: the read side may be read-only.
+    for a in written:
+        a.flags.writeable = True
+    for a in read:
+        a.flags.writeable = False
+    kv.transfer_page_rows(host, dev, hp, dp, host_stride=row, device_stride=row, row_bytes=row, load=load)
+    for layer in range(layers):
+        if load:
+            np.testing.assert_array_equal(dev[layer][dp], host[layer][hp])
+        else:
+            np.testing.assert_array_equal(host[layer][hp], dev[layer][dp])

@@ -127,6 +127,9 @@ impl DeviceGeometry {
     /// The same pool with padded pages: `slots` must be whole pages and each page's items must
     /// fit after `offset` (`offset + P × item ≤ page_bytes`); a layer buffer then holds
     /// `pages - 1` whole pages and the used part of the last, `offset + P × item` bytes.
+    /// Padding whose `page_bytes` or `offset` is not a whole number of items puts items at any
+    /// byte; executors that bind buffers in windows or segments (wgpu) cut them only at whole
+    /// items, and refuse such pools larger than one window when a call is planned.
     pub fn with_padding(mut self, padding: PagePadding) -> Result<Self> {
         let p = self.page_size;
         if !self.slots.is_multiple_of(p) {

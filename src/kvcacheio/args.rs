@@ -80,10 +80,11 @@ impl<'v, 'a: 'v> OpArgs<'v, 'a> {
         if at.is_empty() {
             return Ok(a);
         }
-        let tables: Vec<&LayerTable> = at.iter().filter_map(|&i| if let Value::Table(t) = values[i] { Some(t) } else { None }).collect();
-        let extents = spec.known_extents(&tables);
+        let tables: Vec<(ArgKind, &LayerTable)> =
+            at.iter().filter_map(|&i| if let Value::Table(t) = values[i] { Some((spec.args[i].1, t)) } else { None }).collect();
+        let extents = spec.known_extents(&tables, &|name| a.int(name).unwrap_or(0));
         let (src, dst) = a.indices()?;
-        for ((&i, t), ext) in at.iter().zip(&tables).zip(extents) {
+        for ((&i, &(_, t)), ext) in at.iter().zip(&tables).zip(extents) {
             let (name, kind) = spec.args[i];
             // A table's layers are addressed by its side's list: the sources read, the
             // destinations written.

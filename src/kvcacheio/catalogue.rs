@@ -175,13 +175,29 @@ impl OpSpec {
         CATALOGUE.iter().find(|s| s.name == name)
     }
 
-    /// Each layer's extent in the tables of one call as the driver can tell it: up to the next
-    /// layer ([`table_extents`]), or for ops whose layers may interleave (page rows of strided
-    /// views) up to the end of its allocation ([`allocation_extents`]).
-    pub fn known_extents(&self, tables: &[&LayerTable]) -> Vec<Vec<Option<u64>>> {
+    /// Each layer's extent in the tables of one call (`(kind, table)`: its argument's kind) as
+    /// the driver can tell it (`int` reads the op's integer arguments): up to the next layer
+    /// ([`table_extents`]), or for page rows, whose layers may interleave, up to the next layer
+    /// whose rows would meet its own ([`page_row_extents`]).
+    pub fn known_extents(&self, tables: &[(ArgKind, &LayerTable)], int: &dyn Fn(&str) -> i64) -> Vec<Vec<Option<u64>>> {
+        let positive = |name: &str| u64::try_from(int(name)).unwrap_or(0);
         match self.shape {
-            Shape::PageRows => allocation_extents(tables),
-            _ => table_extents(tables),
+            Shape::PageRows => {
+                let stride = |k: ArgKind| positive(if k == ArgKind::InLayers { "host_stride" } else { "device_stride" });
+                let strided: Vec<(&LayerTable, u64)> = tables.iter().map(|&(k, t)| (t, stride(k))).collect();
+                page_row_extents(&strided, positive("row_bytes"))
+            }
+            _ => table_extents(&tables.iter().map(|&(_, t)| t).collect::<Vec<_>>()),
+        }
+    }
+
+    /// Whether the op writes its layer or array argument of `kind` (`int` reads the op's integer
+    /// arguments): the `Out` kinds, except that page rows go whichever way `load` says.
+    pub fn writes(&self, kind: ArgKind, int: &dyn Fn(&str) -> i64) -> bool {
+        match (self.shape, kind) {
+            (Shape::PageRows, ArgKind::InLayers) => int("load") == 0,
+            (Shape::PageRows, ArgKind::OutLayers) => int("load") != 0,
+            (_, k) => matches!(k, ArgKind::Out | ArgKind::OutLayers | ArgKind::OutList),
         }
     }
 
@@ -449,7 +465,7 @@ catalogue! {
             tuning: Tuning::BlockSize, sglang: Sglang::Jit("sglang.kernels.ops.kvcache.hisparse"), keys: &[],
         }
         transfer_page_rows(host_ptrs: InLayers, device_ptrs: OutLayers, host_pages: Idx, device_pages: Idx, host_stride: Int, device_stride: Int, row_bytes: Int, load: Int) {
-            doc: "sglang's JIT NVFP4 page-row copy (MiniMax M3): for every layer ``l`` and pair ``i``, ``row_bytes`` bytes between host row ``host_ptrs[l] + host_pages[i] * host_stride`` and device row ``device_ptrs[l] + device_pages[i] * device_stride``, host to device when ``load`` is true, else device to host. Row bytes and strides are multiples of 128, strides at least one row. Indices are pages. A list of arrays given for the side that is written must be writable (it is not checked for this op).",
+            doc: "sglang's JIT NVFP4 page-row copy (MiniMax M3): for every layer ``l`` and pair ``i``, ``row_bytes`` bytes between host row ``host_ptrs[l] + host_pages[i] * host_stride`` and device row ``device_ptrs[l] + device_pages[i] * device_stride``, host to device when ``load`` is true, else device to host. Row bytes and strides are multiples of 128, strides at least one row. Indices are pages. Arrays of the side written must be writable.",
             shape: Shape::PageRows,
             tuning: Tuning::None, sglang: Sglang::Jit("sglang.kernels.ops.kvcache.nvfp4_hicache"), keys: &[],
         }

@@ -49,17 +49,29 @@ impl LayerTable {
     }
 }
 
-/// Each layer's bytes up to the end of its allocation, as the driver says (`None` where it does
-/// not): the extents of layers that may interleave (page rows of strided views), where the next
-/// layer's address bounds nothing.
-pub fn allocation_extents(tables: &[&LayerTable]) -> Vec<Vec<Option<u64>>> {
+/// Each layer's bytes in the tables of page rows (`(table, stride)`: rows of `row` bytes every
+/// `stride` bytes), where they can be known without reading an index: up to the end of its
+/// allocation (as the driver says), and up to the next address above it in its table whose
+/// rows would meet its own (the layers of one slab: each ends where the next begins). Layers
+/// whose rows interleave without touching (sglang's page_first host views, `row` bytes apart)
+/// bound nothing. `None` where the driver does not say.
+pub fn page_row_extents(tables: &[(&LayerTable, u64)], row: u64) -> Vec<Vec<Option<u64>>> {
     tables
         .iter()
-        .map(|t| {
+        .map(|&(t, stride)| {
+            // Rows `d` bytes apart meet unless `d` is at least a row away from a whole stride.
+            let meet = |d: u64| match d.checked_rem(stride) {
+                Some(r) if stride >= row => r < row || stride - r < row,
+                _ => true,
+            };
             t.entries
                 .iter()
                 .zip(&t.ranges)
-                .map(|(&addr, range)| range.and_then(|(start, len)| start.checked_add(len)).and_then(|end| end.checked_sub(addr)))
+                .map(|(&addr, range)| {
+                    let end = range.and_then(|(start, len)| start.checked_add(len))?;
+                    let next = t.entries.iter().filter(|&&a| a > addr && meet(a - addr)).min().copied();
+                    end.min(next.unwrap_or(end)).checked_sub(addr)
+                })
                 .collect()
         })
         .collect()

@@ -152,3 +152,28 @@ pub(super) fn duplicate(side: &'static str, dst: &[i64], hi: &[i64], di: &[i64],
     let first = dst[..second].iter().enumerate().position(|(j, &x)| x == d && hi[j] >= 0 && di[j] >= 0).unwrap_or(0);
     TransferError::DuplicateDestination { side, unit, index: d, first, second }
 }
+
+/// Padded pages whose page bytes or offset are not whole chunks put chunks at any byte. That is
+/// exact inside one binding window and one segment, but an executor that splits larger buffers
+/// (wgpu) cuts them only at whole chunks, so such a buffer must fit one window and one segment.
+pub(super) fn check_padded_windows(host: &HostGeometry, dev: &DeviceGeometry, caps: &Capabilities) -> Result<()> {
+    let sides = [(host.padding(), host.chunk_bytes(), host.buffer_bytes()), (dev.padding(), dev.item_bytes(), dev.layer_bytes())];
+    for (padding, chunk, bytes) in sides {
+        let Some(pad) = padding else { continue };
+        if pad.page_bytes.is_multiple_of(chunk) && pad.offset.is_multiple_of(chunk) {
+            continue;
+        }
+        // The smallest window either of the gather's words gets (allocations round up to 16).
+        let granule = lcm(caps.window_granule(chunk), 16);
+        let limit = (caps.max_binding / granule * granule).min(caps.max_segment);
+        if bytes.next_multiple_of(16) > limit {
+            return Err(TransferError::ExecutorLimit {
+                executor: caps.name,
+                what: "bytes of a buffer of padded pages that are not whole items (one binding window and segment at most)",
+                value: bytes,
+                limit,
+            });
+        }
+    }
+    Ok(())
+}

@@ -147,6 +147,7 @@ pub(super) fn plan_io(profile: Profile, caps: &Capabilities, owner: u64, pair: &
     if (host.padding().is_some() || dev.padding().is_some()) && req.io_backend != IoBackend::Kernel {
         return Err(TransferError::UnsupportedIoBackend { io_backend: req.io_backend.name().into() });
     }
+    check_padded_windows(host, dev, caps)?;
     launcher_checks(host, caps, word, req.io_backend, hi.len(), di.len())?;
     // 5. Nothing to move.
     if hi.is_empty() {
