@@ -20,14 +20,30 @@ page_first, every layer, no drafts) uses sglang's names, and sglang and hicache-
 its objects. Every other pool (another layout, a layer shard, MTP draft layers, DSA skip-topk
 layers, the DSA indexer) names what its page holds::
 
-    {prefix}_{page_hash}_{rank}_hio-{kind}-{layout}-i{item bytes}-L{start}-{end}[-x{skipped}][+d{drafts}]_{k|v}
+    {prefix}_{page_hash}_{rank}_hio-{kind}-{layout}-i{item bytes}-L{start}-{end}[-x{skipped}][+d{drafts}]-n{namespace}_{k|v}
 
 ``rank`` is the tp rank (and pp rank) for MHA, whose ranks hold different heads, and empty for
 the rank-replicated MLA and DSA pools. It cannot collide with sglang's keys: no segment sglang puts
 between the hash and the component starts with ``hio-``. Ranks that hold other layers differ in
 ``L`` (or skips, or drafts), MHA ranks that hold other heads in ``rank``, pools of another layout or
-item size in those segments; the prefix names the model (and so its dtype). Reading a page back
-needs only this rank's shard. ``extra_config["hicache_io_sglang_keys_any_layout"] = True`` gives
+item size in those segments; the prefix names the model. Reading a page back needs only this
+rank's shard.
+
+Namespaces. A page's bytes mean something only to a pool of the same model, KV dtype (the pool's
+``dtype``, or ``extra_config["hicache_io_kv_dtype"]``), kind, layout, object size, page size and
+head split. These, the format version and an optional
+``extra_config["hicache_io_namespace"]`` make the store's namespace (:attr:`MooncakeStore.namespace`,
+a JSON record) and its 48-bit digest. hicache-io's own names end in ``-n{digest}``, so a page
+written under another namespace is another key: it reads as a miss, never as data. sglang's names
+cannot change without losing sglang's own readers, so for them the namespace is a sidecar object
+``{prefix}_hio-namespace_{rank}`` holding the record: the first store to register a pool under a
+prefix writes it; a store whose namespace differs reads every sglang-named page as a miss and
+writes none (counted as ``foreign``), and says so once. The sidecar is checked when the pool is
+registered. A deployment that changes what its pages mean under the same prefix therefore gets
+misses until it takes another prefix (``extra_backend_tag``, the model name) or the store is
+cleared. It cannot protect against writers that do not write the record (sglang's own Mooncake
+backend), nor survive its eviction from the store; ``extra_config["hicache_io_namespace_record"] =
+False`` turns it off. ``extra_config["hicache_io_sglang_keys_any_layout"] = True`` gives
 page_first_direct and page_head pools sglang's names too, for deployments where every rank uses
 one layout.
 
@@ -59,6 +75,7 @@ fail every page of the call before anything moves, with ``last_error`` set, rath
 sglang's storage threads.
 """
 
+import hashlib
 import json
 import logging
 import os
@@ -144,6 +161,9 @@ MOONCAKE_ERRORS[SHORT_READ] = "short read (the object has another size than the 
 #: hicache-io's own code: an object whose checksum trailer does not match the bytes read.
 INTEGRITY = -100002
 MOONCAKE_ERRORS[INTEGRITY] = "integrity check failed (the bytes read are not the page that was stored under this key)"
+
+#: Version of what hicache-io's page objects mean, part of every namespace.
+NAMESPACE_FORMAT = 1
 
 #: First word of a page object's trailer: ``HIOSUM02`` (checksum keys of 32 bits).
 TRAILER_MAGIC = int.from_bytes(b"HIOSUM02", "little")
@@ -435,9 +455,15 @@ class MooncakeStore(HiCacheStorage):
         # sglang's keys name no layout: page_first only, unless the deployment says every rank
         # uses one layout (then page_first_direct and page_head pages take sglang's names too).
         self._sglang_keys = bool(extra.get("hicache_io_sglang_keys_any_layout", False))
+        self._extra = extra
+        self._namespace_record = bool(extra.get("hicache_io_namespace_record", True))
+        #: The registered pool's namespace (see the module docstring), ``None`` before.
+        self.namespace: Optional[Dict[str, Any]] = None
+        # Whether the sglang-named objects under this prefix belong to another namespace.
+        self._foreign = False
         self.integrity = bool(extra.get("hicache_io_integrity", True)) if integrity is None else integrity
         self._trailers: Optional[np.ndarray] = None
-        self.stats = {"verified": 0, "unverified": 0, "corrupt": 0, "damaged_puts": 0}
+        self.stats = {"verified": 0, "unverified": 0, "corrupt": 0, "damaged_puts": 0, "foreign": 0}
         self.mem_pool_host: Any = None
         self._registered: List[int] = []
         self._staging: Optional[np.ndarray] = None
@@ -478,7 +504,11 @@ class MooncakeStore(HiCacheStorage):
             if not lay.zero_copy:
                 staging = np.zeros(STORAGE_BATCH_SIZE * lay.comps * lay.obj_bytes, np.uint8)
                 regions = [(staging.ctypes.data, staging.nbytes)]
+            namespace = self._namespace_of(mem_pool_host, lay)
+            digest = hashlib.blake2b(json.dumps(namespace, sort_keys=True).encode(), digest_size=6).hexdigest()
             descriptor = self._shard_descriptor(mem_pool_host) if ours else None
+            if descriptor is not None:
+                descriptor += f"-n{digest}"
             # Checksum trailers for hicache-io's own objects (read back whatever ``integrity`` says,
             # so a store with checksums off still reads objects that carry them); sglang-named
             # objects keep sglang's shape, its readers expecting the page's bytes exactly.
@@ -498,7 +528,46 @@ class MooncakeStore(HiCacheStorage):
                 raise
             self._registered, self._staging, self._layout, self.mem_pool_host = done, staging, lay, mem_pool_host
             self._descriptor, self._trailers = descriptor, trailers
+            self.namespace, self._foreign = namespace, False
+            if descriptor is None and self._namespace_record:
+                self._foreign = not self._claim_namespace(namespace)
 
+    def _namespace_of(self, pool: Any, lay: Any) -> Dict[str, Any]:
+        """What the registered pool's page bytes mean (see the module docstring)."""
+        sc, extra = self.storage_config, self._extra
+        dtype = extra.get("hicache_io_kv_dtype") or getattr(pool, "dtype", None)
+        return {
+            "format": NAMESPACE_FORMAT,
+            "model": getattr(sc, "model_name", None),
+            "kv_dtype": None if dtype is None else str(dtype).replace("torch.", ""),
+            "kind": lay.kind,
+            "layout": pool.layout,
+            "object_bytes": lay.obj_bytes,
+            "page_size": lay.page,
+            # MHA ranks hold a share of the heads: the split is part of what a page means.
+            "heads": {"tp_size": getattr(sc, "tp_size", 1), "tp_lcm_size": getattr(sc, "tp_lcm_size", None)} if lay.kind == "mha" else None,
+            "namespace": extra.get("hicache_io_namespace"),
+        }
+
+    def _claim_namespace(self, namespace: Dict[str, Any]) -> bool:
+        """Whether the sglang-named objects under this prefix and rank are this namespace's: the
+        sidecar record says so, or there was none and this store wrote it."""
+        prefix = f"{self.key_prefix}_" if self.key_prefix else ""
+        rank = self.mha_suffix if self._layout.kind == "mha" else self.mla_suffix
+        key = f"{prefix}hio-namespace_{rank}"
+        record = json.dumps(namespace, sort_keys=True).encode()
+        found = self.store.get(key)
+        if not found:
+            if self.store.put(key, record) == 0:
+                return True
+            found = self.store.get(key)  # another store wrote it meanwhile
+        if found and bytes(found) == record:
+            return True
+        logger.warning(
+            "hicache-io L3: the sglang-named objects under %r belong to another namespace (%s; this store's: %s): they read as misses and none is written",
+            key, bytes(found or b"").decode(errors="replace"), record.decode(),
+        )
+        return False
     def unregister_mem_pool_host(self) -> None:
         """Unregisters the pool's memory and lets the pool go (waits for a call in progress)."""
         with self._lock:
@@ -506,6 +575,7 @@ class MooncakeStore(HiCacheStorage):
                 self.store.unregister_buffer(addr)
             self._registered, self._staging, self.mem_pool_host = [], None, None
             self._layout, self._descriptor, self._trailers = None, None, None
+            self.namespace, self._foreign = None, False
 
     def _pool(self) -> Any:
         if self.mem_pool_host is None:
@@ -591,6 +661,9 @@ class MooncakeStore(HiCacheStorage):
         with self._lock:
             idx = self._checked(what, keys, host_indices)
             if idx is None:
+                return [False] * len(keys)
+            if self._foreign:
+                self.stats["foreign"] += len(keys)
                 return [False] * len(keys)
             out: List[bool] = []
             for ks, hi in self._batches(keys, idx):
@@ -779,6 +852,8 @@ class MooncakeStore(HiCacheStorage):
             return 0
         with self._lock:
             self._pool()
+            if self._foreign:
+                return 0
             per = self._layout.comps
             obj_keys = self._object_keys(keys)
             res = self.store.batch_is_exist(obj_keys)
@@ -862,7 +937,9 @@ class MooncakeStore(HiCacheStorage):
         """Objects of hicache-io's own (shard-named) pages read so far: ``verified`` (checksum
         matched), ``unverified`` (no trailer), ``corrupt`` (refused). sglang-named objects carry no
         checksum and are not counted. ``damaged_puts``: pages not put because their bytes in the
-        host pool failed the item checksums their backup recorded (any naming)."""
+        host pool failed the item checksums their backup recorded (any naming). ``foreign``:
+        sglang-named pages read or written as misses because the prefix's sidecar record names
+        another namespace."""
         return dict(self.stats)
 
     def close(self) -> None:

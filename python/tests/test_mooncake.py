@@ -9,6 +9,7 @@ libnl-route-3-200``; skips without them unless ``HICACHE_REQUIRE_MOONCAKE=1`` (C
 
 import gc
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -41,14 +42,17 @@ def master():
     m.stop()
 
 
-def make_store(master, segment=64 << 20, **kw):
-    cfg = HiCacheStorageConfig(model_name=f"test/{uuid.uuid4().hex[:8]}", extra_config={"master_server_address": master.address, "global_segment_size": segment, "local_buffer_size": 4 << 20, "protocol": "tcp", "metadata_server": "P2PHANDSHAKE", "local_hostname": "127.0.0.1"})
+def make_store(master, segment=64 << 20, extra=None, **kw):
+    cfg = HiCacheStorageConfig(model_name=f"test/{uuid.uuid4().hex[:8]}", extra_config={"master_server_address": master.address, "global_segment_size": segment, "local_buffer_size": 4 << 20, "protocol": "tcp", "metadata_server": "P2PHANDSHAKE", "local_hostname": "127.0.0.1", **(extra or {})})
     return MooncakeStore(cfg, {}, **kw)
 
 
 @pytest.fixture(scope="module")
 def store(master):
-    s = make_store(master)
+    # Shared by pools of many shapes under one prefix (not a deployment): the namespace record
+    # would rightly make every pool after the first foreign to sglang's names. Namespaces have
+    # their own tests below, on stores of their own.
+    s = make_store(master, extra={"hicache_io_namespace_record": False})
     yield s
     s.close()
 
@@ -179,7 +183,8 @@ def test_keys_follow_sglang_for_sglang_shaped_pools(store):
     _, dev, host = build("cpu", "dsa", "page_first", 1, 132, 4, (2, 4), 1)
     store.register_mem_pool_host(host)
     try:
-        assert store.object_keys("abc") == [f"{store.key_prefix}_abc__hio-dsa-pf-i1056-L2-4+d1_k"]
+        (k,) = store.object_keys("abc")
+        assert re.fullmatch(re.escape(f"{store.key_prefix}_abc__hio-dsa-pf-i1056-L2-4+d1") + r"-n[0-9a-f]{12}_k", k), k
     finally:
         store.unregister_mem_pool_host()
 
@@ -427,7 +432,9 @@ def test_keys_name_layouts_ranks_and_items(master):
         # page_first_direct orders a page's bytes otherwise: not sglang's (layout-blind) name.
         _, _, host = build("cpu", "mha", "page_first_direct", 1, 256, 3, None, 0)
         s.register_mem_pool_host(host)
-        assert s.object_keys("h") == ["m_h_1_0_hio-mha-pfd-i256-L0-3_k", "m_h_1_0_hio-mha-pfd-i256-L0-3_v"]
+        k, v = s.object_keys("h")
+        assert re.fullmatch(r"m_h_1_0_hio-mha-pfd-i256-L0-3-n[0-9a-f]{12}_k", k), k
+        assert v == k[:-1] + "v"
         s.unregister_mem_pool_host()
     finally:
         s.close()
@@ -574,7 +581,7 @@ def test_integrity_can_be_turned_off(master):
         (obj,) = s.object_keys(key)
         assert s.store.get_size(obj) == host.get_data_page(P).size  # no trailer
         assert s.batch_get_v1([key], tokens([3])) == [True]
-        assert s.integrity_stats() == {"verified": 0, "unverified": 0, "corrupt": 0, "damaged_puts": 0}
+        assert s.integrity_stats() == {"verified": 0, "unverified": 0, "corrupt": 0, "damaged_puts": 0, "foreign": 0}
         assert s.get_stats() is None  # sglang's metrics hook
     finally:
         s.close()
@@ -606,3 +613,43 @@ def test_stores_with_and_without_checksums_read_each_other(store, executor):
     finally:
         store.unregister_mem_pool_host()
         plain.close()
+
+
+def _namespaced(master, model, dtype, **extra):
+    cfg = HiCacheStorageConfig(model_name=model, extra_config={"master_server_address": master.address, "global_segment_size": 32 << 20, "local_buffer_size": 4 << 20, "protocol": "tcp", "metadata_server": "P2PHANDSHAKE", "local_hostname": "127.0.0.1", "hicache_io_kv_dtype": dtype, **extra})
+    return MooncakeStore(cfg, {})
+
+
+@pytest.mark.parametrize("layout", ["page_first_direct", "page_first"], ids=["own-names", "sglang-names"])
+def test_a_page_of_another_namespace_reads_as_a_miss(master, layout):
+    """Two deployments of one model name whose KV dtypes differ: a page one writes reads as a
+    miss in the other (nothing lands in its pool), and as data in a third of the first's
+    namespace. hicache-io's own names carry the namespace; sglang's names are guarded by the
+    prefix's sidecar record, and the other namespace writes none of them."""
+    model = f"ns/{uuid.uuid4().hex[:8]}"
+    a, b, c = _namespaced(master, model, "bfloat16"), _namespaced(master, model, "float8_e4m3fn"), _namespaced(master, model, "bfloat16")
+    try:
+        _, dev, host = build("cpu", "mha", layout, 1, 256, 3, None, 0)
+        host.backup_from_device_all_layer(dev, tokens([0, 1]), tokens([2, 3]), io_for(layout))
+        a.register_mem_pool_host(host)
+        keys = [uuid.uuid4().hex for _ in range(2)]
+        assert a.batch_set_v1(keys, tokens([0, 1])) == [True, True]
+        for reader, same in ((b, False), (c, True)):
+            _, _, other = build("cpu", "mha", layout, 1, 256, 3, None, 0, seed=7)
+            reader.register_mem_pool_host(other)
+            assert reader.namespace["kv_dtype"] == ("bfloat16" if same else "float8_e4m3fn")
+            before = other.read_buffer(0).copy()
+            assert reader.batch_exists(keys) == (2 if same else 0)
+            assert reader.batch_get_v1(keys, tokens([4, 5])) == [same, same]
+            if same:
+                for p, q in ((0, 4), (1, 5)):
+                    np.testing.assert_array_equal(other.get_data_page(q * P), host.get_data_page(p * P))
+            else:
+                np.testing.assert_array_equal(other.read_buffer(0), before)
+                if layout == "page_first":
+                    # The other namespace writes none of the prefix's sglang-named objects.
+                    assert reader.batch_set_v1([uuid.uuid4().hex], tokens([6])) == [False]
+                    assert reader.integrity_stats()["foreign"] >= 2
+    finally:
+        for s in (a, b, c):
+            s.close()

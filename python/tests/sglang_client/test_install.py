@@ -16,6 +16,7 @@ require_sglang()
 
 import ast  # noqa: E402
 import importlib  # noqa: E402
+import json  # noqa: E402
 import importlib.metadata  # noqa: E402
 import inspect  # noqa: E402
 import os  # noqa: E402
@@ -217,6 +218,13 @@ class RecordingMooncakeClient:
             self.objects[k] = ctypes.string_at(p, n)
         return [0] * len(keys)
 
+    def get(self, key):
+        return self.objects.get(key, b"")
+
+    def put(self, key, data):
+        self.objects[key] = bytes(data)
+        return 0
+
     def close(self):
         pass
 
@@ -257,6 +265,11 @@ def test_mooncake_store_registers_sglang_pool(kind, layout):
             names = [f"m_{key}__k"]
         for name, page in zip(names, pages):
             assert client.objects[name] == page.contiguous().view(torch.uint8).numpy().tobytes(), name
+    # sglang's names carry no namespace: the prefix's sidecar record holds it, the pool's own
+    # KV dtype included.
+    record = json.loads(client.objects[f"m_hio-namespace_{'0' if kind == 'mha' else ''}"])
+    assert record == store.namespace
+    assert record["kv_dtype"] == str(host.dtype).replace("torch.", "") and record["layout"] == layout and record["model"] == "m"
     store.unregister_mem_pool_host()
 
 

@@ -104,7 +104,10 @@ def dynamic_extra_config(master) -> dict:
     prefetch_* keys)."""
     from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
 
-    raw = {"backend_name": "hicache_io", "module_path": "hicache_io.storage", "class_name": "MooncakeStore", "interface_v1": 1, "prefetch_threshold": 64, **connection(master)}
+    # The module's stores are shared by pools of several layouts under one prefix (sglang's names
+    # omit the layout): the namespace record, which would rightly call the second layout's pages
+    # foreign, is off here (its own tests are in test_mooncake.py and test_install.py).
+    raw = {"backend_name": "hicache_io", "module_path": "hicache_io.storage", "class_name": "MooncakeStore", "interface_v1": 1, "prefetch_threshold": 64, "hicache_io_namespace_record": False, **connection(master)}
     extra, threshold, *_ = HybridCacheController.parse_storage_backend_extra_config(json.dumps(raw))
     assert threshold == 64 and "prefetch_threshold" not in extra
     return extra
