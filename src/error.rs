@@ -379,7 +379,18 @@ pub enum TransferError {
         /// Why.
         reason: String,
     },
-    /// A failure inside an executor after validation (driver error, device lost, timeout).
+    /// The executor's device is lost (wgpu: the device was lost or destroyed; cuda: a sticky
+    /// fault of the context, such as an illegal address): this call and every later one on it
+    /// fail with this error, as do the pools made on it. A new executor (wgpu: on the same
+    /// adapter) works; a CUDA context with a sticky fault stays unusable for the process.
+    #[error("{backend}: device lost ({cause})")]
+    DeviceLost {
+        /// Executor name.
+        backend: &'static str,
+        /// What the driver said.
+        cause: String,
+    },
+    /// A failure inside an executor after validation (driver error, timeout).
     #[error("{backend} executor failed: {message}")]
     Executor {
         /// Executor name.

@@ -240,6 +240,32 @@ fn the_layers_of_an_all_layer_op_share_one_check_all_or_none() {
     }
 }
 
+/// An all-layer op whose CUDA index lists fail their shared device check, interrupted by a
+/// fault at its second layer: the `Partial` error names no completed layer (the first layer's
+/// copies waited on the check and moved nothing), and the next synchronize reports the check.
+#[test]
+fn a_partial_failure_under_a_failed_device_check_names_no_completed_layer() {
+    let Some((device, exec)) = setup() else { return };
+    const LAYERS: usize = 3;
+    let host = Mem::pinned(&pattern(12));
+    let layers: Vec<Mem> = (0..LAYERS).map(|_| Mem::device(&vec![0u8; BYTES])).collect();
+    let tensors: Vec<RawTensor> = layers.iter().map(|m| m.tensor(SLOTS)).collect();
+    let srcs: Vec<RawTensor> = (0..LAYERS).map(|_| host.tensor(SLOTS)).collect();
+    let (h, d) = (Mem::indices(&[0, 1, 2]), Mem::indices(&[8, 9, 8]));
+    device.inject_fault(1);
+    match kv::transfer_kv_all_layer_mla(&device, &srcs, &tensors, h.list(), d.list(), ITEM as i64, LAYERS as i64) {
+        Err(TransferError::Partial { failed_step: 1, completed_layers, .. }) => {
+            assert!(completed_layers.is_empty(), "layers {completed_layers:?} called completed; nothing moved")
+        }
+        other => panic!("expected a partial failure at layer 1, got {other:?}"),
+    }
+    assert!(matches!(exec.synchronize(), Err(TransferError::DeviceIndexCheck { .. })));
+    exec.synchronize().unwrap();
+    for (l, m) in layers.iter().enumerate() {
+        assert!(m.bytes().iter().all(|b| *b == 0), "layer {l}: bytes moved");
+    }
+}
+
 #[test]
 fn a_misaligned_cuda_index_list_is_refused_before_anything_is_enqueued() {
     let Some((device, exec)) = setup() else { return };

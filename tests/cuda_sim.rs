@@ -125,6 +125,29 @@ fn the_simulator_catches_unordered_streams_and_misused_memory() {
         ctx.synchronize().unwrap();
 
         // 6. Freeing memory that queued work still uses: the work faults (sticky, as on a GPU).
+        // The executor's calls then fail as a lost device, the one that sees it and every later
+        // one, its pools' too.
+        let device = hicache_io::Device::open(hicache_io::exec::ExecutorKind::Cuda).unwrap();
+        let dc = hicache_io::DevicePoolConfig {
+            kind: hicache_io::PoolKind::Mla,
+            bytes_per_token: 64,
+            slots: 16,
+            page_size: 4,
+            layers: hicache_io::LayerMap::new(2),
+        };
+        let pool = hicache_io::DevicePool::new(&device, &dc).unwrap();
+        let hc = hicache_io::HostPoolConfig {
+            layout: hicache_io::Layout::LayerFirst,
+            size: 16,
+            head_num: 1,
+            profile: hicache_io::Profile::Extended,
+            integrity: None,
+        };
+        let mut hpool = hicache_io::HostPool::new(&pool, &hc).unwrap();
+        let kernel = hicache_io::IoBackend::Kernel;
+        hpool.backup_from_device_all_layer(&pool, &[0, 1], &[2, 3], kernel).unwrap();
+        device.synchronize().unwrap();
+        ctx.bind_to_thread().unwrap();
         let doomed = result::malloc_sync(n).unwrap();
         result::stream::launch_host_function(sa, sleep_20ms, std::ptr::null_mut()).unwrap();
         result::memset_d8_async(doomed, 1, n, sa).unwrap();
@@ -132,7 +155,20 @@ fn the_simulator_catches_unordered_streams_and_misused_memory() {
         let rc = code(a.synchronize());
         assert_eq!(rc, sys::CUresult::CUDA_ERROR_ILLEGAL_ADDRESS);
         assert_eq!(sim.errors().1, 1);
+        let lost = |r: hicache_io::Result<()>, what: &str| match r {
+            Err(hicache_io::TransferError::DeviceLost { backend: "cuda", cause }) => {
+                assert!(cause.contains("ILLEGAL_ADDRESS"), "{what}: {cause}")
+            }
+            other => panic!("{what}: expected a lost device, got {other:?}"),
+        };
+        lost(device.synchronize(), "synchronize");
+        lost(hpool.backup_from_device_all_layer(&pool, &[0, 1], &[2, 3], kernel), "a backup");
+        lost(hpool.backup_from_device_all_layer(&pool, &[4, 5], &[6, 7], kernel), "a later backup");
+        lost(pool.read_buffer(0, 0).map(|_| ()), "a pool read");
         sim.clear();
+        drop(hpool);
+        drop(pool);
+        ctx.bind_to_thread().unwrap();
 
         // 7. Freeing memory an unsynchronized op already used is a race with that op.
         result::memset_d8_async(dev, 3, n, sa).unwrap();

@@ -99,3 +99,57 @@ fn single_step_faults_write_nothing_and_pools_stay_usable() {
         }
     }
 }
+
+/// An asynchronous plan of several steps (a layer-sharded backup: one per layer) whose second
+/// submission fails after the call has returned: its handle reports the failure, though its
+/// last submission ran (wgpu queues submissions; other executors have none to fail). The pools
+/// stay usable.
+#[test]
+fn an_async_plan_reports_a_failed_submission_of_any_step() {
+    let (hi, di): (Vec<i64>, Vec<i64>) = ((8..16).collect(), (20..28).collect());
+    for device in common::devices().into_iter().filter(|d| d.name() == "wgpu") {
+        let (dev, mut host) = pools(&device, true);
+        let (mut want_dev, mut want_host) = contents(&dev, &host);
+        oracle::apply(host.pair(), Op::Backup, &hi, &di, OracleBuffers { host: &mut want_host, device: &mut want_dev });
+        device.inject_submission_fault(1);
+        let t = host.backup_from_device_all_layer_async(&dev, &hi, &di, IoBackend::Kernel).unwrap();
+        let err = t.wait().unwrap_err();
+        assert!(err.to_string().contains("injected submission fault"), "{err}");
+        host.backup_from_device_all_layer(&dev, &hi, &di, IoBackend::Kernel).unwrap();
+        assert!(contents(&dev, &host) == (want_dev, want_host), "retry");
+    }
+}
+
+/// A wgpu device destroyed under its pools (as a driver reset or an unplugged GPU loses it):
+/// the call that sees it and every later one fail with `DeviceLost` naming the cause, the pools
+/// and new allocations too, and nothing panics; a new executor on the same adapter works.
+#[cfg(feature = "wgpu")]
+#[test]
+fn a_lost_wgpu_device_fails_every_call_and_a_new_one_works() {
+    let Some(device) = common::open(hicache_io::exec::ExecutorKind::Wgpu) else { return };
+    let (hi, di): (Vec<i64>, Vec<i64>) = ((8..16).collect(), (20..28).collect());
+    let (mut dev, mut host) = pools(&device, false);
+    host.backup_from_device_all_layer(&dev, &hi, &di, IoBackend::Kernel).unwrap();
+    let Device::Wgpu(w) = &device else { unreachable!() };
+    w.device().destroy();
+    let lost = |r: Result<(), TransferError>, what: &str| match r {
+        Err(TransferError::DeviceLost { backend: "wgpu", .. }) => {}
+        other => panic!("{what}: expected a lost device, got {other:?}"),
+    };
+    for round in 0..2 {
+        lost(host.backup_from_device_all_layer(&dev, &hi, &di, IoBackend::Kernel), &format!("backup, round {round}"));
+        lost(host.load_to_device_per_layer(&mut dev, &hi, &di, 1, IoBackend::Direct), &format!("load, round {round}"));
+        lost(dev.read_buffer(0, 0).map(|_| ()), "device pool read");
+        lost(host.write_buffer(0, &vec![0u8; host.geometry().buffer_bytes() as usize]), "host pool write");
+        lost(device.synchronize(), "synchronize");
+        let dc = DevicePoolConfig { kind: PoolKind::Mla, bytes_per_token: 64, slots: 32, page_size: 4, layers: LayerMap::new(1) };
+        lost(DevicePool::new(&device, &dc).map(|_| ()), "a new pool");
+    }
+    drop((dev, host));
+    let fresh = common::open(hicache_io::exec::ExecutorKind::Wgpu).expect("a new wgpu executor");
+    let (dev, mut host) = pools(&fresh, false);
+    let (mut want_dev, mut want_host) = contents(&dev, &host);
+    oracle::apply(host.pair(), Op::Backup, &hi, &di, OracleBuffers { host: &mut want_host, device: &mut want_dev });
+    host.backup_from_device_all_layer(&dev, &hi, &di, IoBackend::Kernel).unwrap();
+    assert!(contents(&dev, &host) == (want_dev, want_host), "the new executor's backup");
+}

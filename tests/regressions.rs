@@ -246,3 +246,79 @@ fn large_items_are_copied_whole() {
         }
     }
 }
+
+/// wgpu's `direct` steps go to the queue in submissions of a bounded number of buffer copies
+/// (here 7, so a call of two hundred scattered items is dozens of submissions, each waiting
+/// for the one before): plain and asynchronous loads and backups, with and without item
+/// checksums, equal the oracle byte for byte. A ten-million-entry scattered load once lost the
+/// device with every copy in one submission.
+#[cfg(feature = "wgpu")]
+#[test]
+fn wgpu_direct_steps_go_in_bounded_submissions() {
+    use hicache_io::exec::wgpu::{WgpuExecutor, WgpuOptions};
+    use hicache_io::exec::ExecutorKind;
+    let exec = match WgpuExecutor::with_options(WgpuOptions { max_copies_per_submission: Some(7), ..Default::default() }) {
+        Ok(e) => e,
+        Err(e) if common::required(ExecutorKind::Wgpu) => panic!("{e}"),
+        Err(e) => return eprintln!("skipping: {e}"),
+    };
+    let device = Device::Wgpu(exec);
+    let n = 200usize;
+    for integrity in [Some(false), Some(true)] {
+        let dc = DevicePoolConfig { kind: PoolKind::Mha, bytes_per_token: 32, slots: 512, page_size: 1, layers: LayerMap::new(3) };
+        let hc = HostPoolConfig { layout: Layout::LayerFirst, size: 512, head_num: 1, profile: Profile::Extended, integrity };
+        let mut p = filled(&device, &dc, &hc, 17);
+        let mut rng = Rng::new(5);
+        // No two items consecutive on both sides: one run (one buffer copy) per item.
+        let mut hi: Vec<i64> = (0..n as i64).map(|i| 2 * i).collect();
+        for i in (1..n).rev() {
+            hi.swap(i, rng.below(i as u64 + 1) as usize);
+        }
+        let di: Vec<i64> = (0..n as i64).map(|i| 511 - i).collect();
+        let tag = format!("integrity {integrity:?}");
+        p.run_checked(&format!("{tag}: backup"), Op::Backup, IoBackend::Direct, &di, &hi).unwrap();
+        p.run_checked(&format!("{tag}: load"), Op::Load { layer_id: 1, is_draft: false }, IoBackend::Direct, &hi, &di).unwrap();
+        // Asynchronous: the parts are tickets of the submit thread.
+        let (hi2, di2): (Vec<i64>, Vec<i64>) = (hi.iter().map(|x| x + 1).collect(), di.iter().rev().copied().collect());
+        p.host.backup_from_device_all_layer_async(&p.dev, &di2, &hi2, IoBackend::Direct).unwrap().wait().unwrap();
+        p.host.load_to_device_per_layer_async(&mut p.dev, &hi2, &di2, 2, IoBackend::Direct).unwrap().wait().unwrap();
+        for (op, h, d) in [(Op::Backup, &di2, &hi2), (Op::Load { layer_id: 2, is_draft: false }, &hi2, &di2)] {
+            oracle::apply(p.host.pair(), op, h, d, OracleBuffers { host: &mut p.host_bytes, device: &mut p.dev_bytes });
+        }
+        let (dev, host) = p.snapshot();
+        assert!(host == p.host_bytes, "{tag}: async host bytes differ from the oracle");
+        assert!(dev == p.dev_bytes, "{tag}: async device bytes differ from the oracle");
+    }
+}
+
+/// The probe of a ten-million-entry `direct` load on wgpu: host and device pools of 10M 4-byte
+/// items, a random permutation of host items onto a reversed device list (no two consecutive:
+/// 10M buffer copies). Minutes on lavapipe; run by hand (`--ignored`), it prints how long.
+#[cfg(feature = "wgpu")]
+#[test]
+#[ignore = "minutes on a CPU adapter: run by hand"]
+fn wgpu_ten_million_scattered_direct_load() {
+    let Some(device) = common::open(hicache_io::exec::ExecutorKind::Wgpu) else { return };
+    let n = 10_000_000usize;
+    let dc = DevicePoolConfig { kind: PoolKind::Mla, bytes_per_token: 4, slots: n as u64, page_size: 1, layers: LayerMap::new(1) };
+    let hc = HostPoolConfig { layout: Layout::LayerFirst, size: n as u64, head_num: 1, profile: Profile::Extended, integrity: None };
+    let mut dev = DevicePool::new(&device, &dc).unwrap();
+    let host = HostPool::new(&dev, &hc).unwrap();
+    let words: Vec<u32> = (0..host.geometry().slots() as u32).map(|i| i.wrapping_mul(2_654_435_761) | 1).collect();
+    let mut host = host;
+    host.write_buffer(0, bytemuck::cast_slice(&words)).unwrap();
+    let mut rng = Rng::new(1);
+    let mut hi: Vec<i64> = (0..n as i64).collect();
+    for i in (1..n).rev() {
+        hi.swap(i, rng.below(i as u64 + 1) as usize);
+    }
+    let di: Vec<i64> = (0..n as i64).rev().collect();
+    let t = std::time::Instant::now();
+    host.load_to_device_per_layer(&mut dev, &hi, &di, 0, IoBackend::Direct).unwrap();
+    device.synchronize().unwrap();
+    let secs = t.elapsed().as_secs_f64();
+    let got = dev.read_buffer(0, 0).unwrap();
+    let got: &[u32] = bytemuck::cast_slice(&got);
+    assert_eq!((0..n).find(|&i| got[di[i] as usize] != words[hi[i] as usize]), None);
+    eprintln!("{}: 10M scattered direct items in {secs:.1} s", device.label());
+}

@@ -30,9 +30,9 @@ import json as _json
 from typing import Any, Dict, List, Optional, Sequence
 
 from . import _native, hicache, kvcacheio
-from ._native import Device, DevicePool, HostPool, IntegrityError
+from ._native import Device, DeviceLostError, DevicePool, HostPool, IntegrityError
 
-__all__ = ["Device", "DevicePool", "HostPool", "IntegrityError", "hicache", "kvcacheio", "matrix", "check"]
+__all__ = ["Device", "DeviceLostError", "DevicePool", "HostPool", "IntegrityError", "hicache", "kvcacheio", "matrix", "check"]
 __version__ = "0.1.0"
 
 

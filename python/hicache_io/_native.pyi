@@ -76,3 +76,5 @@ STORAGE_SEED: int
 
 class IntegrityError(RuntimeError):
     items: List[Tuple[int, int, int, int, int, int]]
+
+class DeviceLostError(RuntimeError): ...

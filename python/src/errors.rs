@@ -9,6 +9,14 @@ use hicache_io::TransferError;
 
 pyo3::create_exception!(
     _native,
+    DeviceLostError,
+    PyRuntimeError,
+    "The executor's device is lost: this call and every later one on it (and on its pools) raise \
+     this; open a new `Device` (wgpu: the same adapter works again)."
+);
+
+pyo3::create_exception!(
+    _native,
     IntegrityError,
     PyRuntimeError,
     "A load read host items whose bytes do not match the checksums their backups recorded; the \
@@ -28,6 +36,9 @@ pub(crate) fn py_err(e: TransferError) -> PyErr {
             let _ = err.value(py).setattr("items", items);
         });
         return err;
+    }
+    if let E::DeviceLost { .. } = &e {
+        return DeviceLostError::new_err(msg);
     }
     match e {
         E::LengthMismatch { .. }

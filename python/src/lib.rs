@@ -42,5 +42,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ops::name_tags, m)?)?;
     m.add("STORAGE_SEED", hicache_io::integrity::STORAGE_SEED)?;
     m.add("IntegrityError", m.py().get_type::<IntegrityError>())?;
+    m.add("DeviceLostError", m.py().get_type::<DeviceLostError>())?;
     Ok(())
 }

@@ -311,7 +311,15 @@ impl Device {
     /// on by this executor instance (0 = the next one) fails with an executor error before it
     /// runs. Steps before it complete normally.
     pub fn inject_fault(&self, after_steps: u64) {
-        fault::arm(self.id(), after_steps);
+        fault::arm(self.id(), fault::At::Step, after_steps);
+    }
+    /// Arms a one-shot fault of a queued submission, for testing how asynchronous calls report
+    /// one: on wgpu the `after_submissions`-th command buffer handed to the submit thread from
+    /// now on is dropped unrun and its ticket marked failed, as a submission the driver refused
+    /// would be; the call that queued it has already returned. Other executors have no queued
+    /// submissions and never fire it.
+    pub fn inject_submission_fault(&self, after_submissions: u64) {
+        fault::arm(self.id(), fault::At::Submission, after_submissions);
     }
 }
 

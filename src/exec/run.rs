@@ -94,8 +94,9 @@ impl Device {
             if let Err(err) = fault::point(self.id(), self.name()).and_then(|_| e.execute_step(plan, k, bufs, enqueue, stream)) {
                 // Drain what was enqueued before the failure (stream-ordered executors too), so
                 // "completed" is true: a sticky device error fails the drain, and then nothing is
-                // reported complete.
-                let drained = e.finish().and_then(|_| e.synchronize()).is_ok();
+                // reported complete. Nor is anything when the steps' copies wait on a device
+                // check of CUDA index lists: its verdict is the next synchronize's to report.
+                let drained = e.finish().and_then(|_| e.synchronize()).is_ok() && plan.device_check().is_none();
                 return Err(failed_at(steps, k, drained, err));
             }
         }

@@ -49,6 +49,10 @@ pub struct Capabilities {
     /// backups otherwise leave their items' checksums unknown, and its loads read them
     /// unverified).
     pub direct_checksums: bool,
+    /// Most 32-bit words per item a checksumming copy sums (cuda's summing kernels keep an
+    /// item's word positions in 32 bits): a larger item of a pool with checksums is refused
+    /// before anything moves. `u64::MAX`: no limit.
+    pub max_checksum_item_words: u64,
     /// Which io backend `auto` picks, by item size and run length.
     pub auto: AutoTable,
 }
@@ -126,6 +130,7 @@ impl Capabilities {
         device_index_lists: false,
         checksums: false,
         direct_checksums: false,
+        max_checksum_item_words: u64::MAX,
         auto: AutoTable::DEFAULT,
     };
     /// Host-memory executors: no alignment or binding limit.
@@ -145,6 +150,7 @@ impl Capabilities {
         device_index_lists: false,
         checksums: false,
         direct_checksums: false,
+        max_checksum_item_words: u64::MAX,
         auto: AutoTable::DEFAULT,
     };
 

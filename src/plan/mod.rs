@@ -99,6 +99,32 @@ mod tests {
         assert!(k[1].contains("written twice") || k[1].to_lowercase().contains("duplicate"), "{}", k[1]);
     }
 
+    /// An item wider than the executor's summing copies can sum is refused by the planner, on a
+    /// pool with checksums, before any step is issued (cuda once found it at launch, after the
+    /// steps before had been enqueued); without checksums it moves.
+    #[test]
+    fn checksummed_items_wider_than_the_summing_copies_are_refused_when_planned() {
+        let caps = Capabilities { checksums: true, max_checksum_item_words: 1 << 20, ..Capabilities::UNLIMITED };
+        let plan_of = |item: u64| {
+            let dc = crate::pool::DevicePoolConfig {
+                kind: PoolKind::Mla,
+                bytes_per_token: item,
+                slots: 4,
+                page_size: 1,
+                layers: LayerMap::new(3),
+            };
+            let pair = Arc::new(PoolPair::new(dc.geometry().unwrap(), Layout::LayerFirst, 4, 1).unwrap());
+            let req = Request { op: Op::Backup, io_backend: IoBackend::Kernel, host_indices: &[0, 1], device_indices: &[2, 3] };
+            plan(Profile::Extended, &caps, 1, &pair, &req).unwrap()
+        };
+        assert!(plan_of(4 << 20).with_checksums(true, &caps).unwrap().is_checksummed());
+        match plan_of((4 << 20) + 4).with_checksums(true, &caps) {
+            Err(TransferError::ExecutorLimit { value, limit: 1048576, .. }) => assert_eq!(value, (1 << 20) + 1),
+            other => panic!("{other:?}"),
+        }
+        assert!(!plan_of((4 << 20) + 4).with_checksums(false, &caps).unwrap().is_checksummed());
+    }
+
     #[test]
     fn coalescing_like_transfer_kv_direct() {
         assert_eq!(coalesce(&[0, 1, 2, 7, 8], &[10, 11, 5, 6, 7]), vec![(0, 10, 2), (2, 5, 1), (7, 6, 2)]);

@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use super::*;
+use crate::error::{Result, TransferError};
 use crate::geometry::{Addr, BufRef, IoBackend, PoolPair, Profile};
 
 // ------------------------------------------------------------------------------------------
@@ -232,9 +233,20 @@ impl Plan {
     /// [`Capabilities::checksums`]; index lists on the host). `direct` steps on an executor
     /// without [`Capabilities::direct_checksums`] settle their items as unknown instead, in queue
     /// order. Other plans are unchanged, and their backups leave the items' checksums unknown.
-    pub(crate) fn with_checksums(mut self, on: bool, caps: &Capabilities) -> Plan {
-        if !on || !caps.checksums || self.device_check.is_some() {
-            return self;
+    /// An item wider than the executor's summing copies can sum is refused
+    /// ([`Capabilities::max_checksum_item_words`]).
+    pub(crate) fn with_checksums(mut self, on: bool, caps: &Capabilities) -> Result<Plan> {
+        if !on || !caps.checksums || self.device_check.is_some() || self.steps.is_empty() {
+            return Ok(self);
+        }
+        let words = self.pair.host().item_bytes().div_ceil(4);
+        if words > caps.max_checksum_item_words {
+            return Err(TransferError::ExecutorLimit {
+                executor: caps.name,
+                what: "32-bit words per item that a checksumming copy sums (turn the pool's integrity off to move larger items)",
+                value: words,
+                limit: caps.max_checksum_item_words,
+            });
         }
         let mode = match self.direction {
             Direction::HostToDevice => ChecksumMode::Verify,
@@ -249,7 +261,7 @@ impl Plan {
             }
         }
         self.steps = steps.into();
-        self
+        Ok(self)
     }
     /// Whether every step checksums what it copies.
     pub fn is_checksummed(&self) -> bool {

@@ -118,7 +118,7 @@ impl<'m> HostPool<'m> {
     pub fn plan(&self, device_pool: &DevicePool, req: &Request<'_>) -> Result<Plan> {
         self.check_pair(device_pool)?;
         let caps = if req.io_backend == IoBackend::Auto { self.device.calibrated_capabilities() } else { self.device.capabilities() };
-        Ok(plan::plan(self.profile, &caps, self.device.id(), &self.pair, req)?.with_checksums(self.checksums.is_some(), &caps))
+        plan::plan(self.profile, &caps, self.device.id(), &self.pair, req)?.with_checksums(self.checksums.is_some(), &caps)
     }
 
     /// [`HostPool::plan`] for index lists in CUDA memory: the value checks are the plan's

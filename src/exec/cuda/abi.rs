@@ -270,6 +270,9 @@ impl GatherLaunch {
     }
 }
 
+/// Most 32-bit words per item the summing kernels sum (their word positions are 32-bit).
+pub const MAX_SUM_ITEM_WORDS: u64 = u32::MAX as u64 / 2;
+
 impl GatherLaunch {
     /// 32-bit words of one item (all its head chunks): the key table's length.
     pub fn item_words(&self) -> u64 {
@@ -283,8 +286,10 @@ impl GatherLaunch {
             requested: v,
             limit: format!("at most {limit}"),
         };
-        if self.item_words() > u32::MAX as u64 / 2 {
-            return Err(too_big("32-bit words per item", self.item_words(), u32::MAX as u64 / 2));
+        // The planner refuses such items ([`Capabilities::max_checksum_item_words`]); kept
+        // as the kernels' own guard.
+        if self.item_words() > MAX_SUM_ITEM_WORDS {
+            return Err(too_big("32-bit words per item", self.item_words(), MAX_SUM_ITEM_WORDS));
         }
         (self.n_items.max(0) as u64)
             .checked_mul(self.table.len() as u64)

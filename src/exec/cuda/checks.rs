@@ -39,7 +39,7 @@ fn oom(what: &str, bytes: u64, e: DriverError) -> TransferError {
 }
 
 fn failed(what: &str, rc: sys::CUresult) -> TransferError {
-    TransferError::Executor { backend: "cuda", message: format!("{what}: {rc:?}") }
+    super::driver::rc_err(what, rc)
 }
 
 impl CheckArea {

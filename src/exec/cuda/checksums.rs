@@ -152,7 +152,7 @@ impl SumsQueue {
             // The kernel may have written the items: they settle as unknown, in order (the
             // buffer is kept until the executor drops).
             self.push_failed(what, mode, binding, orphan);
-            return Err(TransferError::Executor { backend: "cuda", message: format!("cuMemcpyDtoHAsync (checksums): {rc:?}") });
+            return Err(super::driver::rc_err("cuMemcpyDtoHAsync (checksums)", rc));
         }
         // SAFETY: as the caller vouches.
         unsafe { self.push(stream, what, mode, binding, orphan) }

@@ -3,17 +3,18 @@
 
 use cudarc::driver::sys;
 
-use super::driver::{is_default_stream, BATCH_MAX};
+use super::driver::{is_default_stream, rc_err, BATCH_MAX};
 use super::{CudaBuffer, CudaExecutor};
-use crate::error::{Result, TransferError};
+use crate::error::Result;
 use crate::exec::{Bindings, Stream};
 
 impl CudaExecutor {
+    /// Enqueues `runs` on stream `on`. The batch descriptors are built `BATCH_MAX` runs at a
+    /// time, so their memory is bounded by a batch, not by the call.
     pub(super) fn copies(&self, runs: &[crate::plan::Run], bufs: &Bindings<'_, CudaBuffer>, on: Stream) -> Result<()> {
         let stream = self.raw_stream(on)?;
-        let mut dsts: Vec<sys::CUdeviceptr> = runs.iter().map(|r| bufs.get(r.dst).dev_ptr + r.dst_offset).collect();
-        let mut srcs: Vec<sys::CUdeviceptr> = runs.iter().map(|r| bufs.get(r.src).dev_ptr + r.src_offset).collect();
-        let mut sizes: Vec<usize> = runs.iter().map(|r| r.len as usize).collect();
+        let dst = |r: &crate::plan::Run| bufs.get(r.dst).dev_ptr + r.dst_offset;
+        let src = |r: &crate::plan::Run| bufs.get(r.src).dev_ptr + r.src_offset;
         let mut done = 0;
         if let Some(batch) = self.inner.batch.filter(|_| runs.len() > 1 && !is_default_stream(stream)) {
             let src_host = runs.first().is_some_and(|r| bufs.get(r.src).is_host());
@@ -32,24 +33,24 @@ impl CudaExecutor {
                 dstLocHint: loc(dst_host),
                 flags: 0,
             };
+            let cap = BATCH_MAX.min(runs.len());
+            let (mut dsts, mut srcs, mut sizes): (Vec<sys::CUdeviceptr>, Vec<sys::CUdeviceptr>, Vec<usize>) =
+                (Vec::with_capacity(cap), Vec::with_capacity(cap), Vec::with_capacity(cap));
             while done < runs.len() {
-                let n = (runs.len() - done).min(BATCH_MAX);
+                let chunk = &runs[done..(done + BATCH_MAX).min(runs.len())];
+                let n = chunk.len();
+                dsts.clear();
+                srcs.clear();
+                sizes.clear();
+                dsts.extend(chunk.iter().map(dst));
+                srcs.extend(chunk.iter().map(src));
+                sizes.extend(chunk.iter().map(|r| r.len as usize));
                 let mut idx = [0usize];
                 let mut fail = usize::MAX;
-                // SAFETY: arrays of at least `done + n` entries, live for the call (the driver
-                // copies the descriptors); addresses are inside pool allocations (validated plan).
+                // SAFETY: arrays of `n` entries, live for the call (the driver copies the
+                // descriptors); addresses are inside pool allocations (validated plan).
                 let rc = unsafe {
-                    batch(
-                        dsts[done..].as_mut_ptr(),
-                        srcs[done..].as_mut_ptr(),
-                        sizes[done..].as_mut_ptr(),
-                        n,
-                        &mut attrs,
-                        idx.as_mut_ptr(),
-                        1,
-                        &mut fail,
-                        stream,
-                    )
+                    batch(dsts.as_mut_ptr(), srcs.as_mut_ptr(), sizes.as_mut_ptr(), n, &mut attrs, idx.as_mut_ptr(), 1, &mut fail, stream)
                 };
                 match rc {
                     sys::CUresult::CUDA_SUCCESS => done += n,
@@ -58,20 +59,15 @@ impl CudaExecutor {
                         log::debug!("cuMemcpyBatchAsync: {rc:?}; falling back to one copy per run");
                         break;
                     }
-                    other => {
-                        return Err(TransferError::Executor {
-                            backend: "cuda",
-                            message: format!("cuMemcpyBatchAsync failed at run {}: {other:?}", done + fail.min(n)),
-                        })
-                    }
+                    other => return Err(rc_err(format!("cuMemcpyBatchAsync failed at run {}", done + fail.min(n)), other)),
                 }
             }
         }
-        for i in done..runs.len() {
+        for (i, r) in runs.iter().enumerate().skip(done) {
             // SAFETY: as above; UVA pointers in either direction.
-            let rc = unsafe { sys::cuMemcpyAsync(dsts[i], srcs[i], sizes[i], stream) };
+            let rc = unsafe { sys::cuMemcpyAsync(dst(r), src(r), r.len as usize, stream) };
             if rc != sys::CUresult::CUDA_SUCCESS {
-                return Err(TransferError::Executor { backend: "cuda", message: format!("cuMemcpyAsync (run {i}): {rc:?}") });
+                return Err(rc_err(format!("cuMemcpyAsync (run {i})"), rc));
             }
         }
         Ok(())

@@ -14,7 +14,30 @@ pub(super) const CUBIN_80: &[u8] = include_bytes!("../../../kernels/transfer.sm_
 pub(super) const CUBIN_90: &[u8] = include_bytes!("../../../kernels/transfer.sm_90.cubin");
 
 pub(super) fn drv(what: &str, e: DriverError) -> TransferError {
-    TransferError::Executor { backend: "cuda", message: format!("{what}: {e:?}") }
+    rc_err(what, e.0)
+}
+
+/// A failed driver call: [`TransferError::DeviceLost`] for the sticky faults, after which every
+/// call on the context fails (an illegal address, a failed launch, ...), else an executor error.
+pub(super) fn rc_err(what: impl std::fmt::Display, rc: sys::CUresult) -> TransferError {
+    use sys::CUresult as R;
+    let sticky = matches!(
+        rc,
+        R::CUDA_ERROR_ILLEGAL_ADDRESS
+            | R::CUDA_ERROR_LAUNCH_FAILED
+            | R::CUDA_ERROR_LAUNCH_TIMEOUT
+            | R::CUDA_ERROR_HARDWARE_STACK_ERROR
+            | R::CUDA_ERROR_ILLEGAL_INSTRUCTION
+            | R::CUDA_ERROR_MISALIGNED_ADDRESS
+            | R::CUDA_ERROR_INVALID_ADDRESS_SPACE
+            | R::CUDA_ERROR_INVALID_PC
+            | R::CUDA_ERROR_ECC_UNCORRECTABLE
+    );
+    if sticky {
+        TransferError::DeviceLost { backend: "cuda", cause: format!("{what}: {rc:?}") }
+    } else {
+        TransferError::Executor { backend: "cuda", message: format!("{what}: {rc:?}") }
+    }
 }
 
 pub(super) fn drv_msg(m: &str) -> TransferError {

@@ -68,7 +68,7 @@ impl CudaBuffer {
                     sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP,
                 );
                 if rc != sys::CUresult::CUDA_SUCCESS {
-                    return Err(TransferError::Executor { backend: "cuda", message: format!("cuMemHostRegister({len} bytes): {rc:?}") });
+                    return Err(super::driver::rc_err(format!("cuMemHostRegister({len} bytes)"), rc));
                 }
             }
             let mut dev_ptr = 0;

@@ -388,6 +388,7 @@ impl Executor for CudaExecutor {
             // The summing gathers; DMA copies cannot sum (their items settle as unknown).
             checksums: true,
             direct_checksums: false,
+            max_checksum_item_words: abi::MAX_SUM_ITEM_WORDS,
             ..Capabilities::UNLIMITED
         }
     }
@@ -442,7 +443,7 @@ impl Executor for CudaExecutor {
             let rc = sys::cuMemHostGetDevicePointer_v2(&mut dev_ptr, host, 0);
             if rc != sys::CUresult::CUDA_SUCCESS {
                 let _ = result::free_host(host);
-                return Err(TransferError::Executor { backend: "cuda", message: format!("cuMemHostGetDevicePointer: {rc:?}") });
+                return Err(driver::rc_err("cuMemHostGetDevicePointer", rc));
             }
             Ok(CudaBuffer {
                 dev_ptr,
@@ -499,7 +500,7 @@ impl Executor for CudaExecutor {
             // SAFETY: both allocations hold `bytes` bytes.
             let rc = unsafe { sys::cuMemcpyAsync(d.dev_ptr, h.dev_ptr, bytes as usize, stream) };
             if rc != sys::CUresult::CUDA_SUCCESS {
-                return Err(TransferError::Executor { backend: "cuda", message: format!("cuMemcpyAsync: {rc:?}") });
+                return Err(driver::rc_err("cuMemcpyAsync", rc));
             }
             self.sync_checked()
         })

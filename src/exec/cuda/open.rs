@@ -83,7 +83,7 @@ impl CudaExecutor {
             // SAFETY: `out` holds `n` bytes; the caller vouches for the device span.
             let rc = unsafe { sys::cuMemcpyDtoHAsync_v2(out.as_mut_ptr() as *mut c_void, ptr, n, self.cu_stream()) };
             if rc != sys::CUresult::CUDA_SUCCESS {
-                return Err(TransferError::Executor { backend: "cuda", message: format!("cuMemcpyDtoHAsync: {rc:?}") });
+                return Err(super::driver::rc_err("cuMemcpyDtoHAsync", rc));
             }
         }
         self.sync_checked()?;

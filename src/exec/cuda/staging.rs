@@ -166,7 +166,7 @@ impl Scratch {
             };
             let rc = sys::cuMemcpyHtoDAsync_v2(dst, slot.host as *const c_void, stage_bytes, stream);
             if rc != sys::CUresult::CUDA_SUCCESS {
-                return Err(TransferError::Executor { backend: "cuda", message: format!("cuMemcpyHtoDAsync (gather tables): {rc:?}") });
+                return Err(super::driver::rc_err("cuMemcpyHtoDAsync (gather tables)", rc));
             }
             slot.pending = true;
             if let Err(e) = result::event::record(slot.event, stream) {
@@ -221,7 +221,7 @@ impl Scratch {
             if rc != sys::CUresult::CUDA_SUCCESS {
                 // The copy may have been partly enqueued: keep both until `free`.
                 kt.retired.push((dev, host));
-                return Err(TransferError::Executor { backend: "cuda", message: format!("cuMemcpyHtoDAsync (checksum keys): {rc:?}") });
+                return Err(super::driver::rc_err("cuMemcpyHtoDAsync (checksum keys)", rc));
             }
             if kt.dev != 0 {
                 kt.retired.push((kt.dev, kt.host));

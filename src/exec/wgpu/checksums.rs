@@ -3,8 +3,6 @@
 
 use std::sync::Arc;
 
-use wgpu::util::DeviceExt;
-
 use super::*;
 use crate::error::Result;
 use crate::exec::settle::Settle;
@@ -128,7 +126,7 @@ impl WgpuExecutor {
             buffers.push(make("hicache-io sums", size, wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC));
             staging.push(make("hicache-io sums readback", size, wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST));
         }
-        let keys = self.keys_buffer(b.table.keys());
+        let keys = self.keys_buffer(b.table.keys())?;
         Ok(SumBuffers {
             keys,
             buffers,
@@ -146,20 +144,16 @@ impl WgpuExecutor {
     }
 
     /// The item keys of `keys` on the device (uploaded once per key table).
-    fn keys_buffer(&self, keys: &crate::integrity::Keys) -> wgpu::Buffer {
+    fn keys_buffer(&self, keys: &crate::integrity::Keys) -> Result<wgpu::Buffer> {
         let mut cache = self.inner.keys.lock().unwrap_or_else(|e| e.into_inner());
-        cache
-            .entry((keys.seed(), keys.words()))
-            .or_insert_with(|| {
-                // Whole 16-byte words for the vec4 pipeline.
-                let mut table = keys.table().to_vec();
-                table.resize(table.len().max(1).next_multiple_of(4), 0);
-                self.inner.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
-                    label: Some("hicache-io item keys"),
-                    contents: bytemuck::cast_slice(&table),
-                    usage: wgpu::BufferUsages::STORAGE,
-                })
-            })
-            .clone()
+        if let Some(b) = cache.get(&(keys.seed(), keys.words())) {
+            return Ok(b.clone());
+        }
+        // Whole 16-byte words for the vec4 pipeline.
+        let mut table = keys.table().to_vec();
+        table.resize(table.len().max(1).next_multiple_of(4), 0);
+        let b = self.buffer_with("hicache-io item keys", bytemuck::cast_slice(&table), wgpu::BufferUsages::STORAGE)?;
+        cache.insert((keys.seed(), keys.words()), b.clone());
+        Ok(b)
     }
 }

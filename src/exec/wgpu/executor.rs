@@ -63,6 +63,7 @@ impl Executor for WgpuExecutor {
             // The WGSL gather sums as it copies; buffer-to-buffer copies cannot.
             checksums: true,
             direct_checksums: false,
+            max_checksum_item_words: u64::MAX,
             auto: crate::plan::AutoTable::DEFAULT,
         }
     }
@@ -101,19 +102,21 @@ impl Executor for WgpuExecutor {
         Ok(())
     }
     fn write(&self, buf: &WgpuBuffer, offset: u64, data: &[u8]) -> Result<()> {
+        self.check_lost()?;
         for (k, within, n, at) in buf.pieces(offset, data.len() as u64) {
-            self.write_segment(&buf.segments[k], within, &data[at as usize..(at + n) as usize])?;
+            self.write_segment(&buf.segments[k], within, &data[at as usize..(at + n) as usize]).map_err(|e| self.lost_or(e))?;
         }
         Ok(())
     }
     fn read(&self, buf: &WgpuBuffer, offset: u64, out: &mut [u8]) -> Result<()> {
+        self.check_lost()?;
         for (k, within, n, at) in buf.pieces(offset, out.len() as u64) {
-            self.read_segment(&buf.segments[k], within, &mut out[at as usize..(at + n) as usize])?;
+            self.read_segment(&buf.segments[k], within, &mut out[at as usize..(at + n) as usize]).map_err(|e| self.lost_or(e))?;
         }
         Ok(())
     }
     fn synchronize(&self) -> Result<()> {
-        self.wait()
+        self.wait().map_err(|e| self.lost_or(e))
     }
     fn time_one_copy(&self, bytes: u64, budget: Duration) -> Result<f64> {
         let (a, b) = (self.alloc(bytes)?, self.alloc(bytes)?);
@@ -128,38 +131,58 @@ impl Executor for WgpuExecutor {
     /// Both streams are the one queue: a pipeline's backups run in submission order with its
     /// loads (so no ordering between the streams is ever needed).
     fn execute_step(&self, plan: &Plan, k: usize, bufs: &Bindings<'_, WgpuBuffer>, enqueue: bool, _stream: Stream) -> Result<()> {
-        self.encode_and_submit(enqueue, |enc, sums| {
-            match plan.steps()[k].kind() {
-                StepKind::Gather(g) => self.gather(g, bufs, enc, sums)?,
-                StepKind::Copy(runs) => {
-                    if runs.len() > MANY_RUNS {
-                        static WARNED: std::sync::Once = std::sync::Once::new();
-                        WARNED.call_once(|| {
-                            log::warn!(
-                                "wgpu: a direct step of {} runs issues one buffer copy per run; the kernel io backend is much faster for scattered items",
-                                runs.len()
-                            )
-                        });
-                    }
-                    for r in runs {
-                        copy_run(enc, bufs.get(r.src), r.src_offset, bufs.get(r.dst), r.dst_offset, r.len);
-                    }
-                    // Buffer-to-buffer copies cannot sum: their items settle as unknown, in order.
-                    if let (Some(mode), Some(b)) = (plan.steps()[k].unsummed(), &bufs.integrity) {
-                        sums.push(PendingSums::unknown(mode, b.clone(), runs));
-                    }
-                }
-            }
-            Ok(())
-        })
+        if k == 0 && enqueue {
+            super::submit::PLAN_TICKETS.set(Some(Vec::new()));
+        }
+        self.step(plan, k, bufs, enqueue).map_err(|e| self.lost_or(e))
     }
     fn finish(&self) -> Result<()> {
-        self.wait()
+        self.wait().map_err(|e| self.lost_or(e))
     }
     fn completion(&self, _stream: Stream) -> Result<WgpuTicket> {
-        // Called after an asynchronous plan, all of whose steps went to the submit thread: the
-        // newest ticket (possibly another thread's later one: waiting for it waits no less).
-        let newest = self.inner.submitter.lock().queued;
-        Ok(WgpuTicket { exec: self.clone(), ticket: newest })
+        // Called after an asynchronous plan, all of whose steps went to the submit thread (on
+        // this thread): its last submission, or else the newest (possibly another thread's
+        // later one: waiting for it waits no less).
+        let own = super::submit::PLAN_TICKETS.take().unwrap_or_default();
+        let ticket = own.last().copied().unwrap_or_else(|| self.inner.submitter.lock().queued);
+        Ok(WgpuTicket { exec: self.clone(), ticket, own: own.into() })
+    }
+}
+
+impl WgpuExecutor {
+    /// Step `k` of `plan`: a gather in one submission, `direct` runs in bounded ones.
+    fn step(&self, plan: &Plan, k: usize, bufs: &Bindings<'_, WgpuBuffer>, enqueue: bool) -> Result<()> {
+        let step = &plan.steps()[k];
+        let runs = match step.kind() {
+            StepKind::Gather(g) => return self.encode_and_submit(enqueue, |enc, sums| self.gather(g, bufs, enc, sums)),
+            StepKind::Copy(runs) => runs,
+        };
+        if runs.len() > MANY_RUNS {
+            static WARNED: std::sync::Once = std::sync::Once::new();
+            WARNED.call_once(|| {
+                log::warn!(
+                    "wgpu: a direct step of {} runs issues one buffer copy per run; the kernel io backend is much faster for scattered items",
+                    runs.len()
+                )
+            });
+        }
+        // Bounded submissions: a part of the runs each, the next encoded once the one before
+        // has run, so that the queue never holds more than one part's commands.
+        for (part, chunk) in runs.chunks(self.inner.max_copies).enumerate() {
+            if part > 0 {
+                self.wait_previous_part(enqueue)?;
+            }
+            self.encode_and_submit(enqueue, |enc, sums| {
+                for r in chunk {
+                    copy_run(enc, bufs.get(r.src), r.src_offset, bufs.get(r.dst), r.dst_offset, r.len);
+                }
+                // Buffer-to-buffer copies cannot sum: their items settle as unknown, in order.
+                if let (Some(mode), Some(b)) = (step.unsummed(), &bufs.integrity) {
+                    sums.push(PendingSums::unknown(mode, b.clone(), chunk));
+                }
+                Ok(())
+            })?;
+        }
+        Ok(())
     }
 }

@@ -1,7 +1,5 @@
 //! The gather shader (`kernel`): its source, and one dispatch per (address pair, window pair).
 
-use wgpu::util::DeviceExt;
-
 use super::*;
 use crate::error::Result;
 use crate::exec::{Bindings, Executor};
@@ -56,11 +54,7 @@ impl WgpuExecutor {
         // The planner bounds indices by `max_index` (i32) and counts by `max_gather_items`.
         let pairs: Vec<[i32; 2]> =
             g.src_indices.iter().zip(g.dst_indices.iter()).map(|(&s, &d)| [s.max(-1) as i32, d.max(-1) as i32]).collect();
-        let index_buf = inner.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
-            label: Some("hicache-io indices"),
-            contents: bytemuck::cast_slice(&pairs),
-            usage: wgpu::BufferUsages::STORAGE,
-        });
+        let index_buf = self.buffer_with("hicache-io indices", bytemuck::cast_slice(&pairs), wgpu::BufferUsages::STORAGE)?;
         let dispatches = self.dispatches(g, bufs, word, lanes_log2)?;
         // One Params record per dispatch, at the uniform offset alignment.
         let stride = (std::mem::size_of::<Params>() as u64).next_multiple_of(inner.limits.min_uniform_buffer_offset_alignment as u64);
@@ -69,11 +63,7 @@ impl WgpuExecutor {
             let at = i * stride as usize;
             params[at..at + std::mem::size_of::<Params>()].copy_from_slice(bytemuck::bytes_of(p));
         }
-        let param_buf = inner.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
-            label: Some("hicache-io params"),
-            contents: &params,
-            usage: wgpu::BufferUsages::UNIFORM,
-        });
+        let param_buf = self.buffer_with("hicache-io params", &params, wgpu::BufferUsages::UNIFORM)?;
         let sums = match (g.checksum, &bufs.integrity) {
             (Some(mode), Some(b)) => Some(self.sum_buffers(g, mode, b)?),
             _ => None,

@@ -68,7 +68,29 @@ impl WgpuExecutor {
     /// A zeroed pool buffer of `bytes` (rounded up to 4) with `usage`, in segments of `segment`
     /// bytes (the pool's choice, [`Capabilities::segment_bytes`]; one buffer when it covers the
     /// pool).
+    /// A buffer holding `contents` (rounded up to 4 bytes): `create_buffer_init` without its
+    /// panic when the device cannot map the new buffer (a lost device): an error instead.
+    pub(super) fn buffer_with(&self, label: &str, contents: &[u8], usage: wgpu::BufferUsages) -> Result<wgpu::Buffer> {
+        self.check_lost()?;
+        let size = (contents.len() as u64).max(4).next_multiple_of(4);
+        let buffer = self.inner.device.create_buffer(&wgpu::BufferDescriptor { label: Some(label), size, usage, mapped_at_creation: true });
+        let padded;
+        let data = if contents.len() as u64 == size {
+            contents
+        } else {
+            padded = [contents, &[0u8; 4][..(size as usize - contents.len())]].concat();
+            &padded
+        };
+        {
+            let mut view = buffer.get_mapped_range_mut(..).map_err(|e| self.lost_or(err(format!("{label}: {e}"))))?;
+            view.copy_from_slice(data);
+        }
+        buffer.unmap();
+        Ok(buffer)
+    }
+
     pub(super) fn alloc_with(&self, bytes: u64, segment: u64, usage: wgpu::BufferUsages) -> Result<WgpuBuffer> {
+        self.check_lost()?;
         let inner = &self.inner;
         let size = bytes.max(4).checked_next_multiple_of(4).ok_or_else(|| err("buffer size overflows"))?;
         let seg = if segment >= bytes { size } else { segment };

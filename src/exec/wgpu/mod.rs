@@ -51,7 +51,7 @@ use crate::exec::host::{host_memory_bytes, next_executor_id};
 use crate::exec::{AutoSlot, ExecutorKind, Stream, Ticket};
 
 use checksums::PendingSums;
-use copy::{copy_run, MANY_RUNS};
+use copy::{copy_run, DEFAULT_COPIES_PER_SUBMISSION, MANY_RUNS};
 use gather::{bgl_entry, shader_source, GATHER_MAX_TRIPS};
 pub use memory::{WgpuBuffer, REQUIRED_USAGES};
 use options::{backends, int64_wanted};
@@ -96,6 +96,8 @@ struct Inner {
     /// lavapipe, where one SIMD lane per item measured about 2× faster (`HICACHE_WGPU_LANES`).
     max_lanes: u64,
     max_gather_items: u64,
+    /// Most buffer copies in one submission ([`WgpuOptions::max_copies_per_submission`]).
+    max_copies: usize,
     /// Host pools are allocated mappable (host-visible); their CPU reads and writes map them.
     mapped_host: bool,
     lost: Arc<Mutex<Option<String>>>,
@@ -128,14 +130,21 @@ pub struct WgpuExecutor {
 /// Transfers up to one ticket of a wgpu executor's submit thread.
 pub(crate) struct WgpuTicket {
     exec: WgpuExecutor,
+    /// The newest submission when the ticket was made: waiting for it waits for the plan.
     ticket: u64,
+    /// The plan's own submissions: any that failed fails the ticket, not only the last.
+    own: Arc<[u64]>,
 }
 
 impl Ticket for WgpuTicket {
     fn wait(&self) -> Result<()> {
-        self.exec.wait_for(self.ticket)
+        self.exec.wait_for(self.ticket).and_then(|_| self.exec.inner.submitter.first_failure(&self.own)).map_err(|e| self.exec.lost_or(e))
     }
     fn is_done(&self) -> Result<bool> {
-        self.exec.is_done(self.ticket)
+        let done = self.exec.is_done(self.ticket)?;
+        if done {
+            self.exec.inner.submitter.first_failure(&self.own)?;
+        }
+        Ok(done)
     }
 }

@@ -61,7 +61,7 @@ impl WgpuExecutor {
         let lost = Arc::new(Mutex::new(None));
         let lost2 = lost.clone();
         device.set_device_lost_callback(move |reason, msg| {
-            *lost2.lock().unwrap() = Some(format!("device lost ({reason:?}): {msg}"));
+            *lost2.lock().unwrap_or_else(|e| e.into_inner()) = Some(format!("{reason:?}: {msg}"));
         });
         // Errors are caught with error scopes; never let a stray one panic the process.
         device.on_uncaptured_error(Arc::new(|e: wgpu::Error| log::error!("wgpu uncaptured error: {e}")));
@@ -169,6 +169,7 @@ impl WgpuExecutor {
                 max_segment,
                 max_lanes,
                 max_gather_items,
+                max_copies: opts.max_copies_per_submission.unwrap_or(DEFAULT_COPIES_PER_SUBMISSION).clamp(1, 1 << 24) as usize,
                 mapped_host,
                 lost,
                 id: next_executor_id(),

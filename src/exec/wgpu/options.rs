@@ -9,6 +9,10 @@ pub struct WgpuOptions {
     /// Most index pairs per gather step (default: what one index binding and one dispatch
     /// hold). Tests set it tiny so that calls are split.
     pub max_gather_items: Option<u64>,
+    /// Most buffer copies (`direct` runs) in one queue submission (default 65,536): a larger
+    /// step is submitted in parts, each waiting for the one before, so that the memory the
+    /// queue holds is bounded by a part, not by the call. Tests set it tiny.
+    pub max_copies_per_submission: Option<u64>,
     /// Largest buffer per pool segment (default: the adapter's largest buffer). Tests set it
     /// tiny so that every segment edge is crossed.
     pub max_segment: Option<u64>,

@@ -4,7 +4,8 @@
 use std::sync::{Arc, Mutex};
 
 use super::*;
-use crate::error::Result;
+use crate::error::{Result, TransferError};
+use crate::exec::fault;
 
 /// The submit thread's state: tickets given and submitted, and their submission indices.
 #[derive(Default)]
@@ -67,6 +68,12 @@ pub(super) struct SubmitState {
     pub(super) failed: std::collections::BTreeMap<u64, String>,
 }
 
+thread_local! {
+    /// The tickets of the asynchronous plan this thread is issuing (its steps and its
+    /// completion run on one thread): its completion checks each for a failed submission.
+    pub(super) static PLAN_TICKETS: std::cell::RefCell<Option<Vec<u64>>> = const { std::cell::RefCell::new(None) };
+}
+
 impl Submitter {
     pub(super) fn lock(&self) -> std::sync::MutexGuard<'_, SubmitState> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
@@ -92,6 +99,14 @@ impl Submitter {
         }
         Ok(st.indices.get(&t).cloned())
     }
+    /// The first of tickets `ts` whose submission failed, as an error (waits until each is
+    /// submitted; tickets too old to be remembered pass).
+    pub(super) fn first_failure(&self, ts: &[u64]) -> Result<()> {
+        for &t in ts {
+            self.index_of(t)?;
+        }
+        Ok(())
+    }
     fn is_submitted(&self, t: u64) -> bool {
         self.lock().submitted >= t
     }
@@ -103,12 +118,12 @@ impl Submitter {
 pub(super) fn submit_with(
     queue: &wgpu::Queue,
     pending: &Mutex<PendingQueue>,
-    cb: wgpu::CommandBuffer,
+    cb: Option<wgpu::CommandBuffer>,
     sums: Vec<PendingSums>,
     errors: impl FnOnce() -> Option<String>,
 ) -> (Submitted, Option<String>) {
     let mut q = pending.lock().unwrap_or_else(|e| e.into_inner());
-    let index = queue.submit([cb]);
+    let index = queue.submit(cb);
     q.submissions += 1;
     let (seq, completed) = (q.submissions, q.completed.clone());
     queue.on_submitted_work_done(move || {
@@ -128,11 +143,23 @@ pub(super) fn submit_with(
 }
 
 impl WgpuExecutor {
-    fn check_lost(&self) -> Result<()> {
-        match self.inner.lost.lock().unwrap().clone() {
-            Some(m) => Err(err(m)),
+    /// [`TransferError::DeviceLost`] once the device is lost (the callback said so), for good.
+    pub(super) fn check_lost(&self) -> Result<()> {
+        match self.inner.lost.lock().unwrap_or_else(|e| e.into_inner()).clone() {
+            Some(cause) => Err(TransferError::DeviceLost { backend: "wgpu", cause }),
             None => Ok(()),
         }
+    }
+
+    /// `e`, or [`TransferError::DeviceLost`] when the device turns out to be lost: a failure
+    /// after a loss (an invalid buffer, a failed map) is reported as the loss, once a poll has
+    /// run the device-lost callback that wgpu may still hold.
+    pub(super) fn lost_or(&self, e: TransferError) -> TransferError {
+        if matches!(e, TransferError::DeviceLost { .. }) {
+            return e;
+        }
+        let _ = self.inner.device.poll(wgpu::PollType::Poll);
+        self.check_lost().err().unwrap_or(e)
     }
 
     /// Waits for everything submitted so far, checksums settled.
@@ -148,8 +175,18 @@ impl WgpuExecutor {
     pub(super) fn wait_index(&self, index: Option<wgpu::SubmissionIndex>) -> Result<()> {
         let waited = self.inner.device.poll(wgpu::PollType::Wait { submission_index: index, timeout: Some(WAIT) });
         self.settle();
-        waited.map_err(|e| err(format!("waiting for the queue: {e}")))?;
-        self.check_lost()
+        // A wait that failed because the device was lost says so.
+        self.check_lost()?;
+        waited.map(|_| ()).map_err(|e| err(format!("waiting for the queue: {e}")))
+    }
+
+    /// Waits for the part of a step submitted last by this thread: its ticket on the submit
+    /// thread (`later`), else everything submitted.
+    pub(super) fn wait_previous_part(&self, later: bool) -> Result<()> {
+        match PLAN_TICKETS.with_borrow(|p| p.as_ref().and_then(|v| v.last().copied())) {
+            Some(t) if later => self.wait_for(t),
+            _ => self.wait(),
+        }
     }
 
     /// Waits for the transfers up to ticket `t` of the submit thread, checksums settled.
@@ -217,6 +254,7 @@ impl WgpuExecutor {
             let device = self.inner.device.clone();
             let map_lock = self.inner.map_lock.clone();
             let shared = Arc::downgrade(sub);
+            let id = self.inner.id;
             let handle = std::thread::Builder::new()
                 .name("hicache-io wgpu submit".into())
                 .spawn(move || {
@@ -226,10 +264,11 @@ impl WgpuExecutor {
                         // waiters get it as an error. A panic inside wgpu must not leave them
                         // hanging either.
                         let mut scopes = Scopes::push(&device);
-                        let mut pop = || scopes.pop();
+                        let injected = fault::fires(id, fault::At::Submission);
+                        let mut pop = || scopes.pop().or_else(|| injected.then(|| "injected submission fault".to_string()));
                         let index = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                             let _no_mapping = map_lock.read().unwrap_or_else(|e| e.into_inner());
-                            submit_with(&queue, &pending, cb, sums, &mut pop)
+                            submit_with(&queue, &pending, (!injected).then_some(cb), sums, &mut pop)
                         }));
                         // A panic before the scope was popped: pop it now.
                         let late = pop();
@@ -312,10 +351,10 @@ impl WgpuExecutor {
             let cb = enc.finish();
             if later {
                 // The submit thread's own scope catches what its submission reports.
-                handed = self.submit_later(cb, sums).map(|_| ());
+                handed = self.submit_later(cb, sums).map(|t| PLAN_TICKETS.with_borrow_mut(|p| p.as_mut().map(|p| p.push(t))).unwrap_or(()));
             } else {
                 let _no_mapping = self.inner.map_lock.read().unwrap_or_else(|e| e.into_inner());
-                error = submit_with(&self.inner.queue, &self.inner.pending, cb, sums, &mut pop).1;
+                error = submit_with(&self.inner.queue, &self.inner.pending, Some(cb), sums, &mut pop).1;
             }
         }
         let error = error.or_else(&mut pop);
