@@ -11,6 +11,8 @@ class Device:
     @property
     def name(self) -> str: ...
     def describe(self) -> str: ...
+    def _lose(self) -> None:
+        """Test support: destroys a wgpu device as a driver reset would."""
 
 class DevicePool:
     """A layer_first device pool of ``kind`` (``"mha"``, ``"mla"``, ``"dsa"``): one buffer of

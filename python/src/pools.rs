@@ -40,6 +40,17 @@ impl PyDevice {
     pub(crate) fn __repr__(&self) -> String {
         format!("Device({:?}: {})", self.inner.name(), self.inner.describe())
     }
+    /// Test support: destroys a wgpu executor's device, as a driver reset or an unplugged GPU
+    /// would lose it; every later call on it and its pools raises `DeviceLostError`.
+    pub(crate) fn _lose(&self) -> PyResult<()> {
+        match &self.inner {
+            Device::Wgpu(w) => {
+                w.device().destroy();
+                Ok(())
+            }
+            _ => Err(pyo3::exceptions::PyValueError::new_err("only a wgpu device can be lost on purpose")),
+        }
+    }
 }
 
 /// Bytes out as a writable 1-D numpy array of `dtype` (over a `bytearray`: one copy in all).

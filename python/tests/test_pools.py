@@ -176,7 +176,7 @@ def test_pools_shared_by_threads(executor):
     import threading
 
     dev = device(executor)
-    slots, rounds = 64, 300
+    slots, rounds = 64, 1000
     dpool = DevicePool(dev, "mha", ITEM, slots, PAGE, LAYERS)
     hpool = HostPool(dpool, "page_first", slots - PAGE, profile="extended")
     rng = np.random.default_rng(21)
@@ -250,3 +250,37 @@ def test_pools_shared_by_threads(executor):
             want = dev0[c][layer].reshape(slots, ITEM).copy()
             want[loads_d] = host_view(host0[c], "page_first", hpool.size)[loads_h, layer]
             assert np.array_equal(got, want), f"device component {c} layer {layer}"
+
+
+@pytest.mark.skipif("wgpu" not in EXECUTORS, reason="no wgpu adapter here")
+def test_a_lost_device_raises_device_lost_and_a_new_one_works():
+    """A wgpu device lost under its pools (destroyed here, as a driver reset would): every call
+    on it and its pools raises DeviceLostError, a RuntimeError, again and again; a new Device on
+    the same adapter moves the right bytes."""
+    from hicache_io import DeviceLostError
+
+    def pair(dev):
+        dpool = DevicePool(dev, "mla", ITEM, 32, PAGE, LAYERS)
+        for s in range(LAYERS):
+            dpool.write_buffer(0, s, np.full(32 * ITEM, s + 1, np.uint8).tobytes())
+        return dpool, HostPool(dpool, "layer_first", 32, profile="extended")
+
+    idx = np.arange(0, 8, dtype=np.int64)
+    lost = Device("wgpu")
+    dpool, hpool = pair(lost)
+    hpool.backup_from_device_all_layer(dpool, idx, idx)
+    lost._lose()
+    for _ in range(2):
+        with pytest.raises(DeviceLostError, match="device lost"):
+            hpool.backup_from_device_all_layer(dpool, idx, idx)
+        with pytest.raises(DeviceLostError):
+            hpool.load_to_device_per_layer(dpool, idx, idx, 1)
+        with pytest.raises(DeviceLostError):
+            dpool.read_buffer(0, 0)
+        with pytest.raises(RuntimeError):
+            DevicePool(lost, "mla", ITEM, 32, PAGE, LAYERS)
+    dpool, hpool = pair(Device("wgpu"))
+    hpool.backup_from_device_all_layer(dpool, idx, idx)
+    host = np.asarray(hpool.read_buffer(0), np.uint8).reshape(LAYERS, -1, ITEM)
+    for s in range(LAYERS):
+        assert (host[s, :8] == s + 1).all() and not host[s, 8:].any(), f"layer {s}"
