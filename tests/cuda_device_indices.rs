@@ -209,15 +209,23 @@ fn tensors_are_classified_by_the_driver() {
     assert!(e.to_string().contains("not memory the CUDA driver knows"), "{e}");
 }
 
+const LAYERS: usize = 3;
+
+/// An all-layer MLA load's memory: a pinned host buffer of `pattern(seed)` (layer_first, one
+/// slot per row) read as every layer's source, and `LAYERS` zeroed device layers; then the
+/// source and destination tensors.
+fn all_layer_load(seed: u8) -> (Mem, Vec<Mem>, Vec<RawTensor>, Vec<RawTensor>) {
+    let host = Mem::pinned(&pattern(seed));
+    let layers: Vec<Mem> = (0..LAYERS).map(|_| Mem::device(&vec![0u8; BYTES])).collect();
+    let srcs: Vec<RawTensor> = (0..LAYERS).map(|_| host.tensor(SLOTS)).collect();
+    let tensors: Vec<RawTensor> = layers.iter().map(|m| m.tensor(SLOTS)).collect();
+    (host, layers, srcs, tensors)
+}
+
 #[test]
 fn the_layers_of_an_all_layer_op_share_one_check_all_or_none() {
     let Some((device, exec)) = setup() else { return };
-    const LAYERS: usize = 3;
-    let host = Mem::pinned(&pattern(11));
-    let layers: Vec<Mem> = (0..LAYERS).map(|_| Mem::device(&vec![0u8; BYTES])).collect();
-    let tensors: Vec<RawTensor> = layers.iter().map(|m| m.tensor(SLOTS)).collect();
-    // Host (layer_first, one slot per row of the pinned buffer) → every device layer.
-    let srcs: Vec<RawTensor> = (0..LAYERS).map(|_| host.tensor(SLOTS)).collect();
+    let (host, layers, srcs, tensors) = all_layer_load(11);
     let (h, d) = (vec![0i64, 1, 2], vec![8i64, 9, 8]);
     let want = kv::transfer_kv_all_layer_mla(&device, &srcs, &tensors, &h, &d, ITEM as i64, LAYERS as i64).unwrap_err().to_string();
     let (hm, dm) = (Mem::indices(&h), Mem::indices(&d));
@@ -246,11 +254,7 @@ fn the_layers_of_an_all_layer_op_share_one_check_all_or_none() {
 #[test]
 fn a_partial_failure_under_a_failed_device_check_names_no_completed_layer() {
     let Some((device, exec)) = setup() else { return };
-    const LAYERS: usize = 3;
-    let host = Mem::pinned(&pattern(12));
-    let layers: Vec<Mem> = (0..LAYERS).map(|_| Mem::device(&vec![0u8; BYTES])).collect();
-    let tensors: Vec<RawTensor> = layers.iter().map(|m| m.tensor(SLOTS)).collect();
-    let srcs: Vec<RawTensor> = (0..LAYERS).map(|_| host.tensor(SLOTS)).collect();
+    let (_host, layers, srcs, tensors) = all_layer_load(12);
     let (h, d) = (Mem::indices(&[0, 1, 2]), Mem::indices(&[8, 9, 8]));
     device.inject_fault(1);
     match kv::transfer_kv_all_layer_mla(&device, &srcs, &tensors, h.list(), d.list(), ITEM as i64, LAYERS as i64) {

@@ -505,7 +505,8 @@ class MooncakeStore(HiCacheStorage):
                 staging = np.zeros(STORAGE_BATCH_SIZE * lay.comps * lay.obj_bytes, np.uint8)
                 regions = [(staging.ctypes.data, staging.nbytes)]
             namespace = self._namespace_of(mem_pool_host, lay)
-            digest = hashlib.blake2b(json.dumps(namespace, sort_keys=True).encode(), digest_size=6).hexdigest()
+            record = json.dumps(namespace, sort_keys=True).encode()
+            digest = hashlib.blake2b(record, digest_size=6).hexdigest()
             descriptor = self._shard_descriptor(mem_pool_host) if ours else None
             if descriptor is not None:
                 descriptor += f"-n{digest}"
@@ -530,7 +531,7 @@ class MooncakeStore(HiCacheStorage):
             self._descriptor, self._trailers = descriptor, trailers
             self.namespace, self._foreign = namespace, False
             if descriptor is None and self._namespace_record:
-                self._foreign = not self._claim_namespace(namespace)
+                self._foreign = not self._claim_namespace(record)
 
     def _namespace_of(self, pool: Any, lay: Any) -> Dict[str, Any]:
         """What the registered pool's page bytes mean (see the module docstring)."""
@@ -549,13 +550,13 @@ class MooncakeStore(HiCacheStorage):
             "namespace": extra.get("hicache_io_namespace"),
         }
 
-    def _claim_namespace(self, namespace: Dict[str, Any]) -> bool:
-        """Whether the sglang-named objects under this prefix and rank are this namespace's: the
-        sidecar record says so, or there was none and this store wrote it."""
+    def _claim_namespace(self, record: bytes) -> bool:
+        """Whether the sglang-named objects under this prefix and rank belong to the namespace
+        ``record`` (its JSON): the sidecar record says so, or there was none and this store
+        wrote it."""
         prefix = f"{self.key_prefix}_" if self.key_prefix else ""
         rank = self.mha_suffix if self._layout.kind == "mha" else self.mla_suffix
         key = f"{prefix}hio-namespace_{rank}"
-        record = json.dumps(namespace, sort_keys=True).encode()
         found = self.store.get(key)
         if not found:
             if self.store.put(key, record) == 0:
@@ -568,6 +569,7 @@ class MooncakeStore(HiCacheStorage):
             key, bytes(found or b"").decode(errors="replace"), record.decode(),
         )
         return False
+
     def unregister_mem_pool_host(self) -> None:
         """Unregisters the pool's memory and lets the pool go (waits for a call in progress)."""
         with self._lock:

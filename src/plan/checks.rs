@@ -163,7 +163,8 @@ pub(super) fn check_padded_windows(host: &HostGeometry, dev: &DeviceGeometry, ca
         if pad.page_bytes.is_multiple_of(chunk) && pad.offset.is_multiple_of(chunk) {
             continue;
         }
-        // The smallest window either of the gather's words gets (allocations round up to 16).
+        // The smallest window either of the gather's words gets, against the buffer rounded up
+        // to 16 bytes (allocations round to 4: this errs on the side of refusing).
         let granule = lcm(caps.window_granule(chunk), 16);
         let limit = (caps.max_binding / granule * granule).min(caps.max_segment);
         if bytes.next_multiple_of(16) > limit {

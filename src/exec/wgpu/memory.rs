@@ -65,9 +65,6 @@ pub const REQUIRED_USAGES: wgpu::BufferUsages =
     wgpu::BufferUsages::STORAGE.union(wgpu::BufferUsages::COPY_SRC).union(wgpu::BufferUsages::COPY_DST);
 
 impl WgpuExecutor {
-    /// A zeroed pool buffer of `bytes` (rounded up to 4) with `usage`, in segments of `segment`
-    /// bytes (the pool's choice, [`Capabilities::segment_bytes`]; one buffer when it covers the
-    /// pool).
     /// A buffer holding `contents` (rounded up to 4 bytes): `create_buffer_init` without its
     /// panic when the device cannot map the new buffer (a lost device): an error instead.
     pub(super) fn buffer_with(&self, label: &str, contents: &[u8], usage: wgpu::BufferUsages) -> Result<wgpu::Buffer> {
@@ -89,6 +86,9 @@ impl WgpuExecutor {
         Ok(buffer)
     }
 
+    /// A zeroed pool buffer of `bytes` (rounded up to 4) with `usage`, in segments of `segment`
+    /// bytes (the pool's choice, [`Capabilities::segment_bytes`]; one buffer when it covers the
+    /// pool).
     pub(super) fn alloc_with(&self, bytes: u64, segment: u64, usage: wgpu::BufferUsages) -> Result<WgpuBuffer> {
         self.check_lost()?;
         let inner = &self.inner;

@@ -130,7 +130,8 @@ pub struct WgpuExecutor {
 /// Transfers up to one ticket of a wgpu executor's submit thread.
 pub(crate) struct WgpuTicket {
     exec: WgpuExecutor,
-    /// The newest submission when the ticket was made: waiting for it waits for the plan.
+    /// The plan's last submission (or, for a plan with none of its own, the newest one when the
+    /// ticket was made): waiting for it waits for the plan.
     ticket: u64,
     /// The plan's own submissions: any that failed fails the ticket, not only the last.
     own: Arc<[u64]>,

@@ -351,7 +351,13 @@ impl WgpuExecutor {
             let cb = enc.finish();
             if later {
                 // The submit thread's own scope catches what its submission reports.
-                handed = self.submit_later(cb, sums).map(|t| PLAN_TICKETS.with_borrow_mut(|p| p.as_mut().map(|p| p.push(t))).unwrap_or(()));
+                handed = self.submit_later(cb, sums).map(|t| {
+                    PLAN_TICKETS.with_borrow_mut(|p| {
+                        if let Some(p) = p {
+                            p.push(t)
+                        }
+                    })
+                });
             } else {
                 let _no_mapping = self.inner.map_lock.read().unwrap_or_else(|e| e.into_inner());
                 error = submit_with(&self.inner.queue, &self.inner.pending, Some(cb), sums, &mut pop).1;
