@@ -71,7 +71,9 @@ pub use exec::BackendKind;
 pub use exec::{Completion, Device, ExecutorKind};
 pub use geometry::{IoBackend, LayerMap, Layout, PoolKind, Profile};
 pub use plan::{Capabilities, Op, Plan, Request};
-pub use pool::{DevicePool, DevicePoolConfig, HostPool, HostPoolConfig, LayerLoads, Pipeline, Ticket, Transfer};
+pub use pool::{
+    DevicePool, DevicePoolConfig, Hold, HostPool, HostPoolConfig, LayerLoads, Pipeline, SharedDevicePool, SharedHostPool, Ticket, Transfer,
+};
 
 /// The README's Rust examples compile and run as doctests.
 #[cfg(doctest)]

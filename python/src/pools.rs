@@ -2,10 +2,10 @@
 
 use pyo3::prelude::*;
 
-use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
-
 use hicache_io::geometry::{DeviceGeometry, PoolPair};
-use hicache_io::{Device, DevicePool, DevicePoolConfig, HostPool, HostPoolConfig, IoBackend, LayerMap, Profile, TransferError};
+use hicache_io::{
+    Device, DevicePool, DevicePoolConfig, HostPoolConfig, IoBackend, LayerMap, Profile, SharedDevicePool, SharedHostPool, TransferError,
+};
 
 use crate::*;
 
@@ -77,23 +77,13 @@ pub(crate) fn parse<T: std::str::FromStr<Err = TransferError>>(s: &str) -> PyRes
 
 /// A device pool (layer_first, one buffer per live layer and component), zero-initialised.
 ///
-/// Shared by threads as sglang's cache controller shares it: every call takes the pool's lock
-/// with the GIL released (loads write it, backups and reads only read it), so calls from
-/// several threads wait for each other instead of failing, and none sees another half done.
+/// Shared by threads as sglang's cache controller shares it (see [`SharedDevicePool`]): every
+/// call runs with the GIL released and waits only for calls in flight that touch the same
+/// layers and pages, one of them writing.
 #[pyclass(name = "DevicePool", module = "hicache_io", frozen)]
 pub(crate) struct PyDevicePool {
-    inner: RwLock<DevicePool<'static>>,
+    inner: SharedDevicePool,
     geometry: DeviceGeometry,
-}
-
-/// A lock's guard; a lock poisoned by a panic in another call is still usable (every call
-/// validates before it moves anything, and a failed one leaves the pool as the error says).
-fn read<T>(l: &RwLock<T>) -> RwLockReadGuard<'_, T> {
-    l.read().unwrap_or_else(|e| e.into_inner())
-}
-
-fn write<T>(l: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
-    l.write().unwrap_or_else(|e| e.into_inner())
 }
 
 #[pymethods]
@@ -116,7 +106,7 @@ impl PyDevicePool {
         let config = DevicePoolConfig { kind: parse(kind)?, bytes_per_token, slots, page_size, layers };
         let dev = device.inner.clone();
         let pool = py.detach(|| DevicePool::new(&dev, &config)).py()?;
-        Ok(PyDevicePool { geometry: pool.geometry().clone(), inner: RwLock::new(pool) })
+        Ok(PyDevicePool { geometry: pool.geometry().clone(), inner: SharedDevicePool::new(pool) })
     }
     /// Bytes per slot (the indexer page for the DSA indexer).
     #[getter]
@@ -135,24 +125,24 @@ impl PyDevicePool {
     }
     /// A copy of buffer `slot` of component `comp`, as a `numpy.uint8` array.
     pub(crate) fn read_buffer<'py>(&self, py: Python<'py>, comp: usize, slot: usize) -> PyResult<Bound<'py, PyAny>> {
-        let v = py.detach(|| read(&self.inner).read_buffer(comp, slot)).py()?;
+        let v = py.detach(|| self.inner.read_buffer(comp, slot)).py()?;
         u8_array(py, &v)
     }
     /// Replaces buffer `slot` of component `comp` (exactly its size, any bytes-like object).
     pub(crate) fn write_buffer(&self, py: Python<'_>, comp: usize, slot: usize, data: &Bound<'_, PyAny>) -> PyResult<()> {
         let data = data_arg(data, "data")?;
-        py.detach(|| write(&self.inner).write_buffer(comp, slot, &data)).py()
+        py.detach(|| self.inner.write_buffer(comp, slot, &data)).py()
     }
 }
 
 /// A host pool in one of sglang's layouts, for a device pool.
 ///
-/// Shared by threads like [`PyDevicePool`]: backups and page writes hold its lock for writing,
-/// loads and page reads for reading. A call that needs both pools takes the device pool's lock
-/// first, so two calls never wait for each other in a cycle.
+/// Shared by threads like [`PyDevicePool`] (see [`SharedHostPool`]): a backup waits for a load
+/// only where they touch the same layers and pages, page reads and writes for the calls on
+/// their pages.
 #[pyclass(name = "HostPool", module = "hicache_io", frozen)]
 pub(crate) struct PyHostPool {
-    inner: RwLock<HostPool<'static>>,
+    inner: SharedHostPool,
     pair: PoolPair,
     device: Device,
 }
@@ -181,8 +171,8 @@ impl PyHostPool {
         integrity: Option<bool>,
     ) -> PyResult<Self> {
         let config = HostPoolConfig { layout: parse(layout)?, size, head_num, profile: parse::<Profile>(profile)?, integrity };
-        let pool = py.detach(|| HostPool::new(&read(&device_pool.inner), &config)).py()?;
-        Ok(PyHostPool { pair: pool.pair().clone(), device: pool.device().clone(), inner: RwLock::new(pool) })
+        let pool = py.detach(|| SharedHostPool::new(&device_pool.inner, &config)).py()?;
+        Ok(PyHostPool { pair: pool.pair().clone(), device: pool.device().clone(), inner: pool })
     }
     #[pyo3(signature = (device_pool, host_indices, device_indices, layer_id, io_backend = "kernel"))]
     pub(crate) fn load_to_device_per_layer(
@@ -195,11 +185,7 @@ impl PyHostPool {
         io_backend: &str,
     ) -> PyResult<()> {
         let (hi, di, io) = pool_args(host_indices, device_indices, io_backend)?;
-        py.detach(|| {
-            let mut dev = write(&device_pool.inner);
-            read(&self.inner).load_to_device_per_layer(&mut dev, &hi, &di, layer_id, io)
-        })
-        .py()
+        py.detach(|| self.inner.load_to_device_per_layer(&device_pool.inner, &hi, &di, layer_id, io)).py()
     }
     #[pyo3(signature = (device_pool, host_indices, device_indices, layer_id, io_backend = "kernel"))]
     pub(crate) fn load_draft_to_device(
@@ -212,11 +198,7 @@ impl PyHostPool {
         io_backend: &str,
     ) -> PyResult<()> {
         let (hi, di, io) = pool_args(host_indices, device_indices, io_backend)?;
-        py.detach(|| {
-            let mut dev = write(&device_pool.inner);
-            read(&self.inner).load_draft_to_device(&mut dev, &hi, &di, layer_id, io)
-        })
-        .py()
+        py.detach(|| self.inner.load_draft_to_device(&device_pool.inner, &hi, &di, layer_id, io)).py()
     }
     #[pyo3(signature = (device_pool, host_indices, device_indices, io_backend = "kernel"))]
     pub(crate) fn backup_from_device_all_layer(
@@ -228,11 +210,7 @@ impl PyHostPool {
         io_backend: &str,
     ) -> PyResult<()> {
         let (hi, di, io) = pool_args(host_indices, device_indices, io_backend)?;
-        py.detach(|| {
-            let dev = read(&device_pool.inner);
-            write(&self.inner).backup_from_device_all_layer(&dev, &hi, &di, io)
-        })
-        .py()
+        py.detach(|| self.inner.backup_from_device_all_layer(&device_pool.inner, &hi, &di, io)).py()
     }
     #[pyo3(signature = (device_pool, host_indices, device_indices, layer_id, io_backend = "kernel", is_draft = false))]
     pub(crate) fn backup_from_device_per_layer(
@@ -246,41 +224,50 @@ impl PyHostPool {
         is_draft: bool,
     ) -> PyResult<()> {
         let (hi, di, io) = pool_args(host_indices, device_indices, io_backend)?;
-        py.detach(|| {
-            let dev = read(&device_pool.inner);
-            write(&self.inner).backup_from_device_per_layer(&dev, &hi, &di, layer_id, is_draft, io)
-        })
-        .py()
+        py.detach(|| self.inner.backup_from_device_per_layer(&device_pool.inner, &hi, &di, layer_id, is_draft, io)).py()
     }
     /// sglang `get_data_page(index, flat=True)`: the flat page, a `numpy.uint8` array.
     pub(crate) fn get_data_page<'py>(&self, py: Python<'py>, index: i64) -> PyResult<Bound<'py, PyAny>> {
-        let v = py.detach(|| read(&self.inner).get_data_page(index)).py()?;
+        let v = py.detach(|| self.inner.get_data_page(index)).py()?;
         u8_array(py, &v)
     }
     /// sglang `get_dummy_flat_data_page()`: zeros of one flat page.
     pub(crate) fn get_dummy_flat_data_page<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        let v = py.detach(|| read(&self.inner).get_dummy_flat_data_page()).py()?;
+        let v = py.detach(|| self.inner.get_dummy_flat_data_page()).py()?;
         u8_array(py, &v)
     }
     /// sglang `set_from_flat_data_page(index, data_page)`.
     pub(crate) fn set_from_flat_data_page(&self, py: Python<'_>, index: i64, data_page: &Bound<'_, PyAny>) -> PyResult<()> {
         let data_page = data_arg(data_page, "data_page")?;
-        py.detach(|| write(&self.inner).set_from_flat_data_page(index, &data_page)).py()
+        py.detach(|| self.inner.set_from_flat_data_page(index, &data_page)).py()
     }
     /// sglang `get_page_buffer_meta(indices)`: `(component, byte offset, bytes)` per span.
     pub(crate) fn get_page_buffer_meta(&self, py: Python<'_>, indices: &Bound<'_, PyAny>) -> PyResult<Vec<(usize, u64, u64)>> {
         let idx = index_list(indices, "Host", Ctx { stream: None })?;
-        py.detach(|| read(&self.inner).get_page_buffer_meta(&idx)).py()
+        py.detach(|| self.inner.get_page_buffer_meta(&idx)).py()
+    }
+    /// Test support: holds the pages starting at host tokens `indices` (every layer; `write`: as
+    /// a backup would) while `callback()` runs, so a test can show which calls wait for them.
+    pub(crate) fn _while_held<'py>(
+        &self,
+        py: Python<'py>,
+        indices: &Bound<'_, PyAny>,
+        write: bool,
+        callback: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let idx = index_list(indices, "Host", Ctx { stream: None })?;
+        let _hold = py.detach(|| self.inner.hold_pages(&idx, write));
+        callback.call0()
     }
     /// A copy of component `comp`'s buffer, as a `numpy.uint8` array.
     pub(crate) fn read_buffer<'py>(&self, py: Python<'py>, comp: usize) -> PyResult<Bound<'py, PyAny>> {
-        let v = py.detach(|| read(&self.inner).read_buffer(comp)).py()?;
+        let v = py.detach(|| self.inner.read_buffer(comp)).py()?;
         u8_array(py, &v)
     }
     /// Replaces component `comp`'s buffer (exactly its size).
     pub(crate) fn write_buffer(&self, py: Python<'_>, comp: usize, data: &Bound<'_, PyAny>) -> PyResult<()> {
         let data = data_arg(data, "data")?;
-        py.detach(|| write(&self.inner).write_buffer(comp, &data)).py()
+        py.detach(|| self.inner.write_buffer(comp, &data)).py()
     }
     /// Bytes of one component buffer.
     #[getter]
@@ -343,40 +330,39 @@ impl PyHostPool {
     /// `(address, bytes)` of component `comp`'s buffer in this process, or `None` when the
     /// executor keeps host pools in its own buffers (wgpu). Valid while the pool lives; call
     /// `synchronize()` before touching it.
-    pub(crate) fn host_span(&self, py: Python<'_>, comp: usize) -> PyResult<Option<(u64, u64)>> {
-        // Waiting for a transfer's lock without the GIL lets other Python threads run.
-        py.detach(|| read(&self.inner).host_span(comp)).py()
+    pub(crate) fn host_span(&self, comp: usize) -> PyResult<Option<(u64, u64)>> {
+        self.inner.host_span(comp).py()
     }
     /// The integrity checksum of each span `get_page_buffer_meta(indices)` names (per page, K then
     /// V), as a `numpy.uint64` array; keys seeded by `seed` (the storage seed by default).
     #[pyo3(signature = (indices, seed = hicache_io::integrity::STORAGE_SEED))]
     pub(crate) fn object_checksums<'py>(&self, py: Python<'py>, indices: &Bound<'_, PyAny>, seed: u64) -> PyResult<Bound<'py, PyAny>> {
         let idx = index_list(indices, "Host", Ctx { stream: None })?;
-        let sums = py.detach(|| read(&self.inner).object_checksums(&idx, seed)).py()?;
+        let sums = py.detach(|| self.inner.object_checksums(&idx, seed)).py()?;
         u64_array(py, sums)
     }
     /// Per page of `indices` (first tokens at `indices[0], indices[P], …`): whether its bytes
     /// still match every item checksum the pool recorded for it (`True` where it has none).
     pub(crate) fn pages_intact(&self, py: Python<'_>, indices: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
         let idx = index_list(indices, "Host", Ctx { stream: None })?;
-        py.detach(|| read(&self.inner).pages_intact(&idx)).py()
+        py.detach(|| self.inner.pages_intact(&idx)).py()
     }
     /// Whether the pool keeps item checksums (recorded by backups, verified by loads).
     #[getter]
     pub(crate) fn integrity(&self, py: Python<'_>) -> bool {
-        py.detach(|| read(&self.inner).integrity_enabled())
+        py.detach(|| self.inner.integrity_enabled())
     }
     /// `{"recorded", "verified", "unverified", "mismatched"}` item counts, `None` without
     /// checksums.
     pub(crate) fn integrity_stats(&self, py: Python<'_>) -> Option<std::collections::BTreeMap<&'static str, u64>> {
-        py.detach(|| read(&self.inner).integrity_stats()).map(|s| {
+        py.detach(|| self.inner.integrity_stats()).map(|s| {
             [("recorded", s.recorded), ("verified", s.verified), ("unverified", s.unverified), ("mismatched", s.mismatched)].into()
         })
     }
     /// The recorded checksums of the page starting at token `index` (component, layer, slot;
     /// `None` where unknown); empty without checksums.
     pub(crate) fn page_checksums(&self, py: Python<'_>, index: i64) -> PyResult<Vec<Option<u64>>> {
-        py.detach(|| read(&self.inner).page_checksums(index)).py()
+        py.detach(|| self.inner.page_checksums(index)).py()
     }
     /// `set_from_flat_data_page` verified against the page's carried checksums.
     pub(crate) fn set_from_flat_data_page_checked(
@@ -387,30 +373,22 @@ impl PyHostPool {
         checksums: Vec<Option<u64>>,
     ) -> PyResult<()> {
         let data_page = data_arg(data_page, "data_page")?;
-        py.detach(|| write(&self.inner).set_from_flat_data_page_checked(index, &data_page, &checksums)).py()
+        py.detach(|| self.inner.set_from_flat_data_page_checked(index, &data_page, &checksums)).py()
     }
     /// Records the checksums of the pages starting at `indices` (token slots) from their bytes in
     /// host memory (written in place by a store that verified them).
     pub(crate) fn recompute_page_checksums(&self, py: Python<'_>, indices: Vec<i64>) -> PyResult<()> {
-        py.detach(|| {
-            let mut host = write(&self.inner);
-            indices.iter().try_for_each(|&i| host.recompute_page_checksums(i))
-        })
-        .py()
+        py.detach(|| self.inner.recompute_page_checksums(&indices)).py()
     }
     /// Forgets the checksums of the pages starting at `indices` (written in place, unverified).
     pub(crate) fn forget_page_checksums(&self, py: Python<'_>, indices: Vec<i64>) -> PyResult<()> {
-        py.detach(|| {
-            let mut host = write(&self.inner);
-            indices.iter().try_for_each(|&i| host.forget_page_checksums(i))
-        })
-        .py()
+        py.detach(|| self.inner.forget_page_checksums(&indices)).py()
     }
     /// Fault injection: writes `data` into component `comp` at byte `offset` without touching
     /// the checksums.
     pub(crate) fn inject_host_corruption(&self, py: Python<'_>, comp: usize, offset: u64, data: &Bound<'_, PyAny>) -> PyResult<()> {
         let data = data_arg(data, "data")?;
-        py.detach(|| write(&self.inner).inject_host_corruption(comp, offset, &data)).py()
+        py.detach(|| self.inner.inject_host_corruption(comp, offset, &data)).py()
     }
     /// Waits for every transfer queued on the pool's executor, then raises `IntegrityError` for
     /// the items of plain loads that failed their checksums since the last report (cuda: its

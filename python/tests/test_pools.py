@@ -252,6 +252,47 @@ def test_pools_shared_by_threads(executor):
             assert np.array_equal(got, want), f"device component {c} layer {layer}"
 
 
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_shared_pools_wait_only_for_the_pages_they_share(executor):
+    """While host page 0 is held as a load reads it, a backup into host page 2 and a load from
+    page 0 run at once; a backup into page 0 waits for the hold, then lands. (Under one lock
+    per pool, every one of them waited.)"""
+    import threading
+
+    dev = device(executor)
+    dpool = DevicePool(dev, "mha", ITEM, 32, PAGE, LAYERS)
+    hpool = HostPool(dpool, "page_first", 16, profile="extended")
+    for c in range(2):
+        for s in range(LAYERS):
+            dpool.write_buffer(c, s, bytes([1 + c + s]) * (32 * ITEM))
+    r = lambda a, b: np.arange(a, b, dtype=np.int64)  # noqa: E731
+    page0, page2 = r(0, PAGE), r(2 * PAGE, 3 * PAGE)
+
+    def started(body):
+        t = threading.Thread(target=body)
+        t.start()
+        return t
+
+    def while_held():
+        free = [
+            started(lambda: hpool.backup_from_device_all_layer(dpool, page2, r(8, 12), "kernel")),
+            started(lambda: hpool.load_to_device_per_layer(dpool, page0, r(20, 24), 1, "kernel")),
+        ]
+        for t in free:
+            t.join(timeout=20)
+            assert not t.is_alive(), "a call on other pages (or reading the held one) waited for the hold"
+        blocked = started(lambda: hpool.backup_from_device_all_layer(dpool, page0, r(4, 8), "kernel"))
+        blocked.join(timeout=0.3)
+        assert blocked.is_alive(), "a backup into the held page did not wait"
+        return blocked
+
+    blocked = hpool._while_held(page0, False, while_held)
+    blocked.join(timeout=20)
+    assert not blocked.is_alive()
+    host = host_view(hpool.read_buffer(1), "page_first", hpool.size)
+    assert (host[0:4, 2] == 2 + 2).all() and (host[8:12, 0] == 2).all()
+
+
 @pytest.mark.skipif("wgpu" not in EXECUTORS, reason="no wgpu adapter here")
 def test_a_lost_device_raises_device_lost_and_a_new_one_works():
     """A wgpu device lost under its pools (destroyed here, as a driver reset would): every call

@@ -53,3 +53,55 @@ pub(super) fn intersects<T: Ord>(a: &[T], b: &[T]) -> bool {
     }
     false
 }
+
+/// The part of one pool a call touches, for admitting calls on pools shared by threads: the
+/// layers and pages (`None`: all of them) it reads or writes. Two claims on one pool conflict
+/// when either writes and they share a layer and a page.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Claim {
+    layers: Option<Vec<u64>>,
+    pages: Option<Vec<i64>>,
+    pub(crate) write: bool,
+}
+
+impl Claim {
+    /// Every byte of the pool.
+    pub(crate) fn all(write: bool) -> Claim {
+        Claim { layers: None, pages: None, write }
+    }
+
+    /// Every layer of the pages starting at host tokens `indices` (`page_size` tokens a page).
+    pub(crate) fn pages(indices: &[i64], page_size: u64, write: bool) -> Claim {
+        let p = page_size.max(1) as i64;
+        let mut pages: Vec<i64> = indices.iter().filter(|&&x| x >= 0).map(|&x| x / p).collect();
+        pages.sort_unstable();
+        pages.dedup();
+        Claim { layers: None, pages: Some(pages), write }
+    }
+
+    /// What `plan` (accepted for `req`) touches of the host pool (`.0`) and of the device pool
+    /// (`.1`). A plan whose lists cannot be read here claims every page of its layers.
+    pub(crate) fn of(plan: &Plan, req: &Request<'_>) -> (Claim, Claim) {
+        let writes_host = plan.direction() == Direction::DeviceToHost;
+        if plan.is_empty() {
+            let none = |write| Claim { layers: Some(Vec::new()), pages: Some(Vec::new()), write };
+            return (none(writes_host), none(!writes_host));
+        }
+        let f = Footprint::of(plan, req);
+        let known = !f.host.is_empty() || !f.device.is_empty();
+        let claim = |pages: Vec<i64>, write| Claim { layers: Some(f.layers.clone()), pages: known.then_some(pages), write };
+        (claim(f.host.clone(), writes_host), claim(f.device.clone(), !writes_host))
+    }
+
+    /// Whether the two claims on one pool touch the same bytes and either writes.
+    pub(crate) fn conflicts(&self, other: &Claim) -> bool {
+        fn meet<T: Ord>(a: &Option<Vec<T>>, b: &Option<Vec<T>>) -> bool {
+            match (a, b) {
+                (Some(a), Some(b)) => intersects(a, b),
+                (Some(x), None) | (None, Some(x)) => !x.is_empty(),
+                (None, None) => true,
+            }
+        }
+        (self.write || other.write) && meet(&self.layers, &other.layers) && meet(&self.pages, &other.pages)
+    }
+}

@@ -47,7 +47,7 @@ pub use lower::coalesce;
 pub use table::*;
 pub use types::*;
 
-pub(crate) use footprint::Footprint;
+pub(crate) use footprint::{Claim, Footprint};
 pub(crate) use planner::plan;
 pub(crate) use types::layers_of;
 

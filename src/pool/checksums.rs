@@ -128,6 +128,10 @@ impl HostPool<'_> {
     /// writing the pool's memory in place) once their bytes are known good (the store verified
     /// them). A no-op without checksums.
     pub fn recompute_page_checksums(&mut self, index: i64) -> Result<()> {
+        self.record_page_checksums(index)
+    }
+    /// [`HostPool::recompute_page_checksums`] for callers holding the page otherwise.
+    pub(super) fn record_page_checksums(&self, index: i64) -> Result<()> {
         let items = self.page_items(index)?;
         let Some(s) = self.checksums.clone() else { return Ok(()) };
         let sums = self.item_sums(s.keys(), &items)?;
@@ -141,6 +145,10 @@ impl HostPool<'_> {
     /// Forgets the checksums of the page starting at token `index` (its bytes were written by
     /// something unverified): loads read it as unverified, never as corrupt.
     pub fn forget_page_checksums(&mut self, index: i64) -> Result<()> {
+        self.forget_checksums_of_page(index)
+    }
+    /// [`HostPool::forget_page_checksums`] for callers holding the page otherwise.
+    pub(super) fn forget_checksums_of_page(&self, index: i64) -> Result<()> {
         let items = self.page_items(index)?;
         if let Some(s) = &self.checksums {
             // After the transfers queued so far (a backup recording these items).
@@ -160,6 +168,10 @@ impl HostPool<'_> {
     /// in this pool it is `set_from_flat_data_page`; an empty `checksums` (what a pool without
     /// checksums carries) is every item unverified.
     pub fn set_from_flat_data_page_checked(&mut self, index: i64, data: &[u8], checksums: &[Option<u64>]) -> Result<()> {
+        self.set_page_checked(index, data, checksums)
+    }
+    /// [`HostPool::set_from_flat_data_page_checked`] for callers holding the page otherwise.
+    pub(super) fn set_page_checked(&self, index: i64, data: &[u8], checksums: &[Option<u64>]) -> Result<()> {
         let items = self.page_items(index)?;
         let unverified = vec![None; if checksums.is_empty() { items.len() } else { 0 }];
         let checksums = if checksums.is_empty() { &unverified[..] } else { checksums };

@@ -133,6 +133,10 @@ impl<'m> DevicePool<'m> {
     }
     /// Replaces the whole buffer (`data` must be exactly `slots × item` bytes).
     pub fn write_buffer(&mut self, comp: usize, slot: usize, data: &[u8]) -> Result<()> {
+        self.write_device_buffer(comp, slot, data)
+    }
+    /// [`DevicePool::write_buffer`] for callers that hold the whole pool otherwise.
+    pub(super) fn write_device_buffer(&self, comp: usize, slot: usize, data: &[u8]) -> Result<()> {
         let buf = self.buffer(comp, slot)?;
         exact_size("device layer buffer", self.geometry.layer_bytes(), data)?;
         self.device.write(buf, 0, data)

@@ -287,7 +287,9 @@ impl<'m> HostPool<'m> {
         Ok(())
     }
 
-    fn execute(&self, device_pool: &DevicePool, plan: &Plan) -> Result<()> {
+    /// Runs an accepted plan; callers hold `&mut` on its destination pool, or its claims
+    /// ([`super::shared`]).
+    pub(super) fn execute(&self, device_pool: &DevicePool, plan: &Plan) -> Result<()> {
         log::debug!(
             "{:?} via {} on {}: {} steps, {} bytes",
             plan.direction(),
@@ -309,6 +311,10 @@ impl<'m> HostPool<'m> {
     /// Replaces the whole component buffer (`data` must be exactly its size). The pool's item
     /// checksums are forgotten (loads read the new bytes as unverified until backed up again).
     pub fn write_buffer(&mut self, comp: usize, data: &[u8]) -> Result<()> {
+        self.write_host_buffer(comp, data)
+    }
+    /// [`HostPool::write_buffer`] for callers that hold the whole pool otherwise.
+    pub(super) fn write_host_buffer(&self, comp: usize, data: &[u8]) -> Result<()> {
         let buf = self.buffer(comp)?;
         exact_size("host buffer", self.pair.host().buffer_bytes(), data)?;
         let written = self.device.write(buf, 0, data);

@@ -7,19 +7,22 @@
 //! two instances is an `ExecutorMismatch` error before anything moves.//!
 //! Rooms: `device` (the device pool), `host` (the host pool and its calls), `transfers` (calls in
 //! flight: `Transfer`, `LayerLoads`, the asynchronous calls), `pages` (page helpers, per-layout
-//! byte order), `checksums` (the host pool's item checksums), `pipeline`, `util`.
+//! byte order), `checksums` (the host pool's item checksums), `pipeline`, `shared` (pools shared by threads),
+//! `util`.
 
 mod checksums;
 mod device;
 mod host;
 mod pages;
 mod pipeline;
+mod shared;
 mod transfers;
 mod util;
 
 pub use device::{DevicePool, DevicePoolConfig};
 pub use host::{HostPool, HostPoolConfig};
 pub use pipeline::{Pipeline, Ticket};
+pub use shared::{Hold, SharedDevicePool, SharedHostPool};
 pub use transfers::{LayerLoads, Transfer};
 
 use device::check_budget;

@@ -81,7 +81,7 @@ impl HostPool<'_> {
         self.recompute_page_checksums(index)
     }
 
-    pub(super) fn write_flat_page(&mut self, index: i64, data: &[u8]) -> Result<()> {
+    pub(super) fn write_flat_page(&self, index: i64, data: &[u8]) -> Result<()> {
         let spans = self.flat_page(index)?;
         let total = self.flat_page_bytes();
         if data.len() as u64 != total {
@@ -165,9 +165,9 @@ impl HostBytes<'_> {
             return Err(TransferError::BufferSize { what: "page span".into(), expected: off.saturating_add(len), actual: size });
         }
         // SAFETY: `off..off + len` lies inside component `comp`'s buffer (checked above), which
-        // lives as long as the pool; the executor's queue was drained and the pool is borrowed,
-        // so no transfer of the pool writes it, and other writers of its memory are bound by the
-        // contract above.
+        // lives as long as the pool; the executor's queue was drained and the pool is borrowed
+        // (or, shared, the pages read are claimed), so no transfer of the pool writes it, and
+        // other writers of its memory are bound by the contract above.
         Ok(unsafe { std::slice::from_raw_parts((base + off) as *const u8, len as usize) })
     }
 }

@@ -24,7 +24,8 @@ pub struct CpuBuffer {
 }
 
 // SAFETY: the buffer is plain memory; concurrent writes are ruled out by the pools' `&mut`
-// access to destination pools and the planner's unique-destination check.
+// access to destination pools (shared pools: claims on the bytes a call touches) and the
+// planner's unique-destination check.
 unsafe impl Send for CpuBuffer {}
 unsafe impl Sync for CpuBuffer {}
 
