@@ -4,7 +4,9 @@
 class when sglang is importable, so ``--hicache-storage-backend dynamic`` loads it unchanged) over
 a Mooncake Store client: ``register_mem_pool_host(pool)``, ``batch_exists``, ``batch_set_v1`` /
 ``batch_get_v1`` (zero-copy, page ``i`` read from or written to host slots
-``host_indices[i * P : (i + 1) * P]``) and the plain ``get`` / ``set`` / ``exists`` forms.
+``host_indices[i * P : (i + 1) * P]``) and the plain ``get`` / ``set`` / ``exists`` forms; and
+sglang's storage v2 for hybrid host pool groups (Mamba states, the DSA indexer, drafts, …), whose
+keys and objects :mod:`hicache_io.storage_v2` describes.
 
 Zero copy: the pool's buffers are registered with the store once; puts and gets then go straight
 from and to page spans (``batch_put_from`` / ``batch_get_into``). That holds for host pools in this
@@ -84,6 +86,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
+
+from .storage_v2 import PoolsV2
 
 logger = logging.getLogger(__name__)
 
@@ -425,7 +429,7 @@ class _SglangLayout:
                 raise ValueError(f"page object at {int(ptr):#x} ({int(size)} bytes) lies outside the host pool")
 
 
-class MooncakeStore(HiCacheStorage):
+class MooncakeStore(PoolsV2, HiCacheStorage):
     """sglang's HiCache L3 storage over Mooncake Store, for hicache-io host pools (see the module
     docstring). ``MooncakeStore(storage_config, kwargs)`` is how sglang's ``dynamic`` backend
     constructs it; ``store=`` takes an already set-up ``MooncakeDistributedStore``."""
@@ -465,6 +469,7 @@ class MooncakeStore(HiCacheStorage):
         self._trailers: Optional[np.ndarray] = None
         self.stats = {"verified": 0, "unverified": 0, "corrupt": 0, "damaged_puts": 0, "foreign": 0}
         self.mem_pool_host: Any = None
+        self._v2_init()
         self._registered: List[int] = []
         self._staging: Optional[np.ndarray] = None
         if store is None:
@@ -573,6 +578,7 @@ class MooncakeStore(HiCacheStorage):
     def unregister_mem_pool_host(self) -> None:
         """Unregisters the pool's memory and lets the pool go (waits for a call in progress)."""
         with self._lock:
+            self._v2_unregister()
             for addr in self._registered:
                 self.store.unregister_buffer(addr)
             self._registered, self._staging, self.mem_pool_host = [], None, None

@@ -69,7 +69,12 @@ _STATE: dict = {}
 
 def guarded_aot_imports(module) -> list[ast.ImportFrom]:
     """The ``from sgl_kernel.kvcacheio import ...`` statements of ``module``'s top-level
-    ``if _is_cuda ...:`` blocks (read from its source, so a new name is picked up)."""
+    ``if _is_cuda ...:`` blocks (read from its source, so a new name is picked up), and those
+    importing from a JIT module hicache-io serves (``hicache_io.sglang.JIT_OPS``: the Mamba
+    state copies)."""
+    from hicache_io.sglang import JIT_OPS
+
+    served = {"sgl_kernel.kvcacheio", *JIT_OPS}
     tree = ast.parse(inspect.getsource(module))
     found = []
     for node in tree.body:
@@ -78,7 +83,7 @@ def guarded_aot_imports(module) -> list[ast.ImportFrom]:
         if "_is_cuda" not in {n.id for n in ast.walk(node.test) if isinstance(n, ast.Name)}:
             continue
         for stmt in node.body:
-            if isinstance(stmt, ast.ImportFrom) and stmt.module == "sgl_kernel.kvcacheio":
+            if isinstance(stmt, ast.ImportFrom) and stmt.module in served:
                 found.append(stmt)
     return found
 

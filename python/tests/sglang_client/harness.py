@@ -26,6 +26,7 @@ POOL_MODULES = (
     "sglang.srt.mem_cache.pool_host.dsa",
     "sglang.srt.mem_cache.pool_host.mha_mxfp8",
     "sglang.srt.mem_cache.memory_pool_host",
+    "sglang.srt.mem_cache.pool_host.mamba",
 )
 
 

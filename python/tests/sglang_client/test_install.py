@@ -45,10 +45,18 @@ def test_install_report_and_sgl_kernel_module():
     assert hicache_io.sglang.install() == report  # idempotent
 
 
-def _jit_imports(module) -> list[tuple[str, str]]:
-    """(name, bound_as) of every `from sglang.kernels.ops.kvcache.hicache import ...` in module."""
+def _jit_imports(module) -> list[tuple[str, str, object]]:
+    """(name, bound_as, hicache-io's function) of every import from a JIT module hicache-io
+    serves in module: `sglang.kernels.ops.kvcache.hicache` (hicache_io.hicache) and the modules
+    of ``hicache_io.sglang.JIT_OPS`` (the Mamba state copies: hicache_io.kvcacheio)."""
+    served = {JIT_MODULE: hicache, **{m: kvcacheio for m in hicache_io.sglang.JIT_OPS}}
     tree = ast.parse(inspect.getsource(module))
-    return [(a.name, a.asname or a.name) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == JIT_MODULE for a in n.names]
+    return [
+        (a.name, a.asname or a.name, getattr(served[n.module], a.name))
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom) and n.module in served
+        for a in n.names
+    ]
 
 
 @pytest.mark.parametrize("module", POOL_MODULES, ids=lambda m: m.rsplit(".", 1)[-1])
@@ -56,9 +64,9 @@ def test_pool_modules_bind_hicache_io_jit_functions(module):
     """Every JIT name a pool module imports (aliases included: `... as jit_X`) is hicache-io's."""
     mod = sys.modules[module]
     pairs = _jit_imports(mod)
-    assert pairs, f"{module} imports nothing from {JIT_MODULE}?"
-    for name, bound in pairs:
-        assert getattr(mod, bound) is getattr(hicache, name), f"{module}.{bound} is not hicache_io.hicache.{name}"
+    assert pairs, f"{module} imports nothing from a JIT module hicache-io serves?"
+    for name, bound, ours in pairs:
+        assert getattr(mod, bound) is ours, f"{module}.{bound} is not hicache-io's {name}"
 
 
 def test_jit_module_is_hicache_io():

@@ -285,6 +285,53 @@ def test_deepseek_v4_token_copy_refuses_before_moving():
 
 # --------------------------------------------------------------------------------- what sglang refuses
 
+# --------------------------------------------------------------------------------- Mamba
+
+MAMBA_CASES = [
+    case("page_first", "kernel", "transfer_kv_mamba_lf_pf", "transfer_kv_mamba_pf_lf", id="pf-kernel"),
+    case("page_first_direct", "kernel", "transfer_kv_mamba_lf_pf", "transfer_kv_mamba_pf_lf", id="pfd-kernel"),
+    case("page_first", "direct", PFD_BACKUP, PFD_LOAD, id="pf-direct"),
+    case("page_first_direct", "direct", PFD_BACKUP, PFD_LOAD, id="pfd-direct"),
+]
+
+
+@pytest.mark.parametrize("layout,io,backup,load", MAMBA_CASES)
+def test_mamba_pool_host(layout, io, backup, load):
+    """sglang's MambaPoolHost (a temporal state and two conv states per layer and slot, slot
+    indices): backup_from_device_all_layer, then load_to_device_per_layer layer by layer into
+    wiped device states; every byte checked, and the functions sglang called are hicache-io's
+    (kernel io: the Mamba JIT names, which sglang has no fallback for)."""
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    g = sp.gen(sp.seed_of("mamba", layout, io))
+    layers, slots = 3, 17
+    temporal = torch.randn(layers, slots, 4, 16, generator=g)
+    conv = tuple(torch.randn(layers, slots, *shape, generator=g).to(torch.bfloat16) for shape in ((3, 16), (2, 8)))
+    states = (temporal, *conv)
+    with cpu_shims.sglang_paths(cuda=True):
+        host = MambaPoolHost(MambaStateBufferInfo(temporal=temporal, conv=conv), 2.0, 0, device_capacity=slots - 1, layout=layout, pin_memory=True)
+        host_bufs = (host.temporal_buffer, *host.conv_buffer)
+        hi, di = torch.tensor([9, 2, 30, 5], dtype=torch.int64), torch.tensor([3, 16, 0, 7], dtype=torch.int64)
+        with Spy() as spy:
+            host.backup_from_device_all_layer(None, hi, di, io)
+            assert spy.take() == [backup]
+            for n, (h, d) in enumerate(zip(host_bufs, states)):
+                assert torch.equal(h[hi, :, 0].view(torch.uint8), d[:, di].transpose(0, 1).view(torch.uint8)), f"backup, state {n}"
+            saved = [d.clone() for d in states]
+            for d in states:
+                d[:, di] = 0
+            for layer in range(layers):
+                host.load_to_device_per_layer(None, hi, di, layer, io)
+                for n, (d, s) in enumerate(zip(states, saved)):
+                    want = s.clone()
+                    want[layer + 1 :, di] = 0
+                    assert torch.equal(d.view(torch.uint8), want.view(torch.uint8)), f"load of layer {layer}, state {n}"
+            assert spy.take() == [load]
+            for bound, target in spy.targets().items():
+                assert target == expected_target(bound), f"sglang's {bound} is hicache-io's {target}"
+
+
 def _one_backup(host, dev, io, n_tokens, page):
     h = host.alloc(n_tokens)
     host.backup_from_device_all_layer(dev, h, torch.arange(page, page + n_tokens, dtype=torch.int64), io)
