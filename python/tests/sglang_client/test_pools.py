@@ -332,6 +332,60 @@ def test_mamba_pool_host(layout, io, backup, load):
                 assert target == expected_target(bound), f"sglang's {bound} is hicache-io's {target}"
 
 
+# --------------------------------------------------------------------------------- MXFP8
+
+
+def test_mha_mxfp8_scales():
+    """sglang's MXFP8 KV pool (FP8 payload, UE8M0 scales interleaved per 128-token page) and its
+    MHATokenToKVPoolMXFP8Host: the scale pages move as whole page rows (page_size=1) beside the
+    payload. Backup, wipe, load layer by layer: payload and scales byte-exact, only the moved pages
+    touched, every function sglang called hicache-io's."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolMXFP8
+    from sglang.srt.mem_cache.pool_host.mha_mxfp8 import MHATokenToKVPoolMXFP8Host
+
+    g = sp.gen(sp.seed_of("mxfp8"))
+    P = 128
+    with cpu_shims.sglang_paths(cuda=True):
+        dev = MHATokenToKVPoolMXFP8(size=4 * P, page_size=P, dtype=torch.float8_e4m3fn, head_num=2, head_dim=64, layer_num=2, device="cpu", enable_memory_saver=False)
+        assert dev.mxfp8_sf_interleaved
+        host = MHATokenToKVPoolMXFP8Host(
+            dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, P, "page_first", pin_memory=True, device="cpu", allocator_type="default",
+            device_capacity_tokens=dev.size, start_layer=dev.start_layer, end_layer=dev.end_layer, write_back_staging=dev.hicache_write_back_staging,
+        )
+        payload, scales = [*dev.k_buffer, *dev.v_buffer], [*dev.k_scale_buffer, *dev.v_scale_buffer]
+        for t in payload + scales:
+            b = t.view(torch.uint8)
+            b.copy_(torch.randint(0, 120, b.shape, generator=g, dtype=torch.uint8))
+        before = [t.view(torch.uint8).clone() for t in payload + scales]
+        hi, di = host.alloc(2 * P), torch.arange(P, 3 * P, dtype=torch.int64)  # device pages 1, 2
+        dp, hp = di[::P] // P, hi[::P] // P
+        with Spy() as spy:
+            host.backup_from_device_all_layer(dev, hi, di, "kernel")
+            backup_calls = spy.take()
+            for side, rows in (("k", dev.k_scale_buffer), ("v", dev.v_scale_buffer)):
+                host_rows = getattr(host, f"{side}_scale_host")
+                for layer, t in enumerate(rows):
+                    want = t.view(torch.uint8).reshape(t.shape[0], -1)[dp]
+                    assert torch.equal(host_rows[hp, layer].view(torch.uint8), want), f"{side} scales of layer {layer} after the backup"
+            for t in payload + scales:
+                t.view(torch.uint8).zero_()
+            for layer in range(2):
+                host.load_to_device_per_layer(dev, hi, di, layer, "kernel")
+            load_calls = spy.take()
+            targets = spy.targets()
+        for n, (t, b) in enumerate(zip(payload + scales, before)):
+            now, want = t.view(torch.uint8), torch.zeros_like(b)
+            if n < len(payload):
+                want[di] = b[di]
+            else:
+                want[dp] = b[dp]
+            assert torch.equal(now, want), f"buffer {n} after the loads"
+    assert backup_calls and load_calls, (backup_calls, load_calls)
+    assert any("mla" in c for c in backup_calls + load_calls), "the scale pages did not move as MLA-style page rows"
+    for bound, target in targets.items():
+        assert target == expected_target(bound), f"sglang's {bound} is hicache-io's {target}"
+
+
 def _one_backup(host, dev, io, n_tokens, page):
     h = host.alloc(n_tokens)
     host.backup_from_device_all_layer(dev, h, torch.arange(page, page + n_tokens, dtype=torch.int64), io)
