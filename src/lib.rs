@@ -51,6 +51,7 @@
 
 pub mod bench;
 pub mod check;
+pub mod check_ops;
 pub mod error;
 pub mod exec;
 pub mod fuzz;

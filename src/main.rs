@@ -455,6 +455,7 @@ fn check(args: CheckArgs) -> ExitCode {
     let Some(devices) = open_devices(&args.executor) else { return ExitCode::FAILURE };
     let mut failed = false;
     let mut report = Vec::new();
+    let mut ops_report = Vec::new();
     for dev in &devices {
         let cells = hicache_io::check::supported_cells(args.profile).len() as u64;
         let bar = indicatif::ProgressBar::new(cells * args.rounds);
@@ -472,9 +473,26 @@ fn check(args: CheckArgs) -> ExitCode {
                 failed = true;
             }
         }
+        match hicache_io::check_ops::check_ops(dev, args.seed, args.rounds, |_, _| {}) {
+            Ok(rows) => ops_report.push((dev.name(), rows)),
+            Err(e) => {
+                eprintln!("{}: {e}", dev.name());
+                failed = true;
+            }
+        }
     }
     if args.json {
-        let v: Vec<_> = report.iter().map(|(n, rows)| serde_json::json!({"backend": n, "cells": rows.iter().map(|(c, t)| serde_json::json!({"cell": c, "tally": t})).collect::<Vec<_>>()})).collect();
+        let v: Vec<_> = report
+            .iter()
+            .zip(&ops_report)
+            .map(|((n, rows), (_, ops))| {
+                serde_json::json!({
+                    "backend": n,
+                    "cells": rows.iter().map(|(c, t)| serde_json::json!({"cell": c, "tally": t})).collect::<Vec<_>>(),
+                    "ops": ops.iter().map(|(op, t)| serde_json::json!({"op": op, "tally": t})).collect::<Vec<_>>(),
+                })
+            })
+            .collect();
         println!("{}", serde_json::to_string_pretty(&v).expect("json"));
     } else {
         println!(
@@ -499,6 +517,24 @@ fn check(args: CheckArgs) -> ExitCode {
                     verdict(t)
                 );
             }
+        }
+    }
+    if !args.json {
+        println!("\n{:<48} {:>6} {:>9} {:>8} {:>10}  result", "op (drawn and hostile calls)", "exec", "cases", "matched", "bytes");
+        for (name, rows) in &ops_report {
+            for (op, t) in rows {
+                match t {
+                    Some(t) => println!("{:<48} {:>6} {:>9} {:>8} {:>10}  {}", op, name, t.cases, t.matched, t.bytes, verdict(t)),
+                    None => println!("{:<48} {:>6} {:>9} {:>8} {:>10}  not on caller memory here", op, name, "-", "-", "-"),
+                }
+            }
+        }
+    }
+    for (name, rows) in &ops_report {
+        let bad = rows.iter().filter(|(_, t)| t.as_ref().is_some_and(|t| t.matched != t.cases)).count();
+        failed |= bad > 0;
+        if bad > 0 {
+            print_summary(args.json, &format!("{name}: {bad} of the newer ops differ from their definitions"), &[]);
         }
     }
     for (name, rows) in &report {
@@ -552,14 +588,34 @@ fn fuzz(args: FuzzArgs) -> ExitCode {
             bar.set_message(format!("missed {} false alarms {}", i.missed, i.false_alarms));
         });
         bar.finish_and_clear();
-        report.push((dev.name(), t, i));
+        let ops = hicache_io::check_ops::check_ops(dev, args.seed, (args.cases / 100).max(1), |_, _| {});
+        report.push((dev.name(), t, i, ops));
     }
     let mut clean = true;
     if args.json {
-        let v: Vec<_> = report.iter().map(|(n, t, i)| serde_json::json!({"backend": n, "tally": t, "injection": i})).collect();
+        let v: Vec<_> = report
+            .iter()
+            .map(|(n, t, i, ops)| {
+                let ops = ops.as_ref().map(|o| o.iter().map(|(op, t)| serde_json::json!({"op": op, "tally": t})).collect::<Vec<_>>()).ok();
+                serde_json::json!({"backend": n, "tally": t, "injection": i, "ops": ops})
+            })
+            .collect();
         println!("{}", serde_json::to_string_pretty(&v).expect("json"));
     }
-    for (name, t, i) in &report {
+    for (name, t, i, ops) in &report {
+        match ops {
+            Ok(rows) if rows.iter().any(|(_, t)| t.is_some()) => {
+                let (cases, matched) = rows.iter().flat_map(|(_, t)| t).fold((0, 0), |(c, m), t| (c + t.cases, m + t.matched));
+                let failures: Vec<String> = rows.iter().flat_map(|(_, t)| t).filter_map(|t| t.first_failure.clone()).collect();
+                print_summary(args.json, &format!("{name}: newer ops (DeepSeek-V4 tokens, Mamba states, NVFP4 page rows): {cases} calls, half of them hostile, {matched} as defined"), &failures);
+                clean &= cases == matched;
+            }
+            Ok(_) => print_summary(args.json, &format!("{name}: newer ops: not on caller memory here"), &[]),
+            Err(e) => {
+                print_summary(args.json, &format!("{name}: newer ops: {e}"), &[]);
+                clean = false;
+            }
+        }
         let line = format!(
             "{name}: tried {}, rejected {} ({} configurations, {} calls), matched the oracle {}, large pools checked {}, padded pages {}, panics {}, corrupted {}, well-formed refused {}",
             t.tried,
