@@ -292,9 +292,14 @@ class PoolsV2:
         from .storage import INTEGRITY, REFUSED, SHORT_READ, TRAILER_MAGIC, StorageError, _name_tags
 
         obj = self._v2_keys(name, keys)
-        ptrs, sizes = side.meta(idx)
         per, t = side.per_page, self._v2_trailers
         tb = t.ctypes.data
+        if side.ours:
+            side.pool.synchronize()  # its queued transfers land before the bytes are read or written
+        ptrs, sizes = side.meta(idx)
+        if len(ptrs) != len(obj):
+            self._fail(StorageError("batch_set_v2" if put else "batch_get_v2", REFUSED, keys, detail=f"{len(ptrs)} page objects for {len(obj)} keys (pages of unequal objects)"))
+            return [False] * len(keys)
 
         def sums(js: List[int]) -> np.ndarray:
             out = np.empty(len(js), "<u8")
@@ -311,6 +316,14 @@ class PoolsV2:
                 todo = [j for j, e in enumerate(exist) if e != 1]
                 for j, e in enumerate(exist):
                     ok[j] = e == 1
+                if todo and side.ours and getattr(side.pool, "integrity", False):
+                    # As for KV pages: bytes damaged in host memory after their backup are not put.
+                    intact = side.pool.pages_intact(idx)
+                    damaged = sorted({j // per for j in todo if not intact[j // per]})
+                    if damaged:
+                        self.stats["damaged_puts"] += len(damaged)
+                        logger.error("hicache-io L3: %d %s page(s) not put, their host bytes fail their checksums", len(damaged), name)
+                        todo = [j for j in todo if intact[j // per]]
                 if todo:
                     pick = np.asarray(todo, dtype=np.intp)
                     t[: len(todo), 0] = TRAILER_MAGIC
@@ -350,7 +363,17 @@ class PoolsV2:
         except StorageError as e:
             ok = [False] * len(obj)
             self._fail(e)
-        return [all(ok[i * per : (i + 1) * per]) for i in range(len(keys))]
+        pages = [all(ok[i * per : (i + 1) * per]) for i in range(len(keys))]
+        if not put and side.ours and getattr(side.pool, "integrity", False):
+            # The get wrote the pool's memory in place: its item checksums follow the bytes of each
+            # verified page and are forgotten for every other page it was asked for.
+            first = [idx[i * side.page] for i in range(len(keys))]
+            good, stale = [f for f, p in zip(first, pages) if p], [f for f, p in zip(first, pages) if not p]
+            if good:
+                side.pool.recompute_page_checksums(good)
+            if stale:
+                side.pool.forget_page_checksums(stale)
+        return pages
 
     def _v2_config(self, session_id: Optional[str], n: int) -> Any:
         """Mooncake's put config naming the writing session, where this Mooncake has the field

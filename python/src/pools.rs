@@ -248,6 +248,7 @@ impl PyHostPool {
     }
     /// Test support: holds the pages starting at host tokens `indices` (every layer; `write`: as
     /// a backup would) while `callback()` runs, so a test can show which calls wait for them.
+    /// The callback must make no call on these pools on its own thread.
     pub(crate) fn _while_held<'py>(
         &self,
         py: Python<'py>,

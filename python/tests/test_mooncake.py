@@ -653,3 +653,43 @@ def test_a_page_of_another_namespace_reads_as_a_miss(master, layout):
     finally:
         for s in (a, b, c):
             s.close()
+
+
+def test_v2_sidecar_of_hicache_io_pools(master):
+    """storage v2 with hicache-io's own pools: an MLA KV anchor and a DSA indexer sidecar (both
+    cpu, item checksums on). The sidecar's pages go out with trailers (a page damaged in host
+    memory after its backup is not put), come back in place verified, and the pool's item
+    checksums follow the bytes that landed: a load of them verifies, none reads as corrupt."""
+    s = make_store(master)
+    try:
+        _, kv_dev, kv = build("cpu", "mla", "page_first", 1, 64, 3, None, 0)
+        _, ix_dev, ix = build("cpu", "dsa", "page_first", 1, 132, 4, None, 0, seed=1)
+        kv.backup_from_device_all_layer(kv_dev, tokens([1, 2, 3]), tokens([4, 5, 6]), "kernel")
+        ix.backup_from_device_all_layer(ix_dev, tokens([1, 2, 3]), tokens([4, 5, 6]), "kernel")
+        s.register_mem_pool_host(kv)
+        s.register_mem_host_pool_v2(kv, "kv")
+        s.register_mem_host_pool_v2(ix, "indexer")
+        s.on_host_pools_registered()
+        keys = [uuid.uuid4().hex for _ in range(3)]
+        T = lambda ks, idx: type("PoolTransfer", (), {"name": "indexer", "keys": ks, "host_indices": idx, "hit_policy": "all_pages"})()  # noqa: E731
+        off = ix.get_page_buffer_meta(tokens([3]))[0][1] + 5
+        byte = np.asarray(ix.read_buffer(0))[off]
+        ix.inject_host_corruption(0, off, bytes([byte ^ 0x04]))
+        damaged = s.stats["damaged_puts"]
+        assert s.batch_set_v1(keys, tokens([1, 2, 3])) == [True] * 3
+        assert s.batch_set_v2([T(keys, tokens([1, 2, 3]))]) == {"indexer": [True, True, False]}
+        assert s.stats["damaged_puts"] == damaged + 1
+        r = s.batch_exists_v2(keys, [T(keys, None)])
+        assert (r.kv_hit_pages, r.restorable_prefix_pages) == (2, [1, 2])
+        want = [ix.get_data_page(p * P) for p in (1, 2)]
+        verified = s.stats["verified"]
+        assert s.batch_get_v2([T(keys[:2], tokens([8, 9]))]) == {"indexer": [True, True]}
+        assert s.stats["verified"] == verified + 2
+        for page, w in zip((8, 9), want):
+            assert np.array_equal(ix.get_data_page(page * P), w)
+        assert ix.pages_intact(tokens([8, 9])) == [True, True]
+        stats = ix.integrity_stats()
+        ix.load_to_device_per_layer(ix_dev, tokens([8, 9]), tokens([10, 11]), 0, "kernel")  # verifies, raises on a mismatch
+        assert ix.integrity_stats()["verified"] > stats["verified"] and ix.integrity_stats()["mismatched"] == stats["mismatched"]
+    finally:
+        s.close()

@@ -88,6 +88,10 @@ impl Claim {
             return (none(writes_host), none(!writes_host));
         }
         let f = Footprint::of(plan, req);
+        if f.layers.is_empty() {
+            // Lists the footprint cannot read: the whole of both pools.
+            return (Claim::all(writes_host), Claim::all(!writes_host));
+        }
         let known = !f.host.is_empty() || !f.device.is_empty();
         let claim = |pages: Vec<i64>, write| Claim { layers: Some(f.layers.clone()), pages: known.then_some(pages), write };
         (claim(f.host.clone(), writes_host), claim(f.device.clone(), !writes_host))

@@ -116,7 +116,9 @@ impl SharedDevicePool {
         self.pool.write_device_buffer(comp, slot, data)
     }
     /// Holds the pages starting at device tokens `indices` of every layer (`write`: as a load
-    /// would) until the returned guard drops; for tests of what waits for what.
+    /// would) until the returned guard drops; for tests of what waits for what. A thread holding
+    /// it must make no call on these pools itself (it could wait for a call that waits for it).
+    #[doc(hidden)]
     pub fn hold_pages(&self, indices: &[i64], write: bool) -> Hold<'_> {
         Hold(self.claims.admit(Claim::pages(indices, self.pool.geometry().page_size(), write)))
     }
@@ -243,8 +245,9 @@ impl SharedHostPool {
         let _held = self.pages(indices, true);
         indices.iter().try_for_each(|&i| self.pool.forget_checksums_of_page(i))
     }
-    /// [`HostPool::page_checksums`].
+    /// [`HostPool::page_checksums`] (after the calls writing the page).
     pub fn page_checksums(&self, index: i64) -> Result<Vec<Option<u64>>> {
+        let _held = self.pages(&[index], false);
         self.pool.page_checksums(index)
     }
     /// [`HostPool::read_buffer`], after the calls writing the pool.
@@ -275,7 +278,9 @@ impl SharedHostPool {
         self.pool.integrity_stats()
     }
     /// Holds the pages starting at host tokens `indices` of every layer (`write`: as a backup
-    /// would) until the returned guard drops; for tests of what waits for what.
+    /// would) until the returned guard drops; for tests of what waits for what. A thread holding
+    /// it must make no call on these pools itself (it could wait for a call that waits for it).
+    #[doc(hidden)]
     pub fn hold_pages(&self, indices: &[i64], write: bool) -> Hold<'_> {
         Hold(self.pages(indices, write))
     }
