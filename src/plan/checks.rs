@@ -107,7 +107,12 @@ pub(super) fn check_whole_pages(side: &'static str, idx: &[i64], p: u64) -> Resu
 }
 
 pub(super) fn check_range(side: &'static str, idx: &[i64], bound: u64, unit: &'static str) -> Result<()> {
-    match idx.iter().position(|&x| x >= 0 && x as u64 >= bound) {
+    // One branch-free pass over the list (it vectorizes); the position only when one is out.
+    let out = |x: i64| (x >= 0) & (x as u64 >= bound);
+    if !idx.iter().fold(false, |acc, &x| acc | out(x)) {
+        return Ok(());
+    }
+    match idx.iter().position(|&x| out(x)) {
         Some(position) => Err(TransferError::IndexOutOfRange { side, index: idx[position], position, bound, unit }),
         None => Ok(()),
     }
@@ -123,6 +128,21 @@ pub(super) fn check_unique(side: &'static str, dst: &[i64], hi: &[i64], di: &[i6
         return check_unique_sorted(side, dst, hi, di, unit);
     }
     seen.resize(words, 0);
+    // One pass, one branch a pair: the duplicate is looked for again only when there is one.
+    let mut again = 0u64;
+    for ((&d, &h), &x) in dst.iter().zip(hi).zip(di) {
+        let live = (h | x) >= 0; // both non-negative
+        let (w, bit) = ((d as u64 >> 6) as usize, 1u64 << (d as u64 & 63));
+        if live {
+            let old = seen[w];
+            again |= old & bit;
+            seen[w] = old | bit;
+        }
+    }
+    if again == 0 {
+        return Ok(());
+    }
+    seen.iter_mut().for_each(|w| *w = 0);
     for (i, &d) in dst.iter().enumerate() {
         if hi[i] < 0 || di[i] < 0 {
             continue;

@@ -24,13 +24,13 @@ impl Footprint {
             return Footprint::default();
         }
         let per_unit = if host.kind() == PoolKind::DsaIndexer { 1 } else { host.page_size().max(1) as i64 };
-        let pages = |v: Vec<i64>| {
-            let mut p: Vec<i64> = v.into_iter().filter(|&x| x >= 0).map(|x| x / per_unit).collect();
+        let pages = |v: &[i64]| {
+            let mut p: Vec<i64> = v.iter().filter(|&&x| x >= 0).map(|&x| x / per_unit).collect();
             p.sort_unstable();
             p.dedup();
             p
         };
-        Footprint { layers: plan.layers(), host: pages(hi), device: pages(di) }
+        Footprint { layers: plan.layers(), host: pages(&hi), device: pages(&di) }
     }
 
     /// Whether the two calls touch the same bytes: a common layer and a common host or device

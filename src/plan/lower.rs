@@ -34,12 +34,12 @@ pub(super) fn lower_gather(
     caps: &Capabilities,
     direction: Direction,
     layer_groups: &[Vec<(u64, u32)>],
-    hi: Vec<i64>,
-    di: Vec<i64>,
+    hi: Arc<[i64]>,
+    di: Arc<[i64]>,
 ) -> (Vec<Step>, u64) {
     let heads = host.head_num();
     let comps = host.kind().components() as u8;
-    let live = hi.iter().zip(&di).filter(|(h, d)| **h >= 0 && **d >= 0).count() as u64;
+    let live = hi.iter().zip(di.iter()).filter(|(h, d)| **h >= 0 && **d >= 0).count() as u64;
     let (src, dst) = match direction {
         Direction::HostToDevice => (hi, di),
         Direction::DeviceToHost => (di, hi),
@@ -48,7 +48,7 @@ pub(super) fn lower_gather(
     let lanes_log2 = gather_lanes(caps, host.chunk_bytes(), heads).unwrap_or(0);
     let per = usize::try_from(caps.max_gather_items.min((1u64 << 31) >> lanes_log2).max(1)).unwrap_or(usize::MAX);
     let pieces: Vec<[Arc<[i64]>; 2]> = if src.len() <= per {
-        vec![[src.into(), dst.into()]]
+        vec![[src, dst]]
     } else {
         src.chunks(per).zip(dst.chunks(per)).map(|(s, d)| [Arc::from(s), Arc::from(d)]).collect()
     };

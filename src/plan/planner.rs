@@ -1,5 +1,6 @@
 //! The planning entry: one call checked in sglang's order, then lowered.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use super::*;
@@ -161,7 +162,7 @@ pub(super) fn plan_io(profile: Profile, caps: &Capabilities, owner: u64, pair: &
     check_indices(host, dev, caps, direction, req.io_backend, &hi, &di)?;
     let host_units: Arc<[i64]> = Arc::from(&hi[..]);
     let (steps, bytes) = match req.io_backend {
-        IoBackend::Kernel => lower_gather(host, dev, caps, direction, &layer_groups, hi, di),
+        IoBackend::Kernel => lower_gather(host, dev, caps, direction, &layer_groups, host_units.clone(), Arc::from(&di[..])),
         _ => lower_direct(host, dev, direction, &layer_groups, &hi, &di),
     };
     Ok(Plan { owner, pair: pair.clone(), profile, direction, path, io, steps: steps.into(), bytes, device_check: None, host_units })
@@ -205,9 +206,10 @@ pub(super) fn resolve_layers(dev: &DeviceGeometry, op: Op, table_op: TableOp) ->
 
 /// The index lists in index units: token slots, or for the DSA indexer one page per group of
 /// `P` tokens (dsa.py `_get_indexer_page_indices`; empty lists pass through).
-pub(super) fn index_units(host: &HostGeometry, req: &Request<'_>) -> Result<(Vec<i64>, Vec<i64>)> {
+pub(super) fn index_units<'r>(host: &HostGeometry, req: &Request<'r>) -> Result<(Cow<'r, [i64]>, Cow<'r, [i64]>)> {
     if host.kind() != PoolKind::DsaIndexer || (req.host_indices.is_empty() && req.device_indices.is_empty()) {
-        return Ok((req.host_indices.to_vec(), req.device_indices.to_vec()));
+        // Borrowed: a call's lists are copied once, into the plan.
+        return Ok((Cow::Borrowed(req.host_indices), Cow::Borrowed(req.device_indices)));
     }
     let p = host.page_size();
     for list in [req.host_indices, req.device_indices] {
@@ -215,7 +217,7 @@ pub(super) fn index_units(host: &HostGeometry, req: &Request<'_>) -> Result<(Vec
             return Err(TransferError::DsaUnalignedCount { len: list.len(), page_size: p });
         }
     }
-    Ok((to_pages(req.host_indices, p), to_pages(req.device_indices, p)))
+    Ok((Cow::Owned(to_pages(req.host_indices, p)), Cow::Owned(to_pages(req.device_indices, p))))
 }
 
 /// The checks sglang's launchers make: equal lengths, the `kernel` word, whole `direct` pages.
