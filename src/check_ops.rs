@@ -52,10 +52,13 @@ fn any(rng: &mut Rng, n: usize, limit: usize) -> Vec<i64> {
     (0..n).map(|_| rng.below(limit as u64) as i64).collect()
 }
 
+/// Runs a drawn op on the buffers.
+type RunOp = Box<dyn Fn(&Device, &mut Bufs) -> Result<()>>;
+
 /// One drawn call: runs the op on `bufs`, and applies the op's definition to `expect`.
 struct Drawn {
     bufs: Bufs,
-    run: Box<dyn Fn(&Device, &mut Bufs) -> Result<()>>,
+    run: RunOp,
     oracle: Box<dyn Fn(&mut Bufs)>,
     bytes: u64,
 }
@@ -101,9 +104,9 @@ fn draw(op: &str, rng: &mut Rng, spoil: Option<Spoil>) -> Drawn {
                             let (x, y) = (x as usize, y as usize);
                             let at = |tok: usize, scale: bool| (tok / t) * page + if scale { t * v + (tok % t) * s } else { (tok % t) * v };
                             let (fv, tv) = (at(x, false), at(y, false));
-                            b.dst[l][tv..tv + v].copy_from_slice(&b.src[l][fv..fv + v].to_vec());
+                            b.dst[l][tv..tv + v].copy_from_slice(&b.src[l][fv..fv + v]);
                             let (fs, ts) = (at(x, true), at(y, true));
-                            b.dst[l][ts..ts + s].copy_from_slice(&b.src[l][fs..fs + s].to_vec());
+                            b.dst[l][ts..ts + s].copy_from_slice(&b.src[l][fs..fs + s]);
                         }
                     }
                 }),
@@ -238,7 +241,12 @@ fn spoils(op: &str) -> &'static [Spoil] {
 /// Runs `rounds` drawn calls and `rounds` hostile ones per op on `device`; every op `None` on an
 /// executor that does not take pageable caller memory (wgpu moves between its own pools only;
 /// cuda takes pinned or device memory, covered by its own suites).
-pub fn check_ops(device: &Device, seed: u64, rounds: u64, mut progress: impl FnMut(&str, &Tally)) -> Result<Vec<(&'static str, Option<Tally>)>> {
+pub fn check_ops(
+    device: &Device,
+    seed: u64,
+    rounds: u64,
+    mut progress: impl FnMut(&str, &Tally),
+) -> Result<Vec<(&'static str, Option<Tally>)>> {
     if !matches!(device, Device::Cpu(_)) {
         return Ok(OPS.iter().map(|&op| (op, None)).collect());
     }

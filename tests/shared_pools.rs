@@ -7,7 +7,9 @@ mod common;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use hicache_io::{DevicePool, DevicePoolConfig, HostPoolConfig, IoBackend, LayerMap, Layout, PoolKind, Profile, SharedDevicePool, SharedHostPool};
+use hicache_io::{
+    DevicePool, DevicePoolConfig, HostPoolConfig, IoBackend, LayerMap, Layout, PoolKind, Profile, SharedDevicePool, SharedHostPool,
+};
 
 const P: u64 = 4;
 const ITEM: u64 = 256;

@@ -521,22 +521,27 @@ class MooncakeStore(PoolsV2, HiCacheStorage):
             trailers = np.zeros((STORAGE_BATCH_SIZE * lay.comps, 2), "<u8") if ours and descriptor is not None else None
             if trailers is not None:
                 regions = regions + [(trailers.ctypes.data, trailers.nbytes)]
-            done: List[int] = []
-            try:
-                for addr, nbytes in regions:
-                    rc = self.store.register_buffer(addr, nbytes)
-                    if rc != 0:
-                        raise RuntimeError(f"Failed to register buffer to Mooncake Store, error code: {rc}")
-                    done.append(addr)
-            except BaseException:
-                for a in done:
-                    self.store.unregister_buffer(a)
-                raise
+            done = self._register_all(regions)
             self._registered, self._staging, self._layout, self.mem_pool_host = done, staging, lay, mem_pool_host
             self._descriptor, self._trailers = descriptor, trailers
             self.namespace, self._foreign = namespace, False
             if descriptor is None and self._namespace_record:
                 self._foreign = not self._claim_namespace(record)
+
+    def _register_all(self, regions: Sequence[Any]) -> List[int]:
+        """Registers every ``(address, bytes)`` region with Mooncake, or none (raises)."""
+        done: List[int] = []
+        try:
+            for addr, nbytes in regions:
+                rc = self.store.register_buffer(addr, nbytes)
+                if rc != 0:
+                    raise RuntimeError(f"Failed to register buffer to Mooncake Store, error code: {rc}")
+                done.append(addr)
+        except BaseException:
+            for a in done:
+                self.store.unregister_buffer(a)
+            raise
+        return done
 
     def _namespace_of(self, pool: Any, lay: Any) -> Dict[str, Any]:
         """What the registered pool's page bytes mean (see the module docstring)."""

@@ -156,21 +156,11 @@ class PoolsV2:
             if name in self._sidecars:
                 raise RuntimeError(f"a {name!r} pool is already registered with this store")
             side = _SidecarPool(host_pool, name)
-            done: List[int] = []
             trailers = self._v2_trailers
             if trailers is None or len(trailers) < STORAGE_BATCH_SIZE * side.per_page:
                 trailers = np.zeros((STORAGE_BATCH_SIZE * max(side.per_page, 4), 2), "<u8")
             regions = side.regions + ([(trailers.ctypes.data, trailers.nbytes)] if trailers is not self._v2_trailers else [])
-            try:
-                for addr, nbytes in regions:
-                    rc = self.store.register_buffer(addr, nbytes)
-                    if rc != 0:
-                        raise RuntimeError(f"Failed to register buffer to Mooncake Store, error code: {rc}")
-                    done.append(addr)
-            except BaseException:
-                for a in done:
-                    self.store.unregister_buffer(a)
-                raise
+            done = self._register_all(regions)
             if trailers is not self._v2_trailers and self._v2_trailers is not None:
                 self.store.unregister_buffer(self._v2_trailers.ctypes.data)
                 self._v2_regions.remove(self._v2_trailers.ctypes.data)

@@ -204,9 +204,12 @@ pub(super) fn resolve_layers(dev: &DeviceGeometry, op: Op, table_op: TableOp) ->
     }))
 }
 
+/// A call's host and device index lists in index units.
+pub(super) type Units<'r> = (Cow<'r, [i64]>, Cow<'r, [i64]>);
+
 /// The index lists in index units: token slots, or for the DSA indexer one page per group of
 /// `P` tokens (dsa.py `_get_indexer_page_indices`; empty lists pass through).
-pub(super) fn index_units<'r>(host: &HostGeometry, req: &Request<'r>) -> Result<(Cow<'r, [i64]>, Cow<'r, [i64]>)> {
+pub(super) fn index_units<'r>(host: &HostGeometry, req: &Request<'r>) -> Result<Units<'r>> {
     if host.kind() != PoolKind::DsaIndexer || (req.host_indices.is_empty() && req.device_indices.is_empty()) {
         // Borrowed: a call's lists are copied once, into the plan.
         return Ok((Cow::Borrowed(req.host_indices), Cow::Borrowed(req.device_indices)));

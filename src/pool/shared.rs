@@ -143,7 +143,14 @@ impl SharedHostPool {
     }
 
     /// Plans (nothing waits for a call that is refused), claims both pools, then runs.
-    fn transfer(&self, device_pool: &SharedDevicePool, op: Op, io_backend: IoBackend, host_indices: &[i64], device_indices: &[i64]) -> Result<()> {
+    fn transfer(
+        &self,
+        device_pool: &SharedDevicePool,
+        op: Op,
+        io_backend: IoBackend,
+        host_indices: &[i64],
+        device_indices: &[i64],
+    ) -> Result<()> {
         let req = Request { op, io_backend, host_indices, device_indices };
         let plan = self.pool.plan(&device_pool.pool, &req)?;
         let (host, device) = Claim::of(&plan, &req);
