@@ -52,6 +52,24 @@ fn any(rng: &mut Rng, n: usize, limit: usize) -> Vec<i64> {
     (0..n).map(|_| rng.below(limit as u64) as i64).collect()
 }
 
+/// `(sources, destinations)`: up to `n` pairs, destinations distinct below `dst_limit`, sources
+/// any below `src_limit`; spoiled by `index out of range` (a source at its limit) or `duplicate
+/// destination` (the first destination again).
+fn pairs(rng: &mut Rng, n: usize, src_limit: usize, dst_limit: usize, spoil: Option<Spoil>) -> (Vec<i64>, Vec<i64>) {
+    let mut d = distinct(rng, n.min(dst_limit), dst_limit);
+    let mut s = any(rng, d.len(), src_limit);
+    match spoil {
+        Some("index out of range") => s[0] = src_limit as i64,
+        Some("duplicate destination") if d.len() > 1 => d[1] = d[0],
+        Some("duplicate destination") => {
+            d.push(d[0]);
+            s.push(0);
+        }
+        _ => {}
+    }
+    (s, d)
+}
+
 /// Runs a drawn op on the buffers.
 type RunOp = Box<dyn Fn(&Device, &mut Bufs) -> Result<()>>;
 
@@ -73,21 +91,15 @@ fn draw(op: &str, rng: &mut Rng, spoil: Option<Spoil>) -> Drawn {
             let (sp, dp) = (1 + rng.below(2) as usize, 1 + rng.below(2) as usize);
             let tokens = DSV4_PAGE_TOKENS as usize;
             let n = 1 + rng.below(40) as usize;
-            let si = any(rng, n, sp * tokens);
-            let mut di = distinct(rng, n.min(dp * tokens), dp * tokens);
-            let mut si = si[..di.len()].to_vec();
+            let (si, di) = pairs(rng, n, sp * tokens, dp * tokens, spoil);
             let page = DSV4_PAGE_BYTES as usize;
             let mut dst_layers = layers;
             let mut dst_bytes = dp * page;
             match spoil {
-                Some("index out of range") => si[0] = (sp * tokens) as i64,
-                Some("duplicate destination") if di.len() > 1 => di[1] = di[0],
-                Some("duplicate destination") => di.push(di[0]),
                 Some("layer lists differ") => dst_layers = layers + 1,
                 Some("buffer too small") => dst_bytes = page - 1,
                 _ => {}
             }
-            si.resize(di.len(), 0);
             let bufs = Bufs::new(rng, &vec![sp * page; layers], &vec![dst_bytes; dst_layers]);
             let (s2, d2) = (si.clone(), di.clone());
             let bytes = (si.len() * layers) as u64 * (DSV4_VALUE_BYTES + DSV4_SCALE_BYTES);
@@ -121,17 +133,10 @@ fn draw(op: &str, rng: &mut Rng, spoil: Option<Spoil>) -> Drawn {
             let layer = rng.below(layers as u64) as usize;
             let (src_slots, dst_slots) = if load { (host_slots, dev_slots) } else { (dev_slots, host_slots) };
             let n = 1 + rng.below(dst_slots as u64) as usize;
-            let mut di = distinct(rng, n, dst_slots);
-            let mut si = any(rng, di.len(), src_slots);
+            let (si, di) = pairs(rng, n, src_slots, dst_slots, spoil);
             let ld = layers * item;
             let mut listed = layers;
             match spoil {
-                Some("index out of range") => di[0] = dst_slots as i64,
-                Some("duplicate destination") if di.len() > 1 => di[1] = di[0],
-                Some("duplicate destination") => {
-                    di.push(di[0]);
-                    si.push(0);
-                }
                 Some("misaligned size") => item += 8,
                 Some("layer lists differ") if !load => listed = layers + 1,
                 _ => {}
@@ -182,16 +187,9 @@ fn draw(op: &str, rng: &mut Rng, spoil: Option<Spoil>) -> Drawn {
             let (hp, dp) = (2 + rng.below(10) as usize, 2 + rng.below(10) as usize);
             let (dst_pages, src_pages) = if load { (dp, hp) } else { (hp, dp) };
             let n = 1 + rng.below(dst_pages as u64) as usize;
-            let mut d = distinct(rng, n, dst_pages);
-            let mut s = any(rng, d.len(), src_pages);
+            let (s, d) = pairs(rng, n, src_pages, dst_pages, spoil);
             let mut dev_layers = layers;
             match spoil {
-                Some("index out of range") => s[0] = src_pages as i64,
-                Some("duplicate destination") if d.len() > 1 => d[1] = d[0],
-                Some("duplicate destination") => {
-                    d.push(d[0]);
-                    s.push(0);
-                }
                 Some("misaligned size") => row += 64,
                 Some("layer lists differ") => dev_layers = layers + 1,
                 _ => {}

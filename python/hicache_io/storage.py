@@ -382,6 +382,14 @@ class _Layout:
             self.pool.forget_page_checksums(stale)
 
 
+def _check_inside(regions: Sequence[Any], ptrs: Sequence[Any], sizes: Sequence[Any], what: str) -> None:
+    """Raises unless every object ``(ptr, size)`` lies inside one ``(address, bytes)`` region."""
+    for ptr, size in zip(ptrs, sizes):
+        p, n = int(ptr), int(size)
+        if not any(a <= p and p + n <= a + length for a, length in regions):
+            raise ValueError(f"page object at {p:#x} ({n} bytes) lies outside {what}")
+
+
 def _sglang_indices(values: Any) -> Any:
     """Host indices as sglang's pools take them in ``get_page_buffer_meta``: a 1-D CPU int64
     torch tensor (they call ``.tolist()`` and ``.reshape`` on it)."""
@@ -423,10 +431,7 @@ class _SglangLayout:
         """sglang's pools compute addresses without checks: every object must lie inside the
         registered buffer."""
         ptrs, sizes = self.pool.get_page_buffer_meta(_sglang_indices(host_indices))
-        (start, length), = self.regions
-        for ptr, size in zip(ptrs, sizes):
-            if not (start <= int(ptr) and int(ptr) + int(size) <= start + length):
-                raise ValueError(f"page object at {int(ptr):#x} ({int(size)} bytes) lies outside the host pool")
+        _check_inside(self.regions, ptrs, sizes, "the host pool")
 
 
 class MooncakeStore(PoolsV2, HiCacheStorage):

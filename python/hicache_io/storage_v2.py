@@ -49,12 +49,6 @@ def _pool_name(name: Any) -> str:
     return str(getattr(name, "value", name))
 
 
-def _cpu_indices(values: Any) -> List[int]:
-    if hasattr(values, "detach"):
-        return [int(v) for v in values.detach().to("cpu").reshape(-1).tolist()]
-    return [int(v) for v in np.asarray(values, dtype=np.int64).reshape(-1)]
-
-
 class _SidecarPool:
     """One registered pool's page objects (sglang's pools: torch tensors; hicache-io's
     ``HostPool``: its host spans)."""
@@ -93,9 +87,9 @@ class _SidecarPool:
 
             ptrs, sizes = self.pool.get_page_buffer_meta(torch.tensor(idx, dtype=torch.int64))
             ptrs, sizes = [int(p) for p in ptrs], [int(s) for s in sizes]
-        for p, n in zip(ptrs, sizes):
-            if not any(a <= p and p + n <= a + length for a, length in self.regions):
-                raise ValueError(f"pool {self.name!r}: page object at {p:#x} ({n} bytes) lies outside the pool's buffers")
+        from .storage import _check_inside
+
+        _check_inside(self.regions, ptrs, sizes, f"pool {self.name!r}'s buffers")
         return ptrs, sizes
 
     def namespace(self, storage_config: Any, extra: Dict[str, Any]) -> Dict[str, Any]:
@@ -158,7 +152,7 @@ class PoolsV2:
             side = _SidecarPool(host_pool, name)
             trailers = self._v2_trailers
             if trailers is None or len(trailers) < STORAGE_BATCH_SIZE * side.per_page:
-                trailers = np.zeros((STORAGE_BATCH_SIZE * max(side.per_page, 4), 2), "<u8")
+                trailers = np.zeros((STORAGE_BATCH_SIZE * side.per_page, 2), "<u8")
             regions = side.regions + ([(trailers.ctypes.data, trailers.nbytes)] if trailers is not self._v2_trailers else [])
             done = self._register_all(regions)
             if trailers is not self._v2_trailers and self._v2_trailers is not None:
@@ -244,7 +238,7 @@ class PoolsV2:
         return self._v2_io(transfers, put=False, session_id=None)
 
     def _v2_io(self, transfers: List[Any], put: bool, session_id: Optional[str]) -> Dict[str, List[bool]]:
-        from .storage import REFUSED, STORAGE_BATCH_SIZE, StorageError
+        from .storage import REFUSED, STORAGE_BATCH_SIZE, StorageError, _host_list
 
         out: Dict[str, List[bool]] = {}
         for t in transfers:
@@ -256,7 +250,7 @@ class PoolsV2:
             with self._lock:
                 side = self._side(name)
                 try:
-                    idx = _cpu_indices(t.host_indices)
+                    idx = _host_list(t.host_indices).tolist()
                     if len(idx) != len(keys) * side.page:
                         raise ValueError(f"{len(keys)} pages need {len(keys) * side.page} host indices, got {len(idx)}")
                     if idx:

@@ -128,7 +128,7 @@ pub(super) fn check_unique(side: &'static str, dst: &[i64], hi: &[i64], di: &[i6
         return check_unique_sorted(side, dst, hi, di, unit);
     }
     seen.resize(words, 0);
-    // One pass, one branch a pair: the duplicate is looked for again only when there is one.
+    // One pass, one branch a pair: which entry repeats is looked for only when one does.
     let mut again = 0u64;
     for ((&d, &h), &x) in dst.iter().zip(hi).zip(di) {
         let live = (h | x) >= 0; // both non-negative
@@ -142,18 +142,8 @@ pub(super) fn check_unique(side: &'static str, dst: &[i64], hi: &[i64], di: &[i6
     if again == 0 {
         return Ok(());
     }
-    seen.iter_mut().for_each(|w| *w = 0);
-    for (i, &d) in dst.iter().enumerate() {
-        if hi[i] < 0 || di[i] < 0 {
-            continue;
-        }
-        let (w, b) = ((d as u64 / 64) as usize, d as u64 % 64);
-        if seen[w] & (1 << b) != 0 {
-            return Err(duplicate(side, dst, hi, di, i, unit));
-        }
-        seen[w] |= 1 << b;
-    }
-    Ok(())
+    // Rare: the sort names the same first repeat a scan in order would.
+    check_unique_sorted(side, dst, hi, di, unit)
 }
 
 pub(super) fn check_unique_sorted(side: &'static str, dst: &[i64], hi: &[i64], di: &[i64], unit: &'static str) -> Result<()> {

@@ -23,14 +23,8 @@ impl Footprint {
         if plan.is_empty() {
             return Footprint::default();
         }
-        let per_unit = if host.kind() == PoolKind::DsaIndexer { 1 } else { host.page_size().max(1) as i64 };
-        let pages = |v: &[i64]| {
-            let mut p: Vec<i64> = v.iter().filter(|&&x| x >= 0).map(|&x| x / per_unit).collect();
-            p.sort_unstable();
-            p.dedup();
-            p
-        };
-        Footprint { layers: plan.layers(), host: pages(&hi), device: pages(&di) }
+        let per_unit = if host.kind() == PoolKind::DsaIndexer { 1 } else { host.page_size() };
+        Footprint { layers: plan.layers(), host: page_set(&hi, per_unit), device: page_set(&di, per_unit) }
     }
 
     /// Whether the two calls touch the same bytes: a common layer and a common host or device
@@ -39,6 +33,15 @@ impl Footprint {
     pub(crate) fn conflicts(&self, other: &Footprint) -> bool {
         intersects(&self.layers, &other.layers) && (intersects(&self.host, &other.host) || intersects(&self.device, &other.device))
     }
+}
+
+/// The pages (`per_unit` entries a page) of a list's live entries, sorted and unique.
+fn page_set(list: &[i64], per_unit: u64) -> Vec<i64> {
+    let p = per_unit.max(1) as i64;
+    let mut pages: Vec<i64> = list.iter().filter(|&&x| x >= 0).map(|&x| x / p).collect();
+    pages.sort_unstable();
+    pages.dedup();
+    pages
 }
 
 /// Whether two sorted lists share an element.
@@ -72,11 +75,7 @@ impl Claim {
 
     /// Every layer of the pages starting at host tokens `indices` (`page_size` tokens a page).
     pub(crate) fn pages(indices: &[i64], page_size: u64, write: bool) -> Claim {
-        let p = page_size.max(1) as i64;
-        let mut pages: Vec<i64> = indices.iter().filter(|&&x| x >= 0).map(|&x| x / p).collect();
-        pages.sort_unstable();
-        pages.dedup();
-        Claim { layers: None, pages: Some(pages), write }
+        Claim { layers: None, pages: Some(page_set(indices, page_size)), write }
     }
 
     /// What `plan` (accepted for `req`) touches of the host pool (`.0`) and of the device pool

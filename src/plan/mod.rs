@@ -64,6 +64,19 @@ mod tests {
     use crate::geometry::{IoBackend, LayerMap, Layout, PoolKind, PoolPair, Profile};
 
     #[test]
+    fn a_repeated_destination_is_named_at_its_first_repeat() {
+        // Skipped pairs (-1) never count; the error names the earliest entry that repeats one
+        // before it, whichever value repeats first.
+        let hi = [0, 1, 2, 3, 4, -1, 6];
+        let di = [5, 7, 8, 7, 5, 8, 7];
+        match checks::check_unique("device", &di, &hi, &di, 16, "slots") {
+            Err(TransferError::DuplicateDestination { index: 7, first: 1, second: 3, .. }) => {}
+            other => panic!("{other:?}"),
+        }
+        assert!(checks::check_unique("device", &[5, 7, 8], &[0, 1, -1], &[5, 7, 8], 16, "slots").is_ok());
+    }
+
+    #[test]
     fn auto_default_rule_and_nearest_cells() {
         let t = AutoTable::DEFAULT;
         assert_eq!(t.choose(1, 128.0 as u64, 1.0), IoBackend::Kernel);

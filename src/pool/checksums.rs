@@ -218,6 +218,10 @@ impl HostPool<'_> {
     /// touching the checksums, as a fault in host memory would (tests and `hicache-io fuzz`
     /// use it to prove loads catch it).
     pub fn inject_host_corruption(&mut self, comp: usize, offset: u64, bytes: &[u8]) -> Result<()> {
+        self.corrupt_host(comp, offset, bytes)
+    }
+    /// [`HostPool::inject_host_corruption`] for callers holding the pool otherwise.
+    pub(super) fn corrupt_host(&self, comp: usize, offset: u64, bytes: &[u8]) -> Result<()> {
         let buf = self.buffer(comp)?;
         self.device.write(buf, offset, bytes)
     }

@@ -77,8 +77,13 @@ impl HostPool<'_> {
     /// page's item checksums (where the pool keeps them) are recomputed from the new bytes (see
     /// [`HostPool::set_from_flat_data_page_checked`] to verify them against the page's own).
     pub fn set_from_flat_data_page(&mut self, index: i64, data: &[u8]) -> Result<()> {
+        self.set_page(index, data)
+    }
+
+    /// [`HostPool::set_from_flat_data_page`] for callers holding the page otherwise.
+    pub(super) fn set_page(&self, index: i64, data: &[u8]) -> Result<()> {
         self.write_flat_page(index, data)?;
-        self.recompute_page_checksums(index)
+        self.record_page_checksums(index)
     }
 
     pub(super) fn write_flat_page(&self, index: i64, data: &[u8]) -> Result<()> {

@@ -220,8 +220,7 @@ impl SharedHostPool {
     /// [`HostPool::set_from_flat_data_page`].
     pub fn set_from_flat_data_page(&self, index: i64, data: &[u8]) -> Result<()> {
         let _held = self.pages(&[index], true);
-        self.pool.write_flat_page(index, data)?;
-        self.pool.record_page_checksums(index)
+        self.pool.set_page(index, data)
     }
     /// [`HostPool::set_from_flat_data_page_checked`].
     pub fn set_from_flat_data_page_checked(&self, index: i64, data: &[u8], checksums: &[Option<u64>]) -> Result<()> {
@@ -270,7 +269,7 @@ impl SharedHostPool {
     /// [`HostPool::inject_host_corruption`], after every call touching the pool.
     pub fn inject_host_corruption(&self, comp: usize, offset: u64, bytes: &[u8]) -> Result<()> {
         let _held = self.claims.admit(Claim::all(true));
-        self.pool.device.write(self.pool.buffer(comp)?, offset, bytes)
+        self.pool.corrupt_host(comp, offset, bytes)
     }
     /// [`HostPool::host_span`].
     pub fn host_span(&self, comp: usize) -> Result<Option<(u64, u64)>> {
