@@ -188,6 +188,8 @@ impl Fixture {
             for s in 0..g.buffer_count() {
                 dev.write_buffer(c, s, &noise(g.layer_bytes()))?;
             }
+        }
+        for c in 0..host.geometry().buffers() {
             host.write_buffer(c, &noise(host.geometry().buffer_bytes()))?;
         }
         let pick = |rng: &mut Rng| -> Vec<u64> {

@@ -48,10 +48,11 @@ pub fn random_case(cell: Cell, profile: Profile, rng: &mut Rng) -> Case {
         _ => rng.pick(&[1u64, 2, 4, 8, 16]),
     };
     let head_num = match cell.layout {
-        l if l.splits_heads() && large => rng.pick(&[1u64, 2]),
+        l if l.head_chunks(kind) && large => rng.pick(&[1u64, 2]),
         Layout::PageHead => rng.pick(&[1u64, 2, 4]),
         // Head groups: one (plain page_first_direct bytes) up to one per head of 8.
         Layout::PageFirstDirectHeadGroups => rng.pick(&[1u64, 2, 4, 8]),
+        Layout::PageUnified if kind == PoolKind::Mha => rng.pick(&[1u64, 2, 4, 8]),
         _ => 1,
     };
     let word = kernel_word(profile, &Capabilities::PORTABLE);
@@ -232,7 +233,8 @@ impl Mirrored {
         let comps = g.kind().components();
         let mut dev_bytes: Vec<Vec<Vec<u8>>> =
             (0..comps).map(|_| (0..g.buffer_count()).map(|_| vec![0u8; g.layer_bytes() as usize]).collect()).collect();
-        let mut host_bytes: Vec<Vec<u8>> = (0..comps).map(|_| vec![0u8; host.geometry().buffer_bytes() as usize]).collect();
+        let mut host_bytes: Vec<Vec<u8>> =
+            (0..host.geometry().buffers()).map(|_| vec![0u8; host.geometry().buffer_bytes() as usize]).collect();
         for (c, bufs) in dev_bytes.iter_mut().enumerate() {
             for (s, b) in bufs.iter_mut().enumerate() {
                 rng.fill(b);
@@ -276,7 +278,7 @@ impl Mirrored {
         self.dev.device().synchronize()?;
         for (c, want) in self.host_bytes.iter().enumerate() {
             if let Some(offset) = first_diff(&self.host.read_buffer(c)?, want) {
-                return Ok(Some((format!("host component {c}"), offset)));
+                return Ok(Some((format!("host buffer {c}"), offset)));
             }
         }
         for (c, bufs) in self.dev_bytes.iter().enumerate() {
@@ -338,7 +340,8 @@ impl Mirrored {
                     let want = summed.then(|| {
                         (0..heads).fold(0u64, |sum, h| {
                             let at = a.offset(u, h) as usize;
-                            sum.wrapping_add(crate::integrity::item_part(&self.host_bytes[c as usize][at..at + chunk], h, &keys))
+                            let buffer = &self.host_bytes[g.buffer_of(c) as usize];
+                            sum.wrapping_add(crate::integrity::item_part(&buffer[at..at + chunk], h, &keys))
                         })
                     });
                     let got = self.host.item_checksum(u, l, c)?;

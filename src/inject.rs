@@ -143,14 +143,14 @@ fn trial(device: &Device, cells: &[crate::plan::Cell], seed: u64, t: &mut Inject
     let layer = host_layers[rng.below(host_layers.len() as u64) as usize];
     let comp = rng.below(comps as u64) as u8;
     let read_item = |host: &HostPool, (u, l, c): Item| -> Result<Vec<u8>> {
-        let buf = host.read_buffer(c as usize)?;
+        let buf = host.read_buffer(hg.buffer_of(c) as usize)?;
         let a = hg.addr(c, l);
         Ok((0..heads).flat_map(|h| buf[a.offset(u, h) as usize..][..chunk as usize].to_vec()).collect())
     };
     let write_item = |host: &mut HostPool, (u, l, c): Item, bytes: &[u8]| -> Result<()> {
         let a = hg.addr(c, l);
         for h in 0..heads {
-            host.inject_host_corruption(c as usize, a.offset(u, h), &bytes[(h * chunk) as usize..][..chunk as usize])?;
+            host.inject_host_corruption(hg.buffer_of(c) as usize, a.offset(u, h), &bytes[(h * chunk) as usize..][..chunk as usize])?;
         }
         Ok(())
     };
@@ -167,9 +167,10 @@ fn trial(device: &Device, cells: &[crate::plan::Cell], seed: u64, t: &mut Inject
             mask[0] |= 1 << rng.below(8);
             let off = hg.addr(comp, layer).offset(u, h) + at;
             let mut now = vec![0u8; len as usize];
-            now.copy_from_slice(&host.read_buffer(comp as usize)?[off as usize..][..len as usize]);
+            let buffer = hg.buffer_of(comp) as usize;
+            now.copy_from_slice(&host.read_buffer(buffer)?[off as usize..][..len as usize]);
             let bad: Vec<u8> = now.iter().zip(&mask).map(|(a, m)| a ^ m).collect();
-            host.inject_host_corruption(comp as usize, off, &bad)?;
+            host.inject_host_corruption(buffer, off, &bad)?;
             [(u, layer, comp)].into()
         }
         1 => {
@@ -310,12 +311,13 @@ fn flat_offset(host: &HostPool<'static>, index: i64, item: usize, byte: u64) -> 
     let unit = (index as u64 / g.page_size()) * g.index_page_size() + s as u64;
     let (h, within) = (byte / g.chunk_bytes(), byte % g.chunk_bytes());
     let target = g.addr(c as u8, l as u64).offset(unit, h) + within;
-    // The flat page is component-major, each component the page's spans in order.
+    // The flat page is buffer-major, each buffer the page's spans in order.
     let mut at = 0usize;
     let page_spans = g.flat_page_spans(index as u64 / g.page_size());
-    let spans = (0..g.kind().components()).flat_map(|cc| page_spans.iter().map(move |&(off, len)| (cc, off, len)));
+    let spans = (0..g.buffers()).flat_map(|cc| page_spans.iter().map(move |&(off, len)| (cc, off, len)));
+    let buffer = g.buffer_of(c as u8) as usize;
     for (cc, off, len) in spans {
-        if cc == c && (off..off + len).contains(&target) {
+        if cc == buffer && (off..off + len).contains(&target) {
             return Ok(at + (target - off) as usize);
         }
         at += len as usize;

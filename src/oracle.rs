@@ -13,14 +13,15 @@ use crate::plan::Op;
 
 /// Host bytes per component buffer `[comp]`, device bytes `[comp][buffer]`.
 pub struct OracleBuffers<'a> {
-    /// Host component buffers.
+    /// Host buffers: one per component (page_unified: one).
     pub host: &'a mut [Vec<u8>],
     /// Device buffers, `[comp][slot]`.
     pub device: &'a mut [Vec<Vec<u8>>],
 }
 
-/// Host byte offset of (layer, unit, byte `b` of the item), from the layout shapes.
-fn host_byte(pair: &PoolPair, layer: u64, unit: u64, b: u64) -> u64 {
+/// Host byte offset of (component `c`, layer, unit, byte `b` of the item) in the component's
+/// host buffer (page_unified: the pool's one buffer), from the layout shapes.
+fn host_byte(pair: &PoolPair, c: u64, layer: u64, unit: u64, b: u64) -> u64 {
     let h = pair.host();
     let item = h.item_bytes();
     let l = h.layer_num();
@@ -54,6 +55,13 @@ fn host_byte(pair: &PoolPair, layer: u64, unit: u64, b: u64) -> u64 {
             let d = item / groups;
             let (group, within) = (b / d, b % d);
             ((((unit / p) * groups + group) * l + layer) * p + unit % p) * d + within
+        }
+        // MHA [pages][G][L][2][P][d] (one buffer, K before V); MLA [pages][L][1][P][item]
+        Layout::PageUnified => {
+            let (p, groups, comps) = (h.page_size(), h.head_num(), if h.kind() == PoolKind::Mha { 2 } else { 1 });
+            let d = item / groups;
+            let (group, within) = (b / d, b % d);
+            (((((unit / p) * groups + group) * l + layer) * comps + c) * p + unit % p) * d + within
         }
     }
 }
@@ -107,6 +115,8 @@ pub fn apply(pair: &PoolPair, op: Op, host_indices: &[i64], device_indices: &[i6
         host_indices.iter().copied().zip(device_indices.iter().copied()).collect()
     };
     let comps = if h.kind() == PoolKind::Mha { 2 } else { 1 };
+    // page_unified's one host buffer holds every component.
+    let hb = |c: usize| if h.layout() == Layout::PageUnified { 0 } else { c };
     let item = h.item_bytes();
     for (hu, du) in units {
         if hu < 0 || du < 0 {
@@ -115,11 +125,11 @@ pub fn apply(pair: &PoolPair, op: Op, host_indices: &[i64], device_indices: &[i6
         for &(hl, slot) in &layers {
             for c in 0..comps {
                 for b in 0..item {
-                    let ho = host_byte(pair, hl, hu as u64, b) as usize;
+                    let ho = host_byte(pair, c as u64, hl, hu as u64, b) as usize;
                     let dof = device_byte(pair, du as u64, b) as usize;
                     match op {
-                        Op::Load { .. } => bufs.device[c][slot][dof] = bufs.host[c][ho],
-                        Op::Backup | Op::BackupLayer { .. } => bufs.host[c][ho] = bufs.device[c][slot][dof],
+                        Op::Load { .. } => bufs.device[c][slot][dof] = bufs.host[hb(c)][ho],
+                        Op::Backup | Op::BackupLayer { .. } => bufs.host[hb(c)][ho] = bufs.device[c][slot][dof],
                     }
                 }
             }

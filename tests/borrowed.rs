@@ -10,7 +10,8 @@ use hicache_io::exec::{Buffer, ExecutorKind};
 use hicache_io::plan::Op;
 use hicache_io::{Device, DevicePool, HostPool, Profile, TransferError};
 
-/// Initial bytes for a case: `[comp][buffer]` device layers and `[comp]` host buffers.
+/// Initial bytes for a case: `[comp][buffer]` device layers and the host buffers (one per
+/// component; page_unified's one).
 fn contents(case: &Case) -> (Vec<Vec<Vec<u8>>>, Vec<Vec<u8>>) {
     let owned = DevicePool::new(&Device::cpu(), &case.device).unwrap();
     let host = HostPool::new(&owned, &case.host).unwrap();
@@ -18,7 +19,7 @@ fn contents(case: &Case) -> (Vec<Vec<Vec<u8>>>, Vec<Vec<u8>>) {
     let mut rng = Rng::new(case.seed);
     let comps = g.kind().components();
     let mut dev = vec![vec![vec![0u8; g.layer_bytes() as usize]; g.buffer_count()]; comps];
-    let mut hst = vec![vec![0u8; host.geometry().buffer_bytes() as usize]; comps];
+    let mut hst = vec![vec![0u8; host.geometry().buffer_bytes() as usize]; host.geometry().buffers()];
     dev.iter_mut().flatten().for_each(|b| rng.fill(b));
     hst.iter_mut().for_each(|b| rng.fill(b));
     (dev, hst)
@@ -50,7 +51,7 @@ fn run_owned(device: &Device, case: &Case) -> (Vec<Vec<Vec<u8>>>, Vec<Vec<u8>>) 
     apply(case, &mut host, &mut dev);
     let g = dev.geometry().clone();
     let d = (0..g.kind().components()).map(|c| (0..g.buffer_count()).map(|s| dev.read_buffer(c, s).unwrap()).collect()).collect();
-    let h = (0..g.kind().components()).map(|c| host.read_buffer(c).unwrap()).collect();
+    let h = (0..host.geometry().buffers()).map(|c| host.read_buffer(c).unwrap()).collect();
     (d, h)
 }
 
@@ -127,8 +128,10 @@ fn wgpu_engine_buffers_match_owned_pools() {
             let mut host = HostPool::from_buffers(&dev, &case.host, hosts).unwrap();
             apply(&case, &mut host, &mut dev);
             let g = dev.geometry().clone();
-            for c in 0..g.kind().components() {
+            for c in 0..host.geometry().buffers() {
                 assert!(host.read_buffer(c).unwrap() == want.1[c], "{cell}: host {c}");
+            }
+            for c in 0..g.kind().components() {
                 for s in 0..g.buffer_count() {
                     assert!(dev.read_buffer(c, s).unwrap() == want.0[c][s], "{cell}: device {c}/{s}");
                 }

@@ -9,6 +9,9 @@ const E1_PF: &str = "Unsupported layout: page_first";
 const E1_PFD: &str = "Unsupported layout: page_first_direct";
 const E1_PH: &str = "Unsupported layout: page_head";
 const E1_PFDHG: &str = "Unsupported layout: page_first_direct_hg";
+const E1_PU: &str = "Unsupported layout: page_unified";
+const MLA_SHARD_PU: &str = "Layer-sharded HiCache backup does not support layout: page_unified";
+const MLA_SHARD_DIRECT_PU: &str = "Layer-sharded direct HiCache backup only supports layer_first layout, got page_unified";
 const E2_KERNEL: &str = "Unsupported IO backend: kernel";
 const DSA_SHARD_PF: &str =
     "Layer-sharded DSA indexer HiCache backup with page_first layout is not supported without a per-layer LF->PF kernel.";
@@ -22,7 +25,7 @@ const MHA_SHARD: &str = "Layer-sharded HiCache backup is not supported for mha h
 
 /// (layout, kernel, direct) for load and non-sharded backup: the same for every pool except
 /// that page_head and page_first_direct_hg exist only for MHA (whose head-group-major pages move
-/// with the pfdhg kernels only).
+/// with the pfdhg kernels only), and page_unified for MHA and MLA (kernel io only).
 fn plain(kind: PoolKind) -> Vec<(Layout, &'static str, &'static str)> {
     let mha = kind == PoolKind::Mha;
     vec![
@@ -31,6 +34,7 @@ fn plain(kind: PoolKind) -> Vec<(Layout, &'static str, &'static str)> {
         (Layout::PageFirstDirect, E1_PFD, OK),
         (Layout::PageHead, if mha { OK } else { E1_PH }, E1_PH),
         (Layout::PageFirstDirectHeadGroups, if mha { OK } else { E1_PFDHG }, E1_PFDHG),
+        (Layout::PageUnified, if kind == PoolKind::DsaIndexer { E1_PU } else { OK }, E1_PU),
     ]
 }
 
@@ -45,6 +49,7 @@ fn sharded(kind: PoolKind, profile: Profile) -> Vec<(Layout, &'static str, &'sta
             (PageFirstDirect, MLA_SHARD_PFD, MLA_SHARD_DIRECT_PFD),
             (PageHead, E1_PH, E1_PH),
             (PageFirstDirectHeadGroups, E1_PFDHG, E1_PFDHG),
+            (PageUnified, MLA_SHARD_PU, MLA_SHARD_DIRECT_PU),
         ],
         (PoolKind::Mla, Profile::Extended) => vec![
             (LayerFirst, OK, OK),
@@ -52,6 +57,7 @@ fn sharded(kind: PoolKind, profile: Profile) -> Vec<(Layout, &'static str, &'sta
             (PageFirstDirect, MLA_SHARD_PFD, OK),
             (PageHead, E1_PH, E1_PH),
             (PageFirstDirectHeadGroups, E1_PFDHG, E1_PFDHG),
+            (PageUnified, OK, E1_PU),
         ],
         (PoolKind::DsaIndexer, Profile::Sglang) => vec![
             (LayerFirst, OK, OK),
@@ -59,6 +65,7 @@ fn sharded(kind: PoolKind, profile: Profile) -> Vec<(Layout, &'static str, &'sta
             (PageFirstDirect, E1_PFD, DSA_SHARD_DIRECT_PFD),
             (PageHead, E1_PH, E1_PH),
             (PageFirstDirectHeadGroups, E1_PFDHG, E1_PFDHG),
+            (PageUnified, E1_PU, E1_PU),
         ],
         (PoolKind::DsaIndexer, Profile::Extended) => plain(kind),
     }
@@ -98,7 +105,7 @@ fn every_cell_matches_the_reference_table() {
             }
         }
     }
-    assert_eq!(checked, 2 * 3 * 3 * 5 * 2);
+    assert_eq!(checked, 2 * 3 * 3 * 6 * 2);
 }
 
 #[test]

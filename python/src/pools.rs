@@ -300,7 +300,7 @@ impl PyHostPool {
     pub(crate) fn page_size(&self) -> u64 {
         self.pair.host().page_size()
     }
-    /// Heads (page_head) or head groups (page_first_direct_hg); 1 otherwise.
+    /// Heads (page_head) or head groups (page_first_direct_hg, MHA page_unified); 1 otherwise.
     #[getter]
     pub(crate) fn head_num(&self) -> u64 {
         self.pair.host().head_num()
@@ -310,10 +310,10 @@ impl PyHostPool {
     pub(crate) fn item_bytes(&self) -> u64 {
         self.pair.host().item_bytes()
     }
-    /// Component buffers: 2 (K, V) for MHA, 1 otherwise.
+    /// Host buffers: 2 (K, V) for MHA, 1 otherwise and for page_unified (K and V in one).
     #[getter]
     pub(crate) fn components(&self) -> usize {
-        self.pair.host().kind().components()
+        self.pair.host().buffers()
     }
     /// The executor's name (`cpu`, `wgpu`, `cuda`).
     #[getter]

@@ -10,6 +10,9 @@
 //! page_first         [slots][L][item]
 //! page_first_direct  [pages][L][P][item]
 //! page_head          [pages][H][P][L][D]      (MHA only)
+//! page_first_direct_hg [pages][HG][L][P][hg × D] (MHA only)
+//! page_unified       [pages][G][L][2][P][hg × D]  (MHA: one buffer, K and V inside;
+//!                    MLA: [pages][L][P][item]; not the DSA indexer)
 //! ```
 //! The device pool is always layer_first, one buffer per live layer (and per component).//!
 //! Rooms: here the names (pool kinds, layouts, io backends, profiles), `layers` (which layers a
@@ -95,6 +98,12 @@ pub enum Layout {
     /// another tensor-parallel degree fetches its heads in one piece. `HG = 1` is byte for byte
     /// page_first_direct. sglang's `transfer_kv_*_pfdhg*` ops move it.
     PageFirstDirectHeadGroups,
+    /// One buffer holding K and V, each page block `[G][L][2][P][hg × D]` (MHA: `G` head groups =
+    /// the pool's `head_num`, K before V inside each layer) or `[L][P][item]` (MLA: byte for byte
+    /// page_first_direct). A (page, head group) is one contiguous span holding both components of
+    /// every layer, and one component of a layer one run of `P × hg × D` bytes. sglang's
+    /// `transfer_hicache_*page_unified*` kernels move it.
+    PageUnified,
 }
 
 /// The name of [`Layout::PageFirstDirectHeadGroups`] (sglang's pools call it page_first_direct
@@ -103,8 +112,14 @@ pub const PAGE_FIRST_DIRECT_HG: &str = "page_first_direct_hg";
 
 impl Layout {
     /// Every layout.
-    pub const ALL: [Layout; 5] =
-        [Layout::LayerFirst, Layout::PageFirst, Layout::PageFirstDirect, Layout::PageHead, Layout::PageFirstDirectHeadGroups];
+    pub const ALL: [Layout; 6] = [
+        Layout::LayerFirst,
+        Layout::PageFirst,
+        Layout::PageFirstDirect,
+        Layout::PageHead,
+        Layout::PageFirstDirectHeadGroups,
+        Layout::PageUnified,
+    ];
     /// sglang's name.
     pub fn name(self) -> &'static str {
         match self {
@@ -113,6 +128,7 @@ impl Layout {
             Layout::PageFirstDirect => "page_first_direct",
             Layout::PageHead => "page_head",
             Layout::PageFirstDirectHeadGroups => PAGE_FIRST_DIRECT_HG,
+            Layout::PageUnified => "page_unified",
         }
     }
 }
@@ -122,6 +138,11 @@ impl Layout {
     /// page_first_direct_hg's head groups). Both exist for MHA only.
     pub fn splits_heads(self) -> bool {
         matches!(self, Layout::PageHead | Layout::PageFirstDirectHeadGroups)
+    }
+    /// Whether `kind`'s host item is split into `head_num` chunks in this layout: the
+    /// head-splitting layouts, and page_unified's head groups (MHA).
+    pub fn head_chunks(self, kind: PoolKind) -> bool {
+        self.splits_heads() || (self == Layout::PageUnified && kind == PoolKind::Mha)
     }
 }
 
@@ -258,6 +279,39 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// page_unified's load-back source formula, byte `(((((page·G + g)·L + l)·C + kv)·P + t)·g_bytes`
+    /// for component `kv` (C = 2 for MHA, in one buffer; 1 for MLA, where it is page_first_direct).
+    #[test]
+    fn page_unified_matches_the_load_back_formula() {
+        let (p, groups, l, item) = (4u64, 4u64, 3u64, 8 * 16 * 2);
+        let g = HostGeometry::new(PoolKind::Mha, Layout::PageUnified, p, 10, l, item, groups).unwrap();
+        let gb = item / groups;
+        assert_eq!((g.buffers(), g.chunk_bytes(), g.buffer_bytes()), (1, gb, 2 * g.slots() * l * item));
+        for slot in [0u64, 3, 5, 11] {
+            for layer in 0..l {
+                for kv in 0..2u8 {
+                    for group in 0..groups {
+                        let (page, t) = (slot / p, slot % p);
+                        let want = ((((page * groups + group) * l + layer) * 2 + kv as u64) * p + t) * gb;
+                        let a = g.addr(kv, layer);
+                        assert_eq!((a.buf(), a.offset(slot, group)), (BufRef::Host { comp: 0 }, want));
+                    }
+                }
+            }
+        }
+        let mla = HostGeometry::new(PoolKind::Mla, Layout::PageUnified, p, 10, l, 576, 4).unwrap();
+        let pfd = HostGeometry::new(PoolKind::Mla, Layout::PageFirstDirect, p, 10, l, 576, 1).unwrap();
+        assert_eq!(mla.head_num(), 1);
+        for layer in 0..l {
+            assert_eq!(mla.addr(0, layer).strides().1, pfd.addr(0, layer).strides().1);
+            for slot in [0u64, 3, 5, 11] {
+                assert_eq!(mla.addr(0, layer).offset(slot, 0), pfd.addr(0, layer).offset(slot, 0));
+            }
+        }
+        assert!(HostGeometry::new(PoolKind::DsaIndexer, Layout::PageUnified, p, 10, l, 8448, 1).is_err());
+        assert!(HostGeometry::new(PoolKind::Mha, Layout::PageUnified, p, 10, l, item, 3).is_err());
     }
 
     /// The head-group-major element formula: `((((p·HG + g)·L + l)·P + t)·hg + j)·D + e`.

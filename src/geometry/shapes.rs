@@ -230,10 +230,11 @@ impl HostGeometry {
         if layer_num == 0 || item_bytes == 0 {
             return Err(TransferError::InvalidConfig("layer_num and item_bytes must be positive".into()));
         }
-        if layout.splits_heads() {
-            if kind != PoolKind::Mha {
-                return Err(TransferError::UnsupportedLayout { layout: layout.name().into() });
-            }
+        // sglang defines page_unified for MHA and MLA pools only.
+        if (layout.splits_heads() && kind != PoolKind::Mha) || (layout == Layout::PageUnified && kind == PoolKind::DsaIndexer) {
+            return Err(TransferError::UnsupportedLayout { layout: layout.name().into() });
+        }
+        if layout.head_chunks(kind) {
             // The per-head (page_head) or per-group arithmetic is exact only when H (HG) divides
             // the item.
             if head_num == 0 || !item_bytes.is_multiple_of(head_num) {
@@ -251,7 +252,13 @@ impl HostGeometry {
         };
         let layout_dim = mul(item_bytes, layer_num, "host layout_dim (item × L)")?;
         let buffer_bytes = mul(slots, layout_dim, "host buffer bytes (slots × item × L)")?;
-        mul(buffer_bytes, kind.components() as u64, "host pool bytes")?;
+        // page_unified keeps every component in its one buffer.
+        let (buffer_bytes, buffers) = if layout == Layout::PageUnified {
+            (mul(buffer_bytes, kind.components() as u64, "host buffer bytes (× components)")?, 1)
+        } else {
+            (buffer_bytes, kind.components() as u64)
+        };
+        mul(buffer_bytes, buffers, "host pool bytes")?;
         Ok(HostGeometry {
             kind,
             layout,
@@ -259,7 +266,7 @@ impl HostGeometry {
             size,
             layer_num,
             item_bytes,
-            head_num: if layout.splits_heads() { head_num } else { 1 },
+            head_num: if layout.head_chunks(kind) { head_num } else { 1 },
             slots,
             buffer_bytes,
             padding: None,
@@ -284,7 +291,7 @@ impl HostGeometry {
         let pages = mul(self.page_num(), self.layer_num, "host pages (pages × L)")?;
         let whole = mul(pages - 1, padding.page_bytes, "host buffer bytes (pages × page bytes)")?;
         self.buffer_bytes = add(whole, used, "host buffer bytes")?;
-        mul(self.buffer_bytes, self.kind.components() as u64, "host pool bytes")?;
+        mul(self.buffer_bytes, self.buffers() as u64, "host pool bytes")?;
         self.padding = Some(padding);
         Ok(self)
     }
@@ -316,9 +323,26 @@ impl HostGeometry {
     pub fn item_bytes(&self) -> u64 {
         self.item_bytes
     }
-    /// `H` for page_head, `HG` for page_first_direct_hg (1 otherwise).
+    /// `H` for page_head, `HG` for page_first_direct_hg, `G` for MHA page_unified (1 otherwise).
     pub fn head_num(&self) -> u64 {
         self.head_num
+    }
+    /// Host buffers: one per component (K, V for MHA), or one for page_unified, which keeps
+    /// both components in it.
+    pub fn buffers(&self) -> usize {
+        if self.layout == Layout::PageUnified {
+            1
+        } else {
+            self.kind.components()
+        }
+    }
+    /// The buffer component `comp` lives in.
+    pub fn buffer_of(&self, comp: u8) -> u8 {
+        if self.layout == Layout::PageUnified {
+            0
+        } else {
+            comp
+        }
     }
     /// sglang's host `page_num`.
     pub fn page_num(&self) -> u64 {
@@ -333,7 +357,7 @@ impl HostGeometry {
     pub fn layout_dim(&self) -> u64 {
         self.item_bytes * self.layer_num
     }
-    /// Bytes of one component buffer.
+    /// Bytes of one host buffer (there are [`HostGeometry::buffers`] of them).
     pub fn buffer_bytes(&self) -> u64 {
         self.buffer_bytes
     }
@@ -386,13 +410,26 @@ impl HostGeometry {
                 let p = self.page_size;
                 Addr { buf, base: layer * p * d, page: p, page_stride: l * p * item, row_stride: d, head_stride: l * p * d }
             }
+            // One buffer, [pages][G][L][C][P][d]: C components, d = one head group's share.
+            Layout::PageUnified => {
+                let (p, c) = (self.page_size, self.kind.components() as u64);
+                Addr {
+                    buf: BufRef::Host { comp: 0 },
+                    base: (layer * c + comp as u64) * p * d,
+                    page: p,
+                    page_stride: c * l * p * item,
+                    row_stride: d,
+                    head_stride: c * l * p * d,
+                }
+            }
         }
     }
     /// The storage helpers' flat page `page` (index-granular) of one component, as byte spans
     /// `(offset, len)` in the order sglang flattens its slice:
     /// layer_first `[L][P][item]` (one span per layer), page_first `[P][L][item]`,
     /// page_first_direct `[L][P][item]`, page_head `[H][P][L][D]`, page_first_direct_hg
-    /// `[HG][L][P][hg × D]` (one span each). The DSA
+    /// `[HG][L][P][hg × D]` (one span each), page_unified `[G][L][C][P][hg × D]` (one span, in
+    /// its one buffer, holding every component). The DSA
     /// indexer's page is one slot, so every layout gives `[L][item]`.
     pub fn flat_page_spans(&self, page: u64) -> Vec<(u64, u64)> {
         let p = self.index_page_size();
@@ -405,7 +442,8 @@ impl HostGeometry {
                 (0..self.layer_num).map(|l| (l * self.slots * self.item_bytes + page * p * self.item_bytes, p * self.item_bytes)).collect()
             }
             _ => {
-                let len = p * self.layout_dim();
+                // page_unified's page holds every component.
+                let len = p * self.layout_dim() * (self.kind.components() / self.buffers()) as u64;
                 vec![(page * len, len)]
             }
         }

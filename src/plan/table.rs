@@ -100,6 +100,10 @@ pub(super) fn plain(kind: PoolKind, op: TableOp, layout: Layout, io: IoBackend) 
         (Load, Kernel, PageFirstDirectHeadGroups) if !mla => "transfer_kv_per_layer_pfdhg_lf",
         (Backup, Kernel, PageFirstDirectHeadGroups) if !mla => "transfer_kv_all_layer_lf_pfdhg",
         (Backup, Direct, PageFirstDirect) => "transfer_kv_all_layer_direct_lf_pf",
+        (Load, Kernel, PageUnified) => pick("transfer_hicache_one_layer_page_unified_lf", "transfer_hicache_one_layer_mla_page_unified_lf"),
+        (Backup, Kernel, PageUnified) => {
+            pick("transfer_hicache_all_layer_staged_lf_page_unified", "transfer_hicache_all_layer_mla_staged_lf_page_unified")
+        }
         (Load | Backup, Direct, LayerFirst) => "transfer_kv_direct",
         _ => return e1(layout),
     })
@@ -113,7 +117,7 @@ pub fn decide(profile: Profile, cell: Cell, item_bytes: u64, word: u64) -> Resul
     let Cell { kind, op, layout, io } = cell;
     let extended = profile == Profile::Extended;
     // The host pool cannot even be allocated with page_head (or head groups) unless it is MHA.
-    if layout.splits_heads() && kind != PoolKind::Mha {
+    if (layout.splits_heads() && kind != PoolKind::Mha) || (layout == PageUnified && kind == PoolKind::DsaIndexer) {
         return e1(layout);
     }
     // dsa.py: `use_kernel = io_backend == "kernel" and stride % 8 == 0`, else-branch raises.
@@ -129,6 +133,8 @@ pub fn decide(profile: Profile, cell: Cell, item_bytes: u64, word: u64) -> Resul
         (PoolKind::Mha, Kernel, LayerFirst) => ext("hicache-io: per-layer lf->lf"),
         (PoolKind::Mha, Kernel, PageHead) => ext("hicache-io: per-layer lf->ph"),
         (PoolKind::Mha, Kernel, PageFirstDirectHeadGroups) => ext("hicache-io: per-layer lf->pfdhg"),
+        (PoolKind::Mha, Kernel, PageUnified) => ext("hicache-io: per-layer lf->page_unified"),
+        (PoolKind::Mla, Kernel, PageUnified) if extended => ext("hicache-io: per-layer lf->page_unified (mla)"),
         (PoolKind::Mha, Direct, LayerFirst) => ext("hicache-io: per-layer transfer_kv_direct"),
         (_, Kernel, LayerFirst) => sg("transfer_kv_per_layer_mla"),
         (_, Direct, LayerFirst) => sg("transfer_kv_direct"),

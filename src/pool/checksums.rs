@@ -84,7 +84,7 @@ impl HostPool<'_> {
             .map(|&(unit, layer, comp)| {
                 let addr = g.addr(comp, layer);
                 (0..g.head_num()).try_fold(0u64, |sum, h| {
-                    let chunk = bytes.get(comp as usize, addr.offset(unit, h), g.chunk_bytes())?;
+                    let chunk = bytes.get(g.buffer_of(comp) as usize, addr.offset(unit, h), g.chunk_bytes())?;
                     Ok(sum.wrapping_add(integrity::item_part(chunk, h, keys)))
                 })
             })

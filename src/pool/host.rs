@@ -48,10 +48,10 @@ impl HostPool<'static> {
         let pair = PoolPair::new(device_pool.geometry.clone(), config.layout, config.size, config.head_num)?;
         let device = device_pool.device.clone();
         let host = pair.host();
-        let comps = host.kind().components() as u64;
-        check_budget("host pool", host.buffer_bytes().saturating_mul(comps), device.capabilities().max_host_pool_bytes)?;
+        let count = host.buffers() as u64;
+        check_budget("host pool", host.buffer_bytes().saturating_mul(count), device.capabilities().max_host_pool_bytes)?;
         let checksums = checksum_table_for(&device, &pair, config)?;
-        let buffers = (0..comps).map(|_| device.alloc_pool(host.buffer_bytes(), host.chunk_bytes(), true)).collect::<Result<Vec<_>>>()?;
+        let buffers = (0..count).map(|_| device.alloc_pool(host.buffer_bytes(), host.chunk_bytes(), true)).collect::<Result<Vec<_>>>()?;
         Ok(HostPool { pair: Arc::new(pair), profile: config.profile, device, buffers, checksums, _memory: PhantomData })
     }
 
@@ -91,7 +91,7 @@ impl<'m> HostPool<'m> {
         let pair = PoolPair::with_host_padding(device_pool.geometry.clone(), config.layout, config.size, config.head_num, padding)?;
         let device = device_pool.device.clone();
         let nested = vec![buffers];
-        check_wrapped(&device, &nested, 1, pair.host().kind().components(), pair.host().buffer_bytes(), "host buffer")?;
+        check_wrapped(&device, &nested, 1, pair.host().buffers(), pair.host().buffer_bytes(), "host buffer")?;
         let buffers = nested.into_iter().next().unwrap_or_default();
         let checksums = checksum_table_for(&device, &pair, config)?;
         Ok(HostPool { pair: Arc::new(pair), profile: config.profile, device, buffers, checksums, _memory: PhantomData })
@@ -301,14 +301,15 @@ impl<'m> HostPool<'m> {
         self.device.execute(plan, &self.bindings(device_pool, plan))
     }
 
-    /// Raw bytes of component `comp` (0 = K or the only buffer, 1 = V).
+    /// Raw bytes of host buffer `comp` (0 = K or the only buffer, 1 = V; page_unified has one,
+    /// holding K and V).
     pub fn read_buffer(&self, comp: usize) -> Result<Vec<u8>> {
         let buf = self.buffer(comp)?;
         let mut out = alloc_bytes("host buffer copy", self.pair.host().buffer_bytes())?;
         self.device.read(buf, 0, &mut out)?;
         Ok(out)
     }
-    /// Replaces the whole component buffer (`data` must be exactly its size). The pool's item
+    /// Replaces the whole host buffer `comp` (`data` must be exactly its size). The pool's item
     /// checksums are forgotten (loads read the new bytes as unverified until backed up again).
     pub fn write_buffer(&mut self, comp: usize, data: &[u8]) -> Result<()> {
         self.write_host_buffer(comp, data)

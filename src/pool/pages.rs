@@ -11,8 +11,9 @@
 //! | MHA | page_first_direct | `[L][P][item]` | K, V |
 //! | MHA | page_head | `[H][P][L][D]` | K, V |
 //! | MHA | page_first_direct_hg | `[HG][L][P][hg × D]` | K, V |
+//! | MHA | page_unified | `[G][L][2][P][hg × D]` (K and V inside) | one span |
 //! | MLA | layer_first | `[L][P][item]` | one span per layer |
-//! | MLA | page_first, page_first_direct | as MHA | one span |
+//! | MLA | page_first, page_first_direct, page_unified | as MHA | one span |
 //! | DSA | layer_first | `[L][item]` (one indexer page per layer) | `Unsupported layout: layer_first` |
 //! | DSA | page_first, page_first_direct | `[L][item]` | one span |
 //!
@@ -47,7 +48,7 @@ impl HostPool<'_> {
         }
         // Index-granular page: the DSA indexer's slots are pages already.
         let spans = g.flat_page_spans(page);
-        Ok((0..g.kind().components()).flat_map(|c| spans.iter().map(move |&(off, len)| (c, off, len))).collect())
+        Ok((0..g.buffers()).flat_map(|c| spans.iter().map(move |&(off, len)| (c, off, len))).collect())
     }
 
     /// Bytes of one flat page (every component).
@@ -112,7 +113,7 @@ impl HostPool<'_> {
         if g.kind() == PoolKind::DsaIndexer && g.layout() == Layout::LayerFirst {
             return Err(TransferError::UnsupportedLayout { layout: g.layout().name().into() });
         }
-        let comps = g.kind().components();
+        let comps = g.buffers();
         let mut out = Vec::new();
         for &first in indices.iter().step_by(p as usize) {
             let spans = self.flat_page(first)?;
@@ -143,7 +144,7 @@ impl HostPool<'_> {
     /// The pool's host memory as it is now, after its queued transfers (see [`HostBytes`]).
     pub(super) fn host_bytes(&self) -> Result<HostBytes<'_>> {
         self.device.wait_idle()?;
-        let spans = (0..self.pair.host().kind().components()).map(|c| self.host_span(c)).collect::<Result<_>>()?;
+        let spans = (0..self.pair.host().buffers()).map(|c| self.host_span(c)).collect::<Result<_>>()?;
         Ok(HostBytes { pool: self, spans, staged: Vec::new() })
     }
 }
