@@ -10,6 +10,11 @@ For each object size, a host pool whose page is one object of that size:
 registered pages, 128 pages per call as sglang batches them); ``mooncake`` is
 ``MooncakeDistributedStore.batch_put_from`` / ``batch_get_into`` on a registered numpy buffer
 holding the same pages, in the same batches. Fresh keys every round, median of the rounds.
+Then head-group objects of the unified key scheme (hicache_io.storage_unified): a TP=2 rank of a
+model with 8 kv heads, each page 8 objects of 32 KiB (one per kv head and component), moved in
+place from a ``page_first_direct_hg`` pool (one span an object) and a ``page_unified`` one (one
+span per layer) with Mooncake's scatter/gather calls, next to Mooncake's ``batch_put_from`` /
+``batch_get_into`` of as many objects of that size from one registered buffer.
 Then a layer-sharded DSA indexer backup (layers 2..6 of 8 and one MTP draft layer, page_first,
 what sglang refuses) into the host pool followed by ``batch_set_v1`` of its pages: the pipeline
 an engine runs, end to end.
@@ -30,6 +35,11 @@ import hicache_io
 from hicache_io.storage import STORAGE_BATCH_SIZE, HiCacheStorageConfig, LocalMaster, MooncakeStore
 
 
+#: The master's object lease: long enough for a cold batch of 1,024 objects (Mooncake fails a get
+#: whose lease runs out mid-transfer, -707), short enough to empty the store between rounds.
+LEASE_S = 0.5
+
+
 def median(xs):
     xs = sorted(xs)
     return xs[len(xs) // 2]
@@ -43,7 +53,7 @@ def timed(fn):
 
 def clear(store):
     """Empties the store between rounds (objects can be removed once their lease has run out)."""
-    time.sleep(0.15)
+    time.sleep(LEASE_S + 0.05)
     store.clear()
 
 
@@ -51,32 +61,35 @@ def page_tokens(pages, p):
     return np.concatenate([np.arange(q * p, (q + 1) * p) for q in pages]).astype(np.int64)
 
 
-def pool_for(kind, bytes_per_token, layers, page, pages):
+def pool_for(kind, bytes_per_token, layers, page, pages, layout="page_first", groups=1):
     dev = hicache_io.DevicePool(hicache_io.Device("cpu"), kind, bytes_per_token, pages if kind == "dsa" else pages * page, page, layers)
-    host = hicache_io.HostPool(dev, "page_first", pages * page, profile="extended")
+    host = hicache_io.HostPool(dev, layout, pages * page, head_num=groups, profile="extended")
     return dev, host
 
 
-def object_case(store, name, kind, bytes_per_token, layers, page, pages, rounds, integrity=True):
+def object_case(store, name, kind, bytes_per_token, layers, page, pages, rounds, integrity=True, layout="page_first", groups=1):
     store.integrity = integrity
-    dev, host = pool_for(kind, bytes_per_token, layers, page, pages)
+    dev, host = pool_for(kind, bytes_per_token, layers, page, pages, layout, groups)
     rng = np.random.default_rng(1)
     for c in range(host.components):
         host.write_buffer(c, rng.integers(0, 256, host.buffer_bytes, dtype=np.uint8))
     toks = page_tokens(range(pages), page)
     store.register_mem_pool_host(host)
-    obj = store._layout.obj_bytes
-    total = pages * obj
+    grid = store._grid  # the unified scheme's objects (head groups), else one object a page
+    obj = grid.object_bytes[0] if grid else store._layout.obj_bytes
+    per_page = len(grid.suffixes) if grid else 1
+    total = pages * per_page * obj
+    batch = STORAGE_BATCH_SIZE * per_page
     ours_put, ours_get, mc_put, mc_get = [], [], [], []
     try:
-        # The same bytes in a buffer registered for Mooncake's own calls.
-        raw = np.ascontiguousarray(host.read_buffer(0)[: total])
+        # As many bytes, in objects of the same size, in a buffer registered for Mooncake's own calls.
+        raw = rng.integers(0, 256, total, dtype=np.uint8)
         assert store.store.register_buffer(raw.ctypes.data, raw.nbytes) == 0
         out = np.zeros_like(raw)
         assert store.store.register_buffer(out.ctypes.data, out.nbytes) == 0
         for r in range(rounds):
             keys = [uuid.uuid4().hex for _ in range(pages)]
-            mkeys = [uuid.uuid4().hex for _ in range(pages)]
+            mkeys = [uuid.uuid4().hex for _ in range(pages * per_page)]
             results = {}
 
             def ours():
@@ -86,14 +99,14 @@ def object_case(store, name, kind, bytes_per_token, layers, page, pages, rounds,
                 clear(store)
 
             def put():
-                for a in range(0, pages, STORAGE_BATCH_SIZE):
-                    n = min(STORAGE_BATCH_SIZE, pages - a)
+                for a in range(0, len(mkeys), batch):
+                    n = min(batch, len(mkeys) - a)
                     rcs = store.store.batch_put_from(mkeys[a : a + n], [raw.ctypes.data + (a + j) * obj for j in range(n)], [obj] * n)
                     assert all(rc == 0 for rc in rcs), rcs[:4]
 
             def get():
-                for a in range(0, pages, STORAGE_BATCH_SIZE):
-                    n = min(STORAGE_BATCH_SIZE, pages - a)
+                for a in range(0, len(mkeys), batch):
+                    n = min(batch, len(mkeys) - a)
                     got = store.store.batch_get_into(mkeys[a : a + n], [out.ctypes.data + (a + j) * obj for j in range(n)], [obj] * n)
                     assert all(g == obj for g in got), got[:4]
 
@@ -114,7 +127,7 @@ def object_case(store, name, kind, bytes_per_token, layers, page, pages, rounds,
     gbs = lambda ts: total / median(ts) / 1e9  # noqa: E731
     store.integrity = True
     return {
-        "case": name, "object_bytes": obj, "pages": pages, "integrity": integrity,
+        "case": name, "object_bytes": obj, "pages": pages, "objects_per_page": per_page, "integrity": integrity,
         "put_gbs": gbs(ours_put), "get_gbs": gbs(ours_get),
         "mooncake_put_gbs": gbs(mc_put), "mooncake_get_gbs": gbs(mc_get),
     }
@@ -155,7 +168,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    with LocalMaster(lease_ms=100) as master:
+    with LocalMaster(lease_ms=int(LEASE_S * 1000)) as master:
         cfg = HiCacheStorageConfig(model_name="bench", extra_config={"master_server_address": master.address, "global_segment_size": 1 << 30, "local_buffer_size": 16 << 20})
         store = MooncakeStore(cfg, {})
         try:
@@ -167,13 +180,22 @@ def main():
             pipe = sharded_pipeline(store, args.rounds)
         finally:
             store.close()
+        # Unified keys: a TP=2 rank 0 of a model with 8 kv heads of 256 B (head dim 128, bf16), 8
+        # layers, 16-token pages; one object per (kv head, component): 32 KiB, 8 a page.
+        extra = dict(cfg.extra_config, hicache_io_key_scheme="unified", hicache_io_kv_heads=8, hicache_io_head_group=1)
+        store = MooncakeStore(HiCacheStorageConfig(model_name="bench", tp_rank=0, tp_size=2, extra_config=extra), {})
+        try:
+            for layout, spans, summed in (("page_first_direct_hg", "1 span", True), ("page_unified", "8 spans", True), ("page_first_direct_hg", "1 span, no sum", False)):
+                rows.append(object_case(store, f"head group, {spans}", "mha", 4 * 256, 8, 16, 256, args.rounds, integrity=summed, layout=layout, groups=4))
+        finally:
+            store.close()
     if args.json:
         print(json.dumps({"objects": rows, "pipeline": pipe}, indent=2))
         return
-    print(f"{'object':<24} {'bytes':>8} {'pages':>6} {'put GB/s':>9} {'mooncake':>9} {'ratio':>6} {'get GB/s':>9} {'mooncake':>9} {'ratio':>6}")
+    print(f"{'object':<24} {'bytes':>8} {'objects':>7} {'put GB/s':>9} {'mooncake':>9} {'ratio':>6} {'get GB/s':>9} {'mooncake':>9} {'ratio':>6}")
     for r in rows:
         print(
-            f"{r['case']:<24} {r['object_bytes']:>8} {r['pages']:>6} {r['put_gbs']:>9.2f} {r['mooncake_put_gbs']:>9.2f} {r['put_gbs'] / r['mooncake_put_gbs']:>6.2f}"
+            f"{r['case']:<24} {r['object_bytes']:>8} {r['pages'] * r['objects_per_page']:>7} {r['put_gbs']:>9.2f} {r['mooncake_put_gbs']:>9.2f} {r['put_gbs'] / r['mooncake_put_gbs']:>6.2f}"
             f" {r['get_gbs']:>9.2f} {r['mooncake_get_gbs']:>9.2f} {r['get_gbs'] / r['mooncake_get_gbs']:>6.2f}"
         )
     print(

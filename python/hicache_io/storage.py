@@ -87,6 +87,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from .storage_unified import KEY_SCHEMES, UnifiedKeys
 from .storage_v2 import PoolsV2
 
 logger = logging.getLogger(__name__)
@@ -154,6 +155,7 @@ MOONCAKE_ERRORS = {
     -600: "INVALID_PARAMS",
     -704: "OBJECT_NOT_FOUND",
     -706: "OBJECT_HAS_LEASE",
+    -707: "LEASE_EXPIRED (the object's lease ran out before the transfer completed)",
     -900: "RPC_FAIL (the master is unreachable)",
 }
 
@@ -434,7 +436,7 @@ class _SglangLayout:
         _check_inside(self.regions, ptrs, sizes, "the host pool")
 
 
-class MooncakeStore(PoolsV2, HiCacheStorage):
+class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
     """sglang's HiCache L3 storage over Mooncake Store, for hicache-io host pools (see the module
     docstring). ``MooncakeStore(storage_config, kwargs)`` is how sglang's ``dynamic`` backend
     constructs it; ``store=`` takes an already set-up ``MooncakeDistributedStore``."""
@@ -471,8 +473,14 @@ class MooncakeStore(PoolsV2, HiCacheStorage):
         # Whether the sglang-named objects under this prefix belong to another namespace.
         self._foreign = False
         self.integrity = bool(extra.get("hicache_io_integrity", True)) if integrity is None else integrity
+        scheme = str(extra.get("hicache_io_key_scheme", KEY_SCHEMES[0]))
+        if scheme not in KEY_SCHEMES:
+            raise ValueError(f"hicache_io_key_scheme {scheme!r}: expected one of {', '.join(KEY_SCHEMES)}")
+        # Topology-free keys (hicache_io.storage_unified): the registered pool's share of the grid.
+        self._unified = scheme == "unified"
+        self._grid: Any = None
         self._trailers: Optional[np.ndarray] = None
-        self.stats = {"verified": 0, "unverified": 0, "corrupt": 0, "damaged_puts": 0, "foreign": 0}
+        self.stats = {"verified": 0, "unverified": 0, "corrupt": 0, "damaged_puts": 0, "foreign": 0, "incompatible": 0}
         self.mem_pool_host: Any = None
         self._v2_init()
         self._registered: List[int] = []
@@ -500,6 +508,8 @@ class MooncakeStore(PoolsV2, HiCacheStorage):
         with self._lock:
             if self.mem_pool_host is not None:
                 raise RuntimeError("a host pool is already registered with this store; unregister it first")
+            if self._unified:
+                return self._register_unified(mem_pool_host)
             layout = mem_pool_host.layout
             ours = hasattr(mem_pool_host, "host_span")
             mla = mem_pool_host.kind != "mha" if ours else bool(getattr(self.storage_config, "is_mla_model", False))
@@ -592,7 +602,7 @@ class MooncakeStore(PoolsV2, HiCacheStorage):
             for addr in self._registered:
                 self.store.unregister_buffer(addr)
             self._registered, self._staging, self.mem_pool_host = [], None, None
-            self._layout, self._descriptor, self._trailers = None, None, None
+            self._layout, self._descriptor, self._trailers, self._grid = None, None, None, None
             self.namespace, self._foreign = None, False
 
     def _pool(self) -> Any:
@@ -607,7 +617,7 @@ class MooncakeStore(PoolsV2, HiCacheStorage):
         plain = pool.kind in ("mha", "mla") and (start, end) == (0, layer_num) and drafts == 0 and not any(skipped)
         if plain and (pool.layout == "page_first" or self._sglang_keys):
             return None
-        tag = {"page_first": "pf", "page_first_direct": "pfd", "page_head": f"ph{pool.head_num}", "page_first_direct_hg": f"pfdhg{pool.head_num}"}[pool.layout]
+        tag = {"page_first": "pf", "page_first_direct": "pfd", "page_head": f"ph{pool.head_num}", "page_first_direct_hg": f"pfdhg{pool.head_num}", "page_unified": f"pu{pool.head_num}"}[pool.layout]
         name = f"hio-{pool.kind}-{tag}-i{pool.item_bytes}-L{start}-{end}"
         gone = [str(i) for i in range(start, end) if skipped[i]]
         if gone:
@@ -627,9 +637,11 @@ class MooncakeStore(PoolsV2, HiCacheStorage):
         """Every object key of ``keys``' pages, page by page, K before V."""
         self._pool()
         lay = self._layout
+        prefix = f"{self.key_prefix}_" if self.key_prefix else ""
+        if self._grid is not None:
+            return self._grid.keys(prefix, keys)
         rank = self.mha_suffix if lay.kind == "mha" else self.mla_suffix
         middle = rank if self._descriptor is None else f"{rank}_{self._descriptor}"
-        prefix = f"{self.key_prefix}_" if self.key_prefix else ""
         tails = [f"_{middle}_{c}" for c in ("k", "v")[: lay.comps]]
         return [f"{prefix}{key}{tail}" for key in keys for tail in tails]
 
@@ -683,6 +695,9 @@ class MooncakeStore(PoolsV2, HiCacheStorage):
             if self._foreign:
                 self.stats["foreign"] += len(keys)
                 return [False] * len(keys)
+            if self._grid is not None and self._grid.missing:
+                self.stats["incompatible"] += len(keys)
+                return [False] * len(keys)
             out: List[bool] = []
             for ks, hi in self._batches(keys, idx):
                 out += per_batch(ks, hi)
@@ -696,7 +711,7 @@ class MooncakeStore(PoolsV2, HiCacheStorage):
     def batch_set_v1(self, keys: List[str], host_indices: Any, extra_info: Any = None) -> List[bool]:
         """Writes page ``i`` (host slots ``host_indices[i * P : (i + 1) * P]``) under ``keys[i]``;
         objects that exist already are left as they are and count as written."""
-        return self._paged("batch_set_v1", keys, host_indices, self._set_batch)
+        return self._paged("batch_set_v1", keys, host_indices, self._set_batch_unified if self._unified else self._set_batch)
 
     def _set_batch(self, keys: List[str], idx: Any) -> List[bool]:
         lay = self._layout
@@ -717,35 +732,15 @@ class MooncakeStore(PoolsV2, HiCacheStorage):
                     ok[j] = e == 1
                 self._stage_out(sorted({j // lay.comps for j in todo}), idx)
             if todo and self.integrity and getattr(self.mem_pool_host, "integrity", False):
-                # A page whose host bytes no longer match the item checksums its backup recorded
-                # is not put: a fault in host memory must not reach storage under a trailer of
-                # its own. The page reads as not written.
-                intact = self.mem_pool_host.pages_intact(idx)
-                damaged = sorted({j // lay.comps for j in todo if not intact[j // lay.comps]})
-                if damaged:
-                    self.stats["damaged_puts"] += len(damaged)
-                    logger.error("hicache-io L3: %d page(s) not put, their host bytes fail their checksums: %s", len(damaged), [keys[i] for i in damaged])
-                    todo = [j for j in todo if intact[j // lay.comps]]
+                todo = self._drop_damaged(keys, idx, todo, lay.comps)
             if todo and self._trailers is not None and self.integrity:
-                pick = np.asarray(todo, dtype=np.intp)
-                t = self._trailers
-                t[: len(todo), 0] = TRAILER_MAGIC
-                t[: len(todo), 1] = self._sums(obj_keys, idx, lay.zero_copy)[pick] ^ _name_tags(obj_keys)[pick]
-                base = t.ctypes.data
+                base = self._fill_trailers(obj_keys, self._sums(obj_keys, idx, lay.zero_copy), todo)
                 rcs = self.store.batch_put_from_multi_buffers(
                     [obj_keys[j] for j in todo], [[ptrs[j], base + 16 * n] for n, j in enumerate(todo)], [[size, 16]] * len(todo)
                 )
             else:
                 rcs = self.store.batch_put_from([obj_keys[j] for j in todo], [ptrs[j] for j in todo], [size] * len(todo)) if todo else []
-            if len(rcs) != len(todo):
-                raise StorageError("batch_put_from", REFUSED, keys, detail=f"{len(rcs)} answers for {len(todo)} objects")
-            bad = []
-            for j, rc in zip(todo, rcs):
-                ok[j] = rc == 0
-                if rc != 0:
-                    bad.append((obj_keys[j], rc))
-            if bad:
-                self._fail(StorageError("batch_put_from", bad[0][1], [k for k, _ in bad]))
+            self._put_results("batch_put_from", keys, obj_keys, todo, rcs, ok)
         except StorageError as e:
             ok = [False] * len(obj_keys)
             self._fail(e)
@@ -753,6 +748,38 @@ class MooncakeStore(PoolsV2, HiCacheStorage):
             ok = [False] * len(obj_keys)
             self._fail(StorageError("batch_set_v1", REFUSED, keys, detail=str(e)))
         return self._pages_ok(ok, len(keys))
+
+    def _drop_damaged(self, keys: List[str], idx: Any, todo: List[int], per: int) -> List[int]:
+        """``todo`` (object numbers, ``per`` a page) without the objects of pages whose host bytes
+        no longer match the item checksums their backup recorded: a fault in host memory must not
+        reach storage under a trailer of its own. Those pages read as not written."""
+        intact = self.mem_pool_host.pages_intact(idx)
+        damaged = sorted({j // per for j in todo if not intact[j // per]})
+        if damaged:
+            self.stats["damaged_puts"] += len(damaged)
+            logger.error("hicache-io L3: %d page(s) not put, their host bytes fail their checksums: %s", len(damaged), [keys[i] for i in damaged])
+        return [j for j in todo if intact[j // per]]
+
+    def _fill_trailers(self, obj_keys: List[str], sums: np.ndarray, todo: List[int]) -> int:
+        """Writes the trailers of objects ``todo`` (in that order) from their checksums ``sums``
+        (one per object of the batch); returns the trailers' address."""
+        pick = np.asarray(todo, dtype=np.intp)
+        t = self._trailers
+        t[: len(todo), 0] = TRAILER_MAGIC
+        t[: len(todo), 1] = sums[pick] ^ _name_tags(obj_keys)[pick]
+        return t.ctypes.data
+
+    def _put_results(self, what: str, keys: List[str], obj_keys: List[str], todo: List[int], rcs: Sequence[int], ok: List[bool]) -> None:
+        """Marks the objects ``todo`` written where Mooncake answered 0; keeps the first failure."""
+        if len(rcs) != len(todo):
+            raise StorageError(what, REFUSED, keys, detail=f"{len(rcs)} answers for {len(todo)} objects")
+        bad = []
+        for j, rc in zip(todo, rcs):
+            ok[j] = rc == 0
+            if rc != 0:
+                bad.append((obj_keys[j], rc))
+        if bad:
+            self._fail(StorageError(what, bad[0][1], [k for k, _ in bad]))
 
     def _sums(self, obj_keys: List[str], idx: Any, in_pool: bool) -> np.ndarray:
         """The checksum of each object of the batch: from the pool pages (zero copy), or from
@@ -767,7 +794,7 @@ class MooncakeStore(PoolsV2, HiCacheStorage):
     def batch_get_v1(self, keys: List[str], host_indices: Any, extra_info: Any = None) -> List[bool]:
         """Reads page ``keys[i]`` into host slots ``host_indices[i * P : (i + 1) * P]``; a page is
         ``True`` only when every object of it was read whole."""
-        return self._paged("batch_get_v1", keys, host_indices, self._get_batch)
+        return self._paged("batch_get_v1", keys, host_indices, self._get_batch_unified if self._unified else self._get_batch)
 
     def _get_batch(self, keys: List[str], idx: Any) -> List[bool]:
         lay = self._layout
@@ -824,7 +851,7 @@ class MooncakeStore(PoolsV2, HiCacheStorage):
             self._fail(StorageError("batch_get_into", code, [k for k, _ in bad]))
         if t is not None and self.integrity:
             try:
-                self._verify(obj_keys, idx, ok, unverified)
+                self._verify(obj_keys, self._sums(obj_keys, idx, lay.zero_copy), ok, unverified)
             except Exception as e:  # noqa: BLE001 - a checksum pass that failed: trust no page
                 ok = [False] * len(obj_keys)
                 self._fail(StorageError("batch_get_v1", INTEGRITY, keys, detail=f"could not verify: {e}"))
@@ -838,11 +865,10 @@ class MooncakeStore(PoolsV2, HiCacheStorage):
             lay.landed(idx, [p and v for p, v in zip(pages, trusted)])
         return pages
 
-    def _verify(self, obj_keys: List[str], idx: Any, ok: List[bool], unverified: List[bool]) -> None:
-        """Checks each object read whole against its trailer (the checksum of the bytes that
-        landed, bound to the object's key); a mismatch fails the object (and so its page)."""
-        lay, t = self._layout, self._trailers
-        sums = self._sums(obj_keys, idx, lay.zero_copy)
+    def _verify(self, obj_keys: List[str], sums: np.ndarray, ok: List[bool], unverified: List[bool]) -> None:
+        """Checks each object read whole against its trailer and ``sums``, the checksums of the
+        bytes that landed (bound to the object's key); a mismatch fails the object (and so its page)."""
+        t = self._trailers
         n = len(obj_keys)
         good = (t[:n, 0] == TRAILER_MAGIC) & (t[:n, 1] == (sums ^ _name_tags(obj_keys)))
         older = np.isin(t[:n, 0], np.asarray(OLD_TRAILER_MAGICS, dtype=np.uint64))
@@ -870,7 +896,7 @@ class MooncakeStore(PoolsV2, HiCacheStorage):
             return 0
         with self._lock:
             self._pool()
-            if self._foreign:
+            if self._foreign or (self._grid is not None and self._grid.missing):
                 return 0
             per = self._layout.comps
             obj_keys = self._object_keys(keys)

@@ -2,7 +2,7 @@
 
 use pyo3::prelude::*;
 
-use hicache_io::geometry::{DeviceGeometry, PoolPair};
+use hicache_io::geometry::{DeviceGeometry, PageShare, PoolPair, ShareSpans};
 use hicache_io::{
     Device, DevicePool, DevicePoolConfig, HostPoolConfig, IoBackend, LayerMap, Profile, SharedDevicePool, SharedHostPool, TransferError,
 };
@@ -333,6 +333,30 @@ impl PyHostPool {
     /// `synchronize()` before touching it.
     pub(crate) fn host_span(&self, comp: usize) -> PyResult<Option<(u64, u64)>> {
         self.inner.host_span(comp).py()
+    }
+    /// Where a share of the page of token slots `0..P` lies: component `comp`, host layers
+    /// `layers = (start, end)`, bytes `item_bytes = (start, end)` of each item, in the order
+    /// (layer, token, byte). Returns `([(buffer, offset, bytes)], shift)`: spans, adjacent ones
+    /// merged, and the byte shift from one page to the next.
+    pub(crate) fn page_share_spans(&self, comp: u8, layers: (u64, u64), item_bytes: (u64, u64)) -> PyResult<ShareSpans> {
+        self.pair.host().page_share_spans(PageShare { comp, layers, bytes: item_bytes }).py()
+    }
+    /// The integrity checksum of each share `(comp, layer start, layer end, byte start, byte
+    /// end)` of each page starting at `indices[0], indices[P], …` (per page, the shares in
+    /// order), as a `numpy.uint64` array; keys seeded by `seed` (the storage seed by default).
+    #[pyo3(signature = (indices, shares, seed = hicache_io::integrity::STORAGE_SEED))]
+    pub(crate) fn share_checksums<'py>(
+        &self,
+        py: Python<'py>,
+        indices: &Bound<'_, PyAny>,
+        shares: Vec<(u8, u64, u64, u64, u64)>,
+        seed: u64,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let idx = index_list(indices, "Host", Ctx { stream: None })?;
+        let shares: Vec<PageShare> =
+            shares.into_iter().map(|(comp, l0, l1, b0, b1)| PageShare { comp, layers: (l0, l1), bytes: (b0, b1) }).collect();
+        let sums = py.detach(|| self.inner.share_checksums(&idx, &shares, seed)).py()?;
+        u64_array(py, sums)
     }
     /// The integrity checksum of each span `get_page_buffer_meta(indices)` names (per page, K then
     /// V), as a `numpy.uint64` array; keys seeded by `seed` (the storage seed by default).

@@ -79,6 +79,8 @@ POOLS = [
     ("mha", "page_first_direct", 1, 256, 3, None, 0),
     ("mha", "page_head", 2, 256, 3, None, 0),
     ("mha", "page_first_direct_hg", 4, 256, 3, None, 0),
+    ("mha", "page_unified", 2, 256, 3, None, 0),
+    ("mla", "page_unified", 1, 576, 3, None, 0),
     ("mha", "page_first", 1, 128, 4, (1, 3), 0),
     ("mla", "page_first", 1, 576, 3, None, 0),
     ("mla", "page_first_direct", 1, 576, 3, None, 1),

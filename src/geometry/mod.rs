@@ -314,6 +314,55 @@ mod tests {
         assert!(HostGeometry::new(PoolKind::Mha, Layout::PageUnified, p, 10, l, item, 3).is_err());
     }
 
+    /// A page share's spans walk exactly the bytes (layer, token, byte) in order, for every MHA
+    /// layout and page; a head group of a head-group-major layout is one span (pfdhg) or one per
+    /// layer (page_unified).
+    #[test]
+    fn page_shares_walk_their_bytes_in_order() {
+        let (p, l, item, groups) = (4u64, 3u64, 8 * 16u64, 4u64);
+        for layout in Layout::ALL {
+            let g = HostGeometry::new(PoolKind::Mha, layout, p, 10, l, item, groups).unwrap();
+            for share in [
+                PageShare { comp: 1, layers: (0, l), bytes: (32, 64) },
+                PageShare { comp: 0, layers: (1, 3), bytes: (8, 72) },
+                PageShare { comp: 1, layers: (2, 3), bytes: (0, item) },
+            ] {
+                let (spans, shift) = g.page_share_spans(share).unwrap();
+                for page in [0u64, 2] {
+                    let walked: Vec<(usize, u64)> =
+                        spans.iter().flat_map(|&(buf, off, len)| (0..len).map(move |i| (buf, off + page * shift + i))).collect();
+                    let mut want = Vec::new();
+                    for layer in share.layers.0..share.layers.1 {
+                        let a = g.addr(share.comp, layer);
+                        for t in page * p..(page + 1) * p {
+                            for b in share.bytes.0..share.bytes.1 {
+                                want.push((g.buffer_of(share.comp) as usize, a.offset(t, b / g.chunk_bytes()) + b % g.chunk_bytes()));
+                            }
+                        }
+                    }
+                    assert_eq!(walked, want, "{layout} {share:?} page {page}");
+                }
+                if share.bytes == (32, 64) {
+                    let runs = match layout {
+                        Layout::PageFirstDirectHeadGroups => 1,
+                        Layout::PageUnified => l as usize,
+                        _ => spans.len(),
+                    };
+                    assert_eq!(spans.len(), runs, "{layout}");
+                }
+            }
+        }
+        let g = HostGeometry::new(PoolKind::Mha, Layout::PageUnified, p, 10, l, item, groups).unwrap();
+        for bad in [
+            PageShare { comp: 2, layers: (0, 1), bytes: (0, 8) },
+            PageShare { comp: 0, layers: (1, 1), bytes: (0, 8) },
+            PageShare { comp: 0, layers: (0, 4), bytes: (0, 8) },
+            PageShare { comp: 0, layers: (0, 1), bytes: (8, item + 1) },
+        ] {
+            assert!(g.page_share_spans(bad).is_err(), "{bad:?}");
+        }
+    }
+
     /// The head-group-major element formula: `((((p·HG + g)·L + l)·P + t)·hg + j)·D + e`.
     #[test]
     fn head_groups_match_the_element_formula() {

@@ -450,6 +450,72 @@ impl HostGeometry {
     }
 }
 
+/// Most spans one page share may be cut into ([`HostGeometry::page_share_spans`]).
+pub const MAX_SHARE_SPANS: u64 = 1 << 16;
+
+/// Where a page share lies: `(buffer, offset, bytes)` spans and the shift from one page to the next.
+pub type ShareSpans = (Vec<(usize, u64, u64)>, u64);
+
+/// A share of a host page, as a layout-free L3 object holds it: component `comp`'s host layers
+/// `layers.0..layers.1` and bytes `bytes.0..bytes.1` of each of their items (e.g. one head
+/// group's heads), in the order (layer, token of the page, byte).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PageShare {
+    /// Component (0 = K or the only one, 1 = V).
+    pub comp: u8,
+    /// Host layers `[start, end)`.
+    pub layers: (u64, u64),
+    /// Bytes `[start, end)` of each item.
+    pub bytes: (u64, u64),
+}
+
+impl HostGeometry {
+    /// Where `share` of the page of token slots `0..P` lies: `(buffer, offset, bytes)` spans in
+    /// the share's order, adjacent spans merged, and the byte shift from one page to the next
+    /// (page `k`'s spans are page 0's moved by `k × shift`). MHA and MLA pools without padded
+    /// pages; a share must be non-empty, inside the pool and cut into at most
+    /// [`MAX_SHARE_SPANS`] spans.
+    pub fn page_share_spans(&self, share: PageShare) -> Result<ShareSpans> {
+        let PageShare { comp, layers: (l0, l1), bytes: (b0, b1) } = share;
+        let bad = |what: String| Err(TransferError::InvalidConfig(format!("page share: {what}")));
+        if self.kind == PoolKind::DsaIndexer || self.padding.is_some() {
+            return bad(format!("{} {} pools with padded pages have no page shares", self.kind, self.layout));
+        }
+        if comp as usize >= self.kind.components() {
+            return bad(format!("component {comp} of a {} pool", self.kind));
+        }
+        if l0 >= l1 || l1 > self.layer_num || b0 >= b1 || b1 > self.item_bytes {
+            return bad(format!("layers {l0}..{l1} of {}, bytes {b0}..{b1} of {}", self.layer_num, self.item_bytes));
+        }
+        let (p, chunk) = (self.page_size, self.chunk_bytes());
+        let cuts = (b1 - 1) / chunk - b0 / chunk + 1;
+        let most = (l1 - l0).saturating_mul(p).saturating_mul(cuts);
+        if most > MAX_SHARE_SPANS {
+            return bad(format!("up to {most} spans (layers {l0}..{l1} × {p} tokens × {cuts} pieces), more than {MAX_SHARE_SPANS}"));
+        }
+        let buffer = self.buffer_of(comp) as usize;
+        let mut out: Vec<(usize, u64, u64)> = Vec::new();
+        for layer in l0..l1 {
+            let a = self.addr(comp, layer);
+            for t in 0..p {
+                let mut b = b0;
+                while b < b1 {
+                    let (head, within) = (b / chunk, b % chunk);
+                    let len = (chunk - within).min(b1 - b);
+                    let off = a.offset(t, head) + within;
+                    match out.last_mut() {
+                        Some(last) if last.1 + last.2 == off => last.2 += len,
+                        _ => out.push((buffer, off, len)),
+                    }
+                    b += len;
+                }
+            }
+        }
+        let a = self.addr(comp, 0);
+        Ok((out, a.offset(p, 0) - a.offset(0, 0)))
+    }
+}
+
 /// The geometry of one sglang-shaped pool pair, checked to belong together once.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PoolPair {

@@ -141,6 +141,41 @@ impl HostPool<'_> {
         meta.iter().map(|&(c, off, len)| Ok(crate::integrity::checksum(bytes.get(c, off, len)?, &keys))).collect()
     }
 
+    /// The [`crate::integrity`] checksum of each `shares` of each page whose first token is
+    /// `indices[0], indices[P], …` (per page, the shares in order; a share's bytes in its own
+    /// order, see [`crate::geometry::PageShare`]), keys seeded by `seed`: what an L3 store puts
+    /// beside objects that hold a share of a page. Reads as [`HostPool::object_checksums`] does.
+    pub fn share_checksums(&self, indices: &[i64], shares: &[crate::geometry::PageShare], seed: u64) -> Result<Vec<u64>> {
+        let g = self.pair.host();
+        let p = g.page_size();
+        if !(indices.len() as u64).is_multiple_of(p) {
+            return Err(TransferError::DirectCountNotPageMultiple { len: indices.len(), page_size: p });
+        }
+        let firsts: Vec<i64> = indices.iter().step_by(p as usize).copied().collect();
+        for &first in &firsts {
+            self.flat_page(first)?;
+        }
+        let spans = shares.iter().map(|&s| g.page_share_spans(s)).collect::<Result<Vec<_>>>()?;
+        let widest = spans.iter().map(|(v, _)| v.iter().map(|s| s.2).sum::<u64>()).max().unwrap_or(0);
+        let keys = crate::integrity::shared_keys(seed, crate::integrity::words(widest as usize))?;
+        let mut scratch = super::alloc_bytes("page share", widest)?;
+        let mut bytes = self.host_bytes()?;
+        let mut out = Vec::with_capacity(firsts.len() * shares.len());
+        for &first in &firsts {
+            let page = first as u64 / p;
+            for (template, shift) in &spans {
+                let mut at = 0usize;
+                for &(buffer, off, len) in template {
+                    let from = bytes.get(buffer, off + page * shift, len)?;
+                    scratch[at..at + len as usize].copy_from_slice(from);
+                    at += len as usize;
+                }
+                out.push(crate::integrity::checksum(&scratch[..at], &keys));
+            }
+        }
+        Ok(out)
+    }
+
     /// The pool's host memory as it is now, after its queued transfers (see [`HostBytes`]).
     pub(super) fn host_bytes(&self) -> Result<HostBytes<'_>> {
         self.device.wait_idle()?;

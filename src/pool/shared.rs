@@ -236,6 +236,11 @@ impl SharedHostPool {
         let _held = self.pages(indices, false);
         self.pool.object_checksums(indices, seed)
     }
+    /// [`HostPool::share_checksums`].
+    pub fn share_checksums(&self, indices: &[i64], shares: &[crate::geometry::PageShare], seed: u64) -> Result<Vec<u64>> {
+        let _held = self.pages(indices, false);
+        self.pool.share_checksums(indices, shares, seed)
+    }
     /// [`HostPool::pages_intact`].
     pub fn pages_intact(&self, indices: &[i64]) -> Result<Vec<bool>> {
         let _held = self.pages(indices, false);

@@ -1,0 +1,253 @@
+"""Topology-free L3 keys: one cache for every tensor-parallel shape.
+
+With ``extra_config["hicache_io_key_scheme"] = "unified"``, :class:`hicache_io.storage.MooncakeStore`
+stores each page as objects per (layer range, kv-head group, component) under keys that name no
+rank, no tp size and no host layout::
+
+    {prefix}_{page_hash}_u{digest}_L{a}-{b}[_H{g}]_{k|v}
+
+* ``L{a}-{b}``: model layers ``a`` to ``b - 1`` (global numbers; ``hicache_io_layer_ranges``, a
+  list of ``[a, b]`` tiling the pool's own layers in order, one range by default).
+* ``H{g}``: kv heads ``g·G`` to ``(g + 1)·G - 1`` of the model (``G`` =
+  ``hicache_io_head_group``, 1 by default). MHA only: an MLA page is the same on every rank, so
+  there is one copy, with no ``H``, only ``_k``.
+* The object holds that share of the page in the order (layer, token, head, head dim), whatever
+  the host layout, so a ``page_first_direct_hg`` or ``page_unified`` writer and a ``page_first``
+  reader share objects too. A head group of a ``page_first_direct_hg`` pool whose groups are the
+  grid's is one span of host memory, of a ``page_unified`` pool one span per layer; Mooncake's
+  scatter/gather calls (``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``) move
+  the spans in place, without staging.
+* ``u{digest}``: a 48-bit hash of what the bytes mean: format version, model, kv dtype, pool kind,
+  bytes per kv head row (MHA) or per token row (MLA), the model's kv heads and layers, the group
+  size, the page size and ``hicache_io_namespace``. A reader that differs in any of them asks
+  for other keys and gets misses.
+
+A rank's heads are ``tp_rank·H`` to ``(tp_rank + 1)·H - 1`` with ``H = hicache_io_kv_heads /
+tp_size`` (the storage config's ``tp_rank`` and ``tp_size``). A writer at tp size ``a`` and a
+reader at ``b`` address the same objects when both hold whole groups: ``G`` divides both ``H``.
+A rank whose heads cannot be cut into whole groups (``H % G != 0``) reads and writes nothing: every
+page is a miss (``integrity_stats()["incompatible"]`` counts them), never wrong bytes. A page is a
+hit only when every object of this rank's share exists (``batch_exists``) or was read whole and
+verified (``batch_get_v1``).
+
+Every object ends in the 16-byte checksum trailer of hicache-io's other objects, the checksum of
+the share's bytes in the object's order folded with a hash of the key: a get verifies it against
+the bytes that landed; an object that fails fails its page.
+
+Needs a hicache-io ``HostPool`` (MHA or MLA, no MTP draft or skipped layers: they lie outside the
+grid) whose memory lives in this process (the cpu executor, cuda's pinned pools); wgpu pools are
+refused. sglang 0.5.23's own pools have no head-group layout and keep its rank-suffixed keys.
+"""
+
+import hashlib
+import json
+import logging
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+#: The unified objects' format version (bound into the digest).
+UNIFIED_FORMAT = "hio-unified-v1"
+#: The key scheme option's values.
+KEY_SCHEMES = ("rank-suffix", "unified")
+
+
+def _layer_ranges(spec: Any, start: int, end: int) -> List[Tuple[int, int]]:
+    if spec is None:
+        return [(start, end)]
+    ranges = [(int(a), int(b)) for a, b in spec]
+    at = start
+    for a, b in ranges:
+        if a != at or b <= a:
+            raise ValueError(f"hicache_io_layer_ranges {ranges} must tile this pool's layers [{start}, {end}) in order, without gaps")
+        at = b
+    if at != end:
+        raise ValueError(f"hicache_io_layer_ranges {ranges} must tile this pool's layers [{start}, {end}) in order, without gaps")
+    return ranges
+
+
+class UnifiedGrid:
+    """One rank's share of the unified grid: its objects per page, where their bytes lie in the
+    host pool, and the namespace they belong to."""
+
+    def __init__(self, pool: Any, storage_config: Any, extra: Dict[str, Any]):
+        kind = pool.kind
+        if kind not in ("mha", "mla"):
+            raise ValueError(f"unified keys hold MHA and MLA pages; a {kind} pool keeps rank-suffixed keys")
+        layer_num, start, end, drafts, skipped = pool.layer_map
+        if drafts or any(skipped[start:end]):
+            raise ValueError("unified keys cover the model's own layers: MTP draft and skipped layers lie outside the grid (use hicache_io_key_scheme 'rank-suffix')")
+        bases = [pool.host_span(c) for c in range(pool.components)]
+        if any(b is None for b in bases):
+            raise ValueError("unified keys move page shares in place: this pool lives in executor buffers (wgpu); use the cpu or cuda executor")
+        item = pool.item_bytes
+        self.missing: Optional[str] = None
+        if kind == "mha":
+            if "hicache_io_kv_heads" not in extra:
+                raise ValueError('unified keys for an MHA pool need the model\'s kv head count: extra_config["hicache_io_kv_heads"]')
+            total = int(extra["hicache_io_kv_heads"])
+            tp_size, tp_rank = int(getattr(storage_config, "tp_size", 1)), int(getattr(storage_config, "tp_rank", 0))
+            if total <= 0 or total % tp_size or not 0 <= tp_rank < tp_size:
+                raise ValueError(f"{total} kv heads cannot be split evenly over tp_size {tp_size} (rank {tp_rank}); replicated kv heads are not supported by unified keys")
+            heads = total // tp_size
+            if item % heads:
+                raise ValueError(f"the pool's {item}-byte token rows are not {heads} whole kv heads")
+            head_bytes, first = item // heads, tp_rank * heads
+            group = int(extra.get("hicache_io_head_group", 1))
+            if group <= 0:
+                raise ValueError(f"hicache_io_head_group must be positive, got {group}")
+            if heads % group:
+                self.missing = f"this rank's kv heads {first}..{first + heads - 1} cannot be cut into groups of {group}"
+                groups: List[Tuple[Optional[int], int, int]] = []
+            else:
+                groups = [(first // group + j, j * group * head_bytes, (j + 1) * group * head_bytes) for j in range(heads // group)]
+            comps: Tuple[str, ...] = ("k", "v")
+            shape = {"head_bytes": head_bytes, "kv_heads": total, "head_group": group}
+        else:
+            groups, comps = [(None, 0, item)], ("k",)
+            shape = {"row_bytes": item}
+        dtype = extra.get("hicache_io_kv_dtype") or getattr(pool, "dtype", None)
+        self.namespace: Dict[str, Any] = {
+            "format": UNIFIED_FORMAT,
+            "model": getattr(storage_config, "model_name", None),
+            "kv_dtype": None if dtype is None else str(dtype).replace("torch.", ""),
+            "kind": kind,
+            **shape,
+            "layers": layer_num,
+            "page_size": pool.page_size,
+            "namespace": extra.get("hicache_io_namespace"),
+        }
+        record = json.dumps(self.namespace, sort_keys=True).encode()
+        self.digest = "u" + hashlib.blake2b(record, digest_size=6).hexdigest()
+        #: Per object of a page: key suffix, share ``(comp, layer start, layer end, byte start, byte end)``
+        #: (host layers), spans of page 0 as addresses, their sizes and the shift to the next page.
+        self.suffixes: List[str] = []
+        self.shares: List[Tuple[int, int, int, int, int]] = []
+        self._spans: List[Tuple[np.ndarray, List[int], int]] = []
+        for a, b in _layer_ranges(extra.get("hicache_io_layer_ranges"), start, end):
+            for g, lo, hi in groups:
+                for c, name in enumerate(comps):
+                    self.suffixes.append(f"L{a}-{b}" + ("" if g is None else f"_H{g}") + f"_{name}")
+                    share = (c, a - start, b - start, lo, hi)
+                    self.shares.append(share)
+                    spans, shift = pool.page_share_spans(c, (share[1], share[2]), (lo, hi))
+                    addrs = np.asarray([bases[buf][0] + off for buf, off, _ in spans], dtype=np.uint64)
+                    self._spans.append((addrs, [n for _, _, n in spans], shift))
+        self.object_bytes = [sum(sizes) for _, sizes, _ in self._spans]
+        self.regions = [b for b in bases if b[1] > 0]
+
+    def keys(self, prefix: str, page_keys: Sequence[str]) -> List[str]:
+        """Every object key of ``page_keys``' pages, page by page, in the grid's order."""
+        return [f"{prefix}{key}_{self.digest}_{s}" for key in page_keys for s in self.suffixes]
+
+    def buffers(self, pages: Sequence[int]) -> Tuple[List[List[int]], List[List[int]]]:
+        """Per object of each host page (page numbers), its spans' addresses and sizes."""
+        ptrs: List[List[int]] = []
+        sizes: List[List[int]] = []
+        for page in pages:
+            for addrs, lens, shift in self._spans:
+                ptrs.append((addrs + np.uint64(page * shift)).tolist())
+                sizes.append(lens)
+        return ptrs, sizes
+
+
+class UnifiedKeys:
+    """:class:`hicache_io.storage.MooncakeStore`'s unified key scheme (see the module docstring)."""
+
+    _grid: Optional[UnifiedGrid]
+
+    def _register_unified(self, pool: Any) -> None:
+        from .storage import STORAGE_BATCH_SIZE, _Layout
+
+        if not hasattr(pool, "host_span"):
+            raise ValueError("unified keys need a hicache-io HostPool (sglang 0.5.23's host pools have no head-group layout)")
+        grid = UnifiedGrid(pool, self.storage_config, self._extra)
+        lay = _Layout.__new__(_Layout)
+        lay.pool, lay.kind, lay.page, lay.zero_copy = pool, pool.kind, pool.page_size, True
+        lay.comps, lay.regions = max(1, len(grid.suffixes)), grid.regions
+        pool.synchronize()
+        trailers = np.zeros((STORAGE_BATCH_SIZE * lay.comps, 2), "<u8")
+        self._registered = self._register_all(list(grid.regions) + [(trailers.ctypes.data, trailers.nbytes)])
+        self._staging, self._layout, self.mem_pool_host = None, lay, pool
+        self._descriptor, self._trailers, self._grid = grid.digest, trailers, grid
+        self.namespace, self._foreign = grid.namespace, False
+        if grid.missing:
+            logger.warning("hicache-io L3 (unified keys): %s; every page reads and writes as a miss", grid.missing)
+
+    def _set_batch_unified(self, keys: List[str], idx: Any) -> List[bool]:
+        from .storage import REFUSED, StorageError
+
+        lay, grid, pool = self._layout, self._grid, self.mem_pool_host
+        obj_keys = self._object_keys(keys)
+        n = len(grid.suffixes)
+        ok = [False] * len(obj_keys)
+        try:
+            lay.synchronize()
+            todo = list(range(len(obj_keys)))
+            if self.integrity and getattr(pool, "integrity", False):
+                todo = self._drop_damaged(keys, idx, todo, n)
+            ptrs, sizes = grid.buffers([int(idx[i * lay.page]) // lay.page for i in range(len(keys))])
+            if todo and self.integrity:
+                sums = np.asarray(pool.share_checksums(idx, grid.shares), dtype="<u8")
+                base = self._fill_trailers(obj_keys, sums, todo)
+                bufs = [ptrs[j] + [base + 16 * m] for m, j in enumerate(todo)]
+                lens = [sizes[j] + [16] for j in todo]
+            else:
+                bufs, lens = [ptrs[j] for j in todo], [sizes[j] for j in todo]
+            rcs = self.store.batch_put_from_multi_buffers([obj_keys[j] for j in todo], bufs, lens) if todo else []
+            self._put_results("batch_put_from_multi_buffers", keys, obj_keys, todo, rcs, ok)
+        except StorageError as e:
+            ok = [False] * len(obj_keys)
+            self._fail(e)
+        except Exception as e:  # noqa: BLE001 - a checksum pass that failed: no page is written
+            ok = [False] * len(obj_keys)
+            self._fail(StorageError("batch_set_v1", REFUSED, keys, detail=str(e)))
+        return self._pages_ok(ok, len(keys))
+
+    def _get_batch_unified(self, keys: List[str], idx: Any) -> List[bool]:
+        from .storage import INTEGRITY, REFUSED, SHORT_READ, StorageError
+
+        lay, grid, pool, t = self._layout, self._grid, self.mem_pool_host, self._trailers
+        obj_keys = self._object_keys(keys)
+        n_obj = len(obj_keys)
+        ptrs, sizes = grid.buffers([int(idx[i * lay.page]) // lay.page for i in range(len(keys))])
+        whole = [grid.object_bytes[j % len(grid.suffixes)] for j in range(n_obj)]
+        tb = t.ctypes.data
+        t[:n_obj] = 0
+        with_sum = lambda js: self.store.batch_get_into_multi_buffers(  # noqa: E731
+            [obj_keys[j] for j in js], [ptrs[j] + [tb + 16 * j] for j in js], [sizes[j] + [16] for j in js]
+        )
+        plain = lambda js: self.store.batch_get_into_multi_buffers([obj_keys[j] for j in js], [ptrs[j] for j in js], [sizes[j] for j in js])  # noqa: E731
+        lay.synchronize()
+        first, other = (with_sum, plain) if self.integrity else (plain, with_sum)
+        got = list(first(list(range(n_obj))))
+        if len(got) != n_obj:
+            self._fail(StorageError("batch_get_into_multi_buffers", REFUSED, keys, detail=f"{len(got)} answers for {n_obj} objects"))
+            lay.landed(idx, [False] * len(keys))
+            return [False] * len(keys)
+        want = [w + 16 if self.integrity else w for w in whole]
+        ok = [g == w for g, w in zip(got, want)]
+        # Objects written the other way (with or without a trailer): Mooncake refuses buffers of
+        # another total size (-800); read them again the other way, unverified.
+        retry = [j for j, g in enumerate(got) if g == -800]
+        unverified = [not self.integrity] * n_obj
+        for j, g in zip(retry, other(retry) if retry else []):
+            if g == (whole[j] if self.integrity else whole[j] + 16):
+                got[j], ok[j], unverified[j] = g, True, True
+        bad = [(obj_keys[j], got[j]) for j in range(n_obj) if not ok[j]]
+        if bad:
+            self._fail(StorageError("batch_get_into_multi_buffers", bad[0][1] if bad[0][1] < 0 else SHORT_READ, [k for k, _ in bad]))
+        if self.integrity:
+            try:
+                sums = np.asarray(pool.share_checksums(idx, grid.shares), dtype="<u8")
+                self._verify(obj_keys, sums, ok, unverified)
+            except Exception as e:  # noqa: BLE001 - a checksum pass that failed: trust no page
+                ok = [False] * n_obj
+                self._fail(StorageError("batch_get_v1", INTEGRITY, keys, detail=f"could not verify: {e}"))
+        pages = self._pages_ok(ok, len(keys))
+        per = len(grid.suffixes)
+        trusted = [p and not any(unverified[i * per : (i + 1) * per]) for i, p in enumerate(pages)]
+        lay.landed(idx, trusted)
+        return pages

@@ -1,0 +1,262 @@
+"""One L3 cache for every tensor-parallel shape (``hicache_io_key_scheme = "unified"``), through a
+real Mooncake master on loopback: ranks of one TP size write pages that ranks of another read
+byte-exact, each rank in its own process (``examples/python/unified_l3.py``), MHA and MLA, host
+layouts differing between writer and reader; a reader whose heads cannot be cut into the stored
+groups, or that asks for another group size, gets misses; every object's trailer is verified and
+a replaced object fails its page; pipeline-parallel layer ranges; refusals before anything moves.
+
+Skips without Mooncake unless ``HICACHE_REQUIRE_MOONCAKE=1`` (CI sets it)."""
+
+import importlib.util
+import os
+import pathlib
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+try:
+    from mooncake.store import MooncakeDistributedStore  # noqa: F401
+except Exception as e:  # noqa: BLE001
+    if os.environ.get("HICACHE_REQUIRE_MOONCAKE") == "1":
+        raise
+    pytest.skip(f"Mooncake Store not installed ({e})", allow_module_level=True)
+
+import hicache_io  # noqa: E402
+from hicache_io.storage import INTEGRITY, HiCacheStorageConfig, LocalMaster, MooncakeStore  # noqa: E402
+
+EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "python" / "unified_l3.py"
+_spec = importlib.util.spec_from_file_location("unified_l3", EXAMPLE)
+ex = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ex)
+
+
+@pytest.fixture(scope="module")
+def master():
+    m = LocalMaster(lease_ms=200)  # short leases: an object can be replaced
+    yield m
+    m.stop()
+
+
+@pytest.fixture
+def model():
+    """A model name of the test's own: its objects are apart from every other test's."""
+    return f"unified/{uuid.uuid4().hex[:8]}"
+
+
+def run(master, model, kind, tp, r, action, pages, layout, groups=1, head_group=2):
+    return ex.Rank(master.address, kind, tp, r, action, pages, layout, groups, head_group, model=model)
+
+
+def read(*args, **kw):
+    r = run(*args, **kw)
+    r.stop()
+    return r.result
+
+
+def test_mha_pages_cross_tensor_parallel_shapes(master, model):
+    writers = []
+    try:
+        # TP=2 rank 0 holds heads 0..3 of 8 (page_unified, two head groups in its host pool).
+        w = run(master, model, "mha", 2, 0, "write", [0, 1, 2], "page_unified", groups=2)
+        writers.append(w)
+        assert w.result["written"] == [True] * 3
+        keys = w.result["keys"]
+        assert len(keys) == 4 and all("_L0-4_H" in k for k in keys)
+        assert sorted(k.rsplit("_", 2)[1] for k in keys) == ["H0", "H0", "H1", "H1"]  # groups 0, 1: heads 0..3
+        assert all(f"_{n}_" not in k.split("page0_")[1] for k in keys for n in ("0", "2"))  # no rank, no tp size
+
+        # TP=4 rank 1 holds heads 2..3: group 1 of rank 0's pages, read byte-exact (another layout).
+        r = read(master, model, "mha", 4, 1, "read", [0, 1, 2], "page_first_direct_hg")
+        assert r["exists"] == 3 and r["hits"] == [True] * 3 and r["exact"] == [True] * 3
+        assert r["objects"]["verified"] == 3 * 2 and r["objects"]["corrupt"] == 0
+        # Its loads verified every item: the store recorded the checksums of the bytes that landed.
+        assert r["host_items"]["verified"] > 0 and r["host_items"]["mismatched"] == 0 and r["host_items"]["unverified"] == 0
+
+        # TP=1 needs every head: groups 2 and 3 are missing until TP=2 rank 1 writes them.
+        assert read(master, model, "mha", 1, 0, "read", [0], "page_first")["hits"] == [False]
+        writers.append(run(master, model, "mha", 2, 1, "write", [0], "page_head", groups=4))
+        r = read(master, model, "mha", 1, 0, "read", [0], "page_first")
+        assert r["hits"] == [True] and r["exact"] == [True] and r["objects"]["verified"] == 8
+
+        # The other way round: TP=4 ranks 0 and 1 write, TP=2 rank 0 reads.
+        writers += [run(master, model, "mha", 4, t, "write", [5], "page_first_direct_hg", groups=2) for t in (0, 1)]
+        r = read(master, model, "mha", 2, 0, "read", [5], "page_first")
+        assert r["hits"] == [True] and r["exact"] == [True]
+    finally:
+        for w in writers:
+            w.stop()
+
+
+def test_readers_whose_groups_do_not_line_up_get_misses(master, model):
+    w = run(master, model, "mha", 2, 0, "write", [0, 1], "page_first_direct_hg", groups=2)
+    try:
+        # One kv head a rank: groups of 2 cannot be cut from it.
+        r = read(master, model, "mha", 8, 1, "read", [0, 1], "page_first")
+        assert r["hits"] == [False, False] and r["exists"] == 0 and r["objects"]["incompatible"] == 2
+        assert r["objects_per_page"] == 0
+        # Groups of 1 name other objects (another digest): misses, never bytes of another grid.
+        r = read(master, model, "mha", 4, 1, "read", [0, 1], "page_first", head_group=1)
+        assert r["hits"] == [False, False] and r["exists"] == 0 and r["objects"]["incompatible"] == 0
+        assert r["keys"][0].split("_")[2] != w.result["keys"][0].split("_")[2]
+        # The same grid still reads.
+        assert read(master, model, "mha", 4, 1, "read", [0, 1], "page_first")["exact"] == [True, True]
+    finally:
+        w.stop()
+
+
+def test_mla_pages_are_one_copy_for_every_rank(master, model):
+    w = run(master, model, "mla", 2, 0, "write", [0, 1], "page_unified")
+    try:
+        assert w.result["keys"] == [f"{model.replace('/', '-')}_page0_{w.result['keys'][0].split('_')[2]}_L0-4_k"]
+        for tp, r in ((4, 3), (1, 0)):
+            got = read(master, model, "mla", tp, r, "read", [0, 1], "page_first")
+            assert got["hits"] == [True, True] and got["exact"] == [True, True] and got["objects"]["verified"] == 2
+    finally:
+        w.stop()
+
+
+# ---- in one process: integrity, layer ranges, refusals ---------------------------------------
+
+
+def store_for(master, model, tp=1, rank=0, kv_heads=4, **extra):
+    cfg = {
+        "master_server_address": master.address,
+        "global_segment_size": 64 << 20,
+        "local_buffer_size": 4 << 20,
+        "protocol": "tcp",
+        "metadata_server": "P2PHANDSHAKE",
+        "local_hostname": "127.0.0.1",
+        "hicache_io_key_scheme": "unified",
+        **({} if kv_heads is None else {"hicache_io_kv_heads": kv_heads}),
+        **extra,
+    }
+    return MooncakeStore(HiCacheStorageConfig(tp_rank=rank, tp_size=tp, model_name=model, extra_config=cfg), {})
+
+
+def layer_bytes(seed, comp, layer, n):
+    """Device layer ``layer``'s bytes (model numbering), the same in every pool of ``seed``."""
+    return np.random.default_rng([seed, comp, layer]).integers(0, 256, n, dtype=np.uint8)
+
+
+def pools(executor="cpu", layout="page_unified", groups=2, shard=None, drafts=0, layers=4, item=4 * 32, seed=0):
+    dev = hicache_io.DevicePool(hicache_io.Device(executor), "mha", item, 16, 4, layers, layer_shard=shard, drafts=drafts)
+    first = shard[0] if shard else 0
+    for c in range(2):
+        for b in range(dev.buffer_count):
+            dev.write_buffer(c, b, layer_bytes(seed, c, first + b, dev.slots * dev.item_bytes))
+    host = hicache_io.HostPool(dev, layout, 16, head_num=groups, profile="extended")
+    host.backup_from_device_all_layer(dev, np.arange(16), np.arange(16), "kernel")
+    return dev, host
+
+
+def test_a_replaced_object_fails_its_page(master, model):
+    dev, host = pools()
+    s = store_for(master, model)
+    try:
+        s.register_mem_pool_host(host)
+        keys = ["a", "b"]
+        assert s.batch_set_v1(keys, np.arange(8)) == [True, True]
+        victim = s.object_keys("b")[3]
+        size = len(s.get(victim))
+        deadline = time.time() + 10
+        while s.store.remove(victim) != 0:  # -706 while the put's lease lasts
+            assert time.time() < deadline
+            time.sleep(0.05)
+        assert s.store.put(victim, bytes(size)) == 0  # same size, other bytes, no valid trailer
+        before = host.read_buffer(0)
+        assert s.batch_get_v1(keys, np.arange(8, 16)) == [True, False]
+        assert s.last_error.code == INTEGRITY and s.integrity_stats()["corrupt"] == 1
+        after = host.read_buffer(0)
+        # Page "a" landed in slots 8..11 as it was in slots 0..3: the same bytes where page 0 and
+        # page 2 of the page_unified buffer lie.
+        page = host.get_page_buffer_meta(list(range(4)))[0][2]
+        assert np.array_equal(after[2 * page : 3 * page], before[:page])
+    finally:
+        s.close()
+
+
+def executors():
+    out = ["cpu"]
+    try:
+        hicache_io.Device("cuda")  # a GPU, or the simulated driver (scripts/cuda-sim.sh)
+        out.append("cuda")
+    except Exception:  # noqa: BLE001 - no CUDA here
+        pass
+    return out
+
+
+@pytest.mark.parametrize("executor", executors())
+def test_layer_ranges_let_pipeline_shapes_share(master, model, executor):
+    """Two pipeline stages (layers 0..1 and 2..3) write; one rank holding all four layers reads
+    with the same ranges (cuda: pinned host pools, in place)."""
+    stages = []
+    try:
+        for shard in ((0, 2), (2, 4)):
+            dev, host = pools(executor, shard=shard, seed=7)
+            s = store_for(master, model)
+            s.register_mem_pool_host(host)
+            assert s.batch_set_v1(["p"], np.arange(4)) == [True]
+            assert s.object_keys("p")[0].endswith(f"_L{shard[0]}-{shard[1]}_H0_k")
+            stages.append((s, dev, host))
+        dev, host = pools(executor, layout="page_first", groups=1, seed=99)
+        s = store_for(master, model, hicache_io_layer_ranges=[[0, 2], [2, 4]])
+        try:
+            s.register_mem_pool_host(host)
+            assert s.batch_get_v1(["p"], np.arange(4, 8)) == [True]
+            for layer in range(4):
+                host.load_to_device_per_layer(dev, np.arange(4, 8), np.arange(4), layer, "kernel")
+            for c in range(2):
+                for layer in range(4):
+                    assert np.array_equal(dev.read_buffer(c, layer)[: 4 * 128], layer_bytes(7, c, layer, 16 * 128)[: 4 * 128])
+        finally:
+            s.close()
+    finally:
+        for s, _, _ in stages:
+            s.close()
+
+
+@pytest.mark.parametrize(
+    "extra, build, message",
+    [
+        ({"hicache_io_key_scheme": "rank"}, None, "hicache_io_key_scheme"),
+        ({"kv_heads": None}, {}, "hicache_io_kv_heads"),
+        ({"kv_heads": 3, "tp": 2}, {}, "cannot be split evenly"),
+        ({"kv_heads": 3}, {}, "whole kv heads"),
+        ({"hicache_io_layer_ranges": [[0, 3]]}, {}, "must tile"),
+        ({"hicache_io_layer_ranges": [[0, 2], [3, 4]]}, {}, "must tile"),
+        ({}, {"drafts": 1}, "draft"),
+        ({"hicache_io_head_group": 0}, {}, "positive"),
+    ],
+)
+def test_refusals(master, model, extra, build, message):
+    extra = dict(extra)
+    tp = extra.pop("tp", 1)
+    if build is None:
+        with pytest.raises(ValueError, match=message):
+            store_for(master, model, tp=tp, **extra)
+        return
+    s = store_for(master, model, tp=tp, **extra)
+    try:
+        dev, host = pools(**build)
+        with pytest.raises(ValueError, match=message):
+            s.register_mem_pool_host(host)
+        assert s.mem_pool_host is None and s._grid is None
+    finally:
+        s.close()
+
+
+def test_wgpu_pools_are_refused(master, model):
+    try:
+        dev, host = pools(executor="wgpu")
+    except Exception:  # noqa: BLE001
+        if os.environ.get("CI"):
+            raise
+        pytest.skip("no wgpu adapter")
+    s = store_for(master, model)
+    try:
+        with pytest.raises(ValueError, match="wgpu"):
+            s.register_mem_pool_host(host)
+    finally:
+        s.close()
