@@ -50,6 +50,11 @@ __all__ = [
     "transfer_hicache_all_layer_mla",
     "transfer_hicache_all_layer_staged_lf_pf",
     "transfer_hicache_all_layer_mla_staged_lf_pf",
+    "can_use_page_unified_load_back_jit_kernel",
+    "transfer_hicache_one_layer_page_unified_lf",
+    "transfer_hicache_one_layer_mla_page_unified_lf",
+    "transfer_hicache_all_layer_staged_lf_page_unified",
+    "transfer_hicache_all_layer_mla_staged_lf_page_unified",
 ]
 
 # sglang 0.5.23's module constants (CUDA values), for code that reads them.
@@ -484,3 +489,103 @@ def transfer_hicache_all_layer_mla_staged_lf_pf(ptr_src: Any, src_indices: Any, 
     si, di = _whole_pages(src_indices, page_size), _whole_pages(dst_indices, page_size)
     si, di = _beside(si, di), _beside(di, si)
     kvcacheio.transfer_kv_all_layer_mla_lf_pf(ptr_src, dst, si, di, item, layers * item, layers, block_quota=quota)
+
+
+# ---- page_unified: one host buffer, K and V inside each layer ------------------------------
+# MHA pages (pages, G, L, 2, P, H/G, D), MLA pages (pages, L, P, D); sglang 0.5.23 defines these
+# entry points but no pool calls them yet.
+
+
+def can_use_page_unified_load_back_jit_kernel(*, group_bytes: int, block_quota: Optional[int] = None) -> bool:
+    """sglang's gate of its page_unified load-back kernel: head-group rows of a positive multiple
+    of 16 bytes (hicache-io moves any size; the answer is sglang's, so pools choose as they would)."""
+    if block_quota is not None and block_quota < 0:
+        raise RuntimeError(f"HiCache page_unified: block_quota must be positive, got {block_quota}")
+    return group_bytes > 0 and group_bytes % 16 == 0
+
+
+def _unified_shape(host: Any, mla: bool, what: str) -> Tuple[int, int, int, int, int]:
+    """(groups, layers, page size, row bytes of one token and layer, bytes per element) of a
+    page_unified host (or staging) array."""
+    shape, _, size, _ = _layout(host)
+    if mla:
+        if len(shape) != 4:
+            raise RuntimeError(f"HiCache page_unified: {what} must be (pages, layers, page_size, dim), got shape {shape}")
+        return 1, shape[1], shape[2], shape[3] * size, size
+    if len(shape) != 7 or shape[3] != 2:
+        raise RuntimeError(f"HiCache page_unified: {what} must be (pages, groups, layers, 2, page_size, heads / groups, head_dim), got shape {shape}")
+    return shape[1], shape[2], shape[4], shape[1] * shape[5] * shape[6] * size, size
+
+
+def _flat(host: Any) -> Any:
+    """A contiguous host array as one dimension (what the kvcacheio ops take)."""
+    return host.reshape(-1)
+
+
+def transfer_hicache_one_layer_page_unified_lf(k_cache_dst: Any, v_cache_dst: Any, src: Any, src_indices: Any, dst_indices: Any, layer_id: int, *, block_quota: Optional[int] = None) -> None:
+    """Layer ``layer_id`` of a page_unified host buffer ``src`` (``(pages, G, L, 2, P, H/G, D)``)
+    into the device layers ``k_cache_dst`` / ``v_cache_dst`` (rows of ``H × D``): host token
+    ``src_indices[i]`` (page ``i // P``) to device row ``dst_indices[i]``."""
+    quota = _tuning(None, block_quota)
+    _same_dtype("HiCache page_unified", k_cache_dst, v_cache_dst, src)
+    groups, layers, page, item, size = _unified_shape(src, False, "src")
+    kd, vd = _Cache(k_cache_dst, item // size, "k_cache_dst"), _Cache(v_cache_dst, item // size, "v_cache_dst")
+    si, di = _indices(src_indices), _indices(dst_indices)
+    si, di = _beside(si, di), _beside(di, si)
+    kvcacheio.transfer_kv_per_layer_pu_lf(_flat(src), kd.view, vd.view, si, di, layer_id, item, item * layers, page, groups, block_quota=quota)
+
+
+def transfer_hicache_one_layer_mla_page_unified_lf(cache_dst: Any, src: Any, src_indices: Any, dst_indices: Any, layer_id: int, *, block_quota: Optional[int] = None) -> None:
+    """:func:`transfer_hicache_one_layer_page_unified_lf` for MLA: ``src`` is ``(pages, L, P, D)``."""
+    quota = _tuning(None, block_quota)
+    _same_dtype("HiCache page_unified", cache_dst, src)
+    _, layers, page, item, size = _unified_shape(src, True, "src")
+    cd = _Cache(cache_dst, item // size, "cache_dst")
+    si, di = _indices(src_indices), _indices(dst_indices)
+    si, di = _beside(si, di), _beside(di, si)
+    kvcacheio.transfer_kv_per_layer_mla_pu_lf(_flat(src), cd.view, si, di, layer_id, item, item * layers, page, block_quota=quota)
+
+
+def _unified_write_back(src_pages: Any, dst_pages: Any, staging: Any, dst: Any, mla: bool) -> Tuple[Any, Any, int, int, int, int]:
+    """sglang's page_unified write-back checks; returns (device rows, host rows, groups, layers,
+    page size, row bytes). ``staging`` is checked as sglang checks it and left untouched."""
+    groups, layers, page, item, size = _unified_shape(dst, mla, "dst")
+    sg = _unified_shape(staging, mla, "staging")
+    if sg[:4] != (groups, layers, page, item) or sg[4] != size or _dtype(staging) != _dtype(dst):
+        raise RuntimeError("HiCache page_unified write-back: element size mismatch")
+    if (item // groups) % 16:
+        raise RuntimeError("HiCache page_unified write-back: element size must be 16-byte aligned")
+    if _table_len(src_pages) != _table_len(dst_pages):
+        raise RuntimeError("Source and destination page spans must match")
+    return _page_rows(src_pages, page), _page_rows(dst_pages, page), groups, layers, page, item
+
+
+def _page_rows(pages: Any, page_size: int) -> Any:
+    """The token rows of pages ``pages`` (page ids), page by page."""
+    idx = _indices(pages)
+    if _lib(idx) == "torch":
+        import torch
+
+        return (idx[:, None] * page_size + torch.arange(page_size, device=idx.device, dtype=torch.int64)).reshape(-1)
+    if _lib(idx) == "cupy":
+        import cupy as xp
+    else:
+        import numpy as xp
+    return (xp.asarray(idx, dtype="int64")[:, None] * page_size + xp.arange(page_size, dtype="int64")).reshape(-1)
+
+
+def transfer_hicache_all_layer_staged_lf_page_unified(k_ptr_src: Any, v_ptr_src: Any, src_pages: Any, dst_pages: Any, staging: Any, dst: Any) -> None:
+    """Every device layer (uint64 pointer tables or lists ``k_ptr_src`` / ``v_ptr_src``) into the
+    page_unified host buffer ``dst`` (``(pages, G, L, 2, P, H/G, D)``), whole pages: device page
+    ``src_pages[i]`` to host page ``dst_pages[i]`` (page ids). hicache-io writes the pages in place
+    with no staging copy; ``staging`` is checked as sglang checks it and left untouched."""
+    si, di, groups, layers, page, item = _unified_write_back(src_pages, dst_pages, staging, dst, False)
+    si, di = _beside(si, di), _beside(di, si)
+    kvcacheio.transfer_kv_all_layer_lf_pu(k_ptr_src, v_ptr_src, _flat(dst), si, di, item, item * layers, layers, page, groups, block_quota=DEFAULT_BLOCK_QUOTA)
+
+
+def transfer_hicache_all_layer_mla_staged_lf_page_unified(ptr_src: Any, src_pages: Any, dst_pages: Any, staging: Any, dst: Any) -> None:
+    """:func:`transfer_hicache_all_layer_staged_lf_page_unified` for MLA: ``dst`` is ``(pages, L, P, D)``."""
+    si, di, _, layers, page, item = _unified_write_back(src_pages, dst_pages, staging, dst, True)
+    si, di = _beside(si, di), _beside(di, si)
+    kvcacheio.transfer_kv_all_layer_mla_lf_pu(ptr_src, _flat(dst), si, di, item, item * layers, layers, page, block_quota=DEFAULT_BLOCK_QUOTA)

@@ -453,3 +453,101 @@ def test_nvfp4_page_rows_refuse_a_read_only_destination(load):
             np.testing.assert_array_equal(dev[layer][dp], host[layer][hp])
         else:
             np.testing.assert_array_equal(host[layer][hp], dev[layer][dp])
+
+
+# ---- page_unified: one host buffer (pages, G, L, 2, P, hg, D), sglang's JIT entry points ----
+
+UNIFIED_CONFIGS = [(8, 4, 3, 4, 16), (8, 8, 2, 2, 8), (4, 1, 2, 8, 32), (16, 2, 2, 4, 64)]
+
+
+def unified_host(rng, heads, groups, layers, page, dim, pages=PAGES):
+    """A page_unified MHA host array, random float16 bits."""
+    shape = (pages, groups, layers, 2, page, heads // groups, dim)
+    return rng.integers(0, 1 << 16, shape, dtype=np.uint16).view(np.float16)
+
+
+@pytest.mark.parametrize("heads,groups,layers,page,dim", UNIFIED_CONFIGS)
+def test_page_unified_load_back_every_layer(heads, groups, layers, page, dim):
+    rng = np.random.default_rng(heads * 100 + groups)
+    host = unified_host(rng, heads, groups, layers, page, dim)
+    rows = PAGES * page
+    src, dst = np.arange(rows, dtype=np.int64), np.arange(rows, dtype=np.int64)[::-1].copy()
+    for layer in range(layers):
+        k, v = np.zeros((rows, heads, dim), np.float16), np.zeros((rows, heads, dim), np.float16)
+        hicache.transfer_hicache_one_layer_page_unified_lf(k, v, host, src, dst, layer)
+        for s, d in zip(src, dst):
+            for kv_i, dev in ((0, k), (1, v)):
+                want = host[s // page, :, layer, kv_i, s % page].reshape(heads, dim)
+                assert np.array_equal(dev[d].view(np.uint16), want.view(np.uint16)), (layer, s, kv_i)
+
+
+@pytest.mark.parametrize("heads,groups,layers,page,dim", UNIFIED_CONFIGS)
+def test_page_unified_write_back_then_load_back(heads, groups, layers, page, dim):
+    rng = np.random.default_rng(7 + heads + groups)
+    rows = 4 * page
+    dev_k = [rng.integers(0, 1 << 16, (rows, heads, dim), dtype=np.uint16).view(np.float16) for _ in range(layers)]
+    dev_v = [rng.integers(0, 1 << 16, (rows, heads, dim), dtype=np.uint16).view(np.float16) for _ in range(layers)]
+    host = np.zeros((PAGES + 1, groups, layers, 2, page, heads // groups, dim), np.float16)
+    staging = np.zeros((2,) + host.shape[1:], np.float16)
+    src_pages, dst_pages = np.array([2, 0], np.int64), np.array([1, 3], np.int64)
+    hicache.transfer_hicache_all_layer_staged_lf_page_unified(dev_k, dev_v, src_pages, dst_pages, staging, host)
+    hg = heads // groups
+    for sp, dp in zip(src_pages, dst_pages):
+        for layer in range(layers):
+            for kv_i, dev in ((0, dev_k), (1, dev_v)):
+                got = host[dp, :, layer, kv_i]  # (G, P, hg, D)
+                want = dev[layer][sp * page : (sp + 1) * page].reshape(page, groups, hg, dim).transpose(1, 0, 2, 3)
+                assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
+    # Host pages not written stay as they were; staging is untouched.
+    assert not host[0].any() and not host[2].any() and not staging.any()
+    # Back into fresh device layers at the source rows: the original bytes.
+    toks = lambda pages: np.concatenate([np.arange(p * page, (p + 1) * page) for p in pages]).astype(np.int64)  # noqa: E731
+    for layer in range(layers):
+        k, v = np.zeros_like(dev_k[layer]), np.zeros_like(dev_v[layer])
+        hicache.transfer_hicache_one_layer_page_unified_lf(k, v, host, toks(dst_pages), toks(src_pages), layer)
+        for sp in src_pages:
+            sl = slice(sp * page, (sp + 1) * page)
+            assert np.array_equal(k[sl].view(np.uint16), dev_k[layer][sl].view(np.uint16))
+            assert np.array_equal(v[sl].view(np.uint16), dev_v[layer][sl].view(np.uint16))
+
+
+def test_page_unified_mla_is_page_first_direct_bytes():
+    rng = np.random.default_rng(3)
+    layers, page, dim = 3, 4, 72
+    host = rng.integers(0, 1 << 16, (PAGES, layers, page, dim), dtype=np.uint16).view(np.float16)
+    rows = PAGES * page
+    src = rng.permutation(rows).astype(np.int64)
+    for layer in range(layers):
+        dev = np.zeros((rows, dim), np.float16)
+        hicache.transfer_hicache_one_layer_mla_page_unified_lf(dev, host, src, np.arange(rows, dtype=np.int64), layer)
+        assert np.array_equal(dev.view(np.uint16), host[src // page, layer, src % page].view(np.uint16))
+    layers_dev = [rng.integers(0, 1 << 16, (rows, dim), dtype=np.uint16).view(np.float16) for _ in range(layers)]
+    back = np.zeros_like(host)
+    hicache.transfer_hicache_all_layer_mla_staged_lf_page_unified(layers_dev, np.array([0, 1, 2]), np.array([2, 0, 1]), np.zeros((1,) + host.shape[1:], np.float16), back)
+    for sp, dp in ((0, 2), (1, 0), (2, 1)):
+        for layer in range(layers):
+            assert np.array_equal(back[dp, layer].view(np.uint16), layers_dev[layer][sp * page : (sp + 1) * page].view(np.uint16))
+
+
+def test_page_unified_refusals_move_nothing():
+    assert hicache.can_use_page_unified_load_back_jit_kernel(group_bytes=48)
+    assert not hicache.can_use_page_unified_load_back_jit_kernel(group_bytes=40)
+    rng = np.random.default_rng(5)
+    heads, groups, layers, page, dim = 8, 4, 2, 4, 16
+    host = unified_host(rng, heads, groups, layers, page, dim)
+    rows = PAGES * page
+    k, v = np.zeros((rows, heads, dim), np.float16), np.zeros((rows, heads, dim), np.float16)
+    ok = np.arange(rows, dtype=np.int64)
+    for bad_src, bad_dst, layer in ((np.append(ok[:-1], rows), ok, 0), (ok, np.append(ok[:-1], 0), 0), (ok, ok, layers)):
+        with pytest.raises(Exception):
+            hicache.transfer_hicache_one_layer_page_unified_lf(k, v, host, bad_src, bad_dst, layer)
+        assert not k.any() and not v.any()
+    with pytest.raises(RuntimeError, match="page_unified: src must be"):
+        hicache.transfer_hicache_one_layer_page_unified_lf(k, v, host.reshape(PAGES, groups, layers, 2, page, -1), ok, ok, 0)
+    before = host.copy()
+    dev = [np.ones((rows, heads, dim), np.float16)] * layers
+    with pytest.raises(RuntimeError, match="element size mismatch"):
+        hicache.transfer_hicache_all_layer_staged_lf_page_unified(dev, dev, np.array([0]), np.array([1]), np.zeros((1, groups, layers, 2, page, heads // groups, dim), np.float32), host)
+    with pytest.raises(Exception):
+        hicache.transfer_hicache_all_layer_staged_lf_page_unified(dev, dev, np.array([0]), np.array([PAGES]), np.zeros((1,) + host.shape[1:], np.float16), host)
+    assert np.array_equal(host.view(np.uint16), before.view(np.uint16))

@@ -9,8 +9,8 @@ use crate::plan::Op;
 use crate::Result;
 
 /// [`Shape::LayoutBackup`](super::catalogue::Shape::LayoutBackup): every layer of the source
-/// layer lists into its layer of a page_first, page_head or head-group-major page_first_direct
-/// host buffer (`dst_layout_dim = num_layers × item_size`; `head_num` counts head groups in the
+/// layer lists into its layer of a page_first, page_head, head-group-major page_first_direct
+/// or page_unified host buffer (`dst_layout_dim = num_layers × item_size`; `head_num` counts head groups in the
 /// last). The head-group layout checks sglang's integers first, and empty index lists are a
 /// no-op once they pass.
 pub(super) fn layout_backup(device: &Device, a: &OpArgs<'_, '_>, layout: Layout) -> Result<()> {
@@ -31,8 +31,9 @@ pub(super) fn layout_backup(device: &Device, a: &OpArgs<'_, '_>, layout: Layout)
     let dst = a.tensors(ArgKind::Out);
     let named = named_lists(&src, layers)?;
     check_overlaps(&named.iter().flatten().cloned().collect::<Vec<_>>(), &dst)?;
-    let dev = device_pool(device, kind_of(src.len()), item, page, &named.iter().map(|l| l.iter().collect()).collect::<Vec<_>>())?;
-    let slots = paged_slots(&refs(&dst), item * layers, page)?;
+    let kind = kind_of(src.len());
+    let dev = device_pool(device, kind, item, page, &named.iter().map(|l| l.iter().collect()).collect::<Vec<_>>())?;
+    let slots = paged_slots(&refs(&dst), super::loads::slot_bytes(layout, kind, item, layers)?, page)?;
     let host = host_pool(&dev, layout, heads, Profile::Sglang, &refs(&dst), slots)?;
     let (h, d) = backup_lists(hi, di);
     a.run(vec![Call::new(dev, host, Op::Backup, IoBackend::Kernel, h, d)?])

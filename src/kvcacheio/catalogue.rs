@@ -443,6 +443,30 @@ catalogue! {
             tuning: Tuning::EnvOr(2), sglang: Sglang::No, num_layers: Some(false),
             schema: "(Tensor src_k_layers, Tensor dst_k, Tensor src_v_layers, Tensor dst_v, Tensor src_indices, Tensor dst_indices, int item_size, int dst_layout_dim, int num_layers, int page_size, int head_num, int block_quota, int num_warps_per_block) -> ()",
         }
+        transfer_kv_per_layer_pu_lf(src: In, dst_k: Out, dst_v: Out, src_indices: Idx, dst_indices: Idx, layer_id: Int, item_size: Int, src_layout_dim: Int, page_size: Int, head_num: Int) {
+            doc: "Not in sgl-kernel (sglang's JIT ``transfer_hicache_one_layer_page_unified_lf`` runs on it): layer ``layer_id`` of a page_unified host buffer into one device layer, K and V.\n\nOne host buffer holds both components, ``[pages][head_num][L][2][page_size][item_size / head_num]`` (``head_num`` counts head groups; K before V inside each layer; ``src_layout_dim = L * item_size``); device rows ``[rows][item_size]``, whose group ``g`` is bytes ``[g * item_size / head_num, (g + 1) * item_size / head_num)``. Indices are token slots.",
+            shape: Shape::PagedLoad(Layout::PageUnified),
+            tuning: Tuning::EnvOr(2), sglang: Sglang::No,
+            schema: "(Tensor src, Tensor dst_k, Tensor dst_v, Tensor src_indices, Tensor dst_indices, int layer_id, int item_size, int src_layout_dim, int page_size, int head_num, int block_quota, int num_warps_per_block) -> ()",
+        }
+        transfer_kv_per_layer_mla_pu_lf(src: In, dst: Out, src_indices: Idx, dst_indices: Idx, layer_id: Int, item_size: Int, src_layout_dim: Int, page_size: Int) {
+            doc: "Not in sgl-kernel (sglang's JIT ``transfer_hicache_one_layer_mla_page_unified_lf`` runs on it): layer ``layer_id`` of an MLA page_unified host buffer ``[pages][L][page_size][item_size]`` (page_first_direct's bytes) into one device layer. Indices are token slots.",
+            shape: Shape::PagedLoad(Layout::PageUnified),
+            tuning: Tuning::EnvOr(2), sglang: Sglang::No,
+            schema: "(Tensor src, Tensor dst, Tensor src_indices, Tensor dst_indices, int layer_id, int item_size, int src_layout_dim, int page_size, int block_quota, int num_warps_per_block) -> ()",
+        }
+        transfer_kv_all_layer_lf_pu(src_k_layers: InLayers, src_v_layers: InLayers, dst: Out, src_indices: Idx, dst_indices: Idx, item_size: Int, dst_layout_dim: Int, num_layers: Int, page_size: Int, head_num: Int) {
+            doc: "Not in sgl-kernel (sglang's JIT ``transfer_hicache_all_layer_staged_lf_page_unified`` runs on it): every device layer, K and V, into its layer of one page_unified host buffer, the mirror of ``transfer_kv_per_layer_pu_lf`` (``dst_layout_dim = num_layers * item_size``). Indices are token slots.",
+            shape: Shape::LayoutBackup(Layout::PageUnified),
+            tuning: Tuning::EnvOr(2), sglang: Sglang::No, num_layers: Some(false),
+            schema: "(Tensor src_k_layers, Tensor src_v_layers, Tensor dst, Tensor src_indices, Tensor dst_indices, int item_size, int dst_layout_dim, int num_layers, int page_size, int head_num, int block_quota, int num_warps_per_block) -> ()",
+        }
+        transfer_kv_all_layer_mla_lf_pu(src_layers: InLayers, dst: Out, src_indices: Idx, dst_indices: Idx, item_size: Int, dst_layout_dim: Int, num_layers: Int, page_size: Int) {
+            doc: "Not in sgl-kernel (sglang's JIT ``transfer_hicache_all_layer_mla_staged_lf_page_unified`` runs on it): every device layer into its layer of an MLA page_unified host buffer, the mirror of ``transfer_kv_per_layer_mla_pu_lf``. Indices are token slots.",
+            shape: Shape::LayoutBackup(Layout::PageUnified),
+            tuning: Tuning::EnvOr(2), sglang: Sglang::No, num_layers: Some(false),
+            schema: "(Tensor src_layers, Tensor dst, Tensor src_indices, Tensor dst_indices, int item_size, int dst_layout_dim, int num_layers, int page_size, int block_quota, int num_warps_per_block) -> ()",
+        }
         transfer_embedding_ranges_direct(src: In, dst: Out, src_starts: Ints, dst_starts: Ints, lengths: Ints) {
             doc: "Copy embedding ranges between host and CUDA tensors: for each ``k``, ``dst[dst_starts[k] : dst_starts[k] + lengths[k]] = src[src_starts[k] : src_starts[k] + lengths[k]]`` along dimension 0 (rows of equal bytes in both; any dtype and row width, 74-byte rows too).\n\nCopy engine only, one copy per range (adjacent ranges merge), enqueued on the caller's stream for CUDA arrays; host to host and device to device work as well. Beyond sglang: every range must lie inside its tensor and destination ranges must not overlap; a call that raises has moved no row.",
             shape: Shape::EmbeddingRanges,

@@ -92,6 +92,13 @@ pub(super) fn head_group_args(item_size: i64, layout_dim_name: &'static str, lay
     Ok(())
 }
 
+/// Bytes one token slot takes in a host buffer of `layout`: `L × item`, times the components for
+/// page_unified (whose one buffer holds K and V).
+pub(super) fn slot_bytes(layout: Layout, kind: crate::geometry::PoolKind, item: u64, layers: u64) -> Result<u64> {
+    let comps = if layout == Layout::PageUnified { kind.components() as u64 } else { 1 };
+    item.checked_mul(layers).and_then(|b| b.checked_mul(comps)).ok_or_else(|| bad("item_size", "layout bytes overflow"))
+}
+
 /// Host slots of a page_first / page_head buffer: whole pages of `P × layout_dim` bytes.
 pub(super) fn paged_slots(comps: &[&Arg<'_>], layout_dim: u64, p: u64) -> Result<u64> {
     let page = layout_dim.checked_mul(p).ok_or_else(|| bad(&comps[0].name, "page bytes overflow"))?;
@@ -101,7 +108,8 @@ pub(super) fn paged_slots(comps: &[&Arg<'_>], layout_dim: u64, p: u64) -> Result
 /// [`Shape::PagedLoad`](super::catalogue::Shape::PagedLoad): layer `layer_id` of a page_first
 /// (`[slots][L][item]`), page_head (`[pages][head_num][page_size][L][item / head_num]`) or
 /// head-group-major page_first_direct (`[pages][head_num][L][page_size][item / head_num]`,
-/// `head_num` counting head groups) host buffer into one layer_first device layer;
+/// `head_num` counting head groups) host buffer, or the one page_unified buffer
+/// (`[pages][head_num][L][C][page_size][item / head_num]`), into one layer_first device layer;
 /// `src_layout_dim = L × item_size`. The head-group layout checks sglang's integers first, and
 /// empty index lists are a no-op once they pass.
 pub(super) fn paged_load(device: &Device, a: &OpArgs<'_, '_>, layout: Layout) -> Result<()> {
@@ -121,8 +129,9 @@ pub(super) fn paged_load(device: &Device, a: &OpArgs<'_, '_>, layout: Layout) ->
     let layer_id = layer_index(a.int("layer_id")?)?;
     let (src, dst) = (a.tensors(ArgKind::In), a.tensors(ArgKind::Out));
     check_overlaps_kernel(&src, &dst)?;
-    let dev = one_layer_device(device, kind_of(src.len()), item, page, layers, &refs(&dst))?;
-    let slots = paged_slots(&refs(&src), item * layers, page)?;
+    let kind = kind_of(dst.len());
+    let dev = one_layer_device(device, kind, item, page, layers, &refs(&dst))?;
+    let slots = paged_slots(&refs(&src), slot_bytes(layout, kind, item, layers)?, page)?;
     let host = host_pool(&dev, layout, heads, Profile::Sglang, &refs(&src), slots)?;
     a.run(vec![Call::new(dev, host, Op::Load { layer_id, is_draft: false }, IoBackend::Kernel, hi, di)?])
 }

@@ -22,6 +22,8 @@
 //! | [`transfer_kv_all_layer_lf_ph`] | `src` layers | `dst` page_head | backup |
 //! | [`transfer_kv_per_layer_pfdhg_lf`] | `dst` layer | `src` page_first_direct_hg | load of `layer_id` |
 //! | [`transfer_kv_all_layer_lf_pfdhg`] | `src` layers | `dst` page_first_direct_hg | backup |
+//! | [`transfer_kv_per_layer_pu_lf`], [`transfer_kv_per_layer_mla_pu_lf`] | `dst` layer | `src` page_unified (one buffer) | load of `layer_id` |
+//! | [`transfer_kv_all_layer_lf_pu`], [`transfer_kv_all_layer_mla_lf_pu`] | `src` layers | `dst` page_unified (one buffer) | backup |
 //! | [`transfer_kv_per_layer_direct_pf_lf`] | `dst` layers | `src` page_first_direct | load of `layer_id` |
 //! | [`transfer_kv_all_layer_direct_lf_pf`] | `src` layers | `dst` page_first_direct | backup |
 //! | [`transfer_kv_per_layer_lf_pf`], [`transfer_kv_per_layer_mla_lf_pf`], [`transfer_kv_per_layer_direct_lf_pf`] | `src` layer | `dst` page_first / page_first_direct | per-layer backup (not in sglang) |
