@@ -983,7 +983,8 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
         checksum and are not counted. ``damaged_puts``: pages not put because their bytes in the
         host pool failed the item checksums their backup recorded (any naming). ``foreign``:
         sglang-named pages read or written as misses because the prefix's sidecar record names
-        another namespace."""
+        another namespace. ``incompatible``: pages read or written as misses under the unified key
+        scheme because this rank's kv heads cannot be cut into the grid's groups."""
         return dict(self.stats)
 
     def close(self) -> None:
