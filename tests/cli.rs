@@ -14,12 +14,12 @@ fn run(args: &[&str]) -> (bool, String) {
 fn check_cpu_passes() {
     let (ok, out) = run(&["check", "--backend", "cpu", "--rounds", "3", "--seed", "11"]);
     assert!(ok, "{out}");
-    assert!(out.contains("cpu: 42 of 42 cells"), "{out}");
+    assert!(out.contains("cpu: 48 of 48 cells"), "{out}");
     let (ok, out) = run(&["check", "--backend", "cpu", "--rounds", "3", "--profile", "sglang"]);
     assert!(ok && out.contains("all match the oracle"), "{out}");
     // Every cell again with the auto io backend (the table's path, or the calibrated one).
     let (ok, out) = run(&["check", "--backend", "cpu", "--rounds", "2", "--io", "auto"]);
-    assert!(ok && out.contains("cpu: 42 of 42 cells"), "{out}");
+    assert!(ok && out.contains("cpu: 48 of 48 cells"), "{out}");
     let (ok, out) = run(&["check", "--backend", "cpu", "--io", "auto", "--profile", "sglang"]);
     assert!(!ok && out.contains("profile extended"), "{out}");
 }

@@ -499,9 +499,7 @@ def transfer_hicache_all_layer_mla_staged_lf_pf(ptr_src: Any, src_indices: Any, 
 def can_use_page_unified_load_back_jit_kernel(*, group_bytes: int, block_quota: Optional[int] = None) -> bool:
     """sglang's gate of its page_unified load-back kernel: head-group rows of a positive multiple
     of 16 bytes (hicache-io moves any size; the answer is sglang's, so pools choose as they would)."""
-    if block_quota is not None and block_quota < 0:
-        raise RuntimeError(f"HiCache page_unified: block_quota must be positive, got {block_quota}")
-    return group_bytes > 0 and group_bytes % 16 == 0
+    return group_bytes > 0 and group_bytes % 16 == 0 and (block_quota is None or block_quota >= 0)
 
 
 def _unified_shape(host: Any, mla: bool, what: str) -> Tuple[int, int, int, int, int]:
@@ -517,9 +515,24 @@ def _unified_shape(host: Any, mla: bool, what: str) -> Tuple[int, int, int, int,
     return shape[1], shape[2], shape[4], shape[1] * shape[5] * shape[6] * size, size
 
 
-def _flat(host: Any) -> Any:
-    """A contiguous host array as one dimension (what the kvcacheio ops take)."""
+def _flat(host: Any, what: str) -> Any:
+    """A contiguous host array as one dimension (what the kvcacheio ops take); refuses others,
+    which a reshape would copy (a write-back would then land in the copy)."""
+    shape, strides, _, _ = _layout(host)
+    step = 1
+    for d, st in zip(reversed(shape), reversed(strides)):
+        if d != 1 and st != step:
+            raise RuntimeError(f"HiCache page_unified: {what} must be contiguous, got shape {shape} with strides {strides}")
+        step *= d
     return host.reshape(-1)
+
+
+def _rows_of(t: Any, element_dim: int, what: str) -> Any:
+    """A device layer as contiguous rows of ``element_dim`` elements."""
+    c = _Cache(t, element_dim, what)
+    if c.flat is not None:
+        raise ValueError(f"HiCache page_unified: {what} must be contiguous rows of {element_dim} elements")
+    return c.view
 
 
 def transfer_hicache_one_layer_page_unified_lf(k_cache_dst: Any, v_cache_dst: Any, src: Any, src_indices: Any, dst_indices: Any, layer_id: int, *, block_quota: Optional[int] = None) -> None:
@@ -529,10 +542,10 @@ def transfer_hicache_one_layer_page_unified_lf(k_cache_dst: Any, v_cache_dst: An
     quota = _tuning(None, block_quota)
     _same_dtype("HiCache page_unified", k_cache_dst, v_cache_dst, src)
     groups, layers, page, item, size = _unified_shape(src, False, "src")
-    kd, vd = _Cache(k_cache_dst, item // size, "k_cache_dst"), _Cache(v_cache_dst, item // size, "v_cache_dst")
+    kd, vd = _rows_of(k_cache_dst, item // size, "k_cache_dst"), _rows_of(v_cache_dst, item // size, "v_cache_dst")
     si, di = _indices(src_indices), _indices(dst_indices)
     si, di = _beside(si, di), _beside(di, si)
-    kvcacheio.transfer_kv_per_layer_pu_lf(_flat(src), kd.view, vd.view, si, di, layer_id, item, item * layers, page, groups, block_quota=quota)
+    kvcacheio.transfer_kv_per_layer_pu_lf(_flat(src, "src"), kd, vd, si, di, layer_id, item, item * layers, page, groups, block_quota=quota)
 
 
 def transfer_hicache_one_layer_mla_page_unified_lf(cache_dst: Any, src: Any, src_indices: Any, dst_indices: Any, layer_id: int, *, block_quota: Optional[int] = None) -> None:
@@ -540,10 +553,10 @@ def transfer_hicache_one_layer_mla_page_unified_lf(cache_dst: Any, src: Any, src
     quota = _tuning(None, block_quota)
     _same_dtype("HiCache page_unified", cache_dst, src)
     _, layers, page, item, size = _unified_shape(src, True, "src")
-    cd = _Cache(cache_dst, item // size, "cache_dst")
+    cd = _rows_of(cache_dst, item // size, "cache_dst")
     si, di = _indices(src_indices), _indices(dst_indices)
     si, di = _beside(si, di), _beside(di, si)
-    kvcacheio.transfer_kv_per_layer_mla_pu_lf(_flat(src), cd.view, si, di, layer_id, item, item * layers, page, block_quota=quota)
+    kvcacheio.transfer_kv_per_layer_mla_pu_lf(_flat(src, "src"), cd, si, di, layer_id, item, item * layers, page, block_quota=quota)
 
 
 def _unified_write_back(src_pages: Any, dst_pages: Any, staging: Any, dst: Any, mla: bool) -> Tuple[Any, Any, int, int, int, int]:
@@ -581,11 +594,11 @@ def transfer_hicache_all_layer_staged_lf_page_unified(k_ptr_src: Any, v_ptr_src:
     with no staging copy; ``staging`` is checked as sglang checks it and left untouched."""
     si, di, groups, layers, page, item = _unified_write_back(src_pages, dst_pages, staging, dst, False)
     si, di = _beside(si, di), _beside(di, si)
-    kvcacheio.transfer_kv_all_layer_lf_pu(k_ptr_src, v_ptr_src, _flat(dst), si, di, item, item * layers, layers, page, groups, block_quota=DEFAULT_BLOCK_QUOTA)
+    kvcacheio.transfer_kv_all_layer_lf_pu(k_ptr_src, v_ptr_src, _flat(dst, "dst"), si, di, item, item * layers, layers, page, groups, block_quota=DEFAULT_BLOCK_QUOTA)
 
 
 def transfer_hicache_all_layer_mla_staged_lf_page_unified(ptr_src: Any, src_pages: Any, dst_pages: Any, staging: Any, dst: Any) -> None:
     """:func:`transfer_hicache_all_layer_staged_lf_page_unified` for MLA: ``dst`` is ``(pages, L, P, D)``."""
     si, di, _, layers, page, item = _unified_write_back(src_pages, dst_pages, staging, dst, True)
     si, di = _beside(si, di), _beside(di, si)
-    kvcacheio.transfer_kv_all_layer_mla_lf_pu(ptr_src, _flat(dst), si, di, item, item * layers, layers, page, block_quota=DEFAULT_BLOCK_QUOTA)
+    kvcacheio.transfer_kv_all_layer_mla_lf_pu(ptr_src, _flat(dst, "dst"), si, di, item, item * layers, layers, page, block_quota=DEFAULT_BLOCK_QUOTA)

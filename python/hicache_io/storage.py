@@ -642,7 +642,9 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
             return self._grid.keys(prefix, keys)
         rank = self.mha_suffix if lay.kind == "mha" else self.mla_suffix
         middle = rank if self._descriptor is None else f"{rank}_{self._descriptor}"
-        tails = [f"_{middle}_{c}" for c in ("k", "v")[: lay.comps]]
+        # An MHA page_unified page is one object holding K and V.
+        names = ("kv",) if lay.kind == "mha" and lay.comps == 1 else ("k", "v")[: lay.comps]
+        tails = [f"_{middle}_{c}" for c in names]
         return [f"{prefix}{key}{tail}" for key in keys for tail in tails]
 
     def _fail(self, err: StorageError) -> None:
@@ -716,8 +718,8 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
     def _set_batch(self, keys: List[str], idx: Any) -> List[bool]:
         lay = self._layout
         obj_keys, ptrs, size = self._page_lists(keys, idx)
-        ok = [False] * len(obj_keys)
-        try:
+
+        def put(ok: List[bool]) -> None:
             if lay.zero_copy:
                 # Mooncake answers a put of an existing object with success and moves nothing, so
                 # the existence query sglang's backend makes first (one more round trip) is skipped.
@@ -741,6 +743,15 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
             else:
                 rcs = self.store.batch_put_from([obj_keys[j] for j in todo], [ptrs[j] for j in todo], [size] * len(todo)) if todo else []
             self._put_results("batch_put_from", keys, obj_keys, todo, rcs, ok)
+
+        return self._guarded_set(keys, obj_keys, put)
+
+    def _guarded_set(self, keys: List[str], obj_keys: List[str], put: Any) -> List[bool]:
+        """Per page of a set batch: ``put(ok)`` marks the objects it wrote; a failure that escapes
+        it (Mooncake's, or a checksum pass) fails every page of the batch."""
+        ok = [False] * len(obj_keys)
+        try:
+            put(ok)
         except StorageError as e:
             ok = [False] * len(obj_keys)
             self._fail(e)

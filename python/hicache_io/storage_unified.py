@@ -13,11 +13,13 @@ rank, no tp size and no host layout::
   there is one copy, with no ``H``, only ``_k``.
 * The object holds that share of the page in the order (layer, token, head, head dim), whatever
   the host layout, so a ``page_first_direct_hg`` or ``page_unified`` writer and a ``page_first``
-  reader share objects too. A head group of a ``page_first_direct_hg`` pool whose groups are the
-  grid's is one span of host memory, of a ``page_unified`` pool one span per layer; Mooncake's
+  reader share objects too. Where the pool's head groups are the grid's, a head group of a
+  ``page_first_direct_hg`` pool is one span of host memory, of a ``page_unified`` pool one span
+  per layer (other layouts: one per layer and token, or finer); Mooncake's
   scatter/gather calls (``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``) move
   the spans in place, without staging.
-* ``u{digest}``: a 48-bit hash of what the bytes mean: format version, model, kv dtype, pool kind,
+* ``u{digest}``: a 48-bit hash of what the bytes mean: format version, model, kv dtype
+  (``hicache_io_kv_dtype``, or the pool's ``dtype`` where it has one), pool kind,
   bytes per kv head row (MHA) or per token row (MLA), the model's kv heads and layers, the group
   size, the page size and ``hicache_io_namespace``. A reader that differs in any of them asks
   for other keys and gets misses.
@@ -30,9 +32,10 @@ page is a miss (``integrity_stats()["incompatible"]`` counts them), never wrong 
 hit only when every object of this rank's share exists (``batch_exists``) or was read whole and
 verified (``batch_get_v1``).
 
-Every object ends in the 16-byte checksum trailer of hicache-io's other objects, the checksum of
-the share's bytes in the object's order folded with a hash of the key: a get verifies it against
-the bytes that landed; an object that fails fails its page.
+With checksums on (the default), every object ends in the 16-byte checksum trailer of hicache-io's
+other objects, the checksum of the share's bytes in the object's order folded with a hash of the
+key: a get verifies it against the bytes that landed; an object that fails fails its page. Objects
+written without one read as unverified, never as corrupt.
 
 Needs a hicache-io ``HostPool`` (MHA or MLA, no MTP draft or skipped layers: they lie outside the
 grid) whose memory lives in this process (the cpu executor, cuda's pinned pools); wgpu pools are
@@ -177,13 +180,11 @@ class UnifiedKeys:
             logger.warning("hicache-io L3 (unified keys): %s; every page reads and writes as a miss", grid.missing)
 
     def _set_batch_unified(self, keys: List[str], idx: Any) -> List[bool]:
-        from .storage import REFUSED, StorageError
-
         lay, grid, pool = self._layout, self._grid, self.mem_pool_host
         obj_keys = self._object_keys(keys)
         n = len(grid.suffixes)
-        ok = [False] * len(obj_keys)
-        try:
+
+        def put(ok: List[bool]) -> None:
             lay.synchronize()
             todo = list(range(len(obj_keys)))
             if self.integrity and getattr(pool, "integrity", False):
@@ -198,15 +199,19 @@ class UnifiedKeys:
                 bufs, lens = [ptrs[j] for j in todo], [sizes[j] for j in todo]
             rcs = self.store.batch_put_from_multi_buffers([obj_keys[j] for j in todo], bufs, lens) if todo else []
             self._put_results("batch_put_from_multi_buffers", keys, obj_keys, todo, rcs, ok)
-        except StorageError as e:
-            ok = [False] * len(obj_keys)
-            self._fail(e)
-        except Exception as e:  # noqa: BLE001 - a checksum pass that failed: no page is written
-            ok = [False] * len(obj_keys)
-            self._fail(StorageError("batch_set_v1", REFUSED, keys, detail=str(e)))
-        return self._pages_ok(ok, len(keys))
+
+        return self._guarded_set(keys, obj_keys, put)
 
     def _get_batch_unified(self, keys: List[str], idx: Any) -> List[bool]:
+        try:
+            return self._get_batch_unified_into(keys, idx)
+        except BaseException:
+            # A get that raised (``raise_errors=True``, or Mooncake itself) may have written any
+            # of these pages in place: the pool's item checksums of all of them are forgotten.
+            self._layout.landed(idx, [False] * len(keys))
+            raise
+
+    def _get_batch_unified_into(self, keys: List[str], idx: Any) -> List[bool]:
         from .storage import INTEGRITY, REFUSED, SHORT_READ, StorageError
 
         lay, grid, pool, t = self._layout, self._grid, self.mem_pool_host, self._trailers
@@ -224,8 +229,8 @@ class UnifiedKeys:
         first, other = (with_sum, plain) if self.integrity else (plain, with_sum)
         got = list(first(list(range(n_obj))))
         if len(got) != n_obj:
-            self._fail(StorageError("batch_get_into_multi_buffers", REFUSED, keys, detail=f"{len(got)} answers for {n_obj} objects"))
             lay.landed(idx, [False] * len(keys))
+            self._fail(StorageError("batch_get_into_multi_buffers", REFUSED, keys, detail=f"{len(got)} answers for {n_obj} objects"))
             return [False] * len(keys)
         want = [w + 16 if self.integrity else w for w in whole]
         ok = [g == w for g, w in zip(got, want)]
@@ -233,7 +238,8 @@ class UnifiedKeys:
         # another total size (-800); read them again the other way, unverified.
         retry = [j for j, g in enumerate(got) if g == -800]
         unverified = [not self.integrity] * n_obj
-        for j, g in zip(retry, other(retry) if retry else []):
+        again = list(other(retry)) if retry else []
+        for j, g in zip(retry, again if len(again) == len(retry) else []):
             if g == (whole[j] if self.integrity else whole[j] + 16):
                 got[j], ok[j], unverified[j] = g, True, True
         bad = [(obj_keys[j], got[j]) for j in range(n_obj) if not ok[j]]

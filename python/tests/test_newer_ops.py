@@ -551,3 +551,8 @@ def test_page_unified_refusals_move_nothing():
     with pytest.raises(Exception):
         hicache.transfer_hicache_all_layer_staged_lf_page_unified(dev, dev, np.array([0]), np.array([PAGES]), np.zeros((1,) + host.shape[1:], np.float16), host)
     assert np.array_equal(host.view(np.uint16), before.view(np.uint16))
+    # A strided host array is refused (a reshape would copy it, and the write-back land in the copy).
+    big = np.zeros((2 * PAGES,) + host.shape[1:], np.float16)
+    with pytest.raises(RuntimeError, match="must be contiguous"):
+        hicache.transfer_hicache_all_layer_staged_lf_page_unified(dev, dev, np.array([0]), np.array([1]), np.zeros((1,) + host.shape[1:], np.float16), big[::2])
+    assert not big.any()

@@ -177,6 +177,33 @@ def test_a_replaced_object_fails_its_page(master, model):
         s.close()
 
 
+def test_a_get_that_raises_forgets_the_pages_it_wrote(master, model):
+    """raise_errors=True: a get whose object fails its trailer raises; the pages it may have written
+    in place lose their item checksums (their loads read unverified, not corrupt)."""
+    dev, host = pools()
+    s = store_for(master, model)
+    s.raise_errors = True
+    try:
+        s.register_mem_pool_host(host)
+        assert s.batch_set_v1(["a", "b"], np.arange(8)) == [True, True]
+        victim = s.object_keys("b")[0]
+        size = len(s.get(victim))
+        deadline = time.time() + 10
+        while s.store.remove(victim) != 0:
+            assert time.time() < deadline
+            time.sleep(0.05)
+        assert s.store.put(victim, bytes(size)) == 0
+        with pytest.raises(Exception):
+            s.batch_get_v1(["a", "b"], np.arange(8, 16))
+        for layer in range(4):
+            host.load_to_device_per_layer(dev, np.arange(8, 16), np.arange(8), layer, "kernel")
+        host.synchronize()
+        stats = host.integrity_stats()
+        assert stats["mismatched"] == 0 and stats["unverified"] > 0, stats
+    finally:
+        s.close()
+
+
 def executors():
     out = ["cpu"]
     try:

@@ -450,8 +450,11 @@ impl HostGeometry {
     }
 }
 
-/// Most spans one page share may be cut into ([`HostGeometry::page_share_spans`]).
+/// Most spans one page share may be cut into, once adjacent pieces are merged
+/// ([`HostGeometry::page_share_spans`]).
 pub const MAX_SHARE_SPANS: u64 = 1 << 16;
+/// Most pieces (layer × token × head chunk) a page share may be walked in.
+const MAX_SHARE_PIECES: u64 = 1 << 24;
 
 /// Where a page share lies: `(buffer, offset, bytes)` spans and the shift from one page to the next.
 pub type ShareSpans = (Vec<(usize, u64, u64)>, u64);
@@ -473,8 +476,8 @@ impl HostGeometry {
     /// Where `share` of the page of token slots `0..P` lies: `(buffer, offset, bytes)` spans in
     /// the share's order, adjacent spans merged, and the byte shift from one page to the next
     /// (page `k`'s spans are page 0's moved by `k × shift`). MHA and MLA pools without padded
-    /// pages; a share must be non-empty, inside the pool and cut into at most
-    /// [`MAX_SHARE_SPANS`] spans.
+    /// pages; a share must be non-empty, inside the pool, walked in at most 2^24 pieces and
+    /// cut into at most [`MAX_SHARE_SPANS`] spans.
     pub fn page_share_spans(&self, share: PageShare) -> Result<ShareSpans> {
         let PageShare { comp, layers: (l0, l1), bytes: (b0, b1) } = share;
         let bad = |what: String| Err(TransferError::InvalidConfig(format!("page share: {what}")));
@@ -489,9 +492,9 @@ impl HostGeometry {
         }
         let (p, chunk) = (self.page_size, self.chunk_bytes());
         let cuts = (b1 - 1) / chunk - b0 / chunk + 1;
-        let most = (l1 - l0).saturating_mul(p).saturating_mul(cuts);
-        if most > MAX_SHARE_SPANS {
-            return bad(format!("up to {most} spans (layers {l0}..{l1} × {p} tokens × {cuts} pieces), more than {MAX_SHARE_SPANS}"));
+        let pieces = (l1 - l0).saturating_mul(p).saturating_mul(cuts);
+        if pieces > MAX_SHARE_PIECES {
+            return bad(format!("{pieces} pieces (layers {l0}..{l1} × {p} tokens × {cuts} chunks), more than {MAX_SHARE_PIECES}"));
         }
         let buffer = self.buffer_of(comp) as usize;
         let mut out: Vec<(usize, u64, u64)> = Vec::new();
@@ -510,6 +513,9 @@ impl HostGeometry {
                     b += len;
                 }
             }
+        }
+        if out.len() as u64 > MAX_SHARE_SPANS {
+            return bad(format!("{} spans, more than {MAX_SHARE_SPANS}", out.len()));
         }
         let a = self.addr(comp, 0);
         Ok((out, a.offset(p, 0) - a.offset(0, 0)))
