@@ -74,7 +74,7 @@ def run_rank(args: argparse.Namespace) -> dict:
     out: dict = {"tp": args.tp, "rank": args.rank, "layout": args.layout}
     try:
         store.register_mem_pool_host(host)
-        out["objects_per_page"] = len(store.object_keys(keys[0])) if store._grid.suffixes else 0
+        out["objects_per_page"] = len(store.object_keys(keys[0]))
         out["keys"] = store.object_keys(keys[0])
         if args.action == "write":
             for c in range(2 if kind == "mha" else 1):

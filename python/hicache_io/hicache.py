@@ -453,19 +453,20 @@ def _staged_checks(page_size: int, staging: Any, dst: Any, element_size: Optiona
 def _whole_pages(idx: Any, page_size: int) -> Any:
     """The token rows of the pages that start at ``idx[::page_size]`` (what sglang's staged kernel
     reads: whole pages from each start)."""
-    idx = _indices(idx)
-    kind = _lib(idx)
-    if kind == "torch":
+    return _rows_from(_indices(idx)[::page_size], page_size)
+
+
+def _rows_from(starts: Any, page_size: int) -> Any:
+    """``page_size`` consecutive rows from each of ``starts`` (int64), start by start."""
+    if _lib(starts) == "torch":
         import torch
 
-        starts = idx[::page_size]
-        return (starts[:, None] + torch.arange(page_size, device=idx.device, dtype=torch.int64)).reshape(-1)
-    if kind == "cupy":
+        return (starts[:, None] + torch.arange(page_size, device=starts.device, dtype=torch.int64)).reshape(-1)
+    if _lib(starts) == "cupy":
         import cupy as xp
     else:
         import numpy as xp
-    starts = xp.asarray(idx, dtype="int64")[::page_size]
-    return (starts[:, None] + xp.arange(page_size, dtype="int64")).reshape(-1)
+    return (xp.asarray(starts, dtype="int64")[:, None] + xp.arange(page_size, dtype="int64")).reshape(-1)
 
 
 def transfer_hicache_all_layer_staged_lf_pf(k_ptr_src: Any, v_ptr_src: Any, src_indices: Any, dst_indices: Any, staging_k: Any, staging_v: Any, dst_k: Any, dst_v: Any, *, page_size: int, element_size: Optional[int] = None, unroll: Optional[int] = None, block_quota: Optional[int] = None) -> None:
@@ -576,15 +577,11 @@ def _unified_write_back(src_pages: Any, dst_pages: Any, staging: Any, dst: Any, 
 def _page_rows(pages: Any, page_size: int) -> Any:
     """The token rows of pages ``pages`` (page ids), page by page."""
     idx = _indices(pages)
-    if _lib(idx) == "torch":
-        import torch
+    if _lib(idx) == "numpy":
+        import numpy as np
 
-        return (idx[:, None] * page_size + torch.arange(page_size, device=idx.device, dtype=torch.int64)).reshape(-1)
-    if _lib(idx) == "cupy":
-        import cupy as xp
-    else:
-        import numpy as xp
-    return (xp.asarray(idx, dtype="int64")[:, None] * page_size + xp.arange(page_size, dtype="int64")).reshape(-1)
+        idx = np.asarray(idx, dtype="int64")
+    return _rows_from(idx * page_size, page_size)
 
 
 def transfer_hicache_all_layer_staged_lf_page_unified(k_ptr_src: Any, v_ptr_src: Any, src_pages: Any, dst_pages: Any, staging: Any, dst: Any) -> None:

@@ -139,6 +139,11 @@ impl Layout {
     pub fn splits_heads(self) -> bool {
         matches!(self, Layout::PageHead | Layout::PageFirstDirectHeadGroups)
     }
+    /// Whether a `kind` host pool can be allocated in this layout (sglang's allocators): page_head
+    /// and page_first_direct_hg exist for MHA only, page_unified for MHA and MLA.
+    pub fn exists_for(self, kind: PoolKind) -> bool {
+        !((self.splits_heads() && kind != PoolKind::Mha) || (self == Layout::PageUnified && kind == PoolKind::DsaIndexer))
+    }
     /// Whether `kind`'s host item is split into `head_num` chunks in this layout: the
     /// head-splitting layouts, and page_unified's head groups (MHA).
     pub fn head_chunks(self, kind: PoolKind) -> bool {

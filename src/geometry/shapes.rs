@@ -231,7 +231,7 @@ impl HostGeometry {
             return Err(TransferError::InvalidConfig("layer_num and item_bytes must be positive".into()));
         }
         // sglang defines page_unified for MHA and MLA pools only.
-        if (layout.splits_heads() && kind != PoolKind::Mha) || (layout == Layout::PageUnified && kind == PoolKind::DsaIndexer) {
+        if !layout.exists_for(kind) {
             return Err(TransferError::UnsupportedLayout { layout: layout.name().into() });
         }
         if layout.head_chunks(kind) {

@@ -33,7 +33,7 @@ pub(super) fn layout_backup(device: &Device, a: &OpArgs<'_, '_>, layout: Layout)
     check_overlaps(&named.iter().flatten().cloned().collect::<Vec<_>>(), &dst)?;
     let kind = kind_of(src.len());
     let dev = device_pool(device, kind, item, page, &named.iter().map(|l| l.iter().collect()).collect::<Vec<_>>())?;
-    let slots = paged_slots(&refs(&dst), super::loads::slot_bytes(layout, kind, item, layers)?, page)?;
+    let slots = paged_slots(&refs(&dst), slot_bytes(layout, kind, item, layers)?, page)?;
     let host = host_pool(&dev, layout, heads, Profile::Sglang, &refs(&dst), slots)?;
     let (h, d) = backup_lists(hi, di);
     a.run(vec![Call::new(dev, host, Op::Backup, IoBackend::Kernel, h, d)?])

@@ -117,7 +117,7 @@ pub fn decide(profile: Profile, cell: Cell, item_bytes: u64, word: u64) -> Resul
     let Cell { kind, op, layout, io } = cell;
     let extended = profile == Profile::Extended;
     // The host pool cannot even be allocated with page_head (or head groups) unless it is MHA.
-    if (layout.splits_heads() && kind != PoolKind::Mha) || (layout == PageUnified && kind == PoolKind::DsaIndexer) {
+    if !layout.exists_for(kind) {
         return e1(layout);
     }
     // dsa.py: `use_kernel = io_backend == "kernel" and stride % 8 == 0`, else-branch raises.
