@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use crate::integrity::{ChecksumTable, ItemMismatch, MismatchSink};
-use crate::plan::{ChecksumMode, Run};
+use crate::plan::{ChecksumMode, CopyStep};
 
 /// A host pool's checksum table bound to one transfer.
 #[derive(Clone)]
@@ -43,8 +43,8 @@ pub(crate) enum Settle {
     /// A summing gather: the sum of index pair `i`'s item of address pair `l` belongs to host
     /// item `items[l]` (layer, component) at index pair `(src[i], dst[i])` (negative: skipped).
     Sums { src: Arc<[i64]>, dst: Arc<[i64]>, items: Vec<(u64, u8)> },
-    /// `direct` runs, copied without a checksum.
-    Unknown(Vec<Run>),
+    /// Runs `range` of a `direct` step, copied without a checksum.
+    Unknown(CopyStep, std::ops::Range<usize>),
 }
 
 #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
@@ -73,8 +73,8 @@ impl ChecksumBinding {
                     }
                 }
             }
-            Settle::Unknown(runs) => {
-                for r in runs {
+            Settle::Unknown(step, range) => {
+                for r in step.runs_in(range.start, range.end) {
                     for k in 0..r.items {
                         self.unknown(mode, (r.host_unit + k, r.host_layer, r.comp), &mut n);
                     }

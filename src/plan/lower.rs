@@ -93,7 +93,7 @@ pub(super) fn lower_gather(
 /// `direct` steps: runs of consecutive (host, device) pairs (`transfer_kv_direct`), or whole
 /// pages for page_first_direct (only the first index of each page is read), one step per layer
 /// group, layer by layer within it (each pass stays in one layer's buffers; destinations are
-/// unique, so the order changes no byte).
+/// unique, so the order changes no byte). Every step shares one list of spans.
 pub(super) fn lower_direct(
     host: &HostGeometry,
     dev: &DeviceGeometry,
@@ -103,35 +103,99 @@ pub(super) fn lower_direct(
     di: &[i64],
 ) -> (Vec<Step>, u64) {
     let group = host.index_page_size();
-    let spans = if host.layout() == Layout::PageFirstDirect { page_spans(hi, di, group) } else { coalesce(hi, di) };
     let comps = host.kind().components() as u8;
+    let host_to_device = direction == Direction::HostToDevice;
+    // Per layer group: its address pairs and their host items.
+    type Pairs = (Vec<AddrPair>, Vec<(u64, u8)>);
+    let groups: Vec<Pairs> = layer_groups
+        .iter()
+        .map(|layers| {
+            let mut pairs = Vec::with_capacity(layers.len() * comps as usize);
+            let mut items = Vec::with_capacity(layers.len() * comps as usize);
+            for c in 0..comps {
+                for &(hl, ds) in layers {
+                    let (h, d) = (host.addr(c, hl), dev.addr(c, ds, 1));
+                    pairs.push(if host_to_device { AddrPair { src: h, dst: d } } else { AddrPair { src: d, dst: h } });
+                    items.push((hl, c));
+                }
+            }
+            (pairs, items)
+        })
+        .collect();
+    // Spans that continue each other in both buffers (page_first_direct pages that lie end to
+    // end) become one copy. Whether they do depends on an address's strides, not on its base
+    // (the layer), so the first pair decides for all when every pair has its strides.
+    let shape = |a: &crate::geometry::Addr| (a.page, a.page_stride, a.row_stride, a.head_stride);
+    let all = || groups.iter().flat_map(|g| &g.0);
+    let first = all().next().copied();
+    let merge_by = first.filter(|f| all().all(|p| shape(&p.src) == shape(&f.src) && shape(&p.dst) == shape(&f.dst)));
+    let item_bytes = host.item_bytes();
+    // One pass, appending each page or live pair to the last span where it continues it in
+    // both units and bytes (units are range-checked, so the sums cannot overflow).
+    let (spans, moved) = if host.layout() == Layout::PageFirstDirect {
+        // One span per page group, from the group's first index.
+        let g = group as usize;
+        let pages = hi.iter().step_by(g).zip(di.iter().step_by(g)).take(hi.len() / g);
+        let live = pages.filter(|(h, d)| **h >= 0 && **d >= 0).map(|(h, d)| (*h as u64, *d as u64, group));
+        build_spans(live, hi.len() / g, merge_by, item_bytes, host_to_device)
+    } else {
+        let live = hi.iter().zip(di).filter(|(h, d)| **h >= 0 && **d >= 0).map(|(h, d)| (*h as u64, *d as u64, 1));
+        build_spans(live, hi.len(), merge_by, item_bytes, host_to_device)
+    };
+    let moved = moved * item_bytes;
+    let spans: Arc<Vec<Span>> = Arc::new(spans);
     let mut bytes = 0;
     let steps = layer_groups
         .iter()
-        .map(|layers| {
-            let mut runs: Vec<Run> = Vec::with_capacity(spans.len() * layers.len() * comps as usize);
-            for c in 0..comps {
-                for &(hl, ds) in layers {
-                    let (ha, da) = (host.addr(c, hl), dev.addr(c, ds, 1));
-                    for &(h0, d0, n) in &spans {
-                        let len = n * host.item_bytes();
-                        let (ho, doff) = (ha.offset(h0, 0), da.offset(d0, 0));
-                        bytes += len;
-                        let items = (n, h0, d0, hl, c);
-                        push_run(
-                            &mut runs,
-                            match direction {
-                                Direction::HostToDevice => Run::new((ha.buf(), ho), (da.buf(), doff), len, items),
-                                Direction::DeviceToHost => Run::new((da.buf(), doff), (ha.buf(), ho), len, items),
-                            },
-                        );
-                    }
-                }
+        .zip(groups)
+        .map(|(layers, (pairs, items))| {
+            bytes += moved * pairs.len() as u64;
+            Step {
+                kind: StepKind::Copy(CopyStep { pairs, items, spans: spans.clone(), item_bytes, host_to_device }),
+                layers: layers.iter().map(|l| l.0).collect(),
+                checksum: None,
+                unsummed: None,
             }
-            Step { kind: StepKind::Copy(runs), layers: layers.iter().map(|l| l.0).collect(), checksum: None, unsummed: None }
         })
         .collect();
     (steps, bytes)
+}
+
+/// The spans of a `direct` step, built in one pass: each page or live pair `(host unit, device
+/// unit, items)` extends the current span where it continues it in both units and bytes, else
+/// starts the next. The current span lives in locals (kept in an `Option` or in the vector's
+/// last element it cost a store and reload per pair). Returns the spans and the items they hold.
+/// Units are range-checked, so the sums cannot overflow.
+fn build_spans(
+    pairs: impl Iterator<Item = (u64, u64, u64)>,
+    capacity: usize,
+    merge_by: Option<AddrPair>,
+    item_bytes: u64,
+    host_to_device: bool,
+) -> (Vec<Span>, u64) {
+    let mut spans = Vec::with_capacity(capacity);
+    let (mut ch, mut cd, mut cn, mut moved) = (0u64, 0u64, 0u64, 0u64);
+    for (h, d, n) in pairs {
+        moved += n;
+        if cn > 0 && ch + cn == h && cd + cn == d {
+            if let Some(p) = &merge_by {
+                let len = cn * item_bytes;
+                let ((s0, t0), (s1, t1)) = if host_to_device { ((ch, cd), (h, d)) } else { ((cd, ch), (d, h)) };
+                if p.src.offset(s0, 0) + len == p.src.offset(s1, 0) && p.dst.offset(t0, 0) + len == p.dst.offset(t1, 0) {
+                    cn += n;
+                    continue;
+                }
+            }
+        }
+        if cn > 0 {
+            spans.push(Span { host_unit: ch, device_unit: cd, items: cn });
+        }
+        (ch, cd, cn) = (h, d, n);
+    }
+    if cn > 0 {
+        spans.push(Span { host_unit: ch, device_unit: cd, items: cn });
+    }
+    (spans, moved)
 }
 
 /// `transfer_kv_direct` coalescing: maximal runs where both indices step by one; negative
@@ -153,36 +217,4 @@ pub fn coalesce(hi: &[i64], di: &[i64]) -> Vec<(u64, u64, u64)> {
         i += 1;
     }
     out
-}
-
-/// page_first_direct: one span per page group, from the group's first index.
-pub(super) fn page_spans(hi: &[i64], di: &[i64], p: u64) -> Vec<(u64, u64, u64)> {
-    let p = p as usize;
-    (0..hi.len() / p)
-        .map(|g| (hi[g * p], di[g * p]))
-        .filter(|(h, d)| *h >= 0 && *d >= 0)
-        .map(|(h, d)| (h as u64, d as u64, p as u64))
-        .collect()
-}
-
-/// Appends a run, merging it into the previous one when it continues it in both buffers
-/// (fewer, larger copies; same bytes).
-#[inline]
-/// Appends `r`, merged into the last run when it continues it (bytes and items alike).
-pub(super) fn push_run(runs: &mut Vec<Run>, r: Run) {
-    if let Some(last) = runs.last_mut() {
-        if last.src == r.src
-            && last.dst == r.dst
-            && last.src_offset + last.len == r.src_offset
-            && last.dst_offset + last.len == r.dst_offset
-            && (last.host_layer, last.comp) == (r.host_layer, r.comp)
-            && last.host_unit + last.items == r.host_unit
-            && last.device_unit + last.items == r.device_unit
-        {
-            last.len += r.len;
-            last.items += r.items;
-            return;
-        }
-    }
-    runs.push(r);
 }

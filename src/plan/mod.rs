@@ -144,6 +144,73 @@ mod tests {
         assert_eq!(coalesce(&[0, -1, 2, 3], &[0, 1, 2, 3]), vec![(0, 0, 1), (2, 2, 2)]);
     }
 
+    /// A `direct` step keeps one list of spans for every layer: its runs, expanded to items,
+    /// are the naive per-(component, layer, index pair) copies (merging pages that lie end to
+    /// end changes no byte), and `run`, `runs_in` and `pieces` agree on every range.
+    #[test]
+    fn direct_steps_are_the_per_item_copies_of_every_layer() {
+        for (layout, page, host_slots) in [(Layout::LayerFirst, 1u64, 48u64), (Layout::PageFirstDirect, 4, 48)] {
+            let dc = crate::pool::DevicePoolConfig {
+                kind: PoolKind::Mha,
+                bytes_per_token: 16,
+                slots: 32,
+                page_size: page,
+                layers: LayerMap::new(3),
+            };
+            let pair = Arc::new(PoolPair::new(dc.geometry().unwrap(), layout, host_slots, 1).unwrap());
+            // Pages 1, 2 (adjacent on both sides), 7 and a skipped one; tokens within them.
+            let pages: [(i64, i64); 4] = [(1, 3), (2, 4), (7, 0), (-1, 5)];
+            let expand = |p: i64| -> Vec<i64> { (0..page as i64).map(|t| if p < 0 { -1 } else { p * page as i64 + t }).collect() };
+            let hi: Vec<i64> = pages.iter().flat_map(|&(h, _)| expand(h)).collect();
+            let di: Vec<i64> = pages.iter().flat_map(|&(_, d)| expand(d)).collect();
+            for op in [Op::Backup, Op::Load { layer_id: 1, is_draft: false }] {
+                let req = Request { op, io_backend: IoBackend::Direct, host_indices: &hi, device_indices: &di };
+                let plan = plan(Profile::Extended, &Capabilities::UNLIMITED, 1, &pair, &req).unwrap();
+                let (host, dev) = (pair.host(), pair.device());
+                let layers: Vec<u64> = if matches!(op, Op::Backup) { vec![0, 1, 2] } else { vec![1] };
+                let mut want = Vec::new();
+                for c in 0..2u8 {
+                    for &l in &layers {
+                        for (&h, &d) in hi.iter().zip(&di).filter(|(h, d)| **h >= 0 && **d >= 0) {
+                            let (ha, da) = (host.addr(c, l), dev.addr(c, l as u32, 1));
+                            let (hs, ds) = ((ha.buf(), ha.offset(h as u64, 0)), (da.buf(), da.offset(d as u64, 0)));
+                            want.push(if matches!(op, Op::Backup) { (ds, hs) } else { (hs, ds) });
+                        }
+                    }
+                }
+                let mut got = Vec::new();
+                for step in plan.steps() {
+                    let StepKind::Copy(c) = step.kind() else { panic!("a direct plan has copy steps") };
+                    let runs: Vec<Run> = c.runs().collect();
+                    assert_eq!(runs.len(), c.len());
+                    for lo in 0..=c.len() {
+                        for hi in lo..=c.len() + 1 {
+                            assert_eq!(c.runs_in(lo, hi).collect::<Vec<_>>(), runs[lo..hi.min(c.len())].to_vec());
+                            let pieces: Vec<Run> = c
+                                .pieces(lo, hi)
+                                .flat_map(|(p, spans)| spans.iter().map(move |s| (p, *s)))
+                                .map(|(p, s)| {
+                                    let k = p * c.spans().len() + c.spans().iter().position(|x| *x == s).unwrap();
+                                    c.run(k).unwrap()
+                                })
+                                .collect();
+                            assert_eq!(pieces, runs[lo..hi.min(c.len())].to_vec());
+                        }
+                    }
+                    assert!(c.run(c.len()).is_none());
+                    for r in runs {
+                        let item = r.len / r.items;
+                        got.extend((0..r.items).map(|k| ((r.src, r.src_offset + k * item), (r.dst, r.dst_offset + k * item))));
+                    }
+                }
+                let key = |x: &((crate::geometry::BufRef, u64), (crate::geometry::BufRef, u64))| format!("{x:?}");
+                want.sort_by_key(key);
+                got.sort_by_key(key);
+                assert_eq!(got, want, "{layout:?} {op:?}");
+            }
+        }
+    }
+
     #[test]
     fn whole_pages_near_the_integer_limit() {
         assert!(check_whole_pages("host", &[i64::MAX - 3, i64::MAX - 2, i64::MAX - 1, i64::MAX], 4).is_ok());

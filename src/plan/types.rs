@@ -134,13 +134,140 @@ impl Run {
     }
 }
 
+/// `items` consecutive items of a `direct` step: host units `host_unit ..` into device units
+/// `device_unit ..` (or back).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Span {
+    pub(crate) host_unit: u64,
+    pub(crate) device_unit: u64,
+    pub(crate) items: u64,
+}
+
+/// `direct` io backend: for each address pair (component-major, then layer), for each span in
+/// order, one contiguous copy ([`Run`]) of the span's items. Kept as pairs × spans, not as their
+/// product: a layer moves only the base of its addresses, so one list of merged spans serves
+/// every layer, and a plan costs what its index lists do, whatever the layer count.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CopyStep {
+    pub(crate) pairs: Vec<AddrPair>,
+    /// The host item of each pair: `(host layer, component)`.
+    pub(crate) items: Vec<(u64, u8)>,
+    pub(crate) spans: Arc<Vec<Span>>,
+    pub(crate) item_bytes: u64,
+    /// Whether the host side is the source (a load).
+    pub(crate) host_to_device: bool,
+}
+
+impl CopyStep {
+    /// Runs in the step: pairs × spans.
+    pub fn len(&self) -> usize {
+        self.pairs.len() * self.spans.len()
+    }
+    /// Whether the step copies nothing.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The address pairs, one per (component, layer).
+    pub fn pairs(&self) -> &[AddrPair] {
+        &self.pairs
+    }
+    /// The spans every pair copies.
+    pub fn spans(&self) -> &[Span] {
+        &self.spans
+    }
+    /// Run `k` (pair `k / spans`, span `k % spans`); `None` past the end.
+    pub fn run(&self, k: usize) -> Option<Run> {
+        let n = self.spans.len();
+        (k < self.len()).then(|| self.make(k / n, k % n))
+    }
+    /// Runs `lo .. hi` in order (clamped to the step), without a division per run.
+    pub fn runs_in(&self, lo: usize, hi: usize) -> Runs<'_> {
+        let n = self.spans.len().max(1);
+        let (lo, hi) = (lo.min(self.len()), hi.min(self.len()));
+        Runs { step: self, pair: lo / n, span: lo % n, left: hi.saturating_sub(lo) }
+    }
+    /// Every run, in order.
+    pub fn runs(&self) -> Runs<'_> {
+        self.runs_in(0, self.len())
+    }
+    /// Runs `lo .. hi` (clamped) as pieces of one pair each: `(pair index, its spans)`, in order
+    /// (for loops that keep a pair's addresses in registers).
+    pub fn pieces(&self, lo: usize, hi: usize) -> impl Iterator<Item = (usize, &[Span])> + '_ {
+        let n = self.spans.len().max(1);
+        let (lo, hi) = (lo.min(self.len()), hi.min(self.len()));
+        (lo / n..hi.div_ceil(n)).map(move |p| {
+            let (a, b) = ((p * n).max(lo) - p * n, ((p + 1) * n).min(hi) - p * n);
+            (p, &self.spans[a..b])
+        })
+    }
+    /// The host item `(host layer, component)` of pair `pair`.
+    pub fn item(&self, pair: usize) -> (u64, u8) {
+        self.items[pair]
+    }
+    /// `(source unit, destination unit)` of a span's first item.
+    #[inline(always)]
+    pub fn units(&self, s: &Span) -> (u64, u64) {
+        if self.host_to_device {
+            (s.host_unit, s.device_unit)
+        } else {
+            (s.device_unit, s.host_unit)
+        }
+    }
+    /// Bytes per item.
+    pub fn item_bytes(&self) -> u64 {
+        self.item_bytes
+    }
+    #[inline(always)]
+    fn make(&self, pair: usize, span: usize) -> Run {
+        let (p, s, (layer, comp)) = (&self.pairs[pair], &self.spans[span], self.items[pair]);
+        let (su, du) = self.units(s);
+        Run::new(
+            (p.src.buf, p.src.offset(su, 0)),
+            (p.dst.buf, p.dst.offset(du, 0)),
+            s.items * self.item_bytes,
+            (s.items, s.host_unit, s.device_unit, layer, comp),
+        )
+    }
+}
+
+/// The runs of a [`CopyStep`], in order.
+#[derive(Debug, Clone)]
+pub struct Runs<'a> {
+    step: &'a CopyStep,
+    pair: usize,
+    span: usize,
+    left: usize,
+}
+
+impl Iterator for Runs<'_> {
+    type Item = Run;
+    #[inline]
+    fn next(&mut self) -> Option<Run> {
+        if self.left == 0 {
+            return None;
+        }
+        let r = self.step.make(self.pair, self.span);
+        self.left -= 1;
+        self.span += 1;
+        if self.span == self.step.spans.len() {
+            (self.pair, self.span) = (self.pair + 1, 0);
+        }
+        Some(r)
+    }
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        (self.left, Some(self.left))
+    }
+}
+
+impl ExactSizeIterator for Runs<'_> {}
+
 /// What one step does.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StepKind {
     /// A gather/scatter (`kernel`).
     Gather(GatherStep),
     /// Coalesced byte runs, copied in order (`direct`).
-    Copy(Vec<Run>),
+    Copy(CopyStep),
 }
 
 /// One step of a plan, and the host layers it writes or reads.
@@ -252,15 +379,25 @@ impl Plan {
             Direction::HostToDevice => ChecksumMode::Verify,
             Direction::DeviceToHost => ChecksumMode::Record,
         };
-        let mut steps: Vec<Step> = self.steps.to_vec();
-        for step in &mut steps {
-            match &mut step.kind {
-                StepKind::Gather(g) => g.checksum = Some(mode),
-                StepKind::Copy(_) if caps.direct_checksums => step.checksum = Some(mode),
-                StepKind::Copy(_) => step.unsummed = Some(mode),
+        let mark = |steps: &mut [Step]| {
+            for step in steps {
+                match &mut step.kind {
+                    StepKind::Gather(g) => g.checksum = Some(mode),
+                    StepKind::Copy(_) if caps.direct_checksums => step.checksum = Some(mode),
+                    StepKind::Copy(_) => step.unsummed = Some(mode),
+                }
+            }
+        };
+        // In place: a fresh plan's steps are not shared (a copy of a `direct` plan's runs cost
+        // as much as making them).
+        match Arc::get_mut(&mut self.steps) {
+            Some(steps) => mark(steps),
+            None => {
+                let mut steps: Vec<Step> = self.steps.to_vec();
+                mark(&mut steps);
+                self.steps = steps.into();
             }
         }
-        self.steps = steps.into();
         Ok(self)
     }
     /// Whether every step checksums what it copies.

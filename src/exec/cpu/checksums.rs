@@ -4,17 +4,83 @@
 use crate::exec::ChecksumBinding;
 use crate::geometry::Addr;
 use crate::integrity;
-use crate::plan::ChecksumMode;
+use crate::plan::{ChecksumMode, CopyStep, Span};
 
-use super::copy::{prefetch, prefetch_item, SendPtr, PREFETCH_AHEAD};
+use super::copy::{prefetch, prefetch_item, RawBindings, SendPtr, PREFETCH_AHEAD};
 
 /// [`gather_items`] that checksums every item it copies, in the same pass (each block of the
 /// source is loaded once, stored and multiplied in): recorded in the host pool's table for
 /// backups, compared with it for loads. Returns the counts (recorded, verified, unverified,
 /// mismatched).
-#[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn gather_checked<const NT: bool>(
+    pair: &(SendPtr, SendPtr, Addr, Addr),
+    item: (u64, u8),
+    si: &[i64],
+    di: &[i64],
+    chunk: usize,
+    heads: u64,
+    lo: usize,
+    hi: usize,
+    mode: ChecksumMode,
+    ib: &ChecksumBinding,
+) -> [u64; 4] {
+    #[cfg(target_arch = "x86_64")]
+    if integrity::copy_and_sum_has_avx2() {
+        // SAFETY: AVX2 is present (checked).
+        return unsafe { gather_checked_avx2::<NT>(pair, item, si, di, chunk, heads, lo, hi, mode, ib) };
+    }
+    gather_checked_body::<NT, false>(pair, item, si, di, chunk, heads, lo, hi, mode, ib)
+}
+
+/// [`gather_checked`] compiled with AVX2, so that each item's copy and sum inline into the loop.
+///
+/// # Safety
+/// AVX2 available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn gather_checked_avx2<const NT: bool>(
+    pair: &(SendPtr, SendPtr, Addr, Addr),
+    item: (u64, u8),
+    si: &[i64],
+    di: &[i64],
+    chunk: usize,
+    heads: u64,
+    lo: usize,
+    hi: usize,
+    mode: ChecksumMode,
+    ib: &ChecksumBinding,
+) -> [u64; 4] {
+    gather_checked_body::<NT, true>(pair, item, si, di, chunk, heads, lo, hi, mode, ib)
+}
+
+/// Copies and sums `len` bytes ([`integrity::copy_and_sum`]); `AVX2`: the caller is compiled
+/// with AVX2 and probed for it, so the vector loop inlines.
+///
+/// # Safety
+/// As `copy_nonoverlapping(src, dst, len)`; `AVX2` only where the processor has it.
+#[inline(always)]
+unsafe fn copy_sum<const AVX2: bool>(
+    src: *const u8,
+    dst: *mut u8,
+    len: usize,
+    first_word: usize,
+    keys: &integrity::Keys,
+    stream: bool,
+) -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    if AVX2 {
+        // SAFETY: as the caller vouches.
+        return unsafe { integrity::copy_and_sum_avx2(src, dst, len, first_word, keys, stream) };
+    }
+    // SAFETY: as the caller vouches.
+    unsafe { integrity::copy_and_sum(src, dst, len, first_word, keys, stream) }
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn gather_checked_body<const NT: bool, const AVX2: bool>(
     (sp, dp, sa, da): &(SendPtr, SendPtr, Addr, Addr),
     (layer, comp): (u64, u8),
     si: &[i64],
@@ -41,7 +107,7 @@ pub(super) fn gather_checked<const NT: bool>(
             // calls whose destinations overlap a source).
             unsafe {
                 let (src, dst) = (sp.0.add(sa.offset(s as u64, h) as usize), dp.0.add(da.offset(d as u64, h) as usize));
-                sum = sum.wrapping_add(integrity::copy_and_sum(src, dst, chunk, h as usize * chunk_words, keys, NT));
+                sum = sum.wrapping_add(copy_sum::<AVX2>(src, dst, chunk, h as usize * chunk_words, keys, NT));
             }
         }
         let (host, device) = match mode {
@@ -53,32 +119,82 @@ pub(super) fn gather_checked<const NT: bool>(
     n
 }
 
-/// One `direct` run, item by item, each copied and checksummed in one pass (the run's items are
-/// consecutive and whole: `len / items` bytes each). Counts as [`gather_checked`].
-pub(super) fn copy_run_checked(
-    r: &crate::plan::Run,
-    (sp, dp): (SendPtr, SendPtr),
+/// `direct` runs `lo..hi`, item by item, each copied and checksummed in one pass (a run's items
+/// are consecutive and whole: `len / items` bytes each). Counts as [`gather_checked`].
+pub(super) fn copy_runs_checked(
+    c: &CopyStep,
+    bufs: &RawBindings,
+    (lo, hi): (usize, usize),
+    stream: bool,
+    mode: ChecksumMode,
+    ib: &ChecksumBinding,
+) -> [u64; 4] {
+    #[cfg(target_arch = "x86_64")]
+    if integrity::copy_and_sum_has_avx2() {
+        // SAFETY: AVX2 is present (checked).
+        return unsafe { copy_runs_checked_avx2(c, bufs, (lo, hi), stream, mode, ib) };
+    }
+    copy_runs_checked_body::<false>(c, bufs, (lo, hi), stream, mode, ib)
+}
+
+/// [`copy_runs_checked`] compiled with AVX2 (the copy and sum inline into the loop).
+///
+/// # Safety
+/// AVX2 available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn copy_runs_checked_avx2(
+    c: &CopyStep,
+    bufs: &RawBindings,
+    range: (usize, usize),
+    stream: bool,
+    mode: ChecksumMode,
+    ib: &ChecksumBinding,
+) -> [u64; 4] {
+    copy_runs_checked_body::<true>(c, bufs, range, stream, mode, ib)
+}
+
+#[inline(always)]
+fn copy_runs_checked_body<const AVX2: bool>(
+    c: &CopyStep,
+    bufs: &RawBindings,
+    (lo, hi): (usize, usize),
     stream: bool,
     mode: ChecksumMode,
     ib: &ChecksumBinding,
 ) -> [u64; 4] {
     let keys = ib.table.keys();
     let mut n = [0u64; 4];
-    let item = (r.len / r.items.max(1)) as usize;
-    for k in 0..r.items {
-        let at = k as usize * item;
-        if k + (PREFETCH_AHEAD as u64) < r.items {
-            let ahead = at + PREFETCH_AHEAD * item;
-            prefetch(sp.0.wrapping_add(r.src_offset as usize + ahead));
-            prefetch(dp.0.wrapping_add(r.dst_offset as usize + ahead));
-        }
-        // SAFETY: the planner made the run from range-checked items of these pools' geometry;
-        // item `k` lies inside it.
-        let sum = unsafe {
-            let (s, d) = (sp.0.add(r.src_offset as usize + at), dp.0.add(r.dst_offset as usize + at));
-            integrity::copy_and_sum(s, d, item, 0, keys, stream)
+    let item = c.item_bytes() as usize;
+    for (p, spans) in c.pieces(lo, hi) {
+        let pair = &c.pairs()[p];
+        let (layer, comp) = c.item(p);
+        let (sp, dp) = (bufs.get(pair.src.buf()), bufs.get(pair.dst.buf()));
+        let at = |s: &Span| {
+            let (su, du) = c.units(s);
+            (pair.src.offset(su, 0) as usize, pair.dst.offset(du, 0) as usize)
         };
-        ib.settle(mode, (r.host_unit + k, r.device_unit + k, r.host_layer, r.comp), sum, &mut n);
+        for (k, s) in spans.iter().enumerate() {
+            // Spans of one item each (random pages) are latency-bound: prefetch ahead.
+            if let Some(a) = spans.get(k + PREFETCH_AHEAD) {
+                let (so, dof) = at(a);
+                prefetch(sp.wrapping_add(so));
+                prefetch(dp.wrapping_add(dof));
+            }
+            let (so, dof) = at(s);
+            for j in 0..s.items {
+                let off = j as usize * item;
+                if j + (PREFETCH_AHEAD as u64) < s.items {
+                    let ahead = off + PREFETCH_AHEAD * item;
+                    prefetch(sp.wrapping_add(so + ahead));
+                    prefetch(dp.wrapping_add(dof + ahead));
+                }
+                // SAFETY: the planner made the span from range-checked items of these pools'
+                // geometry; item `j` lies inside it.
+                let sum = unsafe { copy_sum::<AVX2>(sp.add(so + off), dp.add(dof + off), item, 0, keys, stream) };
+                ib.settle(mode, (s.host_unit + j, s.device_unit + j, layer, comp), sum, &mut n);
+            }
+        }
     }
     n
 }

@@ -3,9 +3,9 @@
 
 use crate::exec::ChecksumBinding;
 use crate::geometry::{Addr, BufRef};
-use crate::plan::{Step, StepKind};
+use crate::plan::{Span, Step, StepKind};
 
-use super::checksums::{copy_run_checked, gather_checked};
+use super::checksums::{copy_runs_checked, gather_checked};
 use super::queue::ON_WORKER;
 
 /// Below this many bytes a transfer stays on the calling thread (thread start-up costs more).
@@ -88,42 +88,41 @@ pub(super) fn run_step(step: &Step, bufs: &RawBindings, threads: usize, streamin
             };
             split(g.src_indices.len(), threads, &work);
         }
-        StepKind::Copy(runs) if step.checksum().is_some() && bufs.integrity.is_some() => {
+        StepKind::Copy(c) if step.checksum().is_some() && bufs.integrity.is_some() => {
             let (Some(mode), Some(ib)) = (step.checksum(), &bufs.integrity) else { return };
-            let ptrs: Vec<(SendPtr, SendPtr)> = runs.iter().map(|r| (SendPtr(bufs.get(r.src)), SendPtr(bufs.get(r.dst)))).collect();
             let work = |lo: usize, hi: usize| {
-                let mut n = [0u64; 4];
-                for k in lo..hi {
-                    // Runs of one item each (random pages) are latency-bound: prefetch ahead.
-                    if let (Some(r), Some((s, d))) = (runs.get(k + PREFETCH_AHEAD), ptrs.get(k + PREFETCH_AHEAD)) {
-                        prefetch(s.0.wrapping_add(r.src_offset as usize));
-                        prefetch(d.0.wrapping_add(r.dst_offset as usize));
-                    }
-                    n = add4(n, copy_run_checked(&runs[k], ptrs[k], streaming, mode, ib));
-                }
+                let n = copy_runs_checked(c, bufs, (lo, hi), streaming, mode, ib);
                 store_fence(streaming);
                 ib.table.count(n);
             };
-            split(runs.len(), threads, &work);
+            split(c.len(), threads, &work);
         }
-        StepKind::Copy(runs) => {
-            let runs: Vec<(SendPtr, SendPtr, usize, usize, usize)> = runs
-                .iter()
-                .map(|r| (SendPtr(bufs.get(r.src)), SendPtr(bufs.get(r.dst)), r.src_offset as usize, r.dst_offset as usize, r.len as usize))
-                .collect();
+        StepKind::Copy(c) => {
+            let item = c.item_bytes() as usize;
             let work = |lo: usize, hi: usize| {
-                for k in lo..hi {
-                    if let Some((sp, dp, so, dof, _)) = runs.get(k + PREFETCH_AHEAD) {
-                        prefetch(sp.0.wrapping_add(*so));
-                        prefetch(dp.0.wrapping_add(*dof));
+                for (p, spans) in c.pieces(lo, hi) {
+                    let pair = &c.pairs()[p];
+                    let (sp, dp) = (bufs.get(pair.src.buf()), bufs.get(pair.dst.buf()));
+                    let at = |s: &Span| {
+                        let (su, du) = c.units(s);
+                        (pair.src.offset(su, 0) as usize, pair.dst.offset(du, 0) as usize)
+                    };
+                    for (j, s) in spans.iter().enumerate() {
+                        // Runs of one item each (random pages) are latency-bound: prefetch ahead.
+                        if let Some(a) = spans.get(j + PREFETCH_AHEAD) {
+                            let (so, dof) = at(a);
+                            prefetch(sp.wrapping_add(so));
+                            prefetch(dp.wrapping_add(dof));
+                        }
+                        let (so, dof) = at(s);
+                        // SAFETY: the planner made the span from range-checked items of these
+                        // pools' geometry.
+                        unsafe { copy(streaming, sp.add(so), dp.add(dof), s.items as usize * item) };
                     }
-                    let (sp, dp, so, dof, len) = &runs[k];
-                    // SAFETY: as above.
-                    unsafe { copy(streaming, sp.0.add(*so), dp.0.add(*dof), *len) };
                 }
                 store_fence(streaming);
             };
-            split(runs.len(), threads, &work);
+            split(c.len(), threads, &work);
         }
     }
 }

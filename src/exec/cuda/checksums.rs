@@ -29,7 +29,7 @@ use crate::error::{Result, TransferError};
 use crate::exec::settle::Settle;
 use crate::exec::ChecksumBinding;
 use crate::integrity::{ItemMismatch, MismatchSink};
-use crate::plan::{ChecksumMode, Run};
+use crate::plan::ChecksumMode;
 
 /// One step's sums: device memory the kernel adds into and the pinned memory they are copied to.
 pub(super) struct SumsBuf {
@@ -165,13 +165,13 @@ impl SumsQueue {
     pub(super) unsafe fn push_unknown(
         &self,
         stream: sys::CUstream,
-        runs: &[Run],
+        runs: &crate::plan::CopyStep,
         mode: ChecksumMode,
         binding: &ChecksumBinding,
         orphan: bool,
     ) -> Result<()> {
         // SAFETY: as the caller vouches.
-        unsafe { self.push(stream, What { settle: Settle::Unknown(runs.to_vec()), buf: None }, mode, binding, orphan) }
+        unsafe { self.push(stream, What { settle: Settle::Unknown(runs.clone(), 0..runs.len()), buf: None }, mode, binding, orphan) }
     }
 
     /// Queues an entry settled when its event has completed.

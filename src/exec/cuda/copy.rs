@@ -11,14 +11,14 @@ use crate::exec::{Bindings, Stream};
 impl CudaExecutor {
     /// Enqueues `runs` on stream `on`. The batch descriptors are built `BATCH_MAX` runs at a
     /// time, so their memory is bounded by a batch, not by the call.
-    pub(super) fn copies(&self, runs: &[crate::plan::Run], bufs: &Bindings<'_, CudaBuffer>, on: Stream) -> Result<()> {
+    pub(super) fn copies(&self, runs: &crate::plan::CopyStep, bufs: &Bindings<'_, CudaBuffer>, on: Stream) -> Result<()> {
         let stream = self.raw_stream(on)?;
         let dst = |r: &crate::plan::Run| bufs.get(r.dst).dev_ptr + r.dst_offset;
         let src = |r: &crate::plan::Run| bufs.get(r.src).dev_ptr + r.src_offset;
         let mut done = 0;
         if let Some(batch) = self.inner.batch.filter(|_| runs.len() > 1 && !is_default_stream(stream)) {
-            let src_host = runs.first().is_some_and(|r| bufs.get(r.src).is_host());
-            let dst_host = runs.first().is_some_and(|r| bufs.get(r.dst).is_host());
+            let src_host = runs.run(0).is_some_and(|r| bufs.get(r.src).is_host());
+            let dst_host = runs.run(0).is_some_and(|r| bufs.get(r.dst).is_host());
             let loc = |host: bool| sys::CUmemLocation {
                 type_: if host {
                     sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST
@@ -37,14 +37,16 @@ impl CudaExecutor {
             let (mut dsts, mut srcs, mut sizes): (Vec<sys::CUdeviceptr>, Vec<sys::CUdeviceptr>, Vec<usize>) =
                 (Vec::with_capacity(cap), Vec::with_capacity(cap), Vec::with_capacity(cap));
             while done < runs.len() {
-                let chunk = &runs[done..(done + BATCH_MAX).min(runs.len())];
+                let chunk = runs.runs_in(done, done + BATCH_MAX);
                 let n = chunk.len();
                 dsts.clear();
                 srcs.clear();
                 sizes.clear();
-                dsts.extend(chunk.iter().map(dst));
-                srcs.extend(chunk.iter().map(src));
-                sizes.extend(chunk.iter().map(|r| r.len as usize));
+                for r in chunk {
+                    dsts.push(dst(&r));
+                    srcs.push(src(&r));
+                    sizes.push(r.len as usize);
+                }
                 let mut idx = [0usize];
                 let mut fail = usize::MAX;
                 // SAFETY: arrays of `n` entries, live for the call (the driver copies the
@@ -63,9 +65,10 @@ impl CudaExecutor {
                 }
             }
         }
-        for (i, r) in runs.iter().enumerate().skip(done) {
+        for (i, r) in runs.runs_in(done, runs.len()).enumerate() {
+            let i = done + i;
             // SAFETY: as above; UVA pointers in either direction.
-            let rc = unsafe { sys::cuMemcpyAsync(dst(r), src(r), r.len as usize, stream) };
+            let rc = unsafe { sys::cuMemcpyAsync(dst(&r), src(&r), r.len as usize, stream) };
             if rc != sys::CUresult::CUDA_SUCCESS {
                 return Err(rc_err(format!("cuMemcpyAsync (run {i})"), rc));
             }

@@ -44,7 +44,7 @@ impl CudaExecutor {
     /// the summing gathers' entries).
     pub(super) fn copies_unsummed(
         &self,
-        runs: &[crate::plan::Run],
+        runs: &crate::plan::CopyStep,
         bufs: &Bindings<'_, CudaBuffer>,
         on: Stream,
         mode: crate::plan::ChecksumMode,

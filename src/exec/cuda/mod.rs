@@ -567,8 +567,8 @@ impl Executor for CudaExecutor {
         let orphan = !enqueue;
         match (step.kind(), step.unsummed(), &bufs.integrity) {
             (StepKind::Gather(g), _, _) => self.gather(plan, k, g, bufs, stream, orphan),
-            (StepKind::Copy(runs), Some(mode), Some(b)) => self.copies_unsummed(runs, bufs, stream, mode, b, orphan),
-            (StepKind::Copy(runs), _, _) => self.copies(runs, bufs, stream),
+            (StepKind::Copy(c), Some(mode), Some(b)) => self.copies_unsummed(c, bufs, stream, mode, b, orphan),
+            (StepKind::Copy(c), _, _) => self.copies(c, bufs, stream),
         }
     }
 }

@@ -41,13 +41,18 @@ impl PendingSums {
         self.failed.load(Acquire) || self.mapped.load(Acquire) == self.staging.len()
     }
     /// The items of `direct` copies, which cannot sum: settled as unknown.
-    pub(super) fn unknown(mode: ChecksumMode, binding: ChecksumBinding, runs: &[crate::plan::Run]) -> PendingSums {
+    pub(super) fn unknown(
+        mode: ChecksumMode,
+        binding: ChecksumBinding,
+        step: &crate::plan::CopyStep,
+        runs: std::ops::Range<usize>,
+    ) -> PendingSums {
         PendingSums {
             staging: Vec::new(),
             mapped: Default::default(),
             failed: Default::default(),
             layout: None,
-            what: Settle::Unknown(runs.to_vec()),
+            what: Settle::Unknown(step.clone(), runs),
             mode,
             binding,
         }

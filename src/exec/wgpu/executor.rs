@@ -155,7 +155,7 @@ impl WgpuExecutor {
         let step = &plan.steps()[k];
         let runs = match step.kind() {
             StepKind::Gather(g) => return self.encode_and_submit(enqueue, |enc, sums| self.gather(g, bufs, enc, sums)),
-            StepKind::Copy(runs) => runs,
+            StepKind::Copy(c) => c,
         };
         if runs.len() > MANY_RUNS {
             static WARNED: std::sync::Once = std::sync::Once::new();
@@ -168,17 +168,19 @@ impl WgpuExecutor {
         }
         // Bounded submissions: a part of the runs each, the next encoded once the one before
         // has run, so that the queue never holds more than one part's commands.
-        for (part, chunk) in runs.chunks(self.inner.max_copies).enumerate() {
+        let per = self.inner.max_copies.max(1);
+        for (part, lo) in (0..runs.len()).step_by(per).enumerate() {
+            let chunk = lo..(lo + per).min(runs.len());
             if part > 0 {
                 self.wait_previous_part(enqueue)?;
             }
             self.encode_and_submit(enqueue, |enc, sums| {
-                for r in chunk {
+                for r in runs.runs_in(chunk.start, chunk.end) {
                     copy_run(enc, bufs.get(r.src), r.src_offset, bufs.get(r.dst), r.dst_offset, r.len);
                 }
                 // Buffer-to-buffer copies cannot sum: their items settle as unknown, in order.
                 if let (Some(mode), Some(b)) = (step.unsummed(), &bufs.integrity) {
-                    sums.push(PendingSums::unknown(mode, b.clone(), chunk));
+                    sums.push(PendingSums::unknown(mode, b.clone(), runs, chunk));
                 }
                 Ok(())
             })?;
