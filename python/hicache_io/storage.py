@@ -733,10 +733,17 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
                 for j, e in enumerate(exist):
                     ok[j] = e == 1
                 self._stage_out(sorted({j // lay.comps for j in todo}), idx)
+            sums = None
             if todo and self.integrity and getattr(self.mem_pool_host, "integrity", False):
-                todo = self._drop_damaged(keys, idx, todo, lay.comps)
+                if self._trailers is not None and lay.zero_copy and hasattr(self.mem_pool_host, "put_checksums"):
+                    # The objects' checksums and the pages' item checks in one read of the pages.
+                    sums, intact = self.mem_pool_host.put_checksums(idx)
+                    todo = self._drop_damaged(keys, idx, todo, lay.comps, intact)
+                else:
+                    todo = self._drop_damaged(keys, idx, todo, lay.comps)
             if todo and self._trailers is not None and self.integrity:
-                base = self._fill_trailers(obj_keys, self._sums(obj_keys, idx, lay.zero_copy), todo)
+                sums = np.asarray(sums, dtype="<u8") if sums is not None else self._sums(obj_keys, idx, lay.zero_copy)
+                base = self._fill_trailers(obj_keys, sums, todo)
                 rcs = self.store.batch_put_from_multi_buffers(
                     [obj_keys[j] for j in todo], [[ptrs[j], base + 16 * n] for n, j in enumerate(todo)], [[size, 16]] * len(todo)
                 )
@@ -760,11 +767,13 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
             self._fail(StorageError("batch_set_v1", REFUSED, keys, detail=str(e)))
         return self._pages_ok(ok, len(keys))
 
-    def _drop_damaged(self, keys: List[str], idx: Any, todo: List[int], per: int) -> List[int]:
+    def _drop_damaged(self, keys: List[str], idx: Any, todo: List[int], per: int, intact: Optional[List[bool]] = None) -> List[int]:
         """``todo`` (object numbers, ``per`` a page) without the objects of pages whose host bytes
-        no longer match the item checksums their backup recorded: a fault in host memory must not
-        reach storage under a trailer of its own. Those pages read as not written."""
-        intact = self.mem_pool_host.pages_intact(idx)
+        no longer match the item checksums their backup recorded (``intact``, per page, where the
+        caller has it): a fault in host memory must not reach storage under a trailer of its own.
+        Those pages read as not written."""
+        if intact is None:
+            intact = self.mem_pool_host.pages_intact(idx)
         damaged = sorted({j // per for j in todo if not intact[j // per]})
         if damaged:
             self.stats["damaged_puts"] += len(damaged)
@@ -860,9 +869,20 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
         if bad:
             code = bad[0][1] if bad[0][1] < 0 else SHORT_READ
             self._fail(StorageError("batch_get_into", code, [k for k, _ in bad]))
+        settled = False
         if t is not None and self.integrity:
             try:
-                self._verify(obj_keys, self._sums(obj_keys, idx, lay.zero_copy), ok, unverified)
+                if lay.zero_copy and hasattr(lay, "landed") and hasattr(self.mem_pool_host, "landed_checksums"):
+                    # The objects' checksums and the pool's item checksums of the pages that
+                    # landed, in one read: a page whose objects were all read whole with this
+                    # format's trailer and match it is recorded, every other page forgotten.
+                    expected = t[:n_obj, 1] ^ _name_tags(obj_keys)
+                    eligible = [ok[j] and not unverified[j] and int(t[j, 0]) == TRAILER_MAGIC for j in range(n_obj)]
+                    sums = np.asarray(self.mem_pool_host.landed_checksums(idx, expected.tolist(), eligible), dtype="<u8")
+                    settled = True
+                else:
+                    sums = self._sums(obj_keys, idx, lay.zero_copy)
+                self._verify(obj_keys, sums, ok, unverified)
             except Exception as e:  # noqa: BLE001 - a checksum pass that failed: trust no page
                 ok = [False] * len(obj_keys)
                 self._fail(StorageError("batch_get_v1", INTEGRITY, keys, detail=f"could not verify: {e}"))
@@ -872,7 +892,7 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
         trusted = [all(sound[i * per : (i + 1) * per]) for i in range(len(keys))]
         if not lay.zero_copy:
             self._stage_in(pages, idx, trusted)
-        elif hasattr(lay, "landed"):
+        elif hasattr(lay, "landed") and not settled:
             lay.landed(idx, [p and v for p, v in zip(pages, trusted)])
         return pages
 

@@ -366,6 +366,36 @@ impl PyHostPool {
         let sums = py.detach(|| self.inner.object_checksums(&idx, seed)).py()?;
         u64_array(py, sums)
     }
+    /// `(object_checksums(indices, seed), pages_intact(indices))` in one read of the pages' bytes:
+    /// what an L3 store needs before it puts them.
+    #[pyo3(signature = (indices, seed = hicache_io::integrity::STORAGE_SEED))]
+    pub(crate) fn put_checksums<'py>(
+        &self,
+        py: Python<'py>,
+        indices: &Bound<'_, PyAny>,
+        seed: u64,
+    ) -> PyResult<(Bound<'py, PyAny>, Vec<bool>)> {
+        let idx = index_list(indices, "Host", Ctx { stream: None })?;
+        let (sums, intact) = py.detach(|| self.inner.put_checksums(&idx, seed)).py()?;
+        Ok((u64_array(py, sums)?, intact))
+    }
+    /// After an L3 store wrote the pages of `indices` in place: `object_checksums(indices, seed)`
+    /// from one read of the pages, which also records the item checksums of each page all of
+    /// whose objects are `eligible` and match `expected` (one per object), and forgets every
+    /// other page's.
+    #[pyo3(signature = (indices, expected, eligible, seed = hicache_io::integrity::STORAGE_SEED))]
+    pub(crate) fn landed_checksums<'py>(
+        &self,
+        py: Python<'py>,
+        indices: &Bound<'_, PyAny>,
+        expected: Vec<u64>,
+        eligible: Vec<bool>,
+        seed: u64,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let idx = index_list(indices, "Host", Ctx { stream: None })?;
+        let sums = py.detach(|| self.inner.landed_checksums(&idx, seed, &expected, &eligible)).py()?;
+        u64_array(py, sums)
+    }
     /// Per page of `indices` (first tokens at `indices[0], indices[P], …`): whether its bytes
     /// still match every item checksum the pool recorded for it (`True` where it has none).
     pub(crate) fn pages_intact(&self, py: Python<'_>, indices: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {

@@ -573,6 +573,90 @@ def test_a_page_damaged_in_host_memory_is_not_put(store, executor):
         store.unregister_mem_pool_host()
 
 
+@pytest.mark.parametrize("executor", executors())
+@pytest.mark.parametrize("kind,layout,heads", [("dsa", "page_first", 1), ("mha", "page_first", 1), ("mha", "page_head", 2), ("mla", "page_first_direct", 1)])
+def test_put_checksums_are_object_checksums_and_pages_intact_in_one_read(executor, kind, layout, heads):
+    """What a put needs (each object's checksum, each page's item check) from one read of the
+    pages: equal to the two separate calls, on pages whose objects are one item (DSA, one layer)
+    and many (MHA over layers and tokens, split heads), before and after a byte of one page is
+    damaged in host memory, and under another seed."""
+    bpt = {"dsa": 132, "mha": 64, "mla": 96}[kind]
+    _, dev, host = build(executor, kind, layout, heads, bpt, 1 if kind == "dsa" else 3, None, 0)
+    pages = [1, 2, 3]
+    dev_pages = [5, 6, 7]
+    host.backup_from_device_all_layer(dev, tokens(pages), tokens(dev_pages), "direct" if layout == "page_first_direct" else "kernel")
+    idx = tokens(pages)
+
+    def both(seed=None):
+        args = (idx,) if seed is None else (idx, seed)
+        sums, intact = host.put_checksums(*args)
+        assert list(sums) == list(host.object_checksums(*args))
+        assert intact == host.pages_intact(idx)
+        return intact
+
+    assert both() == [True, True, True]
+    assert both(7) == [True, True, True]
+    off = page_meta(host, 2)[-1][1] + 5
+    comp = page_meta(host, 2)[-1][0]
+    byte = np.asarray(host.read_buffer(comp))[off]
+    host.inject_host_corruption(comp, off, bytes([byte ^ 0x10]))
+    # wgpu's direct copies cannot sum: their pages have no item checksums to fail.
+    known = any(c is not None for c in host.page_checksums(2 * P))
+    assert known or (executor == "wgpu" and layout == "page_first_direct")
+    assert both() == [True, not known, True]
+    assert both(7) == [True, not known, True]
+
+
+@pytest.mark.parametrize("executor", executors())
+@pytest.mark.parametrize("kind,layout,heads", [("dsa", "page_first", 1), ("mha", "page_first", 1), ("mha", "page_head", 2)])
+def test_landed_checksums_verify_and_settle_pages_in_one_read(executor, kind, layout, heads):
+    """After a zero-copy get: each object's checksum (equal to ``object_checksums``) and, in the
+    same read, the pool's item checksums: recorded (as the backup recorded them) for a page whose
+    objects are all eligible and match, forgotten for a page with one object that does not match
+    or is not eligible."""
+    bpt = {"dsa": 132, "mha": 64}[kind]
+    _, dev, host = build(executor, kind, layout, heads, bpt, 1 if kind == "dsa" else 3, None, 0)
+    pages = [1, 2, 3]
+    host.backup_from_device_all_layer(dev, tokens(pages), tokens([5, 6, 7]), "kernel")
+    idx = tokens(pages)
+    recorded = [host.page_checksums(q * P) for q in pages]
+    assert all(c is not None for r in recorded for c in r)
+    sums = list(host.object_checksums(idx))
+    per = len(sums) // len(pages)
+    host.forget_page_checksums([q * P for q in pages])
+    expected = list(sums)
+    expected[per] ^= 1  # page 2's first object does not match
+    eligible = [True] * len(sums)
+    eligible[2 * per] = False  # page 3's first object was not read whole
+    assert list(host.landed_checksums(idx, expected, eligible)) == sums
+    assert host.page_checksums(1 * P) == recorded[0]
+    assert all(c is None for c in host.page_checksums(2 * P) + host.page_checksums(3 * P))
+    assert list(host.landed_checksums(idx, sums, [True] * len(sums))) == sums
+    assert [host.page_checksums(q * P) for q in pages] == recorded
+    with pytest.raises(ValueError):
+        host.landed_checksums(idx, sums[:-1], [True] * len(sums))
+
+
+@pytest.mark.parametrize("layout,heads,bpt", [("page_unified", 2, 64), ("page_first", 1, 64), ("page_first", 1, 12)])
+def test_share_checksums_are_the_checksums_of_the_gathered_shares(layout, heads, bpt):
+    """A page share's checksum (summed where its spans lie when they are whole words, gathered
+    first otherwise) is the checksum of the share's bytes gathered in order."""
+    from hicache_io import _native
+
+    _, dev, host = build("cpu", "mha", layout, heads, bpt, 3, None, 0)
+    host.backup_from_device_all_layer(dev, tokens([1, 2]), tokens([5, 6]), "kernel")
+    half = bpt // 2
+    shares = [(0, 0, 3, 0, half), (1, 1, 3, half, bpt), (0, 2, 3, 0, bpt)]
+    got = list(host.share_checksums(tokens([1, 2]), shares))
+    want = []
+    for page in (1, 2):
+        for comp, l0, l1, b0, b1 in shares:
+            spans, shift = host.page_share_spans(comp, (l0, l1), (b0, b1))
+            data = b"".join(bytes(np.asarray(host.read_buffer(buf))[off + page * shift : off + page * shift + n]) for buf, off, n in spans)
+            want.append(_native.checksum(np.frombuffer(data, np.uint8)))
+    assert got == want
+
+
 def test_integrity_can_be_turned_off(master):
     s = make_store(master, integrity=False)
     try:

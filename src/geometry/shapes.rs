@@ -432,19 +432,26 @@ impl HostGeometry {
     /// its one buffer, holding every component). The DSA
     /// indexer's page is one slot, so every layout gives `[L][item]`.
     pub fn flat_page_spans(&self, page: u64) -> Vec<(u64, u64)> {
+        let (spans, shift) = self.flat_page_template();
+        spans.into_iter().map(|(off, len)| (off + page * shift, len)).collect()
+    }
+
+    /// [`HostGeometry::flat_page_spans`] of page 0, and the shift from one page to the next
+    /// (every span of page `k` lies `k · shift` after page 0's).
+    pub fn flat_page_template(&self) -> (Vec<(u64, u64)>, u64) {
         let p = self.index_page_size();
         if let Some(pad) = self.padding {
             let layer = self.page_num() * pad.page_bytes;
-            return (0..self.layer_num).map(|l| (l * layer + page * pad.page_bytes + pad.offset, p * self.item_bytes)).collect();
+            return ((0..self.layer_num).map(|l| (l * layer + pad.offset, p * self.item_bytes)).collect(), pad.page_bytes);
         }
         match self.layout {
             Layout::LayerFirst => {
-                (0..self.layer_num).map(|l| (l * self.slots * self.item_bytes + page * p * self.item_bytes, p * self.item_bytes)).collect()
+                ((0..self.layer_num).map(|l| (l * self.slots * self.item_bytes, p * self.item_bytes)).collect(), p * self.item_bytes)
             }
             _ => {
                 // page_unified's page holds every component.
                 let len = p * self.layout_dim() * (self.kind.components() / self.buffers()) as u64;
-                vec![(page * len, len)]
+                (vec![(0, len)], len)
             }
         }
     }

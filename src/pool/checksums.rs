@@ -51,16 +51,16 @@ impl HostPool<'_> {
     /// the order of [`HostPool::page_checksums`]: component, then layer, then slot.
     fn page_items(&self, index: i64) -> Result<Vec<(u64, u64, u8)>> {
         self.flat_page(index)?;
+        Ok(self.items_of_page(index as u64).collect())
+    }
+
+    /// [`HostPool::page_items`] of a page already checked to start at token `index`.
+    fn items_of_page(&self, index: u64) -> impl Iterator<Item = (u64, u64, u8)> + '_ {
         let g = self.pair.host();
         let per = g.index_page_size();
-        let first = (index as u64 / g.page_size()) * per;
-        let mut out = Vec::with_capacity((per * g.layer_num()) as usize * g.kind().components());
-        for c in 0..g.kind().components() as u8 {
-            for l in 0..g.layer_num() {
-                out.extend((first..first + per).map(|u| (u, l, c)));
-            }
-        }
-        Ok(out)
+        let first = (index / g.page_size()) * per;
+        (0..g.kind().components() as u8)
+            .flat_map(move |c| (0..g.layer_num()).flat_map(move |l| (first..first + per).map(move |u| (u, l, c))))
     }
 
     /// The recorded checksums of the items of the page starting at token `index` once the
@@ -77,18 +77,71 @@ impl HostPool<'_> {
     /// The checksums of items' bytes as they are in host memory now (after the pool's queued
     /// transfers).
     fn item_sums(&self, keys: &integrity::Keys, items: &[(u64, u64, u8)]) -> Result<Vec<u64>> {
+        let mut bytes = self.host_bytes()?;
+        items.iter().map(|&item| self.item_sum(&mut bytes, keys, item)).collect()
+    }
+
+    /// The checksum of one host item's bytes, read through `bytes`.
+    fn item_sum(
+        &self,
+        bytes: &mut super::pages::HostBytes<'_>,
+        keys: &integrity::Keys,
+        (unit, layer, comp): (u64, u64, u8),
+    ) -> Result<u64> {
+        let g = self.pair.host();
+        let addr = g.addr(comp, layer);
+        (0..g.head_num()).try_fold(0u64, |sum, h| {
+            let chunk = bytes.get(g.buffer_of(comp) as usize, addr.offset(unit, h), g.chunk_bytes())?;
+            Ok(sum.wrapping_add(integrity::item_part(chunk, h, keys)))
+        })
+    }
+
+    /// [`HostPool::object_checksums`] and [`HostPool::pages_intact`] of the same pages in one
+    /// read of their bytes: what an L3 store needs before it puts pages. An item that is exactly
+    /// one object's bytes (a DSA indexer page of one layer; keys seeded by the storage seed) is
+    /// summed once for both. Returns (per object, per page).
+    pub fn put_checksums(&self, indices: &[i64], seed: u64) -> Result<(Vec<u64>, Vec<bool>)> {
+        let meta = self.get_page_buffer_meta(indices)?;
+        let p = self.pair.host().page_size().max(1) as usize;
+        let pages = indices.len() / p;
+        if pages == 0 {
+            return Ok((Vec::new(), Vec::new()));
+        }
+        let per = meta.len() / pages;
+        let widest = meta.iter().map(|m| m.2).max().unwrap_or(0);
+        let keys = integrity::shared_keys(seed, integrity::words(widest as usize))?;
+        let table = self.checksums.clone();
+        if table.is_some() {
+            self.device.settle_checksums()?;
+        }
         let g = self.pair.host();
         let mut bytes = self.host_bytes()?;
-        items
-            .iter()
-            .map(|&(unit, layer, comp)| {
-                let addr = g.addr(comp, layer);
-                (0..g.head_num()).try_fold(0u64, |sum, h| {
-                    let chunk = bytes.get(g.buffer_of(comp) as usize, addr.offset(unit, h), g.chunk_bytes())?;
-                    Ok(sum.wrapping_add(integrity::item_part(chunk, h, keys)))
-                })
-            })
-            .collect()
+        let (mut sums, mut intact) = (Vec::with_capacity(meta.len()), Vec::with_capacity(pages));
+        for (page, objects) in indices.chunks(p).zip(meta.chunks(per.max(1))) {
+            let first = sums.len();
+            for &(c, off, len) in objects {
+                sums.push(integrity::checksum(bytes.get(c, off, len)?, &keys));
+            }
+            let Some(s) = &table else {
+                intact.push(true);
+                continue;
+            };
+            let mut ok = true;
+            // The page starts at `page[0]` (checked with the objects).
+            for item in self.items_of_page(page[0] as u64) {
+                let Some(want) = s.expected(self.item_slot(s, item.0, item.1, item.2)?) else { continue };
+                // The object's sum where the item is exactly that object's bytes under the same keys.
+                let span = (g.buffer_of(item.2) as usize, g.addr(item.2, item.1).offset(item.0, 0), g.chunk_bytes());
+                let same = (g.head_num() == 1 && s.keys().seed() == seed).then(|| objects.iter().position(|o| *o == span)).flatten();
+                let sum = match same {
+                    Some(k) => sums[first + k],
+                    None => self.item_sum(&mut bytes, s.keys(), item)?,
+                };
+                ok &= sum == want;
+            }
+            intact.push(ok);
+        }
+        Ok((sums, intact))
     }
 
     /// For each page whose first token is `indices[0], indices[P], …` (as
@@ -128,17 +181,81 @@ impl HostPool<'_> {
     /// writing the pool's memory in place) once their bytes are known good (the store verified
     /// them). A no-op without checksums.
     pub fn recompute_page_checksums(&mut self, index: i64) -> Result<()> {
-        self.record_page_checksums(index)
+        self.record_page_checksums(&[index])
     }
-    /// [`HostPool::recompute_page_checksums`] for callers holding the page otherwise.
-    pub(super) fn record_page_checksums(&self, index: i64) -> Result<()> {
-        let items = self.page_items(index)?;
-        let Some(s) = self.checksums.clone() else { return Ok(()) };
-        let sums = self.item_sums(s.keys(), &items)?;
-        for (&(u, l, c), sum) in items.iter().zip(sums) {
-            s.record(self.item_slot(&s, u, l, c)?, sum);
+    /// After an L3 store wrote the pages starting at `indices[0], indices[P], …` in place: each
+    /// object's checksum ([`HostPool::object_checksums`], keys seeded by `seed`) from one read of
+    /// the pages, and in the same read the pool's item checksums settled: a page all of whose
+    /// objects are `eligible` (read whole, with a trailer of this format) and match `expected` is
+    /// trusted and its items' checksums are recorded; every other page's are forgotten (its loads
+    /// read as unverified, never as corrupt). `expected` and `eligible`: one per object.
+    pub fn landed_checksums(&self, indices: &[i64], seed: u64, expected: &[u64], eligible: &[bool]) -> Result<Vec<u64>> {
+        let meta = self.get_page_buffer_meta(indices)?;
+        for (what, len) in [("expected object checksums", expected.len()), ("eligible objects", eligible.len())] {
+            if len != meta.len() {
+                return Err(TransferError::BufferSize { what: what.into(), expected: meta.len() as u64, actual: len as u64 });
+            }
         }
-        s.count([items.len() as u64, 0, 0, 0]);
+        let p = self.pair.host().page_size().max(1) as usize;
+        let pages = indices.len() / p;
+        if pages == 0 {
+            return Ok(Vec::new());
+        }
+        let per = (meta.len() / pages).max(1);
+        let widest = meta.iter().map(|m| m.2).max().unwrap_or(0);
+        let keys = integrity::shared_keys(seed, integrity::words(widest as usize))?;
+        let table = self.checksums.clone();
+        if table.is_some() {
+            // After the transfers queued so far (a backup recording these items).
+            self.device.settle_checksums()?;
+        }
+        let g = self.pair.host();
+        let mut bytes = self.host_bytes()?;
+        let mut sums = Vec::with_capacity(meta.len());
+        for (page, objects) in indices.chunks(p).zip(meta.chunks(per)) {
+            let first = sums.len();
+            for &(c, off, len) in objects {
+                sums.push(integrity::checksum(bytes.get(c, off, len)?, &keys));
+            }
+            let Some(s) = &table else { continue };
+            let trusted = (first..sums.len()).all(|j| eligible[j] && sums[j] == expected[j]);
+            let mut items = 0;
+            // The page starts at `page[0]` (checked with the objects).
+            for item in self.items_of_page(page[0] as u64) {
+                items += 1;
+                let slot = self.item_slot(s, item.0, item.1, item.2)?;
+                if !trusted {
+                    s.forget(slot);
+                    continue;
+                }
+                let span = (g.buffer_of(item.2) as usize, g.addr(item.2, item.1).offset(item.0, 0), g.chunk_bytes());
+                let same = (g.head_num() == 1 && s.keys().seed() == seed).then(|| objects.iter().position(|o| *o == span)).flatten();
+                let sum = match same {
+                    Some(k) => sums[first + k],
+                    None => self.item_sum(&mut bytes, s.keys(), item)?,
+                };
+                s.record(slot, sum);
+            }
+            if trusted {
+                s.count([items, 0, 0, 0]);
+            }
+        }
+        Ok(sums)
+    }
+
+    /// [`HostPool::recompute_page_checksums`] for the pages starting at each of `indices`, for
+    /// callers holding them otherwise (one wait for the pool's transfers, not one a page).
+    pub(super) fn record_page_checksums(&self, indices: &[i64]) -> Result<()> {
+        let items = indices.iter().map(|&i| self.page_items(i)).collect::<Result<Vec<_>>>()?;
+        let Some(s) = self.checksums.clone() else { return Ok(()) };
+        let mut bytes = self.host_bytes()?;
+        for items in items {
+            for &item in &items {
+                let sum = self.item_sum(&mut bytes, s.keys(), item)?;
+                s.record(self.item_slot(&s, item.0, item.1, item.2)?, sum);
+            }
+            s.count([items.len() as u64, 0, 0, 0]);
+        }
         Ok(())
     }
 

@@ -29,6 +29,14 @@ impl HostPool<'_> {
     /// The flat page starting at token `index`, as `(component, byte offset, bytes)` spans in
     /// flat order.
     pub(super) fn flat_page(&self, index: i64) -> Result<Vec<(usize, u64, u64)>> {
+        let page = self.page_of(index)?;
+        // Index-granular page: the DSA indexer's slots are pages already.
+        let spans = self.pair.host().flat_page_spans(page);
+        Ok((0..self.pair.host().buffers()).flat_map(|c| spans.iter().map(move |&(off, len)| (c, off, len))).collect())
+    }
+
+    /// The page that starts at host token `index` (an error unless one does).
+    fn page_of(&self, index: i64) -> Result<u64> {
         let g = self.pair.host();
         let p = g.page_size();
         let page_count = g.index_pages();
@@ -46,9 +54,7 @@ impl HostPool<'_> {
                 unit: "slots",
             });
         }
-        // Index-granular page: the DSA indexer's slots are pages already.
-        let spans = g.flat_page_spans(page);
-        Ok((0..g.buffers()).flat_map(|c| spans.iter().map(move |&(off, len)| (c, off, len))).collect())
+        Ok(page)
     }
 
     /// Bytes of one flat page (every component).
@@ -84,7 +90,7 @@ impl HostPool<'_> {
     /// [`HostPool::set_from_flat_data_page`] for callers holding the page otherwise.
     pub(super) fn set_page(&self, index: i64, data: &[u8]) -> Result<()> {
         self.write_flat_page(index, data)?;
-        self.record_page_checksums(index)
+        self.record_page_checksums(&[index])
     }
 
     pub(super) fn write_flat_page(&self, index: i64, data: &[u8]) -> Result<()> {
@@ -114,13 +120,14 @@ impl HostPool<'_> {
             return Err(TransferError::UnsupportedLayout { layout: g.layout().name().into() });
         }
         let comps = g.buffers();
-        let mut out = Vec::new();
+        // Every page's spans are page 0's, shifted (no allocation a page).
+        let (template, shift) = g.flat_page_template();
+        let mut out = Vec::with_capacity(indices.len() / p as usize * template.len() * comps);
         for &first in indices.iter().step_by(p as usize) {
-            let spans = self.flat_page(first)?;
-            // flat order is component-major; sglang's meta interleaves K and V per span.
-            let per = spans.len() / comps;
-            for k in 0..per {
-                out.extend((0..comps).map(|c| spans[c * per + k]));
+            let at = self.page_of(first)? * shift;
+            // sglang's meta interleaves K and V per span.
+            for &(off, len) in &template {
+                out.extend((0..comps).map(|c| (c, off + at, len)));
             }
         }
         Ok(out)
@@ -158,19 +165,26 @@ impl HostPool<'_> {
         let spans = shares.iter().map(|&s| g.page_share_spans(s)).collect::<Result<Vec<_>>>()?;
         let widest = spans.iter().map(|(v, _)| v.iter().map(|s| s.2).sum::<u64>()).max().unwrap_or(0);
         let keys = crate::integrity::shared_keys(seed, crate::integrity::words(widest as usize))?;
-        let mut scratch = super::alloc_bytes("page share", widest)?;
+        // Spans of whole words are summed where they lie (the checksum adds over word ranges);
+        // others are gathered first (a partial word is padded only at the object's end).
+        let in_place = spans.iter().all(|(v, _)| v.iter().all(|s| s.2.is_multiple_of(4)));
+        let mut scratch = if in_place { Vec::new() } else { super::alloc_bytes("page share", widest)? };
         let mut bytes = self.host_bytes()?;
         let mut out = Vec::with_capacity(firsts.len() * shares.len());
         for &first in &firsts {
             let page = first as u64 / p;
             for (template, shift) in &spans {
-                let mut at = 0usize;
+                let (mut at, mut sum) = (0usize, 0u64);
                 for &(buffer, off, len) in template {
                     let from = bytes.get(buffer, off + page * shift, len)?;
-                    scratch[at..at + len as usize].copy_from_slice(from);
+                    if in_place {
+                        sum = sum.wrapping_add(crate::integrity::range_sum(from, at / 4, &keys));
+                    } else {
+                        scratch[at..at + len as usize].copy_from_slice(from);
+                    }
                     at += len as usize;
                 }
-                out.push(crate::integrity::checksum(&scratch[..at], &keys));
+                out.push(if in_place { sum } else { crate::integrity::checksum(&scratch[..at], &keys) });
             }
         }
         Ok(out)

@@ -241,6 +241,16 @@ impl SharedHostPool {
         let _held = self.pages(indices, false);
         self.pool.share_checksums(indices, shares, seed)
     }
+    /// [`HostPool::put_checksums`].
+    pub fn put_checksums(&self, indices: &[i64], seed: u64) -> Result<(Vec<u64>, Vec<bool>)> {
+        let _held = self.pages(indices, false);
+        self.pool.put_checksums(indices, seed)
+    }
+    /// [`HostPool::landed_checksums`].
+    pub fn landed_checksums(&self, indices: &[i64], seed: u64, expected: &[u64], eligible: &[bool]) -> Result<Vec<u64>> {
+        let _held = self.pages(indices, true);
+        self.pool.landed_checksums(indices, seed, expected, eligible)
+    }
     /// [`HostPool::pages_intact`].
     pub fn pages_intact(&self, indices: &[i64]) -> Result<Vec<bool>> {
         let _held = self.pages(indices, false);
@@ -249,7 +259,7 @@ impl SharedHostPool {
     /// [`HostPool::recompute_page_checksums`] for the pages starting at each of `indices`.
     pub fn recompute_page_checksums(&self, indices: &[i64]) -> Result<()> {
         let _held = self.pages(indices, true);
-        indices.iter().try_for_each(|&i| self.pool.record_page_checksums(i))
+        self.pool.record_page_checksums(indices)
     }
     /// [`HostPool::forget_page_checksums`] for the pages starting at each of `indices`.
     pub fn forget_page_checksums(&self, indices: &[i64]) -> Result<()> {
