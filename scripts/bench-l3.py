@@ -9,7 +9,10 @@ For each object size, a host pool whose page is one object of that size:
 ``hicache-io`` is ``MooncakeStore.batch_set_v1`` / ``batch_get_v1`` (zero-copy from and to the pool's
 registered pages, 128 pages per call as sglang batches them); ``mooncake`` is
 ``MooncakeDistributedStore.batch_put_from`` / ``batch_get_into`` on a registered numpy buffer
-holding the same pages, in the same batches. Fresh keys every round, median of the rounds.
+holding the same pages, in the same batches. For hicache-io's checksummed objects, ``+16 B`` is
+Mooncake's own ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers`` of the same objects
+with a 16-byte trailer buffer each: the shape those objects have, so the ratio to it is what
+hicache-io adds. Fresh keys every round, median of the rounds.
 Then head-group objects of the unified key scheme (hicache_io.storage_unified): a TP=2 rank of a
 model with 8 kv heads, each page 8 objects of 32 KiB (one per kv head and component), moved in
 place from a ``page_first_direct_hg`` pool (one span an object) and a ``page_unified`` one (one
@@ -76,17 +79,22 @@ def object_case(store, name, kind, bytes_per_token, layers, page, pages, rounds,
     toks = page_tokens(range(pages), page)
     store.register_mem_pool_host(host)
     grid = store._grid  # the unified scheme's objects (head groups), else one object a page
+    trailer = integrity and store._trailers is not None  # hicache-io's own objects, checksummed
     obj = grid.object_bytes[0] if grid else store._layout.obj_bytes
     per_page = len(grid.suffixes) if grid else 1
     total = pages * per_page * obj
     batch = STORAGE_BATCH_SIZE * per_page
-    ours_put, ours_get, mc_put, mc_get = [], [], [], []
+    ours_put, ours_get, mc_put, mc_get, tr_put, tr_get = [], [], [], [], [], []
     try:
         # As many bytes, in objects of the same size, in a buffer registered for Mooncake's own calls.
         raw = rng.integers(0, 256, total, dtype=np.uint8)
         assert store.store.register_buffer(raw.ctypes.data, raw.nbytes) == 0
         out = np.zeros_like(raw)
         assert store.store.register_buffer(out.ctypes.data, out.nbytes) == 0
+        # 16-byte trailers beside each object, for Mooncake's own two-buffer calls (the shape of a
+        # checksummed object).
+        trailers = np.zeros(16 * (batch + 1), dtype=np.uint8)
+        assert store.store.register_buffer(trailers.ctypes.data, trailers.nbytes) == 0
         for r in range(rounds):
             keys = [uuid.uuid4().hex for _ in range(pages)]
             mkeys = [uuid.uuid4().hex for _ in range(pages * per_page)]
@@ -110,11 +118,32 @@ def object_case(store, name, kind, bytes_per_token, layers, page, pages, rounds,
                     got = store.store.batch_get_into(mkeys[a : a + n], [out.ctypes.data + (a + j) * obj for j in range(n)], [obj] * n)
                     assert all(g == obj for g in got), got[:4]
 
+            tkeys = [uuid.uuid4().hex for _ in range(pages * per_page)]
+
+            def put2():
+                for a in range(0, len(tkeys), batch):
+                    n = min(batch, len(tkeys) - a)
+                    bufs = [[raw.ctypes.data + (a + j) * obj, trailers.ctypes.data + 16 * j] for j in range(n)]
+                    rcs = store.store.batch_put_from_multi_buffers(tkeys[a : a + n], bufs, [[obj, 16]] * n)
+                    assert all(rc == 0 for rc in rcs), rcs[:4]
+
+            def get2():
+                for a in range(0, len(tkeys), batch):
+                    n = min(batch, len(tkeys) - a)
+                    bufs = [[out.ctypes.data + (a + j) * obj, trailers.ctypes.data + 16 * j] for j in range(n)]
+                    got = store.store.batch_get_into_multi_buffers(tkeys[a : a + n], bufs, [[obj, 16]] * n)
+                    assert all(g == obj + 16 for g in got), got[:4]
+
             def theirs():
                 out.fill(0)
                 mc_put.append(timed(put))
                 mc_get.append(timed(get))
                 assert np.array_equal(out, raw), "Mooncake's own get returned other bytes"
+                if trailer:
+                    out.fill(0)
+                    tr_put.append(timed(put2))
+                    tr_get.append(timed(get2))
+                    assert np.array_equal(out, raw), "Mooncake's own get returned other bytes"
                 clear(store)
 
             # Alternate who goes first, so neither always meets a freshly emptied store.
@@ -122,6 +151,7 @@ def object_case(store, name, kind, bytes_per_token, layers, page, pages, rounds,
                 step()
         store.store.unregister_buffer(raw.ctypes.data)
         store.store.unregister_buffer(out.ctypes.data)
+        store.store.unregister_buffer(trailers.ctypes.data)
     finally:
         store.unregister_mem_pool_host()
     gbs = lambda ts: total / median(ts) / 1e9  # noqa: E731
@@ -130,6 +160,8 @@ def object_case(store, name, kind, bytes_per_token, layers, page, pages, rounds,
         "case": name, "object_bytes": obj, "pages": pages, "objects_per_page": per_page, "integrity": integrity,
         "put_gbs": gbs(ours_put), "get_gbs": gbs(ours_get),
         "mooncake_put_gbs": gbs(mc_put), "mooncake_get_gbs": gbs(mc_get),
+        # Mooncake's own calls on the same objects with a 16-byte trailer buffer each.
+        "mooncake_trailer_put_gbs": gbs(tr_put) if tr_put else None, "mooncake_trailer_get_gbs": gbs(tr_get) if tr_get else None,
     }
 
 
@@ -192,11 +224,18 @@ def main():
     if args.json:
         print(json.dumps({"objects": rows, "pipeline": pipe}, indent=2))
         return
-    print(f"{'object':<24} {'bytes':>8} {'objects':>7} {'put GB/s':>9} {'mooncake':>9} {'ratio':>6} {'get GB/s':>9} {'mooncake':>9} {'ratio':>6}")
+    # "+16 B": Mooncake's own two-buffer calls, each object with a 16-byte trailer buffer (the
+    # shape of a checksummed object), and hicache-io's ratio to them.
+    print(f"{'object':<26} {'bytes':>7} {'objects':>7} {'put GB/s':>9} {'mooncake':>9} {'ratio':>6} {'+16 B':>6} {'ratio':>6}"
+          f" {'get GB/s':>9} {'mooncake':>9} {'ratio':>6} {'+16 B':>6} {'ratio':>6}")
     for r in rows:
+        tp, tg = r["mooncake_trailer_put_gbs"], r["mooncake_trailer_get_gbs"]
+        trail = lambda ours, t: f" {t:>6.2f} {ours / t:>6.2f}" if t else f" {'-':>6} {'-':>6}"  # noqa: E731
         print(
-            f"{r['case']:<24} {r['object_bytes']:>8} {r['pages'] * r['objects_per_page']:>7} {r['put_gbs']:>9.2f} {r['mooncake_put_gbs']:>9.2f} {r['put_gbs'] / r['mooncake_put_gbs']:>6.2f}"
-            f" {r['get_gbs']:>9.2f} {r['mooncake_get_gbs']:>9.2f} {r['get_gbs'] / r['mooncake_get_gbs']:>6.2f}"
+            f"{r['case']:<26} {r['object_bytes']:>7} {r['pages'] * r['objects_per_page']:>7} {r['put_gbs']:>9.2f} {r['mooncake_put_gbs']:>9.2f} {r['put_gbs'] / r['mooncake_put_gbs']:>6.2f}"
+            + trail(r["put_gbs"], tp)
+            + f" {r['get_gbs']:>9.2f} {r['mooncake_get_gbs']:>9.2f} {r['get_gbs'] / r['mooncake_get_gbs']:>6.2f}"
+            + trail(r["get_gbs"], tg)
         )
     print(
         f"{pipe['case']}: {pipe['pages']} pages of {pipe['object_bytes']} B; backup {pipe['backup_gbs']:.2f} GB/s, "

@@ -187,11 +187,17 @@ class UnifiedKeys:
         def put(ok: List[bool]) -> None:
             lay.synchronize()
             todo = list(range(len(obj_keys)))
+            sums = None
             if self.integrity and getattr(pool, "integrity", False):
-                todo = self._drop_damaged(keys, idx, todo, n)
+                if hasattr(pool, "put_share_checksums"):
+                    # The objects' checksums and the pages' item checks in one read of the pages.
+                    sums, intact = pool.put_share_checksums(idx, grid.shares)
+                    todo = self._drop_damaged(keys, idx, todo, n, intact)
+                else:
+                    todo = self._drop_damaged(keys, idx, todo, n)
             ptrs, sizes = grid.buffers([int(idx[i * lay.page]) // lay.page for i in range(len(keys))])
             if todo and self.integrity:
-                sums = np.asarray(pool.share_checksums(idx, grid.shares), dtype="<u8")
+                sums = np.asarray(sums if sums is not None else pool.share_checksums(idx, grid.shares), dtype="<u8")
                 base = self._fill_trailers(obj_keys, sums, todo)
                 bufs = [ptrs[j] + [base + 16 * m] for m, j in enumerate(todo)]
                 lens = [sizes[j] + [16] for j in todo]
@@ -212,7 +218,7 @@ class UnifiedKeys:
             raise
 
     def _get_batch_unified_into(self, keys: List[str], idx: Any) -> List[bool]:
-        from .storage import INTEGRITY, REFUSED, SHORT_READ, StorageError
+        from .storage import INTEGRITY, REFUSED, SHORT_READ, TRAILER_MAGIC, StorageError, _name_tags
 
         lay, grid, pool, t = self._layout, self._grid, self.mem_pool_host, self._trailers
         obj_keys = self._object_keys(keys)
@@ -245,9 +251,19 @@ class UnifiedKeys:
         bad = [(obj_keys[j], got[j]) for j in range(n_obj) if not ok[j]]
         if bad:
             self._fail(StorageError("batch_get_into_multi_buffers", bad[0][1] if bad[0][1] < 0 else SHORT_READ, [k for k, _ in bad]))
+        settled = False
         if self.integrity:
             try:
-                sums = np.asarray(pool.share_checksums(idx, grid.shares), dtype="<u8")
+                if lay.zero_copy and hasattr(pool, "landed_share_checksums"):
+                    # The objects' checksums and the pool's item checksums of the pages that
+                    # landed, in one read: a page whose objects were all read whole with this
+                    # format's trailer and match it is recorded, every other page forgotten.
+                    expected = t[:n_obj, 1] ^ _name_tags(obj_keys)
+                    eligible = [ok[j] and not unverified[j] and int(t[j, 0]) == TRAILER_MAGIC for j in range(n_obj)]
+                    sums = np.asarray(pool.landed_share_checksums(idx, grid.shares, expected.tolist(), eligible), dtype="<u8")
+                    settled = True
+                else:
+                    sums = np.asarray(pool.share_checksums(idx, grid.shares), dtype="<u8")
                 self._verify(obj_keys, sums, ok, unverified)
             except Exception as e:  # noqa: BLE001 - a checksum pass that failed: trust no page
                 ok = [False] * n_obj
@@ -255,5 +271,6 @@ class UnifiedKeys:
         pages = self._pages_ok(ok, len(keys))
         per = len(grid.suffixes)
         trusted = [p and not any(unverified[i * per : (i + 1) * per]) for i, p in enumerate(pages)]
-        lay.landed(idx, trusted)
+        if not settled:
+            lay.landed(idx, trusted)
         return pages

@@ -353,8 +353,7 @@ impl PyHostPool {
         seed: u64,
     ) -> PyResult<Bound<'py, PyAny>> {
         let idx = index_list(indices, "Host", Ctx { stream: None })?;
-        let shares: Vec<PageShare> =
-            shares.into_iter().map(|(comp, l0, l1, b0, b1)| PageShare { comp, layers: (l0, l1), bytes: (b0, b1) }).collect();
+        let shares = page_shares(shares);
         let sums = py.detach(|| self.inner.share_checksums(&idx, &shares, seed)).py()?;
         u64_array(py, sums)
     }
@@ -364,6 +363,38 @@ impl PyHostPool {
     pub(crate) fn object_checksums<'py>(&self, py: Python<'py>, indices: &Bound<'_, PyAny>, seed: u64) -> PyResult<Bound<'py, PyAny>> {
         let idx = index_list(indices, "Host", Ctx { stream: None })?;
         let sums = py.detach(|| self.inner.object_checksums(&idx, seed)).py()?;
+        u64_array(py, sums)
+    }
+    /// `(share_checksums(indices, shares, seed), pages_intact(indices))` in one read of the pages'
+    /// bytes.
+    #[pyo3(signature = (indices, shares, seed = hicache_io::integrity::STORAGE_SEED))]
+    pub(crate) fn put_share_checksums<'py>(
+        &self,
+        py: Python<'py>,
+        indices: &Bound<'_, PyAny>,
+        shares: Vec<(u8, u64, u64, u64, u64)>,
+        seed: u64,
+    ) -> PyResult<(Bound<'py, PyAny>, Vec<bool>)> {
+        let idx = index_list(indices, "Host", Ctx { stream: None })?;
+        let shares = page_shares(shares);
+        let (sums, intact) = py.detach(|| self.inner.put_share_checksums(&idx, &shares, seed)).py()?;
+        Ok((u64_array(py, sums)?, intact))
+    }
+    /// `landed_checksums` for objects that hold page shares: `expected` and `eligible` one per
+    /// page and share.
+    #[pyo3(signature = (indices, shares, expected, eligible, seed = hicache_io::integrity::STORAGE_SEED))]
+    pub(crate) fn landed_share_checksums<'py>(
+        &self,
+        py: Python<'py>,
+        indices: &Bound<'_, PyAny>,
+        shares: Vec<(u8, u64, u64, u64, u64)>,
+        expected: Vec<u64>,
+        eligible: Vec<bool>,
+        seed: u64,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let idx = index_list(indices, "Host", Ctx { stream: None })?;
+        let shares = page_shares(shares);
+        let sums = py.detach(|| self.inner.landed_share_checksums(&idx, &shares, seed, &expected, &eligible)).py()?;
         u64_array(py, sums)
     }
     /// `(object_checksums(indices, seed), pages_intact(indices))` in one read of the pages' bytes:
@@ -454,4 +485,9 @@ impl PyHostPool {
         let dev = self.device.clone();
         py.detach(|| dev.wait_idle().and_then(|_| dev.integrity_reports())).py()
     }
+}
+
+/// Page shares as Python passes them: `(comp, layer start, layer end, byte start, byte end)`.
+fn page_shares(shares: Vec<(u8, u64, u64, u64, u64)>) -> Vec<PageShare> {
+    shares.into_iter().map(|(comp, l0, l1, b0, b1)| PageShare { comp, layers: (l0, l1), bytes: (b0, b1) }).collect()
 }

@@ -655,6 +655,26 @@ def test_share_checksums_are_the_checksums_of_the_gathered_shares(layout, heads,
             data = b"".join(bytes(np.asarray(host.read_buffer(buf))[off + page * shift : off + page * shift + n]) for buf, off, n in spans)
             want.append(_native.checksum(np.frombuffer(data, np.uint8)))
     assert got == want
+    # In one read with the pages' item checks (before and after a byte of page 2 is damaged)...
+    idx = tokens([1, 2])
+    sums, intact = host.put_share_checksums(idx, shares)
+    assert list(sums) == want and intact == host.pages_intact(idx) == [True, True]
+    recorded = [host.page_checksums(q * P) for q in (1, 2)]
+    off = page_meta(host, 2)[0][1] + 3
+    byte = np.asarray(host.read_buffer(0))[off]
+    host.inject_host_corruption(0, off, bytes([byte ^ 0x20]))
+    sums, intact = host.put_share_checksums(idx, shares)
+    assert intact == host.pages_intact(idx) == [True, False]
+    assert list(sums) == list(host.share_checksums(idx, shares))
+    host.inject_host_corruption(0, off, bytes([byte]))
+    # ... and after a get: page 1 trusted (recorded as its backup did), page 2 not (forgotten).
+    expected = list(want)
+    expected[len(shares)] ^= 1
+    assert list(host.landed_share_checksums(idx, shares, expected, [True] * len(want))) == want
+    assert host.page_checksums(1 * P) == recorded[0]
+    assert all(c is None for c in host.page_checksums(2 * P))
+    assert list(host.landed_share_checksums(idx, shares, want, [True] * len(want))) == want
+    assert [host.page_checksums(q * P) for q in (1, 2)] == recorded
 
 
 def test_integrity_can_be_turned_off(master):

@@ -102,87 +102,23 @@ impl HostPool<'_> {
     /// summed once for both. Returns (per object, per page).
     pub fn put_checksums(&self, indices: &[i64], seed: u64) -> Result<(Vec<u64>, Vec<bool>)> {
         let meta = self.get_page_buffer_meta(indices)?;
-        let p = self.pair.host().page_size().max(1) as usize;
-        let pages = indices.len() / p;
-        if pages == 0 {
-            return Ok((Vec::new(), Vec::new()));
-        }
-        let per = meta.len() / pages;
-        let widest = meta.iter().map(|m| m.2).max().unwrap_or(0);
-        let keys = integrity::shared_keys(seed, integrity::words(widest as usize))?;
-        let table = self.checksums.clone();
-        if table.is_some() {
-            self.device.settle_checksums()?;
-        }
-        let g = self.pair.host();
-        let mut bytes = self.host_bytes()?;
-        let (mut sums, mut intact) = (Vec::with_capacity(meta.len()), Vec::with_capacity(pages));
-        for (page, objects) in indices.chunks(p).zip(meta.chunks(per.max(1))) {
-            let first = sums.len();
-            for &(c, off, len) in objects {
-                sums.push(integrity::checksum(bytes.get(c, off, len)?, &keys));
+        let keys = integrity::shared_keys(seed, integrity::words(meta.iter().map(|m| m.2).max().unwrap_or(0) as usize))?;
+        let per = meta.len() / (indices.len() / self.pair.host().page_size().max(1) as usize).max(1);
+        self.page_pass(indices, Some((&meta, seed)), PageCheck::Intact, |bytes, k, out| {
+            for &(c, off, len) in &meta[k * per..(k + 1) * per] {
+                out.push(integrity::checksum(bytes.get(c, off, len)?, &keys));
             }
-            let Some(s) = &table else {
-                intact.push(true);
-                continue;
-            };
-            let mut ok = true;
-            // The page starts at `page[0]` (checked with the objects).
-            for item in self.items_of_page(page[0] as u64) {
-                let Some(want) = s.expected(self.item_slot(s, item.0, item.1, item.2)?) else { continue };
-                // The object's sum where the item is exactly that object's bytes under the same keys.
-                let span = (g.buffer_of(item.2) as usize, g.addr(item.2, item.1).offset(item.0, 0), g.chunk_bytes());
-                let same = (g.head_num() == 1 && s.keys().seed() == seed).then(|| objects.iter().position(|o| *o == span)).flatten();
-                let sum = match same {
-                    Some(k) => sums[first + k],
-                    None => self.item_sum(&mut bytes, s.keys(), item)?,
-                };
-                ok &= sum == want;
-            }
-            intact.push(ok);
-        }
-        Ok((sums, intact))
+            Ok(())
+        })
     }
 
-    /// For each page whose first token is `indices[0], indices[P], …` (as
-    /// [`HostPool::get_page_buffer_meta`] takes them): whether its bytes in host memory still match
-    /// every item checksum the pool recorded for it, once the queued transfers are done (`true`
-    /// for items it has none for, and for every page of a pool without checksums). What an L3
-    /// store asks before it puts pages: bytes damaged in host memory after their backup must not
-    /// reach storage under a checksum of their own.
-    pub fn pages_intact(&self, indices: &[i64]) -> Result<Vec<bool>> {
-        self.get_page_buffer_meta(indices)?;
-        let p = self.pair.host().page_size() as usize;
-        let Some(s) = self.checksums.clone() else { return Ok(vec![true; indices.len() / p.max(1)]) };
-        self.device.settle_checksums()?;
-        indices
-            .chunks(p.max(1))
-            .map(|page| {
-                // Only items with a recorded checksum are read (a page the pool knows nothing of
-                // costs no pass over its bytes).
-                let mut known = Vec::new();
-                let mut want = Vec::new();
-                for (u, l, c) in self.page_items(page[0])? {
-                    if let Some(e) = s.expected(self.item_slot(&s, u, l, c)?) {
-                        known.push((u, l, c));
-                        want.push(e);
-                    }
-                }
-                if known.is_empty() {
-                    return Ok(true);
-                }
-                Ok(self.item_sums(s.keys(), &known)?.into_iter().zip(want).all(|(sum, e)| sum == e))
-            })
-            .collect()
+    /// [`HostPool::share_checksums`] and [`HostPool::pages_intact`] of the same pages in one read
+    /// of their bytes. Returns (per page and share, per page).
+    pub fn put_share_checksums(&self, indices: &[i64], shares: &[crate::geometry::PageShare], seed: u64) -> Result<(Vec<u64>, Vec<bool>)> {
+        let sums = self.share_summer(indices, shares, seed)?;
+        self.page_pass(indices, None, PageCheck::Intact, |bytes, k, out| sums.sum_page(bytes, indices, k, out))
     }
 
-    /// Recomputes and records the checksums of the page starting at token `index` from its bytes
-    /// in host memory: for pages written by something that does not record them (an L3 store
-    /// writing the pool's memory in place) once their bytes are known good (the store verified
-    /// them). A no-op without checksums.
-    pub fn recompute_page_checksums(&mut self, index: i64) -> Result<()> {
-        self.record_page_checksums(&[index])
-    }
     /// After an L3 store wrote the pages starting at `indices[0], indices[P], …` in place: each
     /// object's checksum ([`HostPool::object_checksums`], keys seeded by `seed`) from one read of
     /// the pages, and in the same read the pool's item checksums settled: a page all of whose
@@ -191,19 +127,50 @@ impl HostPool<'_> {
     /// read as unverified, never as corrupt). `expected` and `eligible`: one per object.
     pub fn landed_checksums(&self, indices: &[i64], seed: u64, expected: &[u64], eligible: &[bool]) -> Result<Vec<u64>> {
         let meta = self.get_page_buffer_meta(indices)?;
-        for (what, len) in [("expected object checksums", expected.len()), ("eligible objects", eligible.len())] {
-            if len != meta.len() {
-                return Err(TransferError::BufferSize { what: what.into(), expected: meta.len() as u64, actual: len as u64 });
+        let keys = integrity::shared_keys(seed, integrity::words(meta.iter().map(|m| m.2).max().unwrap_or(0) as usize))?;
+        let per = meta.len() / (indices.len() / self.pair.host().page_size().max(1) as usize).max(1);
+        let check = PageCheck::landed(expected, eligible, meta.len())?;
+        let (sums, _) = self.page_pass(indices, Some((&meta, seed)), check, |bytes, k, out| {
+            for &(c, off, len) in &meta[k * per..(k + 1) * per] {
+                out.push(integrity::checksum(bytes.get(c, off, len)?, &keys));
             }
-        }
+            Ok(())
+        })?;
+        Ok(sums)
+    }
+
+    /// [`HostPool::landed_checksums`] for objects that hold page shares
+    /// ([`HostPool::share_checksums`]): `expected` and `eligible` one per page and share.
+    pub fn landed_share_checksums(
+        &self,
+        indices: &[i64],
+        shares: &[crate::geometry::PageShare],
+        seed: u64,
+        expected: &[u64],
+        eligible: &[bool],
+    ) -> Result<Vec<u64>> {
+        let sums = self.share_summer(indices, shares, seed)?;
+        let check = PageCheck::landed(expected, eligible, sums.objects(indices))?;
+        let (sums, _) = self.page_pass(indices, None, check, |bytes, k, out| sums.sum_page(bytes, indices, k, out))?;
+        Ok(sums)
+    }
+
+    /// One read of each page starting at `indices[0], indices[P], …` (checked by the caller):
+    /// `objects(bytes, page number, out)` appends the page's object checksums, then the page's
+    /// items are checked against the recorded checksums (`Intact`: per page, whether they match)
+    /// or settled (`Landed`: recorded for a page whose objects are eligible and match, forgotten
+    /// for every other; per page, whether trusted), from bytes the objects' pass just read.
+    /// `reuse`: the objects' spans and seed, where an item that is exactly one object takes its
+    /// sum. Returns (object checksums, per page).
+    fn page_pass(
+        &self,
+        indices: &[i64],
+        reuse: Option<(ObjectSpans<'_>, u64)>,
+        check: PageCheck<'_>,
+        mut objects: impl FnMut(&mut super::pages::HostBytes<'_>, usize, &mut Vec<u64>) -> Result<()>,
+    ) -> Result<(Vec<u64>, Vec<bool>)> {
         let p = self.pair.host().page_size().max(1) as usize;
         let pages = indices.len() / p;
-        if pages == 0 {
-            return Ok(Vec::new());
-        }
-        let per = (meta.len() / pages).max(1);
-        let widest = meta.iter().map(|m| m.2).max().unwrap_or(0);
-        let keys = integrity::shared_keys(seed, integrity::words(widest as usize))?;
         let table = self.checksums.clone();
         if table.is_some() {
             // After the transfers queued so far (a backup recording these items).
@@ -211,36 +178,84 @@ impl HostPool<'_> {
         }
         let g = self.pair.host();
         let mut bytes = self.host_bytes()?;
-        let mut sums = Vec::with_capacity(meta.len());
-        for (page, objects) in indices.chunks(p).zip(meta.chunks(per)) {
+        let (mut sums, mut flags) = (Vec::new(), Vec::with_capacity(pages));
+        for (k, page) in indices.chunks_exact(p).enumerate() {
             let first = sums.len();
-            for &(c, off, len) in objects {
-                sums.push(integrity::checksum(bytes.get(c, off, len)?, &keys));
-            }
-            let Some(s) = &table else { continue };
-            let trusted = (first..sums.len()).all(|j| eligible[j] && sums[j] == expected[j]);
-            let mut items = 0;
-            // The page starts at `page[0]` (checked with the objects).
-            for item in self.items_of_page(page[0] as u64) {
-                items += 1;
-                let slot = self.item_slot(s, item.0, item.1, item.2)?;
-                if !trusted {
-                    s.forget(slot);
-                    continue;
+            objects(&mut bytes, k, &mut sums)?;
+            let Some(s) = &table else {
+                flags.push(matches!(check, PageCheck::Intact));
+                continue;
+            };
+            let trusted = match check {
+                PageCheck::Intact => true,
+                PageCheck::Landed { expected, eligible } => {
+                    (first..sums.len()).all(|j| eligible.get(j) == Some(&true) && expected.get(j) == Some(&sums[j]))
                 }
+            };
+            let spans = reuse.map(|(meta, seed)| (&meta[first..sums.len()], seed));
+            let (mut ok, mut items) = (true, 0u64);
+            // The page starts at `page[0]` (checked by the caller).
+            for item in self.items_of_page(page[0] as u64) {
+                let slot = self.item_slot(s, item.0, item.1, item.2)?;
+                let want = match check {
+                    PageCheck::Intact => match s.expected(slot) {
+                        Some(w) => Some(w),
+                        None => continue,
+                    },
+                    PageCheck::Landed { .. } if !trusted => {
+                        s.forget(slot);
+                        continue;
+                    }
+                    PageCheck::Landed { .. } => None,
+                };
+                // The object's sum where the item is exactly that object's bytes under the same keys.
                 let span = (g.buffer_of(item.2) as usize, g.addr(item.2, item.1).offset(item.0, 0), g.chunk_bytes());
-                let same = (g.head_num() == 1 && s.keys().seed() == seed).then(|| objects.iter().position(|o| *o == span)).flatten();
+                let same = spans
+                    .filter(|(_, seed)| g.head_num() == 1 && s.keys().seed() == *seed)
+                    .and_then(|(objs, _)| objs.iter().position(|o| *o == span));
                 let sum = match same {
-                    Some(k) => sums[first + k],
+                    Some(j) => sums[first + j],
                     None => self.item_sum(&mut bytes, s.keys(), item)?,
                 };
-                s.record(slot, sum);
+                match want {
+                    Some(w) => ok &= sum == w,
+                    None => {
+                        s.record(slot, sum);
+                        items += 1;
+                    }
+                }
             }
-            if trusted {
+            if items > 0 {
                 s.count([items, 0, 0, 0]);
             }
+            flags.push(match check {
+                PageCheck::Intact => ok,
+                PageCheck::Landed { .. } => trusted,
+            });
         }
-        Ok(sums)
+        Ok((sums, flags))
+    }
+
+    /// For each page whose first token is `indices[0], indices[P], …` (as
+    /// [`HostPool::get_page_buffer_meta`] takes them): whether its bytes in host memory still match
+    /// every item checksum the pool recorded for it, once the queued transfers are done (`true`
+    /// for items it has none for, and for every page of a pool without checksums). What an L3
+    /// store asks before it puts pages: bytes damaged in host memory after their backup must not
+    /// reach storage under a checksum of their own. Only items with a recorded checksum are read.
+    pub fn pages_intact(&self, indices: &[i64]) -> Result<Vec<bool>> {
+        self.get_page_buffer_meta(indices)?;
+        if self.checksums.is_none() {
+            return Ok(vec![true; indices.len() / self.pair.host().page_size().max(1) as usize]);
+        }
+        Ok(self.page_pass(indices, None, PageCheck::Intact, |_, _, _| Ok(()))?.1)
+    }
+
+    /// Recomputes and records the checksums of the page starting at token `index` from its bytes
+    /// in host memory: for pages written by something that does not record them (an L3 store
+    /// writing the pool's memory in place) once their bytes are known good (the store verified
+    /// them). A no-op without checksums.
+    pub fn recompute_page_checksums(&mut self, index: i64) -> Result<()> {
+        self.record_page_checksums(&[index])
     }
 
     /// [`HostPool::recompute_page_checksums`] for the pages starting at each of `indices`, for
@@ -351,5 +366,30 @@ impl HostPool<'_> {
         // The checksum as the queued transfers leave it.
         self.device.settle_checksums()?;
         Ok(s.corrupt(slot, xor))
+    }
+}
+
+/// `(buffer, offset, bytes)` of each object of a call's pages.
+type ObjectSpans<'a> = &'a [(usize, u64, u64)];
+
+/// What [`HostPool::page_pass`] does with a page's items.
+#[derive(Clone, Copy)]
+enum PageCheck<'a> {
+    /// Compare them with their recorded checksums.
+    Intact,
+    /// Record them where the page's objects are all eligible and match `expected`, else forget
+    /// them (one entry per object).
+    Landed { expected: &'a [u64], eligible: &'a [bool] },
+}
+
+impl<'a> PageCheck<'a> {
+    /// `Landed`, once `expected` and `eligible` have one entry per object.
+    fn landed(expected: &'a [u64], eligible: &'a [bool], objects: usize) -> Result<PageCheck<'a>> {
+        for (what, len) in [("expected object checksums", expected.len()), ("eligible objects", eligible.len())] {
+            if len != objects {
+                return Err(TransferError::BufferSize { what: what.into(), expected: objects as u64, actual: len as u64 });
+            }
+        }
+        Ok(PageCheck::Landed { expected, eligible })
     }
 }

@@ -36,7 +36,7 @@ impl HostPool<'_> {
     }
 
     /// The page that starts at host token `index` (an error unless one does).
-    fn page_of(&self, index: i64) -> Result<u64> {
+    pub(super) fn page_of(&self, index: i64) -> Result<u64> {
         let g = self.pair.host();
         let p = g.page_size();
         let page_count = g.index_pages();
@@ -153,14 +153,25 @@ impl HostPool<'_> {
     /// order, see [`crate::geometry::PageShare`]), keys seeded by `seed`: what an L3 store puts
     /// beside objects that hold a share of a page. Reads as [`HostPool::object_checksums`] does.
     pub fn share_checksums(&self, indices: &[i64], shares: &[crate::geometry::PageShare], seed: u64) -> Result<Vec<u64>> {
+        let sums = self.share_summer(indices, shares, seed)?;
+        let mut bytes = self.host_bytes()?;
+        let mut out = Vec::with_capacity(sums.objects(indices));
+        for k in 0..indices.len() / sums.page {
+            sums.sum_page(&mut bytes, indices, k, &mut out)?;
+        }
+        Ok(out)
+    }
+
+    /// What summing `shares` of the pages starting at `indices[0], indices[P], …` takes, once the
+    /// call is checked: every page starts a page of this pool, every share is a share of it.
+    pub(super) fn share_summer(&self, indices: &[i64], shares: &[crate::geometry::PageShare], seed: u64) -> Result<ShareSummer> {
         let g = self.pair.host();
         let p = g.page_size();
         if !(indices.len() as u64).is_multiple_of(p) {
             return Err(TransferError::DirectCountNotPageMultiple { len: indices.len(), page_size: p });
         }
-        let firsts: Vec<i64> = indices.iter().step_by(p as usize).copied().collect();
-        for &first in &firsts {
-            self.flat_page(first)?;
+        for &first in indices.iter().step_by(p as usize) {
+            self.page_of(first)?;
         }
         let spans = shares.iter().map(|&s| g.page_share_spans(s)).collect::<Result<Vec<_>>>()?;
         let widest = spans.iter().map(|(v, _)| v.iter().map(|s| s.2).sum::<u64>()).max().unwrap_or(0);
@@ -168,28 +179,9 @@ impl HostPool<'_> {
         // Spans of whole words are summed where they lie (the checksum adds over word ranges);
         // others are gathered first (a partial word is padded only at the object's end).
         let in_place = spans.iter().all(|(v, _)| v.iter().all(|s| s.2.is_multiple_of(4)));
-        let mut scratch = if in_place { Vec::new() } else { super::alloc_bytes("page share", widest)? };
-        let mut bytes = self.host_bytes()?;
-        let mut out = Vec::with_capacity(firsts.len() * shares.len());
-        for &first in &firsts {
-            let page = first as u64 / p;
-            for (template, shift) in &spans {
-                let (mut at, mut sum) = (0usize, 0u64);
-                for &(buffer, off, len) in template {
-                    let from = bytes.get(buffer, off + page * shift, len)?;
-                    if in_place {
-                        sum = sum.wrapping_add(crate::integrity::range_sum(from, at / 4, &keys));
-                    } else {
-                        scratch[at..at + len as usize].copy_from_slice(from);
-                    }
-                    at += len as usize;
-                }
-                out.push(if in_place { sum } else { crate::integrity::checksum(&scratch[..at], &keys) });
-            }
-        }
-        Ok(out)
+        let scratch = if in_place { Vec::new() } else { super::alloc_bytes("page share", widest)? };
+        Ok(ShareSummer { page: p as usize, spans, keys, scratch: std::cell::RefCell::new(scratch), in_place })
     }
-
     /// The pool's host memory as it is now, after its queued transfers (see [`HostBytes`]).
     pub(super) fn host_bytes(&self) -> Result<HostBytes<'_>> {
         self.device.wait_idle()?;
@@ -224,5 +216,40 @@ impl HostBytes<'_> {
         // (or, shared, the pages read are claimed), so no transfer of the pool writes it, and
         // other writers of its memory are bound by the contract above.
         Ok(unsafe { std::slice::from_raw_parts((base + off) as *const u8, len as usize) })
+    }
+}
+
+/// The checksums of page shares, page by page ([`HostPool::share_summer`]).
+pub(super) struct ShareSummer {
+    page: usize,
+    spans: Vec<crate::geometry::ShareSpans>,
+    keys: std::sync::Arc<crate::integrity::Keys>,
+    scratch: std::cell::RefCell<Vec<u8>>,
+    in_place: bool,
+}
+
+impl ShareSummer {
+    /// Checksums a call's pages hold: pages × shares.
+    pub(super) fn objects(&self, indices: &[i64]) -> usize {
+        indices.len() / self.page * self.spans.len()
+    }
+    /// Appends the checksum of each share of page `k` (starting at `indices[k · P]`) to `out`.
+    pub(super) fn sum_page(&self, bytes: &mut HostBytes<'_>, indices: &[i64], k: usize, out: &mut Vec<u64>) -> Result<()> {
+        let page = indices[k * self.page] as u64 / self.page as u64;
+        let mut scratch = self.scratch.borrow_mut();
+        for (template, shift) in &self.spans {
+            let (mut at, mut sum) = (0usize, 0u64);
+            for &(buffer, off, len) in template {
+                let from = bytes.get(buffer, off + page * shift, len)?;
+                if self.in_place {
+                    sum = sum.wrapping_add(crate::integrity::range_sum(from, at / 4, &self.keys));
+                } else {
+                    scratch[at..at + len as usize].copy_from_slice(from);
+                }
+                at += len as usize;
+            }
+            out.push(if self.in_place { sum } else { crate::integrity::checksum(&scratch[..at], &self.keys) });
+        }
+        Ok(())
     }
 }

@@ -251,6 +251,23 @@ impl SharedHostPool {
         let _held = self.pages(indices, true);
         self.pool.landed_checksums(indices, seed, expected, eligible)
     }
+    /// [`HostPool::put_share_checksums`].
+    pub fn put_share_checksums(&self, indices: &[i64], shares: &[crate::geometry::PageShare], seed: u64) -> Result<(Vec<u64>, Vec<bool>)> {
+        let _held = self.pages(indices, false);
+        self.pool.put_share_checksums(indices, shares, seed)
+    }
+    /// [`HostPool::landed_share_checksums`].
+    pub fn landed_share_checksums(
+        &self,
+        indices: &[i64],
+        shares: &[crate::geometry::PageShare],
+        seed: u64,
+        expected: &[u64],
+        eligible: &[bool],
+    ) -> Result<Vec<u64>> {
+        let _held = self.pages(indices, true);
+        self.pool.landed_share_checksums(indices, shares, seed, expected, eligible)
+    }
     /// [`HostPool::pages_intact`].
     pub fn pages_intact(&self, indices: &[i64]) -> Result<Vec<bool>> {
         let _held = self.pages(indices, false);
