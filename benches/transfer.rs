@@ -2,8 +2,10 @@
 //! one layer and backups of all layers, with throughput in bytes moved. Each group also times
 //! the executor's own one-copy ceiling of the same bytes, so ratios come from one run.
 //!
-//! `cargo bench` runs everything (long); filter with e.g. `cargo bench -- 'cpu/8448B'`.
-//! The L = 61 cells need several GiB of memory; wgpu skips pools above its buffer limit.
+//! `cargo bench` runs the quick subset of `hicache-io bench` (random items, N = 4096, L = 8;
+//! 8448, 1152 and 128 B); `HICACHE_BENCH_FULL=1 cargo bench` the whole matrix (long: the L = 61
+//! cells need several GiB of memory, more than a small machine has, and wgpu skips pools above its
+//! buffer limit). Filter with e.g. `cargo bench -- 'cpu/128B'`.
 
 use std::time::Duration;
 
@@ -30,7 +32,7 @@ fn group_name(dev: &Device, s: &BenchSpec) -> String {
 
 fn transfers(c: &mut Criterion) {
     for dev in devices() {
-        let all = specs(false);
+        let all = specs(std::env::var_os("HICACHE_BENCH_FULL").is_none_or(|v| v != "1"));
         // One group per (executor, item, pattern, N, L): the paths and the ceiling side by side.
         let mut i = 0;
         while i < all.len() {

@@ -28,7 +28,8 @@ except ImportError:  # optional peer
 def median_time(fn, budget_s):
     fn()  # warm-up
     samples, start = [], time.perf_counter()
-    while len(samples) < 3 or (time.perf_counter() - start < budget_s and len(samples) < 50):
+    # As many runs as `hicache-io bench` takes (MAX_SAMPLES in src/timing.rs): same rule both sides.
+    while len(samples) < 3 or (time.perf_counter() - start < budget_s and len(samples) < 2000):
         t = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - t)
