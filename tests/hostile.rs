@@ -144,11 +144,17 @@ fn wgpu_giant_item() {
 #[cfg(feature = "cli")]
 #[test]
 fn fuzz_finds_no_panic_and_no_corruption() {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_hicache-io"))
-        .args(["fuzz", "--cases", "1500", "--seed", "11"])
-        .output()
-        .expect("run hicache-io fuzz");
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_hicache-io"));
+    cmd.args(["fuzz", "--cases", "1500", "--seed", "11"]);
+    let first = match common::only() {
+        Some(kinds) => {
+            cmd.arg("--executor").arg(kinds.iter().map(|k| k.name()).collect::<Vec<_>>().join(","));
+            kinds[0].name()
+        }
+        None => "cpu",
+    };
+    let out = cmd.output().expect("run hicache-io fuzz");
     let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "fuzz failed ({:?}):\n{text}", out.status);
-    assert!(text.contains("cpu: tried 1500,") && text.contains("panics 0, corrupted 0"), "{text}");
+    assert!(text.contains(&format!("{first}: tried 1500,")) && text.contains("panics 0, corrupted 0"), "{text}");
 }

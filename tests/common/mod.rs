@@ -19,7 +19,17 @@ pub fn contents(dev: &DevicePool, host: &HostPool) -> Contents {
 /// Every executor present here. A missing wgpu adapter fails when `CI` or
 /// `HICACHE_REQUIRE_WGPU=1` is set, a missing CUDA device when `HICACHE_REQUIRE_CUDA=1`;
 /// otherwise the test prints why it skips that executor.
+///
+/// `HICACHE_TEST_EXECUTORS` (names, comma-separated) narrows the list to those executors, each
+/// then required: CI's pass on the simulated CUDA driver sets `cuda`, since the cpu and wgpu
+/// executors already ran in its plain pass and the simulator changes nothing for them.
 pub fn devices() -> Vec<Device> {
+    if let Some(kinds) = only() {
+        return kinds
+            .into_iter()
+            .map(|k| Device::open(k).unwrap_or_else(|e| panic!("HICACHE_TEST_EXECUTORS names {} but {e}", k.name())))
+            .collect();
+    }
     let mut out = vec![Device::cpu()];
     for kind in [ExecutorKind::Wgpu, ExecutorKind::Cuda] {
         if let Some(d) = open(kind) {
@@ -27,6 +37,19 @@ pub fn devices() -> Vec<Device> {
         }
     }
     out
+}
+
+/// The executors `HICACHE_TEST_EXECUTORS` names, if it is set (panics on an unknown name).
+pub fn only() -> Option<Vec<ExecutorKind>> {
+    let names = std::env::var("HICACHE_TEST_EXECUTORS").ok().filter(|v| !v.trim().is_empty())?;
+    Some(names.split(',').map(|n| n.trim().parse().unwrap_or_else(|e| panic!("HICACHE_TEST_EXECUTORS: {e}"))).collect())
+}
+
+/// Whether `device` is the cuda executor on the simulated driver (`scripts/cuda-sim.sh` sets
+/// `HICACHE_CUDA_SIM=1`), where every byte a call moves is traced: tests that need transfers in
+/// flight size them down there, since its seeded delays per stream op keep them in flight.
+pub fn on_cuda_sim(device: &Device) -> bool {
+    device.kind() == ExecutorKind::Cuda && std::env::var("HICACHE_CUDA_SIM").is_ok_and(|v| v == "1")
 }
 
 pub fn required(kind: ExecutorKind) -> bool {
