@@ -292,6 +292,7 @@ class PoolsV2:
             return out
 
         ok = [False] * len(obj)
+        settled = False
         try:
             if put:
                 exist = list(self.store.batch_is_exist(obj))
@@ -300,9 +301,11 @@ class PoolsV2:
                 todo = [j for j, e in enumerate(exist) if e != 1]
                 for j, e in enumerate(exist):
                     ok[j] = e == 1
-                if todo and side.ours and getattr(side.pool, "integrity", False):
-                    # As for KV pages: bytes damaged in host memory after their backup are not put.
-                    intact = side.pool.pages_intact(idx)
+                osums = None
+                if todo and side.ours:
+                    # The objects' checksums and (as for KV pages: bytes damaged in host memory
+                    # after their backup are not put) the pages' item checks in one read.
+                    osums, intact = side.pool.put_checksums(idx)
                     damaged = sorted({j // per for j in todo if not intact[j // per]})
                     if damaged:
                         self.stats["damaged_puts"] += len(damaged)
@@ -311,7 +314,7 @@ class PoolsV2:
                 if todo:
                     pick = np.asarray(todo, dtype=np.intp)
                     t[: len(todo), 0] = TRAILER_MAGIC
-                    t[: len(todo), 1] = sums(todo) ^ _name_tags(obj)[pick]
+                    t[: len(todo), 1] = (np.asarray(osums, dtype="<u8")[pick] if osums is not None else sums(todo)) ^ _name_tags(obj)[pick]
                     args = ([obj[j] for j in todo], [[ptrs[j], tb + 16 * n] for n, j in enumerate(todo)], [[sizes[j], 16] for j in todo])
                     config = self._v2_config(session_id, len(todo))
                     rcs = self.store.batch_put_from_multi_buffers(*args, config) if config is not None else self.store.batch_put_from_multi_buffers(*args)
@@ -332,8 +335,18 @@ class PoolsV2:
                 if bad:
                     self._fail(StorageError("batch_get_into_multi_buffers", bad[0][1] if bad[0][1] < 0 else SHORT_READ, [k for k, _ in bad]))
                 read = [j for j in range(len(obj)) if ok[j]]
-                if read:
+                if read and side.ours:
+                    # The objects' checksums and the pool's item checksums in one read: a page
+                    # whose objects were all read whole and match their trailers is recorded,
+                    # every other page forgotten.
+                    expected = t[: len(obj), 1] ^ _name_tags(obj)
+                    eligible = [ok[j] and int(t[j, 0]) == TRAILER_MAGIC for j in range(len(obj))]
+                    got_sums = np.asarray(side.pool.landed_checksums(idx, expected.tolist(), eligible), dtype="<u8")
+                    settled = True
+                    want = got_sums[np.asarray(read, dtype=np.intp)] ^ _name_tags(obj)[np.asarray(read, dtype=np.intp)]
+                elif read:
                     want = sums(read) ^ _name_tags(obj)[np.asarray(read, dtype=np.intp)]
+                if read:
                     corrupt = []
                     for n, j in enumerate(read):
                         if t[j, 0] == TRAILER_MAGIC and t[j, 1] == want[n]:
@@ -348,7 +361,7 @@ class PoolsV2:
             ok = [False] * len(obj)
             self._fail(e)
         pages = [all(ok[i * per : (i + 1) * per]) for i in range(len(keys))]
-        if not put and side.ours and getattr(side.pool, "integrity", False):
+        if not put and not settled and side.ours and getattr(side.pool, "integrity", False):
             # The get wrote the pool's memory in place: its item checksums follow the bytes of each
             # verified page and are forgotten for every other page it was asked for.
             first = [idx[i * side.page] for i in range(len(keys))]

@@ -798,5 +798,18 @@ def test_v2_sidecar_of_hicache_io_pools(master):
         stats = ix.integrity_stats()
         ix.load_to_device_per_layer(ix_dev, tokens([8, 9]), tokens([10, 11]), 0, "kernel")  # verifies, raises on a mismatch
         assert ix.integrity_stats()["verified"] > stats["verified"] and ix.integrity_stats()["mismatched"] == stats["mismatched"]
+        # A get that fails its check still wrote the page in place: the checksums a backup had
+        # recorded for that page are forgotten (its load reads unverified, not corrupt).
+        ix.backup_from_device_all_layer(ix_dev, tokens([10]), tokens([7]), "kernel")
+        replayed = uuid.uuid4().hex
+        for src, dst in zip(s._v2_keys("indexer", [keys[0]]), s._v2_keys("indexer", [replayed])):
+            assert s.store.put(dst, bytes(s.store.get(src))) == 0
+        corrupt = s.stats["corrupt"]
+        assert s.batch_get_v2([T([replayed], tokens([10]))]) == {"indexer": [False]}
+        assert s.stats["corrupt"] == corrupt + 1
+        assert np.array_equal(ix.get_data_page(10 * P), ix.get_data_page(1 * P))  # the replayed bytes landed
+        stats = ix.integrity_stats()
+        ix.load_to_device_per_layer(ix_dev, tokens([10]), tokens([0]), 0, "kernel")
+        assert ix.integrity_stats()["mismatched"] == stats["mismatched"]
     finally:
         s.close()
