@@ -20,8 +20,9 @@
 // done once per (item, head), not per word. Index pairs with a negative entry are skipped.
 //
 // Item checksums (the pipelines built with the lines between `//<sum` and `//sum>`): each
-// invocation also sums key[j] * word[j] mod 2^64 over the 32-bit words j it copies (j counted
-// from the item's first head chunk), and adds its sum into the item's two-word (lo, hi) entry
+// invocation also sums key(j) * word[j] mod 2^64 over the 32-bit words j it copies (j counted
+// from the item's first head chunk; key(j) = mix32(key_base ^ j) | 1, computed in registers, so
+// the checksum reads no memory besides the words it copies), and adds its sum into the item's two-word (lo, hi) entry
 // of `sums` with two atomic adds (the carry of the low word's add goes into the high word, so
 // the entry ends up as the exact sum whatever the order). Core WGSL has no 64-bit integers: a
 // product of a key below 2^32 and a word is formed from 16-bit halves (sections `i16`), and an
@@ -50,7 +51,7 @@ struct Params {
     words_per_chunk: u32,
     word_shift: u32,
     lanes_log2: u32,
-    _pad0: u32,
+    key_base: u32,
     _pad1: u32,
     _pad2: u32,
 }
@@ -60,9 +61,33 @@ struct Params {
 @group(0) @binding(2) var<storage, read> src: array<WORD>;
 @group(0) @binding(3) var<storage, read_write> dst: array<WORD>;
 //<sum
-// The item's keys as words (`heads * words_per_chunk` of them), and two u32 per index pair.
-@group(0) @binding(4) var<storage, read> keys: array<WORD>;
+// Two u32 per index pair.
 @group(0) @binding(5) var<storage, read_write> sums: array<atomic<u32>>;
+
+// The checksum key of the item's 32-bit word `j` (odd, below 2^32): the crate's key stream for
+// words below 2^32 (the planner bounds items by it).
+fn key32(j: u32) -> u32 {
+    var x = params.key_base ^ j;
+    x ^= x >> 16u;
+    x *= 0x7feb352du;
+    x ^= x >> 15u;
+    x *= 0x846ca68bu;
+    x ^= x >> 16u;
+    return x | 1u;
+}
+
+// The keys of copy word `w` (in WORD units from the item's start).
+//<w4
+fn key_of(w: u32) -> WORD {
+    return key32(w);
+}
+//w4>
+//<w16
+fn key_of(w: u32) -> WORD {
+    let j = w * 4u;
+    return vec4<u32>(key32(j), key32(j + 1u), key32(j + 2u), key32(j + 3u));
+}
+//w16>
 
 //<i16
 // Partial sums of one invocation: exact, each word of them lane-wise (`WORD` may be a vector).
@@ -211,7 +236,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
         for (var w = lane; w < params.words_per_chunk; w += lanes) {
             let v = src[sw + w];
             dst[dw + w] = v;
-            acc = acc_add(acc, keys[kw + w], v);
+            acc = acc_add(acc, key_of(kw + w), v);
         }
         //sum>
     }

@@ -3,7 +3,8 @@
 //!
 //! `checksum(m) = Σ_i k_i · m_i  (mod 2^64)`, where `m_i` is the `i`-th little-endian 32-bit word
 //! of the bytes (a tail shorter than a word is zero-padded), `k_i` the `i`-th key of a seeded key
-//! stream: odd, below `2^32`, so every product is an exact 32 × 32 → 64-bit multiply (one
+//! stream ([`key`]: a 32-bit mix of the seed's base and `i`, which a shader computes in registers
+//! instead of loading a table): odd, below `2^32`, so every product is an exact 32 × 32 → 64-bit multiply (one
 //! instruction on every executor). The sum of [`range_sum`] over disjoint word ranges is the
 //! checksum of the whole, whatever the split, so every executor and lane layout gives the same
 //! bits.
@@ -35,10 +36,30 @@ fn mix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// Key `i` of the stream seeded by `seed` (odd, below `2^32`).
+/// A 32-bit finaliser (xor-shifts and odd multiplies, each invertible: a bijection of `u32`),
+/// cheap in a shader's 32-bit registers: two multiplies and three shifts.
+#[inline(always)]
+pub fn mix32(mut x: u32) -> u32 {
+    x ^= x >> 16;
+    x = x.wrapping_mul(0x7feb_352d);
+    x ^= x >> 15;
+    x = x.wrapping_mul(0x846c_a68b);
+    x ^ (x >> 16)
+}
+
+/// The 32-bit base of keys `hi · 2^32 ..` of the stream seeded by `seed`: executors compute an
+/// item's keys from it and the word's position (items have fewer than `2^32` words there), so
+/// checksums cost no key loads.
+#[inline]
+pub fn key_base(seed: u64, hi: u32) -> u32 {
+    mix(seed ^ u64::from(hi).wrapping_mul(0x9e37_79b9_7f4a_7c15)) as u32
+}
+
+/// Key `i` of the stream seeded by `seed` (odd, below `2^32`):
+/// `mix32(key_base(seed, i >> 32) ^ (i mod 2^32)) | 1`.
 #[inline]
 pub fn key(seed: u64, i: u64) -> u32 {
-    (mix(seed ^ i.wrapping_mul(0x9e37_79b9_7f4a_7c15)) as u32) | 1
+    mix32(key_base(seed, (i >> 32) as u32) ^ i as u32) | 1
 }
 
 /// Keys `0 .. words` of a stream, computed once for many checksums (each key is a few
@@ -58,7 +79,8 @@ impl Keys {
             requested: (words as u64).saturating_mul(4),
             limit: "allocation failed".into(),
         })?;
-        table.extend((0..words as u64).map(|i| key(seed, i)));
+        let base = key_base(seed, 0);
+        table.extend((0..words as u64).map(|i| if i >> 32 == 0 { mix32(base ^ i as u32) | 1 } else { key(seed, i) }));
         Ok(Keys { seed, table })
     }
     /// The seed.
@@ -538,8 +560,8 @@ mod tests {
     use super::*;
     use crate::rng::Rng;
 
-    /// `checksum(b"hicache-io integrity")` with the storage seed.
-    const KNOWN: u64 = 13_250_352_111_195_504_794;
+    /// `checksum(b"hicache-io integrity")` with the storage seed (stored objects' format: trailer `HIOSUM03`).
+    const KNOWN: u64 = 16_945_557_311_944_231_580;
 
     fn data(len: usize, seed: u64) -> Vec<u8> {
         let mut v = vec![0u8; len];
@@ -589,6 +611,26 @@ mod tests {
             assert_eq!(&out[at..at + len], &m[..], "{len}");
             assert_eq!(sum, range_sum(&m, first, &keys), "{len} at word {first}");
         }
+    }
+
+    /// The table is the stream the shaders compute: `mix32(key_base(seed, 0) ^ i) | 1` below
+    /// 2^32 words, another base per 2^32 words above; keys odd, and seeds give other streams.
+    #[test]
+    fn the_key_table_is_the_computed_stream() {
+        let k = Keys::new(STORAGE_SEED, 4096).unwrap();
+        let base = key_base(STORAGE_SEED, 0);
+        for (i, &t) in k.table().iter().enumerate() {
+            assert_eq!(t, key(STORAGE_SEED, i as u64));
+            assert_eq!(t, mix32(base ^ i as u32) | 1);
+            assert_eq!(t & 1, 1);
+        }
+        assert_ne!(key(STORAGE_SEED, 1 << 32), key(STORAGE_SEED, 0));
+        assert_ne!(k.table()[..64], Keys::new(STORAGE_SEED ^ 1, 64).unwrap().table()[..]);
+        // mix32 is a bijection: distinct positions, distinct values before the low bit is set.
+        let mut seen: Vec<u32> = (0..1u32 << 16).map(|i| mix32(base ^ i)).collect();
+        seen.sort_unstable();
+        seen.dedup();
+        assert_eq!(seen.len(), 1 << 16);
     }
 
     #[test]

@@ -49,13 +49,13 @@ False`` turns it off. ``extra_config["hicache_io_sglang_keys_any_layout"] = True
 page_first_direct and page_head pools sglang's names too, for deployments where every rank uses
 one layout.
 
-Integrity: hicache-io's own (shard-named) objects end in a 16-byte trailer, ``HIOSUM02`` and the
+Integrity: hicache-io's own (shard-named) objects end in a 16-byte trailer, ``HIOSUM03`` and the
 page object's checksum (:func:`hicache_io._native.checksum`: a multilinear hash of its 32-bit
 words, fixed seed) folded with a hash of the object's key. Puts write it from the host pages; gets
 check it against the bytes that landed, so changed bytes and pages stored under another key fail
 their page (``INTEGRITY``). Objects without a trailer (another build, ``integrity=False``) read as
-unverified, never as corrupt, and so do objects whose trailer is of an older checksum
-(``HIOSUM01``); sglang-named objects keep sglang's shape and are unverified too. After a get into
+unverified, never as corrupt, and so do objects whose trailer is of an older key stream
+(``HIOSUM01``, ``HIOSUM02``); sglang-named objects keep sglang's shape and are unverified too. After a get into
 the host pool's memory, the pool's own item checksums of each verified page are recomputed from
 the bytes that landed, and forgotten for every other page the get wrote.
 ``integrity_stats()`` counts verified, unverified and corrupt objects (``get_stats()`` is
@@ -171,10 +171,12 @@ MOONCAKE_ERRORS[INTEGRITY] = "integrity check failed (the bytes read are not the
 #: Version of what hicache-io's page objects mean, part of every namespace.
 NAMESPACE_FORMAT = 1
 
-#: First word of a page object's trailer: ``HIOSUM02`` (checksum keys of 32 bits).
-TRAILER_MAGIC = int.from_bytes(b"HIOSUM02", "little")
-#: The trailer of builds whose checksum keys were 64-bit: read as unverified.
-OLD_TRAILER_MAGICS = (int.from_bytes(b"HIOSUM01", "little"),)
+#: First word of a page object's trailer: ``HIOSUM03`` (checksum keys computed from each word's
+#: position by a 32-bit mixer).
+TRAILER_MAGIC = int.from_bytes(b"HIOSUM03", "little")
+#: Trailers of earlier key streams (``HIOSUM01``: 64-bit keys; ``HIOSUM02``: 32-bit keys of a
+#: 64-bit mixer): read as unverified.
+OLD_TRAILER_MAGICS = (int.from_bytes(b"HIOSUM01", "little"), int.from_bytes(b"HIOSUM02", "little"))
 
 
 def _name_tags(keys: Sequence[str]) -> np.ndarray:

@@ -498,7 +498,7 @@ def test_pages_carry_checksums_and_corruption_is_caught(store):
     A page read back whole is verified; bytes changed in the store, or a page stored under another
     key (swapped, replayed), fail their page; objects without a trailer read as unverified."""
     from hicache_io import _native
-    from hicache_io.storage import INTEGRITY, TRAILER_MAGIC, _name_tag
+    from hicache_io.storage import INTEGRITY, OLD_TRAILER_MAGICS, TRAILER_MAGIC, _name_tag
 
     host = _dsa_store_pages(store)
     store.register_mem_pool_host(host)
@@ -541,6 +541,18 @@ def test_pages_carry_checksums_and_corruption_is_caught(store):
             assert store.batch_get_v1([plain_page], tokens([11])) == [True]
             assert store.stats["unverified"] == unverified + 1
             assert np.array_equal(host.get_data_page(11 * P), page)
+            # 4. An object of an earlier trailer format (another key stream; here any sum): read,
+            # unverified, never corrupt.
+            for magic in OLD_TRAILER_MAGICS:
+                older = uuid.uuid4().hex
+                (older_key,) = store.object_keys(older)
+                buf[: page.size] = page
+                buf[page.size :] = np.array([magic, 12345], "<u8").view(np.uint8)
+                assert raw.batch_put_from_multi_buffers([older_key], [[buf.ctypes.data, buf.ctypes.data + page.size]], [[page.size, 16]]) == [0]
+                unverified, corrupt = store.stats["unverified"], store.stats["corrupt"]
+                assert store.batch_get_v1([older], tokens([12])) == [True]
+                assert (store.stats["unverified"], store.stats["corrupt"]) == (unverified + 1, corrupt)
+                assert np.array_equal(host.get_data_page(12 * P), page)
         finally:
             raw.unregister_buffer(buf.ctypes.data)
     finally:

@@ -87,7 +87,6 @@ impl PendingSums {
 }
 /// A checksumming gather's device buffers (see [`WgpuExecutor::sum_buffers`]).
 pub(super) struct SumBuffers {
-    pub(super) keys: wgpu::Buffer,
     pub(super) buffers: Vec<wgpu::Buffer>,
     pub(super) layout: SumsLayout,
     pub(super) pending: PendingSums,
@@ -109,7 +108,7 @@ impl SumsLayout {
 }
 
 impl WgpuExecutor {
-    /// The device buffers of a checksumming gather: the item keys, zeroed sums (two u32 per
+    /// The device buffers of a checksumming gather: zeroed sums (two u32 per
     /// index pair and address pair, each address pair's at a binding offset, packed into as
     /// few buffers as the buffer size allows) and their mappable copies.
     pub(super) fn sum_buffers(&self, g: &GatherStep, mode: ChecksumMode, b: &ChecksumBinding) -> Result<SumBuffers> {
@@ -131,9 +130,7 @@ impl WgpuExecutor {
             buffers.push(make("hicache-io sums", size, wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC));
             staging.push(make("hicache-io sums readback", size, wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST));
         }
-        let keys = self.keys_buffer(b.table.keys())?;
         Ok(SumBuffers {
-            keys,
             buffers,
             layout,
             pending: PendingSums {
@@ -146,19 +143,5 @@ impl WgpuExecutor {
                 binding: b.clone(),
             },
         })
-    }
-
-    /// The item keys of `keys` on the device (uploaded once per key table).
-    fn keys_buffer(&self, keys: &crate::integrity::Keys) -> Result<wgpu::Buffer> {
-        let mut cache = self.inner.keys.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(b) = cache.get(&(keys.seed(), keys.words())) {
-            return Ok(b.clone());
-        }
-        // Whole 16-byte words for the vec4 pipeline.
-        let mut table = keys.table().to_vec();
-        table.resize(table.len().max(1).next_multiple_of(4), 0);
-        let b = self.buffer_with("hicache-io item keys", bytemuck::cast_slice(&table), wgpu::BufferUsages::STORAGE)?;
-        cache.insert((keys.seed(), keys.words()), b.clone());
-        Ok(b)
     }
 }

@@ -63,7 +63,8 @@ impl Executor for WgpuExecutor {
             // The WGSL gather sums as it copies; buffer-to-buffer copies cannot.
             checksums: true,
             direct_checksums: false,
-            max_checksum_item_words: u64::MAX,
+            // The shader computes a word's key from its 32-bit position in the item.
+            max_checksum_item_words: 1 << 32,
             auto: crate::plan::AutoTable::DEFAULT,
         }
     }

@@ -80,7 +80,6 @@ impl WgpuExecutor {
                 ];
                 if let Some(s) = &sums {
                     let (b, at) = s.layout.at(*li);
-                    entries.push(entry(4, &s.keys, 0, s.keys.size()));
                     entries.push(entry(5, &s.buffers[b], at, 8 * pairs.len() as u64));
                 }
                 let layout = if sums.is_some() { &inner.sum_layout } else { &inner.layout };
@@ -137,6 +136,10 @@ impl WgpuExecutor {
         let granule = lcm(lcm(g.chunk_bytes, inner.limits.min_storage_buffer_offset_alignment as u64), word);
         // The planner checked that one granule fits the window (`Capabilities::max_binding`).
         let win = (inner.max_window / granule * granule).max(granule);
+        let key_base = match (g.checksum, &bufs.integrity) {
+            (Some(_), Some(b)) => crate::integrity::key_base(b.table.keys().seed(), 0),
+            _ => 0,
+        };
         let mut out = Vec::new();
         for (li, l) in g.pairs.iter().enumerate() {
             let (sb, db) = (bufs.get(l.src.buf), bufs.get(l.dst.buf));
@@ -163,7 +166,8 @@ impl WgpuExecutor {
                     words_per_chunk: (g.chunk_bytes / word) as u32,
                     word_shift: word.trailing_zeros(),
                     lanes_log2,
-                    _pad: [0; 3],
+                    key_base,
+                    _pad: [0; 2],
                 };
                 out.push((li, p, sw, dw));
             }
@@ -195,7 +199,9 @@ pub(super) struct Params {
     words_per_chunk: u32,
     word_shift: u32,
     lanes_log2: u32,
-    _pad: [u32; 3],
+    /// [`crate::integrity::key_base`] of the item checksums' seed (checksumming pipelines).
+    key_base: u32,
+    _pad: [u32; 2],
 }
 
 /// One binding window: `len` bytes at `start` of segment `seg`, `abs` bytes into the pool.

@@ -75,14 +75,12 @@ struct Inner {
     /// Pipelines for 4-byte (u32) and 16-byte (vec4<u32>) words.
     pipe4: wgpu::ComputePipeline,
     pipe16: wgpu::ComputePipeline,
-    /// The checksumming ones (`sum_layout`: also the item keys and the sums).
+    /// The checksumming ones (`sum_layout`: also the sums).
     sum_layout: wgpu::BindGroupLayout,
     sum4: wgpu::ComputePipeline,
     sum16: wgpu::ComputePipeline,
     /// Whether the checksumming gathers use 64-bit integers (else 16-bit halves).
     int64: bool,
-    /// Item keys on the device, per `(seed, words)`.
-    keys: Mutex<std::collections::HashMap<(u64, usize), wgpu::Buffer>>,
     /// Checksum readbacks of submitted steps, in submission order (pushed under this lock
     /// together with the submission).
     /// (Shared with the submit thread, which must never hold the executor itself: its last

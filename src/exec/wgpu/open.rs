@@ -95,7 +95,6 @@ impl WgpuExecutor {
                 bgl_entry(1, wgpu::BufferBindingType::Storage { read_only: true }, false),
                 bgl_entry(2, wgpu::BufferBindingType::Storage { read_only: true }, false),
                 bgl_entry(3, wgpu::BufferBindingType::Storage { read_only: false }, false),
-                bgl_entry(4, wgpu::BufferBindingType::Storage { read_only: true }, false),
                 bgl_entry(5, wgpu::BufferBindingType::Storage { read_only: false }, false),
             ],
         });
@@ -162,7 +161,6 @@ impl WgpuExecutor {
                 sum4,
                 sum16,
                 int64,
-                keys: Default::default(),
                 pending: Default::default(),
                 max_window,
                 max_buffer,
