@@ -79,8 +79,7 @@ impl Keys {
             requested: (words as u64).saturating_mul(4),
             limit: "allocation failed".into(),
         })?;
-        let base = key_base(seed, 0);
-        table.extend((0..words as u64).map(|i| if i >> 32 == 0 { mix32(base ^ i as u32) | 1 } else { key(seed, i) }));
+        table.extend((0..words as u64).map(|i| key(seed, i)));
         Ok(Keys { seed, table })
     }
     /// The seed.
