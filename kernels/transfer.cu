@@ -17,7 +17,7 @@
 //
 // Item checksums: hicache_gather_sum_w{16,8,4} copy exactly as the plain kernels do and add each
 // 32-bit word's term key_i * word_i (mod 2^64; i = the word's position in its item, all head
-// chunks in order) into the item's entry of `sums` (zeroed before the launch), one 64-bit atomic
+// chunks in order; key_i computed from i in registers, no key table) into the item's entry of `sums` (zeroed before the launch), one 64-bit atomic
 // add per lane and (layer, component); the host settles the entries once they are copied back.
 //
 // CUDA index lists are checked on the device (hicache_check_indices, three launches on the same
@@ -173,21 +173,36 @@ __device__ __forceinline__ void atomic_add(u64* p, u64 v) {
 #endif
 }
 
-// Checksum terms of one copy word: `Σ key_j · word_j` over its 32-bit words (little-endian
-// halves of the 64-bit fields), each an exact 32 × 32 → 64-bit product, mod 2^64.
-__device__ __forceinline__ u64 lo32(u64 x) { return x & 0xffffffffull; }
-__device__ __forceinline__ u64 dot(const V16& k, const V16& v) {
-    return lo32(k.lo) * lo32(v.lo) + (k.lo >> 32) * (v.lo >> 32) + lo32(k.hi) * lo32(v.hi) + (k.hi >> 32) * (v.hi >> 32);
+// Checksum key of 32-bit word `p` of an item: mix32(key_base ^ p) | 1 (lowbias32, a bijection of
+// 32-bit words; odd so that every word value changes its term), computed in registers from the
+// word's position, so checksums load nothing but the copy's own words. The crate computes the
+// same stream (hicache_io::integrity::key).
+__device__ __forceinline__ u32 key_at(u32 key_base, u32 p) {
+    u32 x = key_base ^ p;
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    return (x ^ (x >> 16)) | 1u;
 }
-__device__ __forceinline__ u64 dot(u64 k, u64 v) { return lo32(k) * lo32(v) + (k >> 32) * (v >> 32); }
-__device__ __forceinline__ u64 dot(u32 k, u32 v) { return (u64)k * (u64)v; }
+
+// Checksum terms of one copy word whose first 32-bit word is word `p` of its item:
+// `Σ key_(p+j) · word_j` over its 32-bit words (little-endian halves of the 64-bit fields), each an
+// exact 32 × 32 → 64-bit product, mod 2^64.
+__device__ __forceinline__ u64 lo32(u64 x) { return x & 0xffffffffull; }
+__device__ __forceinline__ u64 terms(u32 kb, u32 p, const V16& v) {
+    return (u64)key_at(kb, p) * lo32(v.lo) + (u64)key_at(kb, p + 1) * (v.lo >> 32) + (u64)key_at(kb, p + 2) * lo32(v.hi) +
+           (u64)key_at(kb, p + 3) * (v.hi >> 32);
+}
+__device__ __forceinline__ u64 terms(u32 kb, u32 p, u64 v) { return (u64)key_at(kb, p) * lo32(v) + (u64)key_at(kb, p + 1) * (v >> 32); }
+__device__ __forceinline__ u64 terms(u32 kb, u32 p, u32 v) { return (u64)key_at(kb, p) * (u64)v; }
 
 // One item (source index s, destination index d): the words of every (layer, component) and head
 // chunk as one sequence; lane `lane` copies words lane, lane + 32, ... of it. The lane's cursor
 // (launch l, head h, word w of that chunk) advances without division.
 //
 // SUM (the `_sum` kernels): the lane also adds each word's checksum terms (key of 32-bit word
-// (h · chunk words + word) of the item, from `keys`) into its running sum of the current launch,
+// (h · chunk words + word) of the item, computed by key_at) into its running sum of the current launch,
 // and adds that sum into `sums[l]` (the item's entry for address pair l, zeroed before the
 // launch) when its cursor leaves the launch: a lane's words of one launch are consecutive in its
 // sequence, so each lane adds at most once per launch. Summing after the stores keeps the loads
@@ -204,7 +219,7 @@ struct Cursor<true> {
 template <typename W, bool SUM>
 __device__ __forceinline__ void copy_item(const Launch* __restrict__ launches, int n_launches, u64 s, u64 d,
                                           typename Cursor<SUM>::T heads, typename Cursor<SUM>::T words, u32 lane,
-                                          const u32* __restrict__ keys, u64* sums) {
+                                          u32 key_base, u64* sums) {
     // 32-bit words per copy word.
     constexpr u64 R = sizeof(W) / 4;
     // The cursor's head and word: 32-bit in the summing kernels (registers are short there; the
@@ -276,7 +291,7 @@ UNROLLED
                         acc_l = lu;
                     }
                     const C q = q0 + 32 * (C)u - (C)step * heads * words;
-                    acc += dot(ld_nc((const W*)keys + q), v[u]);
+                    acc += terms(key_base, (u32)(q * (C)R), v[u]);
                 }
             }
         }
@@ -285,12 +300,12 @@ UNROLLED
 }
 
 // `status`: null, or the call's check word (hicache_check_indices): anything but ~0 means an
-// index failed a check, and nothing is copied. `keys` / `sums`: the `_sum` kernels' key table
-// (u32 per 32-bit word of an item) and their sums, `n_launches` u64 entries per index pair.
+// index failed a check, and nothing is copied. `key_base` / `sums`: the `_sum` kernels' key
+// stream (its base in the low 32 bits) and their sums, `n_launches` u64 entries per index pair.
 template <typename W, bool SUM>
 __device__ __forceinline__ void gather_impl(const Launch* __restrict__ launches, int n_launches, const i64* __restrict__ src_idx,
                                             const i64* __restrict__ dst_idx, i64 n_items, u64 heads, u64 chunk_bytes,
-                                            i64 items_per_warp, const u64* __restrict__ status, const u32* __restrict__ keys,
+                                            i64 items_per_warp, const u64* __restrict__ status, u64 key_base,
                                             u64* __restrict__ sums) {
     if (status != nullptr && ld_u64(status) != ~0ull) return;
     const u64 words = chunk_bytes / sizeof(W);
@@ -304,7 +319,7 @@ __device__ __forceinline__ void gather_impl(const Launch* __restrict__ launches,
         const i64 s = src_idx[item];
         const i64 d = dst_idx[item];
         if (s < 0 || d < 0) continue;
-        copy_item<W, SUM>(launches, n_launches, (u64)s, (u64)d, (typename Cursor<SUM>::T)heads, (typename Cursor<SUM>::T)words, lane, keys,
+        copy_item<W, SUM>(launches, n_launches, (u64)s, (u64)d, (typename Cursor<SUM>::T)heads, (typename Cursor<SUM>::T)words, lane, (u32)key_base,
                           SUM ? sums + (u64)item * (u64)n_launches : nullptr);
     }
 }
@@ -317,43 +332,43 @@ extern "C" __global__ void __launch_bounds__(1024) hicache_gather_w16(const Laun
                                                                       const i64* __restrict__ src_idx, const i64* __restrict__ dst_idx,
                                                                       i64 n_items, u64 heads, u64 chunk_bytes, i64 items_per_warp,
                                                                       const u64* __restrict__ status) {
-    gather_impl<V16, false>(launches, n_launches, src_idx, dst_idx, n_items, heads, chunk_bytes, items_per_warp, status, nullptr, nullptr);
+    gather_impl<V16, false>(launches, n_launches, src_idx, dst_idx, n_items, heads, chunk_bytes, items_per_warp, status, 0, nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(1024) hicache_gather_w8(const Launch* __restrict__ launches, int n_launches,
                                                                       const i64* __restrict__ src_idx, const i64* __restrict__ dst_idx,
                                                                       i64 n_items, u64 heads, u64 chunk_bytes, i64 items_per_warp,
                                                                       const u64* __restrict__ status) {
-    gather_impl<u64, false>(launches, n_launches, src_idx, dst_idx, n_items, heads, chunk_bytes, items_per_warp, status, nullptr, nullptr);
+    gather_impl<u64, false>(launches, n_launches, src_idx, dst_idx, n_items, heads, chunk_bytes, items_per_warp, status, 0, nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(1024) hicache_gather_w4(const Launch* __restrict__ launches, int n_launches,
                                                                       const i64* __restrict__ src_idx, const i64* __restrict__ dst_idx,
                                                                       i64 n_items, u64 heads, u64 chunk_bytes, i64 items_per_warp,
                                                                       const u64* __restrict__ status) {
-    gather_impl<u32, false>(launches, n_launches, src_idx, dst_idx, n_items, heads, chunk_bytes, items_per_warp, status, nullptr, nullptr);
+    gather_impl<u32, false>(launches, n_launches, src_idx, dst_idx, n_items, heads, chunk_bytes, items_per_warp, status, 0, nullptr);
 }
 
-// The checksumming gathers: the plain kernels' arguments, then the key table and the sums.
+// The checksumming gathers: the plain kernels' arguments, then the key stream's base and the sums.
 extern "C" __global__ void __launch_bounds__(1024)
     hicache_gather_sum_w16(const Launch* __restrict__ launches, int n_launches, const i64* __restrict__ src_idx,
                           const i64* __restrict__ dst_idx, i64 n_items, u64 heads, u64 chunk_bytes, i64 items_per_warp,
-                          const u64* __restrict__ status, const u32* __restrict__ keys, u64* __restrict__ sums) {
-    gather_impl<V16, true>(launches, n_launches, src_idx, dst_idx, n_items, heads, chunk_bytes, items_per_warp, status, keys, sums);
+                          const u64* __restrict__ status, u64 key_base, u64* __restrict__ sums) {
+    gather_impl<V16, true>(launches, n_launches, src_idx, dst_idx, n_items, heads, chunk_bytes, items_per_warp, status, key_base, sums);
 }
 
 extern "C" __global__ void __launch_bounds__(1024)
     hicache_gather_sum_w8(const Launch* __restrict__ launches, int n_launches, const i64* __restrict__ src_idx,
                           const i64* __restrict__ dst_idx, i64 n_items, u64 heads, u64 chunk_bytes, i64 items_per_warp,
-                          const u64* __restrict__ status, const u32* __restrict__ keys, u64* __restrict__ sums) {
-    gather_impl<u64, true>(launches, n_launches, src_idx, dst_idx, n_items, heads, chunk_bytes, items_per_warp, status, keys, sums);
+                          const u64* __restrict__ status, u64 key_base, u64* __restrict__ sums) {
+    gather_impl<u64, true>(launches, n_launches, src_idx, dst_idx, n_items, heads, chunk_bytes, items_per_warp, status, key_base, sums);
 }
 
 extern "C" __global__ void __launch_bounds__(1024)
     hicache_gather_sum_w4(const Launch* __restrict__ launches, int n_launches, const i64* __restrict__ src_idx,
                           const i64* __restrict__ dst_idx, i64 n_items, u64 heads, u64 chunk_bytes, i64 items_per_warp,
-                          const u64* __restrict__ status, const u32* __restrict__ keys, u64* __restrict__ sums) {
-    gather_impl<u32, true>(launches, n_launches, src_idx, dst_idx, n_items, heads, chunk_bytes, items_per_warp, status, keys, sums);
+                          const u64* __restrict__ status, u64 key_base, u64* __restrict__ sums) {
+    gather_impl<u32, true>(launches, n_launches, src_idx, dst_idx, n_items, heads, chunk_bytes, items_per_warp, status, key_base, sums);
 }
 
 // Checks of a call whose index lists are in device memory, in the planner's order: host indices
@@ -432,7 +447,7 @@ GATHER_THUNK(hicache_emu_gather_w4, hicache_gather_w4)
 #define GATHER_SUM_THUNK(name, kernel)                                                                                       \
     extern "C" __attribute__((visibility("default"))) void name(void** params) {                                            \
         kernel(P(0, const Launch*), P(1, int), P(2, const i64*), P(3, const i64*), P(4, i64), P(5, u64), P(6, u64), P(7, i64), \
-               P(8, const u64*), P(9, const u32*), P(10, u64*));                                                            \
+               P(8, const u64*), P(9, u64), P(10, u64*));                                                            \
     }
 GATHER_SUM_THUNK(hicache_emu_gather_sum_w16, hicache_gather_sum_w16)
 GATHER_SUM_THUNK(hicache_emu_gather_sum_w8, hicache_gather_sum_w8)

@@ -195,12 +195,12 @@ struct Ran {
     bytes: u64,
 }
 
-/// How a case launches: the plain kernels, or the checksumming ones (`Sum`, with a key table
-/// shifted by `key_shift` words to show that a wrong one is caught).
+/// How a case launches: the plain kernels, or the checksumming ones (`Sum`, with the key stream's
+/// base flipped in its low bit when `wrong_base`, to show that a wrong stream is caught).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Mode {
     Plain,
-    Sum { key_shift: usize },
+    Sum { wrong_base: bool },
 }
 
 /// Plans `case` on cpu pools, runs every gather step of the plan on the emulated kernel with
@@ -260,21 +260,17 @@ fn run_case_in(emu: &Emulator, case: &Case, tuning: LaunchTuning, tamper: impl F
             }
         }
         // The nine kernel arguments, built by the executor's own code (no device check: status 0);
-        // the summing kernels' eleven, with a key table and zeroed sums.
+        // the summing kernels' eleven, with the key stream's base and zeroed sums.
         let (table, si, di) = (launch.table.as_ptr() as u64, g.src_indices().as_ptr() as u64, g.dst_indices().as_ptr() as u64);
         let mut args = launch.args(table, si, di, 0);
-        let (mut keys, mut sums, mut sum_args) = (None, None, None);
-        if let Mode::Sum { key_shift } = mode {
-            let words = launch.item_words() as usize + key_shift;
-            let table_k = hicache_io::integrity::Keys::new(hicache_io::integrity::STORAGE_SEED, words).map_err(|e| e.to_string())?;
+        let (mut sums, mut sum_args) = (None, None);
+        if let Mode::Sum { wrong_base } = mode {
+            let key_base = hicache_io::integrity::key_base(hicache_io::integrity::STORAGE_SEED, 0) ^ u32::from(wrong_base);
             let entries = launch.sum_entries().map_err(|e| format!("step {k}: {e}"))? as usize;
-            let k_buf: &mut Aligned = keys.insert(Aligned::new(bytemuck::cast_slice(&table_k.table()[key_shift..])));
-            let ka = k_buf.addr();
-            ranges.push(Range { start: ka, len: k_buf.len as u64, flags: READ, host: ka });
             let s_buf: &mut Aligned = sums.insert(Aligned::new(&vec![0u8; entries * 8]));
             let sa = s_buf.addr();
             ranges.push(Range { start: sa, len: s_buf.len as u64, flags: READ | WRITE, host: sa });
-            sum_args = Some(launch.sum_args(table, si, di, 0, ka, sa));
+            sum_args = Some(launch.sum_args(table, si, di, 0, key_base, sa));
         }
         let mut params: Vec<*mut c_void> = match sum_args.as_mut() {
             Some(a) => a.params().to_vec(),
@@ -382,7 +378,8 @@ fn run_case_in(emu: &Emulator, case: &Case, tuning: LaunchTuning, tamper: impl F
     }
     // Equal bytes could still hide a duplicated or a missing-but-unchanged copy: every byte the
     // plan moves is loaded and stored exactly once.
-    // The summing kernels also load one key word per word, and load and store each atomic add.
+    // The summing kernels also load and store each atomic add, and load nothing else: their keys
+    // are computed, not read.
     let atomics = match mode {
         Mode::Plain => 0,
         Mode::Sum { .. } => stored.saturating_sub(plan.bytes()),
@@ -390,8 +387,7 @@ fn run_case_in(emu: &Emulator, case: &Case, tuning: LaunchTuning, tamper: impl F
     if atomics % 8 != 0 {
         return Err(format!("{atomics} bytes of sums stored: not whole 8-byte entries"));
     }
-    let keys_loaded = if mode == Mode::Plain { 0 } else { plan.bytes() };
-    if loaded != plan.bytes() + keys_loaded + atomics || stored != plan.bytes() + atomics {
+    if loaded != plan.bytes() + atomics || stored != plan.bytes() + atomics {
         return Err(format!("the plan moves {} bytes; the kernel loaded {loaded} and stored {stored}", plan.bytes()));
     }
     ran.bytes = stored;
@@ -485,29 +481,30 @@ fn strided_grids_match_the_oracle() {
 #[test]
 fn summing_kernels_match_the_oracle_and_the_checksums() {
     let Some(emu) = emulator() else { return };
-    let ran = sweep_in(emu, Profile::Extended, SGLANG_GRID, 3, 30, Mode::Sum { key_shift: 0 });
+    let ran = sweep_in(emu, Profile::Extended, SGLANG_GRID, 3, 30, Mode::Sum { wrong_base: false });
     assert!(ran.w16 > 0 && ran.w8 > 0 && ran.w4 > 0, "{ran:?}");
-    sweep_in(emu, Profile::Sglang, SGLANG_GRID, 4, 20, Mode::Sum { key_shift: 0 });
+    sweep_in(emu, Profile::Sglang, SGLANG_GRID, 4, 20, Mode::Sum { wrong_base: false });
     for (i, (block_quota, num_warps_per_block)) in [(1, 1), (3, 7), (16, 2)].into_iter().enumerate() {
         let tuning = LaunchTuning { block_quota, num_warps_per_block };
-        sweep_in(emu, Profile::Extended, tuning, 200 + i as u64, 6, Mode::Sum { key_shift: 0 });
+        sweep_in(emu, Profile::Extended, tuning, 200 + i as u64, 6, Mode::Sum { wrong_base: false });
     }
     eprintln!("summing kernels: {ran:?}");
 }
 
-/// The harness's sum check can fail: keys one word off give other sums.
+/// The harness's sum check can fail: another key stream gives other sums.
 #[test]
-fn a_wrong_key_table_is_caught() {
+fn a_wrong_key_stream_is_caught() {
     let Some(emu) = emulator() else { return };
     let mut rng = Rng::new(9);
     let mut caught = 0;
     for cell in supported_cells(Profile::Extended).into_iter().filter(|c| c.io == IoBackend::Kernel) {
         let case = random_case(cell, Profile::Extended, &mut rng);
-        let ok = run_case_in(emu, &case, SGLANG_GRID, |_| {}, Mode::Sum { key_shift: 0 }).expect("the right keys match");
+        let ok = run_case_in(emu, &case, SGLANG_GRID, |_| {}, Mode::Sum { wrong_base: false }).expect("the right keys match");
         if ok.bytes == 0 {
             continue;
         }
-        let err = run_case_in(emu, &case, SGLANG_GRID, |_| {}, Mode::Sum { key_shift: 1 }).expect_err("keys one word off went unnoticed");
+        let err =
+            run_case_in(emu, &case, SGLANG_GRID, |_| {}, Mode::Sum { wrong_base: true }).expect_err("another key stream went unnoticed");
         assert!(err.contains("the item's checksum"), "{err}");
         caught += 1;
     }

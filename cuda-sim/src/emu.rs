@@ -66,7 +66,7 @@ impl Kernel {
         Kernel::GatherSumW8,
         Kernel::GatherSumW4,
     ];
-    /// How many arguments it takes: nine, the summing gathers eleven (the key table and sums).
+    /// How many arguments it takes: nine, the summing gathers eleven (the key stream's base and the sums).
     pub fn arg_count(self) -> usize {
         if self.sums() {
             11

@@ -1138,9 +1138,7 @@ impl State {
             acc.push((args[2], n_items.max(0) as u64 * 8, false));
             acc.push((args[3], n_items.max(0) as u64 * 8, false));
             if kernel.sums() {
-                // The key table (one u32 per 32-bit word of an item) and the sums it adds into.
-                let item_words = heads.saturating_mul(chunk / 4);
-                acc.push((args[9], item_words.saturating_mul(4), false));
+                // The sums it adds into (keys are computed from word positions: no table).
                 acc.push((args[10], (n_items.max(0) as u64).saturating_mul(n_launches.max(0) as u64).saturating_mul(8), true));
             }
             for (s, d) in src.iter().zip(&dst) {

@@ -156,14 +156,14 @@ impl KernelArgs {
 }
 
 /// The checksumming gathers' (`hicache_gather_sum_w{16,8,4}`) eleven arguments: the plain
-/// kernels' nine, then the key table and the sums.
+/// kernels' nine, then the key stream's base and the sums.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SumKernelArgs {
     /// The plain kernels' arguments.
     pub args: KernelArgs,
-    /// Address of the key table: one `u32` key per 32-bit word of an item, at least
-    /// [`GatherLaunch::item_words`] of them, 16-byte aligned.
-    pub keys: u64,
+    /// The checksum key stream's base ([`crate::integrity::key_base`] of the seed, below
+    /// `2^32`): the kernels compute key `i` of an item's 32-bit word `i` from it in registers.
+    pub key_base: u64,
     /// Address of the sums, [`GatherLaunch::sum_entries`] `u64`s (index pair major, then address
     /// pair), zeroed before the launch: entry `i · n_launches + l` ends as the checksum of index
     /// pair `i`'s item of address pair `l` (skipped pairs stay zero).
@@ -175,7 +175,7 @@ impl SumKernelArgs {
     pub fn params(&mut self) -> [*mut std::ffi::c_void; 11] {
         use std::ffi::c_void;
         let [a0, a1, a2, a3, a4, a5, a6, a7, a8] = self.args.params();
-        [a0, a1, a2, a3, a4, a5, a6, a7, a8, &mut self.keys as *mut _ as *mut c_void, &mut self.sums as *mut _ as *mut c_void]
+        [a0, a1, a2, a3, a4, a5, a6, a7, a8, &mut self.key_base as *mut _ as *mut c_void, &mut self.sums as *mut _ as *mut c_void]
     }
 }
 
@@ -274,7 +274,7 @@ impl GatherLaunch {
 pub const MAX_SUM_ITEM_WORDS: u64 = u32::MAX as u64 / 2;
 
 impl GatherLaunch {
-    /// 32-bit words of one item (all its head chunks): the key table's length.
+    /// 32-bit words of one item (all its head chunks).
     pub fn item_words(&self) -> u64 {
         self.heads.saturating_mul(self.chunk_bytes / 4)
     }
@@ -296,10 +296,10 @@ impl GatherLaunch {
             .filter(|n| n.checked_mul(8).is_some_and(|b| b <= isize::MAX as u64))
             .ok_or_else(|| too_big("sum entries", u64::MAX, isize::MAX as u64 / 8))
     }
-    /// The summing kernels' arguments: [`GatherLaunch::args`] and the key table and sums at
-    /// these addresses.
-    pub fn sum_args(&self, table: u64, src_idx: u64, dst_idx: u64, status: u64, keys: u64, sums: u64) -> SumKernelArgs {
-        SumKernelArgs { args: self.args(table, src_idx, dst_idx, status), keys, sums }
+    /// The summing kernels' arguments: [`GatherLaunch::args`], the key stream's base and the
+    /// sums at `sums`.
+    pub fn sum_args(&self, table: u64, src_idx: u64, dst_idx: u64, status: u64, key_base: u32, sums: u64) -> SumKernelArgs {
+        SumKernelArgs { args: self.args(table, src_idx, dst_idx, status), key_base: u64::from(key_base), sums }
     }
 }
 

@@ -131,20 +131,19 @@ impl CudaExecutor {
             }
             Some((mode, binding, entries)) => {
                 let sums = &self.inner.sums;
-                // SAFETY: the context is bound; the key table is uploaded in stream order.
-                let keys = unsafe { scratch.keys(stream, binding.table.keys(), launch.item_words() as usize)? };
-                // SAFETY: as above.
+                // Items have fewer than 2^32 words (`sum_entries`): one base covers their keys.
+                let key_base = crate::integrity::key_base(binding.table.keys().seed(), 0);
+                // SAFETY: the context is bound.
                 let buf = unsafe { sums.buffer(entries * 8)? };
                 // SAFETY: the buffer's device half holds at least `entries · 8` bytes.
                 if let Err(e) = unsafe { result::memset_d8_async(buf.dev, 0, entries * 8, stream) } {
                     sums.unused(buf);
                     return Err(drv("cuMemsetD8Async (checksums)", e));
                 }
-                let mut kernel_args = launch.sum_args(table, src_idx, dst_idx, status, keys, buf.dev);
+                let mut kernel_args = launch.sum_args(table, src_idx, dst_idx, status, key_base, buf.dev);
                 let mut params = kernel_args.params();
                 let f = self.inner.f_gather_sum[word_index(word)];
-                // SAFETY: as above; the key table covers an item's words and lives until the
-                // scratch is freed; the sums hold `entries` words.
+                // SAFETY: as above; the sums hold `entries` words.
                 if let Err(e) = unsafe { result::launch_kernel(f, grid.0, grid.1, 0, stream, &mut params) } {
                     sums.retire(buf);
                     return Err(drv("cuLaunchKernel (summing gather)", e));

@@ -49,20 +49,6 @@ pub(super) struct Scratch {
     indices: Option<[Arc<[i64]>; 2]>,
     /// Device words of the checks of CUDA index lists run on this stream.
     pub(super) check: CheckArea,
-    /// The checksum key table the summing gathers on this stream read.
-    keys: KeyTable,
-}
-
-/// A key table on the device (uploaded in stream order from pinned memory kept with it), grown
-/// when an item needs more words; outgrown tables are kept until `free` (queued kernels may read
-/// them).
-#[derive(Default)]
-struct KeyTable {
-    dev: sys::CUdeviceptr,
-    host: *mut u8,
-    seed: u64,
-    words: usize,
-    retired: Vec<(sys::CUdeviceptr, *mut u8)>,
 }
 
 // SAFETY: raw driver handles, used only under the executor's mutex with the context bound.
@@ -184,53 +170,6 @@ impl Scratch {
         Ok([self.dev + t_off as u64, self.dev + si_off as u64, self.dev + di_off as u64])
     }
 
-    /// The device address of a key table of `keys`' seed covering `words` words, uploaded on
-    /// `stream` (so every kernel enqueued on it after this reads it complete).
-    ///
-    /// # Safety
-    /// The context is bound and `stream` is live.
-    pub(super) unsafe fn keys(&mut self, stream: sys::CUstream, keys: &crate::integrity::Keys, words: usize) -> Result<sys::CUdeviceptr> {
-        let kt = &mut self.keys;
-        if kt.dev != 0 && kt.seed == keys.seed() && kt.words >= words {
-            return Ok(kt.dev);
-        }
-        // The pool's table covers its items; a longer one is the same stream, computed.
-        let longer;
-        let table = if keys.words() >= words {
-            keys.table()
-        } else {
-            longer = crate::integrity::shared_keys(keys.seed(), words)?;
-            longer.table()
-        };
-        let bytes = std::mem::size_of_val(table).max(16);
-        let oom =
-            |what: &str, e: DriverError| TransferError::OutOfMemory { what: what.into(), requested: bytes as u64, limit: format!("{e:?}") };
-        // SAFETY: plain allocations and an async copy with the context bound; the pinned source
-        // lives until `free` (after the stream is drained).
-        unsafe {
-            let dev = result::malloc_sync(bytes).map_err(|e| oom("cuda checksum keys", e))?;
-            let host = match result::malloc_host(bytes, 0) {
-                Ok(h) => h as *mut u8,
-                Err(e) => {
-                    let _ = result::free_sync(dev);
-                    return Err(oom("cuda checksum keys (pinned)", e));
-                }
-            };
-            std::ptr::copy_nonoverlapping(table.as_ptr() as *const u8, host, std::mem::size_of_val(table));
-            let rc = sys::cuMemcpyHtoDAsync_v2(dev, host as *const c_void, std::mem::size_of_val(table), stream);
-            if rc != sys::CUresult::CUDA_SUCCESS {
-                // The copy may have been partly enqueued: keep both until `free`.
-                kt.retired.push((dev, host));
-                return Err(super::driver::rc_err("cuMemcpyHtoDAsync (checksum keys)", rc));
-            }
-            if kt.dev != 0 {
-                kt.retired.push((kt.dev, kt.host));
-            }
-            *kt = KeyTable { dev, host, seed: keys.seed(), words: table.len(), retired: std::mem::take(&mut kt.retired) };
-        }
-        Ok(kt.dev)
-    }
-
     /// Frees everything (the stream has been synchronized).
     pub(super) fn free(&mut self) {
         // SAFETY: handles allocated by `upload`; nothing queued uses them any more.
@@ -246,14 +185,6 @@ impl Scratch {
             }
         }
         self.check.free();
-        let kt = std::mem::take(&mut self.keys);
-        for (dev, host) in kt.retired.into_iter().chain((kt.dev != 0).then_some((kt.dev, kt.host))) {
-            // SAFETY: allocated by `keys`; nothing queued reads them any more.
-            unsafe {
-                let _ = result::free_sync(dev);
-                let _ = result::free_host(host as *mut c_void);
-            }
-        }
         *self = Scratch::default();
     }
 }
