@@ -28,6 +28,8 @@ pub(super) fn gather_lanes(caps: &Capabilities, chunk: u64, heads: u64) -> Optio
 
 /// `kernel` steps: one per layer group, each split into pieces of at most
 /// `caps.max_gather_items` index pairs (destinations are unique, so the split changes no byte).
+/// `live`: the pairs with both indices non-negative (counted by the checks).
+#[allow(clippy::too_many_arguments)]
 pub(super) fn lower_gather(
     host: &HostGeometry,
     dev: &DeviceGeometry,
@@ -36,10 +38,10 @@ pub(super) fn lower_gather(
     layer_groups: &[Vec<(u64, u32)>],
     hi: Arc<[i64]>,
     di: Arc<[i64]>,
+    live: u64,
 ) -> (Vec<Step>, u64) {
     let heads = host.head_num();
     let comps = host.kind().components() as u8;
-    let live = hi.iter().zip(di.iter()).filter(|(h, d)| **h >= 0 && **d >= 0).count() as u64;
     let (src, dst) = match direction {
         Direction::HostToDevice => (hi, di),
         Direction::DeviceToHost => (di, hi),
@@ -132,8 +134,8 @@ pub(super) fn lower_direct(
     let item_bytes = host.item_bytes();
     // One pass, appending each page or live pair to the last span where it continues it in
     // both units and bytes (units are range-checked, so the sums cannot overflow).
-    let (spans, moved) = if host.layout() == Layout::PageFirstDirect {
-        // One span per page group, from the group's first index.
+    let (spans, moved) = if host.layout() == Layout::PageFirstDirect && group > 1 {
+        // One span per page group, from the group's first index (groups of one are pairs).
         let g = group as usize;
         let pages = hi.iter().step_by(g).zip(di.iter().step_by(g)).take(hi.len() / g);
         let live = pages.filter(|(h, d)| **h >= 0 && **d >= 0).map(|(h, d)| (*h as u64, *d as u64, group));
@@ -173,29 +175,85 @@ fn build_spans(
     item_bytes: u64,
     host_to_device: bool,
 ) -> (Vec<Span>, u64) {
-    let mut spans = Vec::with_capacity(capacity);
+    let mut spans: Vec<Span> = Vec::with_capacity(capacity);
+    let out = spans.spare_capacity_mut();
+    // One loop per merge rule, so the common ones carry no per-run offset code (it cost the
+    // loop its registers: spills on every pair).
+    let (at, moved) = match Merge::new(merge_by, item_bytes) {
+        Merge::Never => fill_spans(pairs, out, |_| false),
+        Merge::Always => fill_spans(pairs, out, |_| true),
+        Merge::Check(p) => fill_spans(pairs, out, |[ch, cd, cn, h, d]| {
+            let len = cn * item_bytes;
+            let ((s0, t0), (s1, t1)) = if host_to_device { ((ch, cd), (h, d)) } else { ((cd, ch), (d, h)) };
+            p.src.offset(s0, 0) + len == p.src.offset(s1, 0) && p.dst.offset(t0, 0) + len == p.dst.offset(t1, 0)
+        }),
+    };
+    // SAFETY: `fill_spans` wrote the first `at` elements of the spare capacity.
+    unsafe { spans.set_len(at) };
+    (spans, moved)
+}
+
+/// [`build_spans`]' pass: writes the spans into `out` by position (`push` re-checked the
+/// capacity and kept the length in memory, a store and reload per pair) and returns how many,
+/// and the items they hold. `joins([ch, cd, cn, h, d])`: whether pair `(h, d)`, which continues
+/// span `(ch, cd, cn)` in units, continues it in bytes. Not inlined: inside `lower_direct` the
+/// loop lost its registers to the caller's locals (spills on every pair).
+#[inline(never)]
+fn fill_spans(
+    pairs: impl Iterator<Item = (u64, u64, u64)>,
+    out: &mut [std::mem::MaybeUninit<Span>],
+    joins: impl Fn([u64; 5]) -> bool,
+) -> (usize, u64) {
+    let mut at = 0usize;
     let (mut ch, mut cd, mut cn, mut moved) = (0u64, 0u64, 0u64, 0u64);
     for (h, d, n) in pairs {
         moved += n;
-        if cn > 0 && ch + cn == h && cd + cn == d {
-            if let Some(p) = &merge_by {
-                let len = cn * item_bytes;
-                let ((s0, t0), (s1, t1)) = if host_to_device { ((ch, cd), (h, d)) } else { ((cd, ch), (d, h)) };
-                if p.src.offset(s0, 0) + len == p.src.offset(s1, 0) && p.dst.offset(t0, 0) + len == p.dst.offset(t1, 0) {
-                    cn += n;
-                    continue;
-                }
-            }
+        if cn > 0 && ch + cn == h && cd + cn == d && joins([ch, cd, cn, h, d]) {
+            cn += n;
+            continue;
         }
         if cn > 0 {
-            spans.push(Span { host_unit: ch, device_unit: cd, items: cn });
+            // At most one span per pair: the capacity covers every pair.
+            out[at].write(Span { host_unit: ch, device_unit: cd, items: cn });
+            at += 1;
         }
         (ch, cd, cn) = (h, d, n);
     }
     if cn > 0 {
-        spans.push(Span { host_unit: ch, device_unit: cd, items: cn });
+        out[at].write(Span { host_unit: ch, device_unit: cd, items: cn });
+        at += 1;
     }
-    (spans, moved)
+    (at, moved)
+}
+
+/// Whether runs that continue a span in units continue it in bytes: decided once from the
+/// strides where they say it for every position (`Always`, `Never`), else per run (`Check`:
+/// paged addresses whose pages are not end to end).
+enum Merge {
+    Never,
+    Always,
+    Check(AddrPair),
+}
+
+impl Merge {
+    fn new(merge_by: Option<AddrPair>, item_bytes: u64) -> Merge {
+        let Some(p) = merge_by else { return Merge::Never };
+        // An address is `base + unit · item_bytes` at every unit: one page or rows and pages
+        // end to end.
+        let linear = |a: &crate::geometry::Addr| {
+            (a.page == 1 && a.page_stride == item_bytes)
+                || (a.page > 1 && a.row_stride == item_bytes && a.page.checked_mul(item_bytes) == Some(a.page_stride))
+        };
+        // Unpaged with another stride: units never continue in bytes.
+        let never = |a: &crate::geometry::Addr| a.page == 1 && a.page_stride != item_bytes;
+        if linear(&p.src) && linear(&p.dst) {
+            Merge::Always
+        } else if never(&p.src) || never(&p.dst) {
+            Merge::Never
+        } else {
+            Merge::Check(p)
+        }
+    }
 }
 
 /// `transfer_kv_direct` coalescing: maximal runs where both indices step by one; negative

@@ -223,11 +223,42 @@ mod tests {
     }
 
     #[test]
-    fn duplicates_are_found_with_and_without_a_bitmap() {
+    fn ranges_at_the_integer_limits() {
+        use checks::check_range;
+        let out = |idx: &[i64], bound: u64| match check_range("host", idx, bound, "slots") {
+            Ok(()) => None,
+            Err(TransferError::IndexOutOfRange { position, .. }) => Some(position),
+            Err(e) => panic!("{e:?}"),
+        };
+        // Negative entries (skipped pairs) are never out, however negative.
+        assert_eq!(out(&[i64::MIN, -1, 0, 9], 10), None);
+        assert_eq!(out(&[i64::MIN, -1, 10, 9], 10), Some(2));
+        assert_eq!(out(&[0], 0), Some(0));
+        assert_eq!(out(&[-1, i64::MIN], 0), None);
+        assert_eq!(out(&[3, i64::MAX, i64::MAX - 1], i64::MAX as u64), Some(1));
+        assert_eq!(out(&[3, i64::MAX - 1], i64::MAX as u64), None);
+        // No i64 reaches a bound past i64::MAX.
+        assert_eq!(out(&[i64::MAX, 0, i64::MIN], 1 << 63), None);
+        assert_eq!(out(&[i64::MAX, 0, i64::MIN], u64::MAX), None);
+        // The first out entry is named, past a vector's width.
+        let mut v: Vec<i64> = (0..37).collect();
+        v[21] = 40;
+        v[30] = 50;
+        assert_eq!(out(&v, 40), Some(21));
+        assert_eq!(out(&v, 41), Some(30));
+        assert_eq!(out(&v, 51), None);
+    }
+
+    #[test]
+    fn duplicates_are_found_with_a_byte_map_a_bitmap_and_a_sort() {
         let (hi, di) = ([0i64, 1, 2, 3], [5i64, 9, 5, 7]);
-        let e = check_unique("device", &di, &hi, &di, 10, "slots").unwrap_err();
-        assert!(matches!(e, TransferError::DuplicateDestination { first: 0, second: 2, .. }), "{e:?}");
-        let e = check_unique("device", &di, &hi, &di, 1 << 50, "slots").unwrap_err();
-        assert!(matches!(e, TransferError::DuplicateDestination { first: 0, second: 2, .. }), "{e:?}");
+        // 10 slots: a byte map; 2^18: a bitmap; 2^50: a sort.
+        for bound in [10, 1 << 18, 1 << 50] {
+            let e = check_unique("device", &di, &hi, &di, bound, "slots").unwrap_err();
+            assert!(matches!(e, TransferError::DuplicateDestination { first: 0, second: 2, .. }), "{bound}: {e:?}");
+            // Live pairs are counted on the way; a skipped pair frees its destination.
+            let hi2 = [0i64, 1, -1, 3];
+            assert_eq!(check_unique("device", &di, &hi2, &di, bound, "slots").unwrap(), 3, "{bound}");
+        }
     }
 }

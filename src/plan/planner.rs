@@ -159,10 +159,10 @@ pub(super) fn plan_io(profile: Profile, caps: &Capabilities, owner: u64, pair: &
         check_whole_pages("host", req.host_indices, host.page_size())?;
         check_whole_pages("device", req.device_indices, host.page_size())?;
     }
-    check_indices(host, dev, caps, direction, req.io_backend, &hi, &di)?;
+    let live = check_indices(host, dev, caps, direction, req.io_backend, &hi, &di)?;
     let host_units: Arc<[i64]> = Arc::from(&hi[..]);
     let (steps, bytes) = match req.io_backend {
-        IoBackend::Kernel => lower_gather(host, dev, caps, direction, &layer_groups, host_units.clone(), Arc::from(&di[..])),
+        IoBackend::Kernel => lower_gather(host, dev, caps, direction, &layer_groups, host_units.clone(), Arc::from(&di[..]), live),
         _ => lower_direct(host, dev, direction, &layer_groups, &hi, &di),
     };
     Ok(Plan { owner, pair: pair.clone(), profile, direction, path, io, steps: steps.into(), bytes, device_check: None, host_units })
