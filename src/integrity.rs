@@ -441,6 +441,12 @@ impl ChecksumTable {
         let i = (layer.checked_mul(self.comps)? + comp as u64).checked_mul(self.units)?.checked_add(unit)?;
         (i < self.entries.len() as u64).then_some(i as usize)
     }
+    /// Where item `(unit, layer, comp)`'s entry lives (a prefetch hint; never read through),
+    /// null outside the table.
+    #[inline(always)]
+    pub(crate) fn entry_addr(&self, unit: u64, layer: u64, comp: u8) -> *const u8 {
+        self.slot(unit, layer, comp).map_or(std::ptr::null(), |s| self.entries[s..].as_ptr() as *const u8)
+    }
     /// Records an item's checksum.
     #[inline(always)]
     pub(crate) fn record(&self, slot: usize, sum: u64) {
