@@ -5,7 +5,9 @@ The same shapes as `hicache-io bench` (quick subset: N = 4096 random items, L = 
 one layer host -> device, backup = every layer device -> host) with numpy fancy indexing
 (`dst[di] = src[si]`, the way sglang's CPU references are written) and, when it is installed,
 torch `index_copy_` / `index_select`, both on the widest integer element the item size allows.
-Prints one table of GB/s of bytes moved.
+Prints one table of GB/s of bytes moved: hicache-io with item checksums off (the same plain copy the
+peers make) and on (every item also checksummed), measured alternately in one run, and each over
+the faster peer.
 
     python3 scripts/bench-peers.py [--bin target/release/hicache-io] [--budget-ms 300]
 
@@ -90,27 +92,35 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bin", default="target/release/hicache-io")
     ap.add_argument("--budget-ms", type=int, default=300)
+    ap.add_argument("--items", default="8448,1152,128", help="item sizes, as `hicache-io bench --items` takes them")
     args = ap.parse_args()
-    res = subprocess.run([args.bin, "bench", "--backend", "cpu", "--budget-ms", str(args.budget_ms), "--json"],
-                         check=True, capture_output=True, text=True)
+    # Each cell both ways in one run (alternating): checksums off is the peers' work (a plain
+    # copy); on, every item is also checksummed (recorded on backup, verified on load).
+    res = subprocess.run([args.bin, "bench", "--backend", "cpu", "--checksums", "--items", args.items,
+                          "--budget-ms", str(args.budget_ms), "--json"], check=True, capture_output=True, text=True)
     rows = json.loads(res.stdout)
     rng = np.random.default_rng(7)
     budget_s = args.budget_ms / 1000
-    head = f"{'cell':<54} {'hicache-io':>10} {'numpy':>8} {'x numpy':>8}"
-    if torch is not None:
-        head += f" {'torch':>8} {'x torch':>8}"
     print(f"numpy {np.__version__}" + (f", torch {torch.__version__}" if torch is not None else ", torch not installed"))
-    print(head + "   (GB/s)")
+    print("hicache-io: checksums off (the same copy the peers make); +sums: every item also checksummed")
+    head = f"{'cell':<50} {'hicache-io':>10} {'+sums':>7} {'numpy':>7}"
+    if torch is not None:
+        head += f" {'torch':>7}"
+    head += f" {'x best':>7} {'+sums x':>8}"
+    print(head + "   (GB/s; x best: over the faster peer)")
     for r in rows:
-        s = r["spec"]
+        w, p0 = r["with"], r["without"]
+        s = p0["spec"]
         if s["layout"] not in ("layer_first", "page_first") or s["io"] != "kernel":
             continue
         p = peers(s, budget_s, rng)
+        best = max(p.values())
         cell = f"{s['op']} {s['layout']} kernel {s['item']}B random N={s['items']} L={s['layers']}"
-        line = f"{cell:<54} {r['gbps']:>10.2f} {p['numpy']:>8.2f} {r['gbps'] / p['numpy']:>8.1f}"
+        line = f"{cell:<50} {p0['gbps']:>10.2f} {w['gbps']:>7.2f} {p['numpy']:>7.2f}"
         if "torch" in p:
-            line += f" {p['torch']:>8.2f} {r['gbps'] / p['torch']:>8.1f}"
-        print(line)
+            line += f" {p['torch']:>7.2f}"
+        line += f" {p0['gbps'] / best:>7.2f} {w['gbps'] / best:>8.2f}"
+        print(line, flush=True)
     return 0
 
 
