@@ -410,6 +410,57 @@ impl PyHostPool {
         let (sums, intact) = py.detach(|| self.inner.put_checksums(&idx, seed)).py()?;
         Ok((u64_array(py, sums)?, intact))
     }
+    /// Private to the L3 store: `put_checksums(indices, seed)` with each object also copied into
+    /// the store's staging buffer (`nbytes` bytes at address `addr`, a numpy array the store
+    /// owns), object `j` at byte `j * stride`.
+    #[pyo3(signature = (indices, addr, nbytes, stride, seed = hicache_io::integrity::STORAGE_SEED))]
+    pub(crate) fn _stage_put<'py>(
+        &self,
+        py: Python<'py>,
+        indices: &Bound<'_, PyAny>,
+        addr: usize,
+        nbytes: usize,
+        stride: usize,
+        seed: u64,
+    ) -> PyResult<(Bound<'py, PyAny>, Vec<bool>)> {
+        let idx = index_list(indices, "Host", Ctx { stream: None })?;
+        let (sums, intact) = py
+            .detach(|| {
+                // SAFETY: the store passes its own live, writable numpy buffer of `nbytes` bytes,
+                // which nothing else touches during the call (it holds its lock).
+                let staging = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, nbytes) };
+                self.inner.stage_put(&idx, seed, staging, stride)
+            })
+            .py()?;
+        Ok((u64_array(py, sums)?, intact))
+    }
+    /// Private to the L3 store: `landed_checksums(indices, expected, eligible, seed)` for objects
+    /// it read into its staging buffer (as `_stage_put`'s), the objects with `write[j]` copied
+    /// into the pool in the pass that checksums them.
+    #[pyo3(signature = (indices, addr, nbytes, stride, expected, eligible, write, seed = hicache_io::integrity::STORAGE_SEED))]
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn _land_staged<'py>(
+        &self,
+        py: Python<'py>,
+        indices: &Bound<'_, PyAny>,
+        addr: usize,
+        nbytes: usize,
+        stride: usize,
+        expected: Vec<u64>,
+        eligible: Vec<bool>,
+        write: Vec<bool>,
+        seed: u64,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let idx = index_list(indices, "Host", Ctx { stream: None })?;
+        let sums = py
+            .detach(|| {
+                // SAFETY: as in `_stage_put` (read only here).
+                let staging = unsafe { std::slice::from_raw_parts(addr as *const u8, nbytes) };
+                self.inner.land_staged(&idx, seed, staging, stride, &expected, &eligible, &write)
+            })
+            .py()?;
+        u64_array(py, sums)
+    }
     /// After an L3 store wrote the pages of `indices` in place: `object_checksums(indices, seed)`
     /// from one read of the pages, which also records the item checksums of each page all of
     /// whose objects are `eligible` and match `expected` (one per object), and forgets every

@@ -825,3 +825,25 @@ def test_v2_sidecar_of_hicache_io_pools(master):
         assert ix.integrity_stats()["mismatched"] == stats["mismatched"]
     finally:
         s.close()
+
+
+def test_the_staging_pass_refuses_a_short_buffer_before_writing():
+    # The store's staging pass copies each object to byte j * stride of its buffer: a stride
+    # shorter than an object, or a buffer shorter than the objects, is refused with nothing
+    # written; a right-sized one holds each object's bytes and their checksums.
+    device, dev, host = build("cpu", "dsa", "page_first", 1, 132, 4, None, 0)
+    host.backup_from_device_all_layer(dev, tokens([1, 2]), tokens([3, 0]), "kernel")
+    idx = tokens([1, 2])
+    size = page_meta(host, 1)[0][2]
+    objects = len(host.get_page_buffer_meta(idx))
+    stride = size + 16
+    buf = np.full(objects * stride, 7, np.uint8)
+    for nbytes, s in [(buf.nbytes - 1, stride), (buf.nbytes, size - 4)]:
+        with pytest.raises(Exception):
+            host._stage_put(idx, buf.ctypes.data, nbytes, s)
+        assert (buf == 7).all()
+    sums, intact = host._stage_put(idx, buf.ctypes.data, buf.nbytes, stride)
+    assert intact == [True, True]
+    assert list(sums) == list(host.object_checksums(idx))
+    for j, (c, off, n) in enumerate(host.get_page_buffer_meta(idx)):
+        assert np.array_equal(buf[j * stride : j * stride + n], host.read_buffer(c)[off : off + n])

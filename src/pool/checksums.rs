@@ -112,6 +112,70 @@ impl HostPool<'_> {
         })
     }
 
+    /// [`HostPool::put_checksums`] with each object's bytes also copied into `staging`, object
+    /// `j` (in the order of [`HostPool::get_page_buffer_meta`]) at byte `j · stride`, in the same
+    /// read: an L3 store puts each object and the trailer it writes after it as one span. Refused
+    /// before any byte moves when an object is longer than `stride` or `staging` is too short.
+    pub fn stage_put(&self, indices: &[i64], seed: u64, staging: &mut [u8], stride: usize) -> Result<(Vec<u64>, Vec<bool>)> {
+        let meta = self.get_page_buffer_meta(indices)?;
+        check_staging(&meta, staging.len(), stride)?;
+        let keys = integrity::shared_keys(seed, integrity::words(meta.iter().map(|m| m.2).max().unwrap_or(0) as usize))?;
+        let per = meta.len() / (indices.len() / self.pair.host().page_size().max(1) as usize).max(1);
+        self.page_pass(indices, Some((&meta, seed)), PageCheck::Intact, |bytes, k, out| {
+            for (i, &(c, off, len)) in meta[k * per..(k + 1) * per].iter().enumerate() {
+                let from = bytes.get(c, off, len)?;
+                let at = (k * per + i) * stride;
+                let to = &mut staging[at..at + len as usize];
+                to.copy_from_slice(from);
+                out.push(integrity::checksum(to, &keys));
+            }
+            Ok(())
+        })
+    }
+
+    /// [`HostPool::landed_checksums`] for objects an L3 store read into `staging` (object `j` at
+    /// byte `j · stride`): the objects with `write[j]` are copied into the pool in the pass that
+    /// checksums them (their bytes are read once, from the staging buffer), then the pages are
+    /// settled as there. Returns each object's checksum (0 for those not written).
+    #[allow(clippy::too_many_arguments)]
+    pub fn land_staged(
+        &self,
+        indices: &[i64],
+        seed: u64,
+        staging: &[u8],
+        stride: usize,
+        expected: &[u64],
+        eligible: &[bool],
+        write: &[bool],
+    ) -> Result<Vec<u64>> {
+        let meta = self.get_page_buffer_meta(indices)?;
+        check_staging(&meta, staging.len(), stride)?;
+        if write.len() != meta.len() {
+            return Err(TransferError::BufferSize {
+                what: "objects to write".into(),
+                expected: meta.len() as u64,
+                actual: write.len() as u64,
+            });
+        }
+        let keys = integrity::shared_keys(seed, integrity::words(meta.iter().map(|m| m.2).max().unwrap_or(0) as usize))?;
+        let per = meta.len() / (indices.len() / self.pair.host().page_size().max(1) as usize).max(1);
+        let check = PageCheck::landed(expected, eligible, meta.len())?;
+        let (sums, _) = self.page_pass(indices, Some((&meta, seed)), check, |bytes, k, out| {
+            for (i, &(c, off, len)) in meta[k * per..(k + 1) * per].iter().enumerate() {
+                let j = k * per + i;
+                if !write[j] {
+                    out.push(0);
+                    continue;
+                }
+                let from = &staging[j * stride..j * stride + len as usize];
+                out.push(integrity::checksum(from, &keys));
+                bytes.put(c, off, from)?;
+            }
+            Ok(())
+        })?;
+        Ok(sums)
+    }
+
     /// [`HostPool::share_checksums`] and [`HostPool::pages_intact`] of the same pages in one read
     /// of their bytes. Returns (per page and share, per page).
     pub fn put_share_checksums(&self, indices: &[i64], shares: &[crate::geometry::PageShare], seed: u64) -> Result<(Vec<u64>, Vec<bool>)> {
@@ -371,6 +435,23 @@ impl HostPool<'_> {
 
 /// `(buffer, offset, bytes)` of each object of a call's pages.
 type ObjectSpans<'a> = &'a [(usize, u64, u64)];
+
+/// A staging buffer of `staging` bytes holds the objects `meta` at `j · stride`.
+fn check_staging(meta: ObjectSpans<'_>, staging: usize, stride: usize) -> Result<()> {
+    let longest = meta.iter().map(|m| m.2).max().unwrap_or(0);
+    if longest > stride as u64 {
+        return Err(TransferError::BufferSize {
+            what: "staging stride (an object's bytes)".into(),
+            expected: longest,
+            actual: stride as u64,
+        });
+    }
+    let need = (meta.len() as u64).saturating_mul(stride as u64);
+    if need > staging as u64 {
+        return Err(TransferError::BufferSize { what: "staging buffer".into(), expected: need, actual: staging as u64 });
+    }
+    Ok(())
+}
 
 /// What [`HostPool::page_pass`] does with a page's items.
 #[derive(Clone, Copy)]

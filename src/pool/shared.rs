@@ -251,6 +251,26 @@ impl SharedHostPool {
         let _held = self.pages(indices, true);
         self.pool.landed_checksums(indices, seed, expected, eligible)
     }
+    /// [`HostPool::stage_put`] (the pages held for reading).
+    pub fn stage_put(&self, indices: &[i64], seed: u64, staging: &mut [u8], stride: usize) -> Result<(Vec<u64>, Vec<bool>)> {
+        let _held = self.pages(indices, false);
+        self.pool.stage_put(indices, seed, staging, stride)
+    }
+    /// [`HostPool::land_staged`] (the pages held for writing).
+    #[allow(clippy::too_many_arguments)]
+    pub fn land_staged(
+        &self,
+        indices: &[i64],
+        seed: u64,
+        staging: &[u8],
+        stride: usize,
+        expected: &[u64],
+        eligible: &[bool],
+        write: &[bool],
+    ) -> Result<Vec<u64>> {
+        let _held = self.pages(indices, true);
+        self.pool.land_staged(indices, seed, staging, stride, expected, eligible, write)
+    }
     /// [`HostPool::put_share_checksums`].
     pub fn put_share_checksums(&self, indices: &[i64], shares: &[crate::geometry::PageShare], seed: u64) -> Result<(Vec<u64>, Vec<bool>)> {
         let _held = self.pages(indices, false);
