@@ -728,7 +728,9 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
     def _pages_ok(self, ok: List[bool], pages: int) -> List[bool]:
         """Per page: every one of its objects ``ok``."""
         c = self._layout.comps
-        return [all(ok[i * c : (i + 1) * c]) for i in range(pages)]
+        if c == 1:
+            return [bool(x) for x in ok[:pages]]
+        return np.asarray(ok[: pages * c], dtype=bool).reshape(pages, c).all(axis=1).tolist()
 
     def batch_set_v1(self, keys: List[str], host_indices: Any, extra_info: Any = None) -> List[bool]:
         """Writes page ``i`` (host slots ``host_indices[i * P : (i + 1) * P]``) under ``keys[i]``;
@@ -737,6 +739,11 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
 
     def _set_batch(self, keys: List[str], idx: Any) -> List[bool]:
         lay = self._layout
+        if self._sealed is not None and self.integrity:
+            # Through the staging buffer: no object addresses in the pool needed (the staging
+            # pass waits for the pool's transfers itself).
+            obj_keys = self._object_keys(keys)
+            return self._guarded_set(keys, obj_keys, lambda ok: self._put_sealed(keys, idx, obj_keys, list(range(len(obj_keys))), lay.obj_bytes, ok))
         obj_keys, ptrs, size = self._page_lists(keys, idx)
 
         def put(ok: List[bool]) -> None:
@@ -753,8 +760,6 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
                 for j, e in enumerate(exist):
                     ok[j] = e == 1
                 self._stage_out(sorted({j // lay.comps for j in todo}), idx)
-            if todo and self._sealed is not None and self.integrity:
-                return self._put_sealed(keys, idx, obj_keys, todo, size, ok)
             sums = None
             if todo and self.integrity and getattr(self.mem_pool_host, "integrity", False):
                 if self._trailers is not None and lay.zero_copy and hasattr(self.mem_pool_host, "put_checksums"):
@@ -783,7 +788,7 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
         base = S.ctypes.data
         sums, intact = self.mem_pool_host._stage_put(idx, base, S.nbytes, stride)
         sums = np.asarray(sums, dtype="<u8")
-        if getattr(self.mem_pool_host, "integrity", False):
+        if getattr(self.mem_pool_host, "integrity", False) and not all(intact):
             todo = self._drop_damaged(keys, idx, todo, self._layout.comps, intact)
         rcs: Sequence[int] = []
         if todo:

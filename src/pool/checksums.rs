@@ -125,9 +125,10 @@ impl HostPool<'_> {
             for (i, &(c, off, len)) in meta[k * per..(k + 1) * per].iter().enumerate() {
                 let from = bytes.get(c, off, len)?;
                 let at = (k * per + i) * stride;
-                let to = &mut staging[at..at + len as usize];
-                to.copy_from_slice(from);
-                out.push(integrity::checksum(to, &keys));
+                let to = &mut staging[at..at + from.len()];
+                // SAFETY: two slices of the same length in different allocations (the pool's
+                // memory, the caller's staging buffer).
+                out.push(unsafe { integrity::copy_and_sum(from.as_ptr(), to.as_mut_ptr(), to.len(), 0, &keys, false) });
             }
             Ok(())
         })
@@ -168,8 +169,13 @@ impl HostPool<'_> {
                     continue;
                 }
                 let from = &staging[j * stride..j * stride + len as usize];
-                out.push(integrity::checksum(from, &keys));
-                bytes.put(c, off, from)?;
+                // Copied and checksummed in one pass over the staging bytes.
+                // SAFETY: two slices of the same length in different allocations (the staging
+                // buffer, the pool's memory).
+                let sum = bytes.put_with(c, off, len, |to| unsafe {
+                    integrity::copy_and_sum(from.as_ptr(), to.as_mut_ptr(), to.len(), 0, &keys, false)
+                })?;
+                out.push(sum);
             }
             Ok(())
         })?;

@@ -218,24 +218,19 @@ impl HostBytes<'_> {
         Ok(unsafe { std::slice::from_raw_parts((base + off) as *const u8, len as usize) })
     }
 
-    /// Writes `data` at byte `off` of component `comp`, in place (pools in this process's memory
-    /// only: an L3 store's staging path, which the zero-copy layouts are).
-    pub(super) fn put(&mut self, comp: usize, off: u64, data: &[u8]) -> Result<()> {
+    /// `fill(span)` on the `len` bytes of component `comp` at byte `off`, in place (pools in this
+    /// process's memory only: an L3 store's staging path, which the zero-copy layouts are).
+    pub(super) fn put_with<R>(&mut self, comp: usize, off: u64, len: u64, fill: impl FnOnce(&mut [u8]) -> R) -> Result<R> {
         let Some(&Some((base, size))) = self.spans.get(comp) else {
             return Err(TransferError::InvalidConfig(format!("component {comp} of this host pool is not in this process's memory")));
         };
-        if off.checked_add(data.len() as u64).is_none_or(|end| end > size) {
-            return Err(TransferError::BufferSize {
-                what: "page span".into(),
-                expected: off.saturating_add(data.len() as u64),
-                actual: size,
-            });
+        if off.checked_add(len).is_none_or(|end| end > size) {
+            return Err(TransferError::BufferSize { what: "page span".into(), expected: off.saturating_add(len), actual: size });
         }
         // SAFETY: inside component `comp`'s buffer (checked above), which lives as long as the
         // pool; no transfer of the pool runs (the queue was drained, the pages are the caller's),
-        // and `data` is a different allocation (the caller's staging buffer).
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), (base + off) as *mut u8, data.len()) };
-        Ok(())
+        // and nothing else in this process holds a reference into it meanwhile.
+        Ok(fill(unsafe { std::slice::from_raw_parts_mut((base + off) as *mut u8, len as usize) }))
     }
 }
 
