@@ -101,9 +101,7 @@ impl HostPool<'_> {
     /// one object's bytes (a DSA indexer page of one layer; keys seeded by the storage seed) is
     /// summed once for both. Returns (per object, per page).
     pub fn put_checksums(&self, indices: &[i64], seed: u64) -> Result<(Vec<u64>, Vec<bool>)> {
-        let meta = self.get_page_buffer_meta(indices)?;
-        let keys = integrity::shared_keys(seed, integrity::words(meta.iter().map(|m| m.2).max().unwrap_or(0) as usize))?;
-        let per = meta.len() / (indices.len() / self.pair.host().page_size().max(1) as usize).max(1);
+        let (meta, keys, per) = self.object_spans(indices, seed)?;
         self.page_pass(indices, Some((&meta, seed)), PageCheck::Intact, |bytes, k, out| {
             for &(c, off, len) in &meta[k * per..(k + 1) * per] {
                 out.push(integrity::checksum(bytes.get(c, off, len)?, &keys));
@@ -117,10 +115,8 @@ impl HostPool<'_> {
     /// read: an L3 store puts each object and the trailer it writes after it as one span. Refused
     /// before any byte moves when an object is longer than `stride` or `staging` is too short.
     pub fn stage_put(&self, indices: &[i64], seed: u64, staging: &mut [u8], stride: usize) -> Result<(Vec<u64>, Vec<bool>)> {
-        let meta = self.get_page_buffer_meta(indices)?;
+        let (meta, keys, per) = self.object_spans(indices, seed)?;
         check_staging(&meta, staging.len(), stride)?;
-        let keys = integrity::shared_keys(seed, integrity::words(meta.iter().map(|m| m.2).max().unwrap_or(0) as usize))?;
-        let per = meta.len() / (indices.len() / self.pair.host().page_size().max(1) as usize).max(1);
         self.page_pass(indices, Some((&meta, seed)), PageCheck::Intact, |bytes, k, out| {
             for (i, &(c, off, len)) in meta[k * per..(k + 1) * per].iter().enumerate() {
                 let from = bytes.get(c, off, len)?;
@@ -149,7 +145,7 @@ impl HostPool<'_> {
         eligible: &[bool],
         write: &[bool],
     ) -> Result<Vec<u64>> {
-        let meta = self.get_page_buffer_meta(indices)?;
+        let (meta, keys, per) = self.object_spans(indices, seed)?;
         check_staging(&meta, staging.len(), stride)?;
         if write.len() != meta.len() {
             return Err(TransferError::BufferSize {
@@ -158,8 +154,6 @@ impl HostPool<'_> {
                 actual: write.len() as u64,
             });
         }
-        let keys = integrity::shared_keys(seed, integrity::words(meta.iter().map(|m| m.2).max().unwrap_or(0) as usize))?;
-        let per = meta.len() / (indices.len() / self.pair.host().page_size().max(1) as usize).max(1);
         let check = PageCheck::landed(expected, eligible, meta.len())?;
         let (sums, _) = self.page_pass(indices, Some((&meta, seed)), check, |bytes, k, out| {
             for (i, &(c, off, len)) in meta[k * per..(k + 1) * per].iter().enumerate() {
@@ -196,9 +190,7 @@ impl HostPool<'_> {
     /// trusted and its items' checksums are recorded; every other page's are forgotten (its loads
     /// read as unverified, never as corrupt). `expected` and `eligible`: one per object.
     pub fn landed_checksums(&self, indices: &[i64], seed: u64, expected: &[u64], eligible: &[bool]) -> Result<Vec<u64>> {
-        let meta = self.get_page_buffer_meta(indices)?;
-        let keys = integrity::shared_keys(seed, integrity::words(meta.iter().map(|m| m.2).max().unwrap_or(0) as usize))?;
-        let per = meta.len() / (indices.len() / self.pair.host().page_size().max(1) as usize).max(1);
+        let (meta, keys, per) = self.object_spans(indices, seed)?;
         let check = PageCheck::landed(expected, eligible, meta.len())?;
         let (sums, _) = self.page_pass(indices, Some((&meta, seed)), check, |bytes, k, out| {
             for &(c, off, len) in &meta[k * per..(k + 1) * per] {
@@ -441,6 +433,19 @@ impl HostPool<'_> {
 
 /// `(buffer, offset, bytes)` of each object of a call's pages.
 type ObjectSpans<'a> = &'a [(usize, u64, u64)];
+
+/// The objects of a call's pages ([`HostPool::get_page_buffer_meta`]), the key stream of
+/// `seed` covering the longest, and how many objects a page has.
+type Objects = (Vec<(usize, u64, u64)>, std::sync::Arc<integrity::Keys>, usize);
+
+impl HostPool<'_> {
+    fn object_spans(&self, indices: &[i64], seed: u64) -> Result<Objects> {
+        let meta = self.get_page_buffer_meta(indices)?;
+        let keys = integrity::shared_keys(seed, integrity::words(meta.iter().map(|m| m.2).max().unwrap_or(0) as usize))?;
+        let per = meta.len() / (indices.len() / self.pair.host().page_size().max(1) as usize).max(1);
+        Ok((meta, keys, per))
+    }
+}
 
 /// A staging buffer of `staging` bytes holds the objects `meta` at `j · stride`.
 fn check_staging(meta: ObjectSpans<'_>, staging: usize, stride: usize) -> Result<()> {
