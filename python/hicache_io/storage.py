@@ -70,7 +70,12 @@ targets, which the caller does not use for a failed page); no other slot is touc
 
 The store keeps the registered pool alive until :meth:`MooncakeStore.unregister_mem_pool_host` or
 :meth:`MooncakeStore.close`, which wait for a page call in progress (one lock), so the pool's memory
-cannot be freed while Mooncake may still write to it. Calls must not overlap transfers of the same
+cannot be freed while Mooncake may still write to it. Memory it registered with Mooncake (the pool,
+its staging and trailer buffers) is released only when the Mooncake client has closed: unregistering
+a buffer does not wait for Mooncake's transfers, and a batch call that fails or times out can return
+while its other transfers still write into their buffers; freed and mapped again (as a thread's
+stack, say), that memory would take those late bytes. A store dropped without :meth:`close`
+closes its client before its buffers go. Calls must not overlap transfers of the same
 pool (sglang's controller orders them); each waits for the pool's queued transfers first. Bad
 arguments (host indices outside the pool or not on page starts, a count that is not ``P`` per key)
 fail every page of the call before anything moves, with ``last_error`` set, rather than raise into
@@ -488,6 +493,9 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
         self._trailers: Optional[np.ndarray] = None
         self.stats = {"verified": 0, "unverified": 0, "corrupt": 0, "damaged_puts": 0, "foreign": 0, "incompatible": 0}
         self.mem_pool_host: Any = None
+        # What owned memory registered with the client (pools, staging and trailer buffers) after
+        # it was unregistered: kept until the client has closed (see the module docstring).
+        self._retired: List[Any] = []
         self._v2_init()
         self._registered: List[int] = []
         self._staging: Optional[np.ndarray] = None
@@ -620,6 +628,8 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
             self._v2_unregister()
             for addr in self._registered:
                 self.store.unregister_buffer(addr)
+            if self._registered:
+                self._retired += [self.mem_pool_host, self._layout, self._grid, self._staging, self._sealed, self._trailers]
             self._registered, self._staging, self.mem_pool_host = [], None, None
             self._sealed, self._seal_t, self._seal_stride = None, None, 0
             self._layout, self._descriptor, self._trailers, self._grid = None, None, None, None
@@ -1132,3 +1142,13 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
             self.unregister_mem_pool_host()
             self.store.close()
             self.store = None
+            self._retired.clear()
+
+    def __del__(self) -> None:
+        # The client closes (its transfer threads stop) before the buffers it may still write to
+        # are freed with this object's attributes.
+        if getattr(self, "store", None) is not None and hasattr(self, "_retired"):
+            try:
+                self.close()
+            except Exception:  # noqa: BLE001 - nothing to report to in a finalizer
+                pass

@@ -158,6 +158,7 @@ class PoolsV2:
             if trailers is not self._v2_trailers and self._v2_trailers is not None:
                 self.store.unregister_buffer(self._v2_trailers.ctypes.data)
                 self._v2_regions.remove(self._v2_trailers.ctypes.data)
+                self._retired.append(self._v2_trailers)
             self._v2_trailers = trailers
             self._v2_regions += done
             record = json.dumps(side.namespace(self.storage_config, self._extra), sort_keys=True).encode()
@@ -175,6 +176,8 @@ class PoolsV2:
     def _v2_unregister(self) -> None:
         for addr in self._v2_regions:
             self.store.unregister_buffer(addr)
+        if self._v2_regions:
+            self._retired += [self._v2_trailers, *self._sidecars.values()]
         self._v2_init()
 
     def _side(self, name: str) -> _SidecarPool:

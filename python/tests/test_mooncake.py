@@ -324,6 +324,51 @@ def test_pools_cannot_vanish_while_registered(store):
         store.batch_get_v1([key], tokens([3]))
 
 
+class _ClosingClient:
+    """A Mooncake client that records how often ``watched`` is referenced when it closes."""
+
+    def __init__(self, inner, watched):
+        self.inner, self.watched, self.refs_at_close = inner, watched, None
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def close(self):
+        self.refs_at_close = sys.getrefcount(self.watched)
+        return self.inner.close()
+
+
+def test_registered_memory_is_released_only_after_the_client_closes(master):
+    """Mooncake's unregister_buffer does not wait for its transfers, and a failed batch call can
+    return while others still write: a pool (and the store's staging buffers) stays referenced
+    after it is unregistered, until the client has closed; a store dropped without close()
+    closes its client first, then lets the pool go."""
+    _, dev, host = build("cpu", "mha", "page_first_direct", 1, 256, 3, None, 0)  # own names: checksummed, staged
+    host.backup_from_device_all_layer(dev, tokens([0]), tokens([1]), "direct")
+    base = sys.getrefcount(host)
+    for dropped in (False, True):
+        s = make_store(master)
+        s.store = client = _ClosingClient(s.store, host)
+        s.register_mem_pool_host(host)
+        sealed = s._sealed
+        assert sealed is not None and sys.getrefcount(sealed) > 2
+        key = uuid.uuid4().hex
+        assert s.batch_set_v1([key], tokens([0])) == [True]
+        s.unregister_mem_pool_host()
+        assert s.mem_pool_host is None
+        assert sys.getrefcount(host) > base + 1, "an unregistered pool must outlive the client"  # +1: the recording client's
+        assert sys.getrefcount(sealed) > 2, "an unregistered staging buffer must outlive the client"
+        if dropped:
+            del s
+            gc.collect()
+        else:
+            s.close()
+        assert client.refs_at_close is not None and client.refs_at_close > base + 1, "the client closed after the pool was let go"
+        client.watched = None
+        assert sys.getrefcount(host) == base and sys.getrefcount(sealed) == 2
+        del client, sealed
+
+
 def test_layer_first_is_refused_with_sglangs_message(store):
     _, _, host = build("cpu", "mha", "layer_first", 1, 256, 3, None, 0)
     with pytest.raises(ValueError, match="Mooncake layer_first multi-buffer is only supported for MLA host KV pool"):
