@@ -69,11 +69,11 @@ mod tests {
         // before it, whichever value repeats first.
         let hi = [0, 1, 2, 3, 4, -1, 6];
         let di = [5, 7, 8, 7, 5, 8, 7];
-        match checks::check_unique("device", &di, &hi, &di, 16, "slots") {
+        match checks::check_unique("device", &di, &hi, &di, 16, "slots", false) {
             Err(TransferError::DuplicateDestination { index: 7, first: 1, second: 3, .. }) => {}
             other => panic!("{other:?}"),
         }
-        assert!(checks::check_unique("device", &[5, 7, 8], &[0, 1, -1], &[5, 7, 8], 16, "slots").is_ok());
+        assert!(checks::check_unique("device", &[5, 7, 8], &[0, 1, -1], &[5, 7, 8], 16, "slots", false).is_ok());
     }
 
     #[test]
@@ -226,7 +226,7 @@ mod tests {
     fn ranges_at_the_integer_limits() {
         use checks::check_range;
         let out = |idx: &[i64], bound: u64| match check_range("host", idx, bound, "slots") {
-            Ok(()) => None,
+            Ok(_) => None,
             Err(TransferError::IndexOutOfRange { position, .. }) => Some(position),
             Err(e) => panic!("{e:?}"),
         };
@@ -247,6 +247,13 @@ mod tests {
         assert_eq!(out(&v, 40), Some(21));
         assert_eq!(out(&v, 41), Some(30));
         assert_eq!(out(&v, 51), None);
+        // In range, it says whether no pair is skipped (the uniqueness pass then reads one list).
+        for bound in [51, 1 << 63, u64::MAX] {
+            assert!(check_range("host", &v, bound, "slots").unwrap(), "{bound}");
+            v[33] = -1;
+            assert!(!check_range("host", &v, bound, "slots").unwrap(), "{bound}");
+            v[33] = 33;
+        }
     }
 
     #[test]
@@ -254,11 +261,14 @@ mod tests {
         let (hi, di) = ([0i64, 1, 2, 3], [5i64, 9, 5, 7]);
         // 10 slots: a byte map; 2^18: a bitmap; 2^50: a sort.
         for bound in [10, 1 << 18, 1 << 50] {
-            let e = check_unique("device", &di, &hi, &di, bound, "slots").unwrap_err();
-            assert!(matches!(e, TransferError::DuplicateDestination { first: 0, second: 2, .. }), "{bound}: {e:?}");
+            for all_live in [false, true] {
+                let e = check_unique("device", &di, &hi, &di, bound, "slots", all_live).unwrap_err();
+                assert!(matches!(e, TransferError::DuplicateDestination { first: 0, second: 2, .. }), "{bound}: {e:?}");
+            }
+            assert_eq!(check_unique("device", &[5, 9, 7, 0], &hi, &[5, 9, 7, 0], bound, "slots", true).unwrap(), 4, "{bound}");
             // Live pairs are counted on the way; a skipped pair frees its destination.
             let hi2 = [0i64, 1, -1, 3];
-            assert_eq!(check_unique("device", &di, &hi2, &di, bound, "slots").unwrap(), 3, "{bound}");
+            assert_eq!(check_unique("device", &di, &hi2, &di, bound, "slots", false).unwrap(), 3, "{bound}");
         }
     }
 }
