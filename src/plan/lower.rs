@@ -103,6 +103,7 @@ pub(super) fn lower_direct(
     layer_groups: &[Vec<(u64, u32)>],
     hi: &[i64],
     di: &[i64],
+    live: u64,
 ) -> (Vec<Step>, u64) {
     let group = host.index_page_size();
     let comps = host.kind().components() as u8;
@@ -140,6 +141,8 @@ pub(super) fn lower_direct(
         let pages = hi.iter().step_by(g).zip(di.iter().step_by(g)).take(hi.len() / g);
         let live = pages.filter(|(h, d)| **h >= 0 && **d >= 0).map(|(h, d)| (*h as u64, *d as u64, group));
         build_spans(live, hi.len() / g, merge_by, item_bytes, host_to_device)
+    } else if let Some(spans) = (live == hi.len() as u64).then(|| unit_spans(Merge::new(merge_by, item_bytes), hi, di)).flatten() {
+        (spans, live)
     } else {
         let live = hi.iter().zip(di).filter(|(h, d)| **h >= 0 && **d >= 0).map(|(h, d)| (*h as u64, *d as u64, 1));
         build_spans(live, hi.len(), merge_by, item_bytes, host_to_device)
@@ -161,6 +164,33 @@ pub(super) fn lower_direct(
         })
         .collect();
     (steps, bytes)
+}
+
+/// The spans of an all-live list where every pair is a span of its own: no pair continues the
+/// one before it in both units (scattered lists), or continuing ones never merge; `None`
+/// otherwise. One pass with no run to carry: writes a span per pair and counts the pairs that
+/// continue their predecessor (the run-carrying loop took twice as long a pair).
+fn unit_spans(merge: Merge, hi: &[i64], di: &[i64]) -> Option<Vec<Span>> {
+    let joins_at = |k: usize| hi[k] == hi[k - 1].wrapping_add(1) && di[k] == di[k - 1].wrapping_add(1);
+    let count = match merge {
+        Merge::Never => false,
+        // Lists with runs mostly show one early: they go to the run-carrying pass at once.
+        Merge::Always if (1..hi.len().min(di.len()).min(16)).any(joins_at) => return None,
+        Merge::Always => true,
+        Merge::Check(_) => return None,
+    };
+    // Units are non-negative: `i64::MIN + 1` continues none.
+    let (mut ph, mut pd, mut joins) = (i64::MIN, i64::MIN, 0u64);
+    let spans: Vec<Span> = hi
+        .iter()
+        .zip(di)
+        .map(|(&h, &d)| {
+            joins += (((h.wrapping_sub(ph) ^ 1) | (d.wrapping_sub(pd) ^ 1)) == 0) as u64;
+            (ph, pd) = (h, d);
+            Span { host_unit: h as u64, device_unit: d as u64, items: 1 }
+        })
+        .collect();
+    (!count || joins == 0).then_some(spans)
 }
 
 /// The spans of a `direct` step, built in one pass: each page or live pair `(host unit, device

@@ -271,4 +271,42 @@ mod tests {
             assert_eq!(check_unique("device", &di, &hi2, &di, bound, "slots", false).unwrap(), 3, "{bound}");
         }
     }
+
+    #[test]
+    fn direct_spans_are_the_coalesced_runs_with_or_without_a_run_to_carry() {
+        // layer_first pages lie end to end (runs merge): scattered all-live lists take the pass
+        // that writes a span a pair; a join early or late, or a skipped pair, take the
+        // run-carrying pass. Every one must give transfer_kv_direct's coalesced runs.
+        let dc =
+            crate::pool::DevicePoolConfig { kind: PoolKind::Mha, bytes_per_token: 16, slots: 4096, page_size: 1, layers: LayerMap::new(2) };
+        let pair = Arc::new(PoolPair::new(dc.geometry().unwrap(), Layout::LayerFirst, 4096, 1).unwrap());
+        let n = 200i64;
+        let scattered =
+            || -> (Vec<i64>, Vec<i64>) { ((0..n).map(|i| (i * 37 + 11) % 4096).collect(), (0..n).map(|i| (i * 53 + 7) % 4096).collect()) };
+        let mut cases = vec![scattered()];
+        for at in [3usize, 100, 199] {
+            let (mut hi, mut di) = scattered();
+            (hi[at], di[at]) = (hi[at - 1] + 1, di[at - 1] + 1);
+            cases.push((hi, di));
+        }
+        let (mut hi, di) = scattered();
+        hi[50] = -1;
+        cases.push((hi, di));
+        for (k, (hi, di)) in cases.iter().enumerate() {
+            let req = Request {
+                op: Op::Load { layer_id: 1, is_draft: false },
+                io_backend: IoBackend::Direct,
+                host_indices: hi,
+                device_indices: di,
+            };
+            let plan = plan(Profile::Extended, &Capabilities::UNLIMITED, 1, &pair, &req).unwrap();
+            let want: Vec<(u64, u64, u64)> = lower::coalesce(hi, di);
+            assert_eq!(want.len(), if k == 0 || k == 4 { hi.iter().filter(|&&h| h >= 0).count() } else { n as usize - 1 }, "case {k}");
+            for step in plan.steps() {
+                let StepKind::Copy(c) = step.kind() else { panic!("a direct plan has copy steps") };
+                let got: Vec<(u64, u64, u64)> = c.spans().iter().map(|s| (s.host_unit, s.device_unit, s.items)).collect();
+                assert_eq!(got, want, "case {k}");
+            }
+        }
+    }
 }

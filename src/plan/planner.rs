@@ -163,7 +163,7 @@ pub(super) fn plan_io(profile: Profile, caps: &Capabilities, owner: u64, pair: &
     let host_units: Arc<[i64]> = Arc::from(&hi[..]);
     let (steps, bytes) = match req.io_backend {
         IoBackend::Kernel => lower_gather(host, dev, caps, direction, &layer_groups, host_units.clone(), Arc::from(&di[..]), live),
-        _ => lower_direct(host, dev, direction, &layer_groups, &hi, &di),
+        _ => lower_direct(host, dev, direction, &layer_groups, &hi, &di, live),
     };
     Ok(Plan { owner, pair: pair.clone(), profile, direction, path, io, steps: steps.into(), bytes, device_check: None, host_units })
 }
