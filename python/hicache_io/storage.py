@@ -494,7 +494,9 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
         self.stats = {"verified": 0, "unverified": 0, "corrupt": 0, "damaged_puts": 0, "foreign": 0, "incompatible": 0}
         self.mem_pool_host: Any = None
         # What owned memory registered with the client (pools, staging and trailer buffers) after
-        # it was unregistered: kept until the client has closed (see the module docstring).
+        # it was unregistered: kept until the client has closed (see the module docstring). It
+        # grows with each re-registration until close(), by design: a pool re-registered is rare,
+        # and a buffer Mooncake may still write must not be freed.
         self._retired: List[Any] = []
         self._v2_init()
         self._registered: List[int] = []
@@ -1146,7 +1148,8 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
 
     def __del__(self) -> None:
         # The client closes (its transfer threads stop) before the buffers it may still write to
-        # are freed with this object's attributes.
+        # are freed with this object's attributes. A client passed in as ``store=`` is closed
+        # too (its buffers are ours): a finalizer may then wait on Mooncake's own timeouts.
         if getattr(self, "store", None) is not None and hasattr(self, "_retired"):
             try:
                 self.close()
