@@ -190,7 +190,7 @@ fn tabled_portable(words: &[u8], keys: &[u32]) -> u64 {
 /// Whether this processor has AVX2 (probed once).
 #[cfg(target_arch = "x86_64")]
 #[inline]
-fn has_avx2() -> bool {
+pub(crate) fn has_avx2() -> bool {
     use std::sync::atomic::{AtomicU8, Ordering};
     static AVX2: AtomicU8 = AtomicU8::new(0);
     match AVX2.load(Ordering::Relaxed) {

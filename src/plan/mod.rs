@@ -257,6 +257,38 @@ mod tests {
     }
 
     #[test]
+    fn the_one_pass_check_accepts_exactly_the_calls_the_full_checks_accept() {
+        // The oracle: both lists in range and non-negative, destinations distinct.
+        let full = |src: &[i64], sb: u64, dst: &[i64], db: u64| {
+            let inside = |l: &[i64], b: u64| l.iter().all(|&x| x >= 0 && (x as u64) < b);
+            let distinct = dst.iter().collect::<std::collections::HashSet<_>>().len() == dst.len();
+            (inside(src, sb) && inside(dst, db) && distinct).then_some(dst.len() as u64)
+        };
+        let mut rng = crate::rng::Rng::new(11);
+        let bad = [-1, i64::MIN, i64::MAX, 40, 41, 1 << 32];
+        for case in 0..4000 {
+            let n = 1 + rng.below(70) as usize;
+            let (sb, db) = (40 + rng.below(3), 40 + rng.below(3));
+            let mut src: Vec<i64> = (0..n).map(|_| rng.below(sb) as i64).collect();
+            let mut dst: Vec<i64> = (0..n as i64).map(|i| (i * 7 + case) % db as i64).collect();
+            dst.truncate(db as usize);
+            src.truncate(dst.len());
+            // Up to two faults anywhere (past a vector's width too): a bad entry or a repeat.
+            for _ in 0..rng.below(3) {
+                let (list, at) = (rng.below(3), rng.below(dst.len() as u64) as usize);
+                match list {
+                    0 => src[at] = bad[rng.below(bad.len() as u64) as usize],
+                    1 => dst[at] = bad[rng.below(bad.len() as u64) as usize],
+                    _ => dst[at] = dst[rng.below(dst.len() as u64) as usize],
+                }
+            }
+            assert_eq!(distinct_in_range(&src, sb, &dst, db), full(&src, sb, &dst, db), "{src:?} < {sb}, {dst:?} < {db}");
+        }
+        // Pools too large for a byte map go the full way.
+        assert_eq!(distinct_in_range(&[0, 1], 4, &[0, 1], 1 << 40), None);
+    }
+
+    #[test]
     fn duplicates_are_found_with_a_byte_map_a_bitmap_and_a_sort() {
         let (hi, di) = ([0i64, 1, 2, 3], [5i64, 9, 5, 7]);
         // 10 slots: a byte map; 2^18: a bitmap; 2^50: a sort.
