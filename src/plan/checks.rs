@@ -172,25 +172,54 @@ pub(super) fn check_range(side: &'static str, idx: &[i64], bound: u64, unit: &'s
 
 /// `Some(live pairs)` when every entry of both lists is in range and none is negative, and the
 /// destinations are distinct; `None` for any other call, and where the pool is too large for a
-/// byte map (the full checks then run). The destination list's range check is the byte map's own
-/// bounds check (a negative entry is out as a `usize`), which saves a pass over it.
+/// byte map or a bitmap (the full checks then run). The destination list's range check is made
+/// in the map's own pass, which saves a pass over it.
 pub(super) fn distinct_in_range(src: &[i64], src_bound: u64, dst: &[i64], dst_bound: u64) -> Option<u64> {
     let b = i64::try_from(src_bound).ok()?;
     let (inside, any) = range_fold(src, b);
-    let small = dst_bound <= BYTE_MAP_SLOTS.max((dst.len() as u64).saturating_mul(8));
-    if inside >= 0 || any < 0 || !small {
+    if inside >= 0 || any < 0 {
         return None;
     }
-    let slots = usize::try_from(dst_bound).ok()?;
-    let mut seen = byte_map(slots)?;
+    let n = dst.len() as u64;
+    if dst_bound <= BYTE_MAP_SLOTS.max(n.saturating_mul(8)) {
+        let mut seen = byte_map(usize::try_from(dst_bound).ok()?)?;
+        for &d in dst {
+            // An entry out of range (or negative: out as a `usize`) sets no byte, and a repeat
+            // sets none anew: the list passes when as many bytes are set as it has entries.
+            if let Some(s) = seen.get_mut(d as usize) {
+                *s = 1;
+            }
+        }
+        return (count_set(&seen) == n).then_some(n);
+    }
+    let mut seen = bitmap(dst_bound, dst.len())?;
+    let (mut again, mut out) = (0u64, false);
     for &d in dst {
-        // An entry out of range (or negative) sets no byte, and a repeat sets none anew: the
-        // list passes when as many bytes are set as it has entries.
-        if let Some(s) = seen.get_mut(d as usize) {
-            *s = 1;
+        // Negative entries are out as a `u64`; so are those past the bound in its last word.
+        if (d as u64) < dst_bound {
+            let (w, bit) = ((d as u64 >> 6) as usize, 1u64 << (d as u64 & 63));
+            let old = seen[w];
+            again |= old & bit;
+            seen[w] = old | bit;
+        } else {
+            out = true;
         }
     }
-    (count_set(&seen) == dst.len() as u64).then_some(dst.len() as u64)
+    (again == 0 && !out).then_some(n)
+}
+
+/// A zeroed bit a slot for `list` entries, reserved fallibly; `None` where the pool is so much
+/// larger than the list that sorting the list costs less (a pool of 2^40 slots would need
+/// 128 GiB of bitmap), or the memory is short.
+fn bitmap(bound: u64, list: usize) -> Option<Vec<u64>> {
+    let words = usize::try_from(bound.div_ceil(64)).ok()?;
+    if words / 8 > list + 1024 {
+        return None;
+    }
+    let mut seen: Vec<u64> = Vec::new();
+    seen.try_reserve_exact(words).ok()?;
+    seen.resize(words, 0);
+    Some(seen)
 }
 
 /// A zeroed byte a slot, reserved fallibly (`vec![0; n]` aborts when memory is short).
@@ -244,13 +273,9 @@ pub(super) fn check_unique(
             return check_unique_sorted(side, dst, hi, di, unit);
         }
     }
-    let words = usize::try_from(bound.div_ceil(64)).unwrap_or(usize::MAX);
-    let mut seen: Vec<u64> = Vec::new();
-    // A pool of 2^40 slots would need 128 GiB of bitmap; sort instead when the list is smaller.
-    if seen.try_reserve_exact(words).is_err() || words / 8 > dst.len() + 1024 {
+    let Some(mut seen) = bitmap(bound, dst.len()) else {
         return check_unique_sorted(side, dst, hi, di, unit);
-    }
-    seen.resize(words, 0);
+    };
     // One pass, one branch a pair: which entry repeats is looked for only when one does.
     let (mut again, mut live) = (0u64, 0u64);
     for ((&d, &h), &x) in dst.iter().zip(hi).zip(di) {

@@ -265,10 +265,14 @@ mod tests {
             (inside(src, sb) && inside(dst, db) && distinct).then_some(dst.len() as u64)
         };
         let mut rng = crate::rng::Rng::new(11);
-        let bad = [-1, i64::MIN, i64::MAX, 40, 41, 1 << 32];
-        for case in 0..4000 {
+        for case in 0..6000 {
+            // Pools of about 40 slots take a byte map; of about 2^18, a bitmap.
+            let big = case % 2 == 1;
+            let scale = if big { 1 << 18 } else { 40 };
             let n = 1 + rng.below(70) as usize;
-            let (sb, db) = (40 + rng.below(3), 40 + rng.below(3));
+            let (sb, db) = (scale + rng.below(3), scale + rng.below(3));
+            // Past the bound, also inside the bitmap's last word.
+            let bad = [-1, i64::MIN, i64::MAX, db as i64, db as i64 + 1, (db | 63) as i64, 1 << 32];
             let mut src: Vec<i64> = (0..n).map(|_| rng.below(sb) as i64).collect();
             let mut dst: Vec<i64> = (0..n as i64).map(|i| (i * 7 + case) % db as i64).collect();
             dst.truncate(db as usize);
@@ -284,7 +288,7 @@ mod tests {
             }
             assert_eq!(distinct_in_range(&src, sb, &dst, db), full(&src, sb, &dst, db), "{src:?} < {sb}, {dst:?} < {db}");
         }
-        // Pools too large for a byte map go the full way.
+        // Pools too large for a bitmap go the full way.
         assert_eq!(distinct_in_range(&[0, 1], 4, &[0, 1], 1 << 40), None);
     }
 
