@@ -92,6 +92,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from .l3.batches import CallScope, exist_once, in_rounds, one_call
 from .storage_unified import KEY_SCHEMES, UnifiedKeys
 from .storage_v2 import PoolsV2
 
@@ -458,7 +459,9 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
         extra.update(kwargs or {})
         self.config = config if config is not None else MooncakeStoreConfig.load(extra)
         self.raise_errors = raise_errors
+        #: The last failure of the most recent call to finish (``None`` when it had none).
         self.last_error: Optional[StorageError] = None
+        self._calls = CallScope()
         sc = self.storage_config
         tp_rank, pp_rank, pp_size = getattr(sc, "tp_rank", 0), getattr(sc, "pp_rank", 0), getattr(sc, "pp_size", 1)
         self.mha_suffix = f"{tp_rank}_{pp_rank}" if pp_size > 1 else f"{tp_rank}"
@@ -510,9 +513,9 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
         if store is None:
             if not self.config.master_server_address:
                 raise ValueError("Mooncake Store needs master_server_address (extra_config, SGLANG_HICACHE_MOONCAKE_CONFIG_PATH or MOONCAKE_MASTER)")
-            from mooncake.store import MooncakeDistributedStore
+            from .l3.mooncake_client import store_module
 
-            store = MooncakeDistributedStore()
+            store = store_module().MooncakeDistributedStore()
             ranks = max(1, getattr(sc, "tp_size", 1) * pp_size)
             c = self.config
             rc = store.setup(c.local_hostname, c.metadata_server, c.global_segment_size // ranks, c.local_buffer_size, c.protocol, c.device_name, c.master_server_address)
@@ -680,6 +683,7 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
         return [f"{prefix}{key}{tail}" for key in keys for tail in tails]
 
     def _fail(self, err: StorageError) -> None:
+        self._calls.error = err
         self.last_error = err
         logger.debug("%s", err)
         if self.raise_errors:
@@ -732,10 +736,14 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
             if self._grid is not None and self._grid.missing:
                 self.stats["incompatible"] += len(keys)
                 return [False] * len(keys)
-            out: List[bool] = []
-            for ks, hi in self._batches(keys, idx):
-                out += per_batch(ks, hi)
-            return out
+
+            def run(ks: List[str], hi: Any) -> List[bool]:
+                out: List[bool] = []
+                for bks, bhi in self._batches(ks, hi):
+                    out += per_batch(bks, bhi)
+                return out
+
+            return in_rounds(keys, idx, self._layout.page, run)
 
     def _pages_ok(self, ok: List[bool], pages: int) -> List[bool]:
         """Per page: every one of its objects ``ok``."""
@@ -744,6 +752,7 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
             return [bool(x) for x in ok[:pages]]
         return np.asarray(ok[: pages * c], dtype=bool).reshape(pages, c).all(axis=1).tolist()
 
+    @one_call
     def batch_set_v1(self, keys: List[str], host_indices: Any, extra_info: Any = None) -> List[bool]:
         """Writes page ``i`` (host slots ``host_indices[i * P : (i + 1) * P]``) under ``keys[i]``;
         objects that exist already are left as they are and count as written."""
@@ -868,6 +877,7 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
         n = self._layout.obj_bytes
         return np.asarray([_native.checksum(self._staging[j * n : (j + 1) * n]) for j in range(len(obj_keys))], dtype="<u8")
 
+    @one_call
     def batch_get_v1(self, keys: List[str], host_indices: Any, extra_info: Any = None) -> List[bool]:
         """Reads page ``keys[i]`` into host slots ``host_indices[i * P : (i + 1) * P]``; a page is
         ``True`` only when every object of it was read whole."""
@@ -1038,6 +1048,7 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
         if corrupt:
             self._fail(StorageError("batch_get_v1", INTEGRITY, corrupt))
 
+    @one_call
     def batch_exists(self, keys: List[str], extra_info: Any = None) -> int:
         """The number of leading pages whose objects all exist (sglang's convention)."""
         keys = list(keys)
@@ -1049,9 +1060,9 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
                 return 0
             per = self._layout.comps
             obj_keys = self._object_keys(keys)
-            res = self.store.batch_is_exist(obj_keys)
+            res = exist_once(obj_keys, self.store.batch_is_exist)
             for j in range(len(obj_keys)):
-                e = res[j] if j < len(res) else -1
+                e = res[j]
                 if e != 1:
                     if e < 0:
                         self._fail(StorageError("batch_is_exist", e, [obj_keys[j]]))
@@ -1076,10 +1087,12 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
 
     # ---- the plain forms: raw keys, as sglang's Mooncake backend names them -----------------
 
+    @one_call
     def exists(self, key: str) -> bool:
         """Whether object ``key`` exists (a raw key; pages are asked with :meth:`batch_exists`)."""
         return self.store.is_exist(key) == 1
 
+    @one_call
     def get(self, key: str, target_location: Optional[int] = None, target_sizes: Optional[int] = None) -> Any:
         """Object ``key`` into ``target_location`` (``target_sizes`` bytes of registered memory;
         returns whether it was read whole), or as a ``numpy.uint8`` array (``None`` when missing)."""
@@ -1092,11 +1105,13 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
             return False
         return True
 
+    @one_call
     def batch_get(self, keys: List[str], target_locations: Optional[List[int]] = None, target_sizes: Optional[List[int]] = None) -> Any:
         if target_locations is None:
             return [self.get(k) for k in keys]
         return [self.get(k, loc, size) for k, loc, size in zip(keys, target_locations, target_sizes)]
 
+    @one_call
     def set(self, key: str, value: Any = None, target_location: Optional[int] = None, target_sizes: Optional[int] = None) -> bool:
         """Object ``key`` from ``value`` (bytes or a host array) or from ``target_sizes`` bytes at
         ``target_location`` (registered memory); an existing object is kept."""
@@ -1112,6 +1127,7 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
             return False
         return True
 
+    @one_call
     def batch_set(self, keys: List[str], values: Optional[List[Any]] = None, target_locations: Optional[List[int]] = None, target_sizes: Optional[List[int]] = None) -> bool:
         if values is not None:
             return all(self.set(k, v) for k, v in zip(keys, values))

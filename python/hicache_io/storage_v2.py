@@ -38,6 +38,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from .l3.batches import exist_once, in_rounds, one_call
+
 logger = logging.getLogger(__name__)
 
 #: Key format of v2 objects (part of the namespace digest).
@@ -193,6 +195,7 @@ class PoolsV2:
 
     # ---- exists ----------------------------------------------------------------------------
 
+    @one_call
     def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[Any]] = None, extra_info: Any = None) -> Any:
         """The KV prefix (pages) every pool of ``pool_transfers`` can serve, with each pool's hits
         and every restorable prefix length (sglang's ``PoolTransferResult``)."""
@@ -213,8 +216,8 @@ class PoolsV2:
                 else:
                     per = self._side(name).per_page
                     obj = self._v2_keys(name, keys[:kv_pages])
-                    res = list(self.store.batch_is_exist(obj)) if obj else []
-                    exists = [all(r == 1 for r in res[i * per : (i + 1) * per]) and len(res) == len(obj) for i in range(kv_pages)]
+                    res = exist_once(obj, self.store.batch_is_exist)
+                    exists = [all(r == 1 for r in res[i * per : (i + 1) * per]) for i in range(kv_pages)]
                 if policy == "all_pages":
                     boundary = exists.index(False) if False in exists else kv_pages
                     ok = set(range(1, boundary + 1))
@@ -229,12 +232,14 @@ class PoolsV2:
 
     # ---- get / set -------------------------------------------------------------------------
 
+    @one_call
     def batch_set_v2(self, transfers: List[Any], extra_info: Any = None) -> Dict[str, List[bool]]:
         """Writes each transfer's pages (one key per page) from its pool; per pool, one bool per
         key (an object that exists already counts as written)."""
         inner = getattr(extra_info, "extra_info", None) or {}
         return self._v2_io(transfers, put=True, session_id=inner.get("session_id"))
 
+    @one_call
     def batch_get_v2(self, transfers: List[Any], extra_info: Any = None) -> Dict[str, List[bool]]:
         """Reads each transfer's pages into its pool; per pool, one bool per key (``True`` only
         for a page whose every object was read whole and verified)."""
@@ -266,12 +271,15 @@ class PoolsV2:
                     self.stats["foreign"] += len(keys)
                     out[name] = [False] * len(keys)
                     continue
-                res: List[bool] = []
-                for at in range(0, len(keys), STORAGE_BATCH_SIZE):
-                    ks = keys[at : at + STORAGE_BATCH_SIZE]
-                    hi = idx[at * side.page : (at + len(ks)) * side.page]
-                    res += self._v2_batch(name, side, ks, hi, put, session_id)
-                out[name] = res
+
+                def run(ks: List[str], hi: List[int]) -> List[bool]:
+                    res: List[bool] = []
+                    for at in range(0, len(ks), STORAGE_BATCH_SIZE):
+                        part = ks[at : at + STORAGE_BATCH_SIZE]
+                        res += self._v2_batch(name, side, part, hi[at * side.page : (at + len(part)) * side.page], put, session_id)
+                    return res
+
+                out[name] = in_rounds(keys, idx, side.page, run)
         return out
 
     def _v2_batch(self, name: str, side: _SidecarPool, keys: List[str], idx: List[int], put: bool, session_id: Optional[str]) -> List[bool]:
@@ -381,10 +389,11 @@ class PoolsV2:
         if not session_id:
             return None
         try:
-            from mooncake.store import ReplicateConfig
-        except ImportError:
+            from .l3.mooncake_client import store_module
+
+            config = store_module().ReplicateConfig()
+        except (ImportError, AttributeError):
             return None
-        config = ReplicateConfig()
         if not hasattr(config, "session_ids"):
             logger.debug("this Mooncake's ReplicateConfig has no session_ids: session %s not recorded", session_id)
             return None

@@ -19,12 +19,10 @@ import uuid
 import numpy as np
 import pytest
 
-try:
-    from mooncake.store import MooncakeDistributedStore  # noqa: F401
-except Exception as e:  # noqa: BLE001
-    if os.environ.get("HICACHE_REQUIRE_MOONCAKE") == "1":
-        raise
-    pytest.skip(f"Mooncake Store not installed ({e})", allow_module_level=True)
+from common import P, build, executors, io_for, make_store, mooncake_problem, page_meta, tokens  # noqa: E402
+
+if mooncake_problem() is not None:
+    pytest.skip(mooncake_problem(), allow_module_level=True)
 
 import hicache_io  # noqa: E402
 from hicache_io.storage import HiCacheStorageConfig, LocalMaster, MooncakeStore, MooncakeStoreConfig, StorageError  # noqa: E402
@@ -36,18 +34,6 @@ def Master(lease_ms=200):
 
 
 @pytest.fixture(scope="module")
-def master():
-    m = Master()
-    yield m
-    m.stop()
-
-
-def make_store(master, segment=64 << 20, extra=None, **kw):
-    cfg = HiCacheStorageConfig(model_name=f"test/{uuid.uuid4().hex[:8]}", extra_config={"master_server_address": master.address, "global_segment_size": segment, "local_buffer_size": 4 << 20, "protocol": "tcp", "metadata_server": "P2PHANDSHAKE", "local_hostname": "127.0.0.1", **(extra or {})})
-    return MooncakeStore(cfg, {}, **kw)
-
-
-@pytest.fixture(scope="module")
 def store(master):
     # Shared by pools of many shapes under one prefix (not a deployment): the namespace record
     # would rightly make every pool after the first foreign to sglang's names. Namespaces have
@@ -55,22 +41,6 @@ def store(master):
     s = make_store(master, extra={"hicache_io_namespace_record": False})
     yield s
     s.close()
-
-
-def executors():
-    out = ["cpu"]
-    try:
-        hicache_io.Device("wgpu")
-        out.append("wgpu")
-    except Exception:  # noqa: BLE001 - no adapter here
-        if os.environ.get("CI"):
-            raise  # CI has lavapipe: the wgpu (staged) path must run there
-    try:
-        hicache_io.Device("cuda")  # a GPU, or the simulated driver (scripts/cuda-sim.sh)
-        out.append("cuda")
-    except Exception:  # noqa: BLE001 - no CUDA here
-        pass
-    return out
 
 
 # (kind, layout, head_num, bytes per token, layers, shard, drafts)
@@ -87,33 +57,6 @@ POOLS = [
     ("dsa", "page_first", 1, 132, 4, (2, 4), 1),
     ("dsa", "page_first_direct", 1, 132, 4, None, 0),
 ]
-P = 8
-
-
-def io_for(layout):
-    return "direct" if layout == "page_first_direct" else "kernel"
-
-
-def build(executor, kind, layout, heads, bpt, layers, shard, drafts, pages=12, seed=0, host_pages=16, device=None):
-    device = device or hicache_io.Device(executor)
-    slots = (pages if kind == "dsa" else pages * P)
-    dev = hicache_io.DevicePool(device, kind, bpt, slots, P, layers, layer_shard=shard, drafts=drafts)
-    rng = np.random.default_rng(seed)
-    for c in range(2 if kind == "mha" else 1):
-        for b in range(dev.buffer_count):
-            dev.write_buffer(c, b, rng.integers(0, 256, dev.slots * dev.item_bytes, dtype=np.uint8))
-    host = hicache_io.HostPool(dev, layout, host_pages * P, head_num=heads, profile="extended")
-    return device, dev, host
-
-
-def page_meta(host, page):
-    """(component, offset, bytes) of each object of host page ``page``."""
-    return host.get_page_buffer_meta(list(range(page * P, (page + 1) * P)))
-
-
-def tokens(pages):
-    return np.concatenate([np.arange(p * P, (p + 1) * P) for p in pages]).astype(np.int64)
-
 
 @pytest.mark.parametrize("executor", executors())
 @pytest.mark.parametrize("pool", POOLS, ids=lambda p: f"{p[0]}-{p[1]}-{'shard' if p[5] else 'all'}-d{p[6]}")
@@ -895,3 +838,31 @@ def test_the_staging_pass_refuses_a_short_buffer_before_writing():
     assert list(sums) == list(host.object_checksums(idx))
     for j, (c, off, n) in enumerate(host.get_page_buffer_meta(idx)):
         assert np.array_equal(buf[j * stride : j * stride + n], host.read_buffer(c)[off : off + n])
+
+
+def test_mooncake_loaded_first_leaves_the_vulkan_drivers_zstd_alone(tmp_path):
+    """Mooncake's client, loaded before any Vulkan driver, must not bind the system's zstd to its
+    own (hicache_io.l3.mooncake_client): Mesa's drivers compress compiled shaders with it into
+    their disk cache, and the mixed binding smashed the stack of that cache's thread the first
+    time a shader was compiled. A fresh cache directory makes every shader a first one."""
+    if "wgpu" not in executors():
+        pytest.skip("no wgpu adapter")
+    script = textwrap.dedent(
+        f"""
+        import time
+        from hicache_io.l3.mooncake_client import store_module
+        store_module()  # before the Vulkan driver loads
+        from common import build, tokens
+        _, dev, host = build("wgpu", "mha", "page_first", 1, 256, 3, None, 0)
+        host.backup_from_device_all_layer(dev, tokens([0, 1]), tokens([3, 5]), "kernel")
+        host.synchronize()
+        del host, dev
+        time.sleep(1)  # the cache thread writes after the compile
+        print("compiled")
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "MESA_SHADER_CACHE_DISABLE"}
+    env["MESA_SHADER_CACHE_DIR"] = str(tmp_path / "mesa")
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0 and "compiled" in out.stdout, f"rc {out.returncode}: {out.stderr[-2000:]}"

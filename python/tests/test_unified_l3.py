@@ -16,27 +16,18 @@ import uuid
 import numpy as np
 import pytest
 
-try:
-    from mooncake.store import MooncakeDistributedStore  # noqa: F401
-except Exception as e:  # noqa: BLE001
-    if os.environ.get("HICACHE_REQUIRE_MOONCAKE") == "1":
-        raise
-    pytest.skip(f"Mooncake Store not installed ({e})", allow_module_level=True)
+from common import executors, mooncake_problem  # noqa: E402
+
+if mooncake_problem() is not None:
+    pytest.skip(mooncake_problem(), allow_module_level=True)
 
 import hicache_io  # noqa: E402
-from hicache_io.storage import INTEGRITY, HiCacheStorageConfig, LocalMaster, MooncakeStore  # noqa: E402
+from hicache_io.storage import INTEGRITY, HiCacheStorageConfig, MooncakeStore  # noqa: E402
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "python" / "unified_l3.py"
 _spec = importlib.util.spec_from_file_location("unified_l3", EXAMPLE)
 ex = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ex)
-
-
-@pytest.fixture(scope="module")
-def master():
-    m = LocalMaster(lease_ms=200)  # short leases: an object can be replaced
-    yield m
-    m.stop()
 
 
 @pytest.fixture
@@ -204,17 +195,7 @@ def test_a_get_that_raises_forgets_the_pages_it_wrote(master, model):
         s.close()
 
 
-def executors():
-    out = ["cpu"]
-    try:
-        hicache_io.Device("cuda")  # a GPU, or the simulated driver (scripts/cuda-sim.sh)
-        out.append("cuda")
-    except Exception:  # noqa: BLE001 - no CUDA here
-        pass
-    return out
-
-
-@pytest.mark.parametrize("executor", executors())
+@pytest.mark.parametrize("executor", executors(addressable=True))
 def test_layer_ranges_let_pipeline_shapes_share(master, model, executor):
     """Two pipeline stages (layers 0..1 and 2..3) write; one rank holding all four layers reads
     with the same ranges (cuda: pinned host pools, in place)."""

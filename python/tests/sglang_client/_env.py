@@ -44,7 +44,9 @@ def require_sglang() -> None:
 
 def mooncake_problem() -> str | None:
     try:
-        from mooncake.store import MooncakeDistributedStore  # noqa: F401
+        from hicache_io.l3.mooncake_client import store_module
+
+        store_module()
     except Exception as e:  # noqa: BLE001
         return f"Mooncake Store not importable ({type(e).__name__}: {e})"
     return None

@@ -30,15 +30,6 @@ from . import sgl_pools as sp  # noqa: E402
 from .harness import check_equal, fill_random, snapshot  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def master():
-    from hicache_io.storage import LocalMaster
-
-    m = LocalMaster()
-    yield m
-    m.stop()
-
-
 class Stores:
     """One hicache-io store (built by sglang's factory) and one sglang store per pool kind for
     the module: a Mooncake client takes ~2 s to close, so they are shared, pools are registered

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 from . import cpu_shims  # noqa: E402
 from . import sgl_pools as sp  # noqa: E402
 from .harness import check_equal, fill_random, snapshot  # noqa: E402
-from .test_storage import dynamic_extra_config, master, storage_config  # noqa: E402, F401 (master: the module's fixture)
+from .test_storage import dynamic_extra_config, storage_config  # noqa: E402
 
 
 def mamba_host(layers=2, slots=9):

@@ -1,0 +1,90 @@
+"""Helpers shared by the Python suites: the executors a test runs on, and the pools and stores
+of the L3 suites.
+
+Executors, one policy: ``cpu`` always; ``wgpu`` where an adapter is found (under ``CI`` it must
+be: CI has Mesa's lavapipe); ``cuda`` where a GPU or the simulated driver is found. Tests of the
+zero-copy paths pass ``addressable=True`` to leave out executors whose host pools live in the
+executor's own buffers (wgpu)."""
+
+import os
+import uuid
+
+import numpy as np
+
+import hicache_io
+
+#: Tokens a page in the L3 suites' pools.
+P = 8
+
+
+def mooncake_problem():
+    """Why Mooncake Store's client cannot be used here, or ``None``; raises instead under
+    ``HICACHE_REQUIRE_MOONCAKE=1`` (CI). Loads it the way hicache-io does."""
+    try:
+        from hicache_io.l3.mooncake_client import store_module
+
+        store_module()
+    except Exception as e:  # noqa: BLE001 - any import failure means "not here"
+        if os.environ.get("HICACHE_REQUIRE_MOONCAKE") == "1":
+            raise
+        return f"Mooncake Store not installed ({e})"
+    return None
+
+
+def executors(addressable=False):
+    out = ["cpu"]
+    if not addressable:
+        try:
+            hicache_io.Device("wgpu")
+            out.append("wgpu")
+        except Exception:  # noqa: BLE001 - no adapter here
+            if os.environ.get("CI"):
+                raise  # CI has lavapipe: the wgpu paths must run there
+    try:
+        hicache_io.Device("cuda")  # a GPU, or the simulated driver (scripts/cuda-sim.sh)
+        out.append("cuda")
+    except Exception:  # noqa: BLE001 - no CUDA here
+        pass
+    return out
+
+
+def io_for(layout):
+    return "direct" if layout == "page_first_direct" else "kernel"
+
+
+def build(executor, kind, layout, heads, bpt, layers, shard, drafts, pages=12, seed=0, host_pages=16, device=None):
+    """``(device, device pool, host pool)``: a device pool of ``pages`` pages of random bytes and
+    a host pool of ``host_pages`` pages in ``layout``."""
+    device = device or hicache_io.Device(executor)
+    slots = pages if kind == "dsa" else pages * P
+    dev = hicache_io.DevicePool(device, kind, bpt, slots, P, layers, layer_shard=shard, drafts=drafts)
+    rng = np.random.default_rng(seed)
+    for c in range(2 if kind == "mha" else 1):
+        for b in range(dev.buffer_count):
+            dev.write_buffer(c, b, rng.integers(0, 256, dev.slots * dev.item_bytes, dtype=np.uint8))
+    host = hicache_io.HostPool(dev, layout, host_pages * P, head_num=heads, profile="extended")
+    return device, dev, host
+
+
+def page_meta(host, page):
+    """(component, offset, bytes) of each object of host page ``page``."""
+    return host.get_page_buffer_meta(list(range(page * P, (page + 1) * P)))
+
+
+def page_bytes(host, page, buffers=None):
+    """Host page ``page``'s bytes, its objects one after another (``buffers``: the pool's
+    component buffers, read once by the caller)."""
+    bufs = buffers if buffers is not None else [host.read_buffer(c) for c in range(host.components)]
+    return b"".join(bytes(bufs[c][off : off + n]) for c, off, n in page_meta(host, page))
+
+
+def tokens(pages):
+    return np.concatenate([np.arange(p * P, (p + 1) * P) for p in pages]).astype(np.int64)
+
+
+def make_store(master, segment=64 << 20, extra=None, **kw):
+    """A ``MooncakeStore`` on ``master`` under a model name of its own."""
+    from hicache_io.storage import HiCacheStorageConfig, MooncakeStore
+
+    cfg = HiCacheStorageConfig(model_name=f"test/{uuid.uuid4().hex[:8]}", extra_config={"master_server_address": master.address, "global_segment_size": segment, "local_buffer_size": 4 << 20, "protocol": "tcp", "metadata_server": "P2PHANDSHAKE", "local_hostname": "127.0.0.1", **(extra or {})})
+    return MooncakeStore(cfg, {}, **kw)

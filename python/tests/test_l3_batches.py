@@ -1,0 +1,172 @@
+"""L3 batches against a dictionary model of the store, through a real Mooncake master on loopback:
+random batches of sets, gets and exists with repeated, missing and present keys, on every key
+scheme (sglang's names, hicache-io's shard names through both checksummed paths, unified
+head-group keys, v2 component keys) and on cpu and wgpu host pools. Every slot of every get is
+compared byte for byte: a hit holds the bytes its key was first written with, a miss leaves the
+slot as it was. ``last_error`` describes the call just made.
+
+The model's rules, which the store documents:
+- a set writes a key that is not stored yet; an object stored already is kept and counts as
+  written, so a key named twice in one set keeps its first occurrence's bytes (every occurrence
+  reports ``True`` once that one is written);
+- a get fills every slot that names a stored key, however often the key is named;
+- exists counts the leading keys that are stored (a repeated stored key counts each time)."""
+
+import uuid
+import zlib
+
+import numpy as np
+import pytest
+
+from common import build, executors, io_for, make_store, page_bytes, page_meta, tokens
+
+SENTINEL = 0x5A
+HOST_PAGES = 16
+DEVICE_PAGES = 12
+
+# (name, kind, layout, heads, bytes per token, layers, extra config)
+SCHEMES = [
+    ("sglang-names", "mha", "page_first", 1, 256, 3, {}),
+    ("shard-names-sealed", "mha", "page_first_direct", 1, 256, 3, {}),
+    ("shard-names-two-buffers", "mla", "page_first_direct", 1, 4096, 3, {}),  # 96 KiB objects
+    ("shard-names-dsa", "dsa", "page_first", 1, 132, 4, {}),
+    ("unified", "mha", "page_unified", 2, 128, 4, {"hicache_io_key_scheme": "unified", "hicache_io_kv_heads": 4}),
+]
+
+
+def cases():
+    for name, *pool in SCHEMES:
+        # Unified keys move pages in place: pools in the executor's own buffers are refused.
+        for executor in executors(addressable=name == "unified"):
+            yield pytest.param(executor, pool, id=f"{name}-{executor}")
+
+
+def draw_batch(rng, universe, n_max=6):
+    """Keys drawn with repeats (``universe``'s last two are never set) and distinct host pages."""
+    n = int(rng.integers(1, n_max + 1))
+    keys = [universe[i] for i in rng.integers(0, len(universe), n)]
+    pages = [int(p) for p in rng.choice(HOST_PAGES, n, replace=False)]
+    return keys, pages
+
+
+def fill_pages(host, dev, pages, rng):
+    """Backs up random device pages into host ``pages`` (item checksums recorded as a backup
+    does); returns each page's bytes."""
+    src = [int(p) for p in rng.choice(DEVICE_PAGES, len(pages), replace=False)]
+    host.backup_from_device_all_layer(dev, tokens(pages), tokens(src), io_for(host.layout))
+    bufs = [host.read_buffer(c) for c in range(host.components)]
+    return [page_bytes(host, p, bufs) for p in pages]
+
+
+def blank_pages(host, pages):
+    """Sets every byte of host ``pages``' objects to ``SENTINEL``."""
+    bufs = [np.array(host.read_buffer(c)) for c in range(host.components)]
+    for p in pages:
+        for c, off, n in page_meta(host, p):
+            bufs[c][off : off + n] = SENTINEL
+    for c, b in enumerate(bufs):
+        host.write_buffer(c, b)
+
+
+def check_slots(host, keys, pages, got, model, what):
+    """Every slot: a hit holds its key's stored bytes, a miss is untouched."""
+    assert got == [k in model for k in keys], f"{what}: {list(zip(keys, got))}"
+    bufs = [host.read_buffer(c) for c in range(host.components)]
+    for k, p, hit in zip(keys, pages, got):
+        now = page_bytes(host, p, bufs)
+        # Compared without pytest's diff of the bytes: the message says what failed.
+        if hit and now != model[k]:
+            pytest.fail(f"{what}: slot of page {p} reported a hit for {k} but holds other bytes")
+        if not hit and set(now) != {SENTINEL}:
+            pytest.fail(f"{what}: page {p} changed although {k} missed")
+
+
+def leading(keys, *models):
+    n = 0
+    for k in keys:
+        if not all(k in m for m in models):
+            break
+        n += 1
+    return n
+
+
+def put_first(model, keys, want):
+    for k, w in zip(keys, want):
+        model.setdefault(k, w)
+
+
+@pytest.mark.parametrize("executor,pool", list(cases()))
+def test_random_batches_match_a_dictionary_model(master, executor, pool):
+    kind, layout, heads, bpt, layers, extra = pool
+    rng = np.random.default_rng(zlib.crc32(f"{kind}-{layout}-{executor}".encode()))
+    _, dev, host = build(executor, kind, layout, heads, bpt, layers, None, 0, pages=DEVICE_PAGES, host_pages=HOST_PAGES)
+    s = make_store(master, extra=extra)
+    universe = [f"{n}-{uuid.uuid4().hex[:8]}" for n in range(8)]
+    model = {}
+    try:
+        s.register_mem_pool_host(host)
+        # The reproduction first: a key asked twice in one get, its first slot never written.
+        want = fill_pages(host, dev, [0, 1], rng)
+        assert s.batch_set_v1(universe[:2], tokens([0, 1])) == [True, True], s.last_error
+        put_first(model, universe[:2], want)
+        blank_pages(host, [4, 5, 6])
+        got = s.batch_get_v1([universe[0], universe[1], universe[0]], tokens([4, 5, 6]))
+        check_slots(host, [universe[0], universe[1], universe[0]], [4, 5, 6], got, model, "repro")
+        for step in range(30):
+            op = rng.choice(["set", "get", "exists"], p=[0.4, 0.45, 0.15])
+            keys, pages = draw_batch(rng, universe if op != "set" else universe[:6])
+            what = f"step {step}: {op} {keys} pages {pages}"
+            if op == "set":
+                want = fill_pages(host, dev, pages, rng)
+                assert s.batch_set_v1(keys, tokens(pages)) == [True] * len(keys), f"{what}: {s.last_error}"
+                put_first(model, keys, want)
+                assert s.last_error is None, what
+            elif op == "get":
+                blank_pages(host, pages)
+                got = s.batch_get_v1(keys, tokens(pages))
+                check_slots(host, keys, pages, got, model, what)
+                assert (s.last_error is None) == all(got), f"{what}: last_error {s.last_error!r}"
+            else:
+                assert s.batch_exists(keys) == leading(keys, model), what
+    finally:
+        s.close()
+
+
+def test_random_v2_batches_match_a_dictionary_model(master):
+    """storage v2: an MLA KV anchor (v1 objects, sglang's names) and a DSA indexer sidecar (v2
+    component keys), set and got together."""
+    rng = np.random.default_rng(58)
+    _, kv_dev, kv = build("cpu", "mla", "page_first", 1, 64, 3, None, 0, pages=DEVICE_PAGES, host_pages=HOST_PAGES)
+    _, ix_dev, ix = build("cpu", "dsa", "page_first", 1, 132, 4, None, 0, pages=DEVICE_PAGES, host_pages=HOST_PAGES, seed=1)
+    s = make_store(master)
+    T = lambda name, ks, idx: type("PoolTransfer", (), {"name": name, "keys": ks, "host_indices": idx, "hit_policy": "all_pages"})()  # noqa: E731
+    universe = [f"{n}-{uuid.uuid4().hex[:8]}" for n in range(8)]
+    kv_model, ix_model = {}, {}
+    try:
+        s.register_mem_pool_host(kv)
+        s.register_mem_host_pool_v2(kv, "kv")
+        s.register_mem_host_pool_v2(ix, "indexer")
+        s.on_host_pools_registered()
+        for step in range(30):
+            op = rng.choice(["set", "get", "exists"], p=[0.4, 0.45, 0.15])
+            keys, pages = draw_batch(rng, universe if op != "set" else universe[:6])
+            what = f"step {step}: {op} {keys} pages {pages}"
+            if op == "set":
+                kv_want, ix_want = fill_pages(kv, kv_dev, pages, rng), fill_pages(ix, ix_dev, pages, rng)
+                assert s.batch_set_v1(keys, tokens(pages)) == [True] * len(keys), f"{what}: {s.last_error}"
+                assert s.batch_set_v2([T("indexer", keys, tokens(pages))]) == {"indexer": [True] * len(keys)}, f"{what}: {s.last_error}"
+                assert s.last_error is None, what
+                put_first(kv_model, keys, kv_want)
+                put_first(ix_model, keys, ix_want)
+            elif op == "get":
+                blank_pages(kv, pages)
+                blank_pages(ix, pages)
+                got = s.batch_get_v2([T("kv", keys, tokens(pages)), T("indexer", keys, tokens(pages))])
+                check_slots(kv, keys, pages, got["kv"], kv_model, f"{what} (kv)")
+                check_slots(ix, keys, pages, got["indexer"], ix_model, f"{what} (indexer)")
+                assert (s.last_error is None) == all(got["kv"] + got["indexer"]), f"{what}: last_error {s.last_error!r}"
+            else:
+                r = s.batch_exists_v2(keys, [T("indexer", keys, None)])
+                assert r.kv_hit_pages == leading(keys, kv_model, ix_model), what
+    finally:
+        s.close()
