@@ -10,8 +10,8 @@
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use hicache_io::bench::{specs, BenchSpec, Fixture};
 use hicache_io::exec::{probe_all, Device};
+use hicache_io::tools::bench::{specs, BenchSpec, Fixture};
 
 fn devices() -> Vec<Device> {
     probe_all()

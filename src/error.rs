@@ -369,7 +369,7 @@ pub enum TransferError {
         /// The checksum of the bytes the load read.
         found: u64,
         /// Every mismatching item of the call.
-        items: Vec<crate::integrity::ItemMismatch>,
+        items: Vec<ItemMismatch>,
     },
     /// An executor that cannot run here (no driver, no adapter, not compiled in).
     #[error("{backend}: unavailable ({reason})")]
@@ -431,4 +431,22 @@ impl TransferError {
             other => other,
         }
     }
+}
+
+/// One item whose bytes did not match the checksum its backup recorded (see
+/// [`TransferError::Integrity`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ItemMismatch {
+    /// Host layer (live target layers, then one per draft).
+    pub layer: u64,
+    /// Component: 0 = K (or the only buffer), 1 = V.
+    pub component: u8,
+    /// Host index (token slot; indexer page for the DSA indexer).
+    pub host_index: u64,
+    /// Device index it was loaded into (same unit).
+    pub device_index: u64,
+    /// The checksum the backup recorded.
+    pub expected: u64,
+    /// The checksum of the bytes the load read.
+    pub found: u64,
 }

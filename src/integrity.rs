@@ -187,22 +187,8 @@ fn tabled_portable(words: &[u8], keys: &[u32]) -> u64 {
     sum
 }
 
-/// Whether this processor has AVX2 (probed once).
 #[cfg(target_arch = "x86_64")]
-#[inline]
-pub(crate) fn has_avx2() -> bool {
-    use std::sync::atomic::{AtomicU8, Ordering};
-    static AVX2: AtomicU8 = AtomicU8::new(0);
-    match AVX2.load(Ordering::Relaxed) {
-        1 => true,
-        2 => false,
-        _ => {
-            let yes = std::is_x86_feature_detected!("avx2");
-            AVX2.store(if yes { 1 } else { 2 }, Ordering::Relaxed);
-            yes
-        }
-    }
-}
+pub(crate) use crate::cpu_features::has_avx2;
 
 /// [`tabled_portable`] with AVX2: per 32 bytes, one load of words and keys each, the even words'
 /// products and (shifted down) the odd words', with no widening shuffle.
@@ -367,23 +353,7 @@ pub fn item_part(chunk: &[u8], head: u64, keys: &Keys) -> u64 {
     range_sum(chunk, (head as usize).saturating_mul(words(chunk.len())), keys)
 }
 
-/// One item whose bytes did not match the checksum its backup recorded (see
-/// [`crate::TransferError::Integrity`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ItemMismatch {
-    /// Host layer (live target layers, then one per draft).
-    pub layer: u64,
-    /// Component: 0 = K (or the only buffer), 1 = V.
-    pub component: u8,
-    /// Host index (token slot; indexer page for the DSA indexer).
-    pub host_index: u64,
-    /// Device index it was loaded into (same unit).
-    pub device_index: u64,
-    /// The checksum the backup recorded.
-    pub expected: u64,
-    /// The checksum of the bytes the load read.
-    pub found: u64,
-}
+pub use crate::error::ItemMismatch;
 
 /// What the host pool's checksum table knows: per item `(unit, layer, component)` one word,
 /// `checksum + 1` (wrapping), with 0 meaning "no checksum known": one store per item, in one

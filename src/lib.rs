@@ -7,8 +7,10 @@
 //! The layers of the crate, each importing only from the ones before it: [`geometry`] (shapes,
 //! checked sizes and byte addresses), [`plan`] (the one validation table, the order of checks
 //! and the lowering into plans), [`exec`] (executors that only execute), [`pool`]
-//! (sglang-shaped pools); then the tools: [`oracle`], [`check`] and [`fuzz`] (byte-for-byte
-//! equivalence and hostile input), [`bench`](mod@bench) and [`matrix`].
+//! (sglang-shaped pools), [`kvcacheio`] (sglang's transfer ops on an engine's own memory).
+//! Beside them: [`error`], [`integrity`] (item checksums), the leaf helpers [`rng`] and
+//! [`timing`], and the [`tools`] built on the layers (the oracle, `check`, `fuzz`, `bench`, the
+//! support matrix). The `hicache-io` command line lives in `src/cli/`.
 //!
 //! # Vocabulary
 //! | word | meaning |
@@ -49,22 +51,17 @@
 
 #![deny(missing_docs)]
 
-pub mod bench;
-pub mod check;
-pub mod check_ops;
+pub(crate) mod cpu_features;
 pub mod error;
 pub mod exec;
-pub mod fuzz;
 pub mod geometry;
-pub mod inject;
 pub mod integrity;
 pub mod kvcacheio;
-pub mod matrix;
-pub mod oracle;
 pub mod plan;
 pub mod pool;
 pub mod rng;
 pub mod timing;
+pub mod tools;
 
 pub use error::{Result, TransferError};
 #[allow(deprecated)]

@@ -5,9 +5,9 @@
 
 mod common;
 
-use hicache_io::check::{random_case, run_case, supported_cells, Outcome, Rng};
 use hicache_io::error::TransferError;
 use hicache_io::plan::Request;
+use hicache_io::tools::check::{random_case, run_case, supported_cells, Outcome, Rng};
 use hicache_io::{Device, DevicePool, DevicePoolConfig, HostPool, HostPoolConfig, IoBackend, LayerMap, Layout, PoolKind, Profile};
 
 #[test]

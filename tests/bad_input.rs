@@ -3,8 +3,8 @@
 
 mod common;
 
-use hicache_io::check::Rng;
 use hicache_io::error::TransferError;
+use hicache_io::tools::check::Rng;
 use hicache_io::{Device, DevicePool, DevicePoolConfig, HostPool, HostPoolConfig, IoBackend, LayerMap, Layout, PoolKind, Profile};
 
 struct Pools {

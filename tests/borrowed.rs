@@ -5,9 +5,9 @@
 
 mod common;
 
-use hicache_io::check::{random_case, supported_cells, Case, Rng};
 use hicache_io::exec::{Buffer, ExecutorKind};
 use hicache_io::plan::Op;
+use hicache_io::tools::check::{random_case, supported_cells, Case, Rng};
 use hicache_io::{Device, DevicePool, HostPool, Profile, TransferError};
 
 /// Initial bytes for a case: `[comp][buffer]` device layers and the host buffers (one per

@@ -2,7 +2,7 @@
 //! states, NVFP4 page rows): every drawn call matches its definition byte for byte and every
 //! hostile variant is refused with nothing moved, on every executor that takes caller memory.
 
-use hicache_io::check_ops::{check_ops, OPS};
+use hicache_io::tools::check_ops::{check_ops, OPS};
 use hicache_io::Device;
 
 #[test]

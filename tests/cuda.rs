@@ -3,9 +3,9 @@
 
 mod common;
 
-use hicache_io::check::check_device;
 use hicache_io::exec::ExecutorKind;
 use hicache_io::geometry::Profile;
+use hicache_io::tools::check::check_device;
 
 #[test]
 fn cuda_without_a_gpu_is_unavailable_not_a_panic() {

@@ -21,13 +21,7 @@ const SLOTS: usize = 512;
 
 #[test]
 fn sixty_one_layer_loads_and_a_backup_with_cuda_index_lists_never_block_the_host() {
-    if std::env::var("HICACHE_CUDA_SIM").map_or(true, |v| v != "1") {
-        eprintln!("skipping: not on the simulated driver (scripts/cuda-sim.sh)");
-        return;
-    }
-    let trace = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("cuda-index-trace-{}.txt", std::process::id()));
-    // Read by the simulator at its first call, which comes after this (one test per process).
-    std::env::set_var("HICACHE_CUDA_SIM_TRACE", &trace);
+    let Some(trace) = common::sim_trace("cuda-index-trace") else { return };
     let Some(Device::Cuda(exec)) = common::open(ExecutorKind::Cuda) else { panic!("cuda on the simulator") };
     let device = Device::Cuda(exec.clone());
     cudarc::driver::CudaContext::new(0).unwrap().bind_to_thread().unwrap();

@@ -56,12 +56,7 @@ fn pinned(bytes: usize) -> *mut u8 {
 
 #[test]
 fn table_addressed_backups_with_cuda_index_lists_never_block_the_host() {
-    if std::env::var("HICACHE_CUDA_SIM").map_or(true, |v| v != "1") {
-        eprintln!("skipping: not on the simulated driver (scripts/cuda-sim.sh)");
-        return;
-    }
-    let trace = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("cuda-table-trace-{}.txt", std::process::id()));
-    std::env::set_var("HICACHE_CUDA_SIM_TRACE", &trace);
+    let Some(trace) = common::sim_trace("cuda-table-trace") else { return };
     let Some(Device::Cuda(exec)) = common::open(ExecutorKind::Cuda) else { panic!("cuda on the simulator") };
     let device = Device::Cuda(exec.clone());
     cudarc::driver::CudaContext::new(0).unwrap().bind_to_thread().unwrap();

@@ -11,13 +11,7 @@ use hicache_io::{DevicePool, DevicePoolConfig, HostPool, HostPoolConfig, IoBacke
 
 #[test]
 fn sixty_one_layer_loads_and_a_backup_never_block_the_host() {
-    if std::env::var("HICACHE_CUDA_SIM").map_or(true, |v| v != "1") {
-        eprintln!("skipping: not on the simulated driver (scripts/cuda-sim.sh)");
-        return;
-    }
-    let trace = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("cuda-trace-{}.txt", std::process::id()));
-    // Read by the simulator at its first call, which comes after this (one test per process).
-    std::env::set_var("HICACHE_CUDA_SIM_TRACE", &trace);
+    let Some(trace) = common::sim_trace("cuda-trace") else { return };
     let device = common::open(ExecutorKind::Cuda).expect("cuda on the simulator");
     let layers = 61;
     let cfg = DevicePoolConfig { kind: PoolKind::Mla, bytes_per_token: 656, slots: 1024, page_size: 64, layers: LayerMap::new(layers) };

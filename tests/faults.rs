@@ -5,10 +5,12 @@
 
 mod common;
 
-use hicache_io::check::Rng;
+use common::contents;
+
 use hicache_io::error::TransferError;
-use hicache_io::oracle::{self, OracleBuffers};
 use hicache_io::plan::Op;
+use hicache_io::tools::check::Rng;
+use hicache_io::tools::oracle::{self, OracleBuffers};
 use hicache_io::{Device, DevicePool, DevicePoolConfig, HostPool, HostPoolConfig, IoBackend, LayerMap, Layout, PoolKind, Profile};
 
 const LAYERS: usize = 4;
@@ -32,10 +34,6 @@ fn pools(device: &Device, sharded: bool) -> (DevicePool<'static>, HostPool<'stat
     rng.fill(&mut b);
     host.write_buffer(0, &b).unwrap();
     (dev, host)
-}
-
-fn contents(dev: &DevicePool, host: &HostPool) -> (Vec<Vec<Vec<u8>>>, Vec<Vec<u8>>) {
-    (vec![(0..LAYERS).map(|s| dev.read_buffer(0, s).unwrap()).collect()], vec![host.read_buffer(0).unwrap()])
 }
 
 #[test]

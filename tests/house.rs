@@ -58,3 +58,164 @@ fn no_source_file_over_700_lines() {
         assert!(lines <= 700, "{} has {lines} lines: split it by concern", file.display());
     }
 }
+
+/// The layers of the library, lowest first; a module may import (`crate::…`) only from its own
+/// layer and the ones before it. `error` and `geometry` are one layer: errors carry the
+/// geometry's vocabulary (layouts, pool kinds), and the geometry's checks return errors. The
+/// command line (`src/cli/`) is a binary of its own, above everything.
+const LAYERS: &[&[&str]] = &[
+    &["cpu_features", "rng"],
+    &["error", "geometry"],
+    &["timing", "integrity"],
+    &["plan"],
+    &["exec"],
+    &["pool"],
+    &["kvcacheio"],
+    &["tools"],
+];
+
+/// The names the crate root re-exports, by the module they come from.
+const ROOT_NAMES: &[(&str, &str)] = &[
+    ("Result", "error"),
+    ("TransferError", "error"),
+    ("IoBackend", "geometry"),
+    ("LayerMap", "geometry"),
+    ("Layout", "geometry"),
+    ("PoolKind", "geometry"),
+    ("Profile", "geometry"),
+    ("Device", "exec"),
+    ("Completion", "exec"),
+    ("ExecutorKind", "exec"),
+    ("BackendKind", "exec"),
+    ("Capabilities", "plan"),
+    ("Op", "plan"),
+    ("Plan", "plan"),
+    ("Request", "plan"),
+];
+
+fn layer_of(module: &str) -> Option<usize> {
+    let module = ROOT_NAMES.iter().find(|(n, _)| *n == module).map_or(module, |(_, m)| m);
+    LAYERS.iter().position(|l| l.contains(&module)).or_else(|| {
+        let pool = ["DevicePool", "DevicePoolConfig", "Hold", "HostPool", "HostPoolConfig", "LayerLoads", "Pipeline"];
+        let more = ["SharedDevicePool", "SharedHostPool", "Ticket", "Transfer"];
+        (pool.contains(&module) || more.contains(&module)).then(|| layer_of("pool")).flatten()
+    })
+}
+
+/// The `crate::…` paths of a file's code (comments and the test module at its end left out).
+fn crate_paths(text: &str) -> Vec<(usize, String)> {
+    let mut out = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let l = line.trim_start();
+        if l.starts_with("#[cfg(test)]") {
+            break;
+        }
+        if l.starts_with("//") {
+            continue;
+        }
+        let code = l.split("//").next().unwrap_or("");
+        for (i, _) in code.match_indices("crate::") {
+            let rest = &code[i + "crate::".len()..];
+            let name: String = rest.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
+            if !name.is_empty() {
+                out.push((n + 1, name));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn layers_import_only_from_their_own_layer_and_below() {
+    for file in rust_files(&src()) {
+        let rel = file.strip_prefix(src()).expect("under src");
+        let top = rel.components().next().expect("a component").as_os_str().to_string_lossy().trim_end_matches(".rs").to_string();
+        if top == "lib" || top == "cli" {
+            continue;
+        }
+        let own = layer_of(&top).unwrap_or_else(|| panic!("{}: module `{top}` is in no layer of LAYERS", file.display()));
+        let text = std::fs::read_to_string(&file).expect("readable");
+        for (line, name) in crate_paths(&text) {
+            let Some(theirs) = layer_of(&name) else { continue };
+            assert!(
+                theirs <= own,
+                "{}:{line}: `{top}` (layer {own}) imports `{name}` (layer {theirs}): an import from a higher layer",
+                file.display()
+            );
+        }
+    }
+}
+
+/// Executor types (`CpuExecutor`, `CudaBuffer`, …) are named inside `src/exec/` only: everything
+/// above reaches an executor through `Device` and `Buffer`.
+#[test]
+fn no_backend_type_is_named_outside_exec() {
+    let backends = ["cpu::", "cuda::", "wgpu::"];
+    let types = ["CpuBuffer", "CpuExecutor", "CudaBuffer", "CudaExecutor", "WgpuBuffer", "WgpuExecutor"];
+    for file in rust_files(&src()) {
+        if file.starts_with(src().join("exec")) {
+            continue;
+        }
+        let text = std::fs::read_to_string(&file).expect("readable");
+        for (n, line) in text.lines().enumerate() {
+            let code = line.trim_start();
+            if code.starts_with("//") {
+                continue;
+            }
+            let code = code.split("//").next().unwrap_or("");
+            for word in types.iter().chain(backends.iter().filter(|_| code.contains("exec::"))) {
+                let hit = code.match_indices(word).any(|(i, _)| !code[..i].chars().last().is_some_and(|c| c.is_alphanumeric() || c == '_'));
+                assert!(!hit, "{}:{}: names a backend type outside src/exec ({word}): {line}", file.display(), n + 1);
+            }
+        }
+    }
+}
+
+/// Lengths of the functions in a (rustfmt-formatted) file: `(first line, name, lines)`, from the
+/// `fn` line to its closing brace, which rustfmt puts on a line of its own at the `fn`'s indent.
+fn function_lengths(text: &str) -> Vec<(usize, String, usize)> {
+    let lines: Vec<&str> = text.lines().collect();
+    let mut out = Vec::new();
+    for (i, line) in lines.iter().enumerate() {
+        let code = line.trim_start();
+        if code.starts_with("//") {
+            continue;
+        }
+        let indent = line.len() - code.len();
+        let words =
+            ["fn ", "pub fn ", "pub(crate) fn ", "pub(super) fn ", "unsafe fn ", "pub unsafe fn ", "pub(crate) unsafe fn ", "const fn "];
+        let Some(rest) = words.iter().find_map(|w| code.strip_prefix(w)) else { continue };
+        let name: String = rest.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
+        if name.is_empty() || code.ends_with(';') || code.ends_with('}') {
+            continue; // a macro's `fn $name`, a declaration, or a one-line function
+        }
+        let end = (i + 1..lines.len()).find(|&j| {
+            let l = lines[j];
+            l.len() > indent && l[..indent].trim().is_empty() && l[indent..].starts_with('}')
+        });
+        if let Some(end) = end {
+            out.push((i + 1, name, end - i + 1));
+        }
+    }
+    out
+}
+
+/// No function over 80 lines in the library, the command line or the Python bindings: a longer
+/// one does several things, and is split by what its parts do.
+#[test]
+fn no_function_over_80_lines() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut long = Vec::new();
+    for file in rust_files(&src()).into_iter().chain(rust_files(&root.join("python").join("src"))) {
+        let text = std::fs::read_to_string(&file).expect("readable");
+        for (line, name, n) in function_lengths(&text) {
+            if n > 80 {
+                long.push(format!("{}:{line} {name}: {n} lines", file.display()));
+            }
+        }
+    }
+    assert!(long.is_empty(), "functions over 80 lines (split them by what their parts do):\n{}", long.join("\n"));
+    // The rule can see a long function: this one's own shape.
+    let sample = format!("fn long() {{\n{}}}\n", "    let x = 1;\n".repeat(81));
+    assert_eq!(function_lengths(&sample), vec![(1, "long".to_string(), 83)]);
+}

@@ -339,7 +339,7 @@ fn pages_carry_their_checksums_through_storage() {
 fn injected_faults_are_all_detected_and_nothing_else_is_raised() {
     for device in common::devices() {
         let name = device.name();
-        let t = hicache_io::inject::inject_device(&device, 7, 500, |_| {});
+        let t = hicache_io::tools::inject::inject_device(&device, 7, 500, |_| {});
         assert!(t.verified);
         assert!(t.clean(), "{name}: {t:?}");
         assert_eq!(t.detected + t.harmless, t.total(), "{name}: {t:?}");
@@ -351,7 +351,7 @@ fn injected_faults_are_all_detected_and_nothing_else_is_raised() {
 fn check_compares_recorded_checksums_with_the_oracle() {
     for device in common::devices() {
         let name = device.name();
-        let rows = hicache_io::check::check_device(&device, Profile::Extended, 3, 2, |_, _| {}).unwrap();
+        let rows = hicache_io::tools::check::check_device(&device, Profile::Extended, 3, 2, |_, _| {}).unwrap();
         assert!(rows.iter().all(|(_, t)| t.matched == t.cases), "{name}: {rows:?}");
         let sums: u64 = rows.iter().map(|(_, t)| t.checksums).sum();
         assert!(sums > 100, "{name}: only {sums} checksums compared");

@@ -18,11 +18,11 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
-use hicache_io::check::{random_case, supported_cells, Case, Rng};
 use hicache_io::exec::cuda_launch::{gather_launch, CheckArgs, GatherLaunch, LaunchC, LaunchTuning};
 use hicache_io::geometry::BufRef;
-use hicache_io::oracle::{self, OracleBuffers};
 use hicache_io::plan::StepKind;
+use hicache_io::tools::check::{random_case, supported_cells, Case, Rng};
+use hicache_io::tools::oracle::{self, OracleBuffers};
 use hicache_io::{Device, DevicePool, HostPool, IoBackend, Profile, Request};
 
 /// sglang's grid, the executor's default.

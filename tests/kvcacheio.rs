@@ -2,20 +2,11 @@
 //! loops written from sglang's offset formulas, and rejected calls that leave every byte as it
 //! was. (The Python suite runs every op with sglang's parametrizations.)
 
-use hicache_io::check::Rng;
+mod common;
+
+use common::{host_tensor as tensor, random_bytes as random};
 use hicache_io::kvcacheio::{self as kv, Memory, RawTensor};
 use hicache_io::{Device, TransferError};
-
-fn tensor(buf: &mut [u8], dims: &[u64]) -> RawTensor {
-    // SAFETY: `buf` outlives every op of these tests and nothing else touches it meanwhile.
-    unsafe { RawTensor::new(buf.as_mut_ptr() as u64, buf.len() as u64, dims.to_vec(), Memory::Host) }
-}
-
-fn random(len: usize, seed: u64) -> Vec<u8> {
-    let mut v = vec![0u8; len];
-    Rng::new(seed).fill(&mut v);
-    v
-}
 
 const ITEM: usize = 48;
 const LAYERS: usize = 3;

@@ -4,20 +4,11 @@
 
 #![allow(clippy::type_complexity)] // tables of hostile calls
 
-use hicache_io::check::Rng;
-use hicache_io::kvcacheio::{self as kv, Memory, RawTensor};
+mod common;
+
+use common::{host_tensor as tensor, random_bytes as random};
+use hicache_io::kvcacheio::{self as kv, RawTensor};
 use hicache_io::{Device, TransferError};
-
-fn tensor(buf: &mut [u8], dims: &[u64]) -> RawTensor {
-    // SAFETY: `buf` outlives every op of these tests and nothing else touches it meanwhile.
-    unsafe { RawTensor::new(buf.as_mut_ptr() as u64, buf.len() as u64, dims.to_vec(), Memory::Host) }
-}
-
-fn random(len: usize, seed: u64) -> Vec<u8> {
-    let mut v = vec![0u8; len];
-    Rng::new(seed).fill(&mut v);
-    v
-}
 
 /// One head-group-major geometry: `heads` kv heads of `dim` elements of `es` bytes, `groups`
 /// head groups, `layers` layers, pages of `page` tokens, `pages` pages.

@@ -140,7 +140,7 @@ fn readme_matrix_is_current() {
         let start = format!("<!-- matrix:{profile} -->\n");
         let from = readme.find(&start).unwrap_or_else(|| panic!("docs/support-matrix.md lacks {start:?}")) + start.len();
         let to = from + readme[from..].find("<!-- /matrix -->").expect("end marker");
-        let want = hicache_io::matrix::render_markdown(profile, &PoolKind::ALL, 64);
+        let want = hicache_io::tools::matrix::render_markdown(profile, &PoolKind::ALL, 64);
         assert_eq!(
             &readme[from..to],
             want,

@@ -5,25 +5,21 @@
 
 mod common;
 
-use hicache_io::check::Rng;
+use common::random_bytes as random;
 use hicache_io::geometry::{DeviceGeometry, IoBackend, LayerMap, Layout, PagePadding, PoolKind, Profile};
 use hicache_io::kvcacheio::{self as kv, Memory, RawTensor, DSV4_PAGE_BYTES as PAGE};
 use hicache_io::plan::{Op, Request};
+use hicache_io::tools::check::Rng;
 use hicache_io::{Device, DevicePool, HostPool, HostPoolConfig, TransferError};
 
 const TOKENS: usize = 64;
 const VALUE: usize = 576;
 const SCALE: usize = 8;
 
+/// `buf` as a 1-D host tensor.
 fn tensor(buf: &mut [u8]) -> RawTensor {
-    // SAFETY: `buf` outlives every op of these tests and nothing else touches it meanwhile.
-    unsafe { RawTensor::new(buf.as_mut_ptr() as u64, buf.len() as u64, vec![buf.len() as u64], Memory::Host) }
-}
-
-fn random(len: usize, seed: u64) -> Vec<u8> {
-    let mut v = vec![0u8; len];
-    Rng::new(seed).fill(&mut v);
-    v
+    let n = buf.len() as u64;
+    common::host_tensor(buf, &[n])
 }
 
 /// The (offset, length) of token `t`'s value and scale in a C4 buffer.

@@ -4,8 +4,8 @@
 
 mod common;
 
-use hicache_io::check::{random_case, run_case, supported_cells, Outcome, Rng};
 use hicache_io::plan::TableOp;
+use hicache_io::tools::check::{random_case, run_case, supported_cells, Outcome, Rng};
 use hicache_io::{Device, DevicePool, DevicePoolConfig, HostPool, HostPoolConfig, IoBackend, LayerMap, Layout, Op, PoolKind, Profile};
 
 #[test]

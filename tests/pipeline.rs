@@ -7,9 +7,9 @@
 
 mod common;
 
-use hicache_io::check::Rng;
-use hicache_io::oracle::{self, OracleBuffers};
 use hicache_io::plan::Op;
+use hicache_io::tools::check::Rng;
+use hicache_io::tools::oracle::{self, OracleBuffers};
 use hicache_io::{
     Device, DevicePool, DevicePoolConfig, HostPool, HostPoolConfig, IoBackend, LayerMap, Layout, PoolKind, Profile, TransferError,
 };

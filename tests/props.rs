@@ -4,11 +4,11 @@
 
 mod common;
 
-use hicache_io::check::{all_cells, random_case, run_case, supported_cells, Outcome, Rng};
 use hicache_io::error::TransferError;
 use hicache_io::exec::ExecutorKind;
 use hicache_io::geometry::{IoBackend, Layout, PoolKind, Profile};
 use hicache_io::plan::{decide, Cell, TableOp};
+use hicache_io::tools::check::{all_cells, random_case, run_case, supported_cells, Outcome, Rng};
 use hicache_io::{Device, DevicePool, DevicePoolConfig, HostPool, HostPoolConfig, LayerMap};
 use proptest::prelude::*;
 

@@ -9,7 +9,7 @@
 
 mod common;
 
-use hicache_io::check::Rng;
+use hicache_io::tools::check::Rng;
 use hicache_io::{Device, DevicePool, DevicePoolConfig, HostPool, HostPoolConfig, IoBackend, LayerMap, Layout, PoolKind, Profile};
 
 const LAYERS: usize = 4;

@@ -84,20 +84,18 @@ pub(crate) fn place(si: Idx, di: Idx, args: &[&Held], ctx: Ctx) -> PyResult<(Idx
     Ok((Idx::Host(si.into_host(ctx)?), Idx::Host(di.into_host(ctx)?)))
 }
 
-/// Runs `f` with sglang's per-call launch arguments, when given, on the cuda executor.
-pub(crate) fn tuned<R>(block_quota: Option<i64>, num_warps_per_block: Option<i64>, f: impl FnOnce() -> R) -> R {
-    #[cfg(feature = "cuda")]
-    if block_quota.is_some() || num_warps_per_block.is_some() {
-        use hicache_io::exec::cuda::{with_call_tuning, LaunchTuning};
-        let base = LaunchTuning::default();
-        let t = LaunchTuning::from_args(
-            block_quota.unwrap_or(base.block_quota as i64),
-            num_warps_per_block.unwrap_or(base.num_warps_per_block as i64),
-        );
-        return with_call_tuning(t, f);
+/// A call's own launch tuning from sglang's per-call arguments, when given (the one not given
+/// stays the executor's default); clamped as the kernels need.
+pub(crate) fn launch_tuning(block_quota: Option<i64>, num_warps_per_block: Option<i64>) -> Option<hicache_io::plan::LaunchTuning> {
+    use hicache_io::plan::LaunchTuning;
+    if block_quota.is_none() && num_warps_per_block.is_none() {
+        return None;
     }
-    let _ = (block_quota, num_warps_per_block);
-    f()
+    let base = LaunchTuning::default();
+    Some(LaunchTuning::from_args(
+        block_quota.unwrap_or(base.block_quota as i64),
+        num_warps_per_block.unwrap_or(base.num_warps_per_block as i64),
+    ))
 }
 
 /// Whether a layer argument is a list of arrays (not a table of addresses).
@@ -143,13 +141,6 @@ pub(crate) fn layers(obj: &Bound<'_, PyAny>, name: &str, writes: bool, extent: u
             Ok(Held { raw, dtype: (DL_UINT, 8), device_type, device_id: table.device_id, writable: true, _keep: obj.clone().unbind() })
         })
         .collect()
-}
-
-/// Bytes a pointer-table layer of op `spec` must hold for indices `idx` (`source`: its first
-/// layer argument; `int` reads the op's integer arguments).
-pub(crate) fn extent_for(spec: &hicache_io::kvcacheio::catalogue::OpSpec, source: bool, idx: &[i64], int: &dyn Fn(&str) -> i64) -> u64 {
-    let top = idx.iter().copied().filter(|&i| i >= 0).max().map_or(1, |m| m as u64 + 1);
-    spec.trusted_extent(source, top, int)
 }
 
 /// Bytes of any bytes-like object or host array.
@@ -198,7 +189,7 @@ pub(crate) fn table_extents(
             return Ok((i, 0));
         }
         let v = i.into_host(ctx)?;
-        let e = extent_for(spec, source, &v, int);
+        let e = spec.index_extent(source, &v, int);
         Ok((Idx::Host(v), e))
     };
     let (si, se) = host(si, src_table, true)?;

@@ -9,7 +9,7 @@ use hicache_io::kvcacheio::{self as kv, Memory, RawTensor};
 
 use crate::*;
 
-use hicache_io::kvcacheio::catalogue::{self, ArgKind, Binding, OpSpec, Value};
+use hicache_io::kvcacheio::catalogue::{self, ArgKind, Binding, CallOptions, OpSpec, Value};
 
 /// Every op of the catalogue, as JSON (for the Python wrappers, their stubs and `torch.ops`):
 /// each entry with its whole `docstring`.
@@ -41,7 +41,8 @@ pub(crate) enum Read {
 
 /// Runs generic op `name` of the catalogue with `args` (positional, in the catalogue's order):
 /// each read by its kind, in sgl-kernel's order of checks (the layer count first, then the index
-/// lists, then layer arguments, arrays and lists), on the executor of the arrays.
+/// lists, then layer arguments, arrays and lists), on the executor of the arrays. The entry is
+/// looked up once here and handed to the library with what was checked already.
 #[pyfunction]
 #[pyo3(signature = (name, args, *, stream = None, block_quota = None, num_warps_per_block = None))]
 pub(crate) fn call_op(
@@ -52,87 +53,152 @@ pub(crate) fn call_op(
     block_quota: Option<i64>,
     num_warps_per_block: Option<i64>,
 ) -> PyResult<()> {
-    let spec: &OpSpec = OpSpec::find(name)
+    let spec: &'static OpSpec = OpSpec::find(name)
         .filter(|s| s.binding == Binding::Generic)
         .ok_or_else(|| PyValueError::new_err(format!("{name}: not a generic op of the catalogue")))?;
+    // The binding's own entry (the generated wrappers' signatures hold the same count); the
+    // library's count check is for Rust callers, whose values it gets untyped.
     if args.len() != spec.args.len() {
         return Err(PyTypeError::new_err(format!("{name}() takes {} arguments, got {}", spec.args.len(), args.len())));
     }
     let ctx = Ctx { stream };
-    let arg = |i: usize| args.get_item(i);
-    let position = |want: &str| spec.args.iter().position(|(n, _)| *n == want);
-    // Integers first, as a typed signature reads them.
-    let mut read: Vec<Read> = Vec::with_capacity(spec.args.len());
-    for (i, (n, kind)) in spec.args.iter().enumerate() {
-        read.push(match kind {
-            ArgKind::Int => Read::Int(arg(i)?.extract().map_err(|_| PyTypeError::new_err(format!("{name}(): {n} must be an int")))?),
-            ArgKind::Ints => {
-                Read::Ints(arg(i)?.extract().map_err(|_| PyTypeError::new_err(format!("{name}(): {n} must be a sequence of ints")))?)
-            }
-            _ => Read::Index,
-        });
+    let mut read = read_ints(spec, args)?;
+    let ints = Ints { spec, read: &read };
+    // sgl-kernel's first check of the all-layer ops: the source table's length.
+    if let Some(mla) = spec.num_layers {
+        let table = spec.args.iter().position(|(_, k)| *k == ArgKind::InLayers).expect("an all-layer op has source layers");
+        kv::check_num_layers(mla, ints.get("num_layers"), args.get_item(table)?.len()?).py()?;
     }
-    let int = |want: &str| -> i64 {
-        position(want)
-            .and_then(|i| match &read[i] {
+    let lists = read_lists(spec, args, &ints, ctx)?;
+    read_arrays(spec, args, &mut read, lists.remembered, lists.extents, ctx)?;
+    same_dtype(spec, &read)?;
+    let held: Vec<&Held> = read
+        .iter()
+        .flat_map(|r| match r {
+            Read::One(h) | Read::Table(_, h) => std::slice::from_ref(h),
+            Read::Many(v) => v.as_slice(),
+            _ => &[],
+        })
+        .collect();
+    let dev = executor_for(&held, ctx)?;
+    let placed = match lists.kernel {
+        Some((si, di)) => Lists::Kernel(place(si, di, &held, ctx)?),
+        None => lists.host.map_or(Lists::None, Lists::Host),
+    };
+    let many: Vec<Vec<RawTensor>> = read.iter().map(|r| if let Read::Many(v) = r { raws(v) } else { Vec::new() }).collect();
+    let values = values_of(spec, &read, &many, &placed)?;
+    let options = CallOptions { tuning: launch_tuning(block_quota, num_warps_per_block), num_layers_checked: true };
+    py.detach(|| catalogue::call_spec(spec, &dev, &values, options)).py()
+}
+
+/// The integer arguments read so far, by name (0 where absent).
+struct Ints<'r> {
+    spec: &'static OpSpec,
+    read: &'r [Read],
+}
+
+impl Ints<'_> {
+    fn get(&self, want: &str) -> i64 {
+        self.spec
+            .args
+            .iter()
+            .position(|(n, _)| *n == want)
+            .and_then(|i| match &self.read[i] {
                 Read::Int(v) => Some(*v),
                 _ => None,
             })
             .unwrap_or(0)
-    };
-    // sgl-kernel's first check of the all-layer ops: the source table's length.
-    if let Some(mla) = spec.num_layers {
-        let table = spec.args.iter().position(|(_, k)| *k == ArgKind::InLayers).expect("an all-layer op has source layers");
-        kv::check_num_layers(mla, int("num_layers"), arg(table)?.len()?).py()?;
     }
-    // The index lists: left in CUDA memory for `kernel` ops, values on the host for `direct` ops.
+}
+
+/// The integer arguments, read first as a typed signature reads them; every other argument a
+/// placeholder.
+fn read_ints(spec: &'static OpSpec, args: &Bound<'_, PyTuple>) -> PyResult<Vec<Read>> {
+    let name = spec.name;
+    let mut read: Vec<Read> = Vec::with_capacity(spec.args.len());
+    for (i, (n, kind)) in spec.args.iter().enumerate() {
+        let arg = args.get_item(i)?;
+        read.push(match kind {
+            ArgKind::Int => Read::Int(arg.extract().map_err(|_| PyTypeError::new_err(format!("{name}(): {n} must be an int")))?),
+            ArgKind::Ints => {
+                Read::Ints(arg.extract().map_err(|_| PyTypeError::new_err(format!("{name}(): {n} must be a sequence of ints")))?)
+            }
+            _ => Read::Index,
+        });
+    }
+    Ok(read)
+}
+
+/// An op's index lists as read: left in CUDA memory for `kernel` ops, values on the host for
+/// `direct` ops; with the tables the executor remembers and the layers' extents where the
+/// tables are read on the host.
+struct ReadLists {
+    kernel: Option<(Idx, Idx)>,
+    host: Option<(Vec<i64>, Vec<i64>)>,
+    remembered: Remembered,
+    extents: (u64, u64),
+}
+
+/// The index lists, and what the layer arguments given as tables of addresses need of them: a
+/// table's layers are as long as its side's largest index needs, so that side's values come to
+/// the host, unless the executor can tell every layer's extent itself.
+fn read_lists(spec: &'static OpSpec, args: &Bound<'_, PyTuple>, ints: &Ints<'_>, ctx: Ctx) -> PyResult<ReadLists> {
     let lists: Vec<usize> =
         spec.args.iter().enumerate().filter(|(_, (_, k))| matches!(k, ArgKind::Idx | ArgKind::HostIdx)).map(|(i, _)| i).collect();
     let kernel = spec.args.iter().any(|(_, k)| *k == ArgKind::Idx);
-    let (mut kernel_lists, mut host_lists) = (None, None);
-    if let [s, d] = lists[..] {
-        if kernel {
-            kernel_lists = Some(index_args(&arg(s)?, &arg(d)?, ctx)?);
-        } else {
-            host_lists = Some(index_pair(&arg(s)?, &arg(d)?, ctx)?);
-        }
+    let mut out = ReadLists { kernel: None, host: None, remembered: (0..spec.args.len()).map(|_| None).collect(), extents: (0, 0) };
+    let [s, d] = lists[..] else { return Ok(out) };
+    if !kernel {
+        out.host = Some(index_pair(&args.get_item(s)?, &args.get_item(d)?, ctx)?);
+        return Ok(out);
     }
-    // A layer argument given as a table of addresses: its layers are as long as its side's
-    // largest index needs, so that side's values come to the host.
+    let (si, di) = index_args(&args.get_item(s)?, &args.get_item(d)?, ctx)?;
     let is_table = |k: ArgKind| -> PyResult<bool> {
         for (i, (_, kind)) in spec.args.iter().enumerate() {
-            if *kind == k && !is_list(&arg(i)?) {
+            if *kind == k && !is_list(&args.get_item(i)?) {
                 return Ok(true);
             }
         }
         Ok(false)
     };
-    let (mut src_extent, mut dst_extent) = (0, 0);
-    let mut remembered: Remembered = (0..spec.args.len()).map(|_| None).collect();
-    if let Some((si, di)) = kernel_lists.take() {
-        let (src_table, dst_table) = (is_table(ArgKind::InLayers)?, is_table(ArgKind::OutLayers)?);
-        // sglang's path on CUDA: tables in GPU memory with CUDA index lists. The executor reads
-        // each table once and checks it on the device at every call; the lists stay on the
-        // device when every layer's extent is known without them.
-        if (src_table || dst_table) && matches!((&si, &di), (Idx::Cuda(_), Idx::Cuda(_))) {
-            if let Some(t) = remembered_tables(spec, args, &int, ctx)? {
-                remembered = t;
-            }
+    let (src_table, dst_table) = (is_table(ArgKind::InLayers)?, is_table(ArgKind::OutLayers)?);
+    let int = |n: &str| ints.get(n);
+    // sglang's path on CUDA: tables in GPU memory with CUDA index lists. The executor reads each
+    // table once and checks it on the device at every call; the lists stay on the device when
+    // every layer's extent is known without them.
+    if (src_table || dst_table) && matches!((&si, &di), (Idx::Cuda(_), Idx::Cuda(_))) {
+        if let Some(t) = remembered_tables(spec, args, &int, ctx)? {
+            out.remembered = t;
         }
-        kernel_lists = Some(if remembered.iter().all(Option::is_none) {
-            let (si, di, se, de) = table_extents(spec, si, di, src_table, dst_table, &int, ctx)?;
-            (src_extent, dst_extent) = (se, de);
-            (si, di)
-        } else {
-            (si, di)
-        });
     }
+    if out.remembered.iter().all(Option::is_none) {
+        let (si, di, se, de) = table_extents(spec, si, di, src_table, dst_table, &int, ctx)?;
+        out.extents = (se, de);
+        out.kernel = Some((si, di));
+    } else {
+        out.kernel = Some((si, di));
+    }
+    Ok(out)
+}
+
+/// Layer arguments, then arrays, then lists of arrays, each in the catalogue's order.
+fn read_arrays(
+    spec: &'static OpSpec,
+    args: &Bound<'_, PyTuple>,
+    read: &mut [Read],
+    mut remembered: Remembered,
+    (src_extent, dst_extent): (u64, u64),
+    ctx: Ctx,
+) -> PyResult<()> {
     // Which layer arguments the op writes (page rows: whichever side `load` says).
-    let (writes_in, writes_out) = (spec.writes(ArgKind::InLayers, &int), spec.writes(ArgKind::OutLayers, &int));
-    // Layer arguments, then arrays, then lists of arrays, each in the catalogue's order.
+    let (writes_in, writes_out) = {
+        let ints = Ints { spec, read };
+        let int = |n: &str| ints.get(n);
+        (spec.writes(ArgKind::InLayers, &int), spec.writes(ArgKind::OutLayers, &int))
+    };
     for pass in 0..3 {
         for (i, (n, kind)) in spec.args.iter().enumerate() {
-            let obj = arg(i)?;
+            let obj = args.get_item(i)?;
             match (pass, kind) {
                 (0, ArgKind::InLayers | ArgKind::OutLayers) if remembered[i].is_some() => {
                     let (t, h) = remembered[i].take().expect("checked");
@@ -148,31 +214,36 @@ pub(crate) fn call_op(
             }
         }
     }
-    let held: Vec<&Held> = read
-        .iter()
-        .flat_map(|r| match r {
-            Read::One(h) | Read::Table(_, h) => std::slice::from_ref(h),
-            Read::Many(v) => v.as_slice(),
-            _ => &[],
-        })
-        .collect();
-    if spec.same_dtype {
-        let one = |k: ArgKind| {
-            spec.args.iter().position(|(_, x)| *x == k).and_then(|i| match &read[i] {
-                Read::One(h) => Some(h.dtype),
-                _ => None,
-            })
-        };
-        if one(ArgKind::In) != one(ArgKind::Out) {
-            return Err(PyRuntimeError::new_err("src and dst must have the same dtype"));
-        }
+    Ok(())
+}
+
+/// sglang's check that the source and destination arrays are of one dtype, where the op makes it.
+fn same_dtype(spec: &'static OpSpec, read: &[Read]) -> PyResult<()> {
+    if !spec.same_dtype {
+        return Ok(());
     }
-    let dev = executor_for(&held, ctx)?;
-    let kernel_lists = match kernel_lists {
-        Some((si, di)) => Some(place(si, di, &held, ctx)?),
-        None => None,
+    let one = |k: ArgKind| {
+        spec.args.iter().position(|(_, x)| *x == k).and_then(|i| match &read[i] {
+            Read::One(h) => Some(h.dtype),
+            _ => None,
+        })
     };
-    let many: Vec<Vec<RawTensor>> = read.iter().map(|r| if let Read::Many(v) = r { raws(v) } else { Vec::new() }).collect();
+    if one(ArgKind::In) != one(ArgKind::Out) {
+        return Err(PyRuntimeError::new_err("src and dst must have the same dtype"));
+    }
+    Ok(())
+}
+
+/// The index lists, placed for the executor.
+enum Lists {
+    Kernel((Idx, Idx)),
+    Host((Vec<i64>, Vec<i64>)),
+    None,
+}
+
+/// Every argument as the library takes it, borrowing what was read.
+fn values_of<'a>(spec: &'static OpSpec, read: &'a [Read], many: &'a [Vec<RawTensor>], lists: &'a Lists) -> PyResult<Vec<Value<'a>>> {
+    let first_list = spec.args.iter().position(|(_, k)| matches!(k, ArgKind::Idx | ArgKind::HostIdx));
     let mut values: Vec<Value<'_>> = Vec::with_capacity(spec.args.len());
     for (i, r) in read.iter().enumerate() {
         values.push(match r {
@@ -182,16 +253,16 @@ pub(crate) fn call_op(
             Read::Int(v) => Value::Int(*v),
             Read::Ints(v) => Value::Ints(v),
             Read::Index => {
-                let first = lists.first() == Some(&i);
-                match (&kernel_lists, &host_lists) {
-                    (Some((si, di)), _) => Value::Indices(if first { si.indices() } else { di.indices() }),
-                    (_, Some((si, di))) => Value::Ints(if first { si } else { di }),
-                    _ => return Err(PyRuntimeError::new_err(format!("{name}: index lists missing"))),
+                let first = first_list == Some(i);
+                match lists {
+                    Lists::Kernel((si, di)) => Value::Indices(if first { si.indices() } else { di.indices() }),
+                    Lists::Host((si, di)) => Value::Ints(if first { si } else { di }),
+                    Lists::None => return Err(PyRuntimeError::new_err(format!("{}: index lists missing", spec.name))),
                 }
             }
         });
     }
-    py.detach(|| tuned(block_quota, num_warps_per_block, || catalogue::call(name, &dev, &values))).py()
+    Ok(values)
 }
 
 /// sglang's `copy_all_layer_kv_cache_cpu`: `data_ptrs` (uint64 host addresses of the buffers,

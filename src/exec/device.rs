@@ -2,7 +2,10 @@
 //! [`each_backend!`], and forwarded to each backend's [`Executor`] implementation
 //! (candle-style: backends only execute, and never name these enums).
 
+use std::ptr::NonNull;
+
 use crate::error::{Result, TransferError};
+use crate::exec::caller::{Memory, RawTensor};
 use crate::plan::Capabilities;
 
 #[cfg(feature = "cuda")]
@@ -121,9 +124,45 @@ pub(super) fn typed<'a, T: Pick>(bufs: &Bindings<'a, Buffer>, name: &'static str
 }
 
 impl Device {
+    /// Wraps caller memory `t` (argument `name`, for errors) as a buffer of this executor,
+    /// without owning it: refused where the executor cannot move that memory.
+    pub(crate) fn wrap_raw(&self, t: &RawTensor, name: &str) -> Result<Buffer> {
+        let bad = |reason: &str| TransferError::BadTensor { arg: name.into(), reason: reason.into() };
+        let Some(ptr) = NonNull::new(t.addr as *mut u8) else { return Err(bad("null data pointer")) };
+        let len = usize::try_from(t.len).map_err(|_| bad("larger than the address space"))?;
+        if t.addr.checked_add(t.len).is_none() {
+            return Err(bad("address range wraps"));
+        }
+        match self {
+            Device::Cpu(e) => {
+                if t.memory != Memory::Host {
+                    return Err(bad("the cpu executor moves host memory only"));
+                }
+                // SAFETY: the caller of `RawTensor::new` vouches for the span; the buffer is dropped
+                // before the op returns.
+                Ok(Buffer::Cpu(unsafe { cpu::CpuBuffer::from_raw(ptr, len, e) }))
+            }
+            #[cfg(feature = "cuda")]
+            Device::Cuda(e) => {
+                // SAFETY: as above, and the op's copies are ordered on the executor's stream (the
+                // caller's, for an executor made with `CudaExecutor::from_stream`); host memory must
+                // be pinned or registered (refused otherwise).
+                let b = unsafe { cuda::CudaBuffer::stream_ordered(e, t.addr, t.len, t.memory == Memory::CudaDevice)? };
+                Ok(Buffer::Cuda(b))
+            }
+            #[cfg(feature = "wgpu")]
+            Device::Wgpu(_) => Err(bad("the wgpu executor moves between its own pools only (use DevicePool / HostPool)")),
+        }
+    }
+
     /// A new cpu executor instance.
     pub fn cpu() -> Device {
         Device::Cpu(cpu::CpuExecutor::new())
+    }
+
+    /// A new cpu executor instance that copies on at most `threads` threads (at least one).
+    pub fn cpu_with_threads(threads: usize) -> Device {
+        Device::Cpu(cpu::CpuExecutor::with_threads(threads))
     }
 
     /// Opens one executor; a missing driver or adapter is `Err(Unavailable)`, never a panic.

@@ -10,13 +10,13 @@
 //! never the dispatcher.
 
 mod calibrate;
+pub mod caller;
 mod completion;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
-/// The cuda kernels' launch descriptors (`cuda/abi.rs`, also `exec::cuda::abi`): compiled
-/// without the cuda feature too, for the host emulation of the kernels in the tests.
-#[path = "cuda/abi.rs"]
+/// The cuda kernels' launch descriptors (also `exec::cuda::abi`): compiled without the cuda
+/// feature too, for the host emulation of the kernels in the tests.
 pub mod cuda_launch;
 mod device;
 mod executor;

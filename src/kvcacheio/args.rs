@@ -4,7 +4,7 @@
 
 use super::catalogue::{ArgKind, OpSpec};
 use super::*;
-use crate::plan::TableGuards;
+use crate::plan::{LaunchTuning, TableGuards};
 use crate::{Result, TransferError};
 
 /// One argument, as the bindings hand it over.
@@ -62,20 +62,22 @@ pub(super) struct OpArgs<'v, 'a> {
     tables: Vec<Vec<RawTensor>>,
     /// The device checks of the tables.
     guards: TableGuards,
+    /// The call's launch tuning, for every plan it makes.
+    tuning: Option<LaunchTuning>,
 }
 
 impl<'v, 'a: 'v> OpArgs<'v, 'a> {
     /// Checks that there is one value per argument, each of its kind, and sizes the layers of
     /// its tables ([`table_extents`]; where that cannot tell, by the largest host index of the
     /// table's side).
-    pub(super) fn new(spec: &'static OpSpec, values: &'v [Value<'a>]) -> Result<Self> {
+    pub(super) fn new(spec: &'static OpSpec, values: &'v [Value<'a>], tuning: Option<LaunchTuning>) -> Result<Self> {
         if values.len() != spec.args.len() {
             return Err(mismatch(spec, format!("{} arguments, the catalogue lists {}", values.len(), spec.args.len())));
         }
         if let Some(i) = (0..values.len()).find(|&i| !values[i].fits(spec.args[i].1)) {
             return Err(mismatch(spec, format!("argument {i} ({}) is of another kind than the catalogue says", spec.args[i].0)));
         }
-        let mut a = OpArgs { spec, values, tables: vec![Vec::new(); values.len()], guards: TableGuards::default() };
+        let mut a = OpArgs { spec, values, tables: vec![Vec::new(); values.len()], guards: TableGuards::default(), tuning };
         let at: Vec<usize> = (0..values.len()).filter(|&i| matches!(values[i], Value::Table(_))).collect();
         if at.is_empty() {
             return Ok(a);
@@ -91,11 +93,7 @@ impl<'v, 'a: 'v> OpArgs<'v, 'a> {
             let list = if kind == ArgKind::InLayers { src } else { dst };
             let int = |name: &str| a.int(name).unwrap_or(0);
             let by_index = match list {
-                Indices::Host(v) => Some(spec.trusted_extent(
-                    kind == ArgKind::InLayers,
-                    v.iter().copied().filter(|&x| x >= 0).max().map_or(1, |m| m as u64 + 1),
-                    &int,
-                )),
+                Indices::Host(v) => Some(spec.index_extent(kind == ArgKind::InLayers, v, &int)),
                 Indices::Cuda(_) => None,
             };
             let layers = t
@@ -128,12 +126,13 @@ impl<'v, 'a: 'v> OpArgs<'v, 'a> {
     }
 
     /// Runs the calls planned from these arguments ([`run_all`]), each carrying the device
-    /// checks of the tables it was planned from.
+    /// checks of the tables it was planned from and the call's launch tuning.
     pub(super) fn run(&self, mut calls: Vec<Call>) -> Result<()> {
-        if !self.guards.is_empty() {
-            for c in &mut calls {
+        for c in &mut calls {
+            if !self.guards.is_empty() {
                 c.guard_tables(self.guards)?;
             }
+            c.tune(self.tuning);
         }
         run_all(calls)
     }

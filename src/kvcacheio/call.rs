@@ -117,6 +117,11 @@ impl Call {
         Ok(call)
     }
 
+    /// Gives the plan the call's own launch tuning.
+    pub(super) fn tune(&mut self, tuning: Option<crate::plan::LaunchTuning>) {
+        self.plan.set_tuning(tuning);
+    }
+
     /// Makes the plan's device checks compare the caller's layer tables with what they held.
     pub(super) fn guard_tables(&mut self, tables: crate::plan::TableGuards) -> Result<()> {
         self.plan.guard_tables(tables)
@@ -170,11 +175,10 @@ pub(super) fn run_all(calls: Vec<Call>) -> Result<()> {
 
 pub(super) fn run_calls(calls: Vec<Call>) -> Result<()> {
     let total = calls.len();
-    for (k, mut c) in calls.into_iter().enumerate() {
-        let r = match c.plan.direction() {
-            crate::plan::Direction::HostToDevice => c.host.execute_load(&mut c.dev, &c.plan),
-            crate::plan::Direction::DeviceToHost => c.host.execute_backup(&c.dev, &c.plan),
-        };
+    for (k, c) in calls.into_iter().enumerate() {
+        // Planned for exactly these pools a moment ago (`Call::new`): the pair, direction and
+        // profile checks of `execute_load` / `execute_backup` hold by construction.
+        let r = c.host.execute(&c.dev, &c.plan);
         if let Err(e) = r {
             if k == 0 {
                 return Err(e);

@@ -52,10 +52,10 @@ mod rows;
 mod tensors;
 mod tokens;
 
+pub use crate::exec::caller::{page_row_extents, table_extents, CudaIndices, Indices, LayerTable, Layers, Memory, RawTensor};
 pub use catalogue::*;
 pub use lists::check_num_layers;
 pub use rows::{copy_all_layer_kv_cache, MAX_ROWS};
-pub use tensors::{page_row_extents, table_extents, CudaIndices, Indices, LayerTable, Layers, Memory, RawTensor};
 pub use tokens::{DSV4_PAGE_BYTES, DSV4_PAGE_TOKENS, DSV4_SCALE_BYTES, DSV4_VALUE_BYTES};
 
 use backups::*;

@@ -127,7 +127,7 @@ fn in_range_term(b: i64, x: i64) -> i64 {
 /// it (the fold is a third of a 4096-pair plan with SSE2).
 fn range_fold(idx: &[i64], b: i64) -> (i64, i64) {
     #[cfg(target_arch = "x86_64")]
-    if crate::integrity::has_avx2() {
+    if crate::cpu_features::has_avx2() {
         // SAFETY: AVX2 is available.
         return unsafe { range_fold_avx2(idx, b) };
     }

@@ -38,6 +38,7 @@ mod int;
 mod lower;
 mod planner;
 mod table;
+mod tuning;
 mod types;
 
 pub use capabilities::*;
@@ -45,6 +46,7 @@ pub use device_lists::*;
 pub use int::*;
 pub use lower::coalesce;
 pub use table::*;
+pub use tuning::{LaunchTuning, MAX_BLOCK_QUOTA};
 pub use types::*;
 
 pub(crate) use footprint::{Claim, Footprint};

@@ -132,6 +132,7 @@ pub(super) fn plan_io(profile: Profile, caps: &Capabilities, owner: u64, pair: &
         bytes: 0,
         device_check: None,
         host_units: Arc::from([]),
+        tuning: None,
     };
     // 1. Layers.
     let Some(layer_groups) = resolve_layers(dev, req.op, table_op)? else {
@@ -165,7 +166,19 @@ pub(super) fn plan_io(profile: Profile, caps: &Capabilities, owner: u64, pair: &
         IoBackend::Kernel => lower_gather(host, dev, caps, direction, &layer_groups, host_units.clone(), Arc::from(&di[..]), live),
         _ => lower_direct(host, dev, direction, &layer_groups, &hi, &di, live),
     };
-    Ok(Plan { owner, pair: pair.clone(), profile, direction, path, io, steps: steps.into(), bytes, device_check: None, host_units })
+    Ok(Plan {
+        owner,
+        pair: pair.clone(),
+        profile,
+        direction,
+        path,
+        io,
+        steps: steps.into(),
+        bytes,
+        device_check: None,
+        host_units,
+        tuning: None,
+    })
 }
 
 /// (host layer, device buffer slot) pairs, one group per step.

@@ -345,6 +345,8 @@ pub struct Plan {
     pub(super) device_check: Option<DeviceIndexCheck>,
     /// Host indices (in units: pages for the DSA indexer) of the call, negative: skipped.
     pub(super) host_units: Arc<[i64]>,
+    /// The call's own launch tuning (`None`: the executor's).
+    pub(super) tuning: Option<super::LaunchTuning>,
 }
 
 /// The host layers of `steps`, ascending, each once.
@@ -356,6 +358,16 @@ pub(crate) fn layers_of<'a>(steps: impl IntoIterator<Item = &'a Step>) -> Vec<u6
 }
 
 impl Plan {
+    /// The launch tuning this call asked for (`None`: the executor's own).
+    pub fn tuning(&self) -> Option<super::LaunchTuning> {
+        self.tuning
+    }
+
+    /// Gives this plan a call's own launch tuning (clamped as [`super::LaunchTuning::from_args`] clamps).
+    pub fn set_tuning(&mut self, tuning: Option<super::LaunchTuning>) {
+        self.tuning = tuning.map(super::LaunchTuning::clamped);
+    }
+
     /// The plan with its copies checksumming every item (`on`, on an executor whose copies can:
     /// [`Capabilities::checksums`]; index lists on the host). `direct` steps on an executor
     /// without [`Capabilities::direct_checksums`] settle their items as unknown instead, in queue

@@ -287,9 +287,10 @@ impl<'m> HostPool<'m> {
         Ok(())
     }
 
-    /// Runs an accepted plan; callers hold `&mut` on its destination pool, or its claims
-    /// ([`super::shared`]).
-    pub(super) fn execute(&self, device_pool: &DevicePool, plan: &Plan) -> Result<()> {
+    /// Runs an accepted plan made for these pools (as [`HostPool::plan`] makes it, so the checks
+    /// of [`HostPool::execute_load`] hold); callers hold `&mut` on its destination pool, or its
+    /// claims ([`super::shared`]), or own both pools.
+    pub(crate) fn execute(&self, device_pool: &DevicePool, plan: &Plan) -> Result<()> {
         log::debug!(
             "{:?} via {} on {}: {} steps, {} bytes",
             plan.direction(),

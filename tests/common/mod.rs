@@ -1,9 +1,38 @@
-//! Shared test helpers: which executors to run on, when a missing one fails the run, and a
-//! pool pair's bytes.
+//! Shared test helpers: which executors to run on, when a missing one fails the run, a pool
+//! pair's bytes, caller memory for the `kvcacheio` ops, and the simulated driver's call trace.
 #![allow(dead_code)]
 
 use hicache_io::exec::{Device, ExecutorKind};
+use hicache_io::kvcacheio::{Memory, RawTensor};
+use hicache_io::rng::Rng;
 use hicache_io::{DevicePool, HostPool};
+
+/// `buf` as an op's host tensor of shape `dims` (elements).
+pub fn host_tensor(buf: &mut [u8], dims: &[u64]) -> RawTensor {
+    // SAFETY: `buf` outlives every op of these tests and nothing else touches it meanwhile.
+    unsafe { RawTensor::new(buf.as_mut_ptr() as u64, buf.len() as u64, dims.to_vec(), Memory::Host) }
+}
+
+/// `len` seeded random bytes.
+pub fn random_bytes(len: usize, seed: u64) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    Rng::new(seed).fill(&mut v);
+    v
+}
+
+/// The file the simulated CUDA driver traces its calls into for this test process (`name`
+/// tells the tests apart), set before the driver's first call; `None` (the test skips) outside
+/// the simulator (`HICACHE_CUDA_SIM=1`, as `scripts/cuda-sim.sh` sets). One test per process:
+/// the simulator reads the variable once.
+pub fn sim_trace(name: &str) -> Option<std::path::PathBuf> {
+    if std::env::var("HICACHE_CUDA_SIM").map_or(true, |v| v != "1") {
+        eprintln!("skipping: not on the simulated driver (scripts/cuda-sim.sh)");
+        return None;
+    }
+    let trace = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-{}.txt", std::process::id()));
+    std::env::set_var("HICACHE_CUDA_SIM_TRACE", &trace);
+    Some(trace)
+}
 
 /// A pool pair's bytes: device `[comp][buffer]`, host `[comp]`.
 pub type Contents = (Vec<Vec<Vec<u8>>>, Vec<Vec<u8>>);

@@ -3,7 +3,7 @@
 
 use crate::exec::ChecksumBinding;
 use crate::geometry::{Addr, BufRef};
-use crate::plan::{Span, Step, StepKind};
+use crate::plan::{ChecksumMode, CopyStep, GatherStep, Span, Step, StepKind};
 
 use super::checksums::{copy_runs_checked, gather_checked};
 use super::queue::ON_WORKER;
@@ -42,89 +42,115 @@ impl RawBindings {
 /// larger than the caches, whose destination nobody reads soon).
 pub(super) fn run_step(step: &Step, bufs: &RawBindings, threads: usize, streaming: bool) {
     match step.kind() {
-        StepKind::Gather(g) => {
-            let pairs: Vec<(SendPtr, SendPtr, Addr, Addr)> =
-                g.pairs.iter().map(|l| (SendPtr(bufs.get(l.src.buf())), SendPtr(bufs.get(l.dst.buf())), l.src, l.dst)).collect();
-            let (chunk, heads) = (g.chunk_bytes as usize, g.heads);
-            // Layer by layer (destinations are unique, so order only affects speed): each pass
-            // stays within one layer's buffers, measured up to 4x faster than item by item for
-            // random 128-byte items. Upcoming items are prefetched: random small items are
-            // latency-bound otherwise.
-            let (si, di) = (&g.src_indices[..], &g.dst_indices[..]);
-            // Prefetching the next items pays where they come from memory (a transfer larger
-            // than the caches) or where an item is long enough to hide its cost; for small
-            // cached items it measured 1.5x slower (128 B backups of 4 MiB).
-            let prefetching = streaming || chunk >= PREFETCH_MIN_CHUNK;
-            if let (Some(mode), Some(ib)) = (g.checksum, &bufs.integrity) {
-                let work = |lo: usize, hi: usize| {
-                    let mut n = [0u64; 4];
-                    for (l, &item) in pairs.iter().zip(&g.items) {
-                        n = add4(
-                            n,
-                            match streaming {
-                                true => gather_checked::<true>(l, item, si, di, chunk, heads, lo, hi, mode, ib),
-                                false => gather_checked::<false>(l, item, si, di, chunk, heads, lo, hi, mode, ib),
-                            },
-                        );
-                    }
-                    store_fence(streaming);
-                    ib.table.count(n);
-                };
-                split(g.src_indices.len(), threads, &work);
-                return;
-            }
-            let work = |lo: usize, hi: usize| {
-                for l in &pairs {
-                    // Monomorphized per store kind and prefetch: a branch per chunk measured
-                    // 30% slower for 128-byte items.
-                    match (streaming, prefetching) {
-                        (true, true) => gather_items::<true, true>(l, si, di, chunk, heads, lo, hi),
-                        (true, false) => gather_items::<true, false>(l, si, di, chunk, heads, lo, hi),
-                        (false, true) => gather_items::<false, true>(l, si, di, chunk, heads, lo, hi),
-                        (false, false) => gather_items::<false, false>(l, si, di, chunk, heads, lo, hi),
-                    }
-                }
-                store_fence(streaming);
-            };
-            split(g.src_indices.len(), threads, &work);
-        }
+        StepKind::Gather(g) => run_gather(g, bufs, threads, streaming),
         StepKind::Copy(c) if step.checksum().is_some() && bufs.integrity.is_some() => {
             let (Some(mode), Some(ib)) = (step.checksum(), &bufs.integrity) else { return };
-            let work = |lo: usize, hi: usize| {
-                let n = copy_runs_checked(c, bufs, (lo, hi), streaming, mode, ib);
-                store_fence(streaming);
-                ib.table.count(n);
-            };
-            split(c.len(), threads, &work);
+            run_copy_checked(c, bufs, threads, streaming, mode, ib);
         }
-        StepKind::Copy(c) => {
-            let item = c.item_bytes() as usize;
-            let work = |lo: usize, hi: usize| {
-                for (p, spans) in c.pieces(lo, hi) {
-                    let pair = &c.pairs()[p];
-                    let (sp, dp) = (bufs.get(pair.src.buf()), bufs.get(pair.dst.buf()));
-                    let at = |s: &Span| {
-                        let (su, du) = c.units(s);
-                        (pair.src.offset(su, 0) as usize, pair.dst.offset(du, 0) as usize)
-                    };
-                    for (j, s) in spans.iter().enumerate() {
-                        // Runs of one item each (random pages) are latency-bound: prefetch ahead.
-                        if let Some(a) = spans.get(j + PREFETCH_AHEAD) {
-                            let (so, dof) = at(a);
-                            prefetch(sp.wrapping_add(so));
-                            prefetch(dp.wrapping_add(dof));
-                        }
-                        let (so, dof) = at(s);
-                        // SAFETY: the planner made the span from range-checked items of these
-                        // pools' geometry.
-                        unsafe { copy(streaming, sp.add(so), dp.add(dof), s.items as usize * item) };
-                    }
-                }
-                store_fence(streaming);
-            };
-            split(c.len(), threads, &work);
-        }
+        StepKind::Copy(c) => run_copy(c, bufs, threads, streaming),
     }
+}
+
+/// One address pair of a gather: both buffers' addresses and addressing.
+type Pair = (SendPtr, SendPtr, Addr, Addr);
+
+/// A gather step: its address pairs resolved to buffer addresses, then its items copied (and
+/// checksummed where the step and the bindings keep checksums).
+fn run_gather(g: &GatherStep, bufs: &RawBindings, threads: usize, streaming: bool) {
+    let pairs: Vec<Pair> = g.pairs.iter().map(|l| (SendPtr(bufs.get(l.src.buf())), SendPtr(bufs.get(l.dst.buf())), l.src, l.dst)).collect();
+    // Layer by layer (destinations are unique, so order only affects speed): each pass
+    // stays within one layer's buffers, measured up to 4x faster than item by item for
+    // random 128-byte items. Upcoming items are prefetched: random small items are
+    // latency-bound otherwise.
+    if let (Some(mode), Some(ib)) = (g.checksum, &bufs.integrity) {
+        run_gather_checked(g, &pairs, threads, streaming, mode, ib);
+        return;
+    }
+    run_gather_plain(g, &pairs, threads, streaming);
+}
+
+/// The items of a checksumming gather, split across threads, their checksums counted.
+fn run_gather_checked(g: &GatherStep, pairs: &[Pair], threads: usize, streaming: bool, mode: ChecksumMode, ib: &ChecksumBinding) {
+    let (chunk, heads) = (g.chunk_bytes as usize, g.heads);
+    let (si, di) = (&g.src_indices[..], &g.dst_indices[..]);
+    let work = |lo: usize, hi: usize| {
+        let mut n = [0u64; 4];
+        for (l, &item) in pairs.iter().zip(&g.items) {
+            n = add4(
+                n,
+                match streaming {
+                    true => gather_checked::<true>(l, item, si, di, chunk, heads, lo, hi, mode, ib),
+                    false => gather_checked::<false>(l, item, si, di, chunk, heads, lo, hi, mode, ib),
+                },
+            );
+        }
+        store_fence(streaming);
+        ib.table.count(n);
+    };
+    split(g.src_indices.len(), threads, &work);
+}
+
+/// The items of a plain gather, split across threads.
+fn run_gather_plain(g: &GatherStep, pairs: &[Pair], threads: usize, streaming: bool) {
+    let (chunk, heads) = (g.chunk_bytes as usize, g.heads);
+    let (si, di) = (&g.src_indices[..], &g.dst_indices[..]);
+    // Prefetching the next items pays where they come from memory (a transfer larger
+    // than the caches) or where an item is long enough to hide its cost; for small
+    // cached items it measured 1.5x slower (128 B backups of 4 MiB).
+    let prefetching = streaming || chunk >= PREFETCH_MIN_CHUNK;
+    let work = |lo: usize, hi: usize| {
+        for l in pairs {
+            // Monomorphized per store kind and prefetch: a branch per chunk measured
+            // 30% slower for 128-byte items.
+            match (streaming, prefetching) {
+                (true, true) => gather_items::<true, true>(l, si, di, chunk, heads, lo, hi),
+                (true, false) => gather_items::<true, false>(l, si, di, chunk, heads, lo, hi),
+                (false, true) => gather_items::<false, true>(l, si, di, chunk, heads, lo, hi),
+                (false, false) => gather_items::<false, false>(l, si, di, chunk, heads, lo, hi),
+            }
+        }
+        store_fence(streaming);
+    };
+    split(g.src_indices.len(), threads, &work);
+}
+
+/// The runs of a checksumming `direct` step, split across threads, their checksums counted.
+fn run_copy_checked(c: &CopyStep, bufs: &RawBindings, threads: usize, streaming: bool, mode: ChecksumMode, ib: &ChecksumBinding) {
+    let work = |lo: usize, hi: usize| {
+        let n = copy_runs_checked(c, bufs, (lo, hi), streaming, mode, ib);
+        store_fence(streaming);
+        ib.table.count(n);
+    };
+    split(c.len(), threads, &work);
+}
+
+/// The runs of a plain `direct` step, split across threads.
+fn run_copy(c: &CopyStep, bufs: &RawBindings, threads: usize, streaming: bool) {
+    let item = c.item_bytes() as usize;
+    let work = |lo: usize, hi: usize| {
+        for (p, spans) in c.pieces(lo, hi) {
+            let pair = &c.pairs()[p];
+            let (sp, dp) = (bufs.get(pair.src.buf()), bufs.get(pair.dst.buf()));
+            let at = |s: &Span| {
+                let (su, du) = c.units(s);
+                (pair.src.offset(su, 0) as usize, pair.dst.offset(du, 0) as usize)
+            };
+            for (j, s) in spans.iter().enumerate() {
+                // Runs of one item each (random pages) are latency-bound: prefetch ahead.
+                if let Some(a) = spans.get(j + PREFETCH_AHEAD) {
+                    let (so, dof) = at(a);
+                    prefetch(sp.wrapping_add(so));
+                    prefetch(dp.wrapping_add(dof));
+                }
+                let (so, dof) = at(s);
+                // SAFETY: the planner made the span from range-checked items of these
+                // pools' geometry.
+                unsafe { copy(streaming, sp.add(so), dp.add(dof), s.items as usize * item) };
+            }
+        }
+        store_fence(streaming);
+    };
+    split(c.len(), threads, &work);
 }
 
 /// Items `lo..hi` of one address pair; `NT`: non-temporal stores; `PF`: prefetch ahead.

@@ -1,33 +1,18 @@
-//! Launching a gather step: its launch description, its tables uploaded, the kernel enqueued;
-//! and the device checks of a plan whose index lists are in CUDA memory.
-
-use std::cell::{Cell, RefCell};
+//! Launching a gather step: its launch description, its tables uploaded, the kernel enqueued
+//! (the plain copy, or the summing one with its sums queued for settling). The device checks it
+//! tests are in `plan_checks`.
 
 use cudarc::driver::{result, sys};
 
-use super::checks::Slot;
-use super::driver::{drv, drv_msg};
-use super::{call_tuning, CudaBuffer, CudaExecutor};
+use super::driver::drv;
+use super::{CudaBuffer, CudaExecutor};
 use crate::error::Result;
-use crate::exec::cuda_launch::gather_launch;
-use crate::exec::{Bindings, Stream};
-use crate::plan::{DeviceIndexCheck, GatherStep, Plan};
+use crate::exec::cuda_launch::{gather_launch, GatherLaunch};
+use crate::exec::{Bindings, ChecksumBinding, Stream};
+use crate::plan::{ChecksumMode, GatherStep, Plan};
 
-/// A device check enqueued on this thread whose report is not queued yet: the plan's later
-/// steps (and, inside [`CudaExecutor::with_shared_index_check`], the later calls with the same
-/// check) test its status. Thread-local because a plan's steps are issued by one thread, one
-/// after the other; another thread's calls have their own.
-struct Active {
-    exec: u64,
-    check: DeviceIndexCheck,
-    stream: sys::CUstream,
-    slot: Slot,
-}
-
-thread_local! {
-    static ACTIVE: RefCell<Vec<Active>> = const { RefCell::new(Vec::new()) };
-    static SHARED: Cell<u32> = const { Cell::new(0) };
-}
+/// A launch's grid and block dimensions.
+type Grid = ((u32, u32, u32), (u32, u32, u32));
 
 /// Index of a copy word's kernel in the executor's function tables: 16, 8, 4 bytes.
 fn word_index(word: u32) -> usize {
@@ -77,123 +62,89 @@ impl CudaExecutor {
     ) -> Result<()> {
         let mut side = None;
         let (stream, scratch) = self.stream_scratch(on, &mut side)?;
-        let tuning = call_tuning().unwrap_or(self.inner.tuning);
+        // The call's own grid (sglang's `block_quota`, `num_warps_per_block`), else the executor's.
+        let tuning = plan.tuning().unwrap_or(self.inner.tuning);
         let launch = gather_launch(g, |b| bufs.get(b).dev_ptr, tuning, self.inner.max_threads)?;
         let mut scratch = scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let status = match (plan.device_check(), g.device_lists()) {
-            (Some(c), Some(_)) => {
-                let id = self.inner.id;
-                let active =
-                    ACTIVE.with_borrow(|a| a.iter().find(|a| a.exec == id && a.check == *c && a.stream == stream).map(|a| a.slot.status));
-                match active {
-                    Some(status) if k > 0 || SHARED.get() > 0 => status,
-                    _ if k > 0 => return Err(drv_msg("a later step of a device-checked plan found no checks enqueued")),
-                    _ => {
-                        // An earlier check left unreported (its plan failed midway) is reported
-                        // first: its slot then comes back once the report is read.
-                        self.report_active()?;
-                        let slot = {
-                            let mut reports = self.inner.reports.lock().unwrap_or_else(|e| e.into_inner());
-                            // SAFETY: the context is bound (execute_step).
-                            unsafe { reports.slot()? }
-                        };
-                        // SAFETY: the context is bound; the slot is this call's; the lists are
-                        // the caller's device memory, vouched for where they were described. On
-                        // failure the slot is not reused (queued work may use it).
-                        unsafe { scratch.check.enqueue(stream, self.inner.f_check, c, slot.status)? };
-                        ACTIVE.with_borrow_mut(|a| a.push(Active { exec: id, check: *c, stream, slot }));
-                        slot.status
-                    }
-                }
-            }
-            // Unchecked device lists never reach a kernel.
-            (None, Some(_)) => return Err(drv_msg("a gather with CUDA index lists but no device check")),
-            (_, None) => 0,
-        };
+        let status = self.check_status(plan, k, g, stream, &mut scratch)?;
         let summing = match (g.checksum(), &bufs.integrity) {
             (Some(mode), Some(b)) => Some((mode, b, launch.sum_entries()? as usize)),
             _ => None,
         };
         let args = scratch.upload(stream, g, &launch)?;
-        let [table, src_idx, dst_idx] = args;
-        // A word aligned for 16 bytes is aligned for 8 and 4: a cap only narrows it.
-        let word = launch.word.min(self.inner.max_word);
-        let grid = ((launch.blocks, 1, 1), (launch.threads_per_block, 1, 1));
+        // Launched under the scratch lock, as the tables were uploaded (released after).
         match summing {
-            None => {
-                let mut kernel_args = launch.args(table, src_idx, dst_idx, status);
-                let mut params = kernel_args.params();
-                let f = self.inner.f_gather[word_index(word)];
-                // SAFETY: the arguments match the kernel's signature; the tables live in the
-                // scratch area, which later uploads overwrite only in stream order (after this
-                // kernel).
-                unsafe { result::launch_kernel(f, grid.0, grid.1, 0, stream, &mut params) }.map_err(|e| drv("cuLaunchKernel", e))?;
-            }
-            Some((mode, binding, entries)) => {
-                let sums = &self.inner.sums;
-                // Items have fewer than 2^32 words (`sum_entries`): one base covers their keys.
-                let key_base = crate::integrity::key_base(binding.table.keys().seed(), 0);
-                // SAFETY: the context is bound.
-                let buf = unsafe { sums.buffer(entries * 8)? };
-                // SAFETY: the buffer's device half holds at least `entries · 8` bytes.
-                if let Err(e) = unsafe { result::memset_d8_async(buf.dev, 0, entries * 8, stream) } {
-                    sums.unused(buf);
-                    return Err(drv("cuMemsetD8Async (checksums)", e));
-                }
-                let mut kernel_args = launch.sum_args(table, src_idx, dst_idx, status, key_base, buf.dev);
-                let mut params = kernel_args.params();
-                let f = self.inner.f_gather_sum[word_index(word)];
-                // SAFETY: as above; the sums hold `entries` words.
-                if let Err(e) = unsafe { result::launch_kernel(f, grid.0, grid.1, 0, stream, &mut params) } {
-                    sums.retire(buf);
-                    return Err(drv("cuLaunchKernel (summing gather)", e));
-                }
-                // Queued under the scratch lock: this stream's entries stay in device order.
-                // SAFETY: the kernel was enqueued on `stream` just above.
-                unsafe { sums.push_sums(stream, buf, entries, g, mode, binding, orphan)? };
-            }
+            None => self.launch_plain(stream, &launch, args, status)?,
+            Some(summing) => self.launch_summing(stream, &launch, args, status, g, summing, orphan)?,
         }
         drop(scratch);
-        if plan.device_check().is_some() && k + 1 == plan.steps().len() && SHARED.get() == 0 {
-            self.report_active()?;
-        }
+        self.report_after_last(plan, k)
+    }
+
+    /// The function among `fs` (16-, 8- and 4-byte words) for `launch`'s copy word, and the
+    /// launch's grid.
+    fn kernel(&self, fs: &[sys::CUfunction; 3], launch: &GatherLaunch) -> (sys::CUfunction, Grid) {
+        // A word aligned for 16 bytes is aligned for 8 and 4: a cap only narrows it.
+        let word = launch.word.min(self.inner.max_word);
+        (fs[word_index(word)], ((launch.blocks, 1, 1), (launch.threads_per_block, 1, 1)))
+    }
+
+    /// Enqueues the plain gather kernel on `stream` over the tables `args` uploaded for it,
+    /// testing the checks' `status`. The caller holds `stream`'s scratch lock.
+    fn launch_plain(
+        &self,
+        stream: sys::CUstream,
+        launch: &GatherLaunch,
+        args: [sys::CUdeviceptr; 3],
+        status: sys::CUdeviceptr,
+    ) -> Result<()> {
+        let [table, src_idx, dst_idx] = args;
+        let mut kernel_args = launch.args(table, src_idx, dst_idx, status);
+        let mut params = kernel_args.params();
+        let (f, grid) = self.kernel(&self.inner.f_gather, launch);
+        // SAFETY: the arguments match the kernel's signature; the tables live in the
+        // scratch area, which later uploads overwrite only in stream order (after this
+        // kernel).
+        unsafe { result::launch_kernel(f, grid.0, grid.1, 0, stream, &mut params) }.map_err(|e| drv("cuLaunchKernel", e))?;
         Ok(())
     }
 
-    /// Queues the report of this executor's device check left active on this thread, if any,
-    /// behind the gathers that test it.
-    fn report_active(&self) -> Result<()> {
-        let id = self.inner.id;
-        let Some(a) = ACTIVE.with_borrow_mut(|v| v.iter().position(|a| a.exec == id).map(|i| v.swap_remove(i))) else {
-            return Ok(());
-        };
-        let mut reports = self.inner.reports.lock().unwrap_or_else(|e| e.into_inner());
-        // SAFETY: the context is bound (the callers bind it); the stream is this executor's and
-        // live; the slot's checks were enqueued on it.
-        unsafe { reports.enqueue(a.stream, a.slot, a.check) }
-    }
-
-    /// Runs `f` (calls issued by this thread on this executor, one after the other) with one
-    /// device check shared by the calls whose CUDA index lists and bounds are the same (the
-    /// layers of one all-layer op): checked once, so all of them move or none does, and
-    /// reported once, after the last.
-    pub(crate) fn with_shared_index_check<R>(&self, f: impl FnOnce() -> Result<R>) -> Result<R> {
-        struct Scope;
-        impl Drop for Scope {
-            fn drop(&mut self) {
-                SHARED.set(SHARED.get() - 1);
-            }
+    /// Enqueues the summing gather kernel on `stream` (as `launch_plain`) into a zeroed sums
+    /// buffer of `entries` words, then queues the sums for settling. The caller holds
+    /// `stream`'s scratch lock.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_summing(
+        &self,
+        stream: sys::CUstream,
+        launch: &GatherLaunch,
+        args: [sys::CUdeviceptr; 3],
+        status: sys::CUdeviceptr,
+        g: &GatherStep,
+        (mode, binding, entries): (ChecksumMode, &ChecksumBinding, usize),
+        orphan: bool,
+    ) -> Result<()> {
+        let [table, src_idx, dst_idx] = args;
+        let sums = &self.inner.sums;
+        // Items have fewer than 2^32 words (`sum_entries`): one base covers their keys.
+        let key_base = crate::integrity::key_base(binding.table.keys().seed(), 0);
+        // SAFETY: the context is bound.
+        let buf = unsafe { sums.buffer(entries * 8)? };
+        // SAFETY: the buffer's device half holds at least `entries · 8` bytes.
+        if let Err(e) = unsafe { result::memset_d8_async(buf.dev, 0, entries * 8, stream) } {
+            sums.unused(buf);
+            return Err(drv("cuMemsetD8Async (checksums)", e));
         }
-        let r = {
-            SHARED.set(SHARED.get() + 1);
-            let _scope = Scope;
-            f()
-        };
-        if SHARED.get() > 0 {
-            return r;
+        let mut kernel_args = launch.sum_args(table, src_idx, dst_idx, status, key_base, buf.dev);
+        let mut params = kernel_args.params();
+        let (f, grid) = self.kernel(&self.inner.f_gather_sum, launch);
+        // SAFETY: as in `launch_plain`; the sums hold `entries` words.
+        if let Err(e) = unsafe { result::launch_kernel(f, grid.0, grid.1, 0, stream, &mut params) } {
+            sums.retire(buf);
+            return Err(drv("cuLaunchKernel (summing gather)", e));
         }
-        let reported = self.bind().and_then(|_| self.report_active());
-        // The calls' own error first.
-        r.and_then(|v| reported.map(|_| v))
+        // Queued under the scratch lock: this stream's entries stay in device order.
+        // SAFETY: the kernel was enqueued on `stream` just above.
+        unsafe { sums.push_sums(stream, buf, entries, g, mode, binding, orphan)? };
+        Ok(())
     }
 }

@@ -47,6 +47,7 @@ mod driver;
 mod gather;
 mod memory;
 mod open;
+mod plan_checks;
 mod queue;
 mod staging;
 mod tables;
@@ -76,29 +77,6 @@ use queue::{BackupStream, EngineStream};
 /// emulation of the kernels in the tests).
 pub use super::cuda_launch as abi;
 pub use abi::LaunchTuning;
-
-thread_local! {
-    /// The grid of the calls made on this thread inside [`with_call_tuning`].
-    static CALL_TUNING: std::cell::Cell<Option<LaunchTuning>> = const { std::cell::Cell::new(None) };
-}
-
-/// Runs `f` with the gathers it issues on this thread launched with `tuning` (clamped; sglang's
-/// per-call `block_quota` and `num_warps_per_block`) instead of the executor's own.
-pub fn with_call_tuning<R>(tuning: LaunchTuning, f: impl FnOnce() -> R) -> R {
-    // Restored on unwinding too (a panic caught by a binding must not leave it set).
-    struct Restore(Option<LaunchTuning>);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            CALL_TUNING.with(|c| c.set(self.0));
-        }
-    }
-    let _restore = Restore(CALL_TUNING.with(|c| c.replace(Some(tuning.clamped()))));
-    f()
-}
-
-fn call_tuning() -> Option<LaunchTuning> {
-    CALL_TUNING.with(|c| c.get())
-}
 
 struct Inner {
     /// The `auto` io backend's measured table.

@@ -117,54 +117,7 @@ impl CudaExecutor {
             return Err(unavailable(format!("{name} is sm_{}{}; the kernels need sm_80 or newer", cc.0, cc.1)));
         }
         ctx.bind_to_thread().map_err(|e| drv("bind", e))?;
-        // sm_90 cubin on Hopper, sm_80 cubin on Ampere/Ada (binary compatible within major 8),
-        // PTX JIT elsewhere, and the PTX too when a cubin does not load.
-        let ptx = CString::new(PTX_80).map_err(|_| unavailable("embedded PTX has a NUL byte"))?;
-        let cubin: Option<(&'static str, &[u8])> = match cc {
-            (9, 0) => Some(("sm_90 cubin", CUBIN_90)),
-            (8, _) => Some(("sm_80 cubin", CUBIN_80)),
-            _ => None,
-        };
-        let mut loaded = None;
-        if let Some((image, bytes)) = cubin {
-            // An include_bytes! array is byte-aligned; ELF images are loaded from 8-byte-aligned
-            // memory (a copy in u64 words).
-            let mut words = vec![0u64; bytes.len().div_ceil(8)];
-            bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..bytes.len()].copy_from_slice(bytes);
-            // SAFETY: a complete cubin image that outlives the call.
-            match unsafe { result::module::load_data(words.as_ptr() as *const c_void) } {
-                Ok(m) => loaded = Some((image, m)),
-                Err(e) => log::warn!("cuda: loading the {image} failed ({e:?}); falling back to the PTX"),
-            }
-        }
-        let (image, module) = match loaded {
-            Some(l) => l,
-            None => {
-                let image = "compute_80 PTX (JIT)";
-                // SAFETY: NUL-terminated PTX that outlives the call.
-                let m = unsafe { result::module::load_data(ptx.as_ptr() as *const c_void) }
-                    .map_err(|e| unavailable(format!("loading {image}: {e:?} (the PTX needs a driver of version 525 or newer)")))?;
-                (image, m)
-            }
-        };
-        let get = |n: &str| {
-            let c = CString::new(n).expect("name");
-            // SAFETY: module loaded above.
-            unsafe { result::module::get_function(module, c) }.map_err(|e| drv(&format!("function {n}"), e))
-        };
-        let f_gather = [get("hicache_gather_w16")?, get("hicache_gather_w8")?, get("hicache_gather_w4")?];
-        let f_gather_sum = [get("hicache_gather_sum_w16")?, get("hicache_gather_sum_w8")?, get("hicache_gather_sum_w4")?];
-        let f_check = get("hicache_check_indices")?;
-        let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK;
-        // SAFETY: the functions were just resolved from the loaded module.
-        let max_threads: Vec<_> =
-            [f_gather, f_gather_sum].concat().into_iter().map(|f| unsafe { result::function::get_function_attribute(f, attr) }).collect();
-        let max_threads = max_threads
-            .iter()
-            .map(|r| r.map(|v| v.max(32) as u32))
-            .collect::<std::result::Result<Vec<_>, _>>()
-            .map_err(|e| drv("cuFuncGetAttribute", e))?;
-        let max_threads = max_threads.into_iter().min().unwrap_or(32);
+        let Kernels { image, module, f_gather, f_gather_sum, f_check, max_threads } = load_kernels(cc)?;
         // HICACHE_CUDA_BATCH=0 forces one cuMemcpyAsync per run (to compare in benchmarks).
         let batch = batch_memcpy_fn(driver).filter(|_| std::env::var("HICACHE_CUDA_BATCH").map_or(true, |v| v != "0"));
         log::info!("cuda: {name} sm_{}{}, driver {driver}, {image}, batched memcpy {}", cc.0, cc.1, batch.is_some());
@@ -200,4 +153,77 @@ impl CudaExecutor {
             }),
         })
     }
+}
+
+/// The kernels of a device: their module and the image it was loaded from, the gather
+/// functions (16-, 8- and 4-byte words, plain and summing), the index check, and the threads
+/// per block every gather function allows.
+struct Kernels {
+    image: &'static str,
+    module: sys::CUmodule,
+    f_gather: [sys::CUfunction; 3],
+    f_gather_sum: [sys::CUfunction; 3],
+    f_check: sys::CUfunction,
+    max_threads: u32,
+}
+
+/// Loads the kernels for compute capability `cc` (the context bound) and resolves their
+/// functions and launch limits.
+fn load_kernels(cc: (i32, i32)) -> Result<Kernels> {
+    let (image, module) = load_module(cc)?;
+    let get = |n: &str| {
+        let c = CString::new(n).expect("name");
+        // SAFETY: module loaded above.
+        unsafe { result::module::get_function(module, c) }.map_err(|e| drv(&format!("function {n}"), e))
+    };
+    let f_gather = [get("hicache_gather_w16")?, get("hicache_gather_w8")?, get("hicache_gather_w4")?];
+    let f_gather_sum = [get("hicache_gather_sum_w16")?, get("hicache_gather_sum_w8")?, get("hicache_gather_sum_w4")?];
+    let f_check = get("hicache_check_indices")?;
+    let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK;
+    // SAFETY: the functions were just resolved from the loaded module.
+    let max_threads: Vec<_> =
+        [f_gather, f_gather_sum].concat().into_iter().map(|f| unsafe { result::function::get_function_attribute(f, attr) }).collect();
+    let max_threads = max_threads
+        .iter()
+        .map(|r| r.map(|v| v.max(32) as u32))
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|e| drv("cuFuncGetAttribute", e))?;
+    let max_threads = max_threads.into_iter().min().unwrap_or(32);
+    Ok(Kernels { image, module, f_gather, f_gather_sum, f_check, max_threads })
+}
+
+/// The kernels' module for compute capability `cc` (the context bound), with the name of the
+/// image it was loaded from.
+fn load_module(cc: (i32, i32)) -> Result<(&'static str, sys::CUmodule)> {
+    // sm_90 cubin on Hopper, sm_80 cubin on Ampere/Ada (binary compatible within major 8),
+    // PTX JIT elsewhere, and the PTX too when a cubin does not load.
+    let ptx = CString::new(PTX_80).map_err(|_| unavailable("embedded PTX has a NUL byte"))?;
+    let cubin: Option<(&'static str, &[u8])> = match cc {
+        (9, 0) => Some(("sm_90 cubin", CUBIN_90)),
+        (8, _) => Some(("sm_80 cubin", CUBIN_80)),
+        _ => None,
+    };
+    let mut loaded = None;
+    if let Some((image, bytes)) = cubin {
+        // An include_bytes! array is byte-aligned; ELF images are loaded from 8-byte-aligned
+        // memory (a copy in u64 words).
+        let mut words = vec![0u64; bytes.len().div_ceil(8)];
+        bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..bytes.len()].copy_from_slice(bytes);
+        // SAFETY: a complete cubin image that outlives the call.
+        match unsafe { result::module::load_data(words.as_ptr() as *const c_void) } {
+            Ok(m) => loaded = Some((image, m)),
+            Err(e) => log::warn!("cuda: loading the {image} failed ({e:?}); falling back to the PTX"),
+        }
+    }
+    let (image, module) = match loaded {
+        Some(l) => l,
+        None => {
+            let image = "compute_80 PTX (JIT)";
+            // SAFETY: NUL-terminated PTX that outlives the call.
+            let m = unsafe { result::module::load_data(ptx.as_ptr() as *const c_void) }
+                .map_err(|e| unavailable(format!("loading {image}: {e:?} (the PTX needs a driver of version 525 or newer)")))?;
+            (image, m)
+        }
+    };
+    Ok((image, module))
 }

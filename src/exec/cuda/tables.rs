@@ -16,7 +16,7 @@ use cudarc::driver::{result, sys};
 
 use super::CudaExecutor;
 use crate::error::{Result, TransferError};
-use crate::kvcacheio::{LayerTable, Memory};
+use crate::exec::caller::{LayerTable, Memory};
 use crate::plan::TableGuard;
 
 /// Tables an executor remembers: at most this many (an engine has a handful per pool).

@@ -75,75 +75,10 @@ impl WgpuExecutor {
     }
 
     fn from_parts(device: wgpu::Device, queue: wgpu::Queue, opts: WgpuOptions, lost: Arc<Mutex<Option<String>>>) -> Result<WgpuExecutor> {
-        let unavailable = |reason: String| TransferError::Unavailable { backend: "wgpu", reason };
         let info = device.adapter_info();
         let limits = device.limits();
-
-        let layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
-            label: Some("hicache-io gather"),
-            entries: &[
-                bgl_entry(0, wgpu::BufferBindingType::Uniform, true),
-                bgl_entry(1, wgpu::BufferBindingType::Storage { read_only: true }, false),
-                bgl_entry(2, wgpu::BufferBindingType::Storage { read_only: true }, false),
-                bgl_entry(3, wgpu::BufferBindingType::Storage { read_only: false }, false),
-            ],
-        });
-        let sum_layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
-            label: Some("hicache-io gather with checksums"),
-            entries: &[
-                bgl_entry(0, wgpu::BufferBindingType::Uniform, true),
-                bgl_entry(1, wgpu::BufferBindingType::Storage { read_only: true }, false),
-                bgl_entry(2, wgpu::BufferBindingType::Storage { read_only: true }, false),
-                bgl_entry(3, wgpu::BufferBindingType::Storage { read_only: false }, false),
-                bgl_entry(5, wgpu::BufferBindingType::Storage { read_only: false }, false),
-            ],
-        });
-        let pipeline_layout = |layout: &wgpu::BindGroupLayout| {
-            device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
-                label: Some("hicache-io gather"),
-                bind_group_layouts: &[Some(layout)],
-                immediate_size: 0,
-            })
-        };
-        let (pl, sum_pl) = (pipeline_layout(&layout), pipeline_layout(&sum_layout));
-        let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
-        // naga's bounds checks stay: dropping them (`create_shader_module_trusted`) measured no
-        // faster on lavapipe, so the shader keeps wgpu's guarantee.
-        let int64 = int64_wanted(&opts) && device.features().contains(wgpu::Features::SHADER_INT64);
-        let make = |word: &str, sum: bool| {
-            let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
-                label: Some("gather.wgsl"),
-                source: wgpu::ShaderSource::Wgsl(shader_source(word, sum, int64).into()),
-            });
-            device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-                label: Some("hicache-io gather"),
-                layout: Some(if sum { &sum_pl } else { &pl }),
-                module: &module,
-                entry_point: Some("main"),
-                compilation_options: Default::default(),
-                cache: None,
-            })
-        };
-        let (pipe4, pipe16) = (make("u32", false), make("vec4<u32>", false));
-        let (sum4, sum16) = (make("u32", true), make("vec4<u32>", true));
-        if let Some(e) = pollster::block_on(scope.pop()) {
-            return Err(unavailable(format!("shader compilation failed on {}: {e}", info.name)));
-        }
-        // At most 2^31 bytes: the shader's window-relative offsets are 32-bit and wrap, which is
-        // exact while a window plus two unit strides stays below 2^32.
-        let max_window = opts.max_window.unwrap_or(u64::MAX).min(limits.max_storage_buffer_binding_size).min(1 << 31);
-        // One index pair is 8 bytes of one binding; a dispatch holds u32::MAX invocations at up
-        // to 64 per item.
-        let max_gather_items =
-            (limits.max_storage_buffer_binding_size / 8).min(u32::MAX as u64 >> 6).min(opts.max_gather_items.unwrap_or(u64::MAX)).max(1);
-        let max_buffer = limits.max_buffer_size.min(u32::MAX as u64) & !3;
-        let max_segment = opts.max_segment.unwrap_or(max_buffer).min(max_buffer);
-        let default_lanes = if info.device_type == wgpu::DeviceType::Cpu { 1 } else { 64 };
-        let max_lanes = std::env::var("HICACHE_WGPU_LANES")
-            .ok()
-            .and_then(|v| v.parse::<u64>().ok())
-            .filter(|v| v.is_power_of_two() && *v <= 64)
-            .unwrap_or(default_lanes);
+        let Pipelines { layout, sum_layout, pipe4, pipe16, sum4, sum16, int64 } = compile_pipelines(&device, &info, &opts)?;
+        let Sizes { max_window, max_gather_items, max_buffer, max_segment, max_lanes } = sizes(&opts, &limits, &info);
         // `from_device`: the caller's device decides; `with_options` asked for the feature only
         // where wanted and present.
         let mapped_host = opts.mapped_host != Some(false) && device.features().contains(wgpu::Features::MAPPABLE_PRIMARY_BUFFERS);
@@ -210,4 +145,110 @@ impl WgpuExecutor {
     pub fn adapter_info(&self) -> &wgpu::AdapterInfo {
         &self.inner.info
     }
+}
+
+/// The gather's bind group layouts and compute pipelines: 4- and 16-byte words, plain and
+/// checksumming.
+struct Pipelines {
+    layout: wgpu::BindGroupLayout,
+    sum_layout: wgpu::BindGroupLayout,
+    pipe4: wgpu::ComputePipeline,
+    pipe16: wgpu::ComputePipeline,
+    sum4: wgpu::ComputePipeline,
+    sum16: wgpu::ComputePipeline,
+    /// Whether the checksumming pipelines use 64-bit integers.
+    int64: bool,
+}
+
+/// The bind group layouts of the plain gather and of the checksumming one (which also binds
+/// the sums).
+fn gather_layouts(device: &wgpu::Device) -> (wgpu::BindGroupLayout, wgpu::BindGroupLayout) {
+    let layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+        label: Some("hicache-io gather"),
+        entries: &[
+            bgl_entry(0, wgpu::BufferBindingType::Uniform, true),
+            bgl_entry(1, wgpu::BufferBindingType::Storage { read_only: true }, false),
+            bgl_entry(2, wgpu::BufferBindingType::Storage { read_only: true }, false),
+            bgl_entry(3, wgpu::BufferBindingType::Storage { read_only: false }, false),
+        ],
+    });
+    let sum_layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+        label: Some("hicache-io gather with checksums"),
+        entries: &[
+            bgl_entry(0, wgpu::BufferBindingType::Uniform, true),
+            bgl_entry(1, wgpu::BufferBindingType::Storage { read_only: true }, false),
+            bgl_entry(2, wgpu::BufferBindingType::Storage { read_only: true }, false),
+            bgl_entry(3, wgpu::BufferBindingType::Storage { read_only: false }, false),
+            bgl_entry(5, wgpu::BufferBindingType::Storage { read_only: false }, false),
+        ],
+    });
+    (layout, sum_layout)
+}
+
+/// Builds the gather's layouts and compiles its shaders into pipelines, under a validation
+/// error scope: a shader that does not compile makes the executor unavailable.
+fn compile_pipelines(device: &wgpu::Device, info: &wgpu::AdapterInfo, opts: &WgpuOptions) -> Result<Pipelines> {
+    let (layout, sum_layout) = gather_layouts(device);
+    let pipeline_layout = |layout: &wgpu::BindGroupLayout| {
+        device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+            label: Some("hicache-io gather"),
+            bind_group_layouts: &[Some(layout)],
+            immediate_size: 0,
+        })
+    };
+    let (pl, sum_pl) = (pipeline_layout(&layout), pipeline_layout(&sum_layout));
+    let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
+    // naga's bounds checks stay: dropping them (`create_shader_module_trusted`) measured no
+    // faster on lavapipe, so the shader keeps wgpu's guarantee.
+    let int64 = int64_wanted(opts) && device.features().contains(wgpu::Features::SHADER_INT64);
+    let make = |word: &str, sum: bool| {
+        let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
+            label: Some("gather.wgsl"),
+            source: wgpu::ShaderSource::Wgsl(shader_source(word, sum, int64).into()),
+        });
+        device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+            label: Some("hicache-io gather"),
+            layout: Some(if sum { &sum_pl } else { &pl }),
+            module: &module,
+            entry_point: Some("main"),
+            compilation_options: Default::default(),
+            cache: None,
+        })
+    };
+    let (pipe4, pipe16) = (make("u32", false), make("vec4<u32>", false));
+    let (sum4, sum16) = (make("u32", true), make("vec4<u32>", true));
+    if let Some(e) = pollster::block_on(scope.pop()) {
+        return Err(TransferError::Unavailable { backend: "wgpu", reason: format!("shader compilation failed on {}: {e}", info.name) });
+    }
+    Ok(Pipelines { layout, sum_layout, pipe4, pipe16, sum4, sum16, int64 })
+}
+
+/// The executor's size limits, from the device's limits, the options and the environment.
+struct Sizes {
+    max_window: u64,
+    max_gather_items: u64,
+    max_buffer: u64,
+    max_segment: u64,
+    max_lanes: u64,
+}
+
+/// The window, gather, buffer and segment sizes the device and the options allow, and the
+/// invocations per item (`HICACHE_WGPU_LANES`, else by the adapter's type).
+fn sizes(opts: &WgpuOptions, limits: &wgpu::Limits, info: &wgpu::AdapterInfo) -> Sizes {
+    // At most 2^31 bytes: the shader's window-relative offsets are 32-bit and wrap, which is
+    // exact while a window plus two unit strides stays below 2^32.
+    let max_window = opts.max_window.unwrap_or(u64::MAX).min(limits.max_storage_buffer_binding_size).min(1 << 31);
+    // One index pair is 8 bytes of one binding; a dispatch holds u32::MAX invocations at up
+    // to 64 per item.
+    let max_gather_items =
+        (limits.max_storage_buffer_binding_size / 8).min(u32::MAX as u64 >> 6).min(opts.max_gather_items.unwrap_or(u64::MAX)).max(1);
+    let max_buffer = limits.max_buffer_size.min(u32::MAX as u64) & !3;
+    let max_segment = opts.max_segment.unwrap_or(max_buffer).min(max_buffer);
+    let default_lanes = if info.device_type == wgpu::DeviceType::Cpu { 1 } else { 64 };
+    let max_lanes = std::env::var("HICACHE_WGPU_LANES")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .filter(|v| v.is_power_of_two() && *v <= 64)
+        .unwrap_or(default_lanes);
+    Sizes { max_window, max_gather_items, max_buffer, max_segment, max_lanes }
 }

@@ -14,13 +14,13 @@
 
 use std::collections::BTreeSet;
 
-use crate::check::{random_case, supported_cells};
 use crate::error::{Result, TransferError};
 use crate::exec::Device;
-use crate::geometry::{IoBackend, PoolKind, Profile};
+use crate::geometry::{DeviceGeometry, IoBackend, PoolKind, Profile};
 use crate::plan::{Op, TableOp};
 use crate::pool::{DevicePool, HostPool};
 use crate::rng::Rng;
+use crate::tools::check::{random_case, supported_cells, Case};
 
 /// The kinds of fault, in report order.
 pub const FAULTS: [&str; 5] = ["host bits", "table entry", "swap", "replay", "storage page"];
@@ -91,6 +91,8 @@ pub fn inject_device(device: &Device, seed: u64, injections: u64, mut progress: 
     t
 }
 
+/// One trial: a random backup, checked clean, then one fault of a random kind, scored by what
+/// loading everything back names.
 fn trial(device: &Device, cells: &[crate::plan::Cell], seed: u64, t: &mut InjectTally) -> Result<()> {
     let mut rng = Rng::new(seed);
     let mut case = random_case(rng.pick(cells), Profile::Extended, &mut rng);
@@ -98,34 +100,12 @@ fn trial(device: &Device, cells: &[crate::plan::Cell], seed: u64, t: &mut Inject
     let mut dev = DevicePool::new(device, &case.device)?;
     let mut host = HostPool::new(&dev, &case.host)?;
     let g = dev.geometry().clone();
-    for c in 0..g.kind().components() {
-        for s in 0..g.buffer_count() {
-            let mut b = vec![0u8; g.layer_bytes() as usize];
-            rng.fill(&mut b);
-            dev.write_buffer(c, s, &b)?;
-        }
-    }
+    fill_device(&mut dev, &mut rng)?;
     let (hi, di) = (&case.host_indices, &case.device_indices);
-    let backup = |host: &mut HostPool<'static>, dev: &DevicePool<'static>| match case.op {
-        Op::BackupLayer { layer_id, is_draft } => host.backup_from_device_per_layer(dev, hi, di, layer_id, is_draft, IoBackend::Kernel),
-        _ => host.backup_from_device_all_layer(dev, hi, di, IoBackend::Kernel),
-    };
-    backup(&mut host, &dev)?;
+    backup(&mut host, &dev, &case)?;
     // The live (host, device) units and the host layers the backup wrote.
-    let p = g.page_size();
-    let dsa = g.kind() == PoolKind::DsaIndexer;
-    let units: Vec<(u64, u64)> = if dsa {
-        hi.chunks(p as usize)
-            .zip(di.chunks(p as usize))
-            .filter(|(h, d)| h[0] >= 0 && d[0] >= 0)
-            .map(|(h, d)| (h[0] as u64 / p, d[0] as u64 / p))
-            .collect()
-    } else {
-        hi.iter().zip(di).filter(|(h, d)| **h >= 0 && **d >= 0).map(|(&h, &d)| (h as u64, d as u64)).collect()
-    };
-    let host_layers: Vec<u64> = (0..host.geometry().layer_num())
-        .filter(|&l| host.item_checksum(units.first().map_or(0, |u| u.0), l, 0).ok().flatten().is_some())
-        .collect();
+    let units = live_units(&g, hi, di);
+    let host_layers = backed_up_layers(&host, &units);
     if units.is_empty() || host_layers.is_empty() {
         t.skipped += 1;
         return Ok(());
@@ -137,77 +117,19 @@ fn trial(device: &Device, cells: &[crate::plan::Cell], seed: u64, t: &mut Inject
         t.fail(format!("seed {seed}: {} items reported before any fault", found.len()));
     }
     let comps = g.kind().components() as u8;
-    let hg = host.geometry().clone();
-    let (chunk, heads) = (hg.chunk_bytes(), hg.head_num());
     let (u, d) = units[rng.below(units.len() as u64) as usize];
     let layer = host_layers[rng.below(host_layers.len() as u64) as usize];
     let comp = rng.below(comps as u64) as u8;
-    let read_item = |host: &HostPool, (u, l, c): Item| -> Result<Vec<u8>> {
-        let buf = host.read_buffer(hg.buffer_of(c) as usize)?;
-        let a = hg.addr(c, l);
-        Ok((0..heads).flat_map(|h| buf[a.offset(u, h) as usize..][..chunk as usize].to_vec()).collect())
-    };
-    let write_item = |host: &mut HostPool, (u, l, c): Item, bytes: &[u8]| -> Result<()> {
-        let a = hg.addr(c, l);
-        for h in 0..heads {
-            host.inject_host_corruption(hg.buffer_of(c) as usize, a.offset(u, h), &bytes[(h * chunk) as usize..][..chunk as usize])?;
-        }
-        Ok(())
-    };
+    let target = (u, layer, comp);
     let mut kind = rng.below(FAULTS.len() as u64) as usize;
     if kind == 2 && units.len() < 2 {
         kind = 0;
     }
-    let expected: BTreeSet<Item> = match kind {
-        0 => {
-            let (h, at) = (rng.below(heads), rng.below(chunk));
-            let len = 1 + rng.below(8.min(chunk - at));
-            let mut mask = vec![0u8; len as usize];
-            rng.fill(&mut mask);
-            mask[0] |= 1 << rng.below(8);
-            let off = hg.addr(comp, layer).offset(u, h) + at;
-            let mut now = vec![0u8; len as usize];
-            let buffer = hg.buffer_of(comp) as usize;
-            now.copy_from_slice(&host.read_buffer(buffer)?[off as usize..][..len as usize]);
-            let bad: Vec<u8> = now.iter().zip(&mask).map(|(a, m)| a ^ m).collect();
-            host.inject_host_corruption(buffer, off, &bad)?;
-            [(u, layer, comp)].into()
-        }
-        1 => {
-            let xor = rng.next_u64() | 1 << rng.below(64);
-            if !host.inject_checksum_corruption(u, layer, comp, xor)? {
-                t.fail(format!("seed {seed}: item {u} of layer {layer} has no checksum after its backup"));
-            }
-            [(u, layer, comp)].into()
-        }
-        2 => {
-            let v = loop {
-                let v = units[rng.below(units.len() as u64) as usize].0;
-                if v != u {
-                    break v;
-                }
-            };
-            let (a, b) = (read_item(&host, (u, layer, comp))?, read_item(&host, (v, layer, comp))?);
-            write_item(&mut host, (u, layer, comp), &b)?;
-            write_item(&mut host, (v, layer, comp), &a)?;
-            if a == b {
-                BTreeSet::new()
-            } else {
-                [(u, layer, comp), (v, layer, comp)].into()
-            }
-        }
-        3 => {
-            let old = read_item(&host, (u, layer, comp))?;
-            // The device item changes (one byte), is backed up again; then the older bytes return.
-            let slot = layer as usize;
-            let mut buf = dev.read_buffer(comp as usize, slot)?;
-            let at = d * g.item_bytes() + rng.below(g.item_bytes());
-            buf[at as usize] ^= 1 << rng.below(8);
-            dev.write_buffer(comp as usize, slot, &buf)?;
-            backup(&mut host, &dev)?;
-            write_item(&mut host, (u, layer, comp), &old)?;
-            [(u, layer, comp)].into()
-        }
+    let expected = match kind {
+        0 => flip_host_bits(&mut host, target, &mut rng)?,
+        1 => corrupt_table_entry(&mut host, target, &mut rng, seed, t)?,
+        2 => swap_items(&mut host, &units, target, &mut rng)?,
+        3 => replay(&mut host, &mut dev, &case, target, d, &mut rng)?,
         _ => {
             t.injected[4] += 1;
             return storage_page(&host, &case, u, &mut rng, seed, t);
@@ -215,6 +137,153 @@ fn trial(device: &Device, cells: &[crate::plan::Cell], seed: u64, t: &mut Inject
     };
     t.injected[kind] += 1;
     let found = load_all(&host, &mut dev, hi, di)?;
+    score(t, seed, kind, target, &expected, &found);
+    Ok(())
+}
+
+/// Fills every device buffer with random bytes.
+fn fill_device(dev: &mut DevicePool<'static>, rng: &mut Rng) -> Result<()> {
+    let g = dev.geometry().clone();
+    for c in 0..g.kind().components() {
+        for s in 0..g.buffer_count() {
+            let mut b = vec![0u8; g.layer_bytes() as usize];
+            rng.fill(&mut b);
+            dev.write_buffer(c, s, &b)?;
+        }
+    }
+    Ok(())
+}
+
+/// Runs the case's backup (per layer for a layer backup, else of every layer) with `kernel`.
+fn backup(host: &mut HostPool<'static>, dev: &DevicePool<'static>, case: &Case) -> Result<()> {
+    let (hi, di) = (&case.host_indices, &case.device_indices);
+    match case.op {
+        Op::BackupLayer { layer_id, is_draft } => host.backup_from_device_per_layer(dev, hi, di, layer_id, is_draft, IoBackend::Kernel),
+        _ => host.backup_from_device_all_layer(dev, hi, di, IoBackend::Kernel),
+    }
+}
+
+/// The live `(host, device)` units of the index lists: pages for the DSA indexer (by their
+/// first entry), else tokens; entries with a negative side are skipped.
+fn live_units(g: &DeviceGeometry, hi: &[i64], di: &[i64]) -> Vec<(u64, u64)> {
+    let p = g.page_size();
+    let dsa = g.kind() == PoolKind::DsaIndexer;
+    if dsa {
+        hi.chunks(p as usize)
+            .zip(di.chunks(p as usize))
+            .filter(|(h, d)| h[0] >= 0 && d[0] >= 0)
+            .map(|(h, d)| (h[0] as u64 / p, d[0] as u64 / p))
+            .collect()
+    } else {
+        hi.iter().zip(di).filter(|(h, d)| **h >= 0 && **d >= 0).map(|(&h, &d)| (h as u64, d as u64)).collect()
+    }
+}
+
+/// The host layers the backup wrote: those where the first live unit's item has a checksum.
+fn backed_up_layers(host: &HostPool<'static>, units: &[(u64, u64)]) -> Vec<u64> {
+    (0..host.geometry().layer_num())
+        .filter(|&l| host.item_checksum(units.first().map_or(0, |u| u.0), l, 0).ok().flatten().is_some())
+        .collect()
+}
+
+/// The bytes of one host item, head by head.
+fn read_item(host: &HostPool<'static>, (u, l, c): Item) -> Result<Vec<u8>> {
+    let hg = host.geometry();
+    let (chunk, heads) = (hg.chunk_bytes(), hg.head_num());
+    let buf = host.read_buffer(hg.buffer_of(c) as usize)?;
+    let a = hg.addr(c, l);
+    Ok((0..heads).flat_map(|h| buf[a.offset(u, h) as usize..][..chunk as usize].to_vec()).collect())
+}
+
+/// Overwrites one host item with `bytes` (as [`read_item`] returns them), leaving its checksum.
+fn write_item(host: &mut HostPool<'static>, (u, l, c): Item, bytes: &[u8]) -> Result<()> {
+    let hg = host.geometry().clone();
+    let chunk = hg.chunk_bytes();
+    let a = hg.addr(c, l);
+    for h in 0..hg.head_num() {
+        host.inject_host_corruption(hg.buffer_of(c) as usize, a.offset(u, h), &bytes[(h * chunk) as usize..][..chunk as usize])?;
+    }
+    Ok(())
+}
+
+/// Host bits: flips a burst of 1 to 8 bytes inside one head of the item; the item is damaged.
+fn flip_host_bits(host: &mut HostPool<'static>, (u, layer, comp): Item, rng: &mut Rng) -> Result<BTreeSet<Item>> {
+    let hg = host.geometry().clone();
+    let (chunk, heads) = (hg.chunk_bytes(), hg.head_num());
+    let (h, at) = (rng.below(heads), rng.below(chunk));
+    let len = 1 + rng.below(8.min(chunk - at));
+    let mut mask = vec![0u8; len as usize];
+    rng.fill(&mut mask);
+    mask[0] |= 1 << rng.below(8);
+    let off = hg.addr(comp, layer).offset(u, h) + at;
+    let mut now = vec![0u8; len as usize];
+    let buffer = hg.buffer_of(comp) as usize;
+    now.copy_from_slice(&host.read_buffer(buffer)?[off as usize..][..len as usize]);
+    let bad: Vec<u8> = now.iter().zip(&mask).map(|(a, m)| a ^ m).collect();
+    host.inject_host_corruption(buffer, off, &bad)?;
+    Ok(BTreeSet::from([(u, layer, comp)]))
+}
+
+/// Table entry: flips bits of the item's recorded checksum (a failure if it has none).
+fn corrupt_table_entry(
+    host: &mut HostPool<'static>,
+    (u, layer, comp): Item,
+    rng: &mut Rng,
+    seed: u64,
+    t: &mut InjectTally,
+) -> Result<BTreeSet<Item>> {
+    let xor = rng.next_u64() | 1 << rng.below(64);
+    if !host.inject_checksum_corruption(u, layer, comp, xor)? {
+        t.fail(format!("seed {seed}: item {u} of layer {layer} has no checksum after its backup"));
+    }
+    Ok(BTreeSet::from([(u, layer, comp)]))
+}
+
+/// Swap: exchanges the item with that of another live unit (same layer and component); both
+/// are damaged unless their bytes were equal.
+fn swap_items(host: &mut HostPool<'static>, units: &[(u64, u64)], (u, layer, comp): Item, rng: &mut Rng) -> Result<BTreeSet<Item>> {
+    let v = loop {
+        let v = units[rng.below(units.len() as u64) as usize].0;
+        if v != u {
+            break v;
+        }
+    };
+    let (a, b) = (read_item(host, (u, layer, comp))?, read_item(host, (v, layer, comp))?);
+    write_item(host, (u, layer, comp), &b)?;
+    write_item(host, (v, layer, comp), &a)?;
+    if a == b {
+        Ok(BTreeSet::new())
+    } else {
+        Ok(BTreeSet::from([(u, layer, comp), (v, layer, comp)]))
+    }
+}
+
+/// Replay: the item's device source (unit `d`) changes and is backed up again, then the item's
+/// older host bytes are written back over the newer backup; the item is damaged.
+fn replay(
+    host: &mut HostPool<'static>,
+    dev: &mut DevicePool<'static>,
+    case: &Case,
+    (u, layer, comp): Item,
+    d: u64,
+    rng: &mut Rng,
+) -> Result<BTreeSet<Item>> {
+    let g = dev.geometry().clone();
+    let old = read_item(host, (u, layer, comp))?;
+    // The device item changes (one byte), is backed up again; then the older bytes return.
+    let slot = layer as usize;
+    let mut buf = dev.read_buffer(comp as usize, slot)?;
+    let at = d * g.item_bytes() + rng.below(g.item_bytes());
+    buf[at as usize] ^= 1 << rng.below(8);
+    dev.write_buffer(comp as usize, slot, &buf)?;
+    backup(host, dev, case)?;
+    write_item(host, (u, layer, comp), &old)?;
+    Ok(BTreeSet::from([(u, layer, comp)]))
+}
+
+/// Scores one injected fault: the items the load `found` against those `expected` damaged
+/// (none: a harmless swap, where anything found is a false alarm).
+fn score(t: &mut InjectTally, seed: u64, kind: usize, (u, layer, comp): Item, expected: &BTreeSet<Item>, found: &BTreeSet<Item>) {
     if expected.is_empty() {
         t.harmless += 1;
         if !found.is_empty() {
@@ -223,15 +292,14 @@ fn trial(device: &Device, cells: &[crate::plan::Cell], seed: u64, t: &mut Inject
         }
     } else if found == expected {
         t.detected += 1;
-    } else if expected.is_subset(&found) {
+    } else if expected.is_subset(found) {
         t.detected += 1;
         t.false_alarms += 1;
-        t.fail(format!("seed {seed}: {} damaged, also named {:?}", FAULTS[kind], found.difference(&expected).collect::<Vec<_>>()));
+        t.fail(format!("seed {seed}: {} damaged, also named {:?}", FAULTS[kind], found.difference(expected).collect::<Vec<_>>()));
     } else {
         t.missed += 1;
         t.fail(format!("seed {seed}: {} of item {u} layer {layer} comp {comp} missed (named {found:?})", FAULTS[kind]));
     }
-    Ok(())
 }
 
 /// Loads every layer back into the case's device slots; the items any layer's load named.
@@ -254,14 +322,7 @@ fn load_all(host: &HostPool<'static>, dev: &mut DevicePool<'static>, hi: &[i64],
 
 /// A page of the pool carried to a fresh pool of the same shape, once intact (accepted) and once
 /// with one bit flipped (refused, naming one item).
-fn storage_page(
-    host: &HostPool<'static>,
-    case: &crate::check::Case,
-    unit: u64,
-    rng: &mut Rng,
-    seed: u64,
-    t: &mut InjectTally,
-) -> Result<()> {
+fn storage_page(host: &HostPool<'static>, case: &Case, unit: u64, rng: &mut Rng, seed: u64, t: &mut InjectTally) -> Result<()> {
     let g = host.geometry();
     let index = match g.kind() {
         PoolKind::DsaIndexer => unit * g.page_size(),

@@ -1,13 +1,13 @@
 //! Cross-executor equivalence: randomized transfers over every supported cell, run on an
-//! executor through the pools API and compared byte for byte with the [`crate::oracle`] module.
+//! executor through the pools API and compared byte for byte with the [`crate::tools::oracle`] module.
 //! Used by `hicache-io check`, the property tests and the GPU check script.
 
 use crate::error::{Result, TransferError};
 use crate::exec::Device;
 use crate::geometry::{dsa_bytes_per_token, IoBackend, LayerMap, Layout, PoolKind, Profile};
-use crate::oracle::{self, OracleBuffers};
 use crate::plan::{decide, kernel_word, Capabilities, Op, Request, TableOp};
 use crate::pool::{DevicePool, DevicePoolConfig, HostPool, HostPoolConfig};
+use crate::tools::oracle::{self, OracleBuffers};
 
 pub use crate::plan::{all_cells, Cell};
 pub use crate::rng::Rng;
@@ -40,23 +40,54 @@ pub fn random_case(cell: Cell, profile: Profile, rng: &mut Rng) -> Case {
     // of 4 or 16 bytes, in a small pool: executor limits on long items (a loop, a dispatch
     // dimension, a 16-bit count) show up as wrong bytes here rather than in a user's pool.
     let large = kind != PoolKind::DsaIndexer && rng.chance(12);
-    let page_size = match kind {
+    let page_size = random_page_size(cell, profile, large, rng);
+    let head_num = random_head_num(cell, large, rng);
+    let bytes_per_token = random_bytes_per_token(kind, profile, head_num, large, rng);
+    let layers = random_layers(cell, large, rng);
+    let (host_pages, device_pages) = if large { (2 + rng.below(2), 2 + rng.below(2)) } else { (2 + rng.below(10), 2 + rng.below(10)) };
+    let device = DevicePoolConfig {
+        kind,
+        bytes_per_token,
+        slots: if kind == PoolKind::DsaIndexer { device_pages } else { device_pages * page_size + rng.below(page_size) },
+        page_size,
+        layers: layers.clone(),
+    };
+    let host =
+        HostPoolConfig { layout: cell.layout, size: host_pages * page_size - 1 - rng.below(page_size), head_num, profile, integrity: None };
+    let op = random_op(cell, &layers, rng);
+    let (host_indices, device_indices) = random_indices(kind, cell, page_size, &host, &device, rng);
+    Case { cell, device, host, op, host_indices, device_indices, seed }
+}
+
+/// Tokens per page: 1 or 2 for a large item, else up to 16 (DSA: up to 8, and even where
+/// sglang's kernel gate needs it).
+fn random_page_size(cell: Cell, profile: Profile, large: bool, rng: &mut Rng) -> u64 {
+    match cell.kind {
         _ if large => rng.pick(&[1u64, 2]),
         // sglang's kernel gate needs an even page for 132 B tokens; extended lifts it.
         PoolKind::DsaIndexer if profile == Profile::Sglang && cell.io == IoBackend::Kernel => rng.pick(&[2u64, 4, 8]),
         PoolKind::DsaIndexer => rng.pick(&[1u64, 2, 4, 8]),
         _ => rng.pick(&[1u64, 2, 4, 8, 16]),
-    };
-    let head_num = match cell.layout {
-        l if l.head_chunks(kind) && large => rng.pick(&[1u64, 2]),
+    }
+}
+
+/// Heads of the host layout: more than one only where the layout splits items by head.
+fn random_head_num(cell: Cell, large: bool, rng: &mut Rng) -> u64 {
+    match cell.layout {
+        l if l.head_chunks(cell.kind) && large => rng.pick(&[1u64, 2]),
         Layout::PageHead => rng.pick(&[1u64, 2, 4]),
         // Head groups: one (plain page_first_direct bytes) up to one per head of 8.
         Layout::PageFirstDirectHeadGroups => rng.pick(&[1u64, 2, 4, 8]),
-        Layout::PageUnified if kind == PoolKind::Mha => rng.pick(&[1u64, 2, 4, 8]),
+        Layout::PageUnified if cell.kind == PoolKind::Mha => rng.pick(&[1u64, 2, 4, 8]),
         _ => 1,
-    };
+    }
+}
+
+/// Bytes per token: a DSA indexer item, a large item (see [`random_case`]), or a few kernel
+/// words per head.
+fn random_bytes_per_token(kind: PoolKind, profile: Profile, head_num: u64, large: bool, rng: &mut Rng) -> u64 {
     let word = kernel_word(profile, &Capabilities::PORTABLE);
-    let bytes_per_token = match kind {
+    match kind {
         PoolKind::DsaIndexer => {
             // index_head_dim / quant_block_size pairs; 132 B is DeepSeek V3.2.
             let (d, q) = rng.pick(&[(128u64, 128u64), (16, 8), (8, 4), (32, 16)]);
@@ -70,7 +101,12 @@ pub fn random_case(cell: Cell, profile: Profile, rng: &mut Rng) -> Case {
             head_num * words * w
         }
         _ => head_num * word * rng.pick(&[1u64, 2, 3, 4, 6, 8, 16]),
-    };
+    }
+}
+
+/// The layer map: 1 to 5 layers (1 or 2 when large), a shard for sharded backups, DSA
+/// skip-topk layers, and drafts (at least one where no target layer has a host layer).
+fn random_layers(cell: Cell, large: bool, rng: &mut Rng) -> LayerMap {
     let layer_num = if large { 1 + rng.below(2) as usize } else { 1 + rng.below(5) as usize };
     let mut layers = LayerMap::new(layer_num);
     if cell.op == TableOp::ShardedBackup {
@@ -78,7 +114,7 @@ pub fn random_case(cell: Cell, profile: Profile, rng: &mut Rng) -> Case {
         let end = start + 1 + rng.below((layer_num - start) as u64) as usize;
         layers.layer_shard = Some((start, end));
     }
-    if kind == PoolKind::DsaIndexer {
+    if cell.kind == PoolKind::DsaIndexer {
         for l in 0..layer_num {
             layers.skipped[l] = rng.chance(25);
         }
@@ -87,17 +123,14 @@ pub fn random_case(cell: Cell, profile: Profile, rng: &mut Rng) -> Case {
     if layers.host_layers() == 0 {
         layers.drafts = 1;
     }
-    let (host_pages, device_pages) = if large { (2 + rng.below(2), 2 + rng.below(2)) } else { (2 + rng.below(10), 2 + rng.below(10)) };
-    let device = DevicePoolConfig {
-        kind,
-        bytes_per_token,
-        slots: if kind == PoolKind::DsaIndexer { device_pages } else { device_pages * page_size + rng.below(page_size) },
-        page_size,
-        layers: layers.clone(),
-    };
-    let host =
-        HostPoolConfig { layout: cell.layout, size: host_pages * page_size - 1 - rng.below(page_size), head_num, profile, integrity: None };
-    let op = match cell.op {
+    layers
+}
+
+/// The call of the cell's row: a load (sometimes of a draft), a backup, or (in the sharded
+/// backup's row) sometimes a per-layer backup.
+fn random_op(cell: Cell, layers: &LayerMap, rng: &mut Rng) -> Op {
+    let layer_num = layers.layer_num;
+    match cell.op {
         TableOp::Load => {
             if layers.drafts > 0 && rng.chance(30) {
                 Op::Load { layer_id: layer_num + rng.below(layers.drafts as u64) as usize, is_draft: true }
@@ -116,9 +149,7 @@ pub fn random_case(cell: Cell, profile: Profile, rng: &mut Rng) -> Case {
             }
         }
         _ => Op::Backup,
-    };
-    let (host_indices, device_indices) = random_indices(kind, cell, page_size, &host, &device, rng);
-    Case { cell, device, host, op, host_indices, device_indices, seed }
+    }
 }
 
 fn random_indices(
@@ -388,7 +419,7 @@ pub struct Tally {
 /// depends on the item only for the DSA `kernel` gate, which random cases re-check).
 pub fn supported_cells(profile: Profile) -> Vec<Cell> {
     let word = kernel_word(profile, &Capabilities::PORTABLE);
-    all_cells().into_iter().filter(|c| decide(profile, *c, crate::matrix::dsa_item(64), word).is_ok()).collect()
+    all_cells().into_iter().filter(|c| decide(profile, *c, crate::tools::matrix::dsa_item(64), word).is_ok()).collect()
 }
 
 /// Runs `rounds` random cases per supported cell on `device`; `progress` is called after each.

@@ -288,7 +288,7 @@ pub fn pipeline(device: &Device, layers: usize, items: u64, compute: Option<Dura
     let device = match device {
         Device::Cpu(_) => {
             let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-            cpu_budget = Device::Cpu(crate::exec::cpu::CpuExecutor::with_threads(cores.saturating_sub(1).max(1)));
+            cpu_budget = Device::cpu_with_threads(cores.saturating_sub(1).max(1));
             &cpu_budget
         }
         #[allow(unreachable_patterns)] // the cpu executor alone (no GPU features)

@@ -7,13 +7,13 @@
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use crate::check::{random_case, supported_cells, Mirrored};
 use crate::error::TransferError;
 use crate::exec::Device;
-use crate::geometry::{IoBackend, Layout, Profile};
+use crate::geometry::{DeviceGeometry, IoBackend, LayerMap, Layout, PagePadding, PoolKind, Profile};
 use crate::plan::{Op, Request};
 use crate::pool::{DevicePoolConfig, HostPoolConfig};
 use crate::rng::Rng;
+use crate::tools::check::{random_case, supported_cells, Mirrored};
 
 /// Pools larger than this are built (to check the configuration) but not filled or moved (the
 /// large-item cases, 1 MiB items, stay below it).
@@ -184,98 +184,137 @@ fn one_case(device: &Device, other_device: Option<&Device>, seed: u64, t: &mut F
         return padded_case(device, seed, t);
     }
     let mut rng = Rng::new(seed);
-    let profile = rng.pick(&[Profile::Sglang, Profile::Extended]);
-    let cells = supported_cells(profile);
-    let base = random_case(rng.pick(&cells), profile, &mut rng);
-    let (mut dc, mut hc, mut op, mut io) = (base.device, base.host, base.op, base.cell.io);
-    let (mut hi, mut di) = (base.host_indices, base.device_indices);
-    let mutated = rng.chance(70);
-    if mutated {
-        mutate(&mut rng, &mut dc, &mut hc, &mut op, &mut io, &mut hi, &mut di);
-    }
-    let Some(mut m) = build(device, &dc, &hc, seed, t) else { return };
-    let tag = |what: &str| format!("seed {seed}: {what} ({op:?} {io} {} {:?})", hc.layout, dc.kind);
+    let c = draw_case(&mut rng);
+    let Some(mut m) = build(device, &c.dc, &c.hc, seed, t) else { return };
+    let (op, io) = (c.op, c.io);
+    let tag = |what: &str| format!("seed {seed}: {what} ({op:?} {io} {} {:?})", c.hc.layout, c.dc.kind);
     // A fifth of the calls go through the asynchronous API (enqueued, then waited on).
-    let result = if rng.chance(20) { m.call_async(op, io, &hi, &di) } else { m.call(op, io, &hi, &di) };
+    let result = if rng.chance(20) { m.call_async(op, io, &c.hi, &c.di) } else { m.call(op, io, &c.hi, &c.di) };
     let result_ok = result.is_ok();
     match result {
         Ok(()) => {
-            m.apply_oracle(op, &hi, &di);
+            m.apply_oracle(op, &c.hi, &c.di);
             t.matched += 1;
         }
-        Err(e) => {
-            t.rejected_call += 1;
-            if matches!(e, TransferError::Integrity { .. }) {
-                t.false_alarms += 1;
-                t.fail(tag(&format!("an integrity error where nothing was damaged: {e}")));
-            }
-            if !mutated {
-                t.refused_well_formed += 1;
-                t.fail(tag(&format!("a well-formed call was refused: {e}")));
-            }
-            if matches!(e, TransferError::Executor { .. } | TransferError::Partial { .. }) {
-                t.corrupted += 1;
-                t.fail(tag(&format!("an executor failed after validation: {e}")));
-            }
-        }
+        Err(e) => count_refusal(&e, c.mutated, t, &tag),
     }
     check_mirror(&m, t, &tag("call"));
     // A successful backup, loaded back: with checksums, the load verifies what it recorded.
     if result_ok && op.direction() == crate::plan::Direction::DeviceToHost && rng.chance(50) {
-        let map = m.dev.geometry().layers().clone();
-        let load = match map.live_layers().first() {
-            Some(&l) => Some(Op::Load { layer_id: l, is_draft: false }),
-            None if map.drafts > 0 => Some(Op::Load { layer_id: map.layer_num, is_draft: true }),
-            None => None,
-        };
-        let before = m.host.integrity_stats().map_or(0, |s| s.verified);
-        if let Some(load) = load {
-            match m.call(load, io, &hi, &di) {
-                Ok(()) => {
-                    m.apply_oracle(load, &hi, &di);
-                    if m.host.integrity_stats().is_some_and(|s| s.verified > before) {
-                        t.verified_loads += 1;
-                    }
-                }
-                Err(e @ TransferError::Integrity { .. }) => {
-                    t.false_alarms += 1;
-                    t.fail(tag(&format!("loading back a backup raised an integrity error: {e}")));
-                }
-                // A mutated call's indices may be fine for the backup and not for the load
-                // (duplicate device slots): a refusal moves nothing.
-                Err(_) => {}
-            }
-            check_mirror(&m, t, &tag("load after backup"));
-        }
+        load_after_backup(&mut m, &c, t, &tag);
     }
     // Storage helpers: a page read and written back changes nothing.
     if rng.chance(30) {
-        let some = rng.below(64) as i64;
-        let index = rng.pick(&[0i64, dc.page_size as i64, some, -1, i64::MAX]);
-        if let Ok(page) = m.host.get_data_page(index) {
-            if let Err(e) = m.host.set_from_flat_data_page(index, &page) {
-                t.corrupted += 1;
-                t.fail(tag(&format!("set_from_flat_data_page refused the page get_data_page returned: {e}")));
-            }
-            check_mirror(&m, t, &tag("storage round trip"));
-        }
-        let _ = m.host.get_page_buffer_meta(&hi);
+        storage_round_trip(&mut m, &c, &mut rng, t, &tag);
     }
     // A plan made for these pools, run on other pools of the same geometry: refused, nothing moves.
     if let Some(other_device) = other_device.filter(|_| rng.chance(10)) {
-        let req = Request { op, io_backend: io, host_indices: &hi, device_indices: &di };
-        if let Ok(plan) = m.host.plan(&m.dev, &req) {
-            if let Ok(mut other) = Mirrored::new(other_device, &dc, &hc, seed ^ 1) {
-                let r = match op {
-                    Op::Load { .. } => other.host.execute_load(&mut other.dev, &plan),
-                    Op::Backup | Op::BackupLayer { .. } => other.host.execute_backup(&other.dev, &plan),
-                };
-                if r.is_ok() {
-                    t.corrupted += 1;
-                    t.fail(tag("a plan ran on pools of another executor instance"));
+        foreign_plan(&m, other_device, &c, seed, t, &tag);
+    }
+}
+
+/// A drawn case: the pool configurations, the call, its index lists, and whether it was mutated.
+struct FuzzCase {
+    dc: DevicePoolConfig,
+    hc: HostPoolConfig,
+    op: Op,
+    io: IoBackend,
+    hi: Vec<i64>,
+    di: Vec<i64>,
+    mutated: bool,
+}
+
+/// Draws a random case of a supported cell, mutated into a possibly hostile one 70% of the time.
+fn draw_case(rng: &mut Rng) -> FuzzCase {
+    let profile = rng.pick(&[Profile::Sglang, Profile::Extended]);
+    let cells = supported_cells(profile);
+    let base = random_case(rng.pick(&cells), profile, rng);
+    let (mut dc, mut hc, mut op, mut io) = (base.device, base.host, base.op, base.cell.io);
+    let (mut hi, mut di) = (base.host_indices, base.device_indices);
+    let mutated = rng.chance(70);
+    if mutated {
+        mutate(rng, &mut dc, &mut hc, &mut op, &mut io, &mut hi, &mut di);
+    }
+    FuzzCase { dc, hc, op, io, hi, di, mutated }
+}
+
+/// Counts a refused call, and the failures among refusals: an integrity error where nothing was
+/// damaged, a well-formed call refused, an executor failing after validation.
+fn count_refusal(e: &TransferError, mutated: bool, t: &mut FuzzTally, tag: &dyn Fn(&str) -> String) {
+    t.rejected_call += 1;
+    if matches!(e, TransferError::Integrity { .. }) {
+        t.false_alarms += 1;
+        t.fail(tag(&format!("an integrity error where nothing was damaged: {e}")));
+    }
+    if !mutated {
+        t.refused_well_formed += 1;
+        t.fail(tag(&format!("a well-formed call was refused: {e}")));
+    }
+    if matches!(e, TransferError::Executor { .. } | TransferError::Partial { .. }) {
+        t.corrupted += 1;
+        t.fail(tag(&format!("an executor failed after validation: {e}")));
+    }
+}
+
+/// Loads back the items a successful backup wrote (the first live layer, else the first draft):
+/// with checksums, the load verifies what the backup recorded and raises nothing.
+fn load_after_backup(m: &mut Mirrored, c: &FuzzCase, t: &mut FuzzTally, tag: &dyn Fn(&str) -> String) {
+    let map = m.dev.geometry().layers().clone();
+    let load = match map.live_layers().first() {
+        Some(&l) => Some(Op::Load { layer_id: l, is_draft: false }),
+        None if map.drafts > 0 => Some(Op::Load { layer_id: map.layer_num, is_draft: true }),
+        None => None,
+    };
+    let before = m.host.integrity_stats().map_or(0, |s| s.verified);
+    if let Some(load) = load {
+        match m.call(load, c.io, &c.hi, &c.di) {
+            Ok(()) => {
+                m.apply_oracle(load, &c.hi, &c.di);
+                if m.host.integrity_stats().is_some_and(|s| s.verified > before) {
+                    t.verified_loads += 1;
                 }
-                check_mirror(&other, t, &tag("foreign plan"));
             }
+            Err(e @ TransferError::Integrity { .. }) => {
+                t.false_alarms += 1;
+                t.fail(tag(&format!("loading back a backup raised an integrity error: {e}")));
+            }
+            // A mutated call's indices may be fine for the backup and not for the load
+            // (duplicate device slots): a refusal moves nothing.
+            Err(_) => {}
+        }
+        check_mirror(m, t, &tag("load after backup"));
+    }
+}
+
+/// Storage helpers: a page (at a drawn index, maybe hostile) read and written back changes nothing.
+fn storage_round_trip(m: &mut Mirrored, c: &FuzzCase, rng: &mut Rng, t: &mut FuzzTally, tag: &dyn Fn(&str) -> String) {
+    let some = rng.below(64) as i64;
+    let index = rng.pick(&[0i64, c.dc.page_size as i64, some, -1, i64::MAX]);
+    if let Ok(page) = m.host.get_data_page(index) {
+        if let Err(e) = m.host.set_from_flat_data_page(index, &page) {
+            t.corrupted += 1;
+            t.fail(tag(&format!("set_from_flat_data_page refused the page get_data_page returned: {e}")));
+        }
+        check_mirror(m, t, &tag("storage round trip"));
+    }
+    let _ = m.host.get_page_buffer_meta(&c.hi);
+}
+
+/// A plan made for `m`'s pools, run on pools of the same geometry on `other_device`: it must be
+/// refused, moving nothing.
+fn foreign_plan(m: &Mirrored, other_device: &Device, c: &FuzzCase, seed: u64, t: &mut FuzzTally, tag: &dyn Fn(&str) -> String) {
+    let req = Request { op: c.op, io_backend: c.io, host_indices: &c.hi, device_indices: &c.di };
+    if let Ok(plan) = m.host.plan(&m.dev, &req) {
+        if let Ok(mut other) = Mirrored::new(other_device, &c.dc, &c.hc, seed ^ 1) {
+            let r = match c.op {
+                Op::Load { .. } => other.host.execute_load(&mut other.dev, &plan),
+                Op::Backup | Op::BackupLayer { .. } => other.host.execute_backup(&other.dev, &plan),
+            };
+            if r.is_ok() {
+                t.corrupted += 1;
+                t.fail(tag("a plan ran on pools of another executor instance"));
+            }
+            check_mirror(&other, t, &tag("foreign plan"));
         }
     }
 }
@@ -286,27 +325,17 @@ const PADDED_SALT: u64 = 0x7061_6464_6564;
 /// into `page_bytes`, one call of the `kernel` backend with distinct random tokens (partly
 /// hostile), against the oracle; `direct` must be refused.
 fn padded_case(device: &Device, seed: u64, t: &mut FuzzTally) {
-    use crate::geometry::{DeviceGeometry, LayerMap, PagePadding, PoolKind};
     t.padded += 1;
     let mut rng = Rng::new(seed);
-    let item = rng.pick(&[8u64, 16, 24, 576]);
-    let p = rng.pick(&[1u64, 2, 4, 64]);
-    let spare = 8 * rng.below(4);
-    let offset = rng.below(spare / 8 + 1) * 8;
-    let padding = PagePadding { page_bytes: p * item + spare, offset };
-    let (dev_pages, host_pages) = (1 + rng.below(3), 1 + rng.below(3));
-    let layer_num = 1 + rng.below(3) as usize;
-    let mut layers = LayerMap::new(layer_num);
-    layers.drafts = rng.below(2) as usize;
-    let geometry = match DeviceGeometry::new(PoolKind::Mla, item, dev_pages * p, p, layers).and_then(|g| g.with_padding(padding)) {
-        Ok(g) => g,
+    let (s, geometry) = match padded_shape(&mut rng) {
+        Ok(drawn) => drawn,
         Err(e) => {
             t.corrupted += 1;
             return t.fail(format!("seed {seed}: a padded geometry was refused: {e}"));
         }
     };
     let profile = rng.pick(&[Profile::Sglang, Profile::Extended]);
-    let hc = HostPoolConfig { layout: Layout::LayerFirst, size: (host_pages - 1) * p, head_num: 1, profile, integrity: None };
+    let hc = HostPoolConfig { layout: Layout::LayerFirst, size: (s.host_pages - 1) * s.p, head_num: 1, profile, integrity: None };
     let mut m = match Mirrored::with_geometry(device, geometry, &hc, seed) {
         Ok(m) => m,
         Err(e) => {
@@ -314,31 +343,8 @@ fn padded_case(device: &Device, seed: u64, t: &mut FuzzTally) {
             return t.fail(format!("seed {seed}: padded pools could not be built: {e}"));
         }
     };
-    let n = 1 + rng.below(dev_pages.min(host_pages) * p) as usize;
-    let draw = |rng: &mut Rng, bound: u64| -> Vec<i64> {
-        let mut all: Vec<i64> = (0..bound as i64).collect();
-        for i in 0..n {
-            let j = i + rng.below(bound - i as u64) as usize;
-            all.swap(i, j);
-        }
-        all.truncate(n);
-        all
-    };
-    let (mut hi, mut di) = (draw(&mut rng, host_pages * p), draw(&mut rng, dev_pages * p));
-    let layer_id = rng.below(layer_num as u64 + 1) as usize;
-    let op = rng.pick(&[
-        Op::Load { layer_id, is_draft: false },
-        Op::Backup,
-        Op::BackupLayer { layer_id, is_draft: false },
-        Op::Load { layer_id: layer_num, is_draft: true },
-    ]);
-    let mutated = rng.chance(40);
-    if mutated {
-        let list = if rng.chance(50) { &mut hi } else { &mut di };
-        let at = rng.below(list.len() as u64) as usize;
-        list[at] = rng.pick(&[-2, (host_pages.max(dev_pages) * p) as i64, list[0], i64::MAX, 1 << 32]);
-    }
-    let io = if rng.chance(10) { IoBackend::Direct } else { IoBackend::Kernel };
+    let PaddedCall { hi, di, layer_id, op, mutated, io } = padded_call(&mut rng, &s);
+    let Padded { item, p, padding, layer_num, .. } = s;
     let tag = |what: &str| format!("seed {seed}: padded pages {what} ({op:?} {io}, item {item}, P {p}, {padding:?})");
     let well_formed = !mutated
         && io == IoBackend::Kernel
@@ -366,6 +372,77 @@ fn padded_case(device: &Device, seed: u64, t: &mut FuzzTally) {
         }
     }
     check_mirror(&m, t, &tag("call"));
+}
+
+/// The shape of a padded-page case: item bytes, `P` items per page, the page padding, and the
+/// device and host page and layer counts.
+struct Padded {
+    item: u64,
+    p: u64,
+    padding: PagePadding,
+    dev_pages: u64,
+    host_pages: u64,
+    layer_num: usize,
+}
+
+/// Draws a padded-page shape and builds its MLA device geometry (an error if refused).
+fn padded_shape(rng: &mut Rng) -> crate::error::Result<(Padded, DeviceGeometry)> {
+    let item = rng.pick(&[8u64, 16, 24, 576]);
+    let p = rng.pick(&[1u64, 2, 4, 64]);
+    let spare = 8 * rng.below(4);
+    let offset = rng.below(spare / 8 + 1) * 8;
+    let padding = PagePadding { page_bytes: p * item + spare, offset };
+    let (dev_pages, host_pages) = (1 + rng.below(3), 1 + rng.below(3));
+    let layer_num = 1 + rng.below(3) as usize;
+    let mut layers = LayerMap::new(layer_num);
+    layers.drafts = rng.below(2) as usize;
+    let geometry = DeviceGeometry::new(PoolKind::Mla, item, dev_pages * p, p, layers).and_then(|g| g.with_padding(padding))?;
+    Ok((Padded { item, p, padding, dev_pages, host_pages, layer_num }, geometry))
+}
+
+/// A padded case's call: token lists, the layer and op, whether an index was made hostile, and
+/// the backend.
+struct PaddedCall {
+    hi: Vec<i64>,
+    di: Vec<i64>,
+    layer_id: usize,
+    op: Op,
+    mutated: bool,
+    io: IoBackend,
+}
+
+/// Draws a padded case's call: distinct random tokens on both sides, an op, 40% of the time one
+/// hostile index, and `direct` 10% of the time.
+fn padded_call(rng: &mut Rng, s: &Padded) -> PaddedCall {
+    let (p, layer_num) = (s.p, s.layer_num);
+    let n = 1 + rng.below(s.dev_pages.min(s.host_pages) * p) as usize;
+    let (mut hi, mut di) = (distinct_tokens(rng, n, s.host_pages * p), distinct_tokens(rng, n, s.dev_pages * p));
+    let layer_id = rng.below(layer_num as u64 + 1) as usize;
+    let op = rng.pick(&[
+        Op::Load { layer_id, is_draft: false },
+        Op::Backup,
+        Op::BackupLayer { layer_id, is_draft: false },
+        Op::Load { layer_id: layer_num, is_draft: true },
+    ]);
+    let mutated = rng.chance(40);
+    if mutated {
+        let list = if rng.chance(50) { &mut hi } else { &mut di };
+        let at = rng.below(list.len() as u64) as usize;
+        list[at] = rng.pick(&[-2, (s.host_pages.max(s.dev_pages) * p) as i64, list[0], i64::MAX, 1 << 32]);
+    }
+    let io = if rng.chance(10) { IoBackend::Direct } else { IoBackend::Kernel };
+    PaddedCall { hi, di, layer_id, op, mutated, io }
+}
+
+/// `n` distinct tokens below `bound`, in random order (the first `n` of a partial shuffle).
+fn distinct_tokens(rng: &mut Rng, n: usize, bound: u64) -> Vec<i64> {
+    let mut all: Vec<i64> = (0..bound as i64).collect();
+    for i in 0..n {
+        let j = i + rng.below(bound - i as u64) as usize;
+        all.swap(i, j);
+    }
+    all.truncate(n);
+    all
 }
 
 /// Builds the pools of a case: `None` (counted) when the configuration is refused or too large
