@@ -14,52 +14,11 @@ process's memory (the cpu executor, and cuda's pinned host pools). wgpu keeps ho
 own buffers, mapped only between submissions: there pages pass through one registered staging
 buffer of ``STORAGE_BATCH_SIZE`` pages (one copy per page each way).
 
-Keys. sglang's Mooncake backend names a page's objects ``{prefix}_{page_hash}_{tp_rank}[_{pp_rank}]_k``
-and ``_v`` (MHA) or ``{prefix}_{page_hash}_[{pp_rank}]_k`` (MLA, one object; rank-replicated). Those
-names carry no layout, and page_first, page_first_direct and page_head order a page's bytes
-differently; so a pool whose page holds what sglang's page_first page holds (MHA or MLA,
-page_first, every layer, no drafts) uses sglang's names, and sglang and hicache-io processes share
-its objects. Every other pool (another layout, a layer shard, MTP draft layers, DSA skip-topk
-layers, the DSA indexer) names what its page holds::
-
-    {prefix}_{page_hash}_{rank}_hio-{kind}-{layout}-i{item bytes}-L{start}-{end}[-x{skipped}][+d{drafts}]-n{namespace}_{k|v}
-
-``rank`` is the tp rank (and pp rank) for MHA, whose ranks hold different heads, and empty for
-the rank-replicated MLA and DSA pools. It cannot collide with sglang's keys: no segment sglang puts
-between the hash and the component starts with ``hio-``. Ranks that hold other layers differ in
-``L`` (or skips, or drafts), MHA ranks that hold other heads in ``rank``, pools of another layout or
-item size in those segments; the prefix names the model. Reading a page back needs only this
-rank's shard.
-
-Namespaces. A page's bytes mean something only to a pool of the same model, KV dtype (the pool's
-``dtype``, or ``extra_config["hicache_io_kv_dtype"]``), kind, layout, object size, page size and
-head split. These, the format version and an optional
-``extra_config["hicache_io_namespace"]`` make the store's namespace (:attr:`MooncakeStore.namespace`,
-a JSON record) and its 48-bit digest. hicache-io's own names end in ``-n{digest}``, so a page
-written under another namespace is another key: it reads as a miss, never as data. sglang's names
-cannot change without losing sglang's own readers, so for them the namespace is a sidecar object
-``{prefix}_hio-namespace_{rank}`` holding the record: the first store to register a pool under a
-prefix writes it; a store whose namespace differs reads every sglang-named page as a miss and
-writes none (counted as ``foreign``), and says so once. The sidecar is checked when the pool is
-registered. A deployment that changes what its pages mean under the same prefix therefore gets
-misses until it takes another prefix (``extra_backend_tag``, the model name) or the store is
-cleared. It cannot protect against writers that do not write the record (sglang's own Mooncake
-backend), nor survive its eviction from the store; ``extra_config["hicache_io_namespace_record"] =
-False`` turns it off. ``extra_config["hicache_io_sglang_keys_any_layout"] = True`` gives
-page_first_direct and page_head pools sglang's names too, for deployments where every rank uses
-one layout.
-
-Integrity: hicache-io's own (shard-named) objects end in a 16-byte trailer, ``HIOSUM03`` and the
-page object's checksum (:func:`hicache_io._native.checksum`: a multilinear hash of its 32-bit
-words, fixed seed) folded with a hash of the object's key. Puts write it from the host pages; gets
-check it against the bytes that landed, so changed bytes and pages stored under another key fail
-their page (``INTEGRITY``). Objects without a trailer (another build, ``integrity=False``) read as
-unverified, never as corrupt, and so do objects whose trailer is of an older key stream
-(``HIOSUM01``, ``HIOSUM02``); sglang-named objects keep sglang's shape and are unverified too. After a get into
-the host pool's memory, the pool's own item checksums of each verified page are recomputed from
-the bytes that landed, and forgotten for every other page the get wrote.
-``integrity_stats()`` counts verified, unverified and corrupt objects (``get_stats()`` is
-sglang's metrics hook and returns ``None``).
+Keys and namespaces (which object names a page, and how a page written under another meaning
+reads as a miss): :mod:`hicache_io.l3.keys`. Integrity (the trailer each of hicache-io's own
+objects ends in, checked at every get): :mod:`hicache_io.l3.trailer`. ``integrity_stats()`` counts
+verified, unverified and corrupt objects (``get_stats()`` is sglang's metrics hook and returns
+``None``).
 
 Return conventions are sglang's: ``batch_set_v1`` / ``batch_get_v1`` give one bool per page (an
 object that already exists counts as written), ``batch_exists`` the number of leading pages whose
@@ -85,14 +44,25 @@ sglang's storage threads.
 import hashlib
 import json
 import logging
-import os
 import threading
-from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
 from .l3.batches import CallScope, exist_once, in_rounds, one_call
+from .l3.config import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo, MooncakeStoreConfig
+from .l3.config import size_of as _size  # noqa: F401 (the name it had)
+from .l3.errors import INTEGRITY, MOONCAKE_ERRORS, REFUSED, SHORT_READ, StorageError
+from .l3.keys import namespace_key, namespace_of, page_object_keys, shard_descriptor
+from .l3.layouts import PoolLayout as _Layout
+from .l3.layouts import SglangLayout as _SglangLayout  # noqa: F401 (the name it had)
+from .l3.layouts import check_inside as _check_inside  # noqa: F401 (the name it had)
+from .l3.layouts import host_list as _host_list
+from .l3.layouts import sglang_indices as _sglang_indices  # noqa: F401 (the name it had)
+from .l3.master import LocalMaster
+from .l3.trailer import OLD_TRAILER_MAGICS, TRAILER_MAGIC
+from .l3.trailer import name_tag as _name_tag  # noqa: F401 (the name it had)
+from .l3.trailer import name_tags as _name_tags
 from .storage_unified import KEY_SCHEMES, UnifiedKeys
 from .storage_v2 import PoolsV2
 
@@ -103,349 +73,12 @@ __all__ = ["MooncakeStore", "MooncakeStoreConfig", "StorageError", "LocalMaster"
 #: Pages per storage call in sglang's controller (and the staging buffer's size in pages).
 STORAGE_BATCH_SIZE = 128
 
-try:  # sglang present: be one of its backends (its dynamic loader checks the base class)
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage  # type: ignore
-except ImportError:  # sglang absent: the same interface, standalone
-
-    class HiCacheStorage:  # type: ignore[no-redef]
-        """sglang's L3 storage interface (``hicache_storage.py``), for use without sglang."""
-
-        def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-            self.mem_pool_host = mem_pool_host
-
-        def batch_exists(self, keys: List[str], extra_info: Any = None) -> int:
-            for i, key in enumerate(keys):
-                if not self.exists(key):
-                    return i
-            return len(keys)
-
-        def clear(self) -> None:
-            return None
-
-        def get_stats(self) -> Any:
-            return None
-
-
-@dataclass
-class HiCacheStorageConfig:
-    """The fields of sglang's ``HiCacheStorageConfig`` that this backend reads, with defaults (one
-    rank); sglang passes its own config object, read through the same attribute names."""
-
-    tp_rank: int = 0
-    tp_size: int = 1
-    pp_rank: int = 0
-    pp_size: int = 1
-    attn_cp_rank: int = 0
-    attn_cp_size: int = 1
-    is_mla_model: bool = False
-    enable_storage_metrics: bool = False
-    is_page_first_layout: bool = True
-    model_name: Optional[str] = None
-    dp_rank: int = 0
-    dp_size: int = 1
-    tp_lcm_size: Optional[int] = None
-    should_split_heads: bool = False
-    extra_config: Optional[dict] = None
-
-
-@dataclass
-class HiCacheStorageExtraInfo:
-    prefix_keys: Optional[List[str]] = None
-    extra_info: Optional[dict] = None
-
-
-#: Mooncake Store error codes a caller meets here (``mooncake-store/include/types.h``).
-MOONCAKE_ERRORS = {
-    -10: "BUFFER_OVERFLOW (the object does not fit the target span)",
-    -200: "NO_AVAILABLE_HANDLE (the store is full)",
-    -600: "INVALID_PARAMS",
-    -704: "OBJECT_NOT_FOUND",
-    -706: "OBJECT_HAS_LEASE",
-    -707: "LEASE_EXPIRED (the object's lease ran out before the transfer completed)",
-    -900: "RPC_FAIL (the master is unreachable)",
-}
-
-#: hicache-io's own code: an object read back with another size than the page's (a short read).
-SHORT_READ = -100000
-#: hicache-io's own code: a call refused before reaching the store (bad indices or lengths).
-REFUSED = -100001
-MOONCAKE_ERRORS[SHORT_READ] = "short read (the object has another size than the page)"
-#: hicache-io's own code: an object whose checksum trailer does not match the bytes read.
-INTEGRITY = -100002
-MOONCAKE_ERRORS[INTEGRITY] = "integrity check failed (the bytes read are not the page that was stored under this key)"
-
-#: Version of what hicache-io's page objects mean, part of every namespace.
-NAMESPACE_FORMAT = 1
-
-#: First word of a page object's trailer: ``HIOSUM03`` (checksum keys computed from each word's
-#: position by a 32-bit mixer).
-TRAILER_MAGIC = int.from_bytes(b"HIOSUM03", "little")
 #: Checksummed objects up to this size move through a staging buffer with their trailer as one
 #: span (Mooncake's single-buffer calls; its two-buffer calls cost a quarter or more of the
 #: throughput at page sizes): the copy costs a tenth of an 8448-byte object's round trip.
 SEALED_MAX_OBJECT = 64 << 10
-#: Trailers of earlier key streams (``HIOSUM01``: 64-bit keys; ``HIOSUM02``: 32-bit keys of a
-#: 64-bit mixer): read as unverified.
-OLD_TRAILER_MAGICS = (int.from_bytes(b"HIOSUM01", "little"), int.from_bytes(b"HIOSUM02", "little"))
 
 
-def _name_tags(keys: Sequence[str]) -> np.ndarray:
-    """64-bit tags of objects' keys (FNV-1a), folded into their checksums so that a page stored
-    under another key (swapped, replayed from elsewhere) fails the check."""
-    from . import _native
-
-    return _native.name_tags(list(keys))
-
-
-def _name_tag(key: str) -> int:
-    return int(_name_tags([key])[0])
-MOONCAKE_ERRORS[REFUSED] = "refused before any byte moved"
-
-
-class StorageError(RuntimeError):
-    """A Mooncake Store call that failed: ``code`` (Mooncake's), ``what`` (the call) and the
-    ``keys`` it failed for."""
-
-    def __init__(self, what: str, code: int, keys: Sequence[str] = (), detail: str = ""):
-        self.what, self.code, self.keys = what, code, list(keys)
-        name = MOONCAKE_ERRORS.get(code, "error")
-        shown = ", ".join(self.keys[:3]) + (" ..." if len(self.keys) > 3 else "")
-        super().__init__(f"Mooncake Store {what} failed: {code} {name}" + (f" for {shown}" if shown else "") + (f": {detail}" if detail else ""))
-
-
-def _host_list(indices: Any) -> Any:
-    """Host index values: numpy as is; torch (CPU or CUDA) and other arrays through ``tolist``."""
-    if isinstance(indices, np.ndarray):
-        return indices.reshape(-1)
-    if hasattr(indices, "tolist"):
-        return np.asarray(indices.tolist(), dtype=np.int64).reshape(-1)
-    return np.asarray(indices, dtype=np.int64).reshape(-1)
-
-
-def _size(value: Any) -> int:
-    """An int, or a string with a ``kb``/``mb``/``gb`` suffix (Mooncake's config style)."""
-    if isinstance(value, int):
-        return value
-    text = str(value).strip().lower()
-    for suffix, scale in (("gb", 1 << 30), ("mb", 1 << 20), ("kb", 1 << 10), ("b", 1)):
-        if text.endswith(suffix):
-            return int(float(text[: -len(suffix)]) * scale)
-    return int(text)
-
-
-@dataclass
-class MooncakeStoreConfig:
-    """How to reach the store, as sglang's Mooncake backend takes it. Defaults work on one
-    machine over TCP on loopback; ``master_server_address`` is required (``MOONCAKE_MASTER``)."""
-
-    master_server_address: str = ""
-    local_hostname: str = "127.0.0.1"
-    metadata_server: str = "P2PHANDSHAKE"
-    global_segment_size: int = 256 << 20
-    local_buffer_size: int = 16 << 20
-    protocol: str = "tcp"
-    device_name: str = ""
-    extra: Dict[str, Any] = field(default_factory=dict)
-
-    _KEYS = ("master_server_address", "local_hostname", "metadata_server", "global_segment_size", "local_buffer_size", "protocol", "device_name")
-    _ENV = {
-        "master_server_address": "MOONCAKE_MASTER",
-        "local_hostname": "MOONCAKE_LOCAL_HOSTNAME",
-        "metadata_server": "MOONCAKE_TE_META_DATA_SERVER",
-        "global_segment_size": "MOONCAKE_GLOBAL_SEGMENT_SIZE",
-        "local_buffer_size": "MOONCAKE_LOCAL_BUFFER_SIZE",
-        "protocol": "MOONCAKE_PROTOCOL",
-        "device_name": "MOONCAKE_DEVICE",
-    }
-
-    @classmethod
-    def from_dict(cls, d: Dict[str, Any]) -> "MooncakeStoreConfig":
-        if d.get("client_server_address") is not None:
-            raise ValueError("client_server_address (Mooncake's standalone client process) is not supported by hicache-io's store; give master_server_address")
-        known = {k: d[k] for k in cls._KEYS if d.get(k) is not None}
-        for k in ("global_segment_size", "local_buffer_size"):
-            if k in known:
-                known[k] = _size(known[k])
-        return cls(**known, extra={k: v for k, v in d.items() if k not in cls._KEYS})
-
-    @classmethod
-    def from_file(cls, path: str) -> "MooncakeStoreConfig":
-        with open(path) as f:
-            return cls.from_dict(json.load(f))
-
-    @classmethod
-    def from_env(cls) -> "MooncakeStoreConfig":
-        return cls.from_dict({k: os.environ[v] for k, v in cls._ENV.items() if v in os.environ})
-
-    @classmethod
-    def load(cls, extra_config: Optional[Dict[str, Any]] = None) -> "MooncakeStoreConfig":
-        """sglang's order: the storage config's ``extra_config`` when it names a server, else the
-        JSON file at ``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH``, else the environment."""
-        if extra_config and (extra_config.get("master_server_address") is not None or extra_config.get("client_server_address") is not None):
-            return cls.from_dict(extra_config)
-        path = os.environ.get("SGLANG_HICACHE_MOONCAKE_CONFIG_PATH")
-        if path:
-            return cls.from_file(path)
-        return cls.from_env()
-
-
-class LocalMaster:
-    """A ``mooncake_master`` of this process's own, on loopback only (its RPC and metrics ports;
-    the built-in HTTP metadata server, which binds every interface, stays off): for tests,
-    examples and one-machine use. ``with LocalMaster() as m: ... m.address``."""
-
-    def __init__(self, port: Optional[int] = None, lease_ms: int = 5000, binary: Optional[str] = None):
-        import shutil
-        import socket
-        import subprocess
-        import sys
-        import time
-
-        def free_port() -> int:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                return s.getsockname()[1]
-
-        exe = binary or os.path.join(os.path.dirname(sys.executable), "mooncake_master")
-        if not os.path.exists(exe):
-            exe = shutil.which("mooncake_master") or exe
-        self.port = port or free_port()
-        args = [exe, "--rpc_address=127.0.0.1", f"--rpc_port={self.port}", "--metrics_host=127.0.0.1", f"--metrics_port={free_port()}", f"--default_kv_lease_ttl={lease_ms}"]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.time() + 30
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mooncake_master exited with status {self.proc.returncode}")
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", self.port)) == 0:
-                    return
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError("mooncake_master did not start within 30 s")
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-    def __enter__(self) -> "LocalMaster":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
-
-
-class _Layout:
-    """A hicache-io ``HostPool``'s page objects: per page, one span per component (K, V)."""
-
-    def __init__(self, pool: Any):
-        self.pool = pool
-        self.kind = pool.kind
-        self.comps = pool.components
-        self.page = pool.page_size
-        spans = pool.get_page_buffer_meta(list(range(self.page)))
-        if len(spans) != self.comps:
-            raise ValueError(f"{pool.layout} pages are not one span per component")
-        self.obj_bytes = spans[0][2]
-        self.bases = [pool.host_span(c) for c in range(self.comps)]
-        self.zero_copy = all(b is not None for b in self.bases)
-        self.regions = [b for b in self.bases if b is not None and b[1] > 0] if self.zero_copy else []
-
-    def synchronize(self) -> None:
-        self.pool.synchronize()
-
-    def spans(self, host_indices: Sequence[int]) -> List[List[int]]:
-        """Per page (of ``P`` token slots; a page starts at ``host_indices[i * P]``), the address
-        of each component's object."""
-        meta = np.asarray(self.pool.get_page_buffer_meta(host_indices), dtype=np.uint64).reshape(-1, 3)
-        base = np.asarray([b[0] for b in self.bases], dtype=np.uint64)
-        return (base[meta[:, 0].astype(np.intp)] + meta[:, 1]).reshape(-1, self.comps).tolist()
-
-    def validate(self, host_indices: Any) -> None:
-        """Raises for an index outside the pool or a page that does not start on a page start."""
-        self.pool.get_page_buffer_meta(host_indices)
-
-    def read_page(self, index: int) -> Any:
-        return self.pool.get_data_page(index)
-
-    def write_page(self, index: int, data: Any, trusted: bool = True) -> None:
-        """Writes a page through the pool: a verified page's item checksums are recorded from
-        its bytes, an unverified one's forgotten (its loads read as unverified, never corrupt)."""
-        if trusted:
-            self.pool.set_from_flat_data_page(index, data)
-        else:
-            self.pool.set_from_flat_data_page_checked(index, data, [])
-
-    def landed(self, idx: Any, trusted: List[bool]) -> None:
-        """After a zero-copy read into the pool's memory (which may write any page it was asked
-        for): the pool's item checksums of each page read whole and verified are recomputed from
-        the bytes that landed; those of every other page are forgotten (its loads then read as
-        unverified, never as corrupt)."""
-        if not self.zero_copy or not getattr(self.pool, "integrity", False):
-            return
-        first = [int(idx[i * self.page]) for i in range(len(trusted))]
-        good = [f for f, t in zip(first, trusted) if t]
-        stale = [f for f, t in zip(first, trusted) if not t]
-        if good:
-            self.pool.recompute_page_checksums(good)
-        if stale:
-            self.pool.forget_page_checksums(stale)
-
-
-def _check_inside(regions: Sequence[Any], ptrs: Sequence[Any], sizes: Sequence[Any], what: str) -> None:
-    """Raises unless every object ``(ptr, size)`` lies inside one ``(address, bytes)`` region."""
-    for ptr, size in zip(ptrs, sizes):
-        p, n = int(ptr), int(size)
-        if not any(a <= p and p + n <= a + length for a, length in regions):
-            raise ValueError(f"page object at {p:#x} ({n} bytes) lies outside {what}")
-
-
-def _sglang_indices(values: Any) -> Any:
-    """Host indices as sglang's pools take them in ``get_page_buffer_meta``: a 1-D CPU int64
-    torch tensor (they call ``.tolist()`` and ``.reshape`` on it)."""
-    import torch
-
-    if isinstance(values, torch.Tensor):
-        return values.to(device="cpu", dtype=torch.int64).reshape(-1)
-    return torch.from_numpy(np.ascontiguousarray(np.asarray(list(values) if isinstance(values, range) else values, dtype=np.int64).reshape(-1)))
-
-
-class _SglangLayout:
-    """An sglang host pool (``MHATokenToKVPoolHost`` and kin, torch tensors): its own
-    ``get_page_buffer_meta`` gives the objects' addresses and sizes, K and V interleaved per page,
-    as sglang's Mooncake backend reads them; its buffers are registered whole."""
-
-    def __init__(self, pool: Any, mla: bool):
-        self.pool = pool
-        self.kind = "mla" if mla else "mha"
-        self.comps = 1 if mla else 2
-        self.page = pool.page_size
-        ptrs, sizes = pool.get_page_buffer_meta(_sglang_indices(range(self.page)))
-        if len(ptrs) != self.comps or len(set(sizes)) != 1:
-            raise ValueError(f"sglang pool pages of {len(ptrs)} objects ({list(sizes)}); expected {self.comps} of one size (layer_first pages are one span per layer)")
-        self.obj_bytes = int(sizes[0])
-        self.zero_copy = True
-        if getattr(pool, "kv_buffer", None) is None:
-            raise ValueError("hicache-io's Mooncake store takes sglang's plain KV host pools (MHA, MLA: one kv_buffer); hybrid pools are not supported")
-        b = pool.kv_buffer
-        self.regions = [(int(b.data_ptr()), int(b.numel() * b.element_size()))]
-
-    def synchronize(self) -> None:
-        return None  # sglang's controller orders its own transfers before storage calls
-
-    def spans(self, host_indices: Sequence[int]) -> List[List[int]]:
-        ptrs, _sizes = self.pool.get_page_buffer_meta(_sglang_indices(host_indices))
-        return [list(map(int, ptrs[i : i + self.comps])) for i in range(0, len(ptrs), self.comps)]
-
-    def validate(self, host_indices: Any) -> None:
-        """sglang's pools compute addresses without checks: every object must lie inside the
-        registered buffer."""
-        ptrs, sizes = self.pool.get_page_buffer_meta(_sglang_indices(host_indices))
-        _check_inside(self.regions, ptrs, sizes, "the host pool")
 
 
 class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
@@ -591,21 +224,11 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
         return done
 
     def _namespace_of(self, pool: Any, lay: Any) -> Dict[str, Any]:
-        """What the registered pool's page bytes mean (see the module docstring)."""
-        sc, extra = self.storage_config, self._extra
-        dtype = extra.get("hicache_io_kv_dtype") or getattr(pool, "dtype", None)
-        return {
-            "format": NAMESPACE_FORMAT,
-            "model": getattr(sc, "model_name", None),
-            "kv_dtype": None if dtype is None else str(dtype).replace("torch.", ""),
-            "kind": lay.kind,
-            "layout": pool.layout,
-            "object_bytes": lay.obj_bytes,
-            "page_size": lay.page,
-            # MHA ranks hold a share of the heads: the split is part of what a page means.
-            "heads": {"tp_size": getattr(sc, "tp_size", 1), "tp_lcm_size": getattr(sc, "tp_lcm_size", None)} if lay.kind == "mha" else None,
-            "namespace": extra.get("hicache_io_namespace"),
-        }
+        """What the registered pool's page bytes mean (:func:`hicache_io.l3.keys.namespace_of`)."""
+        return namespace_of(pool, lay, self.storage_config, self._extra)
+
+    def _shard_descriptor(self, pool: Any) -> Optional[str]:
+        return shard_descriptor(pool, self._sglang_keys)
 
     def _claim_namespace(self, record: bytes) -> bool:
         """Whether the sglang-named objects under this prefix and rank belong to the namespace
@@ -613,7 +236,7 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
         wrote it."""
         prefix = f"{self.key_prefix}_" if self.key_prefix else ""
         rank = self.mha_suffix if self._layout.kind == "mha" else self.mla_suffix
-        key = f"{prefix}hio-namespace_{rank}"
+        key = namespace_key(prefix, rank)
         found = self.store.get(key)
         if not found:
             if self.store.put(key, record) == 0:
@@ -645,22 +268,6 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
             raise RuntimeError("no host pool is registered with this store (call register_mem_pool_host first)")
         return self.mem_pool_host
 
-    def _shard_descriptor(self, pool: Any) -> Optional[str]:
-        """``None`` when the page holds what sglang's page_first pages hold (sglang's keys apply),
-        else the shard's name (see the module docstring)."""
-        layer_num, start, end, drafts, skipped = pool.layer_map
-        plain = pool.kind in ("mha", "mla") and (start, end) == (0, layer_num) and drafts == 0 and not any(skipped)
-        if plain and (pool.layout == "page_first" or self._sglang_keys):
-            return None
-        tag = {"page_first": "pf", "page_first_direct": "pfd", "page_head": f"ph{pool.head_num}", "page_first_direct_hg": f"pfdhg{pool.head_num}", "page_unified": f"pu{pool.head_num}"}[pool.layout]
-        name = f"hio-{pool.kind}-{tag}-i{pool.item_bytes}-L{start}-{end}"
-        gone = [str(i) for i in range(start, end) if skipped[i]]
-        if gone:
-            name += "-x" + ".".join(gone)
-        if drafts:
-            name += f"+d{drafts}"
-        return name
-
     # ---- keys ----------------------------------------------------------------------------
 
     def object_keys(self, key: str) -> List[str]:
@@ -676,11 +283,7 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
         if self._grid is not None:
             return self._grid.keys(prefix, keys)
         rank = self.mha_suffix if lay.kind == "mha" else self.mla_suffix
-        middle = rank if self._descriptor is None else f"{rank}_{self._descriptor}"
-        # An MHA page_unified page is one object holding K and V.
-        names = ("kv",) if lay.kind == "mha" and lay.comps == 1 else ("k", "v")[: lay.comps]
-        tails = [f"_{middle}_{c}" for c in names]
-        return [f"{prefix}{key}{tail}" for key in keys for tail in tails]
+        return page_object_keys(keys, prefix, rank, self._descriptor, lay.kind, lay.comps)
 
     def _fail(self, err: StorageError) -> None:
         self._calls.error = err

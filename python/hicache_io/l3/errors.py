@@ -1,0 +1,36 @@
+"""What a failed L3 call reports: Mooncake Store's error codes, hicache-io's own, and
+:class:`StorageError`."""
+
+from typing import Sequence
+
+#: Mooncake Store error codes a caller meets here (``mooncake-store/include/types.h``).
+MOONCAKE_ERRORS = {
+    -10: "BUFFER_OVERFLOW (the object does not fit the target span)",
+    -200: "NO_AVAILABLE_HANDLE (the store is full)",
+    -600: "INVALID_PARAMS",
+    -704: "OBJECT_NOT_FOUND",
+    -706: "OBJECT_HAS_LEASE",
+    -707: "LEASE_EXPIRED (the object's lease ran out before the transfer completed)",
+    -900: "RPC_FAIL (the master is unreachable)",
+}
+
+#: hicache-io's own code: an object read back with another size than the page's (a short read).
+SHORT_READ = -100000
+#: hicache-io's own code: a call refused before reaching the store (bad indices or lengths).
+REFUSED = -100001
+MOONCAKE_ERRORS[SHORT_READ] = "short read (the object has another size than the page)"
+#: hicache-io's own code: an object whose checksum trailer does not match the bytes read.
+INTEGRITY = -100002
+MOONCAKE_ERRORS[INTEGRITY] = "integrity check failed (the bytes read are not the page that was stored under this key)"
+MOONCAKE_ERRORS[REFUSED] = "refused before any byte moved"
+
+
+class StorageError(RuntimeError):
+    """A Mooncake Store call that failed: ``code`` (Mooncake's), ``what`` (the call) and the
+    ``keys`` it failed for."""
+
+    def __init__(self, what: str, code: int, keys: Sequence[str] = (), detail: str = ""):
+        self.what, self.code, self.keys = what, code, list(keys)
+        name = MOONCAKE_ERRORS.get(code, "error")
+        shown = ", ".join(self.keys[:3]) + (" ..." if len(self.keys) > 3 else "")
+        super().__init__(f"Mooncake Store {what} failed: {code} {name}" + (f" for {shown}" if shown else "") + (f": {detail}" if detail else ""))

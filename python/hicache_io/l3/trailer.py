@@ -1,0 +1,35 @@
+"""The integrity trailer of hicache-io's page objects: 16 bytes after the object.
+
+Integrity: hicache-io's own (shard-named) objects end in a 16-byte trailer, ``HIOSUM03`` and the
+page object's checksum (:func:`hicache_io._native.checksum`: a multilinear hash of its 32-bit
+words, fixed seed) folded with a hash of the object's key. Puts write it from the host pages; gets
+check it against the bytes that landed, so changed bytes and pages stored under another key fail
+their page (``INTEGRITY``). Objects without a trailer (another build, ``integrity=False``) read as
+unverified, never as corrupt, and so do objects whose trailer is of an older key stream
+(``HIOSUM01``, ``HIOSUM02``); sglang-named objects keep sglang's shape and are unverified too. After a get into
+the host pool's memory, the pool's own item checksums of each verified page are recomputed from
+the bytes that landed, and forgotten for every other page the get wrote.
+"""
+
+from typing import Sequence
+
+import numpy as np
+
+#: First word of a page object's trailer: ``HIOSUM03`` (checksum keys computed from each word's
+#: position by a 32-bit mixer).
+TRAILER_MAGIC = int.from_bytes(b"HIOSUM03", "little")
+#: Trailers of earlier key streams (``HIOSUM01``: 64-bit keys; ``HIOSUM02``: 32-bit keys of a
+#: 64-bit mixer): read as unverified.
+OLD_TRAILER_MAGICS = (int.from_bytes(b"HIOSUM01", "little"), int.from_bytes(b"HIOSUM02", "little"))
+
+
+def name_tags(keys: Sequence[str]) -> np.ndarray:
+    """64-bit tags of objects' keys (FNV-1a), folded into their checksums so that a page stored
+    under another key (swapped, replayed from elsewhere) fails the check."""
+    from .. import _native
+
+    return _native.name_tags(list(keys))
+
+
+def name_tag(key: str) -> int:
+    return int(name_tags([key])[0])
