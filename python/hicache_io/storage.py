@@ -60,7 +60,7 @@ from .l3.layouts import check_inside as _check_inside  # noqa: F401 (the name it
 from .l3.layouts import host_list as _host_list
 from .l3.layouts import sglang_indices as _sglang_indices  # noqa: F401 (the name it had)
 from .l3.master import LocalMaster
-from .l3.trailer import OLD_TRAILER_MAGICS, TRAILER_MAGIC
+from .l3.trailer import OLD_TRAILER_MAGICS, TRAILER_MAGIC, seal, verify
 from .l3.trailer import name_tag as _name_tag  # noqa: F401 (the name it had)
 from .l3.trailer import name_tags as _name_tags
 from .storage_unified import KEY_SCHEMES, UnifiedKeys
@@ -383,7 +383,7 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
                 todo = [j for j, e in enumerate(exist) if e != 1]
                 for j, e in enumerate(exist):
                     ok[j] = e == 1
-                self._stage_out(sorted({j // lay.comps for j in todo}), idx)
+                lay.stage_out(self._staging, sorted({j // lay.comps for j in todo}), idx)
             sums = None
             if todo and self.integrity and getattr(self.mem_pool_host, "integrity", False):
                 if self._trailers is not None and lay.zero_copy and hasattr(self.mem_pool_host, "put_checksums"):
@@ -450,13 +450,7 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
         return [j for j in todo if intact[j // per]]
 
     def _fill_trailers(self, obj_keys: List[str], sums: np.ndarray, todo: List[int]) -> int:
-        """Writes the trailers of objects ``todo`` (in that order) from their checksums ``sums``
-        (one per object of the batch); returns the trailers' address."""
-        pick = np.asarray(todo, dtype=np.intp)
-        t = self._trailers
-        t[: len(todo), 0] = TRAILER_MAGIC
-        t[: len(todo), 1] = sums[pick] ^ _name_tags(obj_keys)[pick]
-        return t.ctypes.data
+        return seal(self._trailers, obj_keys, sums, todo)
 
     def _put_results(self, what: str, keys: List[str], obj_keys: List[str], todo: List[int], rcs: Sequence[int], ok: List[bool]) -> None:
         """Marks the objects ``todo`` written where Mooncake answered 0; keeps the first failure."""
@@ -563,7 +557,7 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
         sound = [ok[j] and not unverified[j] and t is not None and self.integrity for j in range(n_obj)]
         trusted = [all(sound[i * per : (i + 1) * per]) for i in range(len(keys))]
         if not lay.zero_copy:
-            self._stage_in(pages, idx, trusted)
+            lay.stage_in(self._staging, pages, idx, trusted)
         elif hasattr(lay, "landed") and not settled:
             lay.landed(idx, [p and v for p, v in zip(pages, trusted)])
         return pages
@@ -628,26 +622,7 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
         return ok.reshape(len(keys), lay.comps).all(axis=1).tolist()
 
     def _verify(self, obj_keys: List[str], sums: np.ndarray, ok: List[bool], unverified: List[bool]) -> None:
-        """Checks each object read whole against its trailer and ``sums``, the checksums of the
-        bytes that landed (bound to the object's key); a mismatch fails the object (and so its page)."""
-        t = self._trailers
-        n = len(obj_keys)
-        good = (t[:n, 0] == TRAILER_MAGIC) & (t[:n, 1] == (sums ^ _name_tags(obj_keys)))
-        older = np.isin(t[:n, 0], np.asarray(OLD_TRAILER_MAGICS, dtype=np.uint64))
-        corrupt = []
-        for j, key in enumerate(obj_keys):
-            if not ok[j]:
-                continue
-            if older[j]:
-                unverified[j] = True
-            if unverified[j]:
-                self.stats["unverified"] += 1
-            elif good[j]:
-                self.stats["verified"] += 1
-            else:
-                ok[j] = False
-                self.stats["corrupt"] += 1
-                corrupt.append(key)
+        corrupt = verify(self._trailers, obj_keys, sums, ok, unverified, self.stats)
         if corrupt:
             self._fail(StorageError("batch_get_v1", INTEGRITY, corrupt))
 
@@ -671,22 +646,6 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
                         self._fail(StorageError("batch_is_exist", e, [obj_keys[j]]))
                     return j // per
             return len(keys)
-
-    # ---- staging for pools without a host address (wgpu) -----------------------------------
-
-    def _stage_out(self, pages: Sequence[int], idx: Any) -> None:
-        lay = self._layout
-        page_bytes = lay.comps * lay.obj_bytes
-        for i in pages:
-            self._staging[i * page_bytes : (i + 1) * page_bytes] = lay.read_page(int(idx[i * lay.page]))
-
-    def _stage_in(self, pages: List[bool], idx: Any, trusted: List[bool]) -> None:
-        lay = self._layout
-        page_bytes = lay.comps * lay.obj_bytes
-        for i, ok in enumerate(pages):
-            if ok:
-                data = self._staging[i * page_bytes : (i + 1) * page_bytes]
-                lay.write_page(int(idx[i * lay.page]), data, trusted[i])
 
     # ---- the plain forms: raw keys, as sglang's Mooncake backend names them -----------------
 

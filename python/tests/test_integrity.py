@@ -3,7 +3,6 @@ damaged host item fails its load with ``IntegrityError`` naming it while the res
 carry their checksums between pools, and writes the pool cannot check are forgotten, never
 reported as corruption."""
 
-import os
 
 import numpy as np
 import pytest
@@ -11,23 +10,9 @@ import pytest
 import hicache_io
 from hicache_io import Device, DevicePool, HostPool, IntegrityError
 
+from common import executors
+
 ITEM, PAGE, LAYERS = 64, 4, 3
-
-
-def executors():
-    out = ["cpu"]
-    try:
-        Device("wgpu")
-        out.append("wgpu")
-    except Exception:  # noqa: BLE001 - no adapter here
-        if os.environ.get("CI"):
-            raise  # CI has lavapipe: wgpu's checksumming gather must run there
-    try:
-        Device("cuda")  # a GPU, or the simulated driver (scripts/cuda-sim.sh)
-        out.append("cuda")
-    except Exception:  # noqa: BLE001 - no CUDA here
-        pass
-    return out
 
 
 EXECUTORS = executors()

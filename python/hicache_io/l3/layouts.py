@@ -56,6 +56,21 @@ class PoolLayout:
         else:
             self.pool.set_from_flat_data_page_checked(index, data, [])
 
+    def stage_out(self, staging: Any, pages: Sequence[int], idx: Any) -> None:
+        """Copies pages ``pages`` of the batch (page ``i`` starts at ``idx[i * P]``) into
+        ``staging``, page ``i`` at byte ``i`` × the page's bytes (pools without a host address)."""
+        page_bytes = self.comps * self.obj_bytes
+        for i in pages:
+            staging[i * page_bytes : (i + 1) * page_bytes] = self.read_page(int(idx[i * self.page]))
+
+    def stage_in(self, staging: Any, pages: List[bool], idx: Any, trusted: List[bool]) -> None:
+        """Writes back from ``staging`` each page of the batch that arrived (``pages``), its item
+        checksums recorded where ``trusted``, else forgotten."""
+        page_bytes = self.comps * self.obj_bytes
+        for i, arrived in enumerate(pages):
+            if arrived:
+                self.write_page(int(idx[i * self.page]), staging[i * page_bytes : (i + 1) * page_bytes], trusted[i])
+
     def landed(self, idx: Any, trusted: List[bool]) -> None:
         """After a zero-copy read into the pool's memory (which may write any page it was asked
         for): the pool's item checksums of each page read whole and verified are recomputed from
