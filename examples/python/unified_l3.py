@@ -11,6 +11,7 @@ byte with its share (``read``). It prints one JSON line.
     python examples/python/unified_l3.py                      # the whole story, master on loopback
     python examples/python/unified_l3.py --master H:P --tp 2 --rank 0 write 0 1 2
     python examples/python/unified_l3.py --master H:P --tp 4 --rank 1 read 0 1 2
+    python examples/python/unified_l3.py --master local:DIR --tp 2 --rank 0 write 0 1 2   # no server
 
 Needs ``pip install mooncake-transfer-engine-non-cuda`` (plus libibverbs1 libnl-3-200 libnl-route-3-200).
 """
@@ -47,7 +48,7 @@ def run_rank(args: argparse.Namespace) -> dict:
     # A rank here needs no sglang: where it is installed, importing it (and torch) would cost
     # seconds per process before hicache_io.storage falls back to its own base class.
     sys.modules.setdefault("sglang", None)  # type: ignore[arg-type]
-    from hicache_io.storage import HiCacheStorageConfig, MooncakeStore
+    from hicache_io.storage import HiCacheStorageConfig, LocalStore, MooncakeStore
 
     kind, pages = args.kind, [int(p) for p in args.pages]
     item = (KV_HEADS // args.tp) * HEAD_BYTES if kind == "mha" else MLA_ROW
@@ -68,8 +69,12 @@ def run_rank(args: argparse.Namespace) -> dict:
         "hicache_io_head_group": args.head_group,
         "hicache_io_kv_dtype": "uint8",
     }
+    local = args.master.startswith("local:")  # the local-disk store: a directory, no server
+    if local:
+        extra = {k: v for k, v in extra.items() if k.startswith("hicache_io_")}
+        extra["hicache_io_local_dir"] = args.master[len("local:") :]
     config = HiCacheStorageConfig(tp_rank=args.rank, tp_size=args.tp, model_name=args.model, is_mla_model=kind == "mla", extra_config=extra)
-    store = MooncakeStore(config, {})
+    store = LocalStore(config, {}) if local else MooncakeStore(config, {})
     keys = [f"page{p}" for p in pages]
     out: dict = {"tp": args.tp, "rank": args.rank, "layout": args.layout}
     try:

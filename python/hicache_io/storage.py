@@ -51,7 +51,7 @@ import numpy as np
 
 from .l3.batches import CallScope, exist_once, in_rounds, one_call
 from .l3.config import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo, MooncakeStoreConfig
-from .l3.config import size_of as _size  # noqa: F401 (the name it had)
+from .l3.config import size_of as _size
 from .l3.errors import INTEGRITY, MOONCAKE_ERRORS, REFUSED, SHORT_READ, StorageError
 from .l3.keys import namespace_key, namespace_of, page_object_keys, shard_descriptor
 from .l3.layouts import PoolLayout as _Layout
@@ -68,7 +68,7 @@ from .storage_v2 import PoolsV2
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MooncakeStore", "MooncakeStoreConfig", "StorageError", "LocalMaster", "SHORT_READ", "REFUSED", "INTEGRITY", "TRAILER_MAGIC", "HiCacheStorage", "HiCacheStorageConfig", "HiCacheStorageExtraInfo", "STORAGE_BATCH_SIZE", "MOONCAKE_ERRORS"]
+__all__ = ["MooncakeStore", "LocalStore", "MooncakeStoreConfig", "StorageError", "LocalMaster", "SHORT_READ", "REFUSED", "INTEGRITY", "TRAILER_MAGIC", "HiCacheStorage", "HiCacheStorageConfig", "HiCacheStorageExtraInfo", "STORAGE_BATCH_SIZE", "MOONCAKE_ERRORS"]
 
 #: Pages per storage call in sglang's controller (and the staging buffer's size in pages).
 STORAGE_BATCH_SIZE = 128
@@ -733,3 +733,30 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
                 self.close()
             except Exception:  # noqa: BLE001 - nothing to report to in a finalizer
                 pass
+
+
+class LocalStore(MooncakeStore):
+    """The embedded L3 tier: :class:`MooncakeStore`'s pipelines, key schemes and trailers over
+    files in one local directory (:mod:`hicache_io.l3.local`), shared by every process of the
+    machine; no server. ``LocalStore(storage_config, kwargs)`` is how sglang's ``dynamic``
+    backend constructs it (with ``"interface_v1": 1``). Configured by
+    ``extra_config["hicache_io_local_dir"]`` (default ``$XDG_CACHE_HOME/hicache-io/l3``),
+    ``["hicache_io_local_capacity_bytes"]`` (default 8 GiB; least recently used objects are
+    removed past it) and ``["hicache_io_local_fsync"]`` (default off: objects survive a process
+    that dies, not a power loss)."""
+
+    def __init__(self, storage_config: Optional[Any] = None, kwargs: Optional[Dict[str, Any]] = None, *, raise_errors: bool = False, integrity: Optional[bool] = None, directory: Optional[str] = None, capacity_bytes: Optional[int] = None):
+        from .l3.local import LocalDiskClient
+
+        extra = dict(getattr(storage_config, "extra_config", None) or {})
+        extra.update(kwargs or {})
+        capacity = capacity_bytes if capacity_bytes is not None else extra.get("hicache_io_local_capacity_bytes")
+        client = LocalDiskClient(
+            directory or extra.get("hicache_io_local_dir"),
+            _size(capacity) if capacity is not None else None,
+            fsync=bool(extra.get("hicache_io_local_fsync", False)),
+        )
+        super().__init__(storage_config, kwargs, config=MooncakeStoreConfig(), store=client, raise_errors=raise_errors, integrity=integrity)
+
+    def _fail(self, err: StorageError) -> None:
+        super()._fail(err.of("local L3 store"))

@@ -1,5 +1,5 @@
-"""L3 batches against a dictionary model of the store, through a real Mooncake master on loopback:
-random batches of sets, gets and exists with repeated, missing and present keys, on every key
+"""L3 batches against a dictionary model of the store, on both transports (a real Mooncake master
+on loopback, and the local-disk store in a folder of the test's own): random batches of sets, gets and exists with repeated, missing and present keys, on every key
 scheme (sglang's names, hicache-io's shard names through both checksummed paths, unified
 head-group keys, v2 component keys) and on cpu and wgpu host pools. Every slot of every get is
 compared byte for byte: a hit holds the bytes its key was first written with, a miss leaves the
@@ -34,11 +34,24 @@ SCHEMES = [
 ]
 
 
+TRANSPORTS = ["mooncake", "local"]
+
+
 def cases():
-    for name, *pool in SCHEMES:
-        # Unified keys move pages in place: pools in the executor's own buffers are refused.
-        for executor in executors(addressable=name == "unified"):
-            yield pytest.param(executor, pool, id=f"{name}-{executor}")
+    for transport in TRANSPORTS:
+        for name, *pool in SCHEMES:
+            # Unified keys move pages in place: pools in the executor's own buffers are refused.
+            for executor in executors(addressable=name == "unified"):
+                yield pytest.param(transport, executor, pool, id=f"{transport}-{name}-{executor}")
+
+
+def open_store(transport, request, tmp_path, extra=None):
+    """A store of its own on ``transport``."""
+    if transport == "local":
+        from hicache_io.storage import LocalStore
+
+        return LocalStore(kwargs=dict(extra or {}), directory=str(tmp_path / "l3"))
+    return make_store(request.getfixturevalue("master"), extra=extra)
 
 
 def draw_batch(rng, universe, n_max=6):
@@ -95,12 +108,12 @@ def put_first(model, keys, want):
         model.setdefault(k, w)
 
 
-@pytest.mark.parametrize("executor,pool", list(cases()))
-def test_random_batches_match_a_dictionary_model(master, executor, pool):
+@pytest.mark.parametrize("transport,executor,pool", list(cases()))
+def test_random_batches_match_a_dictionary_model(transport, executor, pool, request, tmp_path):
     kind, layout, heads, bpt, layers, extra = pool
     rng = np.random.default_rng(zlib.crc32(f"{kind}-{layout}-{executor}".encode()))
     _, dev, host = build(executor, kind, layout, heads, bpt, layers, None, 0, pages=DEVICE_PAGES, host_pages=HOST_PAGES)
-    s = make_store(master, extra=extra)
+    s = open_store(transport, request, tmp_path, extra)
     universe = [f"{n}-{uuid.uuid4().hex[:8]}" for n in range(8)]
     model = {}
     try:
@@ -132,13 +145,14 @@ def test_random_batches_match_a_dictionary_model(master, executor, pool):
         s.close()
 
 
-def test_random_v2_batches_match_a_dictionary_model(master):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_random_v2_batches_match_a_dictionary_model(transport, request, tmp_path):
     """storage v2: an MLA KV anchor (v1 objects, sglang's names) and a DSA indexer sidecar (v2
     component keys), set and got together."""
     rng = np.random.default_rng(58)
     _, kv_dev, kv = build("cpu", "mla", "page_first", 1, 64, 3, None, 0, pages=DEVICE_PAGES, host_pages=HOST_PAGES)
     _, ix_dev, ix = build("cpu", "dsa", "page_first", 1, 132, 4, None, 0, pages=DEVICE_PAGES, host_pages=HOST_PAGES, seed=1)
-    s = make_store(master)
+    s = open_store(transport, request, tmp_path)
     T = lambda name, ks, idx: type("PoolTransfer", (), {"name": name, "keys": ks, "host_indices": idx, "hit_policy": "all_pages"})()  # noqa: E731
     universe = [f"{n}-{uuid.uuid4().hex[:8]}" for n in range(8)]
     kv_model, ix_model = {}, {}

@@ -37,7 +37,10 @@ def model():
 
 
 def run(master, model, kind, tp, r, action, pages, layout, groups=1, head_group=2):
-    return ex.Rank(master.address, kind, tp, r, action, pages, layout, groups, head_group, model=model)
+    """A rank in a process of its own, on ``master`` (a ``LocalMaster``, or ``"local:DIR"``: the
+    local-disk store)."""
+    where = master if isinstance(master, str) else master.address
+    return ex.Rank(where, kind, tp, r, action, pages, layout, groups, head_group, model=model)
 
 
 def read(*args, **kw):
@@ -46,7 +49,9 @@ def read(*args, **kw):
     return r.result
 
 
-def test_mha_pages_cross_tensor_parallel_shapes(master, model):
+@pytest.mark.parametrize("transport", ["mooncake", "local"])
+def test_mha_pages_cross_tensor_parallel_shapes(transport, model, request, tmp_path):
+    master = request.getfixturevalue("master") if transport == "mooncake" else f"local:{tmp_path / 'l3'}"
     writers = []
     try:
         # TP=2 rank 0 holds heads 0..3 of 8 (page_unified, two head groups in its host pool).

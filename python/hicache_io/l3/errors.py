@@ -26,11 +26,15 @@ MOONCAKE_ERRORS[REFUSED] = "refused before any byte moved"
 
 
 class StorageError(RuntimeError):
-    """A Mooncake Store call that failed: ``code`` (Mooncake's), ``what`` (the call) and the
-    ``keys`` it failed for."""
+    """An L3 store call that failed: ``code`` (Mooncake's codes, which the local store answers
+    too), ``what`` (the call), the ``keys`` it failed for, and the ``store`` that answered."""
 
-    def __init__(self, what: str, code: int, keys: Sequence[str] = (), detail: str = ""):
-        self.what, self.code, self.keys = what, code, list(keys)
+    def __init__(self, what: str, code: int, keys: Sequence[str] = (), detail: str = "", store: str = "Mooncake Store"):
+        self.what, self.code, self.keys, self.detail, self.store = what, code, list(keys), detail, store
         name = MOONCAKE_ERRORS.get(code, "error")
         shown = ", ".join(self.keys[:3]) + (" ..." if len(self.keys) > 3 else "")
-        super().__init__(f"Mooncake Store {what} failed: {code} {name}" + (f" for {shown}" if shown else "") + (f": {detail}" if detail else ""))
+        super().__init__(f"{store} {what} failed: {code} {name}" + (f" for {shown}" if shown else "") + (f": {detail}" if detail else ""))
+
+    def of(self, store: str) -> "StorageError":
+        """The same failure, reported by ``store``."""
+        return StorageError(self.what, self.code, self.keys, self.detail, store)

@@ -90,15 +90,17 @@ def connection(master) -> dict:
     }
 
 
-def dynamic_extra_config(master) -> dict:
+def dynamic_extra_config(master, local_dir=None) -> dict:
     """What --hicache-storage-backend-extra-config carries, parsed by sglang itself (it pops the
-    prefetch_* keys)."""
+    prefetch_* keys): hicache-io's Mooncake store on ``master``, or with ``local_dir`` its local
+    store in that directory (no server)."""
     from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
 
     # The module's stores are shared by pools of several layouts under one prefix (sglang's names
     # omit the layout): the namespace record, which would rightly call the second layout's pages
     # foreign, is off here (its own tests are in test_mooncake.py and test_install.py).
-    raw = {"backend_name": "hicache_io", "module_path": "hicache_io.storage", "class_name": "MooncakeStore", "interface_v1": 1, "prefetch_threshold": 64, "hicache_io_namespace_record": False, **connection(master)}
+    raw = {"backend_name": "hicache_io", "module_path": "hicache_io.storage", "class_name": "MooncakeStore", "interface_v1": 1, "prefetch_threshold": 64, "hicache_io_namespace_record": False}
+    raw.update({"class_name": "LocalStore", "hicache_io_local_dir": str(local_dir)} if local_dir is not None else connection(master))
     extra, threshold, *_ = HybridCacheController.parse_storage_backend_extra_config(json.dumps(raw))
     assert threshold == 64 and "prefetch_threshold" not in extra
     return extra
@@ -208,26 +210,35 @@ def test_layer_first_pool_refused(stores, kind):
     assert store.mem_pool_host is None
 
 
+def storage_at(transport, request, tmp_path):
+    """``(master, local_dir)`` for ``dynamic_extra_config``: Mooncake's master, or a directory."""
+    if transport == "local":
+        return None, tmp_path / "l3"
+    return request.getfixturevalue("master"), None
+
+
+@pytest.mark.parametrize("transport", ["mooncake", "local"])
 @pytest.mark.parametrize("kind", ["mha", "mla"], ids=["mha-page_first", "mla+draft-page_first"])
-def test_controller_attach_write_storage_and_get(master, kind):
+def test_controller_attach_write_storage_and_get(transport, kind, request, tmp_path):
     """The server's path: HybridCacheController.attach_storage_backend("dynamic") builds the
     store through the factory and registers the host pool group; write() -> write_storage() ->
     backup thread -> batch_set_v1; then the host pages are wiped and page_get_func (the
     prefetch's zero-copy get) restores them."""
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
-    from hicache_io.storage import MooncakeStore
+    from hicache_io.storage import LocalStore, MooncakeStore
 
+    master, local_dir = storage_at(transport, request, tmp_path)
     g = sp.gen(sp.seed_of("attach", kind))
     layout = "page_first"
     with cpu_shims.sglang_paths(cuda=True), cpu_shims.memory_config(hicache_mem_layout=layout, hicache_io_backend="kernel"):
         dev, drafts, allocator, group, ctrl = sp.build_controller_stack(kind, layout, "kernel")
     host = group.anchor_entry.host_pool
     seen = record_meta_calls(host)
-    ctrl.attach_storage_backend(storage_backend="dynamic", prefetch_threshold=64, model_name=f"sglang-client/{uuid.uuid4().hex[:8]}", storage_backend_extra_config=dynamic_extra_config(master), host_pools=group.entries)
+    ctrl.attach_storage_backend(storage_backend="dynamic", prefetch_threshold=64, model_name=f"sglang-client/{uuid.uuid4().hex[:8]}", storage_backend_extra_config=dynamic_extra_config(master, local_dir), host_pools=group.entries)
     try:
         be = ctrl.storage_backend
-        assert type(be) is MooncakeStore and be.mem_pool_host is host
+        assert type(be) is (LocalStore if local_dir else MooncakeStore) and be.mem_pool_host is host
         assert be.registered_pools[PoolName.KV] is host
         assert ctrl.page_set_func == ctrl._page_set_zero_copy and ctrl.page_get_func == ctrl._page_get_zero_copy
         assert be.storage_config.is_mla_model is (kind == "mla") and be.storage_config.is_page_first_layout

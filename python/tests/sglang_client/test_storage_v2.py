@@ -22,7 +22,7 @@ import torch  # noqa: E402
 from . import cpu_shims  # noqa: E402
 from . import sgl_pools as sp  # noqa: E402
 from .harness import check_equal, fill_random, snapshot  # noqa: E402
-from .test_storage import dynamic_extra_config, storage_config  # noqa: E402
+from .test_storage import dynamic_extra_config, storage_at, storage_config  # noqa: E402
 
 
 def mamba_host(layers=2, slots=9):
@@ -36,13 +36,13 @@ def mamba_host(layers=2, slots=9):
     return MambaPoolHost(info, 2.0, 0, device_capacity=slots - 1, layout="page_first", pin_memory=True)
 
 
-def group_store(master, kv, sidecars, *, is_mla):
+def group_store(at, kv, sidecars, *, is_mla):
     """A store from sglang's factory (``dynamic``), the pools registered in the controller's order:
     the anchor, every entry through v2 (KV included), then ``on_host_pools_registered``."""
     from sglang.srt.mem_cache.hicache_storage import PoolName
     from sglang.srt.mem_cache.storage import StorageBackendFactory
 
-    cfg = storage_config(kv, is_mla=is_mla, extra=dynamic_extra_config(master), model=f"sglang-client/v2-{uuid.uuid4().hex[:8]}")
+    cfg = storage_config(kv, is_mla=is_mla, extra=dynamic_extra_config(*at), model=f"sglang-client/v2-{uuid.uuid4().hex[:8]}")
     store = StorageBackendFactory.create_backend("dynamic", cfg, kv)
     store.register_mem_pool_host(kv)
     store.register_mem_host_pool_v2(kv, PoolName.KV)
@@ -64,7 +64,8 @@ def mamba_slots(host, slots):
     return [t[slots] for t in (host.temporal_buffer, *host.conv_buffer)]
 
 
-def test_kv_and_mamba_states_round_trip(master):
+@pytest.mark.parametrize("transport", ["mooncake", "local"])
+def test_kv_and_mamba_states_round_trip(transport, request, tmp_path):
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo, PoolHitPolicy, PoolName, PoolTransfer
 
     from hicache_io import _native
@@ -74,7 +75,7 @@ def test_kv_and_mamba_states_round_trip(master):
     with cpu_shims.sglang_paths(cuda=True):
         kv = sp.mha_host(sp.mha_device(), "page_first")
     mamba = mamba_host()
-    store = group_store(master, kv, {PoolName.MAMBA: mamba}, is_mla=False)
+    store = group_store(storage_at(transport, request, tmp_path), kv, {PoolName.MAMBA: mamba}, is_mla=False)
     try:
         fill_random([kv.kv_buffer, mamba.temporal_buffer, *mamba.conv_buffer], g)
         kv_before = snapshot([kv.kv_buffer])[0]
@@ -150,7 +151,8 @@ def test_kv_and_mamba_states_round_trip(master):
         store.close()
 
 
-def test_kv_indexer_and_draft_round_trip(master):
+@pytest.mark.parametrize("transport", ["mooncake", "local"])
+def test_kv_indexer_and_draft_round_trip(transport, request, tmp_path):
     from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
     from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost, make_dsa_indexer_pool_decl
 
@@ -160,7 +162,7 @@ def test_kv_indexer_and_draft_round_trip(master):
         kv = sp.mla_host(dev, "page_first", page_size=sp.PD)
         indexer = DSAIndexerPoolHost(decl=make_dsa_indexer_pool_decl(dev), anchor_host=kv, packed_draft_device_pools=(), pin_memory=True, device="cpu", allocator_type="default")
         draft = sp.mla_host(sp.dsa_device(layer_num=1), "page_first", page_size=sp.PD)
-    store = group_store(master, kv, {PoolName.INDEXER: indexer, PoolName.DRAFT: draft}, is_mla=True)
+    store = group_store(storage_at(transport, request, tmp_path), kv, {PoolName.INDEXER: indexer, PoolName.DRAFT: draft}, is_mla=True)
     try:
         bufs = [kv.kv_buffer, *indexer.get_hybrid_pool_buffer(), draft.kv_buffer]
         fill_random(bufs, g)

@@ -1,0 +1,505 @@
+"""The embedded L3 transport: page objects as files in one directory, shared by every process of
+a machine (the tensor-parallel ranks of a server; the server after a restart), no server needed.
+
+It answers the calls of Mooncake Store's client that hicache-io's store makes (``batch_put_from``,
+``batch_get_into``, their multi-buffer forms, ``batch_is_exist``, ``get``, ``put``, ``remove``, …),
+with Mooncake's return conventions, so the store's pipelines, key schemes and trailers are the
+same over both transports (:class:`hicache_io.storage.LocalStore`).
+
+Files. Object ``key`` is ``objects/<h[:2]>/<h>`` under the directory (``h``: SHA-256 of the key):
+the object's bytes, the key, and a 32-byte footer (``HIOLOC01``, the object's length, the key's
+length, the CRC-32 of the object's bytes). A put writes a temporary file (``tmp/``) and renames it
+into place: an object is visible only when complete, and a writer killed at any instant leaves a
+temporary file (removed later) or nothing. Objects are never changed once published; a put of an
+existing key keeps the object (as Mooncake does).
+
+Reads. A get reads the object's bytes straight into the caller's memory (``preadv``, no Python
+copy; the GIL is released during the system calls), then checks the footer: a file too short,
+of another key or length, is a miss; an object that carries hicache-io's trailer is verified by
+the store against it; any other object against the footer's CRC (so a torn or flipped object
+without a trailer is a miss too). Every get touches the file's modification time: the eviction
+order is least recently used.
+
+Capacity. The directory's size on disk (objects, temporary files, folders, the lock file) is kept
+under ``capacity_bytes``, whatever the number of processes: every put counts its new files'
+bytes first, in a counter all of them share (in the lock file, under its lock); when they would
+not fit, the putting process counts the directory anew and removes the least recently used
+objects until the directory and the new bytes fit in nine tenths of the capacity.
+Removal is safe while other processes read (an open file stays readable; a file removed before it
+was opened is a miss). Buffered I/O (no ``O_DIRECT``: objects end in unaligned footers).
+
+Durability: objects survive a process that dies (they are in the page cache); ``fsync=True``
+also makes them survive a machine that loses power, at the cost of a flush per object."""
+
+import errno
+import fcntl
+import hashlib
+import logging
+import os
+import struct
+import threading
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+logger = logging.getLogger(__name__)
+
+FOOTER = struct.Struct("<8sQII8x")
+FOOTER_MAGIC = b"HIOLOC01"
+#: Mooncake's codes, as the store reads them.
+OBJECT_NOT_FOUND = -704
+INVALID_PARAMS = -600
+BUFFER_MISMATCH = -800
+IO_ERROR = -1
+#: Default capacity: fits a laptop's disk.
+DEFAULT_CAPACITY = 8 << 30
+#: A get marks an object used (for the eviction order) when its last mark is older than this.
+TOUCH_SECONDS = 30.0
+#: Objects of at least this many bytes (on average) move on the I/O threads.
+PARALLEL_BYTES = 64 << 10
+#: Temporary files of writers that died are removed after this long (seconds).
+STALE_TMP_SECONDS = 600.0
+
+
+def default_directory() -> str:
+    """``$XDG_CACHE_HOME/hicache-io/l3`` (``~/.cache/hicache-io/l3``)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "hicache-io", "l3")
+
+
+def _view(addr: int, size: int) -> memoryview:
+    """``size`` bytes of this process's memory at ``addr`` (the caller's registered buffer)."""
+    import ctypes
+
+    return memoryview((ctypes.c_ubyte * size).from_address(addr)).cast("B")
+
+
+def _footer_of(obj_len: int, key: bytes, crc: int) -> bytes:
+    return key + FOOTER.pack(FOOTER_MAGIC, obj_len, len(key), crc)
+
+
+class LocalDiskClient:
+    """Mooncake Store's client calls over a directory (see the module docstring)."""
+
+    def __init__(self, directory: Optional[str] = None, capacity_bytes: Optional[int] = None, threads: int = 4, fsync: bool = False):
+        self.directory = os.path.abspath(directory or default_directory())
+        self.capacity = int(capacity_bytes) if capacity_bytes is not None else DEFAULT_CAPACITY
+        if self.capacity <= 0:
+            raise ValueError(f"hicache_io_local_capacity_bytes must be positive, got {self.capacity}")
+        self.fsync = fsync
+        self.objects = os.path.join(self.directory, "objects")
+        self.tmp = os.path.join(self.directory, "tmp")
+        os.makedirs(self.tmp, exist_ok=True)
+        for i in range(256):  # every object's folder, once
+            os.makedirs(os.path.join(self.objects, f"{i:02x}"), exist_ok=True)
+        self.lock_path = os.path.join(self.directory, "lock")
+        with open(self.lock_path, "ab"):
+            pass
+        self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="hicache-io-l3-local")
+        self._seq = 0
+        self._seq_lock = threading.Lock()
+        self.evicted = 0
+        self._regions: Dict[int, Tuple[int, memoryview]] = {}
+        self.resync()
+
+    # ---- paths and sizes ---------------------------------------------------------------------
+
+    def path(self, key: str) -> str:
+        h = hashlib.sha256(key.encode()).hexdigest()
+        return os.path.join(self.objects, h[:2], h)
+
+    def usage(self) -> Tuple[int, List[Tuple[float, int, str]]]:
+        """The directory's bytes on disk, and its objects as ``(last use, bytes, path)``."""
+        return scan(self.directory)
+
+    @staticmethod
+    def _unlink(p: str) -> bool:
+        try:
+            os.unlink(p)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def _counted(self, change: Any) -> None:
+        """Runs ``change(used) -> used`` on the directory's usage counter (the lock file's first
+        8 bytes), under the directory's lock: every process counts every other's files."""
+        with open(self.lock_path, "r+b") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                raw = lock.read(8)
+                used = int.from_bytes(raw, "little") if len(raw) == 8 else scan(self.directory)[0]
+                lock.seek(0)
+                lock.write(max(0, change(used)).to_bytes(8, "little"))
+                lock.flush()
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def _reserve(self, nbytes: int) -> None:
+        """Counts ``nbytes`` about to be written; past the capacity, first removes the least
+        recently used objects until the directory (counted anew) and these bytes fit in nine
+        tenths of it."""
+
+        def reserve(used: int) -> int:
+            if used + nbytes <= self.capacity:
+                return used + nbytes
+            total, objs = scan(self.directory)
+            goal = self.capacity * 9 // 10
+            for _mtime, size, p in sorted(objs):
+                if total + nbytes <= goal:
+                    break
+                if self._unlink(p):
+                    total -= size
+                    self.evicted += 1
+            return total + nbytes
+
+        self._counted(reserve)
+
+    def _release(self, nbytes: int) -> None:
+        """Uncounts bytes reserved but not written (objects that existed, puts that failed)."""
+        self._counted(lambda used: used - nbytes)
+
+    def resync(self) -> int:
+        """Counts the directory anew (after files were changed by hand, or a writer died between
+        its reservation and its file); its bytes on disk."""
+        total = scan(self.directory)[0]
+        self._counted(lambda _used: total)
+        return total
+
+    # ---- one object --------------------------------------------------------------------------
+
+    def _put_one(self, key: str, parts: Sequence[memoryview]) -> int:
+        final = self.path(key)
+        if os.path.exists(final):
+            return 0  # an object is kept (as Mooncake keeps it)
+        with self._seq_lock:
+            self._seq += 1
+            seq = self._seq
+        tmp = os.path.join(self.tmp, f"{os.getpid()}-{threading.get_ident()}-{seq}")
+        try:
+            crc, n = 0, 0
+            for part in parts:
+                crc = zlib.crc32(part, crc)
+                n += part.nbytes
+            data = list(parts) + [_footer_of(n, key.encode(), crc)]
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                _write_all(fd, data)
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, final)  # published whole, or not at all
+        except OSError as e:
+            self._unlink(tmp)
+            logger.warning("hicache-io L3 (local): put of %s failed: %s", key, e)
+            return -(e.errno or 1)
+        return _file_bytes(key, parts)
+
+    def _open_checked(self, key: str) -> Tuple[Optional[int], int, int]:
+        """``(fd, object bytes, footer CRC)`` of ``key``'s object, or ``(None, code, 0)``."""
+        try:
+            fd = os.open(self.path(key), os.O_RDONLY)
+        except FileNotFoundError:
+            return None, OBJECT_NOT_FOUND, 0
+        except OSError as e:
+            return None, -(e.errno or 1), 0
+        kb = key.encode()
+        try:
+            size = os.fstat(fd).st_size
+            n = size - len(kb) - FOOTER.size
+            ok, crc = _footer_holds(os.pread(fd, len(kb) + FOOTER.size, max(n, 0)), kb, n)
+            if not ok:
+                raise ValueError("footer does not describe this object")
+            return fd, n, crc
+        except (OSError, ValueError) as e:
+            os.close(fd)
+            logger.warning("hicache-io L3 (local): object %s unreadable: %s", key, e)
+            return None, OBJECT_NOT_FOUND, 0
+
+    def _get_one(self, key: str, views: Sequence[memoryview], exact: bool) -> int:
+        """Reads ``key``'s object into ``views`` (``exact``: their sizes must add up to the
+        object's; else one view at least as large) with its key and footer, in one read. Returns
+        the bytes read, or a code."""
+        try:
+            fd = os.open(self.path(key), os.O_RDONLY)
+        except FileNotFoundError:
+            return OBJECT_NOT_FOUND
+        except OSError as e:
+            return -(e.errno or 1)
+        try:
+            st = os.fstat(fd)
+            kb = key.encode()
+            n = st.st_size - len(kb) - FOOTER.size
+            room = sum(v.nbytes for v in views)
+            if n < 0:
+                return OBJECT_NOT_FOUND
+            if (exact and room != n) or (not exact and room < n):
+                return BUFFER_MISMATCH if exact else INVALID_PARAMS
+            targets = list(views) if exact else [views[0][:n]]
+            tail = bytearray(len(kb) + FOOTER.size)
+            if _read_all(fd, targets + [memoryview(tail)]) != st.st_size:
+                return OBJECT_NOT_FOUND  # truncated meanwhile
+            ok, crc = _footer_holds(bytes(tail), kb, n)
+            if not ok:
+                logger.warning("hicache-io L3 (local): object %s: its footer does not hold: a miss", key)
+                return OBJECT_NOT_FOUND
+            if not _carries_trailer(targets):
+                got = 0
+                for t in targets:
+                    got = zlib.crc32(t, got)
+                if got != crc:
+                    logger.warning("hicache-io L3 (local): object %s fails its CRC: a miss", key)
+                    return OBJECT_NOT_FOUND
+            if time.time() - st.st_mtime > TOUCH_SECONDS:
+                os.utime(fd)  # last use, for the eviction order
+            return n
+        except OSError as e:
+            return -(e.errno or 1)
+        finally:
+            os.close(fd)
+
+    # ---- Mooncake's client calls -------------------------------------------------------------
+
+    def _map(self, fn: Any, items: Sequence[Any]) -> List[int]:
+        """``fn`` over the batch: on the I/O threads where objects are large enough for their
+        system calls to overlap; small ones in turn (dispatching them costs more than it saves)."""
+        large = sum(sum(v.nbytes for v in it[1]) for it in items) >= PARALLEL_BYTES * len(items)
+        if len(items) <= 2 or not large:
+            return [fn(*it) for it in items]
+        return list(self._pool.map(lambda it: fn(*it), items))
+
+    def batch_put_from(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int], config: Any = None) -> List[int]:
+        return self.batch_put_from_multi_buffers(keys, [[p] for p in ptrs], [[s] for s in sizes], config)
+
+    def batch_put_from_multi_buffers(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]], config: Any = None) -> List[int]:
+        items = [(k, [self._view(int(p), int(s)) for p, s in zip(ps, ss)]) for k, ps, ss in zip(keys, ptrs, sizes)]
+        return self._put_all(items)
+
+    def _put_all(self, items: List[Tuple[str, List[memoryview]]]) -> List[int]:
+        """Puts ``(key, parts)``: the new objects' bytes counted first (the directory never holds
+        more than its capacity), what was not written uncounted after."""
+        new = [(k, parts) for k, parts in items if not os.path.exists(self.path(k))]
+        need = sum(_file_bytes(k, parts) for k, parts in new)
+        if need:
+            self._reserve(need)
+        written = self._map(self._put_one, items)
+        unused = need - sum(w for w in written if w > 0)
+        if unused > 0:
+            self._release(unused)
+        return [0 if w >= 0 else w for w in written]
+
+    def batch_get_into(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> List[int]:
+        items = [(k, [self._view(int(p), int(s))], False) for k, p, s in zip(keys, ptrs, sizes)]
+        return self._map(self._get_one, items)
+
+    def batch_get_into_multi_buffers(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]) -> List[int]:
+        items = [(k, [self._view(int(p), int(s)) for p, s in zip(ps, ss)], True) for k, ps, ss in zip(keys, ptrs, sizes)]
+        return self._map(self._get_one, items)
+
+    def batch_is_exist(self, keys: Sequence[str]) -> List[int]:
+        return [1 if os.path.exists(self.path(k)) else 0 for k in keys]
+
+    def is_exist(self, key: str) -> int:
+        return self.batch_is_exist([key])[0]
+
+    def get(self, key: str) -> bytes:
+        fd, n, _crc = self._open_checked(key)
+        if fd is None:
+            return b""
+        try:
+            buf = bytearray(n)
+            ok = self._get_one(key, [memoryview(buf)], True) == n
+            return bytes(buf) if ok else b""
+        finally:
+            os.close(fd)
+
+    def put(self, key: str, value: bytes, config: Any = None) -> int:
+        return self._put_all([(key, [memoryview(bytes(value))])])[0]
+
+    def remove(self, key: str) -> int:
+        p = self.path(key)
+        try:
+            size = os.stat(p).st_blocks * 512
+        except FileNotFoundError:
+            return OBJECT_NOT_FOUND
+        if not self._unlink(p):
+            return OBJECT_NOT_FOUND
+        self._release(size)
+        return 0
+
+    def remove_all(self) -> int:
+        n = sum(self._unlink(p) for _m, _s, p in scan(self.directory)[1])
+        self.resync()
+        return n
+
+    def register_buffer(self, addr: int, nbytes: int) -> int:
+        # Files are read and written from any of this process's memory; a registered region is
+        # viewed once, and objects inside it sliced from that view.
+        self._regions[int(addr)] = (int(nbytes), _view(int(addr), int(nbytes)))
+        return 0
+
+    def unregister_buffer(self, addr: int) -> int:
+        self._regions.pop(int(addr), None)
+        return 0
+
+    def _view(self, addr: int, size: int) -> memoryview:
+        for base, (nbytes, view) in self._regions.items():
+            if base <= addr and addr + size <= base + nbytes:
+                return view[addr - base : addr - base + size]
+        return _view(addr, size)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def _footer_holds(tail: bytes, kb: bytes, n: int) -> Tuple[bool, int]:
+    """Whether ``tail`` (the file's key and footer) names key ``kb`` and an object of ``n``
+    bytes; and the footer's CRC."""
+    if n < 0 or len(tail) != len(kb) + FOOTER.size or tail[: len(kb)] != kb:
+        return False, 0
+    magic, length, klen, crc = FOOTER.unpack(tail[len(kb) :])
+    return magic == FOOTER_MAGIC and length == n and klen == len(kb), crc
+
+
+def _file_bytes(key: str, parts: Sequence[memoryview]) -> int:
+    """What object ``key`` of ``parts`` takes on disk."""
+    return _on_disk(sum(p.nbytes for p in parts) + FOOTER.size + len(key.encode()))
+
+
+def _on_disk(nbytes: int) -> int:
+    """What a file of ``nbytes`` takes on disk: whole 4 KiB blocks."""
+    return -(-nbytes // 4096) * 4096
+
+
+def _writer_gone(name: str) -> bool:
+    """Whether the process that named temporary file ``name`` (``pid-thread-n``) has ended."""
+    try:
+        os.kill(int(name.split("-", 1)[0]), 0)
+    except (ValueError, ProcessLookupError):
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def scan(directory: str) -> Tuple[int, List[Tuple[float, int, str]]]:
+    """A directory's bytes on disk (files, folders, the lock) and its objects as ``(last use,
+    bytes, path)``. Removes temporary files of writers that have ended or stalled."""
+    tmp = os.path.join(directory, "tmp")
+    lock = os.path.join(directory, "lock")
+    total, objs = 0, []
+    for root, _dirs, files in os.walk(directory):
+        try:
+            total += os.stat(root).st_blocks * 512
+        except FileNotFoundError:
+            continue
+        for name in files:
+            p = os.path.join(root, name)
+            try:
+                st = os.stat(p)
+            except FileNotFoundError:
+                continue  # removed meanwhile
+            if root == tmp and (_writer_gone(name) or time.time() - st.st_mtime > STALE_TMP_SECONDS):
+                LocalDiskClient._unlink(p)
+                continue
+            size = st.st_blocks * 512 or _on_disk(st.st_size)
+            total += size
+            if root != tmp and p != lock:
+                objs.append((st.st_mtime, size, p))
+    return total, objs
+
+
+def _carries_trailer(targets: Sequence[memoryview]) -> bool:
+    """Whether the object read ends in hicache-io's integrity trailer (which the store checks)."""
+    from .trailer import TRAILER_MAGIC
+
+    last = targets[-1]
+    if last.nbytes < 16:
+        return False
+    return int.from_bytes(last[last.nbytes - 16 : last.nbytes - 8], "little") == TRAILER_MAGIC
+
+
+def _write_all(fd: int, parts: List[Any]) -> None:
+    """``pwritev`` until every byte is written (a write may be partial)."""
+    offset = 0
+    views = [memoryview(p).cast("B") for p in parts]
+    while views:
+        n = os.pwritev(fd, views, offset)
+        if n <= 0:
+            raise OSError(errno.EIO, "no progress writing")
+        offset += n
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+
+
+def _read_all(fd: int, views: List[memoryview]) -> int:
+    """``preadv`` into ``views`` from offset 0 until full or the end of the file; bytes read."""
+    offset, views = 0, [v.cast("B") if v.format != "B" else v for v in views]
+    while views:
+        n = os.preadv(fd, views, offset)
+        if n <= 0:
+            break
+        offset += n
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+    return offset
+
+
+def stats(directory: str) -> Dict[str, int]:
+    """Objects, their bytes on disk, and the whole directory's bytes on disk."""
+    total, objs = scan(directory)
+    return {"objects": len(objs), "object_bytes": sum(s for _m, s, _p in objs), "disk_bytes": total}
+
+
+def scrub(directory: str) -> Dict[str, int]:
+    """Reads every object; removes those whose file is torn, whose footer does not hold, or whose
+    bytes fail their CRC or their hicache-io trailer. Counts ``checked``, ``intact``, ``removed``."""
+    from .trailer import TRAILER_MAGIC, name_tag
+
+    out = {"checked": 0, "intact": 0, "removed": 0}
+    objects = os.path.join(directory, "objects")
+    for root, _dirs, files in os.walk(objects):
+        for name in files:
+            p = os.path.join(root, name)
+            out["checked"] += 1
+            if _file_intact(p, TRAILER_MAGIC, name_tag):
+                out["intact"] += 1
+            elif LocalDiskClient._unlink(p):
+                out["removed"] += 1
+    if out["removed"] and os.path.exists(os.path.join(directory, "lock")):
+        client = LocalDiskClient(directory)  # counts the directory anew
+        client.close()
+    return out
+
+
+def _file_intact(p: str, magic: int, name_tag: Any) -> bool:
+    """Whether object file ``p`` holds what its footer says: its key's path, length and CRC, and
+    a hicache-io trailer that matches, where the object carries one."""
+    from .. import _native
+
+    try:
+        with open(p, "rb") as f:
+            data = f.read()
+    except OSError:
+        return False
+    if len(data) < FOOTER.size:
+        return False
+    fmagic, n, klen, crc = FOOTER.unpack(data[-FOOTER.size :])
+    if fmagic != FOOTER_MAGIC or n + klen + FOOTER.size != len(data):
+        return False
+    obj, key = data[:n], data[n : n + klen]
+    if hashlib.sha256(key).hexdigest() != os.path.basename(p) or zlib.crc32(obj) != crc:
+        return False
+    if n >= 16 and int.from_bytes(obj[n - 16 : n - 8], "little") == magic:
+        import numpy as np
+
+        body = np.frombuffer(obj[: n - 16], np.uint8)
+        return (_native.checksum(body) ^ name_tag(key.decode())) == int.from_bytes(obj[n - 8 :], "little")
+    return True

@@ -1,0 +1,182 @@
+"""The embedded L3 store (``hicache_io.storage.LocalStore``, files in one directory, no server):
+writers killed with SIGKILL at random points leave only exact pages or misses; a byte flipped on
+disk reads as a miss and ``python -m hicache_io.l3 scrub`` removes it; the capacity holds with two
+writer processes, the least recently used pages going first; a second process (another rank, or
+the server restarted) reads what the first wrote. Repeated keys and every key scheme on this
+transport: ``test_l3_batches.py``."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from common import P, tokens
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# One script for writers and readers (a process each): pools whose page ``i`` holds bytes drawn
+# from seed ``i``, so a reader knows what every key must hold.
+SCRIPT = textwrap.dedent(
+    """
+    import os, sys, json
+    sys.modules["sglang"] = None  # the store without sglang's base class: no torch import (seconds)
+    import numpy as np
+    import hicache_io
+    from hicache_io.storage import LocalStore
+
+    KINDS = {"dsa": ("dsa", 132, 4), "mha": ("mha", 4096, 3)}
+
+    def pool(kind):
+        k, bpt, layers = KINDS[kind]
+        dev = hicache_io.DevicePool(hicache_io.Device("cpu"), k, bpt, 16 if k == "dsa" else 16 * 8, 8, layers)
+        return hicache_io.HostPool(dev, "page_first", 16 * 8, profile="extended")
+
+    def page_bytes(host, seed):
+        n = len(host.get_dummy_flat_data_page())
+        return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+    def write(host, store, start, count, batch):
+        for first in range(start, start + count, batch):
+            seeds = list(range(first, min(first + batch, start + count)))
+            for slot, seed in enumerate(seeds):
+                host.set_from_flat_data_page(slot * 8, page_bytes(host, seed))
+            toks = np.arange(len(seeds) * 8)
+            assert store.batch_set_v1([f"key-{s}" for s in seeds], toks) == [True] * len(seeds), store.last_error
+
+    def read(host, store, seeds):
+        hits, wrong = 0, []
+        for seed in seeds:
+            host.set_from_flat_data_page(15 * 8, np.zeros(len(host.get_dummy_flat_data_page()), np.uint8))
+            if store.batch_get_v1([f"key-{seed}"], np.arange(15 * 8, 16 * 8)) == [True]:
+                hits += 1
+                if not np.array_equal(host.get_data_page(15 * 8), page_bytes(host, seed)):
+                    wrong.append(seed)
+        return hits, wrong
+
+    role, kind, directory = sys.argv[1], sys.argv[2], sys.argv[3]
+    capacity = int(sys.argv[4]) if len(sys.argv) > 4 else None
+    host = pool(kind)
+    store = LocalStore(kwargs={"hicache_io_local_dir": directory, **({"hicache_io_local_capacity_bytes": capacity} if capacity else {})})
+    store.register_mem_pool_host(host)
+    if role == "write":
+        start, count = int(sys.argv[5]), int(sys.argv[6])
+        print("ready", flush=True)
+        write(host, store, start, count, 4)
+        print(json.dumps({"written": count}))
+    else:
+        hits, wrong = read(host, store, range(int(sys.argv[5]), int(sys.argv[6])))
+        print(json.dumps({"hits": hits, "wrong": wrong, "stats": store.integrity_stats()}))
+    store.close()
+    """
+)
+
+
+def run(tmp_path, *args, timeout=300):
+    script = tmp_path / "l3_script.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
+    return [sys.executable, str(script), *map(str, args)], env
+
+
+def call(tmp_path, *args):
+    cmd, env = run(tmp_path, *args)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("kind", ["dsa", "mha"])  # hicache-io's names with trailers; sglang's names, without
+def test_writers_killed_at_random_points_leave_exact_pages_or_misses(tmp_path, kind):
+    directory = tmp_path / "l3"
+    rng = np.random.default_rng(56)
+    for round_ in range(3):
+        cmd, env = run(tmp_path, "write", kind, directory, 0, round_ * 400, 400)
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        assert proc.stdout.readline().strip() == b"ready"
+        time.sleep(float(rng.uniform(0.02, 0.4)))  # into the puts
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+    got = call(tmp_path, "read", kind, directory, 0, 0, 1200)
+    assert got["wrong"] == [], f"hits with wrong bytes: {got['wrong'][:10]}"
+    assert got["hits"] > 0, "no writer got as far as one page: the test tried nothing"
+    assert got["stats"]["corrupt"] == 0
+
+
+def test_a_flipped_byte_reads_as_a_miss_and_scrub_removes_it(tmp_path):
+    directory = tmp_path / "l3"
+    call(tmp_path, "write", "mha", directory, 0, 0, 8)
+    # K and V of 8 pages (and the namespace record of sglang-named pages, a small object).
+    files = sorted(str(p) for p in (directory / "objects").rglob("*") if p.is_file() and p.stat().st_size > 4096)
+    assert len(files) == 16
+    with open(files[3], "r+b") as f:  # a byte of the object's body
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 0x10]))
+    got = call(tmp_path, "read", "mha", directory, 0, 0, 8)
+    assert got["hits"] == 7 and got["wrong"] == []
+    out = subprocess.run([sys.executable, "-m", "hicache_io.l3", "scrub", str(directory)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"checked": 17, "intact": 16, "removed": 1}
+    stats = json.loads(subprocess.run([sys.executable, "-m", "hicache_io.l3", "stats", str(directory)], capture_output=True, text=True, timeout=120).stdout)
+    assert stats["objects"] == 16
+
+
+def test_the_capacity_holds_with_two_writer_processes(tmp_path):
+    directory = tmp_path / "l3"
+    capacity = 4 << 20  # about 20 pages of 2 × 96 KiB objects
+    cmds = [run(tmp_path, "write", "mha", directory, capacity, start, 60) for start in (0, 1000)]
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for cmd, env in cmds]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err.decode()[-3000:]
+    from hicache_io.l3.local import stats
+
+    s = stats(str(directory))
+    assert 0 < s["disk_bytes"] <= capacity, s
+    # The least recently used pages went first: the writers' first pages are gone, their last
+    # ones (those of the writer that finished last, at least) are there, exact.
+    for first, last in ((0, 5), (1000, 1005)):
+        assert call(tmp_path, "read", "mha", directory, capacity, first, last)["hits"] == 0
+    late = [call(tmp_path, "read", "mha", directory, capacity, first, last) for first, last in ((55, 60), (1055, 1060))]
+    assert sum(r["hits"] for r in late) >= 5 and all(r["wrong"] == [] for r in late), late
+
+
+def test_a_second_process_reads_what_the_first_wrote(tmp_path):
+    directory = tmp_path / "l3"
+    call(tmp_path, "write", "dsa", directory, 0, 0, 12)
+    got = call(tmp_path, "read", "dsa", directory, 0, 0, 12)
+    assert got == {"hits": 12, "wrong": [], "stats": {**got["stats"], "verified": 12, "corrupt": 0}}
+
+
+def test_in_process_round_trip_and_the_default_directory(tmp_path, monkeypatch):
+    from hicache_io.l3.local import default_directory
+    from hicache_io.storage import LocalStore
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert default_directory() == str(tmp_path / "cache" / "hicache-io" / "l3")
+    import hicache_io
+
+    dev = hicache_io.DevicePool(hicache_io.Device("cpu"), "mla", 576, 64, P, 3)
+    host = hicache_io.HostPool(dev, "page_first", 64, profile="extended")
+    rng = np.random.default_rng(1)
+    dev.write_buffer(0, 0, rng.integers(0, 256, dev.slots * dev.item_bytes, dtype=np.uint8))
+    host.backup_from_device_all_layer(dev, tokens([1, 2]), tokens([3, 4]), "kernel")
+    s = LocalStore()
+    try:
+        s.register_mem_pool_host(host)
+        assert s.batch_set_v1(["a", "b"], tokens([1, 2])) == [True, True]
+        want = [host.get_data_page(p * P) for p in (1, 2)]
+        assert s.batch_get_v1(["b", "a", "c"], tokens([5, 6, 7])) == [True, True, False]
+        assert np.array_equal(host.get_data_page(5 * P), want[1]) and np.array_equal(host.get_data_page(6 * P), want[0])
+        assert "local L3 store" in str(s.last_error)
+    finally:
+        s.close()
+    assert os.path.isdir(tmp_path / "cache" / "hicache-io" / "l3" / "objects")

@@ -1,0 +1,181 @@
+#!/usr/bin/env python3
+"""The local-disk L3 store side by side, in one run, on the same pages in fresh folders of one
+directory (``--dir``, default a temporary folder):
+
+  * ``hicache-io local``: ``LocalStore.batch_set_v1`` / ``batch_get_v1`` (files written from and
+    read into the pool's pages, 128 pages a call as sglang batches them), with checksums (the
+    trailer; hicache-io's own objects) and without (``integrity=False``);
+  * ``sglang file``: sglang 0.5.23's own ``HiCacheFile`` (its ``file`` backend) setting and getting
+    the same pages as torch tensors, as sglang's controller hands them over (without the page
+    copies the controller adds around it);
+  * ``plain``: the same bytes written to one file and read back with plain sequential calls: the
+    directory's ceiling.
+
+Pages: DSA indexer pages of 8448 B (132 B x 64 tokens, one layer; hicache-io's own names) and MLA
+pages of 1 MiB (4 layers x 8 tokens x 32 KiB, page_first; sglang's names). Median of ``--rounds``.
+Everything here lives in the page cache: this measures the software path, not a disk.
+
+    python3 scripts/bench-l3-local.py [--rounds 5] [--dir DIR] [--json]
+"""
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+
+import numpy as np
+
+import hicache_io
+from hicache_io.storage import STORAGE_BATCH_SIZE, HiCacheStorageConfig, LocalStore
+
+CASES = [
+    # (name, kind, bytes per token, layers, page size, pages)
+    ("DSA 8448 B", "dsa", 132, 1, 64, 4096),
+    ("MLA 1 MiB", "mla", 32768, 4, 8, 128),
+]
+
+
+def median(xs):
+    return sorted(xs)[len(xs) // 2]
+
+
+def timed(fn):
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def pools(kind, bpt, layers, page, pages):
+    slots = pages if kind == "dsa" else pages * page
+    dev = hicache_io.DevicePool(hicache_io.Device("cpu"), kind, bpt, slots, page, layers)
+    rng = np.random.default_rng(7)
+    for b in range(dev.buffer_count):
+        dev.write_buffer(0, b, rng.integers(0, 256, dev.slots * dev.item_bytes, dtype=np.uint8))
+    host = hicache_io.HostPool(dev, "page_first", 2 * pages * page, profile="extended")
+    toks = np.arange(pages * page, dtype=np.int64)
+    host.backup_from_device_all_layer(dev, toks, toks, "kernel")
+    return host, toks
+
+
+def local_rounds(root, host, toks, page, pages, integrity, rounds):
+    puts, gets = [], []
+    back = toks + pages * page
+    for r in range(rounds):
+        d = os.path.join(root, f"local-{integrity}-{r}")
+        s = LocalStore(HiCacheStorageConfig(model_name="bench"), {}, directory=d, capacity_bytes=1 << 40, integrity=integrity)
+        s.register_mem_pool_host(host)
+        keys = [f"p{i}" for i in range(pages)]
+        n = STORAGE_BATCH_SIZE
+
+        def put():
+            for a in range(0, pages, n):
+                assert all(s.batch_set_v1(keys[a : a + n], toks[a * page : (a + n) * page]))
+
+        def get():
+            for a in range(0, pages, n):
+                assert all(s.batch_get_v1(keys[a : a + n], back[a * page : (a + n) * page]))
+
+        puts.append(timed(put))
+        gets.append(timed(get))
+        s.close()
+        shutil.rmtree(d)
+    return median(puts), median(gets)
+
+
+def sglang_file_rounds(root, host, toks, page, pages, rounds):
+    try:
+        import torch
+        from sglang.srt.mem_cache.hicache_storage import HiCacheFile
+        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig as SglangConfig
+    except ImportError as e:
+        return None, f"sglang not importable ({e})"
+    values = [torch.from_numpy(np.asarray(host.get_data_page(int(t)))) for t in toks[::page]]
+    targets = [torch.empty_like(v) for v in values]
+    puts, gets = [], []
+    for r in range(rounds):
+        d = os.path.join(root, f"sglang-{r}")
+        os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = d
+        cfg = SglangConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=True, enable_storage_metrics=False, is_page_first_layout=True, model_name="bench")
+        f = HiCacheFile(cfg)
+        keys = [f"p{i}" for i in range(pages)]
+        n = STORAGE_BATCH_SIZE
+
+        def put():
+            for a in range(0, pages, n):
+                assert f.batch_set(keys[a : a + n], values[a : a + n])
+
+        def get():
+            for a in range(0, pages, n):
+                assert all(x is not None for x in f.batch_get(keys[a : a + n], targets[a : a + n]))
+
+        puts.append(timed(put))
+        gets.append(timed(get))
+        shutil.rmtree(d)
+    assert all(torch.equal(a, b) for a, b in zip(values, targets))
+    return (median(puts), median(gets)), None
+
+
+def plain_rounds(root, host, toks, page, rounds):
+    data = np.concatenate([np.asarray(host.get_data_page(int(t))) for t in toks[::page]])
+    out = np.empty_like(data)
+    puts, gets = [], []
+    for r in range(rounds):
+        p = os.path.join(root, f"plain-{r}.bin")
+
+        def put():
+            with open(p, "wb") as f:
+                f.write(memoryview(data))
+
+        def get():
+            with open(p, "rb", buffering=0) as f:
+                f.readinto(memoryview(out))
+
+        puts.append(timed(put))
+        gets.append(timed(get))
+        os.unlink(p)
+    assert np.array_equal(data, out)
+    return median(puts), median(gets), data.nbytes
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--dir", default=None)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    root = tempfile.mkdtemp(prefix="hicache-io-bench-l3-", dir=args.dir)
+    rows = []
+    try:
+        for name, kind, bpt, layers, page, pages in CASES:
+            host, toks = pools(kind, bpt, layers, page, pages)
+            plain_put, plain_get, nbytes = plain_rounds(root, host, toks, page, args.rounds)
+            gb = nbytes / 1e9
+            row = {"pages": name, "bytes": nbytes, "plain": [gb / plain_put, gb / plain_get]}
+            for integrity in (True, False):
+                p, g = local_rounds(root, host, toks, page, pages, integrity, args.rounds)
+                row["local" + ("" if integrity else " unchecked")] = [gb / p, gb / g]
+            file_times, why = sglang_file_rounds(root, host, toks, page, pages, args.rounds)
+            row["sglang file"] = [gb / file_times[0], gb / file_times[1]] if file_times else why
+            rows.append(row)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return
+    print(f"{'pages':<12} {'path':<18} {'put GB/s':>9} {'get GB/s':>9} {'put x file':>11} {'get x file':>11} {'put x plain':>12} {'get x plain':>12}")
+    for r in rows:
+        f = r["sglang file"] if isinstance(r["sglang file"], list) else None
+        for path in ("local", "local unchecked", "sglang file", "plain"):
+            v = r[path]
+            if not isinstance(v, list):
+                print(f"{r['pages']:<12} {path:<18} {v}")
+                continue
+            vs_file = [v[0] / f[0], v[1] / f[1]] if f else ["-", "-"]
+            vs_plain = [v[0] / r["plain"][0], v[1] / r["plain"][1]]
+            fmt = lambda x: f"{x:.2f}" if isinstance(x, float) else x  # noqa: E731
+            print(f"{r['pages']:<12} {path:<18} {v[0]:>9.2f} {v[1]:>9.2f} {fmt(vs_file[0]):>11} {fmt(vs_file[1]):>11} {fmt(vs_plain[0]):>12} {fmt(vs_plain[1]):>12}")
+
+
+if __name__ == "__main__":
+    main()
