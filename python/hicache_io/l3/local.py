@@ -43,6 +43,8 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from .trailer import TRAILER_MAGIC
+
 logger = logging.getLogger(__name__)
 
 FOOTER = struct.Struct("<8sQII8x")
@@ -107,7 +109,7 @@ class LocalDiskClient:
 
     def path(self, key: str) -> str:
         h = hashlib.sha256(key.encode()).hexdigest()
-        return os.path.join(self.objects, h[:2], h)
+        return f"{self.objects}/{h[:2]}/{h}"
 
     def usage(self) -> Tuple[int, List[Tuple[float, int, str]]]:
         """The directory's bytes on disk, and its objects as ``(last use, bytes, path)``."""
@@ -412,8 +414,6 @@ def scan(directory: str) -> Tuple[int, List[Tuple[float, int, str]]]:
 
 def _carries_trailer(targets: Sequence[memoryview]) -> bool:
     """Whether the object read ends in hicache-io's integrity trailer (which the store checks)."""
-    from .trailer import TRAILER_MAGIC
-
     last = targets[-1]
     if last.nbytes < 16:
         return False
@@ -461,7 +461,7 @@ def stats(directory: str) -> Dict[str, int]:
 def scrub(directory: str) -> Dict[str, int]:
     """Reads every object; removes those whose file is torn, whose footer does not hold, or whose
     bytes fail their CRC or their hicache-io trailer. Counts ``checked``, ``intact``, ``removed``."""
-    from .trailer import TRAILER_MAGIC, name_tag
+    from .trailer import name_tag
 
     out = {"checked": 0, "intact": 0, "removed": 0}
     objects = os.path.join(directory, "objects")
