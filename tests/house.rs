@@ -219,3 +219,31 @@ fn no_function_over_80_lines() {
     let sample = format!("fn long() {{\n{}}}\n", "    let x = 1;\n".repeat(81));
     assert_eq!(function_lengths(&sample), vec![(1, "long".to_string(), 83)]);
 }
+
+/// The Python files of the project (the package, its tests, scripts, examples).
+fn python_files(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let Ok(entries) = std::fs::read_dir(dir) else { return out };
+    for entry in entries {
+        let p = entry.expect("dir entry").path();
+        let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if p.is_dir() && !name.starts_with('.') && name != "target" && name != "__pycache__" {
+            out.extend(python_files(&p));
+        } else if p.extension().is_some_and(|e| e == "py") {
+            out.push(p);
+        }
+    }
+    out
+}
+
+/// No Python file past 700 lines either: the L3 store was once a 1,200-line room of mixins.
+#[test]
+fn no_python_file_over_700_lines() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let files: Vec<PathBuf> = ["python", "scripts", "examples"].iter().flat_map(|d| python_files(&root.join(d))).collect();
+    assert!(files.iter().any(|f| f.ends_with("python/hicache_io/storage.py")), "the rule sees the package");
+    for file in files {
+        let lines = std::fs::read_to_string(&file).expect("readable").lines().count();
+        assert!(lines <= 700, "{} has {lines} lines: split it by concern", file.display());
+    }
+}

@@ -1,4 +1,5 @@
-"""L3 storage: host-pool pages to and from Mooncake Store, as sglang's HiCache L3 tier moves them.
+"""L3 storage: host-pool pages to and from Mooncake Store (:class:`MooncakeStore`) or a local
+directory (:class:`LocalStore`, no server), as sglang's HiCache L3 tier moves them.
 
 :class:`MooncakeStore` implements sglang's ``HiCacheStorage`` interface (it subclasses sglang's
 class when sglang is importable, so ``--hicache-storage-backend dynamic`` loads it unchanged) over
@@ -50,16 +51,18 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 
 from .l3.batches import CallScope, exist_once, in_rounds, one_call
-from .l3.config import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo, MooncakeStoreConfig
+from .l3.config import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo, MooncakeStoreConfig, StoreSettings
 from .l3.config import size_of as _size
 from .l3.errors import INTEGRITY, MOONCAKE_ERRORS, REFUSED, SHORT_READ, StorageError
-from .l3.keys import namespace_key, namespace_of, page_object_keys, shard_descriptor
+from .l3.keys import claim_namespace, namespace_key, namespace_of, page_object_keys, shard_descriptor
 from .l3.layouts import PoolLayout as _Layout
 from .l3.layouts import SglangLayout as _SglangLayout  # noqa: F401 (the name it had)
 from .l3.layouts import check_inside as _check_inside  # noqa: F401 (the name it had)
 from .l3.layouts import host_list as _host_list
 from .l3.layouts import sglang_indices as _sglang_indices  # noqa: F401 (the name it had)
 from .l3.master import LocalMaster
+from .l3.mooncake_client import open_client, register_all
+from .l3.objects import get_object, set_object
 from .l3.trailer import OLD_TRAILER_MAGICS, TRAILER_MAGIC, seal, verify
 from .l3.trailer import name_tag as _name_tag  # noqa: F401 (the name it had)
 from .l3.trailer import name_tags as _name_tags
@@ -88,43 +91,23 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
 
     def __init__(self, storage_config: Optional[Any] = None, kwargs: Optional[Dict[str, Any]] = None, *, config: Optional[MooncakeStoreConfig] = None, store: Any = None, raise_errors: bool = False, integrity: Optional[bool] = None):
         self.storage_config = storage_config if storage_config is not None else HiCacheStorageConfig()
-        extra = dict(getattr(self.storage_config, "extra_config", None) or {})
-        extra.update(kwargs or {})
+        st = StoreSettings.read(self.storage_config, kwargs, integrity, KEY_SCHEMES)
+        self._extra = extra = st.extra
         self.config = config if config is not None else MooncakeStoreConfig.load(extra)
         self.raise_errors = raise_errors
         #: The last failure of the most recent call to finish (``None`` when it had none).
         self.last_error: Optional[StorageError] = None
         self._calls = CallScope()
-        sc = self.storage_config
-        tp_rank, pp_rank, pp_size = getattr(sc, "tp_rank", 0), getattr(sc, "pp_rank", 0), getattr(sc, "pp_size", 1)
-        self.mha_suffix = f"{tp_rank}_{pp_rank}" if pp_size > 1 else f"{tp_rank}"
-        self.mla_suffix = f"{pp_rank}" if pp_size > 1 else ""
-        if getattr(sc, "should_split_heads", False):
-            raise ValueError("hicache-io's Mooncake store does not split heads across ranks (tp_lcm_size > tp_size); use page_first_direct_hg pages instead")
-        if extra.get("module_path") and not extra.get("interface_v1"):
-            raise ValueError('hicache_io.storage.MooncakeStore serves sglang\'s zero-copy interface: add "interface_v1": 1 to the dynamic backend\'s extra config')
-        model = getattr(sc, "model_name", None)
-        tag = extra.get("extra_backend_tag")
-        parts = [str(tag) if tag is not None else None, model.replace("/", "-") if model else None]
-        self.key_prefix = "_".join(p for p in parts if p)
+        self.key_prefix, self.mha_suffix, self.mla_suffix, self.integrity = st.key_prefix, st.mha_suffix, st.mla_suffix, st.integrity
+        self._sglang_keys, self._namespace_record, self._unified = st.sglang_keys_any_layout, st.namespace_record, st.unified
         self._lock = threading.RLock()
         self._layout: Any = None
         self._descriptor: Optional[str] = None
-        # sglang's keys name no layout: page_first only, unless the deployment says every rank
-        # uses one layout (then page_first_direct and page_head pages take sglang's names too).
-        self._sglang_keys = bool(extra.get("hicache_io_sglang_keys_any_layout", False))
-        self._extra = extra
-        self._namespace_record = bool(extra.get("hicache_io_namespace_record", True))
         #: The registered pool's namespace (see the module docstring), ``None`` before.
         self.namespace: Optional[Dict[str, Any]] = None
         # Whether the sglang-named objects under this prefix belong to another namespace.
         self._foreign = False
-        self.integrity = bool(extra.get("hicache_io_integrity", True)) if integrity is None else integrity
-        scheme = str(extra.get("hicache_io_key_scheme", KEY_SCHEMES[0]))
-        if scheme not in KEY_SCHEMES:
-            raise ValueError(f"hicache_io_key_scheme {scheme!r}: expected one of {', '.join(KEY_SCHEMES)}")
         # Topology-free keys (hicache_io.storage_unified): the registered pool's share of the grid.
-        self._unified = scheme == "unified"
         self._grid: Any = None
         self._trailers: Optional[np.ndarray] = None
         self.stats = {"verified": 0, "unverified": 0, "corrupt": 0, "damaged_puts": 0, "foreign": 0, "incompatible": 0}
@@ -143,18 +126,7 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
         self._sealed: Optional[np.ndarray] = None
         self._seal_t: Optional[np.ndarray] = None
         self._seal_stride = 0
-        if store is None:
-            if not self.config.master_server_address:
-                raise ValueError("Mooncake Store needs master_server_address (extra_config, SGLANG_HICACHE_MOONCAKE_CONFIG_PATH or MOONCAKE_MASTER)")
-            from .l3.mooncake_client import store_module
-
-            store = store_module().MooncakeDistributedStore()
-            ranks = max(1, getattr(sc, "tp_size", 1) * pp_size)
-            c = self.config
-            rc = store.setup(c.local_hostname, c.metadata_server, c.global_segment_size // ranks, c.local_buffer_size, c.protocol, c.device_name, c.master_server_address)
-            if rc != 0:
-                raise StorageError("setup", rc)
-        self.store = store
+        self.store = store if store is not None else open_client(self.config, self.storage_config)
 
     # ---- the pool ------------------------------------------------------------------------
 
@@ -209,19 +181,7 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
                 self._foreign = not self._claim_namespace(record)
 
     def _register_all(self, regions: Sequence[Any]) -> List[int]:
-        """Registers every ``(address, bytes)`` region with Mooncake, or none (raises)."""
-        done: List[int] = []
-        try:
-            for addr, nbytes in regions:
-                rc = self.store.register_buffer(addr, nbytes)
-                if rc != 0:
-                    raise RuntimeError(f"Failed to register buffer to Mooncake Store, error code: {rc}")
-                done.append(addr)
-        except BaseException:
-            for a in done:
-                self.store.unregister_buffer(a)
-            raise
-        return done
+        return register_all(self.store, regions)
 
     def _namespace_of(self, pool: Any, lay: Any) -> Dict[str, Any]:
         """What the registered pool's page bytes mean (:func:`hicache_io.l3.keys.namespace_of`)."""
@@ -232,23 +192,10 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
 
     def _claim_namespace(self, record: bytes) -> bool:
         """Whether the sglang-named objects under this prefix and rank belong to the namespace
-        ``record`` (its JSON): the sidecar record says so, or there was none and this store
-        wrote it."""
+        ``record`` (:func:`hicache_io.l3.keys.claim_namespace`)."""
         prefix = f"{self.key_prefix}_" if self.key_prefix else ""
         rank = self.mha_suffix if self._layout.kind == "mha" else self.mla_suffix
-        key = namespace_key(prefix, rank)
-        found = self.store.get(key)
-        if not found:
-            if self.store.put(key, record) == 0:
-                return True
-            found = self.store.get(key)  # another store wrote it meanwhile
-        if found and bytes(found) == record:
-            return True
-        logger.warning(
-            "hicache-io L3: the sglang-named objects under %r belong to another namespace (%s; this store's: %s): they read as misses and none is written",
-            key, bytes(found or b"").decode(errors="replace"), record.decode(),
-        )
-        return False
+        return claim_namespace(self.store, namespace_key(prefix, rank), record)
 
     def unregister_mem_pool_host(self) -> None:
         """Unregisters the pool's memory and lets the pool go (waits for a call in progress)."""
@@ -658,14 +605,10 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
     def get(self, key: str, target_location: Optional[int] = None, target_sizes: Optional[int] = None) -> Any:
         """Object ``key`` into ``target_location`` (``target_sizes`` bytes of registered memory;
         returns whether it was read whole), or as a ``numpy.uint8`` array (``None`` when missing)."""
-        if target_location is None:
-            data = self.store.get(key)
-            return np.frombuffer(data, np.uint8).copy() if data else None
-        n = self.store.batch_get_into([key], [target_location], [target_sizes])[0]
-        if n != target_sizes:
-            self._fail(StorageError("get", n if n < 0 else SHORT_READ, [key]))
-            return False
-        return True
+        value, err = get_object(self.store, key, target_location, target_sizes)
+        if err is not None:
+            self._fail(err)
+        return value
 
     @one_call
     def batch_get(self, keys: List[str], target_locations: Optional[List[int]] = None, target_sizes: Optional[List[int]] = None) -> Any:
@@ -677,17 +620,10 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
     def set(self, key: str, value: Any = None, target_location: Optional[int] = None, target_sizes: Optional[int] = None) -> bool:
         """Object ``key`` from ``value`` (bytes or a host array) or from ``target_sizes`` bytes at
         ``target_location`` (registered memory); an existing object is kept."""
-        if self.store.is_exist(key) == 1:
-            return True
-        if value is not None:
-            data = bytes(value) if isinstance(value, (bytes, bytearray)) else np.ascontiguousarray(value).view(np.uint8).tobytes()
-            rc = self.store.put(key, data)
-        else:
-            rc = self.store.batch_put_from([key], [target_location], [target_sizes])[0]
-        if rc != 0:
-            self._fail(StorageError("put", rc, [key]))
-            return False
-        return True
+        err = set_object(self.store, key, value, target_location, target_sizes)
+        if err is not None:
+            self._fail(err)
+        return err is None
 
     @one_call
     def batch_set(self, keys: List[str], values: Optional[List[Any]] = None, target_locations: Optional[List[int]] = None, target_sizes: Optional[List[int]] = None) -> bool:

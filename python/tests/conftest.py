@@ -1,4 +1,4 @@
-"""Fixtures shared by the L3 suites.
+"""Fixtures shared by the L3 suites (``store``: one Mooncake store per module, on ``master``).
 
 ``master``: a Mooncake master of the test module's own on free loopback ports, with short leases
 (200 ms) so that a test may remove or replace an object soon after reading it. One per module:
@@ -7,7 +7,7 @@ where Mooncake Store is not installed, unless ``HICACHE_REQUIRE_MOONCAKE=1`` (CI
 
 import pytest
 
-from common import mooncake_problem
+from common import make_store, mooncake_problem
 
 
 @pytest.fixture(scope="module")
@@ -20,3 +20,13 @@ def master():
     m = LocalMaster(lease_ms=200)
     yield m
     m.stop()
+
+
+@pytest.fixture(scope="module")
+def store(master):
+    # Shared by pools of many shapes under one prefix (not a deployment): the namespace record
+    # would rightly make every pool after the first foreign to sglang's names. Namespaces have
+    # their own tests, on stores of their own.
+    s = make_store(master, extra={"hicache_io_namespace_record": False})
+    yield s
+    s.close()

@@ -4,7 +4,7 @@ is absent), and how to reach Mooncake Store."""
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 try:  # sglang present: be one of its backends (its dynamic loader checks the base class)
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage  # type: ignore
@@ -122,3 +122,49 @@ class MooncakeStoreConfig:
         if path:
             return cls.from_file(path)
         return cls.from_env()
+
+
+@dataclass
+class StoreSettings:
+    """What a store's configuration says (sglang's storage config and its ``extra_config``, with
+    the constructor's ``kwargs`` over it), checked once."""
+
+    extra: Dict[str, Any]
+    #: ``{extra_backend_tag}_{model}``: the first part of every key.
+    key_prefix: str
+    #: The rank part of sglang's MHA keys (``tp_rank[_pp_rank]``) and MLA keys (``[pp_rank]``).
+    mha_suffix: str
+    mla_suffix: str
+    #: sglang's keys name no layout: page_first only, unless the deployment says every rank uses
+    #: one layout (then page_first_direct and page_head pages take sglang's names too).
+    sglang_keys_any_layout: bool
+    namespace_record: bool
+    integrity: bool
+    #: ``hicache_io_key_scheme = "unified"``: topology-free keys.
+    unified: bool
+
+    @classmethod
+    def read(cls, storage_config: Any, kwargs: Optional[Dict[str, Any]], integrity: Optional[bool], key_schemes: Sequence[str]) -> "StoreSettings":
+        sc = storage_config
+        extra = dict(getattr(sc, "extra_config", None) or {})
+        extra.update(kwargs or {})
+        if getattr(sc, "should_split_heads", False):
+            raise ValueError("hicache-io's Mooncake store does not split heads across ranks (tp_lcm_size > tp_size); use page_first_direct_hg pages instead")
+        if extra.get("module_path") and not extra.get("interface_v1"):
+            raise ValueError('hicache_io.storage.MooncakeStore serves sglang\'s zero-copy interface: add "interface_v1": 1 to the dynamic backend\'s extra config')
+        scheme = str(extra.get("hicache_io_key_scheme", key_schemes[0]))
+        if scheme not in key_schemes:
+            raise ValueError(f"hicache_io_key_scheme {scheme!r}: expected one of {', '.join(key_schemes)}")
+        tp_rank, pp_rank, pp_size = getattr(sc, "tp_rank", 0), getattr(sc, "pp_rank", 0), getattr(sc, "pp_size", 1)
+        model, tag = getattr(sc, "model_name", None), extra.get("extra_backend_tag")
+        parts = [str(tag) if tag is not None else None, model.replace("/", "-") if model else None]
+        return cls(
+            extra=extra,
+            key_prefix="_".join(p for p in parts if p),
+            mha_suffix=f"{tp_rank}_{pp_rank}" if pp_size > 1 else f"{tp_rank}",
+            mla_suffix=f"{pp_rank}" if pp_size > 1 else "",
+            sglang_keys_any_layout=bool(extra.get("hicache_io_sglang_keys_any_layout", False)),
+            namespace_record=bool(extra.get("hicache_io_namespace_record", True)),
+            integrity=bool(extra.get("hicache_io_integrity", True)) if integrity is None else integrity,
+            unified=scheme == "unified",
+        )

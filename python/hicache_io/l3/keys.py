@@ -36,7 +36,10 @@ page_first_direct and page_head pools sglang's names too, for deployments where 
 one layout.
 """
 
+import logging
 from typing import Any, Dict, List, Optional, Sequence
+
+logger = logging.getLogger(__name__)
 
 #: Version of what hicache-io's page objects mean, part of every namespace.
 NAMESPACE_FORMAT = 1
@@ -90,3 +93,21 @@ def page_object_keys(keys: Sequence[str], prefix: str, rank: str, descriptor: Op
 def namespace_key(prefix: str, rank: str) -> str:
     """The sidecar object holding the namespace record of sglang-named pages under ``prefix``."""
     return f"{prefix}hio-namespace_{rank}"
+
+
+def claim_namespace(client: Any, key: str, record: bytes) -> bool:
+    """Whether the sglang-named objects whose namespace sidecar is ``key`` belong to the
+    namespace ``record`` (its JSON): the sidecar says so, or there was none and this call wrote
+    it."""
+    found = client.get(key)
+    if not found:
+        if client.put(key, record) == 0:
+            return True
+        found = client.get(key)  # another store wrote it meanwhile
+    if found and bytes(found) == record:
+        return True
+    logger.warning(
+        "hicache-io L3: the sglang-named objects under %r belong to another namespace (%s; this store's: %s): they read as misses and none is written",
+        key, bytes(found or b"").decode(errors="replace"), record.decode(),
+    )
+    return False

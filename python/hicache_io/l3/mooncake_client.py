@@ -20,7 +20,7 @@ import ctypes.util
 import logging
 import sys
 from types import ModuleType
-from typing import Any, Optional
+from typing import Any, List, Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -55,3 +55,36 @@ def store_module() -> ModuleType:
     import mooncake.store
 
     return mooncake.store
+
+
+def open_client(config: Any, storage_config: Any) -> Any:
+    """A ``MooncakeDistributedStore`` set up from ``config`` (a ``MooncakeStoreConfig``), its
+    global segment shared by the ranks of ``storage_config`` (raises ``StorageError``)."""
+    from .errors import StorageError
+
+    if not config.master_server_address:
+        raise ValueError("Mooncake Store needs master_server_address (extra_config, SGLANG_HICACHE_MOONCAKE_CONFIG_PATH or MOONCAKE_MASTER)")
+    client = store_module().MooncakeDistributedStore()
+    ranks = max(1, getattr(storage_config, "tp_size", 1) * getattr(storage_config, "pp_size", 1))
+    c = config
+    rc = client.setup(c.local_hostname, c.metadata_server, c.global_segment_size // ranks, c.local_buffer_size, c.protocol, c.device_name, c.master_server_address)
+    if rc != 0:
+        raise StorageError("setup", rc)
+    return client
+
+
+def register_all(client: Any, regions: Sequence[Any]) -> List[int]:
+    """Registers every ``(address, bytes)`` region with the client, or none (raises); the
+    addresses registered."""
+    done: List[int] = []
+    try:
+        for addr, nbytes in regions:
+            rc = client.register_buffer(addr, nbytes)
+            if rc != 0:
+                raise RuntimeError(f"Failed to register buffer to Mooncake Store, error code: {rc}")
+            done.append(addr)
+    except BaseException:
+        for a in done:
+            client.unregister_buffer(a)
+        raise
+    return done
