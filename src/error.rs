@@ -2,7 +2,7 @@
 //! verbatim (its `pool_host` allocators and dispatchers, and the `sgl-kernel` launchers); the
 //! variants carry the offending values so callers can match on them instead of parsing strings.
 
-use crate::geometry::{Layout, PoolKind};
+use crate::names::{Layout, PoolKind};
 
 /// Every way a transfer, a pool construction or an executor call can fail.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -8,8 +8,8 @@
 //! checked sizes and byte addresses), [`plan`] (the one validation table, the order of checks
 //! and the lowering into plans), [`exec`] (executors that only execute), [`pool`]
 //! (sglang-shaped pools), [`kvcacheio`] (sglang's transfer ops on an engine's own memory).
-//! Beside them: [`error`], [`integrity`] (item checksums), the leaf helpers [`rng`] and
-//! [`timing`], and the [`tools`] built on the layers (the oracle, `check`, `fuzz`, `bench`, the
+//! Beside them: [`names`] (the vocabulary: pool kinds, layouts, io backends, profiles),
+//! [`error`], [`integrity`] (item checksums), the leaf helpers [`rng`] and [`timing`], and the [`tools`] built on the layers (the oracle, `check`, `fuzz`, `bench`, the
 //! support matrix). The `hicache-io` command line lives in `src/cli/`.
 //!
 //! # Vocabulary
@@ -57,6 +57,7 @@ pub mod exec;
 pub mod geometry;
 pub mod integrity;
 pub mod kvcacheio;
+pub mod names;
 pub mod plan;
 pub mod pool;
 pub mod rng;
