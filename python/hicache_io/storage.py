@@ -687,10 +687,12 @@ class LocalStore(MooncakeStore):
         extra = dict(getattr(storage_config, "extra_config", None) or {})
         extra.update(kwargs or {})
         capacity = capacity_bytes if capacity_bytes is not None else extra.get("hicache_io_local_capacity_bytes")
+        fsync = extra.get("hicache_io_local_fsync", False)
         client = LocalDiskClient(
             directory or extra.get("hicache_io_local_dir"),
             _size(capacity) if capacity is not None else None,
-            fsync=bool(extra.get("hicache_io_local_fsync", False)),
+            fsync=str(fsync).strip().lower() not in ("", "0", "false", "no", "off") if isinstance(fsync, str) else bool(fsync),
+            crc_trailered=integrity is False or str(extra.get("hicache_io_integrity", True)).lower() in ("0", "false"),
         )
         super().__init__(storage_config, kwargs, config=MooncakeStoreConfig(), store=client, raise_errors=raise_errors, integrity=integrity)
 

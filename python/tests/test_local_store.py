@@ -115,18 +115,24 @@ def test_a_flipped_byte_reads_as_a_miss_and_scrub_removes_it(tmp_path):
     # K and V of 8 pages (and the namespace record of sglang-named pages, a small object).
     files = sorted(str(p) for p in (directory / "objects").rglob("*") if p.is_file() and p.stat().st_size > 4096)
     assert len(files) == 16
-    with open(files[3], "r+b") as f:  # a byte of the object's body
-        f.seek(100)
-        b = f.read(1)
-        f.seek(100)
-        f.write(bytes([b[0] ^ 0x10]))
-    got = call(tmp_path, "read", "mha", directory, 0, 0, 8)
-    assert got["hits"] == 7 and got["wrong"] == []
+    def flip(path):
+        with open(path, "r+b") as f:  # a byte of the object's body
+            f.seek(100)
+            b = f.read(1)
+            f.seek(100)
+            f.write(bytes([b[0] ^ 0x10]))
+
+    flip(files[3])
     out = subprocess.run([sys.executable, "-m", "hicache_io.l3", "scrub", str(directory)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == {"checked": 17, "intact": 16, "removed": 1}
     stats = json.loads(subprocess.run([sys.executable, "-m", "hicache_io.l3", "stats", str(directory)], capture_output=True, text=True, timeout=120).stdout)
     assert stats["objects"] == 16
+    # Another flip, found by a read: that page is a miss (and its object goes), the rest exact.
+    flip(files[9])
+    got = call(tmp_path, "read", "mha", directory, 0, 0, 8)
+    assert got["hits"] == 6 and got["wrong"] == []
+    assert not os.path.exists(files[9])
 
 
 def test_the_capacity_holds_with_two_writer_processes(tmp_path):
@@ -180,3 +186,27 @@ def test_in_process_round_trip_and_the_default_directory(tmp_path, monkeypatch):
     finally:
         s.close()
     assert os.path.isdir(tmp_path / "cache" / "hicache-io" / "l3" / "objects")
+
+
+def test_the_client_moves_objects_of_many_spans_and_removes_damaged_ones(tmp_path):
+    """Objects scattered over more buffers than one system call takes (IOV_MAX), a put of an
+    existing key that keeps the first object, and a damaged object that goes at its first read."""
+    from hicache_io.l3.local import IOV_MAX, OBJECT_NOT_FOUND, LocalDiskClient
+
+    c = LocalDiskClient(str(tmp_path / "l3"), capacity_bytes=64 << 20)
+    try:
+        n = IOV_MAX + 77
+        src = np.random.default_rng(3).integers(0, 256, n * 8, dtype=np.uint8)
+        dst = np.zeros_like(src)
+        spans = lambda a: [a.ctypes.data + 8 * i for i in range(n)]  # noqa: E731
+        assert c.batch_put_from_multi_buffers(["k"], [spans(src)], [[8] * n]) == [0]
+        assert c.batch_get_into_multi_buffers(["k"], [spans(dst)], [[8] * n]) == [n * 8]
+        assert np.array_equal(src, dst)
+        assert c.put("k", b"other bytes") == 0 and c.get("k") == src.tobytes()  # the first stays
+        with open(c.path("k"), "r+b") as f:
+            f.seek(5)
+            f.write(b"\xff")
+        assert c.batch_get_into_multi_buffers(["k"], [spans(dst)], [[8] * n]) == [OBJECT_NOT_FOUND]
+        assert c.batch_is_exist(["k"]) == [0]  # gone: the page can be stored again
+    finally:
+        c.close()

@@ -36,6 +36,7 @@ import fcntl
 import hashlib
 import logging
 import os
+import socket
 import struct
 import threading
 import time
@@ -60,6 +61,10 @@ DEFAULT_CAPACITY = 8 << 30
 TOUCH_SECONDS = 30.0
 #: Objects of at least this many bytes (on average) move on the I/O threads.
 PARALLEL_BYTES = 64 << 10
+#: This host in temporary files' names (a pid means something on its own host only).
+_HOST = (socket.gethostname() or "host").replace("-", "_")
+#: Buffers one ``preadv`` / ``pwritev`` takes at most.
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024
 #: Temporary files of writers that died are removed after this long (seconds).
 STALE_TMP_SECONDS = 600.0
 
@@ -84,12 +89,15 @@ def _footer_of(obj_len: int, key: bytes, crc: int) -> bytes:
 class LocalDiskClient:
     """Mooncake Store's client calls over a directory (see the module docstring)."""
 
-    def __init__(self, directory: Optional[str] = None, capacity_bytes: Optional[int] = None, threads: int = 4, fsync: bool = False):
+    def __init__(self, directory: Optional[str] = None, capacity_bytes: Optional[int] = None, threads: int = 4, fsync: bool = False, crc_trailered: bool = False):
         self.directory = os.path.abspath(directory or default_directory())
         self.capacity = int(capacity_bytes) if capacity_bytes is not None else DEFAULT_CAPACITY
         if self.capacity <= 0:
             raise ValueError(f"hicache_io_local_capacity_bytes must be positive, got {self.capacity}")
         self.fsync = fsync
+        # Objects that carry hicache-io's trailer are verified by the store against it; with the
+        # store's checksums off nothing would, so their CRC is checked here too.
+        self.crc_trailered = crc_trailered
         self.objects = os.path.join(self.directory, "objects")
         self.tmp = os.path.join(self.directory, "tmp")
         os.makedirs(self.tmp, exist_ok=True)
@@ -145,28 +153,38 @@ class LocalDiskClient:
         def reserve(used: int) -> int:
             if used + nbytes <= self.capacity:
                 return used + nbytes
+            # What is on disk decides what goes; the counter (which also holds the reservations of
+            # writers whose files are not complete yet) loses what was removed.
             total, objs = scan(self.directory)
             goal = self.capacity * 9 // 10
+            freed = 0
             for _mtime, size, p in sorted(objs):
-                if total + nbytes <= goal:
+                if max(total, used) - freed + nbytes <= goal:
                     break
                 if self._unlink(p):
-                    total -= size
+                    freed += size
                     self.evicted += 1
-            return total + nbytes
+            return max(total, used) - freed + nbytes
 
         self._counted(reserve)
 
-    def _release(self, nbytes: int) -> None:
-        """Uncounts bytes reserved but not written (objects that existed, puts that failed)."""
-        self._counted(lambda used: used - nbytes)
+    def _adjust(self, delta: int) -> None:
+        """Corrects the counter by ``delta`` bytes (reserved but not written: negative; written
+        but not reserved, an object removed meanwhile and written again: positive)."""
+        if delta:
+            self._counted(lambda used: used + delta)
 
     def resync(self) -> int:
-        """Counts the directory anew (after files were changed by hand, or a writer died between
-        its reservation and its file); its bytes on disk."""
-        total = scan(self.directory)[0]
-        self._counted(lambda _used: total)
-        return total
+        """Counts the directory anew, under its lock (after files were changed by hand, or a writer
+        died between its reservation and its file); its bytes on disk."""
+        out: List[int] = []
+
+        def count(_used: int) -> int:
+            out.append(scan(self.directory)[0])
+            return out[0]
+
+        self._counted(count)
+        return out[0]
 
     # ---- one object --------------------------------------------------------------------------
 
@@ -177,7 +195,7 @@ class LocalDiskClient:
         with self._seq_lock:
             self._seq += 1
             seq = self._seq
-        tmp = os.path.join(self.tmp, f"{os.getpid()}-{threading.get_ident()}-{seq}")
+        tmp = os.path.join(self.tmp, f"{os.getpid()}-{_HOST}-{threading.get_ident()}-{seq}")
         try:
             crc, n = 0, 0
             for part in parts:
@@ -191,11 +209,16 @@ class LocalDiskClient:
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            os.rename(tmp, final)  # published whole, or not at all
+            # Published whole, or not at all; a link never replaces an object another writer
+            # published meanwhile (the first one stays, as Mooncake keeps it).
+            os.link(tmp, final)
+        except FileExistsError:
+            return 0
         except OSError as e:
-            self._unlink(tmp)
             logger.warning("hicache-io L3 (local): put of %s failed: %s", key, e)
             return -(e.errno or 1)
+        finally:
+            self._unlink(tmp)
         return _file_bytes(key, parts)
 
     def _open_checked(self, key: str) -> Tuple[Optional[int], int, int]:
@@ -244,22 +267,30 @@ class LocalDiskClient:
                 return OBJECT_NOT_FOUND  # truncated meanwhile
             ok, crc = _footer_holds(bytes(tail), kb, n)
             if not ok:
-                logger.warning("hicache-io L3 (local): object %s: its footer does not hold: a miss", key)
-                return OBJECT_NOT_FOUND
-            if not _carries_trailer(targets):
+                return self._damaged(key, st, "its footer does not hold")
+            if self.crc_trailered or not _carries_trailer(targets):
                 got = 0
                 for t in targets:
                     got = zlib.crc32(t, got)
                 if got != crc:
-                    logger.warning("hicache-io L3 (local): object %s fails its CRC: a miss", key)
-                    return OBJECT_NOT_FOUND
+                    return self._damaged(key, st, "it fails its CRC")
             if time.time() - st.st_mtime > TOUCH_SECONDS:
-                os.utime(fd)  # last use, for the eviction order
+                try:
+                    os.utime(fd)  # last use, for the eviction order
+                except OSError:
+                    pass  # another user's file: its order stays
             return n
         except OSError as e:
             return -(e.errno or 1)
         finally:
             os.close(fd)
+
+    def _damaged(self, key: str, st: os.stat_result, why: str) -> int:
+        """A miss for a damaged object, which goes (so that the page can be stored again)."""
+        logger.warning("hicache-io L3 (local): object %s is damaged (%s): a miss, removed", key, why)
+        if self._unlink(self.path(key)):
+            self._adjust(-(st.st_blocks * 512))
+        return OBJECT_NOT_FOUND
 
     # ---- Mooncake's client calls -------------------------------------------------------------
 
@@ -281,14 +312,18 @@ class LocalDiskClient:
     def _put_all(self, items: List[Tuple[str, List[memoryview]]]) -> List[int]:
         """Puts ``(key, parts)``: the new objects' bytes counted first (the directory never holds
         more than its capacity), what was not written uncounted after."""
-        new = [(k, parts) for k, parts in items if not os.path.exists(self.path(k))]
-        need = sum(_file_bytes(k, parts) for k, parts in new)
-        if need:
-            self._reserve(need)
-        written = self._map(self._put_one, items)
-        unused = need - sum(w for w in written if w > 0)
-        if unused > 0:
-            self._release(unused)
+        try:
+            new = [(k, parts) for k, parts in items if not os.path.exists(self.path(k))]
+            need = sum(_file_bytes(k, parts) for k, parts in new)
+            if need > self.capacity:
+                return [-errno.ENOSPC] * len(items)  # more than the whole directory may hold
+            if need:
+                self._reserve(need)
+            written = self._map(self._put_one, items)
+            self._adjust(sum(w for w in written if w > 0) - need)
+        except OSError as e:  # the lock or the directory itself failed: every put fails
+            logger.warning("hicache-io L3 (local): puts failed: %s", e)
+            return [-(e.errno or errno.EIO)] * len(items)
         return [0 if w >= 0 else w for w in written]
 
     def batch_get_into(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> List[int]:
@@ -327,7 +362,7 @@ class LocalDiskClient:
             return OBJECT_NOT_FOUND
         if not self._unlink(p):
             return OBJECT_NOT_FOUND
-        self._release(size)
+        self._adjust(-size)
         return 0
 
     def remove_all(self) -> int:
@@ -375,9 +410,13 @@ def _on_disk(nbytes: int) -> int:
 
 
 def _writer_gone(name: str) -> bool:
-    """Whether the process that named temporary file ``name`` (``pid-thread-n``) has ended."""
+    """Whether the process that named temporary file ``name`` (``pid-host-thread-n``) has ended:
+    a process of this host (and pid namespace) that no longer runs. Others' files go by age."""
+    parts = name.split("-")
+    if len(parts) < 4 or "-".join(parts[1:-2]) != _HOST:
+        return False
     try:
-        os.kill(int(name.split("-", 1)[0]), 0)
+        os.kill(int(parts[0]), 0)
     except (ValueError, ProcessLookupError):
         return True
     except PermissionError:
@@ -421,11 +460,12 @@ def _carries_trailer(targets: Sequence[memoryview]) -> bool:
 
 
 def _write_all(fd: int, parts: List[Any]) -> None:
-    """``pwritev`` until every byte is written (a write may be partial)."""
+    """``pwritev`` until every byte is written (a write may be partial; at most ``IOV_MAX``
+    buffers a call)."""
     offset = 0
     views = [memoryview(p).cast("B") for p in parts]
     while views:
-        n = os.pwritev(fd, views, offset)
+        n = os.pwritev(fd, views[:IOV_MAX], offset)
         if n <= 0:
             raise OSError(errno.EIO, "no progress writing")
         offset += n
@@ -440,7 +480,7 @@ def _read_all(fd: int, views: List[memoryview]) -> int:
     """``preadv`` into ``views`` from offset 0 until full or the end of the file; bytes read."""
     offset, views = 0, [v.cast("B") if v.format != "B" else v for v in views]
     while views:
-        n = os.preadv(fd, views, offset)
+        n = os.preadv(fd, views[:IOV_MAX], offset)
         if n <= 0:
             break
         offset += n
