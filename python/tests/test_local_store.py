@@ -48,6 +48,8 @@ SCRIPT = textwrap.dedent(
                 host.set_from_flat_data_page(slot * 8, page_bytes(host, seed))
             toks = np.arange(len(seeds) * 8)
             assert store.batch_set_v1([f"key-{s}" for s in seeds], toks) == [True] * len(seeds), store.last_error
+            if first == start:
+                print("ready", flush=True)  # one batch is in: a kill from now on lands among the puts
 
     def read(host, store, seeds):
         hits, wrong = 0, []
@@ -66,7 +68,6 @@ SCRIPT = textwrap.dedent(
     store.register_mem_pool_host(host)
     if role == "write":
         start, count = int(sys.argv[5]), int(sys.argv[6])
-        print("ready", flush=True)
         write(host, store, start, count, 4)
         print(json.dumps({"written": count}))
     else:
