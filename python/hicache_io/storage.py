@@ -692,9 +692,9 @@ class LocalStore(MooncakeStore):
             directory or extra.get("hicache_io_local_dir"),
             _size(capacity) if capacity is not None else None,
             fsync=str(fsync).strip().lower() not in ("", "0", "false", "no", "off") if isinstance(fsync, str) else bool(fsync),
-            crc_trailered=integrity is False or str(extra.get("hicache_io_integrity", True)).lower() in ("0", "false"),
         )
         super().__init__(storage_config, kwargs, config=MooncakeStoreConfig(), store=client, raise_errors=raise_errors, integrity=integrity)
+        client.crc_trailered = not self.integrity  # nothing else checks trailered objects then
 
     def _fail(self, err: StorageError) -> None:
         super()._fail(err.of("local L3 store"))

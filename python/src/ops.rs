@@ -171,13 +171,13 @@ fn read_lists(spec: &'static OpSpec, args: &Bound<'_, PyTuple>, ints: &Ints<'_>,
             out.remembered = t;
         }
     }
-    if out.remembered.iter().all(Option::is_none) {
+    out.kernel = Some(if out.remembered.iter().all(Option::is_none) {
         let (si, di, se, de) = table_extents(spec, si, di, src_table, dst_table, &int, ctx)?;
         out.extents = (se, de);
-        out.kernel = Some((si, di));
+        (si, di)
     } else {
-        out.kernel = Some((si, di));
-    }
+        (si, di)
+    });
     Ok(out)
 }
 

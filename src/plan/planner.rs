@@ -166,19 +166,7 @@ pub(super) fn plan_io(profile: Profile, caps: &Capabilities, owner: u64, pair: &
         IoBackend::Kernel => lower_gather(host, dev, caps, direction, &layer_groups, host_units.clone(), Arc::from(&di[..]), live),
         _ => lower_direct(host, dev, direction, &layer_groups, &hi, &di, live),
     };
-    Ok(Plan {
-        owner,
-        pair: pair.clone(),
-        profile,
-        direction,
-        path,
-        io,
-        steps: steps.into(),
-        bytes,
-        device_check: None,
-        host_units,
-        tuning: None,
-    })
+    Ok(Plan { steps: steps.into(), bytes, host_units, ..empty(path) })
 }
 
 /// (host layer, device buffer slot) pairs, one group per step.

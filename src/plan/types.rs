@@ -364,7 +364,7 @@ impl Plan {
     }
 
     /// Gives this plan a call's own launch tuning (clamped as [`super::LaunchTuning::from_args`] clamps).
-    pub fn set_tuning(&mut self, tuning: Option<super::LaunchTuning>) {
+    pub(crate) fn set_tuning(&mut self, tuning: Option<super::LaunchTuning>) {
         self.tuning = tuning.map(super::LaunchTuning::clamped);
     }
 

@@ -8,17 +8,17 @@ same over both transports (:class:`hicache_io.storage.LocalStore`).
 
 Files. Object ``key`` is ``objects/<h[:2]>/<h>`` under the directory (``h``: SHA-256 of the key):
 the object's bytes, the key, and a 32-byte footer (``HIOLOC01``, the object's length, the key's
-length, the CRC-32 of the object's bytes). A put writes a temporary file (``tmp/``) and renames it
+length, the CRC-32 of the object's bytes). A put writes a temporary file (``tmp/``) and links it
 into place: an object is visible only when complete, and a writer killed at any instant leaves a
 temporary file (removed later) or nothing. Objects are never changed once published; a put of an
-existing key keeps the object (as Mooncake does).
+existing key keeps the object (as Mooncake does), even when two writers race.
 
 Reads. A get reads the object's bytes straight into the caller's memory (``preadv``, no Python
 copy; the GIL is released during the system calls), then checks the footer: a file too short,
 of another key or length, is a miss; an object that carries hicache-io's trailer is verified by
 the store against it; any other object against the footer's CRC (so a torn or flipped object
-without a trailer is a miss too). Every get touches the file's modification time: the eviction
-order is least recently used.
+without a trailer is a miss too), and a damaged object is removed. A get marks its file used (its
+modification time, at most every ``TOUCH_SECONDS``): the eviction order is least recently used.
 
 Capacity. The directory's size on disk (objects, temporary files, folders, the lock file) is kept
 under ``capacity_bytes``, whatever the number of processes: every put counts its new files'
@@ -34,6 +34,7 @@ also makes them survive a machine that loses power, at the cost of a flush per o
 import errno
 import fcntl
 import hashlib
+import itertools
 import logging
 import os
 import socket
@@ -54,7 +55,6 @@ FOOTER_MAGIC = b"HIOLOC01"
 OBJECT_NOT_FOUND = -704
 INVALID_PARAMS = -600
 BUFFER_MISMATCH = -800
-IO_ERROR = -1
 #: Default capacity: fits a laptop's disk.
 DEFAULT_CAPACITY = 8 << 30
 #: A get marks an object used (for the eviction order) when its last mark is older than this.
@@ -107,9 +107,7 @@ class LocalDiskClient:
         with open(self.lock_path, "ab"):
             pass
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="hicache-io-l3-local")
-        self._seq = 0
-        self._seq_lock = threading.Lock()
-        self.evicted = 0
+        self._seq = itertools.count()  # next() is atomic: temporary names unique per thread
         self._regions: Dict[int, Tuple[int, memoryview]] = {}
         self.resync()
 
@@ -118,10 +116,6 @@ class LocalDiskClient:
     def path(self, key: str) -> str:
         h = hashlib.sha256(key.encode()).hexdigest()
         return f"{self.objects}/{h[:2]}/{h}"
-
-    def usage(self) -> Tuple[int, List[Tuple[float, int, str]]]:
-        """The directory's bytes on disk, and its objects as ``(last use, bytes, path)``."""
-        return scan(self.directory)
 
     @staticmethod
     def _unlink(p: str) -> bool:
@@ -163,7 +157,6 @@ class LocalDiskClient:
                     break
                 if self._unlink(p):
                     freed += size
-                    self.evicted += 1
             return max(total, used) - freed + nbytes
 
         self._counted(reserve)
@@ -192,10 +185,7 @@ class LocalDiskClient:
         final = self.path(key)
         if os.path.exists(final):
             return 0  # an object is kept (as Mooncake keeps it)
-        with self._seq_lock:
-            self._seq += 1
-            seq = self._seq
-        tmp = os.path.join(self.tmp, f"{os.getpid()}-{_HOST}-{threading.get_ident()}-{seq}")
+        tmp = os.path.join(self.tmp, f"{os.getpid()}-{_HOST}-{threading.get_ident()}-{next(self._seq)}")
         try:
             crc, n = 0, 0
             for part in parts:
@@ -220,27 +210,6 @@ class LocalDiskClient:
         finally:
             self._unlink(tmp)
         return _file_bytes(key, parts)
-
-    def _open_checked(self, key: str) -> Tuple[Optional[int], int, int]:
-        """``(fd, object bytes, footer CRC)`` of ``key``'s object, or ``(None, code, 0)``."""
-        try:
-            fd = os.open(self.path(key), os.O_RDONLY)
-        except FileNotFoundError:
-            return None, OBJECT_NOT_FOUND, 0
-        except OSError as e:
-            return None, -(e.errno or 1), 0
-        kb = key.encode()
-        try:
-            size = os.fstat(fd).st_size
-            n = size - len(kb) - FOOTER.size
-            ok, crc = _footer_holds(os.pread(fd, len(kb) + FOOTER.size, max(n, 0)), kb, n)
-            if not ok:
-                raise ValueError("footer does not describe this object")
-            return fd, n, crc
-        except (OSError, ValueError) as e:
-            os.close(fd)
-            logger.warning("hicache-io L3 (local): object %s unreadable: %s", key, e)
-            return None, OBJECT_NOT_FOUND, 0
 
     def _get_one(self, key: str, views: Sequence[memoryview], exact: bool) -> int:
         """Reads ``key``'s object into ``views`` (``exact``: their sizes must add up to the
@@ -341,15 +310,12 @@ class LocalDiskClient:
         return self.batch_is_exist([key])[0]
 
     def get(self, key: str) -> bytes:
-        fd, n, _crc = self._open_checked(key)
-        if fd is None:
-            return b""
         try:
-            buf = bytearray(n)
-            ok = self._get_one(key, [memoryview(buf)], True) == n
-            return bytes(buf) if ok else b""
-        finally:
-            os.close(fd)
+            n = os.stat(self.path(key)).st_size - len(key.encode()) - FOOTER.size
+        except OSError:
+            return b""
+        buf = bytearray(max(n, 0))
+        return bytes(buf) if n >= 0 and self._get_one(key, [memoryview(buf)], True) == n else b""
 
     def put(self, key: str, value: bytes, config: Any = None) -> int:
         return self._put_all([(key, [memoryview(bytes(value))])])[0]
@@ -459,37 +425,35 @@ def _carries_trailer(targets: Sequence[memoryview]) -> bool:
     return int.from_bytes(last[last.nbytes - 16 : last.nbytes - 8], "little") == TRAILER_MAGIC
 
 
-def _write_all(fd: int, parts: List[Any]) -> None:
-    """``pwritev`` until every byte is written (a write may be partial; at most ``IOV_MAX``
-    buffers a call)."""
-    offset = 0
-    views = [memoryview(p).cast("B") for p in parts]
-    while views:
-        n = os.pwritev(fd, views[:IOV_MAX], offset)
-        if n <= 0:
-            raise OSError(errno.EIO, "no progress writing")
-        offset += n
-        while views and n >= views[0].nbytes:
-            n -= views[0].nbytes
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
-
-
-def _read_all(fd: int, views: List[memoryview]) -> int:
-    """``preadv`` into ``views`` from offset 0 until full or the end of the file; bytes read."""
-    offset, views = 0, [v.cast("B") if v.format != "B" else v for v in views]
-    while views:
-        n = os.preadv(fd, views[:IOV_MAX], offset)
+def _vectored(call: Any, fd: int, views: List[memoryview]) -> int:
+    """``call(fd, buffers, offset)`` (``os.preadv`` or ``os.pwritev``) from offset 0 until every
+    view is done or a call moves nothing (the end of the file), at most ``IOV_MAX`` buffers a
+    call; the bytes moved."""
+    offset, first = 0, 0
+    views = [v if v.format == "B" else v.cast("B") for v in views]
+    while first < len(views):
+        n = call(fd, views[first : first + IOV_MAX], offset)
         if n <= 0:
             break
         offset += n
-        while views and n >= views[0].nbytes:
-            n -= views[0].nbytes
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
+        while first < len(views) and n >= views[first].nbytes:
+            n -= views[first].nbytes
+            first += 1
+        if n:
+            views[first] = views[first][n:]
     return offset
+
+
+def _write_all(fd: int, parts: List[Any]) -> None:
+    """Writes every byte of ``parts`` from offset 0 (a write may be partial)."""
+    views = [memoryview(p) for p in parts]
+    if _vectored(os.pwritev, fd, views) != sum(v.nbytes for v in views):
+        raise OSError(errno.EIO, "no progress writing")
+
+
+def _read_all(fd: int, views: List[memoryview]) -> int:
+    """Fills ``views`` from offset 0 until full or the end of the file; the bytes read."""
+    return _vectored(os.preadv, fd, list(views))
 
 
 def stats(directory: str) -> Dict[str, int]:
@@ -501,15 +465,13 @@ def stats(directory: str) -> Dict[str, int]:
 def scrub(directory: str) -> Dict[str, int]:
     """Reads every object; removes those whose file is torn, whose footer does not hold, or whose
     bytes fail their CRC or their hicache-io trailer. Counts ``checked``, ``intact``, ``removed``."""
-    from .trailer import name_tag
-
     out = {"checked": 0, "intact": 0, "removed": 0}
     objects = os.path.join(directory, "objects")
     for root, _dirs, files in os.walk(objects):
         for name in files:
             p = os.path.join(root, name)
             out["checked"] += 1
-            if _file_intact(p, TRAILER_MAGIC, name_tag):
+            if _file_intact(p):
                 out["intact"] += 1
             elif LocalDiskClient._unlink(p):
                 out["removed"] += 1
@@ -519,10 +481,13 @@ def scrub(directory: str) -> Dict[str, int]:
     return out
 
 
-def _file_intact(p: str, magic: int, name_tag: Any) -> bool:
-    """Whether object file ``p`` holds what its footer says: its key's path, length and CRC, and
-    a hicache-io trailer that matches, where the object carries one."""
+def _file_intact(p: str) -> bool:
+    """Whether object file ``p`` holds what its footer says (its key, whose path it is, its length
+    and CRC), and a hicache-io trailer that matches, where the object carries one."""
+    import numpy as np
+
     from .. import _native
+    from .trailer import name_tag
 
     try:
         with open(p, "rb") as f:
@@ -531,15 +496,14 @@ def _file_intact(p: str, magic: int, name_tag: Any) -> bool:
         return False
     if len(data) < FOOTER.size:
         return False
-    fmagic, n, klen, crc = FOOTER.unpack(data[-FOOTER.size :])
-    if fmagic != FOOTER_MAGIC or n + klen + FOOTER.size != len(data):
+    klen = FOOTER.unpack(data[-FOOTER.size :])[2]
+    n = len(data) - klen - FOOTER.size
+    key = data[n : n + klen] if n >= 0 else b""
+    ok, crc = _footer_holds(data[n:] if n >= 0 else b"", key, n)
+    obj = memoryview(data)[: max(n, 0)]
+    if not ok or hashlib.sha256(key).hexdigest() != os.path.basename(p) or zlib.crc32(obj) != crc:
         return False
-    obj, key = data[:n], data[n : n + klen]
-    if hashlib.sha256(key).hexdigest() != os.path.basename(p) or zlib.crc32(obj) != crc:
-        return False
-    if n >= 16 and int.from_bytes(obj[n - 16 : n - 8], "little") == magic:
-        import numpy as np
-
+    if _carries_trailer([obj]):
         body = np.frombuffer(obj[: n - 16], np.uint8)
         return (_native.checksum(body) ^ name_tag(key.decode())) == int.from_bytes(obj[n - 8 :], "little")
     return True

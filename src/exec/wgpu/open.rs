@@ -163,26 +163,18 @@ struct Pipelines {
 /// The bind group layouts of the plain gather and of the checksumming one (which also binds
 /// the sums).
 fn gather_layouts(device: &wgpu::Device) -> (wgpu::BindGroupLayout, wgpu::BindGroupLayout) {
-    let layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
-        label: Some("hicache-io gather"),
-        entries: &[
-            bgl_entry(0, wgpu::BufferBindingType::Uniform, true),
-            bgl_entry(1, wgpu::BufferBindingType::Storage { read_only: true }, false),
-            bgl_entry(2, wgpu::BufferBindingType::Storage { read_only: true }, false),
-            bgl_entry(3, wgpu::BufferBindingType::Storage { read_only: false }, false),
-        ],
-    });
-    let sum_layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
-        label: Some("hicache-io gather with checksums"),
-        entries: &[
-            bgl_entry(0, wgpu::BufferBindingType::Uniform, true),
-            bgl_entry(1, wgpu::BufferBindingType::Storage { read_only: true }, false),
-            bgl_entry(2, wgpu::BufferBindingType::Storage { read_only: true }, false),
-            bgl_entry(3, wgpu::BufferBindingType::Storage { read_only: false }, false),
-            bgl_entry(5, wgpu::BufferBindingType::Storage { read_only: false }, false),
-        ],
-    });
-    (layout, sum_layout)
+    let plain = [
+        bgl_entry(0, wgpu::BufferBindingType::Uniform, true),
+        bgl_entry(1, wgpu::BufferBindingType::Storage { read_only: true }, false),
+        bgl_entry(2, wgpu::BufferBindingType::Storage { read_only: true }, false),
+        bgl_entry(3, wgpu::BufferBindingType::Storage { read_only: false }, false),
+    ];
+    let mut summing = plain.to_vec();
+    summing.push(bgl_entry(5, wgpu::BufferBindingType::Storage { read_only: false }, false));
+    let layout = |label: &str, entries: &[wgpu::BindGroupLayoutEntry]| {
+        device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor { label: Some(label), entries })
+    };
+    (layout("hicache-io gather", &plain), layout("hicache-io gather with checksums", &summing))
 }
 
 /// Builds the gather's layouts and compiles its shaders into pipelines, under a validation
