@@ -50,22 +50,35 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from .l3.batches import CallScope, exist_once, in_rounds, one_call
-from .l3.config import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo, MooncakeStoreConfig, StoreSettings
+from .l3.batches import CallScope, in_rounds, one_call
+from .l3.config import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    MooncakeStoreConfig,
+    StoreSettings,
+)
 from .l3.config import size_of as _size
 from .l3.errors import INTEGRITY, MOONCAKE_ERRORS, REFUSED, SHORT_READ, StorageError
-from .l3.keys import claim_namespace, namespace_key, namespace_of, page_object_keys, shard_descriptor
+from .l3.keys import (
+    claim_namespace,
+    namespace_key,
+    namespace_of,
+    page_object_keys,
+    shard_descriptor,
+)
 from .l3.layouts import PoolLayout as _Layout
 from .l3.layouts import SglangLayout as _SglangLayout  # noqa: F401 (the name it had)
 from .l3.layouts import check_inside as _check_inside  # noqa: F401 (the name it had)
 from .l3.layouts import host_list as _host_list
 from .l3.layouts import sglang_indices as _sglang_indices  # noqa: F401 (the name it had)
 from .l3.master import LocalMaster
-from .l3.mooncake_client import open_client, register_all
-from .l3.objects import get_object, set_object
-from .l3.trailer import OLD_TRAILER_MAGICS, TRAILER_MAGIC, seal, verify
+from .l3.mooncake_client import open_client
+from .l3.pipeline import counted_exists, get_pages, put_pages
+from .l3.placements import Placement, PoolPages, SealedPages, SharePages, StagedPages
+from .l3.trailer import OLD_TRAILER_MAGICS, TRAILER_MAGIC  # noqa: F401 (importable from here)
 from .l3.trailer import name_tag as _name_tag  # noqa: F401 (the name it had)
-from .l3.trailer import name_tags as _name_tags
+from .l3.transport import Transport
 from .storage_unified import KEY_SCHEMES, UnifiedKeys
 from .storage_v2 import PoolsV2
 
@@ -180,8 +193,14 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
             if descriptor is None and self._namespace_record:
                 self._foreign = not self._claim_namespace(record)
 
+    @property
+    def _io(self) -> Transport:
+        """The client's calls, checked (:mod:`hicache_io.l3.transport`); ``store`` stays the raw
+        client, as sglang's Mooncake backend names it."""
+        return Transport(self.store)
+
     def _register_all(self, regions: Sequence[Any]) -> List[int]:
-        return register_all(self.store, regions)
+        return self._io.register(regions)
 
     def _namespace_of(self, pool: Any, lay: Any) -> Dict[str, Any]:
         """What the registered pool's page bytes mean (:func:`hicache_io.l3.keys.namespace_of`)."""
@@ -201,8 +220,7 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
         """Unregisters the pool's memory and lets the pool go (waits for a call in progress)."""
         with self._lock:
             self._v2_unregister()
-            for addr in self._registered:
-                self.store.unregister_buffer(addr)
+            self._io.unregister(self._registered)
             if self._registered:
                 self._retired += [self.mem_pool_host, self._layout, self._grid, self._staging, self._sealed, self._trailers]
             self._registered, self._staging, self.mem_pool_host = [], None, None
@@ -257,17 +275,6 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
             self._fail(StorageError(what, REFUSED, keys, detail=str(e)))
             return None
 
-    def _page_lists(self, keys: List[str], idx: Any) -> "tuple[List[str], List[int], int]":
-        lay = self._layout
-        obj_keys = self._object_keys(keys)
-        lay.synchronize()
-        if lay.zero_copy:
-            ptrs = [p for page in lay.spans(idx) for p in page]
-        else:
-            base = self._staging.ctypes.data
-            ptrs = [base + j * lay.obj_bytes for j in range(len(obj_keys))]
-        return obj_keys, ptrs, lay.obj_bytes
-
     def _batches(self, keys: List[str], idx: Any):
         p = self._layout.page
         for at in range(0, len(keys), STORAGE_BATCH_SIZE):
@@ -295,283 +302,34 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
 
             return in_rounds(keys, idx, self._layout.page, run)
 
-    def _pages_ok(self, ok: List[bool], pages: int) -> List[bool]:
-        """Per page: every one of its objects ``ok``."""
-        c = self._layout.comps
-        if c == 1:
-            return [bool(x) for x in ok[:pages]]
-        return np.asarray(ok[: pages * c], dtype=bool).reshape(pages, c).all(axis=1).tolist()
-
     @one_call
     def batch_set_v1(self, keys: List[str], host_indices: Any, extra_info: Any = None) -> List[bool]:
         """Writes page ``i`` (host slots ``host_indices[i * P : (i + 1) * P]``) under ``keys[i]``;
         objects that exist already are left as they are and count as written."""
-        return self._paged("batch_set_v1", keys, host_indices, self._set_batch_unified if self._unified else self._set_batch)
+        return self._paged("batch_set_v1", keys, host_indices, self._set_batch)
 
     def _set_batch(self, keys: List[str], idx: Any) -> List[bool]:
+        return put_pages(self, "batch_set_v1", keys, self._object_keys(keys), self._placement(idx, len(keys)))
+
+    def _placement(self, idx: Any, n_pages: int) -> Placement:
+        """Where the registered pool's objects of a batch lie (:mod:`hicache_io.l3.placements`)."""
         lay = self._layout
+        if self._grid is not None:
+            return SharePages(lay, self._grid, idx, n_pages, self._trailers, self.integrity)
         if self._sealed is not None and self.integrity:
-            # Through the staging buffer: no object addresses in the pool needed (the staging
-            # pass waits for the pool's transfers itself).
-            obj_keys = self._object_keys(keys)
-            return self._guarded_set(keys, obj_keys, lambda ok: self._put_sealed(keys, idx, obj_keys, list(range(len(obj_keys))), lay.obj_bytes, ok))
-        obj_keys, ptrs, size = self._page_lists(keys, idx)
-
-        def put(ok: List[bool]) -> None:
-            if lay.zero_copy:
-                # Mooncake answers a put of an existing object with success and moves nothing, so
-                # the existence query sglang's backend makes first (one more round trip) is skipped.
-                todo = list(range(len(obj_keys)))
-            else:
-                # Here the query saves the staging copy of pages already stored.
-                exist = self.store.batch_is_exist(obj_keys)
-                if len(exist) != len(obj_keys):
-                    raise StorageError("batch_is_exist", REFUSED, keys, detail=f"{len(exist)} answers for {len(obj_keys)} objects")
-                todo = [j for j, e in enumerate(exist) if e != 1]
-                for j, e in enumerate(exist):
-                    ok[j] = e == 1
-                lay.stage_out(self._staging, sorted({j // lay.comps for j in todo}), idx)
-            sums = None
-            if todo and self.integrity and getattr(self.mem_pool_host, "integrity", False):
-                if self._trailers is not None and lay.zero_copy and hasattr(self.mem_pool_host, "put_checksums"):
-                    # The objects' checksums and the pages' item checks in one read of the pages.
-                    sums, intact = self.mem_pool_host.put_checksums(idx)
-                    todo = self._drop_damaged(keys, idx, todo, lay.comps, intact)
-                else:
-                    todo = self._drop_damaged(keys, idx, todo, lay.comps)
-            if todo and self._trailers is not None and self.integrity:
-                sums = np.asarray(sums, dtype="<u8") if sums is not None else self._sums(obj_keys, idx, lay.zero_copy)
-                base = self._fill_trailers(obj_keys, sums, todo)
-                rcs = self.store.batch_put_from_multi_buffers(
-                    [obj_keys[j] for j in todo], [[ptrs[j], base + 16 * n] for n, j in enumerate(todo)], [[size, 16]] * len(todo)
-                )
-            else:
-                rcs = self.store.batch_put_from([obj_keys[j] for j in todo], [ptrs[j] for j in todo], [size] * len(todo)) if todo else []
-            self._put_results("batch_put_from", keys, obj_keys, todo, rcs, ok)
-
-        return self._guarded_set(keys, obj_keys, put)
-
-    def _put_sealed(self, keys: List[str], idx: Any, obj_keys: List[str], todo: List[int], size: int, ok: List[bool]) -> None:
-        """Puts objects ``todo`` with their trailers through the staging buffer: one read of the
-        pages copies them there and checksums them (and checks them against the item checksums
-        their backup recorded), then each object and its trailer go as one span."""
-        S, stride, t = self._sealed, self._seal_stride, self._seal_t
-        base = S.ctypes.data
-        sums, intact = self.mem_pool_host._stage_put(idx, base, S.nbytes, stride)
-        sums = np.asarray(sums, dtype="<u8")
-        if getattr(self.mem_pool_host, "integrity", False) and not all(intact):
-            todo = self._drop_damaged(keys, idx, todo, self._layout.comps, intact)
-        rcs: Sequence[int] = []
-        if todo:
-            pick = np.asarray(todo, dtype=np.intp)
-            t[pick, 0] = TRAILER_MAGIC
-            t[pick, 1] = sums[pick] ^ _name_tags(obj_keys)[pick]
-            rcs = self.store.batch_put_from([obj_keys[j] for j in todo], [base + stride * j for j in todo], [size + 16] * len(todo))
-        self._put_results("batch_put_from", keys, obj_keys, todo, rcs, ok)
-
-    def _guarded_set(self, keys: List[str], obj_keys: List[str], put: Any) -> List[bool]:
-        """Per page of a set batch: ``put(ok)`` marks the objects it wrote; a failure that escapes
-        it (Mooncake's, or a checksum pass) fails every page of the batch."""
-        ok = [False] * len(obj_keys)
-        try:
-            put(ok)
-        except StorageError as e:
-            ok = [False] * len(obj_keys)
-            self._fail(e)
-        except Exception as e:  # noqa: BLE001 - a checksum pass that failed: no page is written
-            ok = [False] * len(obj_keys)
-            self._fail(StorageError("batch_set_v1", REFUSED, keys, detail=str(e)))
-        return self._pages_ok(ok, len(keys))
-
-    def _drop_damaged(self, keys: List[str], idx: Any, todo: List[int], per: int, intact: Optional[List[bool]] = None) -> List[int]:
-        """``todo`` (object numbers, ``per`` a page) without the objects of pages whose host bytes
-        no longer match the item checksums their backup recorded (``intact``, per page, where the
-        caller has it): a fault in host memory must not reach storage under a trailer of its own.
-        Those pages read as not written."""
-        if intact is None:
-            intact = self.mem_pool_host.pages_intact(idx)
-        damaged = sorted({j // per for j in todo if not intact[j // per]})
-        if damaged:
-            self.stats["damaged_puts"] += len(damaged)
-            logger.error("hicache-io L3: %d page(s) not put, their host bytes fail their checksums: %s", len(damaged), [keys[i] for i in damaged])
-        return [j for j in todo if intact[j // per]]
-
-    def _fill_trailers(self, obj_keys: List[str], sums: np.ndarray, todo: List[int]) -> int:
-        return seal(self._trailers, obj_keys, sums, todo)
-
-    def _put_results(self, what: str, keys: List[str], obj_keys: List[str], todo: List[int], rcs: Sequence[int], ok: List[bool]) -> None:
-        """Marks the objects ``todo`` written where Mooncake answered 0; keeps the first failure."""
-        if len(rcs) != len(todo):
-            raise StorageError(what, REFUSED, keys, detail=f"{len(rcs)} answers for {len(todo)} objects")
-        bad = []
-        for j, rc in zip(todo, rcs):
-            ok[j] = rc == 0
-            if rc != 0:
-                bad.append((obj_keys[j], rc))
-        if bad:
-            self._fail(StorageError(what, bad[0][1], [k for k, _ in bad]))
-
-    def _sums(self, obj_keys: List[str], idx: Any, in_pool: bool) -> np.ndarray:
-        """The checksum of each object of the batch: from the pool pages (zero copy), or from
-        the staging buffer where the bytes that move are (wgpu)."""
-        if in_pool:
-            return np.asarray(self.mem_pool_host.object_checksums(idx), dtype="<u8")
-        from . import _native
-
-        n = self._layout.obj_bytes
-        return np.asarray([_native.checksum(self._staging[j * n : (j + 1) * n]) for j in range(len(obj_keys))], dtype="<u8")
+            return SealedPages(lay, idx, n_pages, self._sealed, self._seal_t, self._seal_stride)
+        if not lay.zero_copy:
+            return StagedPages(lay, idx, n_pages, self._trailers, self.integrity, self._staging)
+        return PoolPages(lay, idx, n_pages, self._trailers, self.integrity)
 
     @one_call
     def batch_get_v1(self, keys: List[str], host_indices: Any, extra_info: Any = None) -> List[bool]:
         """Reads page ``keys[i]`` into host slots ``host_indices[i * P : (i + 1) * P]``; a page is
         ``True`` only when every object of it was read whole."""
-        return self._paged("batch_get_v1", keys, host_indices, self._get_batch_unified if self._unified else self._get_batch)
+        return self._paged("batch_get_v1", keys, host_indices, self._get_batch)
 
     def _get_batch(self, keys: List[str], idx: Any) -> List[bool]:
-        lay = self._layout
-        try:
-            return self._get_batch_into(keys, idx)
-        except BaseException:
-            # A get that raised (``raise_errors=True``, or Mooncake itself) may have written any
-            # of these pages in place: the pool's item checksums of all of them are forgotten.
-            if lay.zero_copy and hasattr(lay, "landed"):
-                lay.landed(idx, [False] * len(keys))
-            raise
-
-    def _get_batch_into(self, keys: List[str], idx: Any) -> List[bool]:
-        if self._sealed is not None and self.integrity:
-            return self._get_sealed(keys, idx)
-        lay = self._layout
-        obj_keys, ptrs, size = self._page_lists(keys, idx)
-        t = self._trailers
-        n_obj = len(obj_keys)
-        tb = t.ctypes.data if t is not None else 0
-        two = lambda js: self.store.batch_get_into_multi_buffers(  # noqa: E731
-            [obj_keys[j] for j in js], [[ptrs[j], tb + 16 * j] for j in js], [[size, 16]] * len(js)
-        )
-        one = lambda js: self.store.batch_get_into([obj_keys[j] for j in js], [ptrs[j] for j in js], [size] * len(js))  # noqa: E731
-        everything = list(range(n_obj))
-        if t is not None:
-            t[:n_obj] = 0
-        # The form this store writes first; the other for objects written the other way (Mooncake
-        # refuses a buffer of another total size: -800 for two buffers, -600 for one).
-        if t is None:
-            got, forms = one(everything), None
-        elif self.integrity:
-            got, forms = two(everything), (-800, one, size)
-        else:
-            got, forms = one(everything), (-600, two, size + 16)
-        if len(got) != n_obj:
-            self._fail(StorageError("batch_get_into", REFUSED, keys, detail=f"{len(got)} answers for {n_obj} objects"))
-            if lay.zero_copy and hasattr(lay, "landed"):
-                lay.landed(idx, [False] * len(keys))
-            return [False] * len(keys)
-        whole = size + 16 if t is not None and self.integrity else size
-        ok = [n == whole for n in got]
-        unverified = [False] * n_obj
-        if forms is not None:
-            code, other, other_whole = forms
-            retry = [j for j, n in enumerate(got) if n == code]
-            again = other(retry) if retry else []
-            for j, n in zip(retry, again if len(again) == len(retry) else []):
-                if n == other_whole:
-                    got[j], ok[j] = n, True
-                    # Read without its trailer (checksums on) or with it (checksums off).
-                    unverified[j] = self.integrity
-        bad = [(obj_keys[j], got[j]) for j in range(len(obj_keys)) if not ok[j]]
-        if bad:
-            code = bad[0][1] if bad[0][1] < 0 else SHORT_READ
-            self._fail(StorageError("batch_get_into", code, [k for k, _ in bad]))
-        settled = False
-        if t is not None and self.integrity:
-            try:
-                if lay.zero_copy and hasattr(lay, "landed") and hasattr(self.mem_pool_host, "landed_checksums"):
-                    # The objects' checksums and the pool's item checksums of the pages that
-                    # landed, in one read: a page whose objects were all read whole with this
-                    # format's trailer and match it is recorded, every other page forgotten.
-                    expected = t[:n_obj, 1] ^ _name_tags(obj_keys)
-                    eligible = [ok[j] and not unverified[j] and int(t[j, 0]) == TRAILER_MAGIC for j in range(n_obj)]
-                    sums = np.asarray(self.mem_pool_host.landed_checksums(idx, expected.tolist(), eligible), dtype="<u8")
-                    settled = True
-                else:
-                    sums = self._sums(obj_keys, idx, lay.zero_copy)
-                self._verify(obj_keys, sums, ok, unverified)
-            except Exception as e:  # noqa: BLE001 - a checksum pass that failed: trust no page
-                ok = [False] * len(obj_keys)
-                self._fail(StorageError("batch_get_v1", INTEGRITY, keys, detail=f"could not verify: {e}"))
-        pages = self._pages_ok(ok, len(keys))
-        per = lay.comps
-        sound = [ok[j] and not unverified[j] and t is not None and self.integrity for j in range(n_obj)]
-        trusted = [all(sound[i * per : (i + 1) * per]) for i in range(len(keys))]
-        if not lay.zero_copy:
-            lay.stage_in(self._staging, pages, idx, trusted)
-        elif hasattr(lay, "landed") and not settled:
-            lay.landed(idx, [p and v for p, v in zip(pages, trusted)])
-        return pages
-
-    def _get_sealed(self, keys: List[str], idx: Any) -> List[bool]:
-        """Reads each object and its trailer as one span into the staging buffer, then one pass
-        copies the objects read whole into the pool, checksums them and settles the pool's item
-        checksums (recorded for pages that verify, forgotten for the others). Objects stored
-        without a trailer (by a store with checksums off) are read into the pool as unverified.
-        Per-object bookkeeping in numpy (a Python loop per object cost a fifth of the call)."""
-        lay, S, stride, t = self._layout, self._sealed, self._seal_stride, self._seal_t
-        obj_keys = self._object_keys(keys)
-        size = lay.obj_bytes
-        lay.synchronize()
-        base, n = S.ctypes.data, len(obj_keys)
-        t[:n] = 0
-        got = self.store.batch_get_into(obj_keys, (base + stride * np.arange(n, dtype=np.int64)).tolist(), [size + 16] * n)
-        if len(got) != n:
-            self._fail(StorageError("batch_get_into", REFUSED, keys, detail=f"{len(got)} answers for {n} objects"))
-            lay.landed(idx, [False] * len(keys))
-            return [False] * len(keys)
-        got = np.asarray(got, dtype=np.int64)
-        # An object stored without a trailer (by a store with checksums off) lands whole, with
-        # its own size: unverified. Both land in the staging buffer.
-        write = (got == size + 16) | (got == size)
-        ok = write.copy()
-        unverified = got == size
-        # Were Mooncake to refuse a buffer of another size (-600, as it does before a copy into
-        # one of its own): read such objects into the pool, unverified.
-        retry = np.flatnonzero(got == -600).tolist()
-        if retry:
-            ptrs = [p for page in lay.spans(idx) for p in page]
-            again = self.store.batch_get_into([obj_keys[j] for j in retry], [ptrs[j] for j in retry], [size] * len(retry))
-            for j, g in zip(retry, again if len(again) == len(retry) else []):
-                if g == size:
-                    ok[j] = unverified[j] = True
-        if not ok.all():
-            bad = np.flatnonzero(~ok)
-            first = int(got[bad[0]])
-            self._fail(StorageError("batch_get_into", first if first < 0 else SHORT_READ, [obj_keys[j] for j in bad]))
-        try:
-            tags = _name_tags(obj_keys)
-            magic = t[:n, 0]
-            eligible = write & ~unverified & (magic == TRAILER_MAGIC)
-            sums = np.asarray(
-                self.mem_pool_host._land_staged(idx, base, S.nbytes, stride, (t[:n, 1] ^ tags).tolist(), eligible.tolist(), write.tolist()),
-                dtype="<u8",
-            )
-            good = (magic == TRAILER_MAGIC) & (t[:n, 1] == (sums ^ tags))
-            unverified |= np.isin(magic, np.asarray(OLD_TRAILER_MAGICS, dtype=np.uint64))
-            corrupt = ok & ~unverified & ~good
-            self.stats["unverified"] += int((ok & unverified).sum())
-            self.stats["verified"] += int((ok & ~unverified & good).sum())
-            if corrupt.any():
-                self.stats["corrupt"] += int(corrupt.sum())
-                ok &= ~corrupt
-                self._fail(StorageError("batch_get_v1", INTEGRITY, [obj_keys[j] for j in np.flatnonzero(corrupt)]))
-        except Exception as e:  # noqa: BLE001 - a pass that failed: trust no page
-            ok[:] = False
-            self._fail(StorageError("batch_get_v1", INTEGRITY, keys, detail=f"could not verify: {e}"))
-            lay.landed(idx, [False] * len(keys))
-        return ok.reshape(len(keys), lay.comps).all(axis=1).tolist()
-
-    def _verify(self, obj_keys: List[str], sums: np.ndarray, ok: List[bool], unverified: List[bool]) -> None:
-        corrupt = verify(self._trailers, obj_keys, sums, ok, unverified, self.stats)
-        if corrupt:
-            self._fail(StorageError("batch_get_v1", INTEGRITY, corrupt))
+        return get_pages(self, "batch_get_v1", keys, self._object_keys(keys), self._placement(idx, len(keys)))
 
     @one_call
     def batch_exists(self, keys: List[str], extra_info: Any = None) -> int:
@@ -583,29 +341,20 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
             self._pool()
             if self._foreign or (self._grid is not None and self._grid.missing):
                 return 0
-            per = self._layout.comps
-            obj_keys = self._object_keys(keys)
-            res = exist_once(obj_keys, self.store.batch_is_exist)
-            for j in range(len(obj_keys)):
-                e = res[j]
-                if e != 1:
-                    if e < 0:
-                        self._fail(StorageError("batch_is_exist", e, [obj_keys[j]]))
-                    return j // per
-            return len(keys)
+            return counted_exists(self, self._object_keys(keys), self._layout.comps)
 
     # ---- the plain forms: raw keys, as sglang's Mooncake backend names them -----------------
 
     @one_call
     def exists(self, key: str) -> bool:
         """Whether object ``key`` exists (a raw key; pages are asked with :meth:`batch_exists`)."""
-        return self.store.is_exist(key) == 1
+        return self._io.exists_one(key)
 
     @one_call
     def get(self, key: str, target_location: Optional[int] = None, target_sizes: Optional[int] = None) -> Any:
         """Object ``key`` into ``target_location`` (``target_sizes`` bytes of registered memory;
         returns whether it was read whole), or as a ``numpy.uint8`` array (``None`` when missing)."""
-        value, err = get_object(self.store, key, target_location, target_sizes)
+        value, err = self._io.get_object(key, target_location, target_sizes)
         if err is not None:
             self._fail(err)
         return value
@@ -620,7 +369,7 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
     def set(self, key: str, value: Any = None, target_location: Optional[int] = None, target_sizes: Optional[int] = None) -> bool:
         """Object ``key`` from ``value`` (bytes or a host array) or from ``target_sizes`` bytes at
         ``target_location`` (registered memory); an existing object is kept."""
-        err = set_object(self.store, key, value, target_location, target_sizes)
+        err = self._io.set_object(key, value, target_location, target_sizes)
         if err is not None:
             self._fail(err)
         return err is None

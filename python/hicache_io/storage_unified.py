@@ -167,9 +167,7 @@ class UnifiedKeys:
         if not hasattr(pool, "host_span"):
             raise ValueError("unified keys need a hicache-io HostPool (sglang 0.5.23's host pools have no head-group layout)")
         grid = UnifiedGrid(pool, self.storage_config, self._extra)
-        lay = _Layout.__new__(_Layout)
-        lay.pool, lay.kind, lay.page, lay.zero_copy = pool, pool.kind, pool.page_size, True
-        lay.comps, lay.regions = max(1, len(grid.suffixes)), grid.regions
+        lay = _Layout(pool, shares=max(1, len(grid.suffixes)))
         pool.synchronize()
         trailers = np.zeros((STORAGE_BATCH_SIZE * lay.comps, 2), "<u8")
         self._registered = self._register_all(list(grid.regions) + [(trailers.ctypes.data, trailers.nbytes)])
@@ -178,99 +176,3 @@ class UnifiedKeys:
         self.namespace, self._foreign = grid.namespace, False
         if grid.missing:
             logger.warning("hicache-io L3 (unified keys): %s; every page reads and writes as a miss", grid.missing)
-
-    def _set_batch_unified(self, keys: List[str], idx: Any) -> List[bool]:
-        lay, grid, pool = self._layout, self._grid, self.mem_pool_host
-        obj_keys = self._object_keys(keys)
-        n = len(grid.suffixes)
-
-        def put(ok: List[bool]) -> None:
-            lay.synchronize()
-            todo = list(range(len(obj_keys)))
-            sums = None
-            if self.integrity and getattr(pool, "integrity", False):
-                if hasattr(pool, "put_share_checksums"):
-                    # The objects' checksums and the pages' item checks in one read of the pages.
-                    sums, intact = pool.put_share_checksums(idx, grid.shares)
-                    todo = self._drop_damaged(keys, idx, todo, n, intact)
-                else:
-                    todo = self._drop_damaged(keys, idx, todo, n)
-            ptrs, sizes = grid.buffers([int(idx[i * lay.page]) // lay.page for i in range(len(keys))])
-            if todo and self.integrity:
-                sums = np.asarray(sums if sums is not None else pool.share_checksums(idx, grid.shares), dtype="<u8")
-                base = self._fill_trailers(obj_keys, sums, todo)
-                bufs = [ptrs[j] + [base + 16 * m] for m, j in enumerate(todo)]
-                lens = [sizes[j] + [16] for j in todo]
-            else:
-                bufs, lens = [ptrs[j] for j in todo], [sizes[j] for j in todo]
-            rcs = self.store.batch_put_from_multi_buffers([obj_keys[j] for j in todo], bufs, lens) if todo else []
-            self._put_results("batch_put_from_multi_buffers", keys, obj_keys, todo, rcs, ok)
-
-        return self._guarded_set(keys, obj_keys, put)
-
-    def _get_batch_unified(self, keys: List[str], idx: Any) -> List[bool]:
-        try:
-            return self._get_batch_unified_into(keys, idx)
-        except BaseException:
-            # A get that raised (``raise_errors=True``, or Mooncake itself) may have written any
-            # of these pages in place: the pool's item checksums of all of them are forgotten.
-            self._layout.landed(idx, [False] * len(keys))
-            raise
-
-    def _get_batch_unified_into(self, keys: List[str], idx: Any) -> List[bool]:
-        from .storage import INTEGRITY, REFUSED, SHORT_READ, TRAILER_MAGIC, StorageError, _name_tags
-
-        lay, grid, pool, t = self._layout, self._grid, self.mem_pool_host, self._trailers
-        obj_keys = self._object_keys(keys)
-        n_obj = len(obj_keys)
-        ptrs, sizes = grid.buffers([int(idx[i * lay.page]) // lay.page for i in range(len(keys))])
-        whole = [grid.object_bytes[j % len(grid.suffixes)] for j in range(n_obj)]
-        tb = t.ctypes.data
-        t[:n_obj] = 0
-        with_sum = lambda js: self.store.batch_get_into_multi_buffers(  # noqa: E731
-            [obj_keys[j] for j in js], [ptrs[j] + [tb + 16 * j] for j in js], [sizes[j] + [16] for j in js]
-        )
-        plain = lambda js: self.store.batch_get_into_multi_buffers([obj_keys[j] for j in js], [ptrs[j] for j in js], [sizes[j] for j in js])  # noqa: E731
-        lay.synchronize()
-        first, other = (with_sum, plain) if self.integrity else (plain, with_sum)
-        got = list(first(list(range(n_obj))))
-        if len(got) != n_obj:
-            lay.landed(idx, [False] * len(keys))
-            self._fail(StorageError("batch_get_into_multi_buffers", REFUSED, keys, detail=f"{len(got)} answers for {n_obj} objects"))
-            return [False] * len(keys)
-        want = [w + 16 if self.integrity else w for w in whole]
-        ok = [g == w for g, w in zip(got, want)]
-        # Objects written the other way (with or without a trailer): Mooncake refuses buffers of
-        # another total size (-800); read them again the other way, unverified.
-        retry = [j for j, g in enumerate(got) if g == -800]
-        unverified = [not self.integrity] * n_obj
-        again = list(other(retry)) if retry else []
-        for j, g in zip(retry, again if len(again) == len(retry) else []):
-            if g == (whole[j] if self.integrity else whole[j] + 16):
-                got[j], ok[j], unverified[j] = g, True, True
-        bad = [(obj_keys[j], got[j]) for j in range(n_obj) if not ok[j]]
-        if bad:
-            self._fail(StorageError("batch_get_into_multi_buffers", bad[0][1] if bad[0][1] < 0 else SHORT_READ, [k for k, _ in bad]))
-        settled = False
-        if self.integrity:
-            try:
-                if lay.zero_copy and hasattr(pool, "landed_share_checksums"):
-                    # The objects' checksums and the pool's item checksums of the pages that
-                    # landed, in one read: a page whose objects were all read whole with this
-                    # format's trailer and match it is recorded, every other page forgotten.
-                    expected = t[:n_obj, 1] ^ _name_tags(obj_keys)
-                    eligible = [ok[j] and not unverified[j] and int(t[j, 0]) == TRAILER_MAGIC for j in range(n_obj)]
-                    sums = np.asarray(pool.landed_share_checksums(idx, grid.shares, expected.tolist(), eligible), dtype="<u8")
-                    settled = True
-                else:
-                    sums = np.asarray(pool.share_checksums(idx, grid.shares), dtype="<u8")
-                self._verify(obj_keys, sums, ok, unverified)
-            except Exception as e:  # noqa: BLE001 - a checksum pass that failed: trust no page
-                ok = [False] * n_obj
-                self._fail(StorageError("batch_get_v1", INTEGRITY, keys, detail=f"could not verify: {e}"))
-        pages = self._pages_ok(ok, len(keys))
-        per = len(grid.suffixes)
-        trusted = [p and not any(unverified[i * per : (i + 1) * per]) for i, p in enumerate(pages)]
-        if not settled:
-            lay.landed(idx, trusted)
-        return pages

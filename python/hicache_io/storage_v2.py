@@ -30,7 +30,6 @@ KV anchor (a host pool group whose KV entry owns no buffer) is not supported: it
 refused.
 """
 
-import ctypes
 import hashlib
 import json
 import logging
@@ -38,7 +37,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from .l3.batches import exist_once, in_rounds, one_call
+from .l3.batches import in_rounds, one_call
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +157,7 @@ class PoolsV2:
             regions = side.regions + ([(trailers.ctypes.data, trailers.nbytes)] if trailers is not self._v2_trailers else [])
             done = self._register_all(regions)
             if trailers is not self._v2_trailers and self._v2_trailers is not None:
-                self.store.unregister_buffer(self._v2_trailers.ctypes.data)
+                self._io.unregister([self._v2_trailers.ctypes.data])
                 self._v2_regions.remove(self._v2_trailers.ctypes.data)
                 self._retired.append(self._v2_trailers)
             self._v2_trailers = trailers
@@ -176,8 +175,7 @@ class PoolsV2:
                 raise ValueError("storage v2: the host pool group registered no KV pool")
 
     def _v2_unregister(self) -> None:
-        for addr in self._v2_regions:
-            self.store.unregister_buffer(addr)
+        self._io.unregister(self._v2_regions)
         if self._v2_regions:
             self._retired += [self._v2_trailers, *self._sidecars.values()]
         self._v2_init()
@@ -216,7 +214,7 @@ class PoolsV2:
                 else:
                     per = self._side(name).per_page
                     obj = self._v2_keys(name, keys[:kv_pages])
-                    res = exist_once(obj, self.store.batch_is_exist)
+                    res = self._io.exists(obj)
                     exists = [all(r == 1 for r in res[i * per : (i + 1) * per]) for i in range(kv_pages)]
                 if policy == "all_pages":
                     boundary = exists.index(False) if False in exists else kv_pages
@@ -283,105 +281,20 @@ class PoolsV2:
         return out
 
     def _v2_batch(self, name: str, side: _SidecarPool, keys: List[str], idx: List[int], put: bool, session_id: Optional[str]) -> List[bool]:
-        from . import _native
-        from .storage import INTEGRITY, REFUSED, SHORT_READ, TRAILER_MAGIC, StorageError, _name_tags
+        from .l3.errors import REFUSED, StorageError
+        from .l3.pipeline import get_pages, put_pages
+        from .l3.placements import SidecarPages
 
-        obj = self._v2_keys(name, keys)
-        per, t = side.per_page, self._v2_trailers
-        tb = t.ctypes.data
-        if side.ours:
-            side.pool.synchronize()  # its queued transfers land before the bytes are read or written
-        ptrs, sizes = side.meta(idx)
-        if len(ptrs) != len(obj):
-            self._fail(StorageError("batch_set_v2" if put else "batch_get_v2", REFUSED, keys, detail=f"{len(ptrs)} page objects for {len(obj)} keys (pages of unequal objects)"))
-            return [False] * len(keys)
-
-        def sums(js: List[int]) -> np.ndarray:
-            out = np.empty(len(js), "<u8")
-            for n, j in enumerate(js):
-                out[n] = _native.checksum(np.frombuffer((ctypes.c_uint8 * sizes[j]).from_address(ptrs[j]), np.uint8))
-            return out
-
-        ok = [False] * len(obj)
-        settled = False
+        what = "batch_set_v2" if put else "batch_get_v2"
         try:
-            if put:
-                exist = list(self.store.batch_is_exist(obj))
-                if len(exist) != len(obj):
-                    raise StorageError("batch_is_exist", REFUSED, keys, detail=f"{len(exist)} answers for {len(obj)} objects")
-                todo = [j for j, e in enumerate(exist) if e != 1]
-                for j, e in enumerate(exist):
-                    ok[j] = e == 1
-                osums = None
-                if todo and side.ours:
-                    # The objects' checksums and (as for KV pages: bytes damaged in host memory
-                    # after their backup are not put) the pages' item checks in one read.
-                    osums, intact = side.pool.put_checksums(idx)
-                    damaged = sorted({j // per for j in todo if not intact[j // per]})
-                    if damaged:
-                        self.stats["damaged_puts"] += len(damaged)
-                        logger.error("hicache-io L3: %d %s page(s) not put, their host bytes fail their checksums", len(damaged), name)
-                        todo = [j for j in todo if intact[j // per]]
-                if todo:
-                    pick = np.asarray(todo, dtype=np.intp)
-                    t[: len(todo), 0] = TRAILER_MAGIC
-                    t[: len(todo), 1] = (np.asarray(osums, dtype="<u8")[pick] if osums is not None else sums(todo)) ^ _name_tags(obj)[pick]
-                    args = ([obj[j] for j in todo], [[ptrs[j], tb + 16 * n] for n, j in enumerate(todo)], [[sizes[j], 16] for j in todo])
-                    config = self._v2_config(session_id, len(todo))
-                    rcs = self.store.batch_put_from_multi_buffers(*args, config) if config is not None else self.store.batch_put_from_multi_buffers(*args)
-                    if len(rcs) != len(todo):
-                        raise StorageError("batch_put_from_multi_buffers", REFUSED, keys, detail=f"{len(rcs)} answers for {len(todo)} objects")
-                    bad = [(obj[j], rc) for j, rc in zip(todo, rcs) if rc != 0]
-                    for j, rc in zip(todo, rcs):
-                        ok[j] = rc == 0
-                    if bad:
-                        self._fail(StorageError("batch_put_from_multi_buffers", bad[0][1], [k for k, _ in bad]))
-            else:
-                t[: len(obj)] = 0
-                got = list(self.store.batch_get_into_multi_buffers(obj, [[ptrs[j], tb + 16 * j] for j in range(len(obj))], [[sizes[j], 16] for j in range(len(obj))]))
-                if len(got) != len(obj):
-                    raise StorageError("batch_get_into_multi_buffers", REFUSED, keys, detail=f"{len(got)} answers for {len(obj)} objects")
-                ok = [n == sizes[j] + 16 for j, n in enumerate(got)]
-                bad = [(obj[j], got[j]) for j in range(len(obj)) if not ok[j]]
-                if bad:
-                    self._fail(StorageError("batch_get_into_multi_buffers", bad[0][1] if bad[0][1] < 0 else SHORT_READ, [k for k, _ in bad]))
-                read = [j for j in range(len(obj)) if ok[j]]
-                if read and side.ours:
-                    # The objects' checksums and the pool's item checksums in one read: a page
-                    # whose objects were all read whole and match their trailers is recorded,
-                    # every other page forgotten.
-                    expected = t[: len(obj), 1] ^ _name_tags(obj)
-                    eligible = [ok[j] and int(t[j, 0]) == TRAILER_MAGIC for j in range(len(obj))]
-                    got_sums = np.asarray(side.pool.landed_checksums(idx, expected.tolist(), eligible), dtype="<u8")
-                    settled = True
-                    want = got_sums[np.asarray(read, dtype=np.intp)] ^ _name_tags(obj)[np.asarray(read, dtype=np.intp)]
-                elif read:
-                    want = sums(read) ^ _name_tags(obj)[np.asarray(read, dtype=np.intp)]
-                if read:
-                    corrupt = []
-                    for n, j in enumerate(read):
-                        if t[j, 0] == TRAILER_MAGIC and t[j, 1] == want[n]:
-                            self.stats["verified"] += 1
-                        else:
-                            ok[j] = False
-                            self.stats["corrupt"] += 1
-                            corrupt.append(obj[j])
-                    if corrupt:
-                        self._fail(StorageError("batch_get_v2", INTEGRITY, corrupt))
-        except StorageError as e:
-            ok = [False] * len(obj)
-            self._fail(e)
-        pages = [all(ok[i * per : (i + 1) * per]) for i in range(len(keys))]
-        if not put and not settled and side.ours and getattr(side.pool, "integrity", False):
-            # The get wrote the pool's memory in place: its item checksums follow the bytes of each
-            # verified page and are forgotten for every other page it was asked for.
-            first = [idx[i * side.page] for i in range(len(keys))]
-            good, stale = [f for f, p in zip(first, pages) if p], [f for f, p in zip(first, pages) if not p]
-            if good:
-                side.pool.recompute_page_checksums(good)
-            if stale:
-                side.pool.forget_page_checksums(stale)
-        return pages
+            place = SidecarPages(side, idx, len(keys), self._v2_trailers)
+        except ValueError as e:
+            self._fail(StorageError(what, REFUSED, keys, detail=str(e)))
+            return [False] * len(keys)
+        obj = self._v2_keys(name, keys)
+        if put:
+            return put_pages(self, what, keys, obj, place, (lambda n: self._v2_config(session_id, n)) if session_id else None)
+        return get_pages(self, what, keys, obj, place)
 
     def _v2_config(self, session_id: Optional[str], n: int) -> Any:
         """Mooncake's put config naming the writing session, where this Mooncake has the field

@@ -2,7 +2,7 @@
 in this process's memory or behind the executor's staging) and sglang's own host pools (their
 ``get_page_buffer_meta``), and the host index lists that name the pages."""
 
-from typing import Any, List, Sequence
+from typing import Any, List, Optional, Sequence
 
 import numpy as np
 
@@ -18,18 +18,23 @@ def host_list(indices: Any) -> Any:
 class PoolLayout:
     """A hicache-io ``HostPool``'s page objects: per page, one span per component (K, V)."""
 
-    def __init__(self, pool: Any):
+    def __init__(self, pool: Any, shares: Optional[int] = None):
+        """``shares``: the page's objects are that many shares of it (the unified key scheme's,
+        which say where they lie themselves), not one span per component."""
         self.pool = pool
         self.kind = pool.kind
-        self.comps = pool.components
         self.page = pool.page_size
+        self.bases = [pool.host_span(c) for c in range(pool.components)]
+        self.zero_copy = all(b is not None for b in self.bases)
+        self.regions = [b for b in self.bases if b is not None and b[1] > 0] if self.zero_copy else []
+        if shares is not None:
+            self.comps, self.obj_bytes = shares, 0
+            return
+        self.comps = pool.components
         spans = pool.get_page_buffer_meta(list(range(self.page)))
         if len(spans) != self.comps:
             raise ValueError(f"{pool.layout} pages are not one span per component")
         self.obj_bytes = spans[0][2]
-        self.bases = [pool.host_span(c) for c in range(self.comps)]
-        self.zero_copy = all(b is not None for b in self.bases)
-        self.regions = [b for b in self.bases if b is not None and b[1] > 0] if self.zero_copy else []
 
     def synchronize(self) -> None:
         self.pool.synchronize()

@@ -11,7 +11,7 @@ the host pool's memory, the pool's own item checksums of each verified page are 
 the bytes that landed, and forgotten for every other page the get wrote.
 """
 
-from typing import Dict, List, Sequence
+from typing import Dict, Sequence
 
 import numpy as np
 
@@ -35,37 +35,29 @@ def name_tag(key: str) -> int:
     return int(name_tags([key])[0])
 
 
-def seal(trailers: np.ndarray, obj_keys: Sequence[str], sums: np.ndarray, todo: Sequence[int]) -> int:
-    """Writes the trailers of objects ``todo`` (in that order) into ``trailers`` (``[n][2]``
-    little-endian u64: magic, tagged checksum) from ``sums``, one checksum per object of the
-    batch ``obj_keys``; returns the trailers' address."""
+def seal(trailers: np.ndarray, obj_keys: Sequence[str], sums: np.ndarray, todo: Sequence[int]) -> None:
+    """Writes the trailers of objects ``todo`` of the batch ``obj_keys`` (row ``j`` of
+    ``trailers``, ``[n][2]`` little-endian u64: magic, checksum bound to the key) from ``sums``,
+    one checksum per object of the batch."""
     pick = np.asarray(todo, dtype=np.intp)
-    trailers[: len(todo), 0] = TRAILER_MAGIC
-    trailers[: len(todo), 1] = sums[pick] ^ name_tags(obj_keys)[pick]
-    return trailers.ctypes.data
+    trailers[pick, 0] = TRAILER_MAGIC
+    trailers[pick, 1] = sums[pick] ^ name_tags(obj_keys)[pick]
 
 
-def verify(trailers: np.ndarray, obj_keys: Sequence[str], sums: np.ndarray, ok: List[bool], unverified: List[bool], stats: Dict[str, int]) -> List[str]:
-    """Checks each object read whole (``ok``) against its trailer (row ``j`` of ``trailers``)
-    and ``sums``, the checksums of the bytes that landed (bound to the object's key). An older
-    trailer marks the object ``unverified``; a mismatch fails it in ``ok``. Counts ``verified``,
-    ``unverified`` and ``corrupt`` objects in ``stats``; returns the corrupt objects' keys."""
-    n = len(obj_keys)
-    good = (trailers[:n, 0] == TRAILER_MAGIC) & (trailers[:n, 1] == (sums ^ name_tags(obj_keys)))
-    older = np.isin(trailers[:n, 0], np.asarray(OLD_TRAILER_MAGICS, dtype=np.uint64))
-    corrupt = []
-    for j, key in enumerate(obj_keys):
-        if not ok[j]:
-            continue
-        if older[j]:
-            unverified[j] = True
-        if unverified[j]:
-            stats["unverified"] += 1
-        elif good[j]:
-            stats["verified"] += 1
-        else:
-            ok[j] = False
-            stats["corrupt"] += 1
-            corrupt.append(key)
+def verify(trailers: np.ndarray, sums: np.ndarray, tags: np.ndarray, ok: np.ndarray, unverified: np.ndarray, stats: Dict[str, int]) -> np.ndarray:
+    """Checks each object read whole (``ok``) and not ``unverified`` (read without a trailer)
+    against its trailer (row ``j`` of ``trailers``) and ``sums``, the checksums of the bytes that
+    landed, bound to the objects' keys by ``tags`` (:func:`name_tags`). An older trailer marks the
+    object unverified; a mismatch fails it in ``ok``. Counts ``verified``, ``unverified`` and
+    ``corrupt`` objects in ``stats``; returns which objects are corrupt. ``ok`` and
+    ``unverified`` are updated in place."""
+    n = len(tags)
+    magic = trailers[:n, 0]
+    unverified |= np.isin(magic, np.asarray(OLD_TRAILER_MAGICS, dtype=np.uint64))
+    good = (magic == TRAILER_MAGIC) & (trailers[:n, 1] == (sums ^ tags))
+    corrupt = ok & ~unverified & ~good
+    stats["unverified"] += int((ok & unverified).sum())
+    stats["verified"] += int((ok & ~unverified & good).sum())
+    stats["corrupt"] += int(corrupt.sum())
+    ok &= ~corrupt
     return corrupt
-

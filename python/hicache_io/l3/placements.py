@@ -1,0 +1,332 @@
+"""Where the objects of one batch of pages lie, and how their checksums are taken: the part of
+the put and get pipelines (:mod:`hicache_io.l3.pipeline`) that differs between pools.
+
+A placement is built for one batch (page ``i`` starts at host index ``idx[i * P]``, ``per``
+objects a page, object ``j`` of the batch is object ``j % per`` of page ``j // per``). It gives:
+
+* ``sizes``: each object's bytes without its trailer; ``trailers``: the ``[n][2]`` u64 rows the
+  trailers are sealed into and read into (row ``j`` for object ``j``), ``None`` where the objects
+  carry none (sglang-named objects);
+* ``writes_trailers`` / ``verifies``: whether puts seal a trailer and gets check it;
+  ``asks_first``: whether a put asks which objects exist before it stages or sums;
+* ``put_spans(todo, trailer)`` and ``get_forms()`` (the form this store writes first, then a
+  function giving the other, for objects written the other way);
+* ``put_sums()``: the objects' checksums where trailers are written, and per page whether its
+  host bytes still match the item checksums their backup recorded (``None``: not checked);
+* ``land(expected, eligible, written)``: after a get, the checksums of the bytes that landed, and
+  whether the pool's item checksums were settled in the same pass; ``settle(pages, trusted)``
+  otherwise (recorded for trusted pages, forgotten for the others; staged bytes copied in).
+
+The kinds: :class:`PoolPages` (a host pool's page objects in place: hicache-io's and sglang's),
+:class:`StagedPages` (through a staging buffer: pools in executor buffers), :class:`SealedPages`
+(small checksummed objects, each with its trailer as one span of a staging buffer),
+:class:`SharePages` (the unified key scheme's page shares) and :class:`SidecarPages` (storage
+v2's pools).
+"""
+
+import ctypes
+from typing import Any, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .transport import Spans
+
+Sums = Tuple[Optional[np.ndarray], Optional[np.ndarray]]
+
+
+def _u64(values: Any) -> np.ndarray:
+    return np.asarray(values, dtype="<u8")
+
+
+class Placement:
+    """The shared part (see the module docstring)."""
+
+    per = 1
+    asks_first = False
+    trailers: Optional[np.ndarray] = None
+    writes_trailers = False
+    verifies = False
+
+    def __init__(self, idx: Any, page: int, n_pages: int):
+        self.idx, self.page, self.n_pages = idx, page, n_pages
+
+    @property
+    def n(self) -> int:
+        return self.n_pages * self.per
+
+    def firsts(self) -> List[int]:
+        return [int(self.idx[i * self.page]) for i in range(self.n_pages)]
+
+    def sync(self) -> None:
+        pass
+
+    def stage_out(self, todo: np.ndarray) -> None:
+        pass
+
+    def put_sums(self) -> Sums:
+        return None, None
+
+    def land(self, expected: np.ndarray, eligible: np.ndarray, written: np.ndarray) -> Tuple[Optional[np.ndarray], bool]:
+        return None, False
+
+    def settle(self, pages: np.ndarray, trusted: np.ndarray) -> None:
+        pass
+
+    def forget(self) -> None:
+        """After a get that failed as a whole: every page it may have written is untrusted."""
+        none = np.zeros(self.n_pages, bool)
+        self.settle(none, none)
+
+    def _trailer_addrs(self, js: Sequence[int]) -> List[int]:
+        tb = self.trailers.ctypes.data
+        return [tb + 16 * int(j) for j in js]
+
+
+class PoolPages(Placement):
+    """A host pool's page objects in place (``lay``: a ``PoolLayout`` or ``SglangLayout``, one
+    span per object); trailers in ``trailers`` where the objects carry them."""
+
+    def __init__(self, lay: Any, idx: Any, n_pages: int, trailers: Optional[np.ndarray], integrity: bool):
+        super().__init__(idx, lay.page, n_pages)
+        self.lay, self.pool, self.per = lay, lay.pool, lay.comps
+        self.sizes = np.full(self.n, lay.obj_bytes, np.int64)
+        self.trailers = trailers
+        self.writes_trailers = self.verifies = trailers is not None and integrity
+        # Pages whose host bytes no longer match their item checksums are not put (a fault in
+        # host memory must not reach storage under a trailer of its own).
+        self.check = integrity and bool(getattr(self.pool, "integrity", False))
+        self._ptrs: Optional[List[int]] = None
+
+    def sync(self) -> None:
+        self.lay.synchronize()
+
+    def ptrs(self) -> List[int]:
+        if self._ptrs is None:
+            self._ptrs = [p for page in self.lay.spans(self.idx) for p in page]
+        return self._ptrs
+
+    def put_sums(self) -> Sums:
+        sums = intact = None
+        if self.check:
+            if self.writes_trailers and hasattr(self.pool, "put_checksums"):
+                # The objects' checksums and the pages' item checks in one read of the pages.
+                sums, intact = self.pool.put_checksums(self.idx)
+            else:
+                intact = self.pool.pages_intact(self.idx)
+        if self.writes_trailers and sums is None:
+            sums = self._sums()
+        return (None if sums is None else _u64(sums)), (None if intact is None else np.asarray(intact, bool))
+
+    def _sums(self) -> Any:
+        return self.pool.object_checksums(self.idx)
+
+    def put_spans(self, todo: np.ndarray, trailer: bool) -> Spans:
+        ptrs, size = self.ptrs(), int(self.sizes[0]) if self.n else 0
+        if trailer:
+            return Spans([[ptrs[j], t] for j, t in zip(todo, self._trailer_addrs(todo))], [[size, 16]] * len(todo), True, True)
+        return Spans([ptrs[j] for j in todo], [size] * len(todo), False, False)
+
+    def get_forms(self) -> List[Spans]:
+        everything = np.arange(self.n)
+        plain = self.put_spans(everything, False)
+        if self.trailers is None:
+            return [plain]
+        with_sum = lambda: self.put_spans(everything, True)  # noqa: E731
+        return [with_sum(), lambda: plain] if self.verifies else [plain, with_sum]
+
+    def land(self, expected: np.ndarray, eligible: np.ndarray, written: np.ndarray) -> Tuple[Optional[np.ndarray], bool]:
+        if self.lay.zero_copy and hasattr(self.lay, "landed") and hasattr(self.pool, "landed_checksums"):
+            # The objects' checksums and the pool's item checksums of the pages that landed, in
+            # one read: a page whose objects were all read whole with this format's trailer and
+            # match it is recorded, every other page forgotten.
+            return _u64(self.pool.landed_checksums(self.idx, expected.tolist(), eligible.tolist())), True
+        return _u64(self._sums()), False
+
+    def settle(self, pages: np.ndarray, trusted: np.ndarray) -> None:
+        if hasattr(self.lay, "landed"):
+            self.lay.landed(self.idx, (pages & trusted).tolist())
+
+
+class StagedPages(PoolPages):
+    """A hicache-io pool whose pages have no host address (wgpu): object ``j`` passes through
+    ``staging`` at byte ``j`` × the object's bytes, copied out before a put and in after a get."""
+
+    asks_first = True  # the existence query saves the staging copy of pages already stored
+
+    def __init__(self, lay: Any, idx: Any, n_pages: int, trailers: Optional[np.ndarray], integrity: bool, staging: np.ndarray):
+        super().__init__(lay, idx, n_pages, trailers, integrity)
+        self.staging = staging
+        base, size = staging.ctypes.data, lay.obj_bytes
+        self._ptrs = [base + j * size for j in range(self.n)]
+
+    def sync(self) -> None:
+        self.lay.synchronize()
+
+    def stage_out(self, todo: np.ndarray) -> None:
+        self.lay.stage_out(self.staging, sorted({int(j) // self.per for j in todo}), self.idx)
+
+    def put_sums(self) -> Sums:
+        intact = np.asarray(self.pool.pages_intact(self.idx), bool) if self.check else None
+        return (self._sums() if self.writes_trailers else None), intact
+
+    def _sums(self) -> np.ndarray:
+        from .. import _native
+
+        n = self.lay.obj_bytes
+        return _u64([_native.checksum(self.staging[j * n : (j + 1) * n]) for j in range(self.n)])
+
+    def land(self, expected: np.ndarray, eligible: np.ndarray, written: np.ndarray) -> Tuple[Optional[np.ndarray], bool]:
+        return self._sums(), False
+
+    def settle(self, pages: np.ndarray, trusted: np.ndarray) -> None:
+        self.lay.stage_in(self.staging, pages.tolist(), self.idx, trusted.tolist())
+
+
+class SealedPages(PoolPages):
+    """Small checksummed objects of a hicache-io pool in this process's memory: object ``j`` and
+    its trailer at byte ``j × stride`` of ``sealed`` (the trailers viewed as ``seal_t``), one
+    span each (Mooncake's single-buffer calls; its two-buffer calls cost a quarter or more of
+    the throughput at page sizes). One read of the pages stages and checksums them for a put;
+    one pass copies the objects read whole into the pool, checksums them and settles the pool's
+    item checksums after a get."""
+
+    def __init__(self, lay: Any, idx: Any, n_pages: int, sealed: np.ndarray, seal_t: np.ndarray, stride: int):
+        super().__init__(lay, idx, n_pages, seal_t, True)
+        self.sealed, self.stride = sealed, stride
+        self.check = bool(getattr(self.pool, "integrity", False))
+
+    def put_sums(self) -> Sums:
+        S = self.sealed
+        sums, intact = self.pool._stage_put(self.idx, S.ctypes.data, S.nbytes, self.stride)
+        return _u64(sums), (np.asarray(intact, bool) if self.check else None)
+
+    def _staged(self, js: Sequence[int]) -> List[int]:
+        return (self.sealed.ctypes.data + self.stride * np.asarray(js, dtype=np.int64)).tolist()
+
+    def put_spans(self, todo: np.ndarray, trailer: bool) -> Spans:
+        size = int(self.lay.obj_bytes)
+        return Spans(self._staged(todo), [size + 16] * len(todo), False, True)
+
+    def get_forms(self) -> List[Spans]:
+        # Objects stored without a trailer (by a store with checksums off) land in the staging
+        # buffer whole too, with their own size; were Mooncake to refuse a buffer of another
+        # size, they are read into the pool (unverified).
+        everything = np.arange(self.n)
+        return [self.put_spans(everything, True), lambda: PoolPages.put_spans(self, everything, False)]
+
+    def land(self, expected: np.ndarray, eligible: np.ndarray, written: np.ndarray) -> Tuple[Optional[np.ndarray], bool]:
+        S = self.sealed
+        sums = self.pool._land_staged(self.idx, S.ctypes.data, S.nbytes, self.stride, expected.tolist(), eligible.tolist(), written.tolist())
+        return _u64(sums), True
+
+
+class SharePages(Placement):
+    """The unified key scheme's objects (``grid``: a ``UnifiedGrid``): each a share of a page,
+    several spans of the pool's memory, moved in place with the multi-buffer calls."""
+
+    def __init__(self, lay: Any, grid: Any, idx: Any, n_pages: int, trailers: np.ndarray, integrity: bool):
+        super().__init__(idx, lay.page, n_pages)
+        self.lay, self.grid, self.pool, self.per = lay, grid, lay.pool, len(grid.suffixes)
+        self.sizes = np.asarray([grid.object_bytes[j % self.per] for j in range(self.n)], np.int64)
+        self.trailers = trailers
+        self.writes_trailers = self.verifies = integrity
+        self.check = integrity and bool(getattr(self.pool, "integrity", False))
+        self._bufs: Optional[Tuple[List[List[int]], List[List[int]]]] = None
+
+    def sync(self) -> None:
+        self.lay.synchronize()
+
+    def bufs(self) -> Tuple[List[List[int]], List[List[int]]]:
+        if self._bufs is None:
+            self._bufs = self.grid.buffers([f // self.page for f in self.firsts()])
+        return self._bufs
+
+    def put_sums(self) -> Sums:
+        sums = intact = None
+        if self.check:
+            if hasattr(self.pool, "put_share_checksums"):
+                sums, intact = self.pool.put_share_checksums(self.idx, self.grid.shares)
+            else:
+                intact = self.pool.pages_intact(self.idx)
+        if self.writes_trailers and sums is None:
+            sums = self.pool.share_checksums(self.idx, self.grid.shares)
+        return (None if sums is None else _u64(sums)), (None if intact is None else np.asarray(intact, bool))
+
+    def put_spans(self, todo: np.ndarray, trailer: bool) -> Spans:
+        ptrs, sizes = self.bufs()
+        if trailer:
+            return Spans([ptrs[j] + [t] for j, t in zip(todo, self._trailer_addrs(todo))], [sizes[j] + [16] for j in todo], True, True)
+        return Spans([ptrs[j] for j in todo], [sizes[j] for j in todo], True, False)
+
+    def get_forms(self) -> List[Spans]:
+        everything = np.arange(self.n)
+        first = self.put_spans(everything, self.verifies)
+        return [first, lambda: self.put_spans(everything, not self.verifies)]
+
+    def land(self, expected: np.ndarray, eligible: np.ndarray, written: np.ndarray) -> Tuple[Optional[np.ndarray], bool]:
+        if self.lay.zero_copy and hasattr(self.pool, "landed_share_checksums"):
+            return _u64(self.pool.landed_share_checksums(self.idx, self.grid.shares, expected.tolist(), eligible.tolist())), True
+        return _u64(self.pool.share_checksums(self.idx, self.grid.shares)), False
+
+    def settle(self, pages: np.ndarray, trusted: np.ndarray) -> None:
+        self.lay.landed(self.idx, (pages & trusted).tolist())
+
+
+class SidecarPages(Placement):
+    """A storage-v2 pool's page objects in place (``side``: a registered sidecar pool); every
+    object carries a trailer, whatever the store's ``integrity``."""
+
+    asks_first = True
+    writes_trailers = verifies = True
+
+    def __init__(self, side: Any, idx: List[int], n_pages: int, trailers: np.ndarray):
+        super().__init__(idx, side.page, n_pages)
+        self.side, self.per, self.trailers = side, side.per_page, trailers
+        ptrs, sizes = side.meta(idx)
+        if len(ptrs) != self.n:
+            raise ValueError(f"{len(ptrs)} page objects for {self.n} keys (pages of unequal objects)")
+        self.ptrs, self.sizes = ptrs, np.asarray(sizes, np.int64)
+
+    def sync(self) -> None:
+        if self.side.ours:
+            self.side.pool.synchronize()  # its queued transfers land before the bytes are read or written
+
+    def _sums(self) -> np.ndarray:
+        from .. import _native
+
+        out = np.empty(self.n, "<u8")
+        for j, (p, s) in enumerate(zip(self.ptrs, self.sizes)):
+            out[j] = _native.checksum(np.frombuffer((ctypes.c_uint8 * int(s)).from_address(p), np.uint8))
+        return out
+
+    def put_sums(self) -> Sums:
+        if self.side.ours:
+            # The objects' checksums and (as for KV pages) the pages' item checks in one read.
+            sums, intact = self.side.pool.put_checksums(self.idx)
+            return _u64(sums), np.asarray(intact, bool)
+        return self._sums(), None
+
+    def put_spans(self, todo: np.ndarray, trailer: bool) -> Spans:
+        return Spans([[self.ptrs[j], t] for j, t in zip(todo, self._trailer_addrs(todo))], [[int(self.sizes[j]), 16] for j in todo], True, True)
+
+    def get_forms(self) -> List[Spans]:
+        return [self.put_spans(np.arange(self.n), True)]
+
+    def land(self, expected: np.ndarray, eligible: np.ndarray, written: np.ndarray) -> Tuple[Optional[np.ndarray], bool]:
+        if self.side.ours:
+            return _u64(self.side.pool.landed_checksums(self.idx, expected.tolist(), eligible.tolist())), True
+        return self._sums(), False
+
+    def settle(self, pages: np.ndarray, trusted: np.ndarray) -> None:
+        pool = self.side.pool
+        if not self.side.ours or not getattr(pool, "integrity", False):
+            return
+        # The get wrote the pool's memory in place: its item checksums follow the bytes of each
+        # verified page and are forgotten for every other page it was asked for.
+        firsts = self.firsts()
+        good = [f for f, t in zip(firsts, pages & trusted) if t]
+        stale = [f for f, t in zip(firsts, pages & trusted) if not t]
+        if good:
+            pool.recompute_page_checksums(good)
+        if stale:
+            pool.forget_page_checksums(stale)

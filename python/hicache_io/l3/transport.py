@@ -1,0 +1,130 @@
+"""The one place that calls an L3 client: Mooncake Store's ``MooncakeDistributedStore``, or the
+local store's :class:`hicache_io.l3.local.LocalDiskClient`, which answers the same calls with the
+same codes.
+
+:class:`Transport` owns every client call the stores make: registration, the batch puts and gets
+(one span an object, or several), existence, the plain single-object forms. It checks that a batch
+call answered once per object (else :class:`StorageError` ``REFUSED``, naming the counts) and owns
+the retry rule: an object stored in the other form (with or without its 16-byte trailer) is
+refused by a get whose buffers add up to another size (``-600`` for one span, ``-800`` for several),
+and is read again in the other form.
+"""
+
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .batches import exist_once
+from .errors import REFUSED, SHORT_READ, StorageError
+from .mooncake_client import register_all
+
+#: What a get answers when the object has another total size than its buffers: one span, several.
+OTHER_SIZE = {False: -600, True: -800}
+
+
+class Spans(NamedTuple):
+    """Where a batch's objects lie: per object an address and a size (``multi`` false), or lists
+    of them (``multi`` true); ``trailer``: whether the spans end in the object's 16-byte trailer."""
+
+    ptrs: List[Any]
+    sizes: List[Any]
+    multi: bool
+    trailer: bool
+
+    def pick(self, js: Sequence[int]) -> "Spans":
+        return Spans([self.ptrs[j] for j in js], [self.sizes[j] for j in js], self.multi, self.trailer)
+
+
+class Transport:
+    """An L3 client's calls, checked (see the module docstring)."""
+
+    def __init__(self, client: Any):
+        self.client = client
+
+    # ---- memory --------------------------------------------------------------------------
+
+    def register(self, regions: Sequence[Any]) -> List[int]:
+        """Registers every ``(address, bytes)`` region, or none (raises); the addresses registered."""
+        return register_all(self.client, regions)
+
+    def unregister(self, addrs: Sequence[int]) -> None:
+        for addr in addrs:
+            self.client.unregister_buffer(addr)
+
+    # ---- page objects --------------------------------------------------------------------
+
+    def put(self, page_keys: Sequence[str], obj_keys: List[str], spans: Spans, config: Any = None) -> Tuple[np.ndarray, str]:
+        """Writes each object from its spans; Mooncake's return code per object (0: written, or
+        kept as it was) and the call's name."""
+        if not obj_keys:
+            return np.zeros(0, np.int64), "batch_put_from"
+        what = "batch_put_from_multi_buffers" if spans.multi else "batch_put_from"
+        call = getattr(self.client, what)
+        args = (obj_keys, spans.ptrs, spans.sizes)
+        rcs = call(*args, config) if config is not None else call(*args)
+        return self._counted(what, page_keys, rcs, len(obj_keys)), what
+
+    def get(self, page_keys: Sequence[str], obj_keys: List[str], forms: Sequence[Any]) -> Tuple[np.ndarray, np.ndarray, np.ndarray, str]:
+        """Reads each object into ``forms[0]`` (:class:`Spans`); an object refused there for its
+        size is read into ``forms[1]()`` (a function giving the other form) where there is one.
+        Per object: the bytes read (or a negative code), the form it was read into and whether
+        that form ends in a trailer; and the name of the first call."""
+        first = forms[0]
+        what = "batch_get_into_multi_buffers" if first.multi else "batch_get_into"
+        got = self._get(what, page_keys, obj_keys, first)
+        form = np.zeros(len(obj_keys), np.int8)
+        trailer = np.full(len(obj_keys), first.trailer)
+        if len(forms) > 1:
+            retry = np.flatnonzero(got == OTHER_SIZE[first.multi])
+            if len(retry):
+                other = forms[1]()
+                again_what = "batch_get_into_multi_buffers" if other.multi else "batch_get_into"
+                got[retry] = self._get(again_what, page_keys, [obj_keys[j] for j in retry], other.pick(retry))
+                form[retry], trailer[retry] = 1, other.trailer
+        return got, form, trailer, what
+
+    def _get(self, what: str, page_keys: Sequence[str], obj_keys: List[str], spans: Spans) -> np.ndarray:
+        if not obj_keys:
+            return np.zeros(0, np.int64)
+        return self._counted(what, page_keys, getattr(self.client, what)(obj_keys, spans.ptrs, spans.sizes), len(obj_keys))
+
+    def exists(self, obj_keys: Sequence[str]) -> np.ndarray:
+        """Per object: 1 stored, 0 not, a negative code (``-1`` for every object when the store
+        answered another number of objects); each distinct key asked once."""
+        return np.asarray(exist_once(obj_keys, self.client.batch_is_exist), dtype=np.int64)
+
+    @staticmethod
+    def _counted(what: str, page_keys: Sequence[str], answers: Sequence[int], n: int) -> np.ndarray:
+        if len(answers) != n:
+            raise StorageError(what, REFUSED, page_keys, detail=f"{len(answers)} answers for {n} objects")
+        return np.asarray(answers, dtype=np.int64)
+
+    # ---- single objects by raw key (sglang's plain get / set / exists) -------------------
+
+    def exists_one(self, key: str) -> bool:
+        return self.client.is_exist(key) == 1
+
+    def get_object(self, key: str, target_location: Optional[int], target_sizes: Optional[int]) -> Tuple[Any, Optional[StorageError]]:
+        """Object ``key`` into ``target_location`` (``target_sizes`` bytes of registered memory:
+        whether it was read whole), or as a ``numpy.uint8`` array (``None`` when missing); and
+        the failure, if any."""
+        if target_location is None:
+            data = self.client.get(key)
+            return (np.frombuffer(data, np.uint8).copy() if data else None), None
+        n = self.client.batch_get_into([key], [target_location], [target_sizes])[0]
+        if n != target_sizes:
+            return False, StorageError("get", n if n < 0 else SHORT_READ, [key])
+        return True, None
+
+    def set_object(self, key: str, value: Any, target_location: Optional[int], target_sizes: Optional[int]) -> Optional[StorageError]:
+        """Writes object ``key`` from ``value`` (bytes or a host array) or from ``target_sizes``
+        bytes at ``target_location`` unless it exists (an existing object is kept); the
+        failure, if any."""
+        if self.client.is_exist(key) == 1:
+            return None
+        if value is not None:
+            data = bytes(value) if isinstance(value, (bytes, bytearray)) else np.ascontiguousarray(value).view(np.uint8).tobytes()
+            rc = self.client.put(key, data)
+        else:
+            rc = self.client.batch_put_from([key], [target_location], [target_sizes])[0]
+        return StorageError("put", rc, [key]) if rc != 0 else None
