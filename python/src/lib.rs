@@ -6,12 +6,14 @@
 //!
 //! Rooms: `errors` (exception classes), `dlpack` (arrays in), `args` (index lists and layer
 //! arguments), `executors` (which executor runs a call), `ops` (every op of the catalogue through
-//! one binding), `pools` (the pool classes), `tools` (matrix, check).
+//! one binding), `pools` (the pool classes), `tools` (matrix, check), `local_io` (the local L3
+//! store's file I/O).
 
 mod args;
 mod dlpack;
 mod errors;
 mod executors;
+mod local_io;
 mod ops;
 mod pools;
 mod tools;
@@ -40,6 +42,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ops::copy_all_layer_kv_cache_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(ops::checksum, m)?)?;
     m.add_function(wrap_pyfunction!(ops::name_tags, m)?)?;
+    m.add_function(wrap_pyfunction!(local_io::local_get, m)?)?;
+    m.add_function(wrap_pyfunction!(local_io::local_paths, m)?)?;
+    m.add_function(wrap_pyfunction!(local_io::local_put, m)?)?;
+    m.add("LOCAL_DAMAGED", local_io::DAMAGED)?;
     m.add("STORAGE_SEED", hicache_io::integrity::STORAGE_SEED)?;
     m.add("IntegrityError", m.py().get_type::<IntegrityError>())?;
     m.add("DeviceLostError", m.py().get_type::<DeviceLostError>())?;

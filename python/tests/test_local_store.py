@@ -190,15 +190,18 @@ def test_in_process_round_trip_and_the_default_directory(tmp_path, monkeypatch):
 
 
 def test_the_client_moves_objects_of_many_spans_and_removes_damaged_ones(tmp_path):
-    """Objects scattered over more buffers than one system call takes (IOV_MAX), a put of an
-    existing key that keeps the first object, and a damaged object that goes at its first read."""
-    from hicache_io.l3.local import IOV_MAX, OBJECT_NOT_FOUND, LocalDiskClient
+    """Objects scattered over more buffers than one system call takes (Linux's IOV_MAX, 1024), a
+    put of an existing key that keeps the first object, and a damaged object that goes at its
+    first read."""
+    from hicache_io.l3.local import OBJECT_NOT_FOUND, LocalDiskClient
 
     c = LocalDiskClient(str(tmp_path / "l3"), capacity_bytes=64 << 20)
     try:
-        n = IOV_MAX + 77
+        n = 1024 + 77
         src = np.random.default_rng(3).integers(0, 256, n * 8, dtype=np.uint8)
         dst = np.zeros_like(src)
+        for a in (src, dst):
+            c.register_buffer(a.ctypes.data, a.nbytes)
         spans = lambda a: [a.ctypes.data + 8 * i for i in range(n)]  # noqa: E731
         assert c.batch_put_from_multi_buffers(["k"], [spans(src)], [[8] * n]) == [0]
         assert c.batch_get_into_multi_buffers(["k"], [spans(dst)], [[8] * n]) == [n * 8]
@@ -209,5 +212,29 @@ def test_the_client_moves_objects_of_many_spans_and_removes_damaged_ones(tmp_pat
             f.write(b"\xff")
         assert c.batch_get_into_multi_buffers(["k"], [spans(dst)], [[8] * n]) == [OBJECT_NOT_FOUND]
         assert c.batch_is_exist(["k"]) == [0]  # gone: the page can be stored again
+    finally:
+        c.close()
+
+
+def test_the_client_moves_bytes_of_registered_memory_only(tmp_path):
+    """A span outside the registered regions (or running past one's end) is refused for its object
+    before any byte moves: no file is written, no byte of the target changes; the other objects of
+    the batch move."""
+    from hicache_io.l3.local import INVALID_PARAMS, LocalDiskClient
+
+    c = LocalDiskClient(str(tmp_path / "l3"), capacity_bytes=64 << 20)
+    try:
+        reg = np.arange(4096, dtype=np.uint8)
+        first = reg[:1000].copy()
+        other = np.full(4096, 7, np.uint8)
+        c.register_buffer(reg.ctypes.data, reg.nbytes)
+        base = reg.ctypes.data
+        assert c.batch_put_from(["in", "out", "past"], [base, other.ctypes.data, base + 4000], [1000, 1000, 200]) == [0, INVALID_PARAMS, INVALID_PARAMS]
+        assert c.batch_is_exist(["in", "out", "past"]) == [1, 0, 0]
+        before = other.copy()
+        assert c.batch_get_into(["in"], [other.ctypes.data], [1000]) == [INVALID_PARAMS]
+        assert np.array_equal(other, before)
+        assert c.batch_get_into_multi_buffers(["in"], [[base + 2000, base + 3000]], [[500, 500]]) == [1000]
+        assert np.array_equal(reg[2000:2500], first[:500]) and np.array_equal(reg[3000:3500], first[500:])
     finally:
         c.close()

@@ -13,9 +13,13 @@ into place: an object is visible only when complete, and a writer killed at any 
 temporary file (removed later) or nothing. Objects are never changed once published; a put of an
 existing key keeps the object (as Mooncake does), even when two writers race.
 
-Reads. A get reads the object's bytes straight into the caller's memory (``preadv``, no Python
-copy; the GIL is released during the system calls), then checks the footer: a file too short,
-of another key or length, is a miss; an object that carries hicache-io's trailer is verified by
+Byte path. Objects move between the caller's registered memory and files in native code
+(:func:`hicache_io._native.local_get` / ``local_put``): one ``preadv`` / ``pwritev`` an object, no
+Python copy, the GIL released for the whole batch, and objects of 64 KiB and more spread over
+``threads`` threads. Every span is checked to lie in registered memory before any byte moves.
+
+Reads. A get reads the object's bytes straight into the caller's memory, then checks the
+footer: a file too short, of another key or length, is a miss; an object that carries hicache-io's trailer is verified by
 the store against it; any other object against the footer's CRC (so a torn or flipped object
 without a trailer is a miss too), and a damaged object is removed. A get marks its file used (its
 modification time, at most every ``TOUCH_SECONDS``): the eviction order is least recently used.
@@ -33,7 +37,6 @@ also makes them survive a machine that loses power, at the cost of a flush per o
 
 import errno
 import fcntl
-import hashlib
 import itertools
 import logging
 import os
@@ -42,8 +45,9 @@ import struct
 import threading
 import time
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
 
 from .trailer import TRAILER_MAGIC
 
@@ -59,12 +63,8 @@ BUFFER_MISMATCH = -800
 DEFAULT_CAPACITY = 8 << 30
 #: A get marks an object used (for the eviction order) when its last mark is older than this.
 TOUCH_SECONDS = 30.0
-#: Objects of at least this many bytes (on average) move on the I/O threads.
-PARALLEL_BYTES = 64 << 10
 #: This host in temporary files' names (a pid means something on its own host only).
 _HOST = (socket.gethostname() or "host").replace("-", "_")
-#: Buffers one ``preadv`` / ``pwritev`` takes at most.
-IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024
 #: Temporary files of writers that died are removed after this long (seconds).
 STALE_TMP_SECONDS = 600.0
 
@@ -73,17 +73,6 @@ def default_directory() -> str:
     """``$XDG_CACHE_HOME/hicache-io/l3`` (``~/.cache/hicache-io/l3``)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "hicache-io", "l3")
-
-
-def _view(addr: int, size: int) -> memoryview:
-    """``size`` bytes of this process's memory at ``addr`` (the caller's registered buffer)."""
-    import ctypes
-
-    return memoryview((ctypes.c_ubyte * size).from_address(addr)).cast("B")
-
-
-def _footer_of(obj_len: int, key: bytes, crc: int) -> bytes:
-    return key + FOOTER.pack(FOOTER_MAGIC, obj_len, len(key), crc)
 
 
 class LocalDiskClient:
@@ -106,16 +95,21 @@ class LocalDiskClient:
         self.lock_path = os.path.join(self.directory, "lock")
         with open(self.lock_path, "ab"):
             pass
-        self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="hicache-io-l3-local")
+        self.threads = max(1, threads)
         self._seq = itertools.count()  # next() is atomic: temporary names unique per thread
-        self._regions: Dict[int, Tuple[int, memoryview]] = {}
+        self._regions: Dict[int, int] = {}
         self.resync()
 
     # ---- paths and sizes ---------------------------------------------------------------------
 
     def path(self, key: str) -> str:
-        h = hashlib.sha256(key.encode()).hexdigest()
-        return f"{self.objects}/{h[:2]}/{h}"
+        return self.paths([key])[0]
+
+    def paths(self, keys: Sequence[str]) -> List[str]:
+        """The files of objects ``keys``: ``objects/<h[:2]>/<h>``, ``h`` the SHA-256 of the key."""
+        from .. import _native
+
+        return _native.local_paths(self.objects, list(keys))
 
     @staticmethod
     def _unlink(p: str) -> bool:
@@ -179,132 +173,78 @@ class LocalDiskClient:
         self._counted(count)
         return out[0]
 
-    # ---- one object --------------------------------------------------------------------------
+    # ---- the byte path (hicache_io._native.local_get / local_put) ------------------------------
 
-    def _put_one(self, key: str, parts: Sequence[memoryview]) -> int:
-        final = self.path(key)
-        if os.path.exists(final):
-            return 0  # an object is kept (as Mooncake keeps it)
-        tmp = os.path.join(self.tmp, f"{os.getpid()}-{_HOST}-{threading.get_ident()}-{next(self._seq)}")
-        try:
-            crc, n = 0, 0
-            for part in parts:
-                crc = zlib.crc32(part, crc)
-                n += part.nbytes
-            data = list(parts) + [_footer_of(n, key.encode(), crc)]
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                _write_all(fd, data)
-                if self.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            # Published whole, or not at all; a link never replaces an object another writer
-            # published meanwhile (the first one stays, as Mooncake keeps it).
-            os.link(tmp, final)
-        except FileExistsError:
-            return 0
-        except OSError as e:
-            logger.warning("hicache-io L3 (local): put of %s failed: %s", key, e)
-            return -(e.errno or 1)
-        finally:
-            self._unlink(tmp)
-        return _file_bytes(key, parts)
+    def _regions_with(self, extra: Sequence[Tuple[int, int]] = ()) -> List[Tuple[int, int]]:
+        return list(self._regions.items()) + list(extra)
 
-    def _get_one(self, key: str, views: Sequence[memoryview], exact: bool) -> int:
-        """Reads ``key``'s object into ``views`` (``exact``: their sizes must add up to the
-        object's; else one view at least as large) with its key and footer, in one read. Returns
-        the bytes read, or a code."""
+    def _put(self, keys: Sequence[str], ptrs: Sequence[Any], sizes: Sequence[Any], extra: Sequence[Tuple[int, int]] = ()) -> List[int]:
+        """Puts objects ``keys`` from their spans: the new objects' bytes counted first (the
+        directory never holds more than its capacity), what was not written uncounted after."""
+        from .. import _native
+
+        keys = list(keys)
+        paths = self.paths(keys)
         try:
-            fd = os.open(self.path(key), os.O_RDONLY)
-        except FileNotFoundError:
+            need = 0
+            for k, p, n in zip(keys, paths, sizes):
+                if not os.path.exists(p):
+                    need += _on_disk((n if isinstance(n, int) else sum(n)) + FOOTER.size + len(k.encode()))
+            if need > self.capacity:
+                return [-errno.ENOSPC] * len(keys)  # more than the whole directory may hold
+            if need:
+                self._reserve(need)
+            prefix = f"{self.tmp}/{os.getpid()}-{_HOST}-{threading.get_ident()}-"
+            tmps = [prefix + str(next(self._seq)) for _ in keys]
+            written = _native.local_put(self._regions_with(extra), paths, tmps, keys, list(ptrs), list(sizes), self.fsync, self.threads)
+            self._adjust(sum(w for w in written if w > 0) - need)
+        except OSError as e:  # the lock or the directory itself failed: every put fails
+            logger.warning("hicache-io L3 (local): puts failed: %s", e)
+            return [-(e.errno or errno.EIO)] * len(keys)
+        failed = [(k, w) for k, w in zip(keys, written) if w < 0]
+        if failed:
+            logger.warning("hicache-io L3 (local): %d put(s) failed, the first %s with code %d", len(failed), failed[0][0], failed[0][1])
+        return [0 if w >= 0 else w for w in written]
+
+    def _get(self, keys: Sequence[str], ptrs: Sequence[Any], sizes: Sequence[Any], exact: bool, extra: Sequence[Tuple[int, int]] = ()) -> List[int]:
+        """Reads objects ``keys`` into their spans (``exact``: their sizes must add up to the
+        object's; else one span at least as large); per object the bytes read or a code. A
+        damaged object is a miss, and goes (so that the page can be stored again)."""
+        from .. import _native
+
+        keys = list(keys)
+        got = _native.local_get(self._regions_with(extra), self.objects, keys, list(ptrs), list(sizes), exact, self.crc_trailered, TOUCH_SECONDS, self.threads)
+        for j, g in enumerate(got):
+            if g == _native.LOCAL_DAMAGED:
+                got[j] = self._damaged(keys[j], self.path(keys[j]))
+        return got
+
+    def _damaged(self, key: str, p: str) -> int:
+        logger.warning("hicache-io L3 (local): object %s is damaged (its footer does not hold or it fails its CRC): a miss, removed", key)
+        try:
+            size = os.stat(p).st_blocks * 512
+        except OSError:
             return OBJECT_NOT_FOUND
-        except OSError as e:
-            return -(e.errno or 1)
-        try:
-            st = os.fstat(fd)
-            kb = key.encode()
-            n = st.st_size - len(kb) - FOOTER.size
-            room = sum(v.nbytes for v in views)
-            if n < 0:
-                return OBJECT_NOT_FOUND
-            if (exact and room != n) or (not exact and room < n):
-                return BUFFER_MISMATCH if exact else INVALID_PARAMS
-            targets = list(views) if exact else [views[0][:n]]
-            tail = bytearray(len(kb) + FOOTER.size)
-            if _read_all(fd, targets + [memoryview(tail)]) != st.st_size:
-                return OBJECT_NOT_FOUND  # truncated meanwhile
-            ok, crc = _footer_holds(bytes(tail), kb, n)
-            if not ok:
-                return self._damaged(key, st, "its footer does not hold")
-            if self.crc_trailered or not _carries_trailer(targets):
-                got = 0
-                for t in targets:
-                    got = zlib.crc32(t, got)
-                if got != crc:
-                    return self._damaged(key, st, "it fails its CRC")
-            if time.time() - st.st_mtime > TOUCH_SECONDS:
-                try:
-                    os.utime(fd)  # last use, for the eviction order
-                except OSError:
-                    pass  # another user's file: its order stays
-            return n
-        except OSError as e:
-            return -(e.errno or 1)
-        finally:
-            os.close(fd)
-
-    def _damaged(self, key: str, st: os.stat_result, why: str) -> int:
-        """A miss for a damaged object, which goes (so that the page can be stored again)."""
-        logger.warning("hicache-io L3 (local): object %s is damaged (%s): a miss, removed", key, why)
-        if self._unlink(self.path(key)):
-            self._adjust(-(st.st_blocks * 512))
+        if self._unlink(p):
+            self._adjust(-size)
         return OBJECT_NOT_FOUND
 
     # ---- Mooncake's client calls -------------------------------------------------------------
 
-    def _map(self, fn: Any, items: Sequence[Any]) -> List[int]:
-        """``fn`` over the batch: on the I/O threads where objects are large enough for their
-        system calls to overlap; small ones in turn (dispatching them costs more than it saves)."""
-        large = sum(sum(v.nbytes for v in it[1]) for it in items) >= PARALLEL_BYTES * len(items)
-        if len(items) <= 2 or not large:
-            return [fn(*it) for it in items]
-        return list(self._pool.map(lambda it: fn(*it), items))
-
     def batch_put_from(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int], config: Any = None) -> List[int]:
-        return self.batch_put_from_multi_buffers(keys, [[p] for p in ptrs], [[s] for s in sizes], config)
+        return self._put(keys, ptrs, sizes)
 
     def batch_put_from_multi_buffers(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]], config: Any = None) -> List[int]:
-        items = [(k, [self._view(int(p), int(s)) for p, s in zip(ps, ss)]) for k, ps, ss in zip(keys, ptrs, sizes)]
-        return self._put_all(items)
-
-    def _put_all(self, items: List[Tuple[str, List[memoryview]]]) -> List[int]:
-        """Puts ``(key, parts)``: the new objects' bytes counted first (the directory never holds
-        more than its capacity), what was not written uncounted after."""
-        try:
-            new = [(k, parts) for k, parts in items if not os.path.exists(self.path(k))]
-            need = sum(_file_bytes(k, parts) for k, parts in new)
-            if need > self.capacity:
-                return [-errno.ENOSPC] * len(items)  # more than the whole directory may hold
-            if need:
-                self._reserve(need)
-            written = self._map(self._put_one, items)
-            self._adjust(sum(w for w in written if w > 0) - need)
-        except OSError as e:  # the lock or the directory itself failed: every put fails
-            logger.warning("hicache-io L3 (local): puts failed: %s", e)
-            return [-(e.errno or errno.EIO)] * len(items)
-        return [0 if w >= 0 else w for w in written]
+        return self._put(keys, [list(p) for p in ptrs], [list(s) for s in sizes])
 
     def batch_get_into(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> List[int]:
-        items = [(k, [self._view(int(p), int(s))], False) for k, p, s in zip(keys, ptrs, sizes)]
-        return self._map(self._get_one, items)
+        return self._get(keys, ptrs, sizes, False)
 
     def batch_get_into_multi_buffers(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]) -> List[int]:
-        items = [(k, [self._view(int(p), int(s)) for p, s in zip(ps, ss)], True) for k, ps, ss in zip(keys, ptrs, sizes)]
-        return self._map(self._get_one, items)
+        return self._get(keys, [list(p) for p in ptrs], [list(s) for s in sizes], True)
 
     def batch_is_exist(self, keys: Sequence[str]) -> List[int]:
-        return [1 if os.path.exists(self.path(k)) else 0 for k in keys]
+        return [1 if os.path.exists(p) else 0 for p in self.paths(keys)]
 
     def is_exist(self, key: str) -> int:
         return self.batch_is_exist([key])[0]
@@ -314,11 +254,16 @@ class LocalDiskClient:
             n = os.stat(self.path(key)).st_size - len(key.encode()) - FOOTER.size
         except OSError:
             return b""
-        buf = bytearray(max(n, 0))
-        return bytes(buf) if n >= 0 and self._get_one(key, [memoryview(buf)], True) == n else b""
+        if n < 0:
+            return b""
+        buf = np.empty(max(n, 1), np.uint8)
+        addr = buf.ctypes.data
+        return buf[:n].tobytes() if self._get([key], [addr], [n], True, [(addr, buf.nbytes)])[0] == n else b""
 
     def put(self, key: str, value: bytes, config: Any = None) -> int:
-        return self._put_all([(key, [memoryview(bytes(value))])])[0]
+        buf = np.frombuffer(bytes(value) or b"\0", np.uint8)
+        addr = buf.ctypes.data
+        return self._put([key], [addr], [len(value)], [(addr, buf.nbytes)])[0]
 
     def remove(self, key: str) -> int:
         p = self.path(key)
@@ -337,23 +282,17 @@ class LocalDiskClient:
         return n
 
     def register_buffer(self, addr: int, nbytes: int) -> int:
-        # Files are read and written from any of this process's memory; a registered region is
-        # viewed once, and objects inside it sliced from that view.
-        self._regions[int(addr)] = (int(nbytes), _view(int(addr), int(nbytes)))
+        # Files are read into and written from registered memory only (as Mooncake moves it):
+        # every span of a call is checked to lie inside a registered region first.
+        self._regions[int(addr)] = int(nbytes)
         return 0
 
     def unregister_buffer(self, addr: int) -> int:
         self._regions.pop(int(addr), None)
         return 0
 
-    def _view(self, addr: int, size: int) -> memoryview:
-        for base, (nbytes, view) in self._regions.items():
-            if base <= addr and addr + size <= base + nbytes:
-                return view[addr - base : addr - base + size]
-        return _view(addr, size)
-
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        pass
 
 
 def _footer_holds(tail: bytes, kb: bytes, n: int) -> Tuple[bool, int]:
@@ -363,11 +302,6 @@ def _footer_holds(tail: bytes, kb: bytes, n: int) -> Tuple[bool, int]:
         return False, 0
     magic, length, klen, crc = FOOTER.unpack(tail[len(kb) :])
     return magic == FOOTER_MAGIC and length == n and klen == len(kb), crc
-
-
-def _file_bytes(key: str, parts: Sequence[memoryview]) -> int:
-    """What object ``key`` of ``parts`` takes on disk."""
-    return _on_disk(sum(p.nbytes for p in parts) + FOOTER.size + len(key.encode()))
 
 
 def _on_disk(nbytes: int) -> int:
@@ -425,37 +359,6 @@ def _carries_trailer(targets: Sequence[memoryview]) -> bool:
     return int.from_bytes(last[last.nbytes - 16 : last.nbytes - 8], "little") == TRAILER_MAGIC
 
 
-def _vectored(call: Any, fd: int, views: List[memoryview]) -> int:
-    """``call(fd, buffers, offset)`` (``os.preadv`` or ``os.pwritev``) from offset 0 until every
-    view is done or a call moves nothing (the end of the file), at most ``IOV_MAX`` buffers a
-    call; the bytes moved."""
-    offset, first = 0, 0
-    views = [v if v.format == "B" else v.cast("B") for v in views]
-    while first < len(views):
-        n = call(fd, views[first : first + IOV_MAX], offset)
-        if n <= 0:
-            break
-        offset += n
-        while first < len(views) and n >= views[first].nbytes:
-            n -= views[first].nbytes
-            first += 1
-        if n:
-            views[first] = views[first][n:]
-    return offset
-
-
-def _write_all(fd: int, parts: List[Any]) -> None:
-    """Writes every byte of ``parts`` from offset 0 (a write may be partial)."""
-    views = [memoryview(p) for p in parts]
-    if _vectored(os.pwritev, fd, views) != sum(v.nbytes for v in views):
-        raise OSError(errno.EIO, "no progress writing")
-
-
-def _read_all(fd: int, views: List[memoryview]) -> int:
-    """Fills ``views`` from offset 0 until full or the end of the file; the bytes read."""
-    return _vectored(os.preadv, fd, list(views))
-
-
 def stats(directory: str) -> Dict[str, int]:
     """Objects, their bytes on disk, and the whole directory's bytes on disk."""
     total, objs = scan(directory)
@@ -484,8 +387,6 @@ def scrub(directory: str) -> Dict[str, int]:
 def _file_intact(p: str) -> bool:
     """Whether object file ``p`` holds what its footer says (its key, whose path it is, its length
     and CRC), and a hicache-io trailer that matches, where the object carries one."""
-    import numpy as np
-
     from .. import _native
     from .trailer import name_tag
 
@@ -501,7 +402,11 @@ def _file_intact(p: str) -> bool:
     key = data[n : n + klen] if n >= 0 else b""
     ok, crc = _footer_holds(data[n:] if n >= 0 else b"", key, n)
     obj = memoryview(data)[: max(n, 0)]
-    if not ok or hashlib.sha256(key).hexdigest() != os.path.basename(p) or zlib.crc32(obj) != crc:
+    try:
+        named = _native.local_paths(os.path.dirname(os.path.dirname(p)), [key.decode()])[0] == p
+    except UnicodeDecodeError:
+        return False
+    if not ok or not named or zlib.crc32(obj) != crc:
         return False
     if _carries_trailer([obj]):
         body = np.frombuffer(obj[: n - 16], np.uint8)

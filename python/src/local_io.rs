@@ -1,0 +1,376 @@
+//! The local L3 store's byte path (`hicache_io.l3.local`): page objects between the caller's
+//! registered memory and files, one system call per object each way where it can (`preadv` /
+//! `pwritev`), with the GIL released and large objects spread over a few threads.
+//!
+//! File format (written here, read here and by the Python scrub): the object's bytes, its key,
+//! then a 32-byte footer: `HIOLOC01`, the object's length (u64), the key's length (u32), the
+//! CRC-32 (IEEE, as zlib's) of the object's bytes (u32), 8 zero bytes; little-endian.
+//!
+//! Every span is checked to lie inside a region the caller registered before any byte moves:
+//! an address from Python reaches a system call only inside memory the caller vouched for. An
+//! object with a span outside answers `INVALID_PARAMS`, as Mooncake answers a bad buffer.
+
+use std::ffi::CString;
+use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyList;
+use sha2::{Digest, Sha256};
+
+const FOOTER: usize = 32;
+const FOOTER_MAGIC: &[u8; 8] = b"HIOLOC01";
+/// hicache-io's integrity trailer (the store verifies objects that end in one).
+const TRAILER_MAGIC: u64 = u64::from_le_bytes(*b"HIOSUM03");
+/// Mooncake's codes, as the store reads them.
+const OBJECT_NOT_FOUND: i64 = -704;
+const INVALID_PARAMS: i64 = -600;
+const BUFFER_MISMATCH: i64 = -800;
+/// A file whose footer does not hold or whose bytes fail their CRC: the caller removes it.
+pub(crate) const DAMAGED: i64 = -100_003;
+/// Objects of at least this many bytes (on average) move on several threads.
+const PARALLEL_BYTES: usize = 64 << 10;
+/// Buffers one vectored call takes (Linux's `IOV_MAX`).
+const IOV_MAX: usize = 1024;
+
+type Span = (usize, usize);
+
+/// Per object, its spans `(address, bytes)`: `ptrs[j]` is an address and `sizes[j]` a size, or
+/// both are lists of them.
+fn spans_arg(ptrs: &Bound<'_, PyList>, sizes: &Bound<'_, PyList>) -> PyResult<Vec<Vec<Span>>> {
+    if ptrs.len() != sizes.len() {
+        return Err(PyValueError::new_err(format!("{} objects' addresses but {} sizes", ptrs.len(), sizes.len())));
+    }
+    let mut out = Vec::with_capacity(ptrs.len());
+    for (p, s) in ptrs.iter().zip(sizes.iter()) {
+        if let Ok(a) = p.extract::<usize>() {
+            out.push(vec![(a, s.extract::<usize>()?)]);
+            continue;
+        }
+        let (a, n): (Vec<usize>, Vec<usize>) = (p.extract()?, s.extract()?);
+        if a.len() != n.len() {
+            return Err(PyValueError::new_err(format!("an object of {} addresses but {} sizes", a.len(), n.len())));
+        }
+        out.push(a.into_iter().zip(n).collect());
+    }
+    Ok(out)
+}
+
+/// Where object `key` lives under folder `objects`: `<objects>/<h[..2]>/<h>`, `h` the SHA-256 of
+/// the key in hex (256 folders of at most a few thousand files each at a laptop's capacity).
+fn object_path(objects: &str, key: &[u8]) -> String {
+    let h: String = Sha256::digest(key).iter().map(|b| format!("{b:02x}")).collect();
+    format!("{objects}/{}/{h}", &h[..2])
+}
+
+/// The files of objects `keys` under folder `objects` (see [`object_path`]).
+#[pyfunction]
+pub(crate) fn local_paths(objects: &str, keys: Vec<String>) -> Vec<String> {
+    keys.iter().map(|k| object_path(objects, k.as_bytes())).collect()
+}
+
+/// Whether every span lies inside one registered region.
+fn inside(regions: &[Span], spans: &[Span]) -> bool {
+    spans.iter().all(|&(p, n)| {
+        p.checked_add(n)
+            .is_some_and(|end| regions.iter().any(|&(base, len)| base <= p && base.checked_add(len).is_some_and(|top| end <= top)))
+    })
+}
+
+fn errno() -> i64 {
+    -(std::io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO) as i64)
+}
+
+fn cpath(p: &str) -> Option<CString> {
+    CString::new(p).ok()
+}
+
+/// An open file descriptor, closed when dropped.
+struct Fd(libc::c_int);
+
+impl Drop for Fd {
+    fn drop(&mut self) {
+        // SAFETY: the descriptor is ours and open; closed once.
+        unsafe { libc::close(self.0) };
+    }
+}
+
+/// Reads (`write` false) or writes every byte of `iov` from file offset 0, at most `IOV_MAX`
+/// buffers a call, until done or a read meets the end of the file; the bytes moved, or a code.
+fn vectored(fd: &Fd, mut iov: Vec<libc::iovec>, write: bool) -> Result<usize, i64> {
+    let (mut offset, mut first) = (0usize, 0usize);
+    while first < iov.len() {
+        let end = (first + IOV_MAX).min(iov.len());
+        let cnt = (end - first) as libc::c_int;
+        // SAFETY: every iovec names a span checked to lie inside registered memory, or a buffer
+        // of this function's caller; the count is within the vector.
+        let n = unsafe {
+            if write {
+                libc::pwritev(fd.0, iov[first..].as_ptr(), cnt, offset as libc::off_t)
+            } else {
+                libc::preadv(fd.0, iov[first..].as_ptr(), cnt, offset as libc::off_t)
+            }
+        };
+        if n < 0 {
+            if std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
+                continue;
+            }
+            return Err(errno());
+        }
+        if n == 0 {
+            break;
+        }
+        let mut n = n as usize;
+        offset += n;
+        while first < iov.len() && n >= iov[first].iov_len {
+            n -= iov[first].iov_len;
+            first += 1;
+        }
+        if n > 0 {
+            // SAFETY: advancing within the same buffer (n < its length).
+            iov[first].iov_base = unsafe { (iov[first].iov_base as *mut u8).add(n) } as *mut libc::c_void;
+            iov[first].iov_len -= n;
+        }
+    }
+    Ok(offset)
+}
+
+fn iovecs(spans: &[Span]) -> Vec<libc::iovec> {
+    spans.iter().map(|&(p, n)| libc::iovec { iov_base: p as *mut libc::c_void, iov_len: n }).collect()
+}
+
+/// The CRC-32 of the spans' bytes in order.
+fn crc_of(spans: &[Span]) -> u32 {
+    let mut h = crc32fast::Hasher::new();
+    for &(p, n) in spans {
+        // SAFETY: the span lies inside registered memory (checked by the caller of this module's
+        // entry points); it is only read.
+        h.update(unsafe { std::slice::from_raw_parts(p as *const u8, n) });
+    }
+    h.finalize()
+}
+
+/// Whether the object ends in hicache-io's integrity trailer (which the store verifies).
+fn carries_trailer(spans: &[Span]) -> bool {
+    match spans.last() {
+        Some(&(p, n)) if n >= 16 => {
+            let mut w = [0u8; 8];
+            // SAFETY: 8 bytes inside the span (n >= 16), which lies in registered memory.
+            unsafe { std::ptr::copy_nonoverlapping((p + n - 16) as *const u8, w.as_mut_ptr(), 8) };
+            u64::from_le_bytes(w) == TRAILER_MAGIC
+        }
+        _ => false,
+    }
+}
+
+fn footer(n: usize, key: &[u8], crc: u32) -> Vec<u8> {
+    let mut f = Vec::with_capacity(key.len() + FOOTER);
+    f.extend_from_slice(key);
+    f.extend_from_slice(FOOTER_MAGIC);
+    f.extend_from_slice(&(n as u64).to_le_bytes());
+    f.extend_from_slice(&(key.len() as u32).to_le_bytes());
+    f.extend_from_slice(&crc.to_le_bytes());
+    f.extend_from_slice(&[0u8; 8]);
+    f
+}
+
+/// Reads object `key` from file `path` into `spans` (`exact`: their sizes add up to the
+/// object's; else one span at least as large); the object's bytes, or a code.
+fn get_one(path: &str, key: &[u8], spans: &[Span], exact: bool, crc_trailered: bool, touch_seconds: f64) -> i64 {
+    let Some(c) = cpath(path) else { return INVALID_PARAMS };
+    // SAFETY: a NUL-terminated path; the descriptor is closed by `Fd`.
+    let raw = unsafe { libc::open(c.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
+    if raw < 0 {
+        let e = errno();
+        return if e == -(libc::ENOENT as i64) { OBJECT_NOT_FOUND } else { e };
+    }
+    let fd = Fd(raw);
+    // SAFETY: fstat fills the zeroed struct for an open descriptor.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    if unsafe { libc::fstat(fd.0, &mut st) } != 0 {
+        return errno();
+    }
+    let size = st.st_size.max(0) as usize;
+    let Some(n) = size.checked_sub(key.len() + FOOTER) else { return OBJECT_NOT_FOUND };
+    let room: usize = spans.iter().map(|s| s.1).sum();
+    if exact && room != n {
+        return BUFFER_MISMATCH;
+    }
+    if !exact && (spans.len() != 1 || room < n) {
+        return INVALID_PARAMS;
+    }
+    let targets: Vec<Span> = if exact { spans.to_vec() } else { vec![(spans[0].0, n)] };
+    let mut tail = vec![0u8; key.len() + FOOTER];
+    let mut iov = iovecs(&targets);
+    iov.push(libc::iovec { iov_base: tail.as_mut_ptr() as *mut libc::c_void, iov_len: tail.len() });
+    match vectored(&fd, iov, false) {
+        Ok(got) if got == size => {}
+        Ok(_) => return OBJECT_NOT_FOUND, // truncated meanwhile
+        Err(e) => return e,
+    }
+    let (k, f) = tail.split_at(key.len());
+    let holds = k == key
+        && &f[..8] == FOOTER_MAGIC
+        && u64::from_le_bytes(f[8..16].try_into().unwrap_or_default()) == n as u64
+        && u32::from_le_bytes(f[16..20].try_into().unwrap_or_default()) as usize == key.len();
+    if !holds {
+        return DAMAGED;
+    }
+    if (crc_trailered || !carries_trailer(&targets)) && crc_of(&targets) != u32::from_le_bytes(f[20..24].try_into().unwrap_or_default()) {
+        return DAMAGED;
+    }
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
+    if now - st.st_mtime as f64 > touch_seconds {
+        // Last use, for the eviction order; another user's file keeps its order.
+        // SAFETY: a null times pointer sets both times to now.
+        unsafe { libc::futimens(fd.0, std::ptr::null()) };
+    }
+    n as i64
+}
+
+/// What a file of `nbytes` takes on disk: whole 4 KiB blocks.
+fn on_disk(nbytes: usize) -> i64 {
+    nbytes.div_ceil(4096).saturating_mul(4096) as i64
+}
+
+/// Writes object `key` from `spans` to temporary file `tmp` and publishes it at `path` by a
+/// link (whole or not at all; an existing object is kept); the bytes it takes on disk (0 when
+/// kept), or a code. (`O_TMPFILE` measured no faster here: the file system's metadata work is
+/// the same.)
+fn put_one(path: &str, tmp: &str, key: &[u8], spans: &[Span], fsync: bool) -> i64 {
+    let (Some(final_c), Some(tmp_c)) = (cpath(path), cpath(tmp)) else { return INVALID_PARAMS };
+    // SAFETY: NUL-terminated paths.
+    if unsafe { libc::access(final_c.as_ptr(), libc::F_OK) } == 0 {
+        return 0;
+    }
+    let n: usize = spans.iter().map(|s| s.1).sum();
+    let foot = footer(n, key, crc_of(spans));
+    let total = n + foot.len();
+    let write = |fd: &Fd| -> Result<(), i64> {
+        let mut iov = iovecs(spans);
+        iov.push(libc::iovec { iov_base: foot.as_ptr() as *mut libc::c_void, iov_len: foot.len() });
+        match vectored(fd, iov, true)? {
+            // SAFETY: an open descriptor.
+            w if w == total => {
+                if fsync && unsafe { libc::fsync(fd.0) } != 0 {
+                    Err(errno())
+                } else {
+                    Ok(())
+                }
+            }
+            _ => Err(-(libc::EIO as i64)),
+        }
+    };
+    let published = |rc: libc::c_int| -> i64 {
+        if rc == 0 {
+            return on_disk(total);
+        }
+        match errno() {
+            e if e == -(libc::EEXIST as i64) => 0, // another writer published it meanwhile: the first one stays
+            e => e,
+        }
+    };
+    // SAFETY: a NUL-terminated path; the descriptor is closed by `Fd`.
+    let raw = unsafe { libc::open(tmp_c.as_ptr(), libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC, 0o644) };
+    if raw < 0 {
+        return errno();
+    }
+    let written = write(&Fd(raw));
+    // SAFETY: NUL-terminated paths.
+    let rc = match written {
+        Err(e) => e,
+        Ok(()) => published(unsafe { libc::link(tmp_c.as_ptr(), final_c.as_ptr()) }),
+    };
+    // SAFETY: a NUL-terminated path.
+    unsafe { libc::unlink(tmp_c.as_ptr()) };
+    rc
+}
+
+/// `f(j)` for every object, on up to `threads` threads where the objects are large.
+fn run_all(count: usize, bytes: usize, threads: usize, f: impl Fn(usize) -> i64 + Sync) -> Vec<i64> {
+    if count <= 2 || threads <= 1 || bytes < PARALLEL_BYTES.saturating_mul(count) {
+        return (0..count).map(f).collect();
+    }
+    let out: Vec<AtomicI64> = (0..count).map(|_| AtomicI64::new(0)).collect();
+    let next = AtomicUsize::new(0);
+    std::thread::scope(|s| {
+        for _ in 0..threads.min(count) {
+            s.spawn(|| loop {
+                let j = next.fetch_add(1, Ordering::Relaxed);
+                if j >= count {
+                    break;
+                }
+                out[j].store(f(j), Ordering::Relaxed);
+            });
+        }
+    });
+    out.into_iter().map(AtomicI64::into_inner).collect()
+}
+
+/// Checked spans of a batch: per object its spans, `None` for an object outside registered memory.
+fn checked(regions: &[Span], ptrs: &Bound<'_, PyList>, sizes: &Bound<'_, PyList>, count: usize) -> PyResult<Vec<Option<Vec<Span>>>> {
+    let spans = spans_arg(ptrs, sizes)?;
+    if spans.len() != count {
+        return Err(PyValueError::new_err(format!("{count} objects but {} span lists", spans.len())));
+    }
+    Ok(spans.into_iter().map(|s| inside(regions, &s).then_some(s)).collect())
+}
+
+/// Reads objects `keys[j]` from their files under folder `objects` into their spans (`ptrs[j]`, `sizes[j]`: an
+/// address and a size, or lists of them), each inside one of `regions` (`(address, bytes)`).
+/// `exact`: the spans add up to the object's size (else `-800`); else one span at least as large
+/// (else `-600`). Per object: its bytes, `-704` (missing, or truncated meanwhile), `-600` (a span
+/// outside `regions`), [`DAMAGED`], or `-errno`. Objects that carry hicache-io's trailer skip the
+/// CRC unless `crc_trailered`; a file last used more than `touch_seconds` ago is marked used.
+#[pyfunction]
+#[pyo3(signature = (regions, objects, keys, ptrs, sizes, exact, crc_trailered, touch_seconds, threads))]
+pub(crate) fn local_get(
+    py: Python<'_>,
+    regions: Vec<Span>,
+    objects: &str,
+    keys: Vec<String>,
+    ptrs: &Bound<'_, PyList>,
+    sizes: &Bound<'_, PyList>,
+    exact: bool,
+    crc_trailered: bool,
+    touch_seconds: f64,
+    threads: usize,
+) -> PyResult<Vec<i64>> {
+    let spans = checked(&regions, ptrs, sizes, keys.len())?;
+    let bytes = spans.iter().flatten().flatten().map(|s| s.1).sum();
+    Ok(py.detach(|| {
+        run_all(keys.len(), bytes, threads, |j| match &spans[j] {
+            Some(s) => get_one(&object_path(objects, keys[j].as_bytes()), keys[j].as_bytes(), s, exact, crc_trailered, touch_seconds),
+            None => INVALID_PARAMS,
+        })
+    }))
+}
+
+/// Writes objects `keys[j]` from their spans (as [`local_get`]'s) to temporary files `tmps[j]`
+/// and publishes each at `paths[j]` by a link. Per object: the bytes its file takes on disk
+/// (written), `0` (it existed: kept), `-600` (a span outside `regions`) or `-errno`.
+#[pyfunction]
+#[pyo3(signature = (regions, paths, tmps, keys, ptrs, sizes, fsync, threads))]
+pub(crate) fn local_put(
+    py: Python<'_>,
+    regions: Vec<Span>,
+    paths: Vec<String>,
+    tmps: Vec<String>,
+    keys: Vec<String>,
+    ptrs: &Bound<'_, PyList>,
+    sizes: &Bound<'_, PyList>,
+    fsync: bool,
+    threads: usize,
+) -> PyResult<Vec<i64>> {
+    if paths.len() != keys.len() || tmps.len() != keys.len() {
+        return Err(PyValueError::new_err(format!("{} paths and {} temporary names for {} keys", paths.len(), tmps.len(), keys.len())));
+    }
+    let spans = checked(&regions, ptrs, sizes, keys.len())?;
+    let bytes = spans.iter().flatten().flatten().map(|s| s.1).sum();
+    Ok(py.detach(|| {
+        run_all(keys.len(), bytes, threads, |j| match &spans[j] {
+            Some(s) => put_one(&paths[j], &tmps[j], keys[j].as_bytes(), s, fsync),
+            None => INVALID_PARAMS,
+        })
+    }))
+}
