@@ -71,7 +71,8 @@ pub use exec::{Completion, Device, ExecutorKind};
 pub use geometry::{IoBackend, LayerMap, Layout, PoolKind, Profile};
 pub use plan::{Capabilities, Op, Plan, Request};
 pub use pool::{
-    DevicePool, DevicePoolConfig, Hold, HostPool, HostPoolConfig, LayerLoads, Pipeline, SharedDevicePool, SharedHostPool, Ticket, Transfer,
+    DevicePool, DevicePoolConfig, Hold, HostPool, HostPoolConfig, LayerLoads, PageObjects, Pipeline, SharedDevicePool, SharedHostPool,
+    Ticket, Transfer,
 };
 
 /// The README's Rust examples compile and run as doctests.

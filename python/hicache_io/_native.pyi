@@ -54,7 +54,17 @@ class HostPool:
     def set_from_flat_data_page(self, index: int, data_page: Any) -> None: ...
     def get_page_buffer_meta(self, indices: Any) -> List[Tuple[int, int, int]]: ...
     def page_share_spans(self, comp: int, layers: Tuple[int, int], item_bytes: Tuple[int, int]) -> Tuple[List[Tuple[int, int, int]], int]: ...
-    def share_checksums(self, indices: Any, shares: List[Tuple[int, int, int, int, int]], seed: int = ...) -> numpy.ndarray: ...
+    def object_sums(self, indices: Any, shares: Optional[List[Tuple[int, int, int, int, int]]] = None, seed: int = ...) -> numpy.ndarray:
+        """Each page object's checksum: per page, one object per component (``shares=None``) or
+        the given shares ``(comp, layer start, layer end, byte start, byte end)``."""
+    def put_object_sums(self, indices: Any, shares: Optional[List[Tuple[int, int, int, int, int]]] = None, seed: int = ...) -> Tuple[numpy.ndarray, List[bool]]:
+        """``(object_sums(...), pages_intact(indices))`` in one read of the pages."""
+    def landed_object_sums(
+        self, indices: Any, expected: Sequence[int], eligible: Sequence[bool], shares: Optional[List[Tuple[int, int, int, int, int]]] = None, seed: int = ...
+    ) -> numpy.ndarray:
+        """After a store wrote the pages in place: ``object_sums(...)``, with the item checksums of
+        each page whose objects are all ``eligible`` and match ``expected`` recorded, the others
+        forgotten."""
     def _while_held(self, indices: Any, write: bool, callback: Any) -> Any:
         """Test support: holds the pages starting at host tokens ``indices`` (every layer) while
         ``callback()`` runs; calls that write them (or, with ``write``, touch them) wait."""

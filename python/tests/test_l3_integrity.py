@@ -120,7 +120,7 @@ def test_a_page_damaged_in_host_memory_is_not_put(store, executor):
 
 @pytest.mark.parametrize("executor", executors())
 @pytest.mark.parametrize("kind,layout,heads", [("dsa", "page_first", 1), ("mha", "page_first", 1), ("mha", "page_head", 2), ("mla", "page_first_direct", 1)])
-def test_put_checksums_are_object_checksums_and_pages_intact_in_one_read(executor, kind, layout, heads):
+def test_put_object_sums_are_object_sums_and_pages_intact_in_one_read(executor, kind, layout, heads):
     """What a put needs (each object's checksum, each page's item check) from one read of the
     pages: equal to the two separate calls, on pages whose objects are one item (DSA, one layer)
     and many (MHA over layers and tokens, split heads), before and after a byte of one page is
@@ -133,9 +133,9 @@ def test_put_checksums_are_object_checksums_and_pages_intact_in_one_read(executo
     idx = tokens(pages)
 
     def both(seed=None):
-        args = (idx,) if seed is None else (idx, seed)
-        sums, intact = host.put_checksums(*args)
-        assert list(sums) == list(host.object_checksums(*args))
+        kw = {} if seed is None else {"seed": seed}
+        sums, intact = host.put_object_sums(idx, **kw)
+        assert list(sums) == list(host.object_sums(idx, **kw))
         assert intact == host.pages_intact(idx)
         return intact
 
@@ -155,8 +155,8 @@ def test_put_checksums_are_object_checksums_and_pages_intact_in_one_read(executo
 
 @pytest.mark.parametrize("executor", executors())
 @pytest.mark.parametrize("kind,layout,heads", [("dsa", "page_first", 1), ("mha", "page_first", 1), ("mha", "page_head", 2)])
-def test_landed_checksums_verify_and_settle_pages_in_one_read(executor, kind, layout, heads):
-    """After a zero-copy get: each object's checksum (equal to ``object_checksums``) and, in the
+def test_landed_object_sums_verify_and_settle_pages_in_one_read(executor, kind, layout, heads):
+    """After a zero-copy get: each object's checksum (equal to ``object_sums``) and, in the
     same read, the pool's item checksums: recorded (as the backup recorded them) for a page whose
     objects are all eligible and match, forgotten for a page with one object that does not match
     or is not eligible."""
@@ -167,24 +167,24 @@ def test_landed_checksums_verify_and_settle_pages_in_one_read(executor, kind, la
     idx = tokens(pages)
     recorded = [host.page_checksums(q * P) for q in pages]
     assert all(c is not None for r in recorded for c in r)
-    sums = list(host.object_checksums(idx))
+    sums = list(host.object_sums(idx))
     per = len(sums) // len(pages)
     host.forget_page_checksums([q * P for q in pages])
     expected = list(sums)
     expected[per] ^= 1  # page 2's first object does not match
     eligible = [True] * len(sums)
     eligible[2 * per] = False  # page 3's first object was not read whole
-    assert list(host.landed_checksums(idx, expected, eligible)) == sums
+    assert list(host.landed_object_sums(idx, expected, eligible)) == sums
     assert host.page_checksums(1 * P) == recorded[0]
     assert all(c is None for c in host.page_checksums(2 * P) + host.page_checksums(3 * P))
-    assert list(host.landed_checksums(idx, sums, [True] * len(sums))) == sums
+    assert list(host.landed_object_sums(idx, sums, [True] * len(sums))) == sums
     assert [host.page_checksums(q * P) for q in pages] == recorded
     with pytest.raises(ValueError):
-        host.landed_checksums(idx, sums[:-1], [True] * len(sums))
+        host.landed_object_sums(idx, sums[:-1], [True] * len(sums))
 
 
 @pytest.mark.parametrize("layout,heads,bpt", [("page_unified", 2, 64), ("page_first", 1, 64), ("page_first", 1, 12)])
-def test_share_checksums_are_the_checksums_of_the_gathered_shares(layout, heads, bpt):
+def test_share_sums_are_the_checksums_of_the_gathered_shares(layout, heads, bpt):
     """A page share's checksum (summed where its spans lie when they are whole words, gathered
     first otherwise) is the checksum of the share's bytes gathered in order."""
     from hicache_io import _native
@@ -193,7 +193,7 @@ def test_share_checksums_are_the_checksums_of_the_gathered_shares(layout, heads,
     host.backup_from_device_all_layer(dev, tokens([1, 2]), tokens([5, 6]), "kernel")
     half = bpt // 2
     shares = [(0, 0, 3, 0, half), (1, 1, 3, half, bpt), (0, 2, 3, 0, bpt)]
-    got = list(host.share_checksums(tokens([1, 2]), shares))
+    got = list(host.object_sums(tokens([1, 2]), shares))
     want = []
     for page in (1, 2):
         for comp, l0, l1, b0, b1 in shares:
@@ -203,23 +203,23 @@ def test_share_checksums_are_the_checksums_of_the_gathered_shares(layout, heads,
     assert got == want
     # In one read with the pages' item checks (before and after a byte of page 2 is damaged)...
     idx = tokens([1, 2])
-    sums, intact = host.put_share_checksums(idx, shares)
+    sums, intact = host.put_object_sums(idx, shares)
     assert list(sums) == want and intact == host.pages_intact(idx) == [True, True]
     recorded = [host.page_checksums(q * P) for q in (1, 2)]
     off = page_meta(host, 2)[0][1] + 3
     byte = np.asarray(host.read_buffer(0))[off]
     host.inject_host_corruption(0, off, bytes([byte ^ 0x20]))
-    sums, intact = host.put_share_checksums(idx, shares)
+    sums, intact = host.put_object_sums(idx, shares)
     assert intact == host.pages_intact(idx) == [True, False]
-    assert list(sums) == list(host.share_checksums(idx, shares))
+    assert list(sums) == list(host.object_sums(idx, shares))
     host.inject_host_corruption(0, off, bytes([byte]))
     # ... and after a get: page 1 trusted (recorded as its backup did), page 2 not (forgotten).
     expected = list(want)
     expected[len(shares)] ^= 1
-    assert list(host.landed_share_checksums(idx, shares, expected, [True] * len(want))) == want
+    assert list(host.landed_object_sums(idx, expected, [True] * len(want), shares)) == want
     assert host.page_checksums(1 * P) == recorded[0]
     assert all(c is None for c in host.page_checksums(2 * P))
-    assert list(host.landed_share_checksums(idx, shares, want, [True] * len(want))) == want
+    assert list(host.landed_object_sums(idx, want, [True] * len(want), shares)) == want
     assert [host.page_checksums(q * P) for q in (1, 2)] == recorded
 
 
@@ -286,6 +286,6 @@ def test_the_staging_pass_refuses_a_short_buffer_before_writing():
         assert (buf == 7).all()
     sums, intact = host._stage_put(idx, buf.ctypes.data, buf.nbytes, stride)
     assert intact == [True, True]
-    assert list(sums) == list(host.object_checksums(idx))
+    assert list(sums) == list(host.object_sums(idx))
     for j, (c, off, n) in enumerate(host.get_page_buffer_meta(idx)):
         assert np.array_equal(buf[j * stride : j * stride + n], host.read_buffer(c)[off : off + n])

@@ -100,7 +100,7 @@ impl HostPool<'_> {
     /// read of their bytes: what an L3 store needs before it puts pages. An item that is exactly
     /// one object's bytes (a DSA indexer page of one layer; keys seeded by the storage seed) is
     /// summed once for both. Returns (per object, per page).
-    pub fn put_checksums(&self, indices: &[i64], seed: u64) -> Result<(Vec<u64>, Vec<bool>)> {
+    pub(crate) fn put_checksums(&self, indices: &[i64], seed: u64) -> Result<(Vec<u64>, Vec<bool>)> {
         let (meta, keys, per) = self.object_spans(indices, seed)?;
         self.page_pass(indices, Some((&meta, seed)), PageCheck::Intact, |bytes, k, out| {
             for &(c, off, len) in &meta[k * per..(k + 1) * per] {
@@ -110,7 +110,7 @@ impl HostPool<'_> {
         })
     }
 
-    /// [`HostPool::put_checksums`] with each object's bytes also copied into `staging`, object
+    /// [`HostPool::put_object_sums`] (components) with each object's bytes also copied into `staging`, object
     /// `j` (in the order of [`HostPool::get_page_buffer_meta`]) at byte `j · stride`, in the same
     /// read: an L3 store puts each object and the trailer it writes after it as one span. Refused
     /// before any byte moves when an object is longer than `stride` or `staging` is too short.
@@ -130,7 +130,7 @@ impl HostPool<'_> {
         })
     }
 
-    /// [`HostPool::landed_checksums`] for objects an L3 store read into `staging` (object `j` at
+    /// [`HostPool::landed_object_sums`] (components) for objects an L3 store read into `staging` (object `j` at
     /// byte `j · stride`): the objects with `write[j]` are copied into the pool in the pass that
     /// checksums them (their bytes are read once, from the staging buffer), then the pages are
     /// settled as there. Returns each object's checksum (0 for those not written).
@@ -178,7 +178,12 @@ impl HostPool<'_> {
 
     /// [`HostPool::share_checksums`] and [`HostPool::pages_intact`] of the same pages in one read
     /// of their bytes. Returns (per page and share, per page).
-    pub fn put_share_checksums(&self, indices: &[i64], shares: &[crate::geometry::PageShare], seed: u64) -> Result<(Vec<u64>, Vec<bool>)> {
+    pub(crate) fn put_share_checksums(
+        &self,
+        indices: &[i64],
+        shares: &[crate::geometry::PageShare],
+        seed: u64,
+    ) -> Result<(Vec<u64>, Vec<bool>)> {
         let sums = self.share_summer(indices, shares, seed)?;
         self.page_pass(indices, None, PageCheck::Intact, |bytes, k, out| sums.sum_page(bytes, indices, k, out))
     }
@@ -189,7 +194,7 @@ impl HostPool<'_> {
     /// objects are `eligible` (read whole, with a trailer of this format) and match `expected` is
     /// trusted and its items' checksums are recorded; every other page's are forgotten (its loads
     /// read as unverified, never as corrupt). `expected` and `eligible`: one per object.
-    pub fn landed_checksums(&self, indices: &[i64], seed: u64, expected: &[u64], eligible: &[bool]) -> Result<Vec<u64>> {
+    pub(crate) fn landed_checksums(&self, indices: &[i64], seed: u64, expected: &[u64], eligible: &[bool]) -> Result<Vec<u64>> {
         let (meta, keys, per) = self.object_spans(indices, seed)?;
         let check = PageCheck::landed(expected, eligible, meta.len())?;
         let (sums, _) = self.page_pass(indices, Some((&meta, seed)), check, |bytes, k, out| {
@@ -203,7 +208,7 @@ impl HostPool<'_> {
 
     /// [`HostPool::landed_checksums`] for objects that hold page shares
     /// ([`HostPool::share_checksums`]): `expected` and `eligible` one per page and share.
-    pub fn landed_share_checksums(
+    pub(crate) fn landed_share_checksums(
         &self,
         indices: &[i64],
         shares: &[crate::geometry::PageShare],

@@ -7,12 +7,14 @@
 //! two instances is an `ExecutorMismatch` error before anything moves.//!
 //! Rooms: `device` (the device pool), `host` (the host pool and its calls), `transfers` (calls in
 //! flight: `Transfer`, `LayerLoads`, the asynchronous calls), `pages` (page helpers, per-layout
-//! byte order), `checksums` (the host pool's item checksums), `pipeline`, `shared` (pools shared by threads),
+//! byte order), `checksums` (the host pool's item checksums), `objects` (the page objects an L3 store
+//! moves and their sums), `pipeline`, `shared` (pools shared by threads),
 //! `util`.
 
 mod checksums;
 mod device;
 mod host;
+mod objects;
 mod pages;
 mod pipeline;
 mod shared;
@@ -21,6 +23,7 @@ mod util;
 
 pub use device::{DevicePool, DevicePoolConfig};
 pub use host::{HostPool, HostPoolConfig};
+pub use objects::PageObjects;
 pub use pipeline::{Pipeline, Ticket};
 pub use shared::{Hold, SharedDevicePool, SharedHostPool};
 pub use transfers::{LayerLoads, Transfer};

@@ -140,7 +140,7 @@ impl HostPool<'_> {
     /// queued transfers, then reads it in place where it lives in this process's memory, through
     /// the executor otherwise. Memory written outside the pool's own calls (an L3 store into a
     /// registered pool, a raw-pointer op) must not be written to those pages meanwhile.
-    pub fn object_checksums(&self, indices: &[i64], seed: u64) -> Result<Vec<u64>> {
+    pub(crate) fn object_checksums(&self, indices: &[i64], seed: u64) -> Result<Vec<u64>> {
         let meta = self.get_page_buffer_meta(indices)?;
         let widest = meta.iter().map(|m| m.2).max().unwrap_or(0);
         let keys = crate::integrity::shared_keys(seed, crate::integrity::words(widest as usize))?;
@@ -152,7 +152,7 @@ impl HostPool<'_> {
     /// `indices[0], indices[P], …` (per page, the shares in order; a share's bytes in its own
     /// order, see [`crate::geometry::PageShare`]), keys seeded by `seed`: what an L3 store puts
     /// beside objects that hold a share of a page. Reads as [`HostPool::object_checksums`] does.
-    pub fn share_checksums(&self, indices: &[i64], shares: &[crate::geometry::PageShare], seed: u64) -> Result<Vec<u64>> {
+    pub(crate) fn share_checksums(&self, indices: &[i64], shares: &[crate::geometry::PageShare], seed: u64) -> Result<Vec<u64>> {
         let sums = self.share_summer(indices, shares, seed)?;
         let mut bytes = self.host_bytes()?;
         let mut out = Vec::with_capacity(sums.objects(indices));

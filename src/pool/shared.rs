@@ -32,7 +32,7 @@ struct ClaimState {
 }
 
 /// An admitted claim; dropping it lets the calls it held back in.
-struct Held<'a> {
+pub(super) struct Held<'a> {
     claims: &'a Claims,
     id: u64,
 }
@@ -85,7 +85,7 @@ pub struct SharedDevicePool {
 /// A [`HostPool`] shared by threads, with the sglang-shaped calls taking `&self`: calls on
 /// disjoint layers or pages run at once, conflicting ones in arrival order.
 pub struct SharedHostPool {
-    pool: HostPool<'static>,
+    pub(super) pool: HostPool<'static>,
     claims: Claims,
 }
 
@@ -205,7 +205,7 @@ impl SharedHostPool {
     }
 
     /// The claim on the pages starting at host tokens `indices`, every layer.
-    fn pages(&self, indices: &[i64], write: bool) -> Held<'_> {
+    pub(super) fn pages(&self, indices: &[i64], write: bool) -> Held<'_> {
         self.claims.admit(Claim::pages(indices, self.pool.pair().host().page_size(), write))
     }
     /// [`HostPool::get_data_page`].
@@ -230,63 +230,6 @@ impl SharedHostPool {
     /// [`HostPool::get_page_buffer_meta`] (it names bytes, it reads none).
     pub fn get_page_buffer_meta(&self, indices: &[i64]) -> Result<Vec<(usize, u64, u64)>> {
         self.pool.get_page_buffer_meta(indices)
-    }
-    /// [`HostPool::object_checksums`].
-    pub fn object_checksums(&self, indices: &[i64], seed: u64) -> Result<Vec<u64>> {
-        let _held = self.pages(indices, false);
-        self.pool.object_checksums(indices, seed)
-    }
-    /// [`HostPool::share_checksums`].
-    pub fn share_checksums(&self, indices: &[i64], shares: &[crate::geometry::PageShare], seed: u64) -> Result<Vec<u64>> {
-        let _held = self.pages(indices, false);
-        self.pool.share_checksums(indices, shares, seed)
-    }
-    /// [`HostPool::put_checksums`].
-    pub fn put_checksums(&self, indices: &[i64], seed: u64) -> Result<(Vec<u64>, Vec<bool>)> {
-        let _held = self.pages(indices, false);
-        self.pool.put_checksums(indices, seed)
-    }
-    /// [`HostPool::landed_checksums`].
-    pub fn landed_checksums(&self, indices: &[i64], seed: u64, expected: &[u64], eligible: &[bool]) -> Result<Vec<u64>> {
-        let _held = self.pages(indices, true);
-        self.pool.landed_checksums(indices, seed, expected, eligible)
-    }
-    /// [`HostPool::stage_put`] (the pages held for reading).
-    pub fn stage_put(&self, indices: &[i64], seed: u64, staging: &mut [u8], stride: usize) -> Result<(Vec<u64>, Vec<bool>)> {
-        let _held = self.pages(indices, false);
-        self.pool.stage_put(indices, seed, staging, stride)
-    }
-    /// [`HostPool::land_staged`] (the pages held for writing).
-    #[allow(clippy::too_many_arguments)]
-    pub fn land_staged(
-        &self,
-        indices: &[i64],
-        seed: u64,
-        staging: &[u8],
-        stride: usize,
-        expected: &[u64],
-        eligible: &[bool],
-        write: &[bool],
-    ) -> Result<Vec<u64>> {
-        let _held = self.pages(indices, true);
-        self.pool.land_staged(indices, seed, staging, stride, expected, eligible, write)
-    }
-    /// [`HostPool::put_share_checksums`].
-    pub fn put_share_checksums(&self, indices: &[i64], shares: &[crate::geometry::PageShare], seed: u64) -> Result<(Vec<u64>, Vec<bool>)> {
-        let _held = self.pages(indices, false);
-        self.pool.put_share_checksums(indices, shares, seed)
-    }
-    /// [`HostPool::landed_share_checksums`].
-    pub fn landed_share_checksums(
-        &self,
-        indices: &[i64],
-        shares: &[crate::geometry::PageShare],
-        seed: u64,
-        expected: &[u64],
-        eligible: &[bool],
-    ) -> Result<Vec<u64>> {
-        let _held = self.pages(indices, true);
-        self.pool.landed_share_checksums(indices, shares, seed, expected, eligible)
     }
     /// [`HostPool::pages_intact`].
     pub fn pages_intact(&self, indices: &[i64]) -> Result<Vec<bool>> {

@@ -108,9 +108,9 @@ class PoolPages(Placement):
     def put_sums(self) -> Sums:
         sums = intact = None
         if self.check:
-            if self.writes_trailers and hasattr(self.pool, "put_checksums"):
+            if self.writes_trailers and hasattr(self.pool, "put_object_sums"):
                 # The objects' checksums and the pages' item checks in one read of the pages.
-                sums, intact = self.pool.put_checksums(self.idx)
+                sums, intact = self.pool.put_object_sums(self.idx)
             else:
                 intact = self.pool.pages_intact(self.idx)
         if self.writes_trailers and sums is None:
@@ -118,7 +118,7 @@ class PoolPages(Placement):
         return (None if sums is None else _u64(sums)), (None if intact is None else np.asarray(intact, bool))
 
     def _sums(self) -> Any:
-        return self.pool.object_checksums(self.idx)
+        return self.pool.object_sums(self.idx)
 
     def put_spans(self, todo: np.ndarray, trailer: bool) -> Spans:
         ptrs, size = self.ptrs(), int(self.sizes[0]) if self.n else 0
@@ -135,11 +135,11 @@ class PoolPages(Placement):
         return [with_sum(), lambda: plain] if self.verifies else [plain, with_sum]
 
     def land(self, expected: np.ndarray, eligible: np.ndarray, written: np.ndarray) -> Tuple[Optional[np.ndarray], bool]:
-        if self.lay.zero_copy and hasattr(self.lay, "landed") and hasattr(self.pool, "landed_checksums"):
+        if self.lay.zero_copy and hasattr(self.lay, "landed") and hasattr(self.pool, "landed_object_sums"):
             # The objects' checksums and the pool's item checksums of the pages that landed, in
             # one read: a page whose objects were all read whole with this format's trailer and
             # match it is recorded, every other page forgotten.
-            return _u64(self.pool.landed_checksums(self.idx, expected.tolist(), eligible.tolist())), True
+            return _u64(self.pool.landed_object_sums(self.idx, expected.tolist(), eligible.tolist())), True
         return _u64(self._sums()), False
 
     def settle(self, pages: np.ndarray, trusted: np.ndarray) -> None:
@@ -244,12 +244,12 @@ class SharePages(Placement):
     def put_sums(self) -> Sums:
         sums = intact = None
         if self.check:
-            if hasattr(self.pool, "put_share_checksums"):
-                sums, intact = self.pool.put_share_checksums(self.idx, self.grid.shares)
+            if hasattr(self.pool, "put_object_sums"):
+                sums, intact = self.pool.put_object_sums(self.idx, self.grid.shares)
             else:
                 intact = self.pool.pages_intact(self.idx)
         if self.writes_trailers and sums is None:
-            sums = self.pool.share_checksums(self.idx, self.grid.shares)
+            sums = self.pool.object_sums(self.idx, self.grid.shares)
         return (None if sums is None else _u64(sums)), (None if intact is None else np.asarray(intact, bool))
 
     def put_spans(self, todo: np.ndarray, trailer: bool) -> Spans:
@@ -264,9 +264,9 @@ class SharePages(Placement):
         return [first, lambda: self.put_spans(everything, not self.verifies)]
 
     def land(self, expected: np.ndarray, eligible: np.ndarray, written: np.ndarray) -> Tuple[Optional[np.ndarray], bool]:
-        if self.lay.zero_copy and hasattr(self.pool, "landed_share_checksums"):
-            return _u64(self.pool.landed_share_checksums(self.idx, self.grid.shares, expected.tolist(), eligible.tolist())), True
-        return _u64(self.pool.share_checksums(self.idx, self.grid.shares)), False
+        if self.lay.zero_copy and hasattr(self.pool, "landed_object_sums"):
+            return _u64(self.pool.landed_object_sums(self.idx, expected.tolist(), eligible.tolist(), self.grid.shares)), True
+        return _u64(self.pool.object_sums(self.idx, self.grid.shares)), False
 
     def settle(self, pages: np.ndarray, trusted: np.ndarray) -> None:
         self.lay.landed(self.idx, (pages & trusted).tolist())
@@ -302,7 +302,7 @@ class SidecarPages(Placement):
     def put_sums(self) -> Sums:
         if self.side.ours:
             # The objects' checksums and (as for KV pages) the pages' item checks in one read.
-            sums, intact = self.side.pool.put_checksums(self.idx)
+            sums, intact = self.side.pool.put_object_sums(self.idx)
             return _u64(sums), np.asarray(intact, bool)
         return self._sums(), None
 
@@ -314,7 +314,7 @@ class SidecarPages(Placement):
 
     def land(self, expected: np.ndarray, eligible: np.ndarray, written: np.ndarray) -> Tuple[Optional[np.ndarray], bool]:
         if self.side.ours:
-            return _u64(self.side.pool.landed_checksums(self.idx, expected.tolist(), eligible.tolist())), True
+            return _u64(self.side.pool.landed_object_sums(self.idx, expected.tolist(), eligible.tolist())), True
         return self._sums(), False
 
     def settle(self, pages: np.ndarray, trusted: np.ndarray) -> None:
