@@ -51,22 +51,10 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 
 from .l3.batches import CallScope, in_rounds, one_call
-from .l3.config import (
-    HiCacheStorage,
-    HiCacheStorageConfig,
-    HiCacheStorageExtraInfo,
-    MooncakeStoreConfig,
-    StoreSettings,
-)
+from .l3.config import STORAGE_BATCH_SIZE, HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo, MooncakeStoreConfig, StoreSettings
 from .l3.config import size_of as _size
 from .l3.errors import INTEGRITY, MOONCAKE_ERRORS, REFUSED, SHORT_READ, StorageError
-from .l3.keys import (
-    claim_namespace,
-    namespace_key,
-    namespace_of,
-    page_object_keys,
-    shard_descriptor,
-)
+from .l3.keys import GridKeys, RankKeys, claim_namespace, namespace_key, namespace_of, shard_descriptor
 from .l3.layouts import PoolLayout as _Layout
 from .l3.layouts import SglangLayout as _SglangLayout  # noqa: F401 (the name it had)
 from .l3.layouts import check_inside as _check_inside  # noqa: F401 (the name it had)
@@ -86,8 +74,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["MooncakeStore", "LocalStore", "MooncakeStoreConfig", "StorageError", "LocalMaster", "SHORT_READ", "REFUSED", "INTEGRITY", "TRAILER_MAGIC", "HiCacheStorage", "HiCacheStorageConfig", "HiCacheStorageExtraInfo", "STORAGE_BATCH_SIZE", "MOONCAKE_ERRORS"]
 
-#: Pages per storage call in sglang's controller (and the staging buffer's size in pages).
-STORAGE_BATCH_SIZE = 128
 
 #: Checksummed objects up to this size move through a staging buffer with their trailer as one
 #: span (Mooncake's single-buffer calls; its two-buffer calls cost a quarter or more of the
@@ -122,6 +108,8 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
         self._foreign = False
         # Topology-free keys (hicache_io.storage_unified): the registered pool's share of the grid.
         self._grid: Any = None
+        # The registered pool's key scheme (l3.keys), None before.
+        self._keys: Any = None
         self._trailers: Optional[np.ndarray] = None
         self.stats = {"verified": 0, "unverified": 0, "corrupt": 0, "damaged_puts": 0, "foreign": 0, "incompatible": 0}
         self.mem_pool_host: Any = None
@@ -189,6 +177,7 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
             self._seal_t = sealed.reshape(-1, stride)[:, lay.obj_bytes : lay.obj_bytes + 16].view("<u8") if sealed is not None else None
             self._registered, self._staging, self._layout, self.mem_pool_host = done, staging, lay, mem_pool_host
             self._descriptor, self._trailers = descriptor, trailers
+            self._keys = self._key_scheme()
             self.namespace, self._foreign = namespace, False
             if descriptor is None and self._namespace_record:
                 self._foreign = not self._claim_namespace(record)
@@ -226,6 +215,7 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
             self._registered, self._staging, self.mem_pool_host = [], None, None
             self._sealed, self._seal_t, self._seal_stride = None, None, 0
             self._layout, self._descriptor, self._trailers, self._grid = None, None, None, None
+            self._keys = None
             self.namespace, self._foreign = None, False
 
     def _pool(self) -> Any:
@@ -243,12 +233,16 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
     def _object_keys(self, keys: Sequence[str]) -> List[str]:
         """Every object key of ``keys``' pages, page by page, K before V."""
         self._pool()
-        lay = self._layout
+        return self._keys.keys(keys)
+
+    def _key_scheme(self) -> Any:
+        """The registered pool's key scheme (:mod:`hicache_io.l3.keys`)."""
         prefix = f"{self.key_prefix}_" if self.key_prefix else ""
         if self._grid is not None:
-            return self._grid.keys(prefix, keys)
+            return GridKeys(prefix, self._grid.digest, self._grid.suffixes)
+        lay = self._layout
         rank = self.mha_suffix if lay.kind == "mha" else self.mla_suffix
-        return page_object_keys(keys, prefix, rank, self._descriptor, lay.kind, lay.comps)
+        return RankKeys(prefix, rank, self._descriptor, lay.kind, lay.comps)
 
     def _fail(self, err: StorageError) -> None:
         self._calls.error = err

@@ -141,10 +141,6 @@ class UnifiedGrid:
         self.object_bytes = [sum(sizes) for _, sizes, _ in self._spans]
         self.regions = [b for b in bases if b[1] > 0]
 
-    def keys(self, prefix: str, page_keys: Sequence[str]) -> List[str]:
-        """Every object key of ``page_keys``' pages, page by page, in the grid's order."""
-        return [f"{prefix}{key}_{self.digest}_{s}" for key in page_keys for s in self.suffixes]
-
     def buffers(self, pages: Sequence[int]) -> Tuple[List[List[int]], List[List[int]]]:
         """Per object of each host page (page numbers), its spans' addresses and sizes."""
         ptrs: List[List[int]] = []
@@ -162,17 +158,19 @@ class UnifiedKeys:
     _grid: Optional[UnifiedGrid]
 
     def _register_unified(self, pool: Any) -> None:
-        from .storage import STORAGE_BATCH_SIZE, _Layout
+        from .l3.config import STORAGE_BATCH_SIZE
+        from .l3.layouts import PoolLayout
 
         if not hasattr(pool, "host_span"):
             raise ValueError("unified keys need a hicache-io HostPool (sglang 0.5.23's host pools have no head-group layout)")
         grid = UnifiedGrid(pool, self.storage_config, self._extra)
-        lay = _Layout(pool, shares=max(1, len(grid.suffixes)))
+        lay = PoolLayout(pool, shares=max(1, len(grid.suffixes)))
         pool.synchronize()
         trailers = np.zeros((STORAGE_BATCH_SIZE * lay.comps, 2), "<u8")
         self._registered = self._register_all(list(grid.regions) + [(trailers.ctypes.data, trailers.nbytes)])
         self._staging, self._layout, self.mem_pool_host = None, lay, pool
         self._descriptor, self._trailers, self._grid = grid.digest, trailers, grid
+        self._keys = self._key_scheme()
         self.namespace, self._foreign = grid.namespace, False
         if grid.missing:
             logger.warning("hicache-io L3 (unified keys): %s; every page reads and writes as a miss", grid.missing)

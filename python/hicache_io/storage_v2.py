@@ -38,6 +38,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 
 from .l3.batches import in_rounds, one_call
+from .l3.keys import SidecarKeys
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ class _SidecarPool:
 
             ptrs, sizes = self.pool.get_page_buffer_meta(torch.tensor(idx, dtype=torch.int64))
             ptrs, sizes = [int(p) for p in ptrs], [int(s) for s in sizes]
-        from .storage import _check_inside
+        from .l3.layouts import check_inside as _check_inside
 
         _check_inside(self.regions, ptrs, sizes, f"pool {self.name!r}'s buffers")
         return ptrs, sizes
@@ -132,14 +133,14 @@ class PoolsV2:
     def _v2_init(self) -> None:
         self.registered_pools: Dict[str, Any] = {}
         self._sidecars: Dict[str, _SidecarPool] = {}
-        self._sidecar_keys: Dict[str, str] = {}
+        self._sidecar_keys: Dict[str, SidecarKeys] = {}
         self._v2_regions: List[int] = []
         self._v2_trailers: Optional[np.ndarray] = None
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         """Registers a pool of the host pool group under sglang's ``PoolName`` (the KV anchor
         must be the pool ``register_mem_pool_host`` took)."""
-        from .storage import STORAGE_BATCH_SIZE
+        from .l3.config import STORAGE_BATCH_SIZE
 
         name = _pool_name(host_pool_name)
         with self._lock:
@@ -164,7 +165,8 @@ class PoolsV2:
             self._v2_regions += done
             record = json.dumps(side.namespace(self.storage_config, self._extra), sort_keys=True).encode()
             rank = self.mha_suffix if side.rank_specific(self.storage_config) else self.mla_suffix
-            self._sidecar_keys[name] = f"{rank}_hio2-{name}-n{hashlib.blake2b(record, digest_size=6).hexdigest()}"
+            prefix = f"{self.key_prefix}_" if self.key_prefix else ""
+            self._sidecar_keys[name] = SidecarKeys(prefix, rank, name, hashlib.blake2b(record, digest_size=6).hexdigest(), side.per_page)
             self._sidecars[name] = side
             self.registered_pools[name] = host_pool
 
@@ -187,9 +189,8 @@ class PoolsV2:
         return side
 
     def _v2_keys(self, name: str, keys: Sequence[str]) -> List[str]:
-        side, mid = self._side(name), self._sidecar_keys[name]
-        prefix = f"{self.key_prefix}_" if self.key_prefix else ""
-        return [f"{prefix}{k}_{mid}_{j}" for k in keys for j in range(side.per_page)]
+        self._side(name)
+        return self._sidecar_keys[name].keys(keys)
 
     # ---- exists ----------------------------------------------------------------------------
 
@@ -244,7 +245,9 @@ class PoolsV2:
         return self._v2_io(transfers, put=False, session_id=None)
 
     def _v2_io(self, transfers: List[Any], put: bool, session_id: Optional[str]) -> Dict[str, List[bool]]:
-        from .storage import REFUSED, STORAGE_BATCH_SIZE, StorageError, _host_list
+        from .l3.config import STORAGE_BATCH_SIZE
+        from .l3.errors import REFUSED, StorageError
+        from .l3.layouts import host_list as _host_list
 
         out: Dict[str, List[bool]] = {}
         for t in transfers:

@@ -6,6 +6,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
+#: Pages per storage call in sglang's controller (and the store's staging buffers' size in pages).
+STORAGE_BATCH_SIZE = 128
+
 try:  # sglang present: be one of its backends (its dynamic loader checks the base class)
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage  # type: ignore
 except ImportError:  # sglang absent: the same interface, standalone

@@ -80,14 +80,50 @@ def shard_descriptor(pool: Any, sglang_keys_any_layout: bool) -> Optional[str]:
     return name
 
 
-def page_object_keys(keys: Sequence[str], prefix: str, rank: str, descriptor: Optional[str], kind: str, comps: int) -> List[str]:
-    """Every object key of ``keys``' pages, page by page, K before V: sglang's names
-    (``descriptor`` ``None``) or the shard's."""
-    middle = rank if descriptor is None else f"{rank}_{descriptor}"
-    # An MHA page_unified page is one object holding K and V.
-    names = ("kv",) if kind == "mha" and comps == 1 else ("k", "v")[:comps]
-    tails = [f"_{middle}_{c}" for c in names]
-    return [f"{prefix}{key}{tail}" for key in keys for tail in tails]
+class KeyScheme:
+    """Which store keys name the objects of a page: ``keys(page_keys)`` gives every object key
+    of the pages, page by page, ``per_page`` a page, in the order the pages' objects are moved."""
+
+    per_page = 1
+
+    def keys(self, page_keys: Sequence[str]) -> List[str]:
+        raise NotImplementedError
+
+
+class RankKeys(KeyScheme):
+    """sglang's names (``descriptor`` ``None``: ``{prefix}{page}_{rank}_{k|v}``, as sglang's
+    Mooncake backend writes them) or a shard's (``{prefix}{page}_{rank}_{descriptor}_{k|v}``,
+    :func:`shard_descriptor`); an MHA ``page_unified`` page is one object ``_kv``."""
+
+    def __init__(self, prefix: str, rank: str, descriptor: Optional[str], kind: str, comps: int):
+        middle = rank if descriptor is None else f"{rank}_{descriptor}"
+        names = ("kv",) if kind == "mha" and comps == 1 else ("k", "v")[:comps]
+        self.prefix, self.tails, self.per_page = prefix, [f"_{middle}_{c}" for c in names], len(names)
+
+    def keys(self, page_keys: Sequence[str]) -> List[str]:
+        return [f"{self.prefix}{key}{tail}" for key in page_keys for tail in self.tails]
+
+
+class GridKeys(KeyScheme):
+    """The unified scheme's keys (:mod:`hicache_io.storage_unified`):
+    ``{prefix}{page}_{digest}_{suffix}``, one per share of the grid, no rank."""
+
+    def __init__(self, prefix: str, digest: str, suffixes: Sequence[str]):
+        self.prefix, self.tails, self.per_page = prefix, [f"_{digest}_{s}" for s in suffixes], len(suffixes)
+
+    def keys(self, page_keys: Sequence[str]) -> List[str]:
+        return [f"{self.prefix}{key}{tail}" for key in page_keys for tail in self.tails]
+
+
+class SidecarKeys(KeyScheme):
+    """Storage v2's keys of a pool's page objects (:mod:`hicache_io.storage_v2`):
+    ``{prefix}{page}_{rank}_hio2-{pool}-n{digest}_{j}``."""
+
+    def __init__(self, prefix: str, rank: str, pool: str, digest: str, per_page: int):
+        self.prefix, self.middle, self.per_page = prefix, f"{rank}_hio2-{pool}-n{digest}", per_page
+
+    def keys(self, page_keys: Sequence[str]) -> List[str]:
+        return [f"{self.prefix}{key}_{self.middle}_{j}" for key in page_keys for j in range(self.per_page)]
 
 
 def namespace_key(prefix: str, rank: str) -> str:

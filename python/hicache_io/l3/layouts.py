@@ -6,6 +6,7 @@ from typing import Any, List, Optional, Sequence
 
 import numpy as np
 
+
 def host_list(indices: Any) -> Any:
     """Host index values: numpy as is; torch (CPU or CUDA) and other arrays through ``tolist``."""
     if isinstance(indices, np.ndarray):

@@ -3,6 +3,7 @@
 import os
 from typing import Any, Optional
 
+
 class LocalMaster:
     """A ``mooncake_master`` of this process's own, on loopback only (its RPC and metrics ports;
     the built-in HTTP metadata server, which binds every interface, stays off): for tests,
