@@ -21,14 +21,16 @@ impl Executor for WgpuExecutor {
     fn describe(&self) -> String {
         let i = &self.inner.info;
         format!(
-            "{} ({:?}, {:?}, driver {} {}; storage binding {} MiB, buffer {} MiB, offset alignment {}; device pools {}, host pools {}{}{})",
+            "{} ({:?}, {:?}, driver {} {}; {}storage binding {} MiB, buffer {} MiB, {} storage buffers a stage, offset alignment {}; device pools {}, host pools {}{}{})",
             i.name,
             i.backend,
             i.device_type,
             i.driver,
             i.driver_info,
+            self.inner.class.map_or(String::new(), |c| format!("planned as a {} adapter (HICACHE_WGPU_LIMITS): ", c.name())),
             self.inner.limits.max_storage_buffer_binding_size >> 20,
             self.inner.limits.max_buffer_size >> 20,
+            self.inner.limits.max_storage_buffers_per_shader_stage,
             self.inner.limits.min_storage_buffer_offset_alignment,
             self.device_pool_memory().name(),
             self.host_pool_memory().name(),

@@ -42,6 +42,8 @@ mod memory;
 mod open;
 mod options;
 mod submit;
+#[cfg(test)]
+mod translation;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -55,7 +57,7 @@ use copy::{copy_run, DEFAULT_COPIES_PER_SUBMISSION, MANY_RUNS};
 use gather::{bgl_entry, shader_source, GATHER_MAX_TRIPS};
 pub use memory::{WgpuBuffer, REQUIRED_USAGES};
 use options::{backends, int64_wanted};
-pub use options::{PoolMemory, WgpuOptions};
+pub use options::{AdapterClass, PoolMemory, WgpuOptions};
 use submit::{PendingQueue, Submitter};
 
 const SHADER: &str = include_str!("../../../shaders/gather.wgsl");
@@ -71,6 +73,8 @@ struct Inner {
     queue: wgpu::Queue,
     info: wgpu::AdapterInfo,
     limits: wgpu::Limits,
+    /// The adapter class planned for (`HICACHE_WGPU_LIMITS`), if any.
+    class: Option<AdapterClass>,
     layout: wgpu::BindGroupLayout,
     /// Pipelines for 4-byte (u32) and 16-byte (vec4<u32>) words.
     pipe4: wgpu::ComputePipeline,

@@ -16,6 +16,10 @@ impl WgpuExecutor {
         let unavailable = |reason: String| TransferError::Unavailable { backend: "wgpu", reason };
         let mut desc = wgpu::InstanceDescriptor::new_without_display_handle_from_env();
         desc.backends = backends();
+        // Validation and debug info only when asked (WGPU_VALIDATION=1, WGPU_DEBUG=1): wgpu
+        // turns them on in every debug build, which loads the Khronos layer wherever it is
+        // installed and slows every call several times.
+        desc.flags = wgpu::InstanceFlags::empty().with_env();
         let instance = wgpu::Instance::new(desc);
         let adapter = match std::env::var("WGPU_ADAPTER_NAME") {
             // Filter ourselves: wgpu's own helper panics when the name matches nothing.
@@ -43,12 +47,18 @@ impl WgpuExecutor {
             })?,
         };
         let info = adapter.get_info();
-        let limits = adapter.limits();
+        // An adapter class (HICACHE_WGPU_LIMITS): its limits and features, never more than this
+        // adapter's.
+        let class = AdapterClass::chosen(&opts)?;
+        let (limits, offered) = match class {
+            Some(c) => (c.limits().or_worse_values_from(&adapter.limits()), adapter.features() & c.features()),
+            None => (adapter.limits(), adapter.features()),
+        };
         let mapped = wgpu::Features::MAPPABLE_PRIMARY_BUFFERS;
         let want_mapped = opts.mapped_host.unwrap_or_else(|| std::env::var("HICACHE_WGPU_MAPPED_HOST").map_or(true, |v| v != "0"));
-        let mut features = if want_mapped && adapter.features().contains(mapped) { mapped } else { wgpu::Features::empty() };
+        let mut features = if want_mapped && offered.contains(mapped) { mapped } else { wgpu::Features::empty() };
         // 64-bit integers make the checksumming gather one multiply-add per word.
-        if int64_wanted(&opts) && adapter.features().contains(wgpu::Features::SHADER_INT64) {
+        if int64_wanted(&opts) && offered.contains(wgpu::Features::SHADER_INT64) {
             features |= wgpu::Features::SHADER_INT64;
         }
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
@@ -65,7 +75,7 @@ impl WgpuExecutor {
         });
         // Errors are caught with error scopes; never let a stray one panic the process.
         device.on_uncaptured_error(Arc::new(|e: wgpu::Error| log::error!("wgpu uncaptured error: {e}")));
-        WgpuExecutor::from_parts(device, queue, opts, lost)
+        WgpuExecutor::from_parts(device, queue, WgpuOptions { adapter_class: class, ..opts }, lost)
     }
 
     /// Runs on the caller's device and queue (an engine's own). Its callbacks stay the
@@ -89,6 +99,7 @@ impl WgpuExecutor {
                 queue,
                 info,
                 limits,
+                class: opts.adapter_class,
                 layout,
                 pipe4,
                 pipe16,
