@@ -9,6 +9,12 @@
 #
 # Needs root or the packages already there: SwiftShader comes from Debian's chromium-common
 # (unpacked, not installed), the validation layer from vulkan-validationlayers.
+#
+# Selecting a stack for any program: SwiftShader `VK_ICD_FILENAMES=/opt/chromium-common/usr/lib/
+# chromium/vk_swiftshader_icd.json`; GL `WGPU_BACKEND=gl LIBGL_ALWAYS_SOFTWARE=1`. In a Python
+# process that will import triton (torch's compiler), import it before wgpu opens GL: Mesa loads
+# its GL driver with its LLVM visible to every later library, and triton's own LLVM then crashes
+# on import (Vulkan's loader keeps lavapipe's LLVM to itself).
 set -euo pipefail
 bin="$1"
 shift
@@ -19,7 +25,9 @@ export XDG_RUNTIME_DIR="${XDG_RUNTIME_DIR:-$work}"
 
 step() { echo "== [${SECONDS}s] wgpu stack: $*"; }
 
-# `check` and `fuzz` on the stack the environment selects; `info` must name it.
+# `check` and `fuzz` on the stack the environment selects (`info` must name it), then the Rust
+# tests written for wgpu (`cargo test -- wgpu`: tiny windows and segments, padded pages, mapped
+# and staged memory; built already by `cargo test`) unless HICACHE_STACK_RUST_TESTS=0.
 run_stack() {
     local want="$1" seed="$2"
     "$bin" info | tee "$work/info.txt"
@@ -27,6 +35,9 @@ run_stack() {
     "$bin" check --backend wgpu --rounds 2 --seed "$seed"
     "$bin" check --backend wgpu --rounds 1 --seed "$((seed + 1))" --profile sglang
     "$bin" fuzz --backend wgpu --cases 300 --seed "$((seed + 2))"
+    if [ "${HICACHE_STACK_RUST_TESTS:-1}" != 0 ]; then
+        HICACHE_REQUIRE_WGPU=1 cargo test -q -- wgpu
+    fi
 }
 
 for stack in "${stacks[@]}"; do

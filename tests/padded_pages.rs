@@ -159,16 +159,27 @@ fn padded_page_pools_move_exact_bytes_on_every_executor() {
 fn wgpu_windows_never_cut_a_padded_item() {
     use hicache_io::exec::wgpu::{WgpuExecutor, WgpuOptions};
     use hicache_io::exec::ExecutorKind;
-    let opts = WgpuOptions { max_segment: Some(1024), max_window: Some(256), ..Default::default() };
-    let wgpu = match WgpuExecutor::with_options(opts) {
-        Ok(e) => Device::Wgpu(e),
+    let (item, p) = (24u64, 2u64);
+    // A window must hold whole items at the adapter's binding offsets: 256 bytes on lavapipe
+    // (offsets of 32), 768 on SwiftShader (offsets of 256); a layer spans several either way.
+    let align = match WgpuExecutor::new() {
+        Ok(e) => e.device().limits().min_storage_buffer_offset_alignment as u64,
         Err(e) if common::required(ExecutorKind::Wgpu) => panic!("{e}"),
         Err(e) => return eprintln!("skipping: {e}"),
     };
-    let (item, p) = (24u64, 2u64);
+    let gcd = |mut a: u64, mut b: u64| {
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        a
+    };
+    let lcm = align / gcd(align, item) * item;
+    let window = 256u64.div_ceil(lcm) * lcm;
+    let opts = WgpuOptions { max_segment: Some(1024.max(2 * window)), max_window: Some(window), ..Default::default() };
+    let wgpu = Device::Wgpu(WgpuExecutor::with_options(opts).unwrap());
     let cut = PagePadding { page_bytes: p * item + 8, offset: 8 };
     let whole = PagePadding { page_bytes: p * item + item, offset: item };
-    // 40 device pages of 56 bytes: a layer spans nine 240-byte windows and three segments.
+    // 40 device pages of 72 bytes (2880 a layer): several windows and segments.
     padded_pools_move_exact_bytes(&wgpu, item, p, whole, (40, 30), 1).unwrap();
     padded_pools_move_exact_bytes(&Device::cpu(), item, p, cut, (40, 30), 2).unwrap();
     match padded_pools_move_exact_bytes(&wgpu, item, p, cut, (40, 30), 3) {

@@ -57,14 +57,18 @@ fn gpu_devices() -> &'static [Device] {
 fn wgpu_tiny_windows_equal_oracle() {
     use hicache_io::exec::wgpu::{WgpuExecutor, WgpuOptions};
     let mut rng = Rng::new(99);
+    // Windows start at binding offsets: on an adapter whose offsets are coarser than a window
+    // (SwiftShader's 256 bytes), the window is the next multiple of them.
+    let align = match WgpuExecutor::new() {
+        Ok(e) => e.device().limits().min_storage_buffer_offset_alignment as u64,
+        Err(e) if common::required(ExecutorKind::Wgpu) => panic!("{e}"),
+        Err(e) => return eprintln!("skipping: {e}"),
+    };
     // The last setting also splits every call into steps of at most 3 index pairs.
     for (window, items) in [(64u64, None), (96, None), (256, None), (512, None), (1 << 20, Some(3))] {
-        let exec = match WgpuExecutor::with_options(WgpuOptions { max_window: Some(window), max_gather_items: items, ..Default::default() })
-        {
-            Ok(e) => e,
-            Err(e) if common::required(ExecutorKind::Wgpu) => panic!("{e}"),
-            Err(e) => return eprintln!("skipping: {e}"),
-        };
+        let window = window.div_ceil(align) * align;
+        let opts = WgpuOptions { max_window: Some(window), max_gather_items: items, ..Default::default() };
+        let exec = WgpuExecutor::with_options(opts).unwrap();
         let device = Device::Wgpu(exec);
         // Item checksums summed across windows, each equal to the oracle's (extended cases).
         let mut sums = 0;
