@@ -74,6 +74,19 @@ for stack in "${stacks[@]}"; do
                 exit 1
             fi
         done
+        # The Rust tests written for wgpu, under the layer too: they log nowhere, so the layer
+        # writes its errors to a file of its own (scripts/validation/vk_layer_settings.txt),
+        # which must stay empty.
+        if [ "${HICACHE_STACK_RUST_TESTS:-1}" != 0 ]; then
+            rm -f vvl-errors.txt
+            VK_LAYER_SETTINGS_PATH="$PWD/scripts/validation" WGPU_DEBUG=0 WGPU_VALIDATION=1 HICACHE_REQUIRE_WGPU=1 cargo test -q -- wgpu
+            if [ -s vvl-errors.txt ]; then
+                cat vvl-errors.txt
+                echo "the validation layer reported errors in the Rust tests (above)"
+                exit 1
+            fi
+            rm -f vvl-errors.txt
+        fi
         ;;
     classes)
         for class in metal dx12 webgpu downlevel; do
