@@ -235,6 +235,8 @@ def test_the_client_moves_bytes_of_registered_memory_only(tmp_path):
         assert c.batch_get_into(["in"], [other.ctypes.data], [1000]) == [INVALID_PARAMS]
         assert np.array_equal(other, before)
         assert c.batch_get_into_multi_buffers(["in"], [[base + 2000, base + 3000]], [[500, 500]]) == [1000]
+        # numpy integers are sizes too
+        assert c.batch_put_from(["np"], [np.int64(base)], [np.int64(64)]) == [0] and c.batch_is_exist(["np"]) == [1]
         assert np.array_equal(reg[2000:2500], first[:500]) and np.array_equal(reg[3000:3500], first[500:])
     finally:
         c.close()

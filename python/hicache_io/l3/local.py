@@ -189,7 +189,7 @@ class LocalDiskClient:
             need = 0
             for k, p, n in zip(keys, paths, sizes):
                 if not os.path.exists(p):
-                    need += _on_disk((n if isinstance(n, int) else sum(n)) + FOOTER.size + len(k.encode()))
+                    need += _on_disk((sum(n) if isinstance(n, (list, tuple)) else int(n)) + FOOTER.size + len(k.encode()))
             if need > self.capacity:
                 return [-errno.ENOSPC] * len(keys)  # more than the whole directory may hold
             if need:
