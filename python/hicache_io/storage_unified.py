@@ -49,6 +49,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .l3.config import STORAGE_BATCH_SIZE
+from .l3.layouts import PoolLayout
+
 logger = logging.getLogger(__name__)
 
 #: The unified objects' format version (bound into the digest).
@@ -158,9 +161,6 @@ class UnifiedKeys:
     _grid: Optional[UnifiedGrid]
 
     def _register_unified(self, pool: Any) -> None:
-        from .l3.config import STORAGE_BATCH_SIZE
-        from .l3.layouts import PoolLayout
-
         if not hasattr(pool, "host_span"):
             raise ValueError("unified keys need a hicache-io HostPool (sglang 0.5.23's host pools have no head-group layout)")
         grid = UnifiedGrid(pool, self.storage_config, self._extra)

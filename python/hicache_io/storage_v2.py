@@ -38,7 +38,13 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 
 from .l3.batches import in_rounds, one_call
+from .l3.config import STORAGE_BATCH_SIZE
+from .l3.errors import REFUSED, StorageError
 from .l3.keys import SidecarKeys
+from .l3.layouts import check_inside as _check_inside
+from .l3.layouts import host_list as _host_list
+from .l3.pipeline import get_pages, put_pages
+from .l3.placements import SidecarPages
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +95,6 @@ class _SidecarPool:
 
             ptrs, sizes = self.pool.get_page_buffer_meta(torch.tensor(idx, dtype=torch.int64))
             ptrs, sizes = [int(p) for p in ptrs], [int(s) for s in sizes]
-        from .l3.layouts import check_inside as _check_inside
 
         _check_inside(self.regions, ptrs, sizes, f"pool {self.name!r}'s buffers")
         return ptrs, sizes
@@ -140,7 +145,6 @@ class PoolsV2:
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         """Registers a pool of the host pool group under sglang's ``PoolName`` (the KV anchor
         must be the pool ``register_mem_pool_host`` took)."""
-        from .l3.config import STORAGE_BATCH_SIZE
 
         name = _pool_name(host_pool_name)
         with self._lock:
@@ -245,9 +249,6 @@ class PoolsV2:
         return self._v2_io(transfers, put=False, session_id=None)
 
     def _v2_io(self, transfers: List[Any], put: bool, session_id: Optional[str]) -> Dict[str, List[bool]]:
-        from .l3.config import STORAGE_BATCH_SIZE
-        from .l3.errors import REFUSED, StorageError
-        from .l3.layouts import host_list as _host_list
 
         out: Dict[str, List[bool]] = {}
         for t in transfers:
@@ -284,10 +285,6 @@ class PoolsV2:
         return out
 
     def _v2_batch(self, name: str, side: _SidecarPool, keys: List[str], idx: List[int], put: bool, session_id: Optional[str]) -> List[bool]:
-        from .l3.errors import REFUSED, StorageError
-        from .l3.pipeline import get_pages, put_pages
-        from .l3.placements import SidecarPages
-
         what = "batch_set_v2" if put else "batch_get_v2"
         try:
             place = SidecarPages(side, idx, len(keys), self._v2_trailers)

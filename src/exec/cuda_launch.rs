@@ -88,21 +88,6 @@ pub struct KernelArgs {
 }
 
 impl KernelArgs {
-    /// The arguments of phase 3 for table guard `g`, whose first entry is at `first` among the
-    /// call's tables.
-    pub fn table(g: &TableGuard, first: u64, status: u64) -> CheckArgs {
-        CheckArgs {
-            host_idx: g.table,
-            dev_idx: g.expected,
-            n: g.len as i64,
-            host_bound: first,
-            dev_bound: 0,
-            dst_is_host: 0,
-            owner: 0,
-            status,
-            phase: 3,
-        }
-    }
     /// Pointers to each argument, as `cuLaunchKernel` takes them (valid while `self` is).
     pub fn params(&mut self) -> [*mut std::ffi::c_void; 9] {
         use std::ffi::c_void;

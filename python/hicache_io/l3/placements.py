@@ -159,9 +159,6 @@ class StagedPages(PoolPages):
         base, size = staging.ctypes.data, lay.obj_bytes
         self._ptrs = [base + j * size for j in range(self.n)]
 
-    def sync(self) -> None:
-        self.lay.synchronize()
-
     def stage_out(self, todo: np.ndarray) -> None:
         self.lay.stage_out(self.staging, sorted({int(j) // self.per for j in todo}), self.idx)
 
