@@ -86,9 +86,10 @@ class PoolPages(Placement):
     """A host pool's page objects in place (``lay``: a ``PoolLayout`` or ``SglangLayout``, one
     span per object); trailers in ``trailers`` where the objects carry them."""
 
-    def __init__(self, lay: Any, idx: Any, n_pages: int, trailers: Optional[np.ndarray], integrity: bool):
+    def __init__(self, lay: Any, idx: Any, n_pages: int, trailers: Optional[np.ndarray], integrity: bool, shares: Any = None, per: Optional[int] = None):
         super().__init__(idx, lay.page, n_pages)
-        self.lay, self.pool, self.per = lay, lay.pool, lay.comps
+        # ``shares``: the objects are these shares of each page (the native sums' ``shares``).
+        self.lay, self.pool, self.shares, self.per = lay, lay.pool, shares, per if per is not None else lay.comps
         self.sizes = np.full(self.n, lay.obj_bytes, np.int64)
         self.trailers = trailers
         self.writes_trailers = self.verifies = trailers is not None and integrity
@@ -110,7 +111,7 @@ class PoolPages(Placement):
         if self.check:
             if self.writes_trailers and hasattr(self.pool, "put_object_sums"):
                 # The objects' checksums and the pages' item checks in one read of the pages.
-                sums, intact = self.pool.put_object_sums(self.idx)
+                sums, intact = self.pool.put_object_sums(self.idx, self.shares)
             else:
                 intact = self.pool.pages_intact(self.idx)
         if self.writes_trailers and sums is None:
@@ -118,7 +119,7 @@ class PoolPages(Placement):
         return (None if sums is None else _u64(sums)), (None if intact is None else np.asarray(intact, bool))
 
     def _sums(self) -> Any:
-        return self.pool.object_sums(self.idx)
+        return self.pool.object_sums(self.idx, self.shares)
 
     def put_spans(self, todo: np.ndarray, trailer: bool) -> Spans:
         ptrs, size = self.ptrs(), int(self.sizes[0]) if self.n else 0
@@ -139,7 +140,7 @@ class PoolPages(Placement):
             # The objects' checksums and the pool's item checksums of the pages that landed, in
             # one read: a page whose objects were all read whole with this format's trailer and
             # match it is recorded, every other page forgotten.
-            return _u64(self.pool.landed_object_sums(self.idx, expected.tolist(), eligible.tolist())), True
+            return _u64(self.pool.landed_object_sums(self.idx, expected.tolist(), eligible.tolist(), self.shares)), True
         return _u64(self._sums()), False
 
     def settle(self, pages: np.ndarray, trusted: np.ndarray) -> None:
@@ -217,56 +218,27 @@ class SealedPages(PoolPages):
         return _u64(sums), True
 
 
-class SharePages(Placement):
+class SharePages(PoolPages):
     """The unified key scheme's objects (``grid``: a ``UnifiedGrid``): each a share of a page,
-    several spans of the pool's memory, moved in place with the multi-buffer calls."""
+    several spans of the pool's memory, moved in place with the multi-buffer calls; summed and
+    settled as :class:`PoolPages` are, per share."""
 
     def __init__(self, lay: Any, grid: Any, idx: Any, n_pages: int, trailers: np.ndarray, integrity: bool):
-        super().__init__(idx, lay.page, n_pages)
-        self.lay, self.grid, self.pool, self.per = lay, grid, lay.pool, len(grid.suffixes)
+        super().__init__(lay, idx, n_pages, trailers, integrity, shares=grid.shares, per=len(grid.suffixes))
+        self.grid = grid
         self.sizes = np.asarray([grid.object_bytes[j % self.per] for j in range(self.n)], np.int64)
-        self.trailers = trailers
-        self.writes_trailers = self.verifies = integrity
-        self.check = integrity and bool(getattr(self.pool, "integrity", False))
         self._bufs: Optional[Tuple[List[List[int]], List[List[int]]]] = None
-
-    def sync(self) -> None:
-        self.lay.synchronize()
 
     def bufs(self) -> Tuple[List[List[int]], List[List[int]]]:
         if self._bufs is None:
             self._bufs = self.grid.buffers([f // self.page for f in self.firsts()])
         return self._bufs
 
-    def put_sums(self) -> Sums:
-        sums = intact = None
-        if self.check:
-            if hasattr(self.pool, "put_object_sums"):
-                sums, intact = self.pool.put_object_sums(self.idx, self.grid.shares)
-            else:
-                intact = self.pool.pages_intact(self.idx)
-        if self.writes_trailers and sums is None:
-            sums = self.pool.object_sums(self.idx, self.grid.shares)
-        return (None if sums is None else _u64(sums)), (None if intact is None else np.asarray(intact, bool))
-
     def put_spans(self, todo: np.ndarray, trailer: bool) -> Spans:
         ptrs, sizes = self.bufs()
         if trailer:
             return Spans([ptrs[j] + [t] for j, t in zip(todo, self._trailer_addrs(todo))], [sizes[j] + [16] for j in todo], True, True)
         return Spans([ptrs[j] for j in todo], [sizes[j] for j in todo], True, False)
-
-    def get_forms(self) -> List[Spans]:
-        everything = np.arange(self.n)
-        first = self.put_spans(everything, self.verifies)
-        return [first, lambda: self.put_spans(everything, not self.verifies)]
-
-    def land(self, expected: np.ndarray, eligible: np.ndarray, written: np.ndarray) -> Tuple[Optional[np.ndarray], bool]:
-        if self.lay.zero_copy and hasattr(self.pool, "landed_object_sums"):
-            return _u64(self.pool.landed_object_sums(self.idx, expected.tolist(), eligible.tolist(), self.grid.shares)), True
-        return _u64(self.pool.object_sums(self.idx, self.grid.shares)), False
-
-    def settle(self, pages: np.ndarray, trusted: np.ndarray) -> None:
-        self.lay.landed(self.idx, (pages & trusted).tolist())
 
 
 class SidecarPages(Placement):
