@@ -21,6 +21,7 @@ shift
 stacks=("$@")
 [ ${#stacks[@]} -gt 0 ] || stacks=(swiftshader gl validation classes)
 work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
 export XDG_RUNTIME_DIR="${XDG_RUNTIME_DIR:-$work}"
 
 step() { echo "== [${SECONDS}s] wgpu stack: $*"; }
@@ -103,4 +104,3 @@ for stack in "${stacks[@]}"; do
         ;;
     esac
 done
-rm -rf "$work"
