@@ -7,9 +7,10 @@
 //! Rooms: `errors` (exception classes), `dlpack` (arrays in), `args` (index lists and layer
 //! arguments), `executors` (which executor runs a call), `ops` (every op of the catalogue through
 //! one binding), `pools` (the pool classes), `tools` (matrix, check), `local_io` (the local L3
-//! store's file I/O).
+//! store's file I/O), `blocks` (a host tier for an engine's block tensors).
 
 mod args;
+mod blocks;
 mod dlpack;
 mod errors;
 mod executors;
@@ -31,6 +32,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyDevice>()?;
     m.add_class::<PyDevicePool>()?;
     m.add_class::<PyHostPool>()?;
+    m.add_class::<blocks::PyBlockTier>()?;
     m.add_function(wrap_pyfunction!(tools::matrix_json, m)?)?;
     m.add_function(wrap_pyfunction!(tools::check_json, m)?)?;
     m.add_function(wrap_pyfunction!(executors::synchronize, m)?)?;

@@ -38,11 +38,13 @@
 //! Rooms: `tensors` (caller memory and index lists), `call` (an op's pools and plans, run all or
 //! nothing), `loads` (one-layer loads), `lists` (all-layer copies between layer lists, `direct`
 //! included), `backups` (all-layer and one-layer backups into a layout), `direct`
-//! (page_first_direct), `rows` (whole rows), and `catalogue` (the one table of ops the Python
+//! (page_first_direct), `rows` (whole rows), `blocks` (a host tier
+//! for an engine's block tensors: vLLM's offloading), and `catalogue` (the one table of ops the Python
 //! bindings, their stubs and torch schemas are made from).
 
 mod args;
 mod backups;
+mod blocks;
 mod call;
 pub mod catalogue;
 mod direct;
@@ -53,6 +55,7 @@ mod tensors;
 mod tokens;
 
 pub use crate::exec::caller::{page_row_extents, table_extents, CudaIndices, Indices, LayerTable, Layers, Memory, RawTensor};
+pub use blocks::{BlockMove, BlockShape, BlockTier};
 pub use catalogue::*;
 pub use lists::check_num_layers;
 pub use rows::{copy_all_layer_kv_cache, MAX_ROWS};

@@ -1,0 +1,185 @@
+//! `BlockTier`: host rows for an engine's block tensors, with item checksums (the core of
+//! `hicache_io.vllm`'s offloading worker).
+
+use std::sync::Mutex;
+
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyList;
+
+use hicache_io::kvcacheio::{BlockMove, BlockShape, BlockTier, RawTensor};
+use hicache_io::Device;
+
+use crate::*;
+
+/// Host rows for each of an engine's block tensors: tensor `j` is `rows × stride` bytes (2-D,
+/// contiguous, 1-byte elements: vLLM's canonical int8 views), of which the first `row_bytes[j]`
+/// of each block are data. The rows live on the executor of the tensors: host tensors on the
+/// cpu executor (in host memory), CUDA tensors on the cuda executor of their device, on
+/// `stream` (pinned host memory; moves are enqueued there, not waited for).
+///
+/// `store(ids, tensors, blocks, rows)` copies block `blocks[i]` of each tensor into its host row
+/// `rows[i]`, recording the row's checksum inside the copy; `load(ids, tensors, rows, blocks)`
+/// copies back, verifying each row inside the copy: rows that no longer match raise
+/// `IntegrityError` (after the other rows landed), `e.items` naming `(tensor, 0, row, block, …)`.
+/// Every call is checked (lengths, ranges, duplicate destinations, the tensors' shapes) before
+/// a byte moves.
+#[pyclass(name = "BlockTier", module = "hicache_io", frozen)]
+pub(crate) struct PyBlockTier {
+    inner: Mutex<BlockTier>,
+    stream: Option<u64>,
+    shapes: Vec<BlockShape>,
+}
+
+/// A tensor of the tier as `(shape, raw)`, checked against the shape it was registered with.
+fn block_tensor(obj: &Bound<'_, PyAny>, name: &str, row_bytes: Option<u64>, ctx: Ctx) -> PyResult<(Held, BlockShape)> {
+    let h = view(obj, name, ctx)?;
+    let dims = h.raw.dims().to_vec();
+    if dims.len() != 2 || h.dtype.1 != 8 {
+        return Err(PyTypeError::new_err(format!(
+            "{name}: expected a 2-D tensor of 1-byte elements (blocks × page bytes), got {} dimensions of {}-bit elements",
+            dims.len(),
+            h.dtype.1
+        )));
+    }
+    if !h.writable {
+        return Err(PyValueError::new_err(format!("{name}: read-only (loads write it)")));
+    }
+    let (rows, stride) = (dims[0], dims[1]);
+    let row_bytes = row_bytes.unwrap_or(stride);
+    Ok((h, BlockShape { row_bytes, stride, rows }))
+}
+
+fn executor(held: &[&Held], stream: Option<u64>) -> PyResult<Device> {
+    executor_for(held, Ctx { stream })
+}
+
+#[pymethods]
+impl PyBlockTier {
+    #[new]
+    #[pyo3(signature = (tensors, row_bytes, host_rows, *, stream = None))]
+    fn new(py: Python<'_>, tensors: &Bound<'_, PyList>, row_bytes: Vec<u64>, host_rows: u64, stream: Option<u64>) -> PyResult<Self> {
+        if row_bytes.len() != tensors.len() {
+            return Err(PyValueError::new_err(format!("{} tensors but {} row sizes", tensors.len(), row_bytes.len())));
+        }
+        let ctx = Ctx { stream };
+        let mut held = Vec::with_capacity(tensors.len());
+        for (j, (t, rb)) in tensors.iter().zip(&row_bytes).enumerate() {
+            held.push(block_tensor(&t, &format!("tensors[{j}]"), Some(*rb), ctx)?);
+        }
+        let refs: Vec<&Held> = held.iter().map(|(h, _)| h).collect();
+        let device = executor(&refs, stream)?;
+        let pairs: Vec<(BlockShape, RawTensor)> = held.iter().map(|(h, s)| (*s, h.raw.clone())).collect();
+        let tier = py.detach(|| BlockTier::new(&device, &pairs, host_rows)).py()?;
+        Ok(PyBlockTier { inner: Mutex::new(tier), stream, shapes: pairs.into_iter().map(|(s, _)| s).collect() })
+    }
+
+    /// Copies block `blocks[i]` of each `tensors[k]` (tier tensor `ids[k]`) into host row `rows[i]`.
+    fn store(
+        &self,
+        py: Python<'_>,
+        ids: Vec<usize>,
+        tensors: &Bound<'_, PyList>,
+        blocks: &Bound<'_, PyAny>,
+        rows: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        self.run(py, BlockMove::Store, ids, tensors, blocks, rows)
+    }
+
+    /// Copies host row `rows[i]` into block `blocks[i]` of each `tensors[k]` (tier tensor `ids[k]`).
+    fn load(
+        &self,
+        py: Python<'_>,
+        ids: Vec<usize>,
+        tensors: &Bound<'_, PyList>,
+        rows: &Bound<'_, PyAny>,
+        blocks: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        self.run(py, BlockMove::Load, ids, tensors, blocks, rows)
+    }
+
+    /// Raises `IntegrityError` for rows of earlier loads that failed their checksums, without
+    /// waiting (cuda only: its loads return once enqueued; `e.items[k][3]` is the block).
+    fn integrity_reports(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.lock().integrity_reports()).py()
+    }
+
+    /// Waits for every queued move, then reports as `integrity_reports` does.
+    fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.lock().synchronize()).py()
+    }
+
+    /// A copy of tensor `j`'s host rows (`host_rows × row_bytes[j]` bytes).
+    fn read_rows<'py>(&self, py: Python<'py>, j: usize) -> PyResult<Bound<'py, PyAny>> {
+        let bytes = py.detach(|| self.lock().read_rows(j)).py()?;
+        u8_array(py, &bytes)
+    }
+
+    /// Fault injection (tests): writes `data` into host row `row` of tensor `j` at byte
+    /// `offset` of the row without touching its checksum, as a fault in host memory would.
+    fn inject_host_corruption(&self, py: Python<'_>, j: usize, row: u64, offset: u64, data: &Bound<'_, PyAny>) -> PyResult<()> {
+        let data = data_arg(data, "data")?;
+        py.detach(|| self.lock().inject_host_corruption(j, row, offset, &data)).py()
+    }
+
+    /// The executor the rows live on (`"cpu"` or `"cuda"`).
+    #[getter]
+    fn device(&self) -> &'static str {
+        self.lock().device().name()
+    }
+
+    /// Host rows per tensor.
+    #[getter]
+    fn host_rows(&self) -> u64 {
+        self.lock().host_rows()
+    }
+
+    /// `(row_bytes, stride, rows)` of each tensor.
+    #[getter]
+    fn shapes(&self) -> Vec<(u64, u64, u64)> {
+        self.shapes.iter().map(|s| (s.row_bytes, s.stride, s.rows)).collect()
+    }
+}
+
+impl PyBlockTier {
+    fn lock(&self) -> std::sync::MutexGuard<'_, BlockTier> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn run(
+        &self,
+        py: Python<'_>,
+        dir: BlockMove,
+        ids: Vec<usize>,
+        tensors: &Bound<'_, PyList>,
+        blocks: &Bound<'_, PyAny>,
+        rows: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        if ids.len() != tensors.len() {
+            return Err(PyValueError::new_err(format!("{} tensor ids but {} tensors", ids.len(), tensors.len())));
+        }
+        let ctx = Ctx { stream: self.stream };
+        let mut calls = Vec::with_capacity(ids.len());
+        for (k, (j, t)) in ids.iter().zip(tensors.iter()).enumerate() {
+            let name = format!("tensors[{k}]");
+            let want = self
+                .shapes
+                .get(*j)
+                .ok_or_else(|| PyValueError::new_err(format!("tensor id {j}: the tier has {} tensors", self.shapes.len())))?;
+            let (h, shape) = block_tensor(&t, &name, Some(want.row_bytes), ctx)?;
+            if shape != *want {
+                return Err(PyValueError::new_err(format!(
+                    "{name}: {} blocks of {} bytes, but tier tensor {j} was registered with {} blocks of {} bytes",
+                    shape.rows, shape.stride, want.rows, want.stride
+                )));
+            }
+            calls.push((h, *j));
+        }
+        let (blocks, rows) = (index_list(blocks, "Device", ctx)?, index_list(rows, "Host", ctx)?);
+        let raw: Vec<(usize, RawTensor)> = calls.iter().map(|(h, j)| (*j, h.raw.clone())).collect();
+        // The arrays stay referenced by `calls` (their `Held`) until the move returns.
+        let r = py.detach(|| self.lock().run(dir, &raw, &blocks, &rows)).py();
+        drop(calls);
+        r
+    }
+}

@@ -1,0 +1,247 @@
+//! `BlockTier` (vLLM's offloading worker's core) against an oracle, byte for byte: padded blocks
+//! (only `row_bytes` of each move), several tensors per move, rows of the last store read
+//! back; a damaged host row fails its load with `Integrity`, naming the tensor, row and block,
+//! while the other rows land; bad moves (lengths, ranges, duplicate destinations, a tensor of
+//! another shape, a tensor named twice) move nothing. On the cpu executor here; on cuda (a GPU
+//! or the simulated driver) with device tensors; wgpu, whose memory is its own, refuses caller
+//! tensors.
+
+#![allow(clippy::needless_range_loop, clippy::type_complexity)] // indices name tensors and rows
+
+mod common;
+
+use hicache_io::kvcacheio::{BlockMove, BlockShape, BlockTier, RawTensor};
+use hicache_io::{Device, TransferError};
+
+const ROWS: u64 = 24;
+const HOST_ROWS: u64 = 20;
+/// (row bytes, stride) of the tensors: K and V of a padded page, and an unpadded one.
+const SHAPES: [(u64, u64); 3] = [(96, 128), (96, 128), (256, 256)];
+
+/// Engine tensors on the test's side: bytes and where they live.
+trait Blocks {
+    fn raw(&mut self, j: usize) -> RawTensor;
+    fn bytes(&self, j: usize) -> Vec<u8>;
+}
+
+struct HostBlocks(Vec<Vec<u8>>);
+
+impl Blocks for HostBlocks {
+    fn raw(&mut self, j: usize) -> RawTensor {
+        let stride = SHAPES[j].1;
+        common::host_tensor(&mut self.0[j], &[ROWS, stride])
+    }
+    fn bytes(&self, j: usize) -> Vec<u8> {
+        self.0[j].clone()
+    }
+}
+
+fn shapes() -> Vec<BlockShape> {
+    SHAPES.iter().map(|&(row_bytes, stride)| BlockShape { row_bytes, stride, rows: ROWS }).collect()
+}
+
+/// The oracle: host rows as a map of the last bytes stored in each.
+struct Oracle {
+    rows: Vec<Vec<Option<Vec<u8>>>>,
+}
+
+impl Oracle {
+    fn store(&mut self, tensors: &[Vec<u8>], ids: &[usize], blocks: &[i64], rows: &[i64]) {
+        for &j in ids {
+            let (row, stride) = SHAPES[j];
+            for (b, r) in blocks.iter().zip(rows) {
+                let at = *b as usize * stride as usize;
+                self.rows[j][*r as usize] = Some(tensors[j][at..at + row as usize].to_vec());
+            }
+        }
+    }
+    fn load(&self, tensors: &mut [Vec<u8>], ids: &[usize], rows: &[i64], blocks: &[i64]) {
+        for &j in ids {
+            let (row, stride) = SHAPES[j];
+            for (r, b) in rows.iter().zip(blocks) {
+                let at = *b as usize * stride as usize;
+                let bytes = self.rows[j][*r as usize].clone().unwrap_or_else(|| vec![0; row as usize]);
+                tensors[j][at..at + row as usize].copy_from_slice(&bytes);
+            }
+        }
+    }
+}
+
+fn run_tier<B: Blocks>(device: &Device, blocks: &mut B, upload: &mut dyn FnMut(&mut B, &[Vec<u8>])) {
+    let name = device.name();
+    let shapes = shapes();
+    let pairs: Vec<(BlockShape, RawTensor)> = (0..3).map(|j| (shapes[j], blocks.raw(j))).collect();
+    let mut tier = BlockTier::new(device, &pairs, HOST_ROWS).unwrap();
+    let mut oracle = Oracle { rows: vec![vec![None; HOST_ROWS as usize]; 3] };
+    let mut engine: Vec<Vec<u8>> = (0..3).map(|j| blocks.bytes(j)).collect();
+    let mut rng = hicache_io::rng::Rng::new(11);
+    for round in 0..8u64 {
+        let n = 1 + (rng.next_u64() % 8) as usize;
+        let mut bl: Vec<i64> = (0..ROWS as i64).collect();
+        let mut rw: Vec<i64> = (0..HOST_ROWS as i64).collect();
+        for v in [&mut bl, &mut rw] {
+            for i in (1..v.len()).rev() {
+                v.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
+            }
+        }
+        let (bl, rw) = (&bl[..n], &rw[..n]);
+        let ids: Vec<usize> = if round % 2 == 0 { vec![0, 1, 2] } else { vec![2, 0] };
+        let calls: Vec<(usize, RawTensor)> = ids.iter().map(|&j| (j, blocks.raw(j))).collect();
+        tier.run(BlockMove::Store, &calls, bl, rw).unwrap();
+        oracle.store(&engine, &ids, bl, rw);
+        for j in 0..3 {
+            let want: Vec<u8> = oracle.rows[j].iter().flat_map(|r| r.clone().unwrap_or_else(|| vec![0; SHAPES[j].0 as usize])).collect();
+            assert_eq!(tier.read_rows(j).unwrap(), want, "{name}: round {round}, tensor {j}'s rows");
+        }
+        // The engine's blocks change; a load brings stored rows back into other blocks.
+        for (j, t) in engine.iter_mut().enumerate() {
+            *t = common::random_bytes(t.len(), round * 7 + j as u64);
+        }
+        upload(blocks, &engine);
+        let mut back: Vec<i64> = bl.to_vec();
+        back.rotate_left(1);
+        let calls: Vec<(usize, RawTensor)> = ids.iter().map(|&j| (j, blocks.raw(j))).collect();
+        tier.run(BlockMove::Load, &calls, &back, rw).unwrap();
+        oracle.load(&mut engine, &ids, rw, &back);
+        for j in 0..3 {
+            assert_eq!(blocks.bytes(j), engine[j], "{name}: round {round}, tensor {j} after the load");
+        }
+    }
+
+    // A damaged row: its load fails naming it, the other rows land.
+    let (bl, rw) = ([3i64, 4, 5], [0i64, 1, 2]);
+    let calls: Vec<(usize, RawTensor)> = (0..3).map(|j| (j, blocks.raw(j))).collect();
+    tier.run(BlockMove::Store, &calls, &bl, &rw).unwrap();
+    oracle.store(&engine, &[0, 1, 2], &bl, &rw);
+    tier.inject_host_corruption(1, 2, 17, &[0xa5]).unwrap();
+    let dest = [9i64, 10, 11];
+    let calls: Vec<(usize, RawTensor)> = (0..3).map(|j| (j, blocks.raw(j))).collect();
+    // cuda's moves return once enqueued: its verdict comes from the next synchronize.
+    match tier.run(BlockMove::Load, &calls, &dest, &rw).and_then(|_| tier.synchronize()) {
+        Err(TransferError::Integrity { items, .. }) => {
+            let named: Vec<(u64, u64)> = items.iter().map(|m| (m.host_index, m.device_index)).collect();
+            assert_eq!(named, vec![(2, 11)], "{name}");
+            // cuda reports per call (layer 0), the others name the tier tensor.
+            assert_eq!(items[0].layer, if name == "cuda" { 0 } else { 1 }, "{name}");
+        }
+        other => panic!("{name}: expected an integrity failure, got {other:?}"),
+    }
+    oracle.load(&mut engine, &[0, 2], &rw, &dest);
+    oracle.load(&mut engine, &[1], &rw[..2], &dest[..2]);
+    for j in [0, 2] {
+        assert_eq!(blocks.bytes(j), engine[j], "{name}: intact tensor {j} landed");
+    }
+    let got = blocks.bytes(1);
+    let (row, stride) = SHAPES[1];
+    for b in [9usize, 10] {
+        assert_eq!(
+            got[b * stride as usize..][..row as usize],
+            engine[1][b * stride as usize..][..row as usize],
+            "{name}: intact rows of tensor 1"
+        );
+    }
+
+    // Refused before a byte moves.
+    let before_rows: Vec<Vec<u8>> = (0..3).map(|j| tier.read_rows(j).unwrap()).collect();
+    let before_blocks: Vec<Vec<u8>> = (0..3).map(|j| blocks.bytes(j)).collect();
+    let cases: Vec<(BlockMove, Vec<usize>, Vec<i64>, Vec<i64>)> = vec![
+        (BlockMove::Store, vec![0], vec![1, 2], vec![0]),
+        (BlockMove::Store, vec![0, 1], vec![ROWS as i64], vec![0]),
+        (BlockMove::Store, vec![0], vec![1], vec![HOST_ROWS as i64]),
+        (BlockMove::Store, vec![0, 2], vec![1, 2], vec![5, 5]),
+        (BlockMove::Load, vec![2, 0], vec![1, 1], vec![0, 1]),
+        (BlockMove::Store, vec![1, 1], vec![1], vec![0]),
+        (BlockMove::Store, vec![3], vec![1], vec![0]),
+    ];
+    for (dir, ids, bl, rw) in cases {
+        let calls: Vec<(usize, RawTensor)> = ids.iter().map(|&j| (j, blocks.raw(j.min(2)))).collect();
+        assert!(tier.run(dir, &calls, &bl, &rw).is_err(), "{name}: {dir:?} {ids:?} {bl:?} {rw:?} accepted");
+    }
+    // A tensor of another shape (tensor 2's memory as tensor 0).
+    let calls = vec![(0usize, blocks.raw(2))];
+    assert!(tier.run(BlockMove::Store, &calls, &[1], &[0]).is_err(), "{name}: a tensor of another size accepted");
+    for j in 0..3 {
+        assert_eq!(tier.read_rows(j).unwrap(), before_rows[j], "{name}: a refused move changed host rows of tensor {j}");
+        assert_eq!(blocks.bytes(j), before_blocks[j], "{name}: a refused move changed tensor {j}");
+    }
+}
+
+#[test]
+fn block_tier_matches_the_oracle_on_every_executor() {
+    for device in common::devices() {
+        match device.name() {
+            "cpu" => {
+                let mut blocks = HostBlocks((0..3).map(|j| common::random_bytes((ROWS * SHAPES[j].1) as usize, 100 + j as u64)).collect());
+                run_tier(&device, &mut blocks, &mut |b: &mut HostBlocks, engine: &[Vec<u8>]| b.0 = engine.to_vec());
+            }
+            "wgpu" => {
+                // Its buffers are its own: an engine's memory cannot be wrapped.
+                let mut t = vec![0u8; (ROWS * 128) as usize];
+                let raw = common::host_tensor(&mut t, &[ROWS, 128]);
+                let e = BlockTier::new(&device, &[(shapes()[0], raw)], HOST_ROWS).err().expect("wgpu wraps no caller memory");
+                assert!(matches!(e, TransferError::BadTensor { .. }), "{e}");
+            }
+            #[cfg(feature = "cuda")]
+            "cuda" => cuda::run(&device),
+            other => panic!("unexpected executor {other}"),
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+    use cudarc::driver::result;
+    use hicache_io::kvcacheio::Memory;
+
+    pub(super) struct DeviceBlocks {
+        ptrs: Vec<u64>,
+        device: Device,
+    }
+
+    impl Drop for DeviceBlocks {
+        fn drop(&mut self) {
+            let _ = self.device.wait_idle();
+            for p in &self.ptrs {
+                // SAFETY: allocated below; the executor is idle.
+                let _ = unsafe { result::free_sync(*p) };
+            }
+        }
+    }
+
+    impl Blocks for DeviceBlocks {
+        fn raw(&mut self, j: usize) -> RawTensor {
+            let len = ROWS * SHAPES[j].1;
+            // SAFETY: our allocation of `len` bytes, alive until the test's end.
+            unsafe { RawTensor::new(self.ptrs[j], len, vec![ROWS, SHAPES[j].1], Memory::CudaDevice) }
+        }
+        fn bytes(&self, j: usize) -> Vec<u8> {
+            self.device.wait_idle().unwrap();
+            let mut out = vec![0u8; (ROWS * SHAPES[j].1) as usize];
+            unsafe { result::memcpy_dtoh_sync(&mut out, self.ptrs[j]) }.unwrap();
+            out
+        }
+    }
+
+    fn upload(b: &mut DeviceBlocks, engine: &[Vec<u8>]) {
+        b.device.wait_idle().unwrap();
+        for (p, bytes) in b.ptrs.iter().zip(engine) {
+            unsafe { result::memcpy_htod_sync(*p, bytes) }.unwrap();
+        }
+        result::ctx::synchronize().unwrap();
+    }
+
+    pub(super) fn run(device: &Device) {
+        let ctx = cudarc::driver::CudaContext::new(0).unwrap();
+        ctx.bind_to_thread().unwrap();
+        let ptrs = (0..3).map(|j| unsafe { result::malloc_sync((ROWS * SHAPES[j].1) as usize) }.unwrap()).collect();
+        let mut blocks = DeviceBlocks { ptrs, device: device.clone() };
+        let init: Vec<Vec<u8>> = (0..3).map(|j| common::random_bytes((ROWS * SHAPES[j].1) as usize, 100 + j as u64)).collect();
+        upload(&mut blocks, &init);
+        run_tier(device, &mut blocks, &mut upload);
+        // Host tensors are not what a cuda tier moves.
+        let mut t = vec![0u8; (ROWS * 128) as usize];
+        let raw = common::host_tensor(&mut t, &[ROWS, 128]);
+        assert!(BlockTier::new(device, &[(shapes()[0], raw)], HOST_ROWS).is_err());
+    }
+}
