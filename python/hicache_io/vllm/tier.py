@@ -1,0 +1,250 @@
+"""``HicacheTier``: a vLLM secondary tier on hicache-io's L3 transports, every chunk sealed with
+a checksum bound to its key."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Dict, Iterable, Optional
+
+import numpy as np
+from vllm.v1.kv_offload.base import LookupResult, Medium, OffloadKey, ReqContext, RequestOffloadingContext, ScheduleEndContext
+from vllm.v1.kv_offload.file_mapper import FileMapper
+from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+from .. import _native
+from ..l3.trailer import TRAILER_MAGIC, name_tags
+from ..l3.transport import Spans, Transport
+
+log = logging.getLogger(__name__)
+
+#: Bytes of the trailer after each chunk's object (magic, checksum bound to the key).
+TRAILER_BYTES = 16
+
+
+class _Lookups(AsyncLookupManager):
+    """Existence checks off the scheduler thread (one batch a step), as vLLM's own tiers do."""
+
+    def __init__(self, tier: "HicacheTier", tier_type: str):
+        super().__init__(tier_type=tier_type)
+        self._tier = tier
+
+    def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
+        found = self._tier._io.exists([self._tier.object_key(k) for k in keys])
+        return [bool(f == 1) for f in found]
+
+
+class HicacheTier(SecondaryTierManager):
+    """Chunks of vLLM's CPU tier in hicache-io's L3 stores: ``store="local"`` (a directory shared
+    by the processes of a machine, no server: ``path``, ``capacity_bytes``, ``fsync``) or
+    ``store="mooncake"`` (Mooncake Store: ``master_server_address``, ``metadata_server``,
+    ``protocol``, ``global_segment_size``, ``local_buffer_size``, ``local_hostname``,
+    ``device_name``).
+
+    Each chunk is one object: the chunk's bytes (the primary tier's whole row) and a 16-byte
+    trailer holding its checksum folded with its key's tag. A load verifies every chunk that
+    lands against its trailer; a chunk that fails (damaged, torn, stored under another key, of
+    another size) fails its key: the job reports the others in ``successful_keys``, the damaged
+    object is removed, and later lookups of the key answer miss until it is stored again, so vLLM
+    recomputes it (never loads it twice).
+
+    Keys are vLLM's own file names for the chunk (``FileMapper``: the model, the KV groups, the
+    dtype and, unless vLLM certifies the layout parallelism-agnostic, the parallel sizes and the
+    rank, hashed into a namespace), prefixed with the row size: tiers of one namespace share
+    chunks across processes and restarts; chunks of different shapes never meet.
+    """
+
+    medium = Medium.STORAGE
+
+    def __init__(
+        self,
+        offloading_spec: Any,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: Any = None,
+        locality: Any = None,
+        store: str = "local",
+        path: Optional[str] = None,
+        capacity_bytes: Optional[int] = None,
+        fsync: bool = False,
+        threads: int = 4,
+        namespace: str = "hicache-io",
+        **mooncake: Any,
+    ):
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        if locality is not None:
+            self.locality = locality
+        row = self.block_size_bytes
+        flat = primary_kv_view.cast("B") if primary_kv_view.ndim != 1 or primary_kv_view.format != "B" else primary_kv_view
+        self._mem = np.frombuffer(flat, dtype=np.uint8)
+        if row <= 0 or len(self._mem) % row:
+            raise ValueError(f"the primary tier's view ({len(self._mem)} bytes) is not whole rows of {row} bytes")
+        self._row = row
+        self._chunks = len(self._mem) // row
+        # One trailer per chunk slot: a slot belongs to one job at a time (vLLM pins it).
+        self._trailers = np.zeros((max(self._chunks, 1), 2), dtype=np.uint64)
+        if store == "local":
+            if mooncake:
+                raise TypeError(f"unknown options for the local store: {sorted(mooncake)}")
+            from ..l3.local import LocalDiskClient
+
+            self.client = LocalDiskClient(path, capacity_bytes=capacity_bytes, threads=threads, fsync=fsync)
+        elif store == "mooncake":
+            from ..l3.config import MooncakeStoreConfig
+            from ..l3.mooncake_client import open_client
+
+            self.client = open_client(MooncakeStoreConfig.from_dict(mooncake), None)
+        else:
+            raise ValueError(f"store must be 'local' or 'mooncake', got {store!r}")
+        self._io = Transport(self.client)
+        self._registered = self._io.register([(self._mem.ctypes.data, len(self._mem)), (self._trailers.ctypes.data, self._trailers.nbytes)])
+        self._mapper = FileMapper.from_offloading_spec(root_dir=namespace, offloading_spec=offloading_spec, blocks_per_file=offloading_spec.blocks_per_chunk, parallel_agnostic=True)
+        self._prefix = f"{row}B/"
+        self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="hicache-io-tier")
+        self._lock = threading.Lock()
+        self._finished: list[JobResult] = []
+        self._pending: Dict[int, threading.Event] = {}
+        self._lookups = _Lookups(self, tier_type)
+        self.stats = {"stored": 0, "loaded": 0, "verified": 0, "corrupt": 0, "store_failed": 0, "missing": 0}
+
+    def object_key(self, key: OffloadKey) -> str:
+        return self._prefix + self._mapper.get_file_name(key)
+
+    # ---- spans ----------------------------------------------------------------------------
+
+    def _spans(self, chunk_ids: np.ndarray) -> Spans:
+        base, tbase = self._mem.ctypes.data, self._trailers.ctypes.data
+        ptrs = [[base + int(c) * self._row, tbase + int(c) * TRAILER_BYTES] for c in chunk_ids]
+        return Spans(ptrs, [[self._row, TRAILER_BYTES]] * len(ptrs), True, True)
+
+    def _sums(self, chunk_ids: np.ndarray) -> np.ndarray:
+        return np.array([_native.checksum(self._mem[int(c) * self._row : (int(c) + 1) * self._row], _native.STORAGE_SEED) for c in chunk_ids], dtype=np.uint64)
+
+    def _check(self, job: TransferJob) -> np.ndarray:
+        chunk_ids = np.asarray(job.chunk_ids, dtype=np.int64)
+        if len(chunk_ids) != len(job.keys):
+            raise ValueError(f"job {job.job_id}: {len(job.keys)} keys for {len(chunk_ids)} chunks")
+        if len(chunk_ids) and (chunk_ids.min() < 0 or chunk_ids.max() >= self._chunks):
+            raise IndexError(f"job {job.job_id}: chunk ids outside the primary tier's {self._chunks} chunks")
+        if len(np.unique(chunk_ids)) != len(chunk_ids):
+            raise ValueError(f"job {job.job_id}: a chunk named twice")
+        return chunk_ids
+
+    # ---- jobs -----------------------------------------------------------------------------
+
+    def _finish(self, result: JobResult) -> None:
+        with self._lock:
+            self._finished.append(result)
+            done = self._pending.pop(result.job_id, None)
+        if done is not None:
+            done.set()
+
+    def _store(self, job: TransferJob, chunk_ids: np.ndarray, keys: list[str]) -> None:
+        t0 = time.perf_counter()
+        try:
+            sums = self._sums(chunk_ids) ^ name_tags(keys)
+            self._trailers[chunk_ids, 0] = TRAILER_MAGIC
+            self._trailers[chunk_ids, 1] = sums
+            rcs, _ = self._io.put(keys, keys, self._spans(chunk_ids))
+            ok = bool((rcs == 0).all())
+            if not ok:
+                log.warning("hicache-io tier: %d of %d chunks not stored (codes %s)", int((rcs != 0).sum()), len(keys), sorted(set(rcs.tolist())))
+        except Exception:
+            log.exception("hicache-io tier: store job %d failed", job.job_id)
+            ok, rcs = False, np.full(len(keys), -1)
+        with self._lock:
+            self.stats["stored"] += int((rcs == 0).sum())
+            self.stats["store_failed"] += int((rcs != 0).sum())
+        self._finish(JobResult(job_id=job.job_id, success=ok, transfer_time=time.perf_counter() - t0, transfer_bytes=len(keys) * self._row))
+
+    def _load(self, job: TransferJob, chunk_ids: np.ndarray, keys: list[str]) -> None:
+        t0 = time.perf_counter()
+        all_keys = list(job.keys)
+        try:
+            self._trailers[chunk_ids] = 0
+            got, _, _, _ = self._io.get(keys, keys, [self._spans(chunk_ids)])
+            whole = got == self._row + TRAILER_BYTES
+            good = np.zeros(len(keys), dtype=bool)
+            if whole.any():
+                sums = self._sums(chunk_ids) ^ name_tags(keys)
+                good = whole & (self._trailers[chunk_ids, 0] == TRAILER_MAGIC) & (self._trailers[chunk_ids, 1] == sums)
+            corrupt = whole & ~good
+        except Exception:
+            log.exception("hicache-io tier: load job %d failed", job.job_id)
+            good = corrupt = np.zeros(len(keys), dtype=bool)
+        failed = [all_keys[j] for j in np.flatnonzero(~good)]
+        if failed:
+            self._lookups.mark_miss(failed)
+        for j in np.flatnonzero(corrupt):
+            # A damaged object would fail every later load: remove it so that a store can
+            # write it again.
+            self.client.remove(keys[j])
+            log.warning("hicache-io tier: chunk %s failed its checksum; removed", keys[j])
+        with self._lock:
+            self.stats["loaded"] += len(keys)
+            self.stats["verified"] += int(good.sum())
+            self.stats["corrupt"] += int(corrupt.sum())
+            self.stats["missing"] += int((~good & ~corrupt).sum())
+        ok = bool(good.all())
+        successful = None if ok else tuple(all_keys[j] for j in np.flatnonzero(good))
+        self._finish(JobResult(job_id=job.job_id, success=ok, successful_keys=successful, transfer_time=time.perf_counter() - t0, transfer_bytes=len(keys) * self._row))
+
+    def _submit(self, job: TransferJob, work) -> None:
+        chunk_ids = self._check(job)
+        keys = [self.object_key(k) for k in job.keys]
+        done = threading.Event()
+        with self._lock:
+            self._pending[job.job_id] = done
+        self._pool.submit(work, job, chunk_ids, keys)
+
+    # ---- vLLM's interface -----------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        found = self._lookups.lookup(key, req_context)
+        if found is None:
+            return LookupResult.RETRY
+        return LookupResult.HIT if found else LookupResult.MISS
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        self._submit(job_metadata, self._store)
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        self._submit(job_metadata, self._load)
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        with self._lock:
+            out, self._finished = self._finished, []
+        return out
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def drain_jobs(self) -> None:
+        while True:
+            with self._lock:
+                waiting = list(self._pending.values())
+            if not waiting:
+                return
+            for done in waiting:
+                done.wait()
+
+    def has_pending_work(self) -> bool:
+        with self._lock:
+            return bool(self._pending)
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._lookups.cleanup(req_context.req_id)
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self._lookups.flush()
+
+    def shutdown(self) -> None:
+        self._lookups.shutdown()
+        self._pool.shutdown(wait=True)
+        try:
+            self._io.unregister(self._registered)
+        finally:
+            self.client.close()

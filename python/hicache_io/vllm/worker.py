@@ -1,0 +1,321 @@
+"""``HicacheOffloadingWorker``: vLLM's offloading worker as hicache-io calls on a block tier."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+from vllm.v1.kv_offload.base import BlockIDsLoadStoreSpec, CanonicalKVCaches, GPULoadStoreSpec, LoadStoreSpec, OffloadingWorker, TransferResult
+
+from .. import _native
+
+log = logging.getLogger(__name__)
+
+#: Called with ``(job_id, block_ids)`` for a load whose chunks failed their checksums (the
+#: engine's blocks that must be recomputed); the job then completes as a success. Without it,
+#: such a job completes with ``success=False``.
+LoadFailureSink = Callable[[int, Sequence[int]], None]
+
+
+@dataclass
+class _Rows:
+    """One group's part of a transfer: engine blocks, host rows, and the tensors it touches."""
+
+    tensors: list[int]
+    blocks: np.ndarray
+    rows: np.ndarray
+
+
+def chunk_rows(group_size: int, block_index: int, chunks: np.ndarray, blocks_per_chunk: int) -> np.ndarray:
+    """Host rows of ``group_size`` logically consecutive blocks, the first at logical index
+    ``block_index``, held by ``chunks`` (chunk ``c`` holds rows ``c × B .. c × B + B - 1``).
+    The first chunk may hold earlier blocks (skipped) and the last one later ones (unused)."""
+    skip = block_index % blocks_per_chunk
+    rows = (chunks.astype(np.int64)[:, None] * blocks_per_chunk + np.arange(blocks_per_chunk, dtype=np.int64)[None, :]).ravel()
+    return rows[skip : skip + group_size]
+
+
+class HicacheOffloadingWorker(OffloadingWorker):
+    """Moves KV blocks between vLLM's canonical KV tensors and hicache-io host rows
+    (:class:`hicache_io.BlockTier`), one row per block, ``blocks_per_chunk`` rows per chunk.
+
+    Every transfer is checked in full before a byte moves (groups, counts, chunk and block ids,
+    duplicate destinations). Each row's checksum is recorded inside the store copy and verified
+    inside the load copy; a load that reads a damaged row completes with ``success=False`` (or,
+    with a :data:`LoadFailureSink`, reports the blocks to recompute).
+
+    On CPU tensors transfers run in submission order on one thread of the worker (expedited
+    loads go first), releasing the GIL. On CUDA tensors they are enqueued on the worker's own
+    stream: a store after the compute stream's work so far (the KV it reads is written), a load
+    likewise; completion is tracked with events, never waited for on the host.
+    """
+
+    def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int, num_chunks: int):
+        if blocks_per_chunk < 1:
+            raise ValueError(f"blocks_per_chunk must be at least 1, got {blocks_per_chunk}")
+        if num_chunks < 0:
+            raise ValueError(f"num_chunks must not be negative, got {num_chunks}")
+        self.blocks_per_chunk = blocks_per_chunk
+        self.num_chunks = num_chunks
+        tensors: list[torch.Tensor] = []
+        for j, t in enumerate(kv_caches.tensors):
+            if t.page_size_bytes <= 0:
+                raise ValueError(f"KV tensor {j}: page size {t.page_size_bytes}")
+            tensors.append(t.tensor.view(torch.int8).view(-1, t.page_size_bytes))
+        if not tensors:
+            raise ValueError("no KV tensors to offload")
+        if len({t.shape[0] for t in tensors}) != 1:
+            raise ValueError(f"KV tensors of different block counts: {sorted({t.shape[0] for t in tensors})}")
+        devices = {x.device for x in tensors}
+        if len(devices) != 1:
+            raise ValueError(f"KV tensors on several devices: {sorted(map(str, devices))}")
+        self.device = devices.pop()
+        # The bytes of a block that hold data: the widest page any layer reads from the tensor
+        # (a layer's page may be padded to the tensor's).
+        row_bytes = [0] * len(tensors)
+        self._groups: list[list[int]] = []
+        for g, refs in enumerate(kv_caches.group_data_refs):
+            used = []
+            for ref in refs:
+                if not 0 <= ref.tensor_idx < len(tensors):
+                    raise ValueError(f"group {g}: tensor index {ref.tensor_idx} of {len(tensors)}")
+                page = tensors[ref.tensor_idx].shape[1]
+                if not 0 < ref.page_size_bytes <= page:
+                    raise ValueError(f"group {g}: page of {ref.page_size_bytes} bytes in a tensor of {page}-byte blocks")
+                row_bytes[ref.tensor_idx] = max(row_bytes[ref.tensor_idx], ref.page_size_bytes)
+                if ref.tensor_idx not in used:
+                    used.append(ref.tensor_idx)
+            self._groups.append(used)
+        self._tensors = tensors
+        for j, t in enumerate(tensors):
+            if row_bytes[j] == 0:
+                row_bytes[j] = t.shape[1]
+        self.row_bytes = row_bytes
+        self._stream = None
+        stream_handle = None
+        if self.device.type == "cuda":
+            self._stream = torch.cuda.Stream(device=self.device)
+            stream_handle = self._stream.cuda_stream
+        elif self.device.type != "cpu":
+            raise ValueError(f"KV tensors on {self.device}: hicache-io moves CPU and CUDA tensors")
+        host_rows = num_chunks * blocks_per_chunk
+        self.tier = _native.BlockTier(tensors, row_bytes, host_rows, stream=stream_handle) if host_rows else None
+        self.on_load_failure: Optional[LoadFailureSink] = None
+        self._lock = threading.Lock()
+        self._finished: list[TransferResult] = []
+        self._done: dict[int, threading.Event] = {}
+        # CUDA: (job_id, store, start event, end event, bytes, failed blocks, blocks) in
+        # submission order; blocks the executor reported damaged, not yet claimed by a load.
+        self._inflight: deque = deque()
+        self._bad_blocks: set[int] = set()
+        # CPU: jobs for the copy thread.
+        self._queue: deque = deque()
+        self._wake = threading.Condition(self._lock)
+        self._closed = False
+        self._thread = None
+        if self._stream is None:
+            self._thread = threading.Thread(target=self._run_queue, name="hicache-io-offload", daemon=True)
+            self._thread.start()
+        log.info(
+            "hicache-io offloading worker: %d tensors on %s, %d chunks of %d blocks (%s host bytes)",
+            len(tensors),
+            self.device,
+            num_chunks,
+            blocks_per_chunk,
+            sum(t.shape[1] for t in tensors) * host_rows,
+        )
+
+    # ---- planning: every check before a byte moves ---------------------------------------
+
+    def _plan(self, gpu: LoadStoreSpec, chunks: LoadStoreSpec) -> list[_Rows]:
+        if not isinstance(gpu, GPULoadStoreSpec):
+            raise TypeError(f"expected a GPULoadStoreSpec for the engine's blocks, got {type(gpu).__name__}")
+        if not isinstance(chunks, BlockIDsLoadStoreSpec):
+            raise TypeError(f"expected chunk ids (CPULoadStoreSpec), got {type(chunks).__name__}")
+        if self.tier is None:
+            raise ValueError("this worker holds no chunks (cpu_bytes_to_use is below one chunk)")
+        block_ids = np.asarray(gpu.block_ids, dtype=np.int64)
+        chunk_ids = np.asarray(chunks.block_ids, dtype=np.int64)
+        if block_ids.ndim != 1 or chunk_ids.ndim != 1:
+            raise ValueError("block and chunk ids must be 1-D")
+        sizes, starts = list(gpu.group_sizes), list(gpu.block_indices)
+        if len(sizes) != len(self._groups) or len(starts) != len(self._groups):
+            raise ValueError(f"{len(sizes)} group sizes and {len(starts)} block indices for {len(self._groups)} KV groups")
+        if len(chunk_ids) and (chunk_ids.min() < 0 or chunk_ids.max() >= self.num_chunks):
+            bad = int(chunk_ids[(chunk_ids < 0) | (chunk_ids >= self.num_chunks)][0])
+            raise IndexError(f"chunk id {bad} is out of range (the tier holds {self.num_chunks} chunks)")
+        if len(np.unique(chunk_ids)) != len(chunk_ids):
+            raise ValueError("a chunk is named twice in one transfer")
+        # Checked here, not only by the tier's own calls: those run after submission returned.
+        blocks = self._tensors[0].shape[0]
+        if len(block_ids) and (block_ids.min() < 0 or block_ids.max() >= blocks):
+            bad = int(block_ids[(block_ids < 0) | (block_ids >= blocks)][0])
+            raise IndexError(f"block id {bad} is out of range (the KV tensors hold {blocks} blocks)")
+        if len(np.unique(block_ids)) != len(block_ids):
+            raise ValueError("a block is named twice in one transfer")
+        out: list[_Rows] = []
+        b_off = c_off = 0
+        B = self.blocks_per_chunk
+        for g, (size, start) in enumerate(zip(sizes, starts)):
+            if size < 0 or start < 0:
+                raise ValueError(f"group {g}: {size} blocks from logical block {start}")
+            if size == 0:
+                continue
+            n_chunks = -(-(size + start % B) // B)
+            if b_off + size > len(block_ids) or c_off + n_chunks > len(chunk_ids):
+                raise ValueError(
+                    f"group {g}: {size} blocks from logical block {start} need {n_chunks} chunks; "
+                    f"the specs hold {len(block_ids) - b_off} blocks and {len(chunk_ids) - c_off} chunks from here"
+                )
+            rows = chunk_rows(size, start, chunk_ids[c_off : c_off + n_chunks], B)
+            out.append(_Rows(self._groups[g], block_ids[b_off : b_off + size], rows))
+            b_off, c_off = b_off + size, c_off + n_chunks
+        if b_off != len(block_ids) or c_off != len(chunk_ids):
+            raise ValueError(f"the groups use {b_off} of {len(block_ids)} blocks and {c_off} of {len(chunk_ids)} chunks")
+        return out
+
+    def _bytes(self, parts: list[_Rows]) -> int:
+        return sum(len(p.blocks) * sum(self.row_bytes[j] for j in p.tensors) for p in parts)
+
+    # ---- the moves ------------------------------------------------------------------------
+
+    def _move(self, store: bool, parts: list[_Rows]) -> list[int]:
+        """Runs the parts; answers the engine blocks whose rows failed their checksums."""
+        failed: list[int] = []
+        for p in parts:
+            tensors = [self._tensors[j] for j in p.tensors]
+            try:
+                if store:
+                    self.tier.store(p.tensors, tensors, p.blocks, p.rows)
+                else:
+                    self.tier.load(p.tensors, tensors, p.rows, p.blocks)
+            except _native.IntegrityError as e:
+                failed.extend(sorted({int(item[3]) for item in e.items}))
+                log.warning("hicache-io offloading: %d blocks failed their checksums on load (%s)", len(e.items), e)
+        return failed
+
+    def _submit(self, job_id: int, store: bool, gpu: LoadStoreSpec, chunks: LoadStoreSpec, expedited: bool = False) -> bool:
+        parts = self._plan(gpu, chunks)
+        nbytes = self._bytes(parts)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the offloading worker is shut down")
+            self._done[job_id] = threading.Event()
+        if self._stream is not None:
+            return self._submit_cuda(job_id, store, parts, nbytes)
+        with self._wake:
+            job = (job_id, store, parts, nbytes)
+            if expedited:
+                self._queue.appendleft(job)
+            else:
+                self._queue.append(job)
+            self._wake.notify()
+        return True
+
+    def _complete(self, job_id: int, store: bool, failed: list[int], nbytes: int, seconds: float, error: bool = False) -> None:
+        """Reports a job: a store succeeded unless the executor failed; a load unless some of
+        its blocks cannot be trusted, which a sink (when set) takes for recompute instead."""
+        ok = not error if store else not failed
+        if not store and failed and self.on_load_failure is not None:
+            self.on_load_failure(job_id, failed)
+            ok = True
+        with self._lock:
+            self._finished.append(TransferResult(job_id=job_id, success=ok, transfer_size=nbytes, transfer_time=seconds))
+            done = self._done.pop(job_id, None)
+        if done is not None:
+            done.set()
+
+    def _run_queue(self) -> None:
+        while True:
+            with self._wake:
+                while not self._queue and not self._closed:
+                    self._wake.wait()
+                if not self._queue:
+                    return
+                job_id, store, parts, nbytes = self._queue.popleft()
+            t0 = time.perf_counter()
+            error = False
+            try:
+                failed = self._move(store, parts)
+            except Exception:
+                # Every check passed before submission: the executor failed. A load's blocks
+                # cannot be trusted; a store's chunks are not written.
+                log.exception("hicache-io offloading: job %d failed", job_id)
+                failed, error = [int(b) for p in parts for b in p.blocks], True
+            self._complete(job_id, store, failed, nbytes, time.perf_counter() - t0, error)
+
+    def _submit_cuda(self, job_id: int, store: bool, parts: list[_Rows], nbytes: int) -> bool:
+        stream = self._stream
+        # Stores read KV the compute stream writes; loads write blocks it may still zero.
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            start.record(stream)
+            failed = self._move(store, parts)
+            end.record(stream)
+        blocks = set() if store else {int(b) for p in parts for b in p.blocks}
+        with self._lock:
+            self._inflight.append((job_id, store, start, end, nbytes, failed, blocks))
+        return True
+
+    def _finished_cuda(self) -> None:
+        """Completes the CUDA jobs whose events passed, in order. A load's rows are verified on
+        the device; the executor reports mismatches once they ran, each naming its block: a
+        block reported is claimed by the completed load that wrote it (or kept for a later one)."""
+        done = []
+        with self._lock:
+            while self._inflight and self._inflight[0][3].query():
+                done.append(self._inflight.popleft())
+        if not done:
+            return
+        if any(not job[1] for job in done):
+            try:
+                self.tier.integrity_reports()
+            except _native.IntegrityError as e:
+                self._bad_blocks.update(int(item[3]) for item in e.items)
+        for job_id, store, start, end, nbytes, failed, blocks in done:
+            if not store and self._bad_blocks & blocks:
+                hit = self._bad_blocks & blocks
+                self._bad_blocks -= hit
+                failed = sorted(set(failed) | hit)
+            self._complete(job_id, store, failed, nbytes, start.elapsed_time(end) * 1e-3)
+
+    # ---- vLLM's interface -----------------------------------------------------------------
+
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        return self._submit(job_id, True, src_spec, dst_spec)
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False) -> bool:
+        return self._submit(job_id, False, dst_spec, src_spec, expedited)
+
+    def get_finished(self) -> list[TransferResult]:
+        if self._stream is not None:
+            self._finished_cuda()
+        with self._lock:
+            out, self._finished = self._finished, []
+        return out
+
+    def wait(self, job_ids: set[int]) -> None:
+        for job_id in job_ids:
+            with self._lock:
+                done = self._done.get(job_id)
+                cuda = [job[3] for job in self._inflight if job[0] == job_id]
+            for end in cuda:
+                end.synchronize()
+            if done is not None and not cuda:
+                done.wait()
+
+    def shutdown(self) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        if self._stream is not None:
+            self._stream.synchronize()

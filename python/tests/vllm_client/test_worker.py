@@ -1,0 +1,188 @@
+"""``HicacheOffloadingWorker`` against an oracle of vLLM's chunk semantics, byte for byte: every
+group, ``blocks_per_chunk`` ≥ 1 with partial first and last chunks, split K/V tensors, padded
+pages, a cross-layer tensor; damaged chunks fail their loads; bad specs move nothing."""
+
+import numpy as np
+import pytest
+import torch
+
+try:
+    from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, GPULoadStoreSpec
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    from hicache_io.vllm import HicacheOffloadingWorker
+except ImportError:  # skipped by conftest
+    pass
+
+
+def make_caches(rng, num_blocks, pages, refs_per_group):
+    """Tensors of ``pages[j]`` bytes per block; ``refs_per_group[g]`` = [(tensor, page bytes)]."""
+    tensors = [torch.from_numpy(rng.integers(-128, 128, (num_blocks, p), dtype=np.int8)) for p in pages]
+    caches = CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(t, p) for t, p in zip(tensors, pages)],
+        group_data_refs=[[CanonicalKVCacheRef(j, pb) for j, pb in refs] for refs in refs_per_group],
+    )
+    return tensors, caches
+
+
+class Oracle:
+    """vLLM's semantics, written out: chunk ``c`` holds ``B`` sub-blocks; group ``g``'s ``n``
+    blocks from logical block ``s`` use sub-blocks ``s mod B ..`` of its chunks; each ref copies
+    its page's first ``page bytes``."""
+
+    def __init__(self, pages, refs_per_group, num_chunks, B):
+        self.B, self.refs = B, refs_per_group
+        self.rows = [np.zeros((num_chunks * B, p), np.int8) for p in pages]
+
+    def walk(self, gpu: "GPULoadStoreSpec", chunk_ids):
+        b = c = 0
+        for g, (n, s) in enumerate(zip(gpu.group_sizes, gpu.block_indices)):
+            if n == 0:
+                continue
+            k = -(-(n + s % self.B) // self.B)
+            subs = [int(ch) * self.B + j for ch in chunk_ids[c : c + k] for j in range(self.B)][s % self.B :][:n]
+            for blk, row in zip(gpu.block_ids[b : b + n], subs):
+                for t, pb in self.refs[g]:
+                    yield t, int(blk), row, pb
+            b, c = b + n, c + k
+
+    def store(self, tensors, gpu, chunk_ids):
+        for t, blk, row, pb in self.walk(gpu, chunk_ids):
+            self.rows[t][row, :pb] = tensors[t].numpy()[blk, :pb]
+
+    def load(self, tensors, gpu, chunk_ids):
+        for t, blk, row, pb in self.walk(gpu, chunk_ids):
+            tensors[t].numpy()[blk, :pb] = self.rows[t][row, :pb]
+
+
+def finish(worker, job_ids):
+    worker.wait(set(job_ids))
+    got = {}
+    for _ in range(200):
+        for r in worker.get_finished():
+            got[r.job_id] = r
+        if set(job_ids) <= set(got):
+            return got
+    raise AssertionError(f"jobs {set(job_ids) - set(got)} never finished")
+
+
+SHAPES = [
+    # (pages, refs per group): one MLA-like tensor; split K/V of two layers; a padded page
+    # (layers reading 96 of 128 bytes); two groups (hybrid); a cross-layer tensor.
+    ([64], [[(0, 64)]]),
+    ([32, 32, 32, 32], [[(0, 32), (1, 32), (2, 32), (3, 32)]]),
+    ([128, 128], [[(0, 96), (1, 96)]]),
+    ([48, 48, 80], [[(0, 48), (1, 48)], [(2, 80)]]),
+    ([256], [[(0, 256)]]),
+]
+
+
+@pytest.mark.parametrize("B", [1, 2, 4])
+@pytest.mark.parametrize("shape", range(len(SHAPES)))
+def test_store_then_load_matches_the_oracle(shape, B):
+    pages, refs = SHAPES[shape]
+    rng = np.random.default_rng(shape * 10 + B)
+    num_blocks, num_chunks = 40, 12
+    tensors, caches = make_caches(rng, num_blocks, pages, refs)
+    oracle = Oracle(pages, refs, num_chunks, B)
+    worker = HicacheOffloadingWorker(caches, B, num_chunks)
+    try:
+        job = 0
+        for round_ in range(6):
+            # Each group: some blocks from a logical start (unaligned to B), into free chunks.
+            sizes, starts, block_ids, chunk_ids = [], [], [], []
+            free_blocks = list(rng.permutation(num_blocks))
+            free_chunks = list(rng.permutation(num_chunks))
+            for g in range(len(refs)):
+                n = int(rng.integers(0, 7))
+                s = int(rng.integers(0, 9))
+                k = -(-(n + s % B) // B) if n else 0
+                sizes.append(n)
+                starts.append(s)
+                block_ids += [int(free_blocks.pop()) for _ in range(n)]
+                chunk_ids += [int(free_chunks.pop()) for _ in range(k)]
+            gpu = GPULoadStoreSpec(block_ids, sizes, starts)
+            job += 1
+            assert worker.submit_store(job, gpu, CPULoadStoreSpec(chunk_ids))
+            oracle.store(tensors, gpu, chunk_ids)
+            assert finish(worker, [job])[job].success
+            for t in range(len(pages)):
+                # Rows the oracle never wrote are zero on both sides.
+                want = oracle.rows[t][:, : worker.row_bytes[t]].astype(np.uint8).ravel()
+                assert np.array_equal(worker.tier.read_rows(t), want), f"round {round_}, tensor {t}"
+            # The engine overwrites the blocks; the load brings the stored bytes back (into
+            # other blocks, too).
+            for t in tensors:
+                t.copy_(torch.from_numpy(rng.integers(-128, 128, tuple(t.shape), dtype=np.int8)))
+            dest = GPULoadStoreSpec([int(b) for b in rng.permutation(block_ids)] if block_ids else [], sizes, starts)
+            want = [t.clone() for t in tensors]
+            oracle.load(want, dest, chunk_ids)
+            job += 1
+            assert worker.submit_load(job, CPULoadStoreSpec(chunk_ids), dest, expedited=bool(round_ % 2))
+            assert finish(worker, [job])[job].success
+            for t, w in zip(tensors, want):
+                assert torch.equal(t, w)
+    finally:
+        worker.shutdown()
+
+
+def stored(B=2, pages=(64, 64)):
+    rng = np.random.default_rng(7)
+    tensors, caches = make_caches(rng, 16, list(pages), [[(j, p) for j, p in enumerate(pages)]])
+    worker = HicacheOffloadingWorker(caches, B, 6)
+    gpu = GPULoadStoreSpec([3, 4, 5, 6], [4], [0])
+    worker.submit_store(1, gpu, CPULoadStoreSpec([2, 5]))
+    assert finish(worker, [1])[1].success
+    return tensors, worker
+
+
+def test_a_damaged_chunk_fails_its_load_and_a_sink_gets_its_blocks():
+    tensors, worker = stored()
+    try:
+        # Row 11 = chunk 5, sub-block 1: block 6's copy in tensor 1.
+        worker.tier.inject_host_corruption(1, 11, 5, b"\x01")
+        dest = GPULoadStoreSpec([8, 9, 10, 11], [4], [0])
+        worker.submit_load(2, CPULoadStoreSpec([2, 5]), dest)
+        r = finish(worker, [2])[2]
+        assert not r.success
+        seen = []
+        worker.on_load_failure = lambda job, blocks: seen.append((job, list(blocks)))
+        worker.submit_load(3, CPULoadStoreSpec([2, 5]), dest)
+        assert finish(worker, [3])[3].success
+        assert seen == [(3, [11])]
+        # The intact rows landed.
+        assert torch.equal(tensors[0][8:12], tensors[0][3:7]) and torch.equal(tensors[1][8:11], tensors[1][3:6])
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.parametrize(
+    "gpu_args, chunks, error",
+    [
+        (([3, 4, 5, 6], [4], [0]), [2], ValueError),  # too few chunks
+        (([3, 4, 5, 6], [4], [0]), [2, 5, 1], ValueError),  # chunks left over
+        (([3, 4, 5, 6], [4], [0]), [2, 6], IndexError),  # chunk out of range
+        (([3, 4, 5, 6], [4], [0]), [2, 2], ValueError),  # a chunk twice
+        (([3, 4, 5, 16], [4], [0]), [2, 5], IndexError),  # block out of range
+        (([3, 4, 3, 6], [4], [0]), [2, 5], ValueError),  # a block twice
+        (([3, 4, 5, 6], [2, 2], [0, 0]), [2, 5], ValueError),  # two groups for one
+        (([3, 4, 5, 6], [4], [-1]), [2, 5], ValueError),  # a negative logical block
+    ],
+)
+def test_bad_specs_move_nothing(gpu_args, chunks, error):
+    tensors, worker = stored()
+    try:
+        before = [worker.tier.read_rows(t).copy() for t in range(2)]
+        blocks = [t.clone() for t in tensors]
+        with pytest.raises(error):
+            worker.submit_store(9, GPULoadStoreSpec(*gpu_args), CPULoadStoreSpec(chunks))
+        with pytest.raises(error):
+            worker.submit_load(10, CPULoadStoreSpec(chunks), GPULoadStoreSpec(*gpu_args))
+        worker.wait({9, 10})
+        assert worker.get_finished() == []
+        for t in range(2):
+            assert np.array_equal(worker.tier.read_rows(t), before[t])
+        for t, b in zip(tensors, blocks):
+            assert torch.equal(t, b)
+    finally:
+        worker.shutdown()
