@@ -32,6 +32,13 @@ pub(crate) const DAMAGED: i64 = -100_003;
 const PARALLEL_BYTES: usize = 64 << 10;
 /// Buffers one vectored call takes (Linux's `IOV_MAX`).
 const IOV_MAX: usize = 1024;
+/// Objects at least this large whose first span starts on a page are written with `O_DIRECT`
+/// (where the file system takes it): buffered writes of new files run at a tenth of the disk's
+/// speed on machines whose page cache is slow to grow (measured 0.15–0.2 GB/s buffered against
+/// 2.5 GB/s direct on this project's CI machine kind).
+const DIRECT_MIN: usize = 1 << 20;
+/// `O_DIRECT`'s alignment of addresses, offsets and lengths (a page covers every block size).
+const DIRECT_ALIGN: usize = 4096;
 
 type Span = (usize, usize);
 
@@ -270,12 +277,31 @@ fn put_one(path: &str, tmp: &str, key: &[u8], spans: &[Span], fsync: bool) -> i6
             e => e,
         }
     };
-    // SAFETY: a NUL-terminated path; the descriptor is closed by `Fd`.
-    let raw = unsafe { libc::open(tmp_c.as_ptr(), libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC, 0o644) };
-    if raw < 0 {
-        return errno();
+    let flags = libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC;
+    let direct = total >= DIRECT_MIN && spans.first().is_some_and(|&(p, n)| p.is_multiple_of(DIRECT_ALIGN) && n >= DIRECT_ALIGN);
+    let mut written = None;
+    if direct {
+        // SAFETY: a NUL-terminated path; the descriptor is closed by `Fd`.
+        let raw = unsafe { libc::open(tmp_c.as_ptr(), flags | libc::O_DIRECT, 0o644) };
+        if raw >= 0 {
+            written = Some(write_direct(&Fd(raw), spans, &foot, total, fsync));
+        } else {
+            // The file system refuses O_DIRECT (tmpfs, some overlays): written buffered below.
+            // SAFETY: a NUL-terminated path (the failed open may have created it).
+            unsafe { libc::unlink(tmp_c.as_ptr()) };
+        }
     }
-    let written = write(&Fd(raw));
+    let written = match written {
+        Some(w) => w,
+        None => {
+            // SAFETY: a NUL-terminated path; the descriptor is closed by `Fd`.
+            let raw = unsafe { libc::open(tmp_c.as_ptr(), flags, 0o644) };
+            if raw < 0 {
+                return errno();
+            }
+            write(&Fd(raw))
+        }
+    };
     // SAFETY: NUL-terminated paths.
     let rc = match written {
         Err(e) => e,
@@ -284,6 +310,76 @@ fn put_one(path: &str, tmp: &str, key: &[u8], spans: &[Span], fsync: bool) -> i6
     // SAFETY: a NUL-terminated path.
     unsafe { libc::unlink(tmp_c.as_ptr()) };
     rc
+}
+
+/// Writes an object to `fd` (opened with `O_DIRECT`): the page-aligned head of the first span
+/// straight from the caller's memory, the rest (its tail, the other spans, the key and footer)
+/// through one aligned block buffer padded to whole pages, then truncates the file to `total`.
+fn write_direct(fd: &Fd, spans: &[Span], foot: &[u8], total: usize, fsync: bool) -> Result<(), i64> {
+    let (p0, n0) = spans[0];
+    let head = n0 - n0 % DIRECT_ALIGN;
+    let mut done = 0usize;
+    while done < head {
+        // SAFETY: `head` bytes of the first span (inside registered memory, page-aligned, checked
+        // by the caller) from file offset `done`, which stays page-aligned (whole pages written).
+        let n = unsafe { libc::pwrite(fd.0, (p0 + done) as *const libc::c_void, head - done, done as libc::off_t) };
+        if n < 0 {
+            if std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
+                continue;
+            }
+            return Err(errno());
+        }
+        if n == 0 || !(n as usize).is_multiple_of(DIRECT_ALIGN) {
+            return Err(-(libc::EIO as i64));
+        }
+        done += n as usize;
+    }
+    let rest = total - head;
+    let padded = rest.div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN;
+    let layout = std::alloc::Layout::from_size_align(padded.max(DIRECT_ALIGN), DIRECT_ALIGN).map_err(|_| -(libc::ENOMEM as i64))?;
+    // SAFETY: a non-zero size; freed below.
+    let buf = unsafe { std::alloc::alloc_zeroed(layout) };
+    if buf.is_null() {
+        return Err(-(libc::ENOMEM as i64));
+    }
+    let mut at = 0usize;
+    let mut put = |p: *const u8, n: usize| {
+        // SAFETY: `at + n <= rest <= padded` (the pieces add up to `total - head`); the source
+        // is a span in registered memory or the footer.
+        unsafe { std::ptr::copy_nonoverlapping(p, buf.add(at), n) };
+        at += n;
+    };
+    put((p0 + head) as *const u8, n0 - head);
+    for &(p, n) in &spans[1..] {
+        put(p as *const u8, n);
+    }
+    put(foot.as_ptr(), foot.len());
+    let r = loop {
+        // SAFETY: `padded` bytes of the aligned buffer at the page-aligned offset `head`.
+        let n = unsafe { libc::pwrite(fd.0, buf as *const libc::c_void, padded, head as libc::off_t) };
+        if n < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
+            continue;
+        }
+        break if n < 0 {
+            Err(errno())
+        } else if n as usize != padded {
+            Err(-(libc::EIO as i64))
+        } else {
+            Ok(())
+        };
+    };
+    // SAFETY: allocated above with this layout.
+    unsafe { std::alloc::dealloc(buf, layout) };
+    r?;
+    // SAFETY: an open descriptor; the padding goes.
+    if unsafe { libc::ftruncate(fd.0, total as libc::off_t) } != 0 {
+        return Err(errno());
+    }
+    // SAFETY: an open descriptor.
+    if fsync && unsafe { libc::fsync(fd.0) } != 0 {
+        return Err(errno());
+    }
+    Ok(())
 }
 
 /// `f(j)` for every object, on up to `threads` threads where the objects are large.
