@@ -30,7 +30,9 @@ bytes first, in a counter all of them share (in the lock file, under its lock); 
 not fit, the putting process counts the directory anew and removes the least recently used
 objects until the directory and the new bytes fit in nine tenths of the capacity.
 Removal is safe while other processes read (an open file stays readable; a file removed before it
-was opened is a miss). Buffered I/O (no ``O_DIRECT``: objects end in unaligned footers).
+was opened is a miss). Reads are buffered (the page cache shares objects between processes);
+objects of 1 MiB and more whose first span starts on a page are written with ``O_DIRECT``
+(buffered writes of new files can run at a tenth of the disk's speed), others buffered.
 
 Durability: objects survive a process that dies (they are in the page cache); ``fsync=True``
 also makes them survive a machine that loses power, at the cost of a flush per object."""

@@ -1,0 +1,198 @@
+#!/usr/bin/env python3
+"""vLLM's offloading on hicache-io against what vLLM does without it, on the same blocks, one run:
+
+- worker: ``HicacheOffloadingWorker`` (hicache-io's cpu executor, every row checksummed in the
+  copy) against a worker doing the same moves with torch ``index_copy_`` / ``index_select``
+  (what a CPU offloading worker writes in torch; vLLM's own handler needs CUDA), GB/s of stores
+  and loads over the engine's canonical KV tensors;
+- tier: ``HicacheTier`` (local directory, trailers checked on every load) against vLLM's own
+  ``fs`` tier (no verification), GB/s of stores and loads of whole chunks of the primary view.
+
+    python scripts/bench-vllm.py [--layers 32] [--page 32768] [--blocks 4096] [--batch 256]
+        [--chunk-mib 2] [--chunks 256] [--dir /tmp] [--seconds 3] [--json out.json]
+
+Needs vLLM 0.33.0 importable (``VLLM_TARGET_DEVICE=cpu``) and hicache_io installed. Ratios are
+of one run: medians of repeated timings of both sides, interleaved."""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from unittest.mock import MagicMock
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+
+def timed(fn, seconds):
+    """Median seconds of ``fn()`` over repeats filling about ``seconds``."""
+    fn()
+    times = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end or len(times) < 3:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_worker(args, out):
+    from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, GPULoadStoreSpec
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    from hicache_io.vllm import HicacheOffloadingWorker
+
+    L, page, nb, batch = args.layers, args.page, args.blocks, args.batch
+    # K and V of each layer, as vLLM splits FlashAttention's layout: 2 L tensors of page/2.
+    half = page // 2
+    tensors = [torch.randint(-128, 127, (nb, half), dtype=torch.int8) for _ in range(2 * L)]
+    caches = CanonicalKVCaches([CanonicalKVCacheTensor(t, half) for t in tensors], [[CanonicalKVCacheRef(j, half) for j in range(2 * L)]])
+    chunks = nb
+    worker = HicacheOffloadingWorker(caches, 1, chunks)
+    rng = np.random.default_rng(0)
+    blocks = [int(b) for b in rng.choice(nb, batch, replace=False)]
+    rows = [int(c) for c in rng.choice(chunks, batch, replace=False)]
+    job = iter(range(1, 1 << 30))
+
+    def ours(store):
+        j = next(job)
+        if store:
+            worker.submit_store(j, GPULoadStoreSpec(blocks, [batch], [0]), CPULoadStoreSpec(rows))
+        else:
+            worker.submit_load(j, CPULoadStoreSpec(rows), GPULoadStoreSpec(blocks, [batch], [0]))
+        worker.wait({j})
+        worker.get_finished()
+
+    host = [torch.zeros((chunks, half), dtype=torch.int8) for _ in range(2 * L)]
+    bi, ri = torch.tensor(blocks), torch.tensor(rows)
+    # The gather goes through one staging buffer, allocated once (a fresh tensor per layer
+    # would page-fault its way in and halve torch's figure).
+    stage = torch.empty((batch, half), dtype=torch.int8)
+
+    def torch_worker(store):
+        for t, h in zip(tensors, host):
+            if store:
+                h.index_copy_(0, ri, torch.index_select(t, 0, bi, out=stage))
+            else:
+                t.index_copy_(0, bi, torch.index_select(h, 0, ri, out=stage))
+
+    nbytes = batch * page * L
+    for store in (True, False):
+        a = timed(lambda: ours(store), args.seconds)
+        b = timed(lambda: torch_worker(store), args.seconds)
+        row = {"bench": "worker", "op": "store" if store else "load", "bytes": nbytes, "hicache_gbps": nbytes / a / 1e9, "torch_gbps": nbytes / b / 1e9, "ratio": b / a}
+        out.append(row)
+        print(f"worker {row['op']:5}: hicache-io {row['hicache_gbps']:6.2f} GB/s (checksummed) | torch index_copy_ {row['torch_gbps']:6.2f} GB/s | {row['ratio']:.2f}x", flush=True)
+    worker.shutdown()
+
+
+def tier_spec():
+    from vllm.v1.kv_offload.config import OffloadingCacheConfig, OffloadingConfig, OffloadingModelConfig, OffloadingParallelConfig
+
+    s = MagicMock()
+    s.config = OffloadingConfig(
+        groups=(),
+        worker_kv_bytes_per_block=0,
+        enable_kv_cache_events=False,
+        extra_config={},
+        engine_id="bench",
+        model=OffloadingModelConfig(name="bench/model", dtype="bfloat16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(
+            rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1, data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None, is_parallelism_agnostic=False
+        ),
+    )
+    s.blocks_per_chunk = 1
+    s.kv_events_config = MagicMock(enable_kv_cache_events=False)
+    return s
+
+
+def bench_tier(args, out):
+    from vllm.v1.kv_offload.base import ReqContext, make_offload_key
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+    from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
+
+    from hicache_io.vllm import HicacheTier
+
+    row = args.chunk_mib << 20
+    n = args.chunks
+    # Page-aligned rows (vLLM's primary tier is an mmap; its fs tier uses O_DIRECT when it can).
+    raw = np.zeros(n * row + 4096, dtype=np.uint8)
+    off = (-raw.ctypes.data) % 4096
+    view = raw[off : off + n * row].reshape(n, row)
+    view[:] = np.random.default_rng(1).integers(0, 256, view.shape, dtype=np.uint8)
+    root = tempfile.mkdtemp(prefix="hicache-io-bench-vllm-", dir=args.dir)
+    spec = tier_spec()
+    ours = HicacheTier(spec, memoryview(view), "hicache", store="local", path=os.path.join(root, "hicache"), capacity_bytes=4 * n * row + (1 << 30), threads=args.threads)
+    fs = FileSystemTierManager(offloading_spec=spec, primary_kv_view=memoryview(view), tier_type="fs", root_dir=os.path.join(root, "fs"), n_read_threads=args.threads, n_write_threads=args.threads)
+    ctx = ReqContext(req_id="bench")
+    job = iter(range(1, 1 << 30))
+    gen = iter(range(1, 1 << 40))
+
+    def run(tier, keys, load):
+        j = next(job)
+        # One job a chunk, as vLLM submits them per request; all in flight at once.
+        ids = []
+        for k, c in zip(keys, range(n)):
+            t = TransferJob(job_id=j, keys=[k], chunk_ids=np.array([c], dtype=np.int32), is_promotion=load, req_context=ctx)
+            (tier.submit_load if load else tier.submit_store)(t)
+            ids.append(j)
+            j = next(job)
+        tier.drain_jobs()
+        done = list(tier.get_finished_jobs())
+        assert len(done) == len(ids) and all(r.success for r in done), [r for r in done if not r.success][:3]
+
+    nbytes = n * row
+    results = {}
+    for phase in ("store", "load"):
+        for name, tier in (("hicache", ours), ("fs", fs)):
+            if phase == "store":
+                # Fresh keys each time: a store of an existing key writes nothing.
+                t = timed(lambda: run(tier, [make_offload_key(next(gen).to_bytes(8, "big"), 0) for _ in range(n)], False), args.seconds)
+            else:
+                keys = [make_offload_key(next(gen).to_bytes(8, "big"), 0) for _ in range(n)]
+                run(tier, keys, False)
+                t = timed(lambda: run(tier, keys, True), args.seconds)
+            results[(phase, name)] = t
+        a, b = results[(phase, "hicache")], results[(phase, "fs")]
+        r = {"bench": "tier", "op": phase, "bytes": nbytes, "hicache_gbps": nbytes / a / 1e9, "fs_gbps": nbytes / b / 1e9, "ratio": b / a}
+        out.append(r)
+        print(f"tier   {phase:5}: HicacheTier {r['hicache_gbps']:6.2f} GB/s (verified) | vLLM fs {r['fs_gbps']:6.2f} GB/s | {r['ratio']:.2f}x", flush=True)
+    ours.shutdown()
+    fs.shutdown()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--page", type=int, default=32768, help="bytes of one block of one layer (K and V)")
+    p.add_argument("--blocks", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--chunk-mib", type=int, default=2)
+    p.add_argument("--chunks", type=int, default=128)
+    p.add_argument("--threads", type=int, default=4)
+    p.add_argument("--dir", default=None)
+    p.add_argument("--seconds", type=float, default=3.0)
+    p.add_argument("--only", choices=["worker", "tier"])
+    p.add_argument("--json")
+    args = p.parse_args()
+    out = []
+    print(f"python {sys.version.split()[0]}, torch {torch.__version__}, {os.cpu_count()} cpus, torch threads {torch.get_num_threads()}")
+    if args.only in (None, "worker"):
+        bench_worker(args, out)
+    if args.only in (None, "tier"):
+        bench_tier(args, out)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
