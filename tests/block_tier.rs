@@ -157,6 +157,9 @@ fn run_tier<B: Blocks>(device: &Device, blocks: &mut B, upload: &mut dyn FnMut(&
         let calls: Vec<(usize, RawTensor)> = ids.iter().map(|&j| (j, blocks.raw(j.min(2)))).collect();
         assert!(tier.run(dir, &calls, &bl, &rw).is_err(), "{name}: {dir:?} {ids:?} {bl:?} {rw:?} accepted");
     }
+    // One tensor's memory as two tier tensors of a load: both would be written.
+    let calls = vec![(0usize, blocks.raw(0)), (1usize, blocks.raw(0))];
+    assert!(tier.run(BlockMove::Load, &calls, &[1], &[0]).is_err(), "{name}: a load writing one tensor twice accepted");
     // A tensor of another shape (tensor 2's memory as tensor 0).
     let calls = vec![(0usize, blocks.raw(2))];
     assert!(tier.run(BlockMove::Store, &calls, &[1], &[0]).is_err(), "{name}: a tensor of another size accepted");

@@ -8,7 +8,6 @@ use pyo3::prelude::*;
 use pyo3::types::PyList;
 
 use hicache_io::kvcacheio::{BlockMove, BlockShape, BlockTier, RawTensor};
-use hicache_io::Device;
 
 use crate::*;
 
@@ -23,7 +22,9 @@ use crate::*;
 /// copies back, verifying each row inside the copy: rows that no longer match raise
 /// `IntegrityError` (after the other rows landed), `e.items` naming `(tensor, 0, row, block, …)`.
 /// Every call is checked (lengths, ranges, duplicate destinations, the tensors' shapes) before
-/// a byte moves.
+/// a byte moves. On cuda a move returns once enqueued on `stream`: the tensors must stay
+/// allocated (and unwritten by other streams) until it ran, e.g. until `synchronize()`; and a
+/// mismatch's tensor field is 0 there (the executor reports per call, naming row and block).
 #[pyclass(name = "BlockTier", module = "hicache_io", frozen)]
 pub(crate) struct PyBlockTier {
     inner: Mutex<BlockTier>,
@@ -50,10 +51,6 @@ fn block_tensor(obj: &Bound<'_, PyAny>, name: &str, row_bytes: Option<u64>, ctx:
     Ok((h, BlockShape { row_bytes, stride, rows }))
 }
 
-fn executor(held: &[&Held], stream: Option<u64>) -> PyResult<Device> {
-    executor_for(held, Ctx { stream })
-}
-
 #[pymethods]
 impl PyBlockTier {
     #[new]
@@ -68,7 +65,7 @@ impl PyBlockTier {
             held.push(block_tensor(&t, &format!("tensors[{j}]"), Some(*rb), ctx)?);
         }
         let refs: Vec<&Held> = held.iter().map(|(h, _)| h).collect();
-        let device = executor(&refs, stream)?;
+        let device = executor_for(&refs, Ctx { stream })?;
         let pairs: Vec<(BlockShape, RawTensor)> = held.iter().map(|(h, s)| (*s, h.raw.clone())).collect();
         let tier = py.detach(|| BlockTier::new(&device, &pairs, host_rows)).py()?;
         Ok(PyBlockTier { inner: Mutex::new(tier), stream, shapes: pairs.into_iter().map(|(s, _)| s).collect() })
@@ -177,7 +174,8 @@ impl PyBlockTier {
         }
         let (blocks, rows) = (index_list(blocks, "Device", ctx)?, index_list(rows, "Host", ctx)?);
         let raw: Vec<(usize, RawTensor)> = calls.iter().map(|(h, j)| (*j, h.raw.clone())).collect();
-        // The arrays stay referenced by `calls` (their `Held`) until the move returns.
+        // The arrays stay referenced by `calls` (their `Held`) until the move returns (on cuda:
+        // is enqueued; the caller keeps them allocated until it ran, see the class docs).
         let r = py.detach(|| self.lock().run(dir, &raw, &blocks, &rows)).py();
         drop(calls);
         r

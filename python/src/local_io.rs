@@ -39,6 +39,8 @@ const IOV_MAX: usize = 1024;
 const DIRECT_MIN: usize = 1 << 20;
 /// `O_DIRECT`'s alignment of addresses, offsets and lengths (a page covers every block size).
 const DIRECT_ALIGN: usize = 4096;
+/// At most this many bytes of a direct put go through its aligned bounce buffer.
+const DIRECT_REST_MAX: usize = 256 << 10;
 
 type Span = (usize, usize);
 
@@ -278,17 +280,26 @@ fn put_one(path: &str, tmp: &str, key: &[u8], spans: &[Span], fsync: bool) -> i6
         }
     };
     let flags = libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC;
-    let direct = total >= DIRECT_MIN && spans.first().is_some_and(|&(p, n)| p.is_multiple_of(DIRECT_ALIGN) && n >= DIRECT_ALIGN);
+    // Direct when the object is mostly its first span's whole pages: the rest goes through a
+    // bounce buffer, which must stay small.
+    let direct = total >= DIRECT_MIN
+        && spans.first().is_some_and(|&(p, n)| {
+            p.is_multiple_of(DIRECT_ALIGN) && n >= DIRECT_ALIGN && total - (n - n % DIRECT_ALIGN) <= DIRECT_REST_MAX
+        });
     let mut written = None;
     if direct {
         // SAFETY: a NUL-terminated path; the descriptor is closed by `Fd`.
         let raw = unsafe { libc::open(tmp_c.as_ptr(), flags | libc::O_DIRECT, 0o644) };
-        if raw >= 0 {
-            written = Some(write_direct(&Fd(raw), spans, &foot, total, fsync));
-        } else {
-            // The file system refuses O_DIRECT (tmpfs, some overlays): written buffered below.
-            // SAFETY: a NUL-terminated path (the failed open may have created it).
+        let einval = -(libc::EINVAL as i64);
+        written = if raw >= 0 { Some(write_direct(&Fd(raw), spans, &foot, total, fsync)) } else { Some(Err(errno())) };
+        if written == Some(Err(einval)) {
+            // The file system refuses O_DIRECT (tmpfs, some overlays), at the open or the first
+            // write: written buffered below, from a file of its own.
+            // SAFETY: a NUL-terminated path (a file this put created, if any).
             unsafe { libc::unlink(tmp_c.as_ptr()) };
+            written = None;
+        } else if written.as_ref().is_some_and(|w| w.is_err()) && raw < 0 {
+            return written.and_then(|w| w.err()).unwrap_or(INVALID_PARAMS);
         }
     }
     let written = match written {

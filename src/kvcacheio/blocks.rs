@@ -105,6 +105,20 @@ impl BlockTier {
             BlockMove::Store => Op::Backup,
             BlockMove::Load => Op::Load { layer_id: 0, is_draft: false },
         };
+        if dir == BlockMove::Load {
+            // Two tensors sharing bytes would both be written, in an order executors differ on.
+            for (i, (a, ra)) in calls.iter().enumerate() {
+                let meets = |rb: &RawTensor| {
+                    ra.memory == rb.memory && ra.addr < rb.addr.saturating_add(rb.len) && rb.addr < ra.addr.saturating_add(ra.len)
+                };
+                if let Some((b, _)) = calls[i + 1..].iter().find(|(_, rb)| meets(rb)) {
+                    return Err(TransferError::BadTensor {
+                        arg: format!("tensor[{b}]"),
+                        reason: format!("overlaps tier tensor {a}, which this load writes too"),
+                    });
+                }
+            }
+        }
         let mut planned = Vec::with_capacity(calls.len());
         let mut seen = vec![false; self.tensors.len()];
         for (j, raw) in calls {
@@ -168,11 +182,8 @@ impl BlockTier {
     /// row without touching its checksum, as a fault in host memory would.
     pub fn inject_host_corruption(&mut self, j: usize, row: u64, offset: u64, bytes: &[u8]) -> Result<()> {
         let host_rows = self.host_rows;
-        let t = self.tensors.get_mut(j).ok_or(TransferError::BadArgument {
-            arg: "tensor",
-            value: j as i64,
-            message: "no such tensor".into(),
-        })?;
+        self.tensor(j)?;
+        let t = &mut self.tensors[j];
         let end = offset.checked_add(bytes.len() as u64);
         if row >= host_rows || end.is_none_or(|e| e > t.shape.row_bytes) {
             return Err(TransferError::BadArgument {

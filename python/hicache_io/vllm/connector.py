@@ -21,8 +21,8 @@ class HicacheOffloadingConnector(OffloadingConnector):
     - one KV cache group: the damaged blocks, by :meth:`get_block_ids_with_load_errors` (the
       scheduler keeps the valid prefix and recomputes from the first damaged block);
     - several groups (block ids are not unique across them): the request, as a failed receive
-      (recomputed from its start). A synchronous load there cannot be reported by request: it
-      raises instead of letting the forward pass read damaged KV.
+      (recomputed from its start). A synchronous load there cannot be reported by request: the
+      step that ran on it raises, before its output reaches the scheduler.
 
     vLLM 0.33's own connector asserts that every transfer succeeded: with it, a damaged chunk
     stops the engine instead (never wrong KV, but no recompute). Load this one with

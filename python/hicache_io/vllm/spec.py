@@ -48,7 +48,9 @@ class HicacheOffloadingSpec(OffloadingSpec):
         self.kv_bytes_per_chunk = 0
         world_size = config.parallel.world_size
         if config.worker_kv_bytes_per_block > 0 and world_size > 0:
-            # As vLLM's CPU spec counts it: every worker keeps its own copy of each chunk.
+            # As vLLM's CPU spec counts it: every worker keeps its own copy of each chunk (no
+            # replicated layout: `replicated_layout` stays False, so every rank stores), in rows
+            # of its own (no shared mmap region, so no rounding of chunks to its alignment).
             self.kv_bytes_per_chunk = config.worker_kv_bytes_per_block * world_size * self.blocks_per_chunk
             self.num_chunks = int(cpu_bytes_to_use) // self.kv_bytes_per_chunk
         self.cpu_info = CPUOffloadingInfo.from_config(config, self.num_chunks, self.kv_bytes_per_chunk)

@@ -47,8 +47,8 @@ class HicacheTier(SecondaryTierManager):
     Each chunk is one object: the chunk's bytes (the primary tier's whole row) and a 16-byte
     trailer holding its checksum folded with its key's tag. A load verifies every chunk that
     lands against its trailer; a chunk that fails (damaged, torn, stored under another key, of
-    another size) fails its key: the job reports the others in ``successful_keys``, the damaged
-    object is removed, and later lookups of the key answer miss until it is stored again, so vLLM
+    another size) fails its key: the job reports the others in ``successful_keys``, the object is
+    removed, and later lookups of the key answer miss until it is stored again, so vLLM
     recomputes it (never loads it twice).
 
     Keys are vLLM's own file names for the chunk (``FileMapper``: the model, the KV groups, the
@@ -107,6 +107,7 @@ class HicacheTier(SecondaryTierManager):
         self._lock = threading.Lock()
         self._finished: list[JobResult] = []
         self._pending: Dict[int, threading.Event] = {}
+        self._missed: list = []
         self._lookups = _Lookups(self, tier_type)
         self.stats = {"stored": 0, "loaded": 0, "verified": 0, "corrupt": 0, "store_failed": 0, "missing": 0}
 
@@ -163,31 +164,30 @@ class HicacheTier(SecondaryTierManager):
     def _load(self, job: TransferJob, chunk_ids: np.ndarray, keys: list[str]) -> None:
         t0 = time.perf_counter()
         all_keys = list(job.keys)
+        good = bad = np.zeros(len(keys), dtype=bool)
         try:
             self._trailers[chunk_ids] = 0
             got, _, _, _ = self._io.get(keys, keys, [self._spans(chunk_ids)])
             whole = got == self._row + TRAILER_BYTES
-            good = np.zeros(len(keys), dtype=bool)
             if whole.any():
                 sums = self._sums(chunk_ids) ^ name_tags(keys)
                 good = whole & (self._trailers[chunk_ids, 0] == TRAILER_MAGIC) & (self._trailers[chunk_ids, 1] == sums)
-            corrupt = whole & ~good
+            # Damaged, or stored in another size (refused by both transports as -600 / -800):
+            # such an object would fail every later load, and a store keeps an existing object.
+            bad = (whole & ~good) | np.isin(got, (-600, -800))
+            for j in np.flatnonzero(bad):
+                self.client.remove(keys[j])
+                log.warning("hicache-io tier: chunk %s failed its checks (%d); removed", keys[j], int(got[j]))
         except Exception:
             log.exception("hicache-io tier: load job %d failed", job.job_id)
-            good = corrupt = np.zeros(len(keys), dtype=bool)
         failed = [all_keys[j] for j in np.flatnonzero(~good)]
-        if failed:
-            self._lookups.mark_miss(failed)
-        for j in np.flatnonzero(corrupt):
-            # A damaged object would fail every later load: remove it so that a store can
-            # write it again.
-            self.client.remove(keys[j])
-            log.warning("hicache-io tier: chunk %s failed its checksum; removed", keys[j])
         with self._lock:
             self.stats["loaded"] += len(keys)
             self.stats["verified"] += int(good.sum())
-            self.stats["corrupt"] += int(corrupt.sum())
-            self.stats["missing"] += int((~good & ~corrupt).sum())
+            self.stats["corrupt"] += int(bad.sum())
+            self.stats["missing"] += int((~good & ~bad).sum())
+            # Lookup verdicts belong to the scheduler thread: applied in get_finished_jobs.
+            self._missed.extend(failed)
         ok = bool(good.all())
         successful = None if ok else tuple(all_keys[j] for j in np.flatnonzero(good))
         self._finish(JobResult(job_id=job.job_id, success=ok, successful_keys=successful, transfer_time=time.perf_counter() - t0, transfer_bytes=len(keys) * self._row))
@@ -198,7 +198,23 @@ class HicacheTier(SecondaryTierManager):
         done = threading.Event()
         with self._lock:
             self._pending[job.job_id] = done
-        self._pool.submit(work, job, chunk_ids, keys)
+
+        def run() -> None:
+            try:
+                work(job, chunk_ids, keys)
+            finally:
+                # Whatever happened, the job is answered once (a failure if `work` did not).
+                with self._lock:
+                    unanswered = job.job_id in self._pending
+                if unanswered:
+                    self._finish(JobResult(job_id=job.job_id, success=False))
+
+        try:
+            self._pool.submit(run)
+        except Exception:
+            with self._lock:
+                self._pending.pop(job.job_id, None)
+            raise
 
     # ---- vLLM's interface -----------------------------------------------------------------
 
@@ -217,6 +233,10 @@ class HicacheTier(SecondaryTierManager):
     def get_finished_jobs(self) -> Iterable[JobResult]:
         with self._lock:
             out, self._finished = self._finished, []
+            missed, self._missed = self._missed, []
+        if missed:
+            # Before vLLM sees the failures: a key that failed answers miss from now on.
+            self._lookups.mark_miss(missed)
         return out
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:

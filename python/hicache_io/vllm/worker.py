@@ -53,7 +53,7 @@ class HicacheOffloadingWorker(OffloadingWorker):
     On CPU tensors transfers run in submission order on one thread of the worker (expedited
     loads go first), releasing the GIL. On CUDA tensors they are enqueued on the worker's own
     stream: a store after the compute stream's work so far (the KV it reads is written), a load
-    likewise; completion is tracked with events, never waited for on the host.
+    likewise; completion is tracked with events (the host waits only in ``wait``).
     """
 
     def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int, num_chunks: int):
@@ -203,28 +203,32 @@ class HicacheOffloadingWorker(OffloadingWorker):
     def _submit(self, job_id: int, store: bool, gpu: LoadStoreSpec, chunks: LoadStoreSpec, expedited: bool = False) -> bool:
         parts = self._plan(gpu, chunks)
         nbytes = self._bytes(parts)
-        with self._lock:
+        with self._wake:
             if self._closed:
                 raise RuntimeError("the offloading worker is shut down")
             self._done[job_id] = threading.Event()
-        if self._stream is not None:
-            return self._submit_cuda(job_id, store, parts, nbytes)
-        with self._wake:
-            job = (job_id, store, parts, nbytes)
-            if expedited:
-                self._queue.appendleft(job)
-            else:
-                self._queue.append(job)
-            self._wake.notify()
-        return True
+            if self._stream is None:
+                job = (job_id, store, parts, nbytes)
+                if expedited:
+                    # Ahead of regular jobs, behind earlier expedited ones.
+                    at = next((i for i, queued in enumerate(self._queue) if not queued[4]), len(self._queue))
+                    self._queue.insert(at, job + (True,))
+                else:
+                    self._queue.append(job + (False,))
+                self._wake.notify()
+                return True
+        return self._submit_cuda(job_id, store, parts, nbytes)
 
     def _complete(self, job_id: int, store: bool, failed: list[int], nbytes: int, seconds: float, error: bool = False) -> None:
         """Reports a job: a store succeeded unless the executor failed; a load unless some of
         its blocks cannot be trusted, which a sink (when set) takes for recompute instead."""
         ok = not error if store else not failed
         if not store and failed and self.on_load_failure is not None:
-            self.on_load_failure(job_id, failed)
-            ok = True
+            try:
+                self.on_load_failure(job_id, failed)
+                ok = True
+            except Exception:
+                log.exception("hicache-io offloading: the load failure sink failed on job %d", job_id)
         with self._lock:
             self._finished.append(TransferResult(job_id=job_id, success=ok, transfer_size=nbytes, transfer_time=seconds))
             done = self._done.pop(job_id, None)
@@ -238,7 +242,7 @@ class HicacheOffloadingWorker(OffloadingWorker):
                     self._wake.wait()
                 if not self._queue:
                     return
-                job_id, store, parts, nbytes = self._queue.popleft()
+                job_id, store, parts, nbytes, _ = self._queue.popleft()
             t0 = time.perf_counter()
             error = False
             try:
@@ -274,17 +278,22 @@ class HicacheOffloadingWorker(OffloadingWorker):
                 done.append(self._inflight.popleft())
         if not done:
             return
+        error = False
         if any(not job[1] for job in done):
             try:
                 self.tier.integrity_reports()
             except _native.IntegrityError as e:
                 self._bad_blocks.update(int(item[3]) for item in e.items)
+            except Exception:
+                # The executor failed (a lost device): no load of these can be trusted.
+                log.exception("hicache-io offloading: the executor failed")
+                error = True
         for job_id, store, start, end, nbytes, failed, blocks in done:
-            if not store and self._bad_blocks & blocks:
-                hit = self._bad_blocks & blocks
+            if not store and (error or self._bad_blocks & blocks):
+                hit = blocks if error else self._bad_blocks & blocks
                 self._bad_blocks -= hit
                 failed = sorted(set(failed) | hit)
-            self._complete(job_id, store, failed, nbytes, start.elapsed_time(end) * 1e-3)
+            self._complete(job_id, store, failed, nbytes, start.elapsed_time(end) * 1e-3, error)
 
     # ---- vLLM's interface -----------------------------------------------------------------
 

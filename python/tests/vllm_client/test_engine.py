@@ -246,8 +246,6 @@ def test_shared_prefixes_are_stored_and_served_from_hicache_io(tmp_path, blocks_
     e.add("a", a)
     e.add("b", b)
     assert e.run() == set()
-    stored_chunks = e.scheduler.connector.connector_scheduler.manager
-    assert stored_chunks is not None
     # Device blocks overwritten, GPU prefix cache gone: only the offloaded chunks remain.
     e.scramble(1)
     c = shared + prompt(4, BLOCK + 5)
@@ -297,9 +295,12 @@ def test_vllms_own_connector_stops_on_a_damaged_chunk(tmp_path):
     for r in range(tier.host_rows):
         tier.inject_host_corruption(0, r, 0, b"\x01")
     e.add("c", shared + [12, 13], max_tokens=1)
-    with pytest.raises(AssertionError, match="^$|success"):
+    with pytest.raises(AssertionError) as info:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             e.step()
             time.sleep(0.001)
+    # vLLM's worker asserting the transfer's success, not another assertion on the way.
+    last = info.traceback[-1]
+    assert str(last.path).endswith("offloading/worker.py") and "success" in str(last.statement), last
     e.worker.shutdown()

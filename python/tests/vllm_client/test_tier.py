@@ -132,9 +132,15 @@ def test_a_damaged_chunk_fails_its_key_is_removed_and_misses_afterwards(tmp_path
             f.seek(ROW // 2)
             f.write(bytes([b[0] ^ 0x10]))
         view[:] = 0
+        # vLLM looked the keys up first (verdicts cached: hits).
+        assert lookups(tier, keys) == [LookupResult.HIT] * 3
         tier.submit_load(job(2, keys, [5, 6, 7]))
         r = drain(tier)[2]
         assert not r.success and set(r.successful_keys) == {keys[0], keys[2]}
+        # The failed key's cached verdict is a miss now, without a new probe (vLLM would
+        # otherwise promote it again, and fail again).
+        assert tier.lookup(keys[1], ReqContext(req_id="r")) == LookupResult.MISS
+        assert tier.lookup(keys[0], ReqContext(req_id="r")) == LookupResult.HIT
         assert np.array_equal(view[[5, 7]], want)
         assert tier.stats["corrupt"] == 1
         # Removed, and a miss from now on (vLLM recomputes it instead of promoting it again).
@@ -148,6 +154,11 @@ def test_a_damaged_chunk_fails_its_key_is_removed_and_misses_afterwards(tmp_path
         tier.client.put(tier.object_key(key(51)), data[: ROW + 16])
         tier.submit_load(job(4, [key(51)], [9]))
         assert not drain(tier)[4].success
+        # An object of another size fails too, and goes (a store could not replace it).
+        tier.client.put(tier.object_key(key(52)), data[: ROW // 2])
+        tier.submit_load(job(5, [key(52)], [9]))
+        assert not drain(tier)[5].success
+        assert tier._io.exists([tier.object_key(key(52))])[0] == 0
     finally:
         tier.shutdown()
 

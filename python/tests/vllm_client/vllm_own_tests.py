@@ -1,7 +1,7 @@
 """A pytest plugin for vLLM 0.33.0's own offloading tests (from its sdist, fetched at test time by
 ``scripts/fetch-vllm-tests.py``): every connector those tests build with their mock spec gets
-``HicacheOffloadingSpec`` instead, so vLLM's scheduler, connector and canonical-layout code drive
-hicache-io's spec and worker.
+``HicacheOffloadingSpec`` instead, wherever a test would let vLLM's scheduler and connector drive
+a real spec.
 
     cd vllm-0.33.0 && python -m pytest -p vllm_own_tests tests/v1/kv_connector/unit/offloading_connector
 
