@@ -21,6 +21,7 @@ memory, open file descriptors and threads. Bounds: resident memory may grow by a
 ``--rss-growth-mib`` (64 MiB by default), descriptors by 8, threads by 2."""
 
 import argparse
+import collections
 import json
 import os
 import random
@@ -106,7 +107,9 @@ def main():
     store.register_mem_pool_host(host)
 
     hosts, devs = Pages(args.host_pages), Pages(args.device_pages, first=1)
-    stored, stored_lock = [], threading.Lock()
+    # The most recent keys put (older ones are mostly evicted by the store's capacity); bounded,
+    # so that the script's own memory stays flat.
+    stored, stored_lock = collections.deque(maxlen=4096), threading.Lock()
     seeds = iter(range(1, 1 << 62))
     seeds_lock = threading.Lock()
     stop = threading.Event()

@@ -189,7 +189,7 @@ class HicacheTier(SecondaryTierManager):
             # Lookup verdicts belong to the scheduler thread: applied in get_finished_jobs.
             self._missed.extend(failed)
         ok = bool(good.all())
-        successful = None if ok else tuple(all_keys[j] for j in np.flatnonzero(good))
+        successful = None if ok else (tuple(all_keys[j] for j in np.flatnonzero(good)) or None)
         self._finish(JobResult(job_id=job.job_id, success=ok, successful_keys=successful, transfer_time=time.perf_counter() - t0, transfer_bytes=len(keys) * self._row))
 
     def _submit(self, job: TransferJob, work) -> None:
