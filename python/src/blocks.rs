@@ -29,7 +29,6 @@ use crate::*;
 pub(crate) struct PyBlockTier {
     inner: Mutex<BlockTier>,
     stream: Option<u64>,
-    shapes: Vec<BlockShape>,
 }
 
 /// A tensor of the tier as `(shape, raw)`, checked against the shape it was registered with.
@@ -68,7 +67,7 @@ impl PyBlockTier {
         let device = executor_for(&refs, Ctx { stream })?;
         let pairs: Vec<(BlockShape, RawTensor)> = held.iter().map(|(h, s)| (*s, h.raw.clone())).collect();
         let tier = py.detach(|| BlockTier::new(&device, &pairs, host_rows)).py()?;
-        Ok(PyBlockTier { inner: Mutex::new(tier), stream, shapes: pairs.into_iter().map(|(s, _)| s).collect() })
+        Ok(PyBlockTier { inner: Mutex::new(tier), stream })
     }
 
     /// Copies block `blocks[i]` of each `tensors[k]` (tier tensor `ids[k]`) into host row `rows[i]`.
@@ -134,7 +133,7 @@ impl PyBlockTier {
     /// `(row_bytes, stride, rows)` of each tensor.
     #[getter]
     fn shapes(&self) -> Vec<(u64, u64, u64)> {
-        self.shapes.iter().map(|s| (s.row_bytes, s.stride, s.rows)).collect()
+        self.lock().shapes().iter().map(|s| (s.row_bytes, s.stride, s.rows)).collect()
     }
 }
 
@@ -157,12 +156,11 @@ impl PyBlockTier {
         }
         let ctx = Ctx { stream: self.stream };
         let mut calls = Vec::with_capacity(ids.len());
+        let shapes = self.lock().shapes();
         for (k, (j, t)) in ids.iter().zip(tensors.iter()).enumerate() {
             let name = format!("tensors[{k}]");
-            let want = self
-                .shapes
-                .get(*j)
-                .ok_or_else(|| PyValueError::new_err(format!("tensor id {j}: the tier has {} tensors", self.shapes.len())))?;
+            let want =
+                shapes.get(*j).ok_or_else(|| PyValueError::new_err(format!("tensor id {j}: the tier has {} tensors", shapes.len())))?;
             let (h, shape) = block_tensor(&t, &name, Some(want.row_bytes), ctx)?;
             if shape != *want {
                 return Err(PyValueError::new_err(format!(

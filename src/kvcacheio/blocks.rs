@@ -89,9 +89,9 @@ impl BlockTier {
         self.host_rows
     }
 
-    /// The shape of tensor `j`.
-    pub fn shape(&self, j: usize) -> Option<BlockShape> {
-        self.tensors.get(j).map(|t| t.shape)
+    /// The shape of each tensor, in tier order.
+    pub fn shapes(&self) -> Vec<BlockShape> {
+        self.tensors.iter().map(|t| t.shape).collect()
     }
 
     /// Moves, for each `(j, tensor)` of `calls`, block `blocks[i]` of `tensor` (tier tensor `j`)
