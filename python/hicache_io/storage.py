@@ -66,7 +66,7 @@ from .l3.pipeline import counted_exists, get_pages, put_pages
 from .l3.placements import Placement, PoolPages, SealedPages, SharePages, StagedPages
 from .l3.trailer import OLD_TRAILER_MAGICS, TRAILER_MAGIC  # noqa: F401 (importable from here)
 from .l3.trailer import name_tag as _name_tag  # noqa: F401 (the name it had)
-from .l3.transport import Transport
+from .l3.transport import Health, Transport
 from .storage_unified import KEY_SCHEMES, UnifiedKeys
 from .storage_v2 import PoolsV2
 
@@ -87,6 +87,9 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
     """sglang's HiCache L3 storage over Mooncake Store, for hicache-io host pools (see the module
     docstring). ``MooncakeStore(storage_config, kwargs)`` is how sglang's ``dynamic`` backend
     constructs it; ``store=`` takes an already set-up ``MooncakeDistributedStore``."""
+
+    #: How failures and outages name this store.
+    _store_name = "Mooncake Store"
 
     def __init__(self, storage_config: Optional[Any] = None, kwargs: Optional[Dict[str, Any]] = None, *, config: Optional[MooncakeStoreConfig] = None, store: Any = None, raise_errors: bool = False, integrity: Optional[bool] = None):
         self.storage_config = storage_config if storage_config is not None else HiCacheStorageConfig()
@@ -112,6 +115,7 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
         self._keys: Any = None
         self._trailers: Optional[np.ndarray] = None
         self.stats = {"verified": 0, "unverified": 0, "corrupt": 0, "damaged_puts": 0, "foreign": 0, "incompatible": 0}
+        self._health = Health(self._store_name)
         self.mem_pool_host: Any = None
         # What owned memory registered with the client (pools, staging and trailer buffers) after
         # it was unregistered: kept until the client has closed (see the module docstring). It
@@ -186,7 +190,7 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
     def _io(self) -> Transport:
         """The client's calls, checked (:mod:`hicache_io.l3.transport`); ``store`` stays the raw
         client, as sglang's Mooncake backend names it."""
-        return Transport(self.store)
+        return Transport(self.store, self._health)
 
     def _register_all(self, regions: Sequence[Any]) -> List[int]:
         return self._io.register(regions)
@@ -390,8 +394,13 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
         host pool failed the item checksums their backup recorded (any naming). ``foreign``:
         sglang-named pages read or written as misses because the prefix's sidecar record names
         another namespace. ``incompatible``: pages read or written as misses under the unified key
-        scheme because this rank's kv heads cannot be cut into the grid's groups."""
-        return dict(self.stats)
+        scheme because this rank's kv heads cannot be cut into the grid's groups.
+
+        And what the answers said of the store itself: ``unreachable`` (objects that failed
+        because the master could not be reached), ``outages`` (times it became unreachable; each
+        start and end is logged as a warning), ``io_errors`` (objects that failed with a local
+        disk's I/O error: a full disk, a failing read)."""
+        return {**self.stats, **self._health.counts}
 
     def close(self) -> None:
         """Unregisters the pool and closes the client (waits for a call in progress)."""
@@ -424,6 +433,8 @@ class LocalStore(MooncakeStore):
     removed past it) and ``["hicache_io_local_fsync"]`` (default off: objects survive a process
     that dies, not a power loss)."""
 
+    _store_name = "local L3 store"
+
     def __init__(self, storage_config: Optional[Any] = None, kwargs: Optional[Dict[str, Any]] = None, *, raise_errors: bool = False, integrity: Optional[bool] = None, directory: Optional[str] = None, capacity_bytes: Optional[int] = None):
         from .l3.local import LocalDiskClient
 
@@ -440,4 +451,4 @@ class LocalStore(MooncakeStore):
         client.crc_trailered = not self.integrity  # nothing else checks trailered objects then
 
     def _fail(self, err: StorageError) -> None:
-        super()._fail(err.of("local L3 store"))
+        super()._fail(err.of(self._store_name))

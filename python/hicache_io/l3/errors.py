@@ -1,6 +1,8 @@
 """What a failed L3 call reports: Mooncake Store's error codes, hicache-io's own, and
 :class:`StorageError`."""
 
+import errno
+import os
 from typing import Sequence
 
 #: Mooncake Store error codes a caller meets here (``mooncake-store/include/types.h``).
@@ -31,10 +33,17 @@ class StorageError(RuntimeError):
 
     def __init__(self, what: str, code: int, keys: Sequence[str] = (), detail: str = "", store: str = "Mooncake Store"):
         self.what, self.code, self.keys, self.detail, self.store = what, code, list(keys), detail, store
-        name = MOONCAKE_ERRORS.get(code, "error")
+        name = MOONCAKE_ERRORS.get(code) or errno_name(code)
         shown = ", ".join(self.keys[:3]) + (" ..." if len(self.keys) > 3 else "")
         super().__init__(f"{store} {what} failed: {code} {name}" + (f" for {shown}" if shown else "") + (f": {detail}" if detail else ""))
 
     def of(self, store: str) -> "StorageError":
         """The same failure, reported by ``store``."""
         return StorageError(self.what, self.code, self.keys, self.detail, store)
+
+
+def errno_name(code: int) -> str:
+    """A negated ``errno`` value (the local store's I/O failures) by its name, else ``error``."""
+    if -4096 < code < 0 and -code in errno.errorcode:
+        return f"{errno.errorcode[-code]} ({os.strerror(-code)})"
+    return "error"

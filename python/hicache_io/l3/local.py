@@ -95,8 +95,9 @@ class LocalDiskClient:
         for i in range(256):  # every object's folder, once
             os.makedirs(os.path.join(self.objects, f"{i:02x}"), exist_ok=True)
         self.lock_path = os.path.join(self.directory, "lock")
-        with open(self.lock_path, "ab"):
-            pass
+        with open(self.lock_path, "ab") as f:
+            if f.tell() == 0:
+                f.write(bytes(8))  # the counter's room, so that the count below includes the file's block
         self.threads = max(1, threads)
         self._seq = itertools.count()  # next() is atomic: temporary names unique per thread
         self._regions: Dict[int, int] = {}

@@ -8,15 +8,28 @@ call answered once per object (else :class:`StorageError` ``REFUSED``, naming th
 the retry rule: an object stored in the other form (with or without its 16-byte trailer) is
 refused by a get whose buffers add up to another size (``-600`` for one span, ``-800`` for several),
 and is read again in the other form.
+
+It also keeps the store's :class:`Health` from the answers: objects that failed because the
+master could not be reached (``RPC_FAIL``), outages (from the first call that could not reach it
+to the next that could; the start and the end are logged as warnings), and objects that failed
+with an I/O error of the local disk (``-errno``).
 """
 
-from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
+import logging
+import threading
+import time
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .batches import exist_once
-from .errors import REFUSED, SHORT_READ, StorageError
+from .errors import MOONCAKE_ERRORS, REFUSED, SHORT_READ, StorageError
 from .mooncake_client import register_all
+
+logger = logging.getLogger(__name__)
+
+#: What Mooncake answers for an object whose call could not reach the master.
+UNREACHABLE = -900
 
 #: What a get answers when the object has another total size than its buffers: one span, several.
 OTHER_SIZE = {False: -600, True: -800}
@@ -35,11 +48,48 @@ class Spans(NamedTuple):
         return Spans([self.ptrs[j] for j in js], [self.sizes[j] for j in js], self.multi, self.trailer)
 
 
-class Transport:
-    """An L3 client's calls, checked (see the module docstring)."""
+class Health:
+    """What a store's answers said of the store itself, across calls and threads: ``counts``
+    (``unreachable``: objects that failed because the master could not be reached; ``outages``:
+    times it became unreachable; ``io_errors``: objects that failed with a local I/O error, a
+    full disk or a failing read) and, during an outage, since when (``down_since``)."""
 
-    def __init__(self, client: Any):
+    def __init__(self, name: str):
+        self.name = name
+        self.counts: Dict[str, int] = {"unreachable": 0, "outages": 0, "io_errors": 0}
+        self.down_since: Optional[float] = None
+        self._lock = threading.Lock()
+
+    def heard(self, answers: np.ndarray) -> None:
+        """Takes a call's answers (one per object: bytes, ``0``/``1`` or a code)."""
+        if not len(answers):
+            return
+        down = int(np.count_nonzero(answers == UNREACHABLE))
+        io = int(np.count_nonzero((answers < 0) & (answers > -4096) & ~np.isin(answers, _STORE_CODES)))
+        reached = down < len(answers)
+        with self._lock:
+            self.counts["unreachable"] += down
+            self.counts["io_errors"] += io
+            if down and self.down_since is None:
+                self.down_since = time.monotonic()
+                self.counts["outages"] += 1
+                logger.warning("hicache-io L3: %s is unreachable: its gets are misses and its puts fail until it answers again", self.name)
+            elif not down and reached and self.down_since is not None:
+                logger.warning("hicache-io L3: %s answers again, after %.1f s", self.name, time.monotonic() - self.down_since)
+                self.down_since = None
+
+
+#: Store codes in the range of negated errno values, which an I/O error is not.
+_STORE_CODES = np.array([c for c in MOONCAKE_ERRORS if -4096 < c < 0], np.int64)
+
+
+class Transport:
+    """An L3 client's calls, checked (see the module docstring); ``health`` keeps what their
+    answers say of the store (a new one when not given)."""
+
+    def __init__(self, client: Any, health: Optional[Health] = None):
         self.client = client
+        self.health = health if health is not None else Health("the store")
 
     # ---- memory --------------------------------------------------------------------------
 
@@ -91,13 +141,16 @@ class Transport:
     def exists(self, obj_keys: Sequence[str]) -> np.ndarray:
         """Per object: 1 stored, 0 not, a negative code (``-1`` for every object when the store
         answered another number of objects); each distinct key asked once."""
-        return np.asarray(exist_once(obj_keys, self.client.batch_is_exist), dtype=np.int64)
+        found = np.asarray(exist_once(obj_keys, self.client.batch_is_exist), dtype=np.int64)
+        self.health.heard(found)
+        return found
 
-    @staticmethod
-    def _counted(what: str, page_keys: Sequence[str], answers: Sequence[int], n: int) -> np.ndarray:
+    def _counted(self, what: str, page_keys: Sequence[str], answers: Sequence[int], n: int) -> np.ndarray:
         if len(answers) != n:
             raise StorageError(what, REFUSED, page_keys, detail=f"{len(answers)} answers for {n} objects")
-        return np.asarray(answers, dtype=np.int64)
+        out = np.asarray(answers, dtype=np.int64)
+        self.health.heard(out)
+        return out
 
     # ---- single objects by raw key (sglang's plain get / set / exists) -------------------
 
@@ -112,6 +165,7 @@ class Transport:
             data = self.client.get(key)
             return (np.frombuffer(data, np.uint8).copy() if data else None), None
         n = self.client.batch_get_into([key], [target_location], [target_sizes])[0]
+        self.health.heard(np.array([n], np.int64))
         if n != target_sizes:
             return False, StorageError("get", n if n < 0 else SHORT_READ, [key])
         return True, None
@@ -127,4 +181,5 @@ class Transport:
             rc = self.client.put(key, data)
         else:
             rc = self.client.batch_put_from([key], [target_location], [target_sizes])[0]
+        self.health.heard(np.array([rc], np.int64))
         return StorageError("put", rc, [key]) if rc != 0 else None
