@@ -131,6 +131,8 @@ def _layout(t: Any) -> Tuple[Tuple[int, ...], Tuple[int, ...], int, int]:
 
 
 def _dtype(t: Any) -> str:
+    if not hasattr(t, "dtype"):
+        raise TypeError(f"expected an array (numpy, torch or CuPy), got {type(t).__name__}")
     return str(t.dtype).replace("torch.", "")
 
 
@@ -211,6 +213,8 @@ class _Cache:
     layer ``layer`` of a page_first buffer ``flat`` whose slots are ``stride`` bytes."""
 
     def __init__(self, t: Any, element_dim: int, what: str):
+        if not all(hasattr(t, a) for a in ("shape", "dtype", "__dlpack__")):
+            raise TypeError(f"{what}: expected an array (numpy, torch or CuPy), got {type(t).__name__}")
         self.rows, self.stride, self.item = _rows(t, element_dim, what)
         self.t, self.what, self.flat, self.layer = t, what, None, 0
         if self.stride == self.item:
@@ -230,7 +234,10 @@ class _Cache:
 
 
 def _indices(idx: Any) -> Any:
-    """int32 or int64 indices as int64, on their own device."""
+    """int32 or int64 indices as int64, on their own device. Other dtypes are refused: a cast
+    would truncate floats, take booleans for 0 and 1, and wrap unsigned values past int64."""
+    if hasattr(idx, "dtype") and str(idx.dtype).replace("torch.", "") not in ("int32", "int64"):
+        raise TypeError(f"indices must be int32 or int64, got {idx.dtype}")
     kind = _lib(idx)
     if kind == "torch":
         import torch

@@ -83,6 +83,62 @@ pub(crate) struct Ctx {
 /// Reads an array through DLPack (versioned first, so read-only arrays say so), or numpy's
 /// `__array_interface__` where DLPack is refused (e.g. non-native byte order).
 pub(crate) fn view(obj: &Bound<'_, PyAny>, name: &str, ctx: Ctx) -> PyResult<Held> {
+    let h = exported(obj, name, ctx)?;
+    inside_storage(obj, name, &h.raw)?;
+    Ok(h)
+}
+
+/// Refuses an array whose bytes do not lie in the memory that owns them: a torch view of a
+/// storage resized (or freed) since, a numpy view of an array resized with `refcheck=False`.
+/// Their exports still name the old span, which may now belong to anything.
+fn inside_storage(obj: &Bound<'_, PyAny>, name: &str, raw: &RawTensor) -> PyResult<()> {
+    if raw.is_empty() {
+        return Ok(());
+    }
+    let ty = obj.get_type();
+    let module = ty.module()?;
+    let module = module.to_cow()?;
+    let owner: Option<(u64, u64)> = if module.starts_with("torch") && obj.hasattr("untyped_storage")? {
+        let st = obj.call_method0("untyped_storage")?;
+        Some((st.call_method0("data_ptr")?.extract()?, st.call_method0("nbytes")?.extract()?))
+    } else if module == "numpy" {
+        // The array at the root of the view chain owns the bytes, whole (it has no base); a
+        // chain that ends in another kind of buffer is not checked.
+        let mut root = obj.clone();
+        let owned = loop {
+            let base = root.getattr("base")?;
+            if base.is_none() {
+                break true;
+            }
+            if base.get_type().module()?.to_cow()? != "numpy" || !base.hasattr("__array_interface__")? {
+                break false;
+            }
+            root = base;
+        };
+        if root.is(obj) || !owned {
+            None
+        } else {
+            let ai = root.getattr("__array_interface__")?;
+            let (ptr, _ro): (u64, bool) = ai.get_item("data")?.extract()?;
+            Some((ptr, root.getattr("nbytes")?.extract()?))
+        }
+    } else {
+        None
+    };
+    if let Some((lo, n)) = owner {
+        let end = raw.addr().checked_add(raw.len());
+        if raw.addr() < lo || end.is_none_or(|e| e > lo.saturating_add(n)) {
+            return Err(PyValueError::new_err(format!(
+                "{name}: its {} bytes at {:#x} lie outside the {n} bytes at {lo:#x} that own them (a view of storage resized or freed since)",
+                raw.len(),
+                raw.addr()
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn exported(obj: &Bound<'_, PyAny>, name: &str, ctx: Ctx) -> PyResult<Held> {
     let py = obj.py();
     if obj.hasattr("__dlpack__")? {
         let device: Option<(i32, i32)> = obj.call_method0("__dlpack_device__").ok().and_then(|d| d.extract().ok());
