@@ -105,7 +105,8 @@ def test_the_master_killed_in_flight_and_restarted(caplog):
         assert max(max(c[1], c[3]) for c in calls) <= CALL_BOUND_S, f"a call took {max(max(c[1], c[3]) for c in calls):.1f} s"
         assert any(c[0] > back and all(c[2]) and all(c[4]) for c in calls), f"no round trip within {RECONNECT_BOUND_S} s of the restart"
         st = s.integrity_stats()
-        assert st["outages"] == 1 and st["unreachable"] > 0 and st["corrupt"] == 0, st
+        # 2: a call may meet the old connection while the client remounts (a short second outage).
+        assert st["outages"] in (1, 2) and st["unreachable"] > 0 and st["corrupt"] == 0, st
         said = [r.getMessage() for r in caplog.records]
         assert any("is unreachable" in t for t in said) and any("answers again" in t for t in said), said
     finally:
