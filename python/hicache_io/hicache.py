@@ -213,7 +213,7 @@ class _Cache:
     layer ``layer`` of a page_first buffer ``flat`` whose slots are ``stride`` bytes."""
 
     def __init__(self, t: Any, element_dim: int, what: str):
-        if not all(hasattr(t, a) for a in ("shape", "dtype", "__dlpack__")):
+        if not (hasattr(t, "shape") and hasattr(t, "dtype") and (hasattr(t, "__dlpack__") or hasattr(t, "__array_interface__"))):
             raise TypeError(f"{what}: expected an array (numpy, torch or CuPy), got {type(t).__name__}")
         self.rows, self.stride, self.item = _rows(t, element_dim, what)
         self.t, self.what, self.flat, self.layer = t, what, None, 0

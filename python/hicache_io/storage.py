@@ -53,7 +53,7 @@ import numpy as np
 from .l3.batches import CallScope, in_rounds, one_call
 from .l3.config import STORAGE_BATCH_SIZE, HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo, MooncakeStoreConfig, StoreSettings
 from .l3.config import size_of as _size
-from .l3.errors import INTEGRITY, MOONCAKE_ERRORS, REFUSED, SHORT_READ, StorageError
+from .l3.errors import INTEGRITY, LOCAL_STORE, MOONCAKE_ERRORS, MOONCAKE_STORE, REFUSED, SHORT_READ, StorageError
 from .l3.keys import GridKeys, RankKeys, claim_namespace, namespace_key, namespace_of, shard_descriptor
 from .l3.layouts import PoolLayout as _Layout
 from .l3.layouts import SglangLayout as _SglangLayout  # noqa: F401 (the name it had)
@@ -89,7 +89,7 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
     constructs it; ``store=`` takes an already set-up ``MooncakeDistributedStore``."""
 
     #: How failures and outages name this store.
-    _store_name = "Mooncake Store"
+    _store_name = MOONCAKE_STORE
 
     def __init__(self, storage_config: Optional[Any] = None, kwargs: Optional[Dict[str, Any]] = None, *, config: Optional[MooncakeStoreConfig] = None, store: Any = None, raise_errors: bool = False, integrity: Optional[bool] = None):
         self.storage_config = storage_config if storage_config is not None else HiCacheStorageConfig()
@@ -115,7 +115,7 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
         self._keys: Any = None
         self._trailers: Optional[np.ndarray] = None
         self.stats = {"verified": 0, "unverified": 0, "corrupt": 0, "damaged_puts": 0, "foreign": 0, "incompatible": 0}
-        self._health = Health(self._store_name)
+        self._health = Health(self._store_name, local=self._store_name == LOCAL_STORE)
         self.mem_pool_host: Any = None
         # What owned memory registered with the client (pools, staging and trailer buffers) after
         # it was unregistered: kept until the client has closed (see the module docstring). It
@@ -396,10 +396,11 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
         another namespace. ``incompatible``: pages read or written as misses under the unified key
         scheme because this rank's kv heads cannot be cut into the grid's groups.
 
-        And what the answers said of the store itself: ``unreachable`` (objects that failed
-        because the master could not be reached), ``outages`` (times it became unreachable; each
-        start and end is logged as a warning), ``io_errors`` (objects that failed with a local
-        disk's I/O error: a full disk, a failing read)."""
+        And what the answers said of the store itself: ``unreachable`` (object answers that
+        failed because the master could not be reached), ``outages`` (times it became
+        unreachable; each start and end is logged as a warning), ``io_errors`` (the local store's
+        object answers that failed with an I/O error of its disk: a full disk, a failing read;
+        always 0 on Mooncake)."""
         return {**self.stats, **self._health.counts}
 
     def close(self) -> None:
@@ -433,7 +434,7 @@ class LocalStore(MooncakeStore):
     removed past it) and ``["hicache_io_local_fsync"]`` (default off: objects survive a process
     that dies, not a power loss)."""
 
-    _store_name = "local L3 store"
+    _store_name = LOCAL_STORE
 
     def __init__(self, storage_config: Optional[Any] = None, kwargs: Optional[Dict[str, Any]] = None, *, raise_errors: bool = False, integrity: Optional[bool] = None, directory: Optional[str] = None, capacity_bytes: Optional[int] = None):
         from .l3.local import LocalDiskClient

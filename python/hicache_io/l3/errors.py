@@ -27,13 +27,26 @@ MOONCAKE_ERRORS[INTEGRITY] = "integrity check failed (the bytes read are not the
 MOONCAKE_ERRORS[REFUSED] = "refused before any byte moved"
 
 
+#: How failures name the two stores.
+MOONCAKE_STORE = "Mooncake Store"
+LOCAL_STORE = "local L3 store"
+#: The local store's own codes (Mooncake's numbers for the same answers), which are not errno values.
+LOCAL_CODES = (-600, -704, -800)
+
+
+def is_io_errno(code: int) -> bool:
+    """Whether a local store's answer ``code`` is a negated ``errno`` value (an I/O failure of
+    its disk) rather than one of its own codes. Meaningless for Mooncake, whose codes share the range."""
+    return -4096 < code < 0 and code not in LOCAL_CODES and -code in errno.errorcode
+
+
 class StorageError(RuntimeError):
     """An L3 store call that failed: ``code`` (Mooncake's codes, which the local store answers
     too), ``what`` (the call), the ``keys`` it failed for, and the ``store`` that answered."""
 
-    def __init__(self, what: str, code: int, keys: Sequence[str] = (), detail: str = "", store: str = "Mooncake Store"):
+    def __init__(self, what: str, code: int, keys: Sequence[str] = (), detail: str = "", store: str = MOONCAKE_STORE):
         self.what, self.code, self.keys, self.detail, self.store = what, code, list(keys), detail, store
-        name = MOONCAKE_ERRORS.get(code) or errno_name(code)
+        name = MOONCAKE_ERRORS.get(code) or (errno_name(code) if store == LOCAL_STORE else "error")
         shown = ", ".join(self.keys[:3]) + (" ..." if len(self.keys) > 3 else "")
         super().__init__(f"{store} {what} failed: {code} {name}" + (f" for {shown}" if shown else "") + (f": {detail}" if detail else ""))
 
@@ -43,7 +56,7 @@ class StorageError(RuntimeError):
 
 
 def errno_name(code: int) -> str:
-    """A negated ``errno`` value (the local store's I/O failures) by its name, else ``error``."""
-    if -4096 < code < 0 and -code in errno.errorcode:
+    """A local store's negated ``errno`` answer by its name, else ``error``."""
+    if is_io_errno(code):
         return f"{errno.errorcode[-code]} ({os.strerror(-code)})"
     return "error"

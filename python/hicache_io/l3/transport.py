@@ -23,7 +23,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 
 from .batches import exist_once
-from .errors import MOONCAKE_ERRORS, REFUSED, SHORT_READ, StorageError
+from .errors import REFUSED, SHORT_READ, StorageError, is_io_errno
 from .mooncake_client import register_all
 
 logger = logging.getLogger(__name__)
@@ -50,37 +50,41 @@ class Spans(NamedTuple):
 
 class Health:
     """What a store's answers said of the store itself, across calls and threads: ``counts``
-    (``unreachable``: objects that failed because the master could not be reached; ``outages``:
-    times it became unreachable; ``io_errors``: objects that failed with a local I/O error, a
-    full disk or a failing read) and, during an outage, since when (``down_since``)."""
+    (``unreachable``: object answers that failed because the master could not be reached;
+    ``outages``: times it became unreachable; ``io_errors``: object answers that failed with an
+    I/O error of the local store's disk, a full disk or a failing read) and, during an outage,
+    since when (``down_since``). ``local``: the store is the local store (its negative answers
+    other than its own codes are errno values)."""
 
-    def __init__(self, name: str):
-        self.name = name
+    def __init__(self, name: str, local: bool = False):
+        self.name, self.local = name, local
         self.counts: Dict[str, int] = {"unreachable": 0, "outages": 0, "io_errors": 0}
         self.down_since: Optional[float] = None
+        self._back_at = float("-inf")
         self._lock = threading.Lock()
 
-    def heard(self, answers: np.ndarray) -> None:
-        """Takes a call's answers (one per object: bytes, ``0``/``1`` or a code)."""
+    def heard(self, answers: np.ndarray, started: float) -> None:
+        """Takes the answers (one per object: bytes, ``0``/``1`` or a code) of a call that
+        started at ``started`` (``time.monotonic()``). A call that started before the store
+        answered again may still fail for the outage it began in: it counts, but opens none."""
         if not len(answers):
             return
         down = int(np.count_nonzero(answers == UNREACHABLE))
-        io = int(np.count_nonzero((answers < 0) & (answers > -4096) & ~np.isin(answers, _STORE_CODES)))
-        reached = down < len(answers)
+        io = sum(is_io_errno(int(c)) for c in answers[answers < 0]) if self.local else 0
+        said = None
         with self._lock:
             self.counts["unreachable"] += down
             self.counts["io_errors"] += io
-            if down and self.down_since is None:
+            if down and self.down_since is None and started >= self._back_at:
                 self.down_since = time.monotonic()
                 self.counts["outages"] += 1
-                logger.warning("hicache-io L3: %s is unreachable: its gets are misses and its puts fail until it answers again", self.name)
-            elif not down and reached and self.down_since is not None:
-                logger.warning("hicache-io L3: %s answers again, after %.1f s", self.name, time.monotonic() - self.down_since)
+                said = f"hicache-io L3: {self.name} is unreachable: its gets are misses and its puts fail until it answers again"
+            elif not down and self.down_since is not None:
+                self._back_at = time.monotonic()
+                said = f"hicache-io L3: {self.name} answers again, after {self._back_at - self.down_since:.1f} s"
                 self.down_since = None
-
-
-#: Store codes in the range of negated errno values, which an I/O error is not.
-_STORE_CODES = np.array([c for c in MOONCAKE_ERRORS if -4096 < c < 0], np.int64)
+        if said:
+            logger.warning("%s", said)
 
 
 class Transport:
@@ -111,8 +115,9 @@ class Transport:
         what = "batch_put_from_multi_buffers" if spans.multi else "batch_put_from"
         call = getattr(self.client, what)
         args = (obj_keys, spans.ptrs, spans.sizes)
+        started = time.monotonic()
         rcs = call(*args, config) if config is not None else call(*args)
-        return self._counted(what, page_keys, rcs, len(obj_keys)), what
+        return self._counted(what, page_keys, rcs, len(obj_keys), started), what
 
     def get(self, page_keys: Sequence[str], obj_keys: List[str], forms: Sequence[Any]) -> Tuple[np.ndarray, np.ndarray, np.ndarray, str]:
         """Reads each object into ``forms[0]`` (:class:`Spans`); an object refused there for its
@@ -136,20 +141,22 @@ class Transport:
     def _get(self, what: str, page_keys: Sequence[str], obj_keys: List[str], spans: Spans) -> np.ndarray:
         if not obj_keys:
             return np.zeros(0, np.int64)
-        return self._counted(what, page_keys, getattr(self.client, what)(obj_keys, spans.ptrs, spans.sizes), len(obj_keys))
+        started = time.monotonic()
+        return self._counted(what, page_keys, getattr(self.client, what)(obj_keys, spans.ptrs, spans.sizes), len(obj_keys), started)
 
     def exists(self, obj_keys: Sequence[str]) -> np.ndarray:
         """Per object: 1 stored, 0 not, a negative code (``-1`` for every object when the store
         answered another number of objects); each distinct key asked once."""
+        started = time.monotonic()
         found = np.asarray(exist_once(obj_keys, self.client.batch_is_exist), dtype=np.int64)
-        self.health.heard(found)
+        self.health.heard(found, started)
         return found
 
-    def _counted(self, what: str, page_keys: Sequence[str], answers: Sequence[int], n: int) -> np.ndarray:
+    def _counted(self, what: str, page_keys: Sequence[str], answers: Sequence[int], n: int, started: float) -> np.ndarray:
         if len(answers) != n:
             raise StorageError(what, REFUSED, page_keys, detail=f"{len(answers)} answers for {n} objects")
         out = np.asarray(answers, dtype=np.int64)
-        self.health.heard(out)
+        self.health.heard(out, started)
         return out
 
     # ---- single objects by raw key (sglang's plain get / set / exists) -------------------
@@ -164,8 +171,9 @@ class Transport:
         if target_location is None:
             data = self.client.get(key)
             return (np.frombuffer(data, np.uint8).copy() if data else None), None
+        started = time.monotonic()
         n = self.client.batch_get_into([key], [target_location], [target_sizes])[0]
-        self.health.heard(np.array([n], np.int64))
+        self.health.heard(np.array([n], np.int64), started)
         if n != target_sizes:
             return False, StorageError("get", n if n < 0 else SHORT_READ, [key])
         return True, None
@@ -174,6 +182,7 @@ class Transport:
         """Writes object ``key`` from ``value`` (bytes or a host array) or from ``target_sizes``
         bytes at ``target_location`` unless it exists (an existing object is kept); the
         failure, if any."""
+        started = time.monotonic()
         if self.client.is_exist(key) == 1:
             return None
         if value is not None:
@@ -181,5 +190,5 @@ class Transport:
             rc = self.client.put(key, data)
         else:
             rc = self.client.batch_put_from([key], [target_location], [target_sizes])[0]
-        self.health.heard(np.array([rc], np.int64))
+        self.health.heard(np.array([rc], np.int64), started)
         return StorageError("put", rc, [key]) if rc != 0 else None

@@ -16,6 +16,7 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from .. import _native
+from ..l3.errors import LOCAL_STORE, MOONCAKE_STORE
 from ..l3.trailer import TRAILER_MAGIC, name_tags
 from ..l3.transport import Health, Spans, Transport
 
@@ -99,7 +100,7 @@ class HicacheTier(SecondaryTierManager):
             self.client = open_client(MooncakeStoreConfig.from_dict(mooncake), None)
         else:
             raise ValueError(f"store must be 'local' or 'mooncake', got {store!r}")
-        self._io = Transport(self.client, Health("local L3 store" if store == "local" else "Mooncake Store"))
+        self._io = Transport(self.client, Health(LOCAL_STORE, local=True) if store == "local" else Health(MOONCAKE_STORE))
         self._registered = self._io.register([(self._mem.ctypes.data, len(self._mem)), (self._trailers.ctypes.data, self._trailers.nbytes)])
         self._mapper = FileMapper.from_offloading_spec(root_dir=namespace, offloading_spec=offloading_spec, blocks_per_file=offloading_spec.blocks_per_chunk, parallel_agnostic=True)
         self._prefix = f"{row}B/"
