@@ -108,7 +108,8 @@ fn inside_storage(obj: &Bound<'_, PyAny>, name: &str, raw: &RawTensor) -> PyResu
         let owned = loop {
             let base = root.getattr("base")?;
             if base.is_none() {
-                break true;
+                // Owning its data, the root spans exactly its nbytes from its address.
+                break root.getattr("flags")?.getattr("owndata")?.is_truthy()?;
             }
             if base.get_type().module()?.to_cow()? != "numpy" || !base.hasattr("__array_interface__")? {
                 break false;

@@ -48,6 +48,12 @@ def executors(addressable=False):
     return out
 
 
+def child_env(**extra):
+    """The environment of a child process of the suites: this directory on its ``PYTHONPATH``."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]), **extra)
+
+
 def io_for(layout):
     return "direct" if layout == "page_first_direct" else "kernel"
 

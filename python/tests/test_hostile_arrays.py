@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import hostile_worker as hw  # noqa: E402
+from common import child_env  # noqa: E402
 from hicache_io import kvcacheio as kv  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -43,7 +44,7 @@ class Worker:
 
     def ask(self, case):
         if self.proc is None or self.proc.poll() is not None:
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
+            env = child_env()
             self.err = tempfile.TemporaryFile(mode="w+")
             self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, "hostile_worker.py")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True, env=env)
         self.proc.stdin.write(json.dumps(case) + "\n")

@@ -31,7 +31,7 @@ import uuid
 import numpy as np
 import pytest
 
-from common import build, make_store, mooncake_problem, page_bytes, tokens
+from common import build, child_env, make_store, mooncake_problem, page_bytes, tokens
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -235,7 +235,7 @@ def test_writers_killed_at_random_points_leave_exact_hits(tmp_path):
 
     script = tmp_path / "writer.py"
     script.write_text(WRITER)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
+    env = child_env()
     m, model, rng = LocalMaster(lease_ms=200), f"test/{uuid.uuid4().hex[:8]}", np.random.default_rng(56)
     reader = None
     try:
@@ -379,7 +379,7 @@ DISK = textwrap.dedent(
 def test_a_full_disk_and_a_failing_disk(tmp_path, fsfault, kind):
     script = tmp_path / "disk.py"
     script.write_text(DISK)
-    env = dict(os.environ, LD_PRELOAD=fsfault, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
+    env = child_env(LD_PRELOAD=fsfault)
     out = subprocess.run([sys.executable, str(script), str(tmp_path / "l3"), kind], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-4000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])

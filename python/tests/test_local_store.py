@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from common import P, tokens
+from common import P, child_env, tokens
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -81,7 +81,7 @@ SCRIPT = textwrap.dedent(
 def run(tmp_path, *args, timeout=300):
     script = tmp_path / "l3_script.py"
     script.write_text(SCRIPT)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
+    env = child_env()
     return [sys.executable, str(script), *map(str, args)], env
 
 

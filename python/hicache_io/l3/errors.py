@@ -31,7 +31,11 @@ MOONCAKE_ERRORS[REFUSED] = "refused before any byte moved"
 MOONCAKE_STORE = "Mooncake Store"
 LOCAL_STORE = "local L3 store"
 #: The local store's own codes (Mooncake's numbers for the same answers), which are not errno values.
-LOCAL_CODES = (-600, -704, -800)
+OBJECT_NOT_FOUND = -704
+INVALID_PARAMS = -600
+#: A multi-span get whose spans add up to another size than the object (Mooncake: TRANSFER_FAIL).
+BUFFER_MISMATCH = -800
+LOCAL_CODES = (INVALID_PARAMS, OBJECT_NOT_FOUND, BUFFER_MISMATCH)
 
 
 def is_io_errno(code: int) -> bool:

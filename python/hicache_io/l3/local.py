@@ -51,16 +51,13 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .errors import BUFFER_MISMATCH, INVALID_PARAMS, OBJECT_NOT_FOUND  # noqa: F401 (Mooncake's codes, as the store reads them)
 from .trailer import TRAILER_MAGIC
 
 logger = logging.getLogger(__name__)
 
 FOOTER = struct.Struct("<8sQII8x")
 FOOTER_MAGIC = b"HIOLOC01"
-#: Mooncake's codes, as the store reads them.
-OBJECT_NOT_FOUND = -704
-INVALID_PARAMS = -600
-BUFFER_MISMATCH = -800
 #: Default capacity: fits a laptop's disk.
 DEFAULT_CAPACITY = 8 << 30
 #: A get marks an object used (for the eviction order) when its last mark is older than this.
