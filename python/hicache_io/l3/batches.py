@@ -31,6 +31,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 def occurrence_rounds(keys: Sequence[str]) -> List[List[int]]:
     """Positions of ``keys`` by occurrence: ``[[first occurrences], [second ones], ...]``, each in
     batch order. One round when no key repeats."""
+    if len(set(keys)) == len(keys):  # the usual batch: one round, found without a dict per key
+        return [list(range(len(keys)))] if len(keys) else []
     seen: Dict[str, int] = {}
     rounds: List[List[int]] = []
     for i, k in enumerate(keys):
