@@ -1,5 +1,6 @@
-//! `hicache_io._native`: the Python bindings. Arrays arrive through DLPack (`__dlpack__`), or
-//! numpy's `__array_interface__` for read-only sources; errors become the exception classes
+//! `hicache_io._native`: the Python bindings. Arrays arrive through DLPack (`__dlpack__`), torch's
+//! own attributes for plain host tensors (a third of DLPack's cost), or numpy's
+//! `__array_interface__` for read-only sources; errors become the exception classes
 //! sglang raises for the same condition, with its message text; transfers release the GIL.
 
 #![allow(clippy::too_many_arguments)] // sglang's signatures
