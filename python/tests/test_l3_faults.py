@@ -15,6 +15,7 @@
 
 sglang's own controller through an outage: ``sglang_client/test_outage.py``."""
 
+import contextlib
 import json
 import logging
 import os
@@ -51,6 +52,36 @@ def _mooncake():
     return LocalMaster
 
 
+def _pages(store, kind="mha", bpt=4096, layers=3):
+    """Eight pages of random bytes (pages 0..7 of a pool of 16) registered with ``store``: the
+    pool, each page's bytes, and eight fresh keys."""
+    _, dev, host = build("cpu", kind, "page_first", 1, bpt, layers, None, 0, pages=8, host_pages=16)
+    host.backup_from_device_all_layer(dev, tokens(range(8)), tokens(range(8)), "kernel")
+    store.register_mem_pool_host(host)
+    bufs = [host.read_buffer(c) for c in range(host.components)]
+    return host, [page_bytes(host, p, bufs) for p in range(8)], [uuid.uuid4().hex for _ in range(8)]
+
+
+@contextlib.contextmanager
+def _stores(lease_ms):
+    """A master of its own with leases of ``lease_ms``, a store with a segment and a second
+    client without one (to remove objects); closed before the master goes."""
+    m = _mooncake()(lease_ms=lease_ms)
+    s, other = make_store(m, segment=64 << 20), make_store(m, segment=0)
+    try:
+        yield s, other
+    finally:
+        other.close()
+        s.close()
+        m.stop()
+
+
+def _wrong(host, got, images):
+    """The pages read into pages 8..15 as hits whose bytes are not ``images``'."""
+    now = [host.read_buffer(c) for c in range(host.components)]
+    return [j for j, ok in enumerate(got) if ok and page_bytes(host, 8 + j, now) != images[j]]
+
+
 # ------------------------------------------------------------------------------ Mooncake's master
 
 
@@ -63,11 +94,7 @@ def test_the_master_killed_in_flight_and_restarted(caplog):
     stop, th = threading.Event(), None
     try:
         # 1 MiB pages: a batch of 8 is a call that takes a while, so the kill lands inside calls.
-        _, dev, host = build("cpu", "mla", "page_first", 1, 32768, 4, None, 0, pages=8, host_pages=16)
-        host.backup_from_device_all_layer(dev, tokens(range(8)), tokens(range(8)), "kernel")
-        s.register_mem_pool_host(host)
-        bufs = [host.read_buffer(c) for c in range(host.components)]
-        images = [page_bytes(host, p, bufs) for p in range(8)]
+        host, images, _ = _pages(s, "mla", 32768, 4)
         calls, wrong = [], []
         # Four sets of keys in turn (the segment holds them all): puts of stored pages ask the
         # master and count as written, gets move the bytes.
@@ -82,8 +109,7 @@ def test_the_master_killed_in_flight_and_restarted(caplog):
                 got = s.batch_get_v1(keys, tokens(range(8, 16)))
                 t2 = time.monotonic()
                 calls.append((t0, t1 - t0, put, t2 - t1, got))
-                now = [host.read_buffer(c) for c in range(host.components)]
-                wrong.extend(j for j, ok in enumerate(got) if ok and page_bytes(host, 8 + j, now) != images[j])
+                wrong.extend(_wrong(host, got, images))
 
         th = threading.Thread(target=traffic, daemon=True)
         th.start()
@@ -123,58 +149,29 @@ def test_the_master_killed_in_flight_and_restarted(caplog):
 
 
 def test_leases_that_run_out_and_objects_removed_mid_batch():
-    LocalMaster = _mooncake()
     # A lease of 1 ms runs out before any get's transfer completes: Mooncake fails the object.
-    m = LocalMaster(lease_ms=1)
-    s = make_store(m, segment=64 << 20)
-    try:
-        _, dev, host = build("cpu", "mla", "page_first", 1, 32768, 4, None, 0, pages=8, host_pages=16)
-        host.backup_from_device_all_layer(dev, tokens(range(8)), tokens(range(8)), "kernel")
-        s.register_mem_pool_host(host)
-        keys = [uuid.uuid4().hex for _ in range(8)]
+    with _stores(1) as (s, _):
+        _, _, keys = _pages(s, "mla", 32768, 4)
         assert s.batch_set_v1(keys, tokens(range(8))) == [True] * 8
         assert s.batch_get_v1(keys, tokens(range(8, 16))) == [False] * 8
         assert s.last_error.code == -707, s.last_error
-    finally:
-        s.close()
-        m.stop()
 
     # Leases of 50 ms: the gets below finish inside them, and objects can be removed past them.
-    m = LocalMaster(lease_ms=50)
-    s, remover = make_store(m, segment=64 << 20), make_store(m, segment=0)
-    try:
+    with _stores(50) as (s, remover):
         # Two objects a page (K and V): a page with one of them gone is a miss, whatever landed.
-        _, dev, host = build("cpu", "mha", "page_first", 1, 4096, 3, None, 0, pages=8, host_pages=16)
-        host.backup_from_device_all_layer(dev, tokens(range(8)), tokens(range(8)), "kernel")
-        s.register_mem_pool_host(host)
-        bufs = [host.read_buffer(c) for c in range(host.components)]
-        images = [page_bytes(host, p, bufs) for p in range(8)]
-        keys = [uuid.uuid4().hex for _ in range(8)]
+        host, images, keys = _pages(s)
         assert s.batch_set_v1(keys, tokens(range(8))) == [True] * 8
         time.sleep(0.1)  # past the put's lease
         for page, part in ((1, 1), (5, 0)):
             assert remover.store.remove(s.object_keys(keys[page])[part]) == 0
         got = s.batch_get_v1(keys, tokens(range(8, 16)))
         assert got == [j not in (1, 5) for j in range(8)]
-        now = [host.read_buffer(c) for c in range(host.components)]
-        assert all(page_bytes(host, 8 + j, now) == images[j] for j in range(8) if got[j])
-
-    finally:
-        remover.close()
-        s.close()
-        m.stop()
+        assert _wrong(host, got, images) == []
 
     # Objects removed and written again while gets race them (leases of 3 ms, so that removals
     # land between and inside gets): misses, and exact hits.
-    m = LocalMaster(lease_ms=3)
-    s, remover = make_store(m, segment=64 << 20), make_store(m, segment=0)
-    try:
-        _, dev, host = build("cpu", "mha", "page_first", 1, 4096, 3, None, 0, pages=8, host_pages=16)
-        host.backup_from_device_all_layer(dev, tokens(range(8)), tokens(range(8)), "kernel")
-        s.register_mem_pool_host(host)
-        bufs = [host.read_buffer(c) for c in range(host.components)]
-        images = [page_bytes(host, p, bufs) for p in range(8)]
-        keys = [uuid.uuid4().hex for _ in range(8)]
+    with _stores(3) as (s, remover):
+        host, images, keys = _pages(s)
         stop, hits, removed, wrong = threading.Event(), [0], [0], []
 
         def remove():
@@ -189,18 +186,13 @@ def test_leases_that_run_out_and_objects_removed_mid_batch():
             for _ in range(40):
                 s.batch_set_v1(keys, tokens(range(8)))
                 got = s.batch_get_v1(keys, tokens(range(8, 16)))
-                now = [host.read_buffer(c) for c in range(host.components)]
                 hits[0] += sum(got)
-                wrong.extend(j for j in range(8) if got[j] and page_bytes(host, 8 + j, now) != images[j])
+                wrong.extend(_wrong(host, got, images))
         finally:
             stop.set()
             th.join()
         assert wrong == [], f"hits with wrong bytes: {wrong}"
         assert hits[0] > 0 and removed[0] > 0, f"{hits[0]} hits, {removed[0]} objects removed: the race tried nothing"
-    finally:
-        remover.close()
-        s.close()
-        m.stop()
 
 
 WRITER = textwrap.dedent(
