@@ -303,6 +303,33 @@ def jit_one_layer_mla(case, rng):
     return [src, dst], call, oracle
 
 
+def jit_one_layer(case, rng):
+    """The JIT name for K and V caches (sglang's MHA per-layer transfer, destination first)."""
+    rows, elems, n = case["rows"], case["elems"], case["n"]
+    f = case["forms"]
+    sk, sv = (Buf(rng.standard_normal((rows, elems)).astype(np.float16), f[i], False) for i in (0, 1))
+    dk, dv = (Buf(np.zeros((rows, elems), np.float16), f[i], True) for i in (2, 3))
+    si, di = rng.permutation(rows)[:n], rng.permutation(rows)[:n]
+    sa, da = index_arg(si, f[4]), index_arg(di, f[5])
+
+    def call():
+        hicache.transfer_hicache_one_layer(dk.passed, dv.passed, da, sk.passed, sv.passed, sa)
+
+    def oracle():
+        forms_ok_for_dst(dk)
+        forms_ok_for_dst(dv)
+        logs = [b.logical() for b in (sk, sv, dk, dv)]
+        dtypes = {str(np.asarray(b.passed).dtype) for b in (sk, sv, dk, dv)}
+        if any(x.shape != logs[0].shape or x.ndim != 2 for x in logs) or len(dtypes) != 1:
+            raise Refused("shape")
+        s, d = pairs(index_values(sa, any_int=True), index_values(da, any_int=True), len(logs[0]), len(logs[2]))
+        ok, ov = logs[2].copy(), logs[3].copy()
+        ok[d], ov[d] = logs[0][s], logs[1][s]
+        return {dk: ok, dv: ov}
+
+    return [sk, sv, dk, dv], call, oracle
+
+
 def embedding_ranges(case, rng):
     rows, elems = case["rows"], case["elems"]
     f = case["forms"]
@@ -361,7 +388,7 @@ def page_helpers(case, rng):
     return [data], call, oracle, check
 
 
-OPS = {"per_layer_mla": per_layer_mla, "per_layer_mha": per_layer_mha, "all_layer_mla": all_layer_mla, "jit_one_layer_mla": jit_one_layer_mla, "embedding_ranges": embedding_ranges, "page_helpers": page_helpers}
+OPS = {"per_layer_mla": per_layer_mla, "per_layer_mha": per_layer_mha, "all_layer_mla": all_layer_mla, "jit_one_layer_mla": jit_one_layer_mla, "jit_one_layer": jit_one_layer, "embedding_ranges": embedding_ranges, "page_helpers": page_helpers}
 
 
 def run(case):

@@ -1,5 +1,5 @@
 """Hostile arrays from Python, property-based (hypothesis, a fixed budget of examples, derandomized
-so CI runs the same cases): the ``kvcacheio`` ops, a JIT name and a host pool's page helper,
+so CI runs the same cases): the ``kvcacheio`` ops, the one-layer JIT names and a host pool's page helper,
 called with arrays that are non-contiguous, negatively strided, broadcast (stride 0), Fortran
 order, zero-sized, of another dtype, read-only, torch tensors, on torch's ``meta`` device, views of
 numpy arrays and torch storages resized since (their memory given back), and index arrays of other
@@ -79,18 +79,18 @@ def worker():
 
 data_form = st.sampled_from(hw.DATA_FORMS)
 index_form = st.sampled_from(hw.INDEX_FORMS)
-ARGS = {"per_layer_mla": "ddii", "per_layer_mha": "ddddii", "all_layer_mla": "ddii", "jit_one_layer_mla": "ddii", "embedding_ranges": "ddiii"}
+ARGS = {"per_layer_mla": "ddii", "per_layer_mha": "ddddii", "all_layer_mla": "ddii", "jit_one_layer_mla": "ddii", "jit_one_layer": "ddddii", "embedding_ranges": "ddiii"}
 
 
 #: Positions of the arrays each op reads (the others it writes).
-SOURCES = {"per_layer_mla": {0}, "per_layer_mha": {0, 1}, "all_layer_mla": {0}, "jit_one_layer_mla": {0}, "embedding_ranges": {0}}
+SOURCES = {"per_layer_mla": {0}, "per_layer_mha": {0, 1}, "all_layer_mla": {0}, "jit_one_layer_mla": {0}, "jit_one_layer": {0, 1}, "embedding_ranges": {0}}
 
 
 def accepted_forms(op, i):
     """The forms argument ``i`` of ``op`` is taken in as it is (a refusal of these is a defect)."""
     if ARGS[op][i] == "i":
         # (embedding ranges take plain sequences of ints, as sglang passes them: not torch tensors)
-        return {"int64", "list"} | ({"torch"} if op != "embedding_ranges" else set()) | ({"int32"} if op == "jit_one_layer_mla" else set())
+        return {"int64", "list"} | ({"torch"} if op != "embedding_ranges" else set()) | ({"int32"} if op.startswith("jit_") else set())
     return {"contig", "torch"} | ({"readonly"} if i in SOURCES[op] else set())
 
 
