@@ -16,6 +16,7 @@ config = OffloadingConfig(
                                       data_parallel_size=1, data_parallel_rank_local=None, is_parallelism_agnostic=False))
 spec = OffloadingSpecFactory.create_spec(config)
 view = memoryview(np.zeros((spec.num_chunks, 1 << 20), np.uint8))
-tier = SecondaryTierFactory.create_secondary_tier({"type": "HicacheTier", "module_path": "hicache_io.vllm", "path": tempfile.mkdtemp()}, view, spec)
-print(type(spec).__name__, spec.num_chunks, "chunks;", type(spec.get_manager()).__name__, "|", type(tier).__name__, tier.client.directory)
-tier.shutdown()
+with tempfile.TemporaryDirectory() as path:  # the tier's objects go with it
+    tier = SecondaryTierFactory.create_secondary_tier({"type": "HicacheTier", "module_path": "hicache_io.vllm", "path": path}, view, spec)
+    print(type(spec).__name__, spec.num_chunks, "chunks;", type(spec.get_manager()).__name__, "|", type(tier).__name__, tier.client.directory)
+    tier.shutdown()
