@@ -202,52 +202,61 @@ def index_arg(values, form):
 DATA_FORMS = ["contig", "strided", "reversed", "fortran", "readonly", "broadcast", "zero", "stale", "dtype:uint8", "torch", "torch_stale", "meta", "list"]
 
 
-def per_layer_mla(case, rng):
-    rows, elems, n = case["rows"], case["elems"], case["n"]
-    src = Buf(rng.standard_normal((rows, elems)).astype(np.float16), case["forms"][0], False)
-    dst = Buf(np.zeros((rows, elems), np.float16), case["forms"][1], True)
-    si, di = rng.permutation(rows)[:n], rng.permutation(rows)[:n]
-    sa, da = index_arg(si, case["forms"][2]), index_arg(di, case["forms"][3])
+def copied(dsts, s_logs, d_logs, s, d):
+    """Each destination's expected rows: ``d_log[d] = s_log[s]``."""
+    out = {}
+    for b, sl, dl in zip(dsts, s_logs, d_logs):
+        o = dl.copy()
+        o[d] = sl[s]
+        out[b] = o
+    return out
 
-    def call():
-        kv.transfer_kv_per_layer_mla(src.passed, dst.passed, sa, da, elems * 2)
+
+def row_copies(case, rng, comps, jit, call):
+    """One layer's rows copied, ``dst[d] = src[s]``, for ``comps`` source and destination caches
+    (MLA: 1; K and V: 2); the case's forms name the sources, the destinations, then the two index
+    lists. ``call(srcs, dsts, src_indices, dst_indices)`` makes the call. kvcacheio's ops take rows
+    of exactly the item size and int64 indices; the JIT names (``jit``) any 2-D caches of one
+    dtype, and int32 indices too."""
+    rows, elems, n, f = case["rows"], case["elems"], case["n"], case["forms"]
+    srcs = [Buf(rng.standard_normal((rows, elems)).astype(np.float16), f[i], False) for i in range(comps)]
+    dsts = [Buf(np.zeros((rows, elems), np.float16), f[comps + i], True) for i in range(comps)]
+    si, di = rng.permutation(rows)[:n], rng.permutation(rows)[:n]
+    sa, da = index_arg(si, f[2 * comps]), index_arg(di, f[2 * comps + 1])
 
     def oracle():
-        forms_ok_for_dst(dst)
-        s_log, d_log = src.logical(), dst.logical()
-        if s_log.shape != (rows, 2 * elems) or d_log.shape != (rows, 2 * elems):
+        for b in dsts:
+            forms_ok_for_dst(b)
+        s_logs, d_logs = [b.logical() for b in srcs], [b.logical() for b in dsts]
+        logs = s_logs + d_logs
+        if jit:
+            dtypes = {str(np.asarray(b.passed).dtype) for b in srcs + dsts}
+            bad = any(x.shape != logs[0].shape or x.ndim != 2 for x in logs) or len(dtypes) != 1
+        else:
+            bad = any(x.shape != (rows, 2 * elems) for x in logs)
+        if bad:
             raise Refused("shape")
-        s, d = pairs(index_values(sa), index_values(da), rows, rows)
-        out = d_log.copy()
-        out[d] = s_log[s]
-        return {dst: out}
+        s, d = pairs(index_values(sa, any_int=jit), index_values(da, any_int=jit), len(s_logs[0]), len(d_logs[0]))
+        return copied(dsts, s_logs, d_logs, s, d)
 
-    return [src, dst], call, oracle
+    return srcs + dsts, lambda: call([b.passed for b in srcs], [b.passed for b in dsts], sa, da), oracle
+
+
+def per_layer_mla(case, rng):
+    return row_copies(case, rng, 1, False, lambda s, d, sa, da: kv.transfer_kv_per_layer_mla(s[0], d[0], sa, da, case["elems"] * 2))
 
 
 def per_layer_mha(case, rng):
-    rows, elems, n = case["rows"], case["elems"], case["n"]
-    f = case["forms"]
-    sk, sv = (Buf(rng.standard_normal((rows, elems)).astype(np.float16), f[i], False) for i in (0, 1))
-    dk, dv = (Buf(np.zeros((rows, elems), np.float16), f[i], True) for i in (2, 3))
-    si, di = rng.permutation(rows)[:n], rng.permutation(rows)[:n]
-    sa, da = index_arg(si, f[4]), index_arg(di, f[5])
+    return row_copies(case, rng, 2, False, lambda s, d, sa, da: kv.transfer_kv_per_layer(s[0], d[0], s[1], d[1], sa, da, case["elems"] * 2))
 
-    def call():
-        kv.transfer_kv_per_layer(sk.passed, dk.passed, sv.passed, dv.passed, sa, da, elems * 2)
 
-    def oracle():
-        forms_ok_for_dst(dk)
-        forms_ok_for_dst(dv)
-        logs = [b.logical() for b in (sk, sv, dk, dv)]
-        if any(x.shape != (rows, 2 * elems) for x in logs):
-            raise Refused("shape")
-        s, d = pairs(index_values(sa), index_values(da), rows, rows)
-        ok, ov = logs[2].copy(), logs[3].copy()
-        ok[d], ov[d] = logs[0][s], logs[1][s]
-        return {dk: ok, dv: ov}
+def jit_one_layer_mla(case, rng):
+    return row_copies(case, rng, 1, True, lambda s, d, sa, da: hicache.transfer_hicache_one_layer_mla(d[0], da, s[0], sa))
 
-    return [sk, sv, dk, dv], call, oracle
+
+def jit_one_layer(case, rng):
+    """The JIT name for K and V caches (sglang's MHA per-layer transfer, destination first)."""
+    return row_copies(case, rng, 2, True, lambda s, d, sa, da: hicache.transfer_hicache_one_layer(d[0], d[1], da, s[0], s[1], sa))
 
 
 def all_layer_mla(case, rng):
@@ -268,66 +277,9 @@ def all_layer_mla(case, rng):
         if any(x.shape != (rows, 2 * elems) for x in s_logs + d_logs):
             raise Refused("shape")
         s, d = pairs(index_values(sa), index_values(da), rows, rows)
-        out = {}
-        for b, sl, dl in zip(dst, s_logs, d_logs):
-            o = dl.copy()
-            o[d] = sl[s]
-            out[b] = o
-        return out
+        return copied(dst, s_logs, d_logs, s, d)
 
     return src + dst, call, oracle
-
-
-def jit_one_layer_mla(case, rng):
-    rows, elems, n = case["rows"], case["elems"], case["n"]
-    f = case["forms"]
-    src = Buf(rng.standard_normal((rows, elems)).astype(np.float16), f[0], False)
-    dst = Buf(np.zeros((rows, elems), np.float16), f[1], True)
-    si, di = rng.permutation(rows)[:n], rng.permutation(rows)[:n]
-    sa, da = index_arg(si, f[2]), index_arg(di, f[3])
-
-    def call():
-        hicache.transfer_hicache_one_layer_mla(dst.passed, da, src.passed, sa)
-
-    def oracle():
-        forms_ok_for_dst(dst)
-        s_log, d_log = src.logical(), dst.logical()
-        if s_log.shape != d_log.shape or s_log.ndim != 2 or np.asarray(src.passed).dtype != np.asarray(dst.passed).dtype:
-            raise Refused("shape")
-        idx = [index_values(a, any_int=True) for a in (sa, da)]
-        s, d = pairs(idx[0], idx[1], len(s_log), len(d_log))
-        o = d_log.copy()
-        o[d] = s_log[s]
-        return {dst: o}
-
-    return [src, dst], call, oracle
-
-
-def jit_one_layer(case, rng):
-    """The JIT name for K and V caches (sglang's MHA per-layer transfer, destination first)."""
-    rows, elems, n = case["rows"], case["elems"], case["n"]
-    f = case["forms"]
-    sk, sv = (Buf(rng.standard_normal((rows, elems)).astype(np.float16), f[i], False) for i in (0, 1))
-    dk, dv = (Buf(np.zeros((rows, elems), np.float16), f[i], True) for i in (2, 3))
-    si, di = rng.permutation(rows)[:n], rng.permutation(rows)[:n]
-    sa, da = index_arg(si, f[4]), index_arg(di, f[5])
-
-    def call():
-        hicache.transfer_hicache_one_layer(dk.passed, dv.passed, da, sk.passed, sv.passed, sa)
-
-    def oracle():
-        forms_ok_for_dst(dk)
-        forms_ok_for_dst(dv)
-        logs = [b.logical() for b in (sk, sv, dk, dv)]
-        dtypes = {str(np.asarray(b.passed).dtype) for b in (sk, sv, dk, dv)}
-        if any(x.shape != logs[0].shape or x.ndim != 2 for x in logs) or len(dtypes) != 1:
-            raise Refused("shape")
-        s, d = pairs(index_values(sa, any_int=True), index_values(da, any_int=True), len(logs[0]), len(logs[2]))
-        ok, ov = logs[2].copy(), logs[3].copy()
-        ok[d], ov[d] = logs[0][s], logs[1][s]
-        return {dk: ok, dv: ov}
-
-    return [sk, sv, dk, dv], call, oracle
 
 
 def embedding_ranges(case, rng):
