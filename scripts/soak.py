@@ -147,15 +147,23 @@ def main():
         hosts.release(h, seed)
         count("arrive")
 
+    def claim_both(pages, first, second):
+        """``first()`` (a claim on ``pages``) then ``second()``, each ``(page, seed)`` or ``None``:
+        both, or ``None`` with the first released."""
+        a = first()
+        if a is None:
+            return None
+        b = second()
+        if b is None:
+            pages.release(*a)
+            return None
+        return a, b
+
     def scheduler(rng):
-        src = hosts.claim("held", rng)
-        if src is None:
+        got = claim_both(hosts, lambda: hosts.claim("held", rng), lambda: devs.claim(None, rng))
+        if got is None:
             return
-        d = devs.claim(None, rng)
-        if d is None:
-            hosts.release(*src)
-            return
-        (h, seed), (dp, _) = src, d
+        (h, seed), (dp, _) = got
         for layer in range(args.layers):
             host.load_to_device_per_layer(dev, toks(h), toks(dp), layer)
             count("load_layers")
@@ -163,14 +171,10 @@ def main():
         devs.release(dp, seed)
 
     def backup(rng):
-        d = devs.claim("held", rng)
-        if d is None:
-            return
-        got = free_host(rng)
+        got = claim_both(devs, lambda: devs.claim("held", rng), lambda: free_host(rng))
         if got is None:
-            devs.release(*d)
             return
-        (dp, seed), (h, _) = d, got
+        (dp, seed), (h, _) = got
         host.backup_from_device_all_layer(dev, toks(h), toks(dp))
         if not np.array_equal(host.get_data_page(h * P), content(seed)):
             fail(f"backup of device page {dp} (seed {seed}) into host page {h}: wrong bytes")
