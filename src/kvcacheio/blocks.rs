@@ -10,7 +10,7 @@
 //! [`TransferError::Integrity`] naming every row that no longer matches, after the call's other
 //! rows landed. Nothing moves unless every tensor's call is accepted.
 
-use super::tensors::{wrap, Arg};
+use super::tensors::{arg, check_overlaps, wrap, Arg};
 use super::{Memory, RawTensor};
 use crate::error::{Result, TransferError};
 use crate::exec::Device;
@@ -107,17 +107,8 @@ impl BlockTier {
         };
         if dir == BlockMove::Load {
             // Two tensors sharing bytes would both be written, in an order executors differ on.
-            for (i, (a, ra)) in calls.iter().enumerate() {
-                let meets = |rb: &RawTensor| {
-                    ra.memory == rb.memory && ra.addr < rb.addr.saturating_add(rb.len) && rb.addr < ra.addr.saturating_add(ra.len)
-                };
-                if let Some((b, _)) = calls[i + 1..].iter().find(|(_, rb)| meets(rb)) {
-                    return Err(TransferError::BadTensor {
-                        arg: format!("tensor[{b}]"),
-                        reason: format!("overlaps tier tensor {a}, which this load writes too"),
-                    });
-                }
-            }
+            let writes: Vec<Arg<'_>> = calls.iter().map(|(j, raw)| arg(format!("tensor[{j}]"), raw)).collect();
+            check_overlaps(&[], &writes)?;
         }
         let mut planned = Vec::with_capacity(calls.len());
         let mut seen = vec![false; self.tensors.len()];
