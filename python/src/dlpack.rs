@@ -52,6 +52,8 @@ pub(crate) const DL_CUDA: i32 = 2;
 pub(crate) const DL_CUDA_HOST: i32 = 3;
 pub(crate) const DL_INT: u8 = 0;
 pub(crate) const DL_UINT: u8 = 1;
+pub(crate) const DL_FLOAT: u8 = 2;
+pub(crate) const DL_BFLOAT: u8 = 4;
 pub(crate) const DL_FLAG_READ_ONLY: u64 = 1;
 
 /// An array argument, kept alive (its capsule or the array) while an op runs.
@@ -143,10 +145,10 @@ fn inside_storage(obj: &Bound<'_, PyAny>, name: &str, raw: &RawTensor) -> PyResu
 /// (`None`: another dtype, left to DLPack).
 fn torch_dtype(dtype: &str) -> Option<(u8, u8)> {
     Some(match dtype {
-        "torch.float16" => (2, 16),
-        "torch.float32" => (2, 32),
-        "torch.float64" => (2, 64),
-        "torch.bfloat16" => (4, 16),
+        "torch.float16" => (DL_FLOAT, 16),
+        "torch.float32" => (DL_FLOAT, 32),
+        "torch.float64" => (DL_FLOAT, 64),
+        "torch.bfloat16" => (DL_BFLOAT, 16),
         "torch.int8" => (DL_INT, 8),
         "torch.int16" => (DL_INT, 16),
         "torch.int32" => (DL_INT, 32),
@@ -299,7 +301,7 @@ pub(crate) fn from_array_interface(obj: &Bound<'_, PyAny>, ai: &Bound<'_, PyAny>
     let code = match kind {
         'i' => DL_INT,
         'u' => DL_UINT,
-        'f' => 2,
+        'f' => DL_FLOAT,
         _ => 255,
     };
     let raw = described(name, ptr, &shape, strides.as_deref(), size, Memory::Host)?;
