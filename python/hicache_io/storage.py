@@ -46,7 +46,7 @@ import hashlib
 import json
 import logging
 import threading
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -63,7 +63,7 @@ from .l3.layouts import sglang_indices as _sglang_indices  # noqa: F401 (the nam
 from .l3.master import LocalMaster
 from .l3.mooncake_client import open_client
 from .l3.pipeline import counted_exists, get_pages, put_pages
-from .l3.placements import Placement, PoolPages, SealedPages, SharePages, StagedPages
+from .l3.placements import SEALED_MAX_OBJECT, Placement, PoolPages, SealedPages, SharePages, StagedPages, sealing  # noqa: F401 (importable from here)
 from .l3.trailer import OLD_TRAILER_MAGICS, TRAILER_MAGIC  # noqa: F401 (importable from here)
 from .l3.trailer import name_tag as _name_tag  # noqa: F401 (the name it had)
 from .l3.transport import Health, Transport
@@ -75,10 +75,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["MooncakeStore", "LocalStore", "MooncakeStoreConfig", "StorageError", "LocalMaster", "SHORT_READ", "REFUSED", "INTEGRITY", "TRAILER_MAGIC", "HiCacheStorage", "HiCacheStorageConfig", "HiCacheStorageExtraInfo", "STORAGE_BATCH_SIZE", "MOONCAKE_ERRORS"]
 
 
-#: Checksummed objects up to this size move through a staging buffer with their trailer as one
-#: span (Mooncake's single-buffer calls; its two-buffer calls cost a quarter or more of the
-#: throughput at page sizes): the copy costs a tenth of an 8448-byte object's round trip.
-SEALED_MAX_OBJECT = 64 << 10
 
 
 
@@ -131,6 +127,8 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
         self._sealed: Optional[np.ndarray] = None
         self._seal_t: Optional[np.ndarray] = None
         self._seal_stride = 0
+        # Pages a batch: sglang's 128, or fewer where the sealed objects' staging holds fewer.
+        self._batch_pages = STORAGE_BATCH_SIZE
         self.store = store if store is not None else open_client(self.config, self.storage_config)
 
     # ---- the pool ------------------------------------------------------------------------
@@ -171,20 +169,21 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
             trailers = np.zeros((STORAGE_BATCH_SIZE * lay.comps, 2), "<u8") if ours and descriptor is not None else None
             if trailers is not None:
                 regions = regions + [(trailers.ctypes.data, trailers.nbytes)]
-            sealed, stride = None, 0
-            if trailers is not None and lay.zero_copy and lay.obj_bytes <= SEALED_MAX_OBJECT and hasattr(mem_pool_host, "_stage_put"):
-                stride = -(-(lay.obj_bytes + 16) // 64) * 64
-                sealed = np.zeros(STORAGE_BATCH_SIZE * lay.comps * stride, np.uint8)
-                regions = regions + [(sealed.ctypes.data, sealed.nbytes)]
+            sealed = sealing(lay.obj_bytes, lay.comps) if trailers is not None and lay.zero_copy and hasattr(mem_pool_host, "_stage_put") else None
+            if sealed is not None:
+                regions = regions + [(sealed[0].ctypes.data, sealed[0].nbytes)]
             done = self._register_all(regions)
-            self._sealed, self._seal_stride = sealed, stride
-            self._seal_t = sealed.reshape(-1, stride)[:, lay.obj_bytes : lay.obj_bytes + 16].view("<u8") if sealed is not None else None
+            self._seal(sealed)
             self._registered, self._staging, self._layout, self.mem_pool_host = done, staging, lay, mem_pool_host
             self._descriptor, self._trailers = descriptor, trailers
             self._keys = self._key_scheme()
             self.namespace, self._foreign = namespace, False
             if descriptor is None and self._namespace_record:
                 self._foreign = not self._claim_namespace(record)
+
+    def _seal(self, sealing: Optional[Tuple[np.ndarray, np.ndarray, int, int]]) -> None:
+        """Keeps the registered staging buffer of :func:`sealing` (or none)."""
+        self._sealed, self._seal_t, self._seal_stride, self._batch_pages = sealing if sealing is not None else (None, None, 0, STORAGE_BATCH_SIZE)
 
     @property
     def _io(self) -> Transport:
@@ -217,7 +216,7 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
             if self._registered:
                 self._retired += [self.mem_pool_host, self._layout, self._grid, self._staging, self._sealed, self._trailers]
             self._registered, self._staging, self.mem_pool_host = [], None, None
-            self._sealed, self._seal_t, self._seal_stride = None, None, 0
+            self._seal(None)
             self._layout, self._descriptor, self._trailers, self._grid = None, None, None, None
             self._keys = None
             self.namespace, self._foreign = None, False
@@ -275,8 +274,9 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
 
     def _batches(self, keys: List[str], idx: Any):
         p = self._layout.page
-        for at in range(0, len(keys), STORAGE_BATCH_SIZE):
-            yield keys[at : at + STORAGE_BATCH_SIZE], idx[at * p : (at + STORAGE_BATCH_SIZE) * p]
+        b = self._batch_pages
+        for at in range(0, len(keys), b):
+            yield keys[at : at + b], idx[at * p : (at + b) * p]
 
     def _paged(self, what: str, keys: Sequence[str], host_indices: Any, per_batch: Any) -> List[bool]:
         """One page call: arguments checked once, then ``per_batch`` over sglang's batches."""
@@ -313,12 +313,14 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
         """Where the registered pool's objects of a batch lie (:mod:`hicache_io.l3.placements`)."""
         lay = self._layout
         if self._grid is not None:
-            return SharePages(lay, self._grid, idx, n_pages, self._trailers, self.integrity)
-        if self._sealed is not None and self.integrity:
-            return SealedPages(lay, idx, n_pages, self._sealed, self._seal_t, self._seal_stride)
-        if not lay.zero_copy:
+            place: PoolPages = SharePages(lay, self._grid, idx, n_pages, self._trailers, self.integrity)
+        elif not lay.zero_copy:
             return StagedPages(lay, idx, n_pages, self._trailers, self.integrity, self._staging)
-        return PoolPages(lay, idx, n_pages, self._trailers, self.integrity)
+        else:
+            place = PoolPages(lay, idx, n_pages, self._trailers, self.integrity)
+        if self._sealed is not None and self.integrity:
+            return SealedPages(place, self._sealed, self._seal_t, self._seal_stride)
+        return place
 
     @one_call
     def batch_get_v1(self, keys: List[str], host_indices: Any, extra_info: Any = None) -> List[bool]:

@@ -51,6 +51,7 @@ import numpy as np
 
 from .l3.config import STORAGE_BATCH_SIZE
 from .l3.layouts import PoolLayout
+from .l3.placements import sealing
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +168,14 @@ class UnifiedKeys:
         lay = PoolLayout(pool, shares=max(1, len(grid.suffixes)))
         pool.synchronize()
         trailers = np.zeros((STORAGE_BATCH_SIZE * lay.comps, 2), "<u8")
-        self._registered = self._register_all(list(grid.regions) + [(trailers.ctypes.data, trailers.nbytes)])
+        regions = list(grid.regions) + [(trailers.ctypes.data, trailers.nbytes)]
+        # Objects of one size, small enough, are sealed: gathered with their trailer into one
+        # span of a staging buffer (Mooncake's single-buffer calls), summed in the same pass.
+        sealed = sealing(grid.object_bytes[0], len(grid.suffixes)) if len(set(grid.object_bytes)) == 1 and hasattr(pool, "_stage_put") else None
+        if sealed is not None:
+            regions.append((sealed[0].ctypes.data, sealed[0].nbytes))
+        self._registered = self._register_all(regions)
+        self._seal(sealed)
         self._staging, self._layout, self.mem_pool_host = None, lay, pool
         self._descriptor, self._trailers, self._grid = grid.digest, trailers, grid
         self._keys = self._key_scheme()

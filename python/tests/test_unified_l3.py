@@ -200,6 +200,84 @@ def test_a_get_that_raises_forgets_the_pages_it_wrote(master, model):
         s.close()
 
 
+def page_bytes(host, pages):
+    """Each component's bytes of host pages ``pages`` (page_unified: one span a page)."""
+    meta = host.get_page_buffer_meta(np.concatenate([np.arange(4 * q, 4 * q + 4) for q in pages]))
+    return [host.read_buffer(c)[off : off + n].copy() for c, off, n in meta]
+
+
+def test_sealed_objects_are_the_objects_moved_in_place(master, model):
+    """A store seals its objects (a share gathered with its trailer into one span of its staging
+    buffer); a store of a release that moved them in place with the multi-buffer calls
+    (``_seal(None)``) wrote and reads the same objects: each side reads the other's verified and
+    exact, and objects stored without a trailer read as unverified."""
+    _, a = pools()
+    _, b = pools()
+    sealed, in_place = store_for(master, model), store_for(master, model)
+    try:
+        sealed.register_mem_pool_host(a)
+        in_place.register_mem_pool_host(b)
+        assert sealed._sealed is not None and sealed._batch_pages == 128
+        in_place._seal(None)
+        per = len(sealed.object_keys("x"))
+        assert sealed.batch_set_v1(["s0", "s1"], np.arange(8)) == [True, True]
+        assert in_place.batch_get_v1(["s0", "s1"], np.arange(8, 16)) == [True, True]
+        assert in_place.integrity_stats()["verified"] == 2 * per
+        assert all(np.array_equal(x, y) for x, y in zip(page_bytes(b, [2, 3]), page_bytes(a, [0, 1])))
+        assert in_place.batch_set_v1(["m0"], np.arange(4)) == [True]
+        assert sealed.batch_get_v1(["m0"], np.arange(12, 16)) == [True]
+        assert sealed.integrity_stats()["verified"] == per and sealed.integrity_stats()["corrupt"] == 0
+        assert all(np.array_equal(x, y) for x, y in zip(page_bytes(a, [3]), page_bytes(b, [0])))
+        # Without a trailer: read whole into the pool, unverified, and the page's item checksums
+        # are forgotten (its loads read as unverified).
+        in_place.integrity = False
+        assert in_place.batch_set_v1(["n0"], np.arange(4, 8)) == [True]
+        assert sealed.batch_get_v1(["n0"], np.arange(8, 12)) == [True]
+        assert sealed.integrity_stats()["unverified"] == per
+        assert all(np.array_equal(x, y) for x, y in zip(page_bytes(a, [2]), page_bytes(b, [1])))
+        assert all(x is None for x in a.page_checksums(8))
+    finally:
+        sealed.close()
+        in_place.close()
+
+
+def test_the_staging_pass_gathers_and_scatters_page_shares():
+    """The pool's staging pass for shares: each share's bytes gathered to byte ``j · stride`` in
+    the order its spans name, with the checksum of the in-place pass; landed into another pool,
+    only the objects marked written, with the same sums; a stride or buffer too short refused
+    with nothing written. A share of 6 bytes an item takes the gather-then-sum path."""
+    _, a = pools()
+    idx = np.arange(4, 12)
+    for shares in ([(0, 0, 4, 0, 64), (1, 1, 3, 64, 128)], [(1, 0, 4, 2, 8), (0, 2, 3, 10, 16)]):
+        spans = [a.page_share_spans(*sh[:1], sh[1:3], sh[3:]) for sh in shares]
+        size = max(sum(n for _, _, n in v) for v, _ in spans)
+        stride = size + 16 + 3
+        n = 2 * len(shares)
+        buf = np.full(n * stride, 7, np.uint8)
+        for nbytes, st in [(buf.nbytes - 1, stride), (buf.nbytes, size - 1)]:
+            with pytest.raises(Exception):
+                a._stage_put(idx, buf.ctypes.data, nbytes, st, shares)
+            assert (buf == 7).all()
+        sums, intact = a._stage_put(idx, buf.ctypes.data, buf.nbytes, stride, shares)
+        assert intact == [True, True]
+        assert list(sums) == list(a.object_sums(idx, shares))
+        for j in range(n):
+            page, (v, shift) = 1 + j // len(shares), spans[j % len(shares)]
+            want = np.concatenate([a.read_buffer(c)[off + page * shift : off + page * shift + k] for c, off, k in v])
+            assert np.array_equal(buf[j * stride : j * stride + len(want)], want), (shares, j)
+            assert (buf[j * stride + len(want) : (j + 1) * stride] == 7).all()
+        _, b = pools(seed=5)
+        before = [b.read_buffer(c) for c in range(b.components)]
+        write = [True, False] * len(shares)
+        with pytest.raises(Exception):
+            b._land_staged(idx, buf.ctypes.data, buf.nbytes, stride, list(sums), [True] * n, write[:-1], shares)
+        assert all(np.array_equal(b.read_buffer(c), before[c]) for c in range(b.components))
+        landed = b._land_staged(idx, buf.ctypes.data, buf.nbytes, stride, list(sums), [True] * n, write, shares)
+        assert list(landed) == [int(x) if w else 0 for x, w in zip(sums, write)]
+        assert list(b.object_sums(idx, shares)[0::2]) == list(sums[0::2])
+        assert list(b.object_sums(idx, shares)[1::2]) != list(sums[1::2])
+
+
 @pytest.mark.parametrize("executor", executors(addressable=True))
 def test_layer_ranges_let_pipeline_shapes_share(master, model, executor):
     """Two pipeline stages (layers 0..1 and 2..3) write; one rank holding all four layers reads

@@ -5,6 +5,7 @@
 use super::HostPool;
 use crate::error::{Result, TransferError};
 use crate::integrity::{self, IntegrityStats};
+use crate::PageObjects;
 
 impl HostPool<'_> {
     /// Whether this pool keeps item checksums: its config (or the profile's default) asked for
@@ -110,13 +111,27 @@ impl HostPool<'_> {
         })
     }
 
-    /// [`HostPool::put_object_sums`] (components) with each object's bytes also copied into `staging`, object
-    /// `j` (in the order of [`HostPool::get_page_buffer_meta`]) at byte `j · stride`, in the same
-    /// read: an L3 store puts each object and the trailer it writes after it as one span. Refused
-    /// before any byte moves when an object is longer than `stride` or `staging` is too short.
-    pub fn stage_put(&self, indices: &[i64], seed: u64, staging: &mut [u8], stride: usize) -> Result<(Vec<u64>, Vec<bool>)> {
+    /// [`HostPool::put_object_sums`] with each object's bytes also copied into `staging`, object
+    /// `j` (page by page, in the order of `objects`) at byte `j · stride`, in the same read: an L3
+    /// store puts each object and the trailer it writes after it as one span. Refused before any
+    /// byte moves when an object is longer than `stride` or `staging` is too short.
+    pub fn stage_put(
+        &self,
+        indices: &[i64],
+        objects: PageObjects<'_>,
+        seed: u64,
+        staging: &mut [u8],
+        stride: usize,
+    ) -> Result<(Vec<u64>, Vec<bool>)> {
+        if let PageObjects::Shares(shares) = objects {
+            let summer = self.share_summer(indices, shares, seed)?;
+            check_staging(summer.objects(indices), summer.widest(), staging.len(), stride)?;
+            return self.page_pass(indices, None, PageCheck::Intact, |bytes, k, out| {
+                summer.stage_page(bytes, indices, k, (&mut *staging, stride), out)
+            });
+        }
         let (meta, keys, per) = self.object_spans(indices, seed)?;
-        check_staging(&meta, staging.len(), stride)?;
+        check_staging(meta.len(), longest(&meta), staging.len(), stride)?;
         self.page_pass(indices, Some((&meta, seed)), PageCheck::Intact, |bytes, k, out| {
             for (i, &(c, off, len)) in meta[k * per..(k + 1) * per].iter().enumerate() {
                 let from = bytes.get(c, off, len)?;
@@ -130,14 +145,16 @@ impl HostPool<'_> {
         })
     }
 
-    /// [`HostPool::landed_object_sums`] (components) for objects an L3 store read into `staging` (object `j` at
-    /// byte `j · stride`): the objects with `write[j]` are copied into the pool in the pass that
-    /// checksums them (their bytes are read once, from the staging buffer), then the pages are
-    /// settled as there. Returns each object's checksum (0 for those not written).
+    /// [`HostPool::landed_object_sums`] for objects an L3 store read into `staging` (object `j` at
+    /// byte `j · stride`, as [`HostPool::stage_put`] lays them out): the objects with `write[j]`
+    /// are copied into the pool in the pass that checksums them (their bytes are read once, from
+    /// the staging buffer), then the pages are settled as there. Returns each object's checksum
+    /// (0 for those not written).
     #[allow(clippy::too_many_arguments)]
     pub fn land_staged(
         &self,
         indices: &[i64],
+        objects: PageObjects<'_>,
         seed: u64,
         staging: &[u8],
         stride: usize,
@@ -145,16 +162,19 @@ impl HostPool<'_> {
         eligible: &[bool],
         write: &[bool],
     ) -> Result<Vec<u64>> {
-        let (meta, keys, per) = self.object_spans(indices, seed)?;
-        check_staging(&meta, staging.len(), stride)?;
-        if write.len() != meta.len() {
-            return Err(TransferError::BufferSize {
-                what: "objects to write".into(),
-                expected: meta.len() as u64,
-                actual: write.len() as u64,
-            });
+        if let PageObjects::Shares(shares) = objects {
+            let summer = self.share_summer(indices, shares, seed)?;
+            let n = summer.objects(indices);
+            check_staging(n, summer.widest(), staging.len(), stride)?;
+            let check = landed_writes(expected, eligible, write, n)?;
+            let pass = |bytes: &mut super::pages::HostBytes<'_>, k, out: &mut Vec<u64>| {
+                summer.land_page(bytes, indices, k, (staging, stride), write, out)
+            };
+            return Ok(self.page_pass(indices, None, check, pass)?.0);
         }
-        let check = PageCheck::landed(expected, eligible, meta.len())?;
+        let (meta, keys, per) = self.object_spans(indices, seed)?;
+        check_staging(meta.len(), longest(&meta), staging.len(), stride)?;
+        let check = landed_writes(expected, eligible, write, meta.len())?;
         let (sums, _) = self.page_pass(indices, Some((&meta, seed)), check, |bytes, k, out| {
             for (i, &(c, off, len)) in meta[k * per..(k + 1) * per].iter().enumerate() {
                 let j = k * per + i;
@@ -446,15 +466,29 @@ type Objects = (Vec<(usize, u64, u64)>, std::sync::Arc<integrity::Keys>, usize);
 impl HostPool<'_> {
     fn object_spans(&self, indices: &[i64], seed: u64) -> Result<Objects> {
         let meta = self.get_page_buffer_meta(indices)?;
-        let keys = integrity::shared_keys(seed, integrity::words(meta.iter().map(|m| m.2).max().unwrap_or(0) as usize))?;
+        let keys = integrity::shared_keys(seed, integrity::words(longest(&meta) as usize))?;
         let per = meta.len() / (indices.len() / self.pair.host().page_size().max(1) as usize).max(1);
         Ok((meta, keys, per))
     }
 }
 
-/// A staging buffer of `staging` bytes holds the objects `meta` at `j · stride`.
-fn check_staging(meta: ObjectSpans<'_>, staging: usize, stride: usize) -> Result<()> {
-    let longest = meta.iter().map(|m| m.2).max().unwrap_or(0);
+/// The longest object's bytes.
+fn longest(meta: ObjectSpans<'_>) -> u64 {
+    meta.iter().map(|m| m.2).max().unwrap_or(0)
+}
+
+/// [`PageCheck::landed`] for a staged get whose `write` says, per object of `objects`, whether it
+/// is copied into the pool.
+fn landed_writes<'a>(expected: &'a [u64], eligible: &'a [bool], write: &[bool], objects: usize) -> Result<PageCheck<'a>> {
+    if write.len() != objects {
+        return Err(TransferError::BufferSize { what: "objects to write".into(), expected: objects as u64, actual: write.len() as u64 });
+    }
+    PageCheck::landed(expected, eligible, objects)
+}
+
+/// A staging buffer of `staging` bytes holds `objects` objects of at most `longest` bytes at
+/// `j · stride`.
+fn check_staging(objects: usize, longest: u64, staging: usize, stride: usize) -> Result<()> {
     if longest > stride as u64 {
         return Err(TransferError::BufferSize {
             what: "staging stride (an object's bytes)".into(),
@@ -462,7 +496,7 @@ fn check_staging(meta: ObjectSpans<'_>, staging: usize, stride: usize) -> Result
             actual: stride as u64,
         });
     }
-    let need = (meta.len() as u64).saturating_mul(stride as u64);
+    let need = (objects as u64).saturating_mul(stride as u64);
     if need > staging as u64 {
         return Err(TransferError::BufferSize { what: "staging buffer".into(), expected: need, actual: staging as u64 });
     }

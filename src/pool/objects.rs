@@ -10,7 +10,8 @@
 //!   pool's item checksums settled in the same pass (recorded for pages whose objects all verify,
 //!   forgotten for the others);
 //! - [`HostPool::stage_put`] / [`HostPool::land_staged`]: the same through the store's staging
-//!   buffer (components only).
+//!   buffer, object `j` of the call at byte `j · stride` (each object and the trailer the store
+//!   writes after it are one span there).
 //!
 //! Shapes: `indices` are host token indices, page `k` starting at `indices[k · P]`; objects come
 //! page by page, in the order of [`HostPool::get_page_buffer_meta`] (components) or of the shares
@@ -92,15 +93,23 @@ impl SharedHostPool {
         self.pool.landed_object_sums(indices, objects, seed, expected, eligible)
     }
     /// [`HostPool::stage_put`] (the pages held for reading).
-    pub fn stage_put(&self, indices: &[i64], seed: u64, staging: &mut [u8], stride: usize) -> Result<(Vec<u64>, Vec<bool>)> {
+    pub fn stage_put(
+        &self,
+        indices: &[i64],
+        objects: PageObjects<'_>,
+        seed: u64,
+        staging: &mut [u8],
+        stride: usize,
+    ) -> Result<(Vec<u64>, Vec<bool>)> {
         let _held = self.pages(indices, false);
-        self.pool.stage_put(indices, seed, staging, stride)
+        self.pool.stage_put(indices, objects, seed, staging, stride)
     }
     /// [`HostPool::land_staged`] (the pages held for writing).
     #[allow(clippy::too_many_arguments)]
     pub fn land_staged(
         &self,
         indices: &[i64],
+        objects: PageObjects<'_>,
         seed: u64,
         staging: &[u8],
         stride: usize,
@@ -109,6 +118,6 @@ impl SharedHostPool {
         write: &[bool],
     ) -> Result<Vec<u64>> {
         let _held = self.pages(indices, true);
-        self.pool.land_staged(indices, seed, staging, stride, expected, eligible, write)
+        self.pool.land_staged(indices, objects, seed, staging, stride, expected, eligible, write)
     }
 }

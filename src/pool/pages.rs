@@ -174,7 +174,7 @@ impl HostPool<'_> {
             self.page_of(first)?;
         }
         let spans = shares.iter().map(|&s| g.page_share_spans(s)).collect::<Result<Vec<_>>>()?;
-        let widest = spans.iter().map(|(v, _)| v.iter().map(|s| s.2).sum::<u64>()).max().unwrap_or(0);
+        let widest = widest(&spans);
         let keys = crate::integrity::shared_keys(seed, crate::integrity::words(widest as usize))?;
         // Spans of whole words are summed where they lie (the checksum adds over word ranges);
         // others are gathered first (a partial word is padded only at the object's end).
@@ -234,6 +234,11 @@ impl HostBytes<'_> {
     }
 }
 
+/// The bytes of the longest of these shares.
+fn widest(spans: &[crate::geometry::ShareSpans]) -> u64 {
+    spans.iter().map(|(v, _)| v.iter().map(|s| s.2).sum::<u64>()).max().unwrap_or(0)
+}
+
 /// The checksums of page shares, page by page ([`HostPool::share_summer`]).
 pub(super) struct ShareSummer {
     page: usize,
@@ -264,6 +269,83 @@ impl ShareSummer {
                 at += len as usize;
             }
             out.push(if self.in_place { sum } else { crate::integrity::checksum(&scratch[..at], &self.keys) });
+        }
+        Ok(())
+    }
+    /// The longest share's bytes.
+    pub(super) fn widest(&self) -> u64 {
+        widest(&self.spans)
+    }
+    /// [`ShareSummer::sum_page`] with each share of page `k` also gathered into `staging`, object
+    /// `j` of the call at byte `j · stride`, in the same read. The caller checked that the call's
+    /// objects fit: `objects(indices) · stride <= staging.len()`, `widest() <= stride`.
+    pub(super) fn stage_page(
+        &self,
+        bytes: &mut HostBytes<'_>,
+        indices: &[i64],
+        k: usize,
+        (staging, stride): (&mut [u8], usize),
+        out: &mut Vec<u64>,
+    ) -> Result<()> {
+        let page = indices[k * self.page] as u64 / self.page as u64;
+        for (s, (template, shift)) in self.spans.iter().enumerate() {
+            let base = (k * self.spans.len() + s) * stride;
+            let (mut at, mut sum) = (0usize, 0u64);
+            for &(buffer, off, len) in template {
+                let from = bytes.get(buffer, off + page * shift, len)?;
+                let to = &mut staging[base + at..base + at + from.len()];
+                if self.in_place {
+                    // SAFETY: two slices of the same length in different allocations (the pool's
+                    // memory, the caller's staging buffer).
+                    let part =
+                        unsafe { crate::integrity::copy_and_sum(from.as_ptr(), to.as_mut_ptr(), to.len(), at / 4, &self.keys, false) };
+                    sum = sum.wrapping_add(part);
+                } else {
+                    to.copy_from_slice(from);
+                }
+                at += len as usize;
+            }
+            out.push(if self.in_place { sum } else { crate::integrity::checksum(&staging[base..base + at], &self.keys) });
+        }
+        Ok(())
+    }
+    /// The reverse of [`ShareSummer::stage_page`] after a get into `staging`: each share of page
+    /// `k` with `write[j]` scattered into the pool and summed in the same pass over the staged
+    /// bytes (0 for the others). Checked as there, and `write` has an entry per object.
+    pub(super) fn land_page(
+        &self,
+        bytes: &mut HostBytes<'_>,
+        indices: &[i64],
+        k: usize,
+        (staging, stride): (&[u8], usize),
+        write: &[bool],
+        out: &mut Vec<u64>,
+    ) -> Result<()> {
+        let page = indices[k * self.page] as u64 / self.page as u64;
+        for (s, (template, shift)) in self.spans.iter().enumerate() {
+            let j = k * self.spans.len() + s;
+            if !write[j] {
+                out.push(0);
+                continue;
+            }
+            let base = j * stride;
+            let (mut at, mut sum) = (0usize, 0u64);
+            for &(buffer, off, len) in template {
+                let from = &staging[base + at..base + at + len as usize];
+                let part = bytes.put_with(buffer, off + page * shift, len, |to| {
+                    if self.in_place {
+                        // SAFETY: two slices of the same length in different allocations (the
+                        // staging buffer, the pool's memory).
+                        unsafe { crate::integrity::copy_and_sum(from.as_ptr(), to.as_mut_ptr(), to.len(), at / 4, &self.keys, false) }
+                    } else {
+                        to.copy_from_slice(from);
+                        0
+                    }
+                })?;
+                sum = sum.wrapping_add(part);
+                at += len as usize;
+            }
+            out.push(if self.in_place { sum } else { crate::integrity::checksum(&staging[base..base + at], &self.keys) });
         }
         Ok(())
     }

@@ -19,7 +19,7 @@ objects a page, object ``j`` of the batch is object ``j % per`` of page ``j // p
 
 The kinds: :class:`PoolPages` (a host pool's page objects in place: hicache-io's and sglang's),
 :class:`StagedPages` (through a staging buffer: pools in executor buffers), :class:`SealedPages`
-(small checksummed objects, each with its trailer as one span of a staging buffer),
+(small checksummed objects of either, each with its trailer as one span of a staging buffer),
 :class:`SharePages` (the unified key scheme's page shares) and :class:`SidecarPages` (storage
 v2's pools).
 """
@@ -29,9 +29,31 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .config import STORAGE_BATCH_SIZE
 from .transport import Spans
 
 Sums = Tuple[Optional[np.ndarray], Optional[np.ndarray]]
+
+#: Checksummed objects up to this size move through a staging buffer with their trailer as one
+#: span (Mooncake's single-buffer calls; its two-buffer calls cost a quarter or more of the
+#: throughput at page sizes): the copy costs a tenth of an 8448-byte object's round trip.
+SEALED_MAX_OBJECT = 64 << 10
+#: The sealed objects' staging buffer holds at most this many bytes: pages whose objects would
+#: not fit 128 to a batch move in batches of fewer pages (a power of two).
+SEALED_MAX_BYTES = 16 << 20
+
+
+def sealing(obj_bytes: int, per: int) -> Optional[Tuple[np.ndarray, np.ndarray, int, int]]:
+    """The staging buffer for checksummed objects of ``obj_bytes`` bytes, ``per`` a page, each
+    with its trailer as one span: ``(buffer, its trailers as [n][2] u64 rows, stride, pages a
+    batch)``; ``None`` where they are too large to stage."""
+    stride = -(-(obj_bytes + 16) // 64) * 64
+    fit = min(STORAGE_BATCH_SIZE, SEALED_MAX_BYTES // (max(1, per) * stride))
+    if obj_bytes > SEALED_MAX_OBJECT or fit < 1:
+        return None
+    pages = 1 << (fit.bit_length() - 1)
+    sealed = np.zeros(pages * per * stride, np.uint8)
+    return sealed, sealed.reshape(-1, stride)[:, obj_bytes : obj_bytes + 16].view("<u8"), stride, pages
 
 
 def _u64(values: Any) -> np.ndarray:
@@ -180,42 +202,51 @@ class StagedPages(PoolPages):
         self.lay.stage_in(self.staging, pages.tolist(), self.idx, trusted.tolist())
 
 
-class SealedPages(PoolPages):
-    """Small checksummed objects of a hicache-io pool in this process's memory: object ``j`` and
-    its trailer at byte ``j × stride`` of ``sealed`` (the trailers viewed as ``seal_t``), one
-    span each (Mooncake's single-buffer calls; its two-buffer calls cost a quarter or more of
-    the throughput at page sizes). One read of the pages stages and checksums them for a put;
-    one pass copies the objects read whole into the pool, checksums them and settles the pool's
-    item checksums after a get."""
+class SealedPages(Placement):
+    """Small checksummed objects of a hicache-io pool in this process's memory, each with its
+    trailer as one span of a staging buffer (Mooncake's single-buffer calls; its multi-buffer
+    calls cost a quarter or more of the throughput at page sizes): object ``j`` and its trailer
+    at byte ``j × stride`` of ``sealed`` (the trailers viewed as ``seal_t``; :func:`sealing`).
+    ``inner``: the in-place placement of the same batch (:class:`PoolPages`, or
+    :class:`SharePages` of objects of one size), whose objects these are; objects stored without
+    a trailer are read through it. One read of the pages stages and checksums them for a put
+    (gathering a share's spans); one pass copies the objects read whole into the pool (scattering
+    them), checksums them and settles the pool's item checksums after a get."""
 
-    def __init__(self, lay: Any, idx: Any, n_pages: int, sealed: np.ndarray, seal_t: np.ndarray, stride: int):
-        super().__init__(lay, idx, n_pages, seal_t, True)
-        self.sealed, self.stride = sealed, stride
+    writes_trailers = verifies = True
+
+    def __init__(self, inner: PoolPages, sealed: np.ndarray, seal_t: np.ndarray, stride: int):
+        super().__init__(inner.idx, inner.page, inner.n_pages)
+        self.inner, self.pool, self.shares, self.per, self.sizes = inner, inner.pool, inner.shares, inner.per, inner.sizes
+        self.sealed, self.trailers, self.stride = sealed, seal_t, stride
         self.check = bool(getattr(self.pool, "integrity", False))
+
+    def sync(self) -> None:
+        self.inner.sync()
 
     def put_sums(self) -> Sums:
         S = self.sealed
-        sums, intact = self.pool._stage_put(self.idx, S.ctypes.data, S.nbytes, self.stride)
+        sums, intact = self.pool._stage_put(self.idx, S.ctypes.data, S.nbytes, self.stride, self.shares)
         return _u64(sums), (np.asarray(intact, bool) if self.check else None)
 
-    def _staged(self, js: Sequence[int]) -> List[int]:
-        return (self.sealed.ctypes.data + self.stride * np.asarray(js, dtype=np.int64)).tolist()
-
     def put_spans(self, todo: np.ndarray, trailer: bool) -> Spans:
-        size = int(self.lay.obj_bytes)
-        return Spans(self._staged(todo), [size + 16] * len(todo), False, True)
+        at = self.sealed.ctypes.data + self.stride * np.asarray(todo, dtype=np.int64)
+        return Spans(at.tolist(), (self.sizes[todo] + 16).tolist(), False, True)
 
     def get_forms(self) -> List[Spans]:
         # Objects stored without a trailer (by a store with checksums off) land in the staging
         # buffer whole too, with their own size; were Mooncake to refuse a buffer of another
-        # size, they are read into the pool (unverified).
+        # size, they are read into the pool in place (unverified).
         everything = np.arange(self.n)
-        return [self.put_spans(everything, True), lambda: PoolPages.put_spans(self, everything, False)]
+        return [self.put_spans(everything, True), lambda: self.inner.put_spans(everything, False)]
 
     def land(self, expected: np.ndarray, eligible: np.ndarray, written: np.ndarray) -> Tuple[Optional[np.ndarray], bool]:
         S = self.sealed
-        sums = self.pool._land_staged(self.idx, S.ctypes.data, S.nbytes, self.stride, expected.tolist(), eligible.tolist(), written.tolist())
+        sums = self.pool._land_staged(self.idx, S.ctypes.data, S.nbytes, self.stride, expected.tolist(), eligible.tolist(), written.tolist(), self.shares)
         return _u64(sums), True
+
+    def settle(self, pages: np.ndarray, trusted: np.ndarray) -> None:
+        self.inner.settle(pages, trusted)
 
 
 class SharePages(PoolPages):

@@ -89,10 +89,10 @@ impl PyHostPool {
         let sums = py.detach(|| self.inner.landed_object_sums(&idx, objects(&shares), seed, &expected, &eligible)).py()?;
         u64_array(py, sums)
     }
-    /// Private to the L3 store: `put_object_sums(indices, seed=seed)` with each object also copied into
+    /// Private to the L3 store: `put_object_sums(indices, shares, seed)` with each object also copied into
     /// the store's staging buffer (`nbytes` bytes at address `addr`, a numpy array the store
     /// owns), object `j` at byte `j * stride`.
-    #[pyo3(signature = (indices, addr, nbytes, stride, seed = hicache_io::integrity::STORAGE_SEED))]
+    #[pyo3(signature = (indices, addr, nbytes, stride, shares = None, seed = hicache_io::integrity::STORAGE_SEED))]
     pub(crate) fn _stage_put<'py>(
         &self,
         py: Python<'py>,
@@ -100,23 +100,24 @@ impl PyHostPool {
         addr: usize,
         nbytes: usize,
         stride: usize,
+        shares: Option<Vec<Share>>,
         seed: u64,
     ) -> PyResult<(Bound<'py, PyAny>, Vec<bool>)> {
-        let idx = host_indices(indices)?;
+        let (idx, shares) = (host_indices(indices)?, page_shares(shares));
         let (sums, intact) = py
             .detach(|| {
                 // SAFETY: the store passes its own live, writable numpy buffer of `nbytes` bytes,
                 // which nothing else touches during the call (it holds its lock).
                 let staging = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, nbytes) };
-                self.inner.stage_put(&idx, seed, staging, stride)
+                self.inner.stage_put(&idx, objects(&shares), seed, staging, stride)
             })
             .py()?;
         Ok((u64_array(py, sums)?, intact))
     }
-    /// Private to the L3 store: `landed_object_sums(indices, expected, eligible, seed=seed)` for objects
+    /// Private to the L3 store: `landed_object_sums(indices, expected, eligible, shares, seed)` for objects
     /// it read into its staging buffer (as `_stage_put`'s), the objects with `write[j]` copied
     /// into the pool in the pass that checksums them.
-    #[pyo3(signature = (indices, addr, nbytes, stride, expected, eligible, write, seed = hicache_io::integrity::STORAGE_SEED))]
+    #[pyo3(signature = (indices, addr, nbytes, stride, expected, eligible, write, shares = None, seed = hicache_io::integrity::STORAGE_SEED))]
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn _land_staged<'py>(
         &self,
@@ -128,14 +129,15 @@ impl PyHostPool {
         expected: Vec<u64>,
         eligible: Vec<bool>,
         write: Vec<bool>,
+        shares: Option<Vec<Share>>,
         seed: u64,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let idx = host_indices(indices)?;
+        let (idx, shares) = (host_indices(indices)?, page_shares(shares));
         let sums = py
             .detach(|| {
                 // SAFETY: as in `_stage_put` (read only here).
                 let staging = unsafe { std::slice::from_raw_parts(addr as *const u8, nbytes) };
-                self.inner.land_staged(&idx, seed, staging, stride, &expected, &eligible, &write)
+                self.inner.land_staged(&idx, objects(&shares), seed, staging, stride, &expected, &eligible, &write)
             })
             .py()?;
         u64_array(py, sums)
