@@ -40,16 +40,14 @@ class PoolLayout:
     def synchronize(self) -> None:
         self.pool.synchronize()
 
-    def spans(self, host_indices: Sequence[int]) -> List[List[int]]:
-        """Per page (of ``P`` token slots; a page starts at ``host_indices[i * P]``), the address
-        of each component's object."""
-        meta = np.asarray(self.pool.get_page_buffer_meta(host_indices), dtype=np.uint64).reshape(-1, 3)
-        base = np.asarray([b[0] for b in self.bases], dtype=np.uint64)
-        return (base[meta[:, 0].astype(np.intp)] + meta[:, 1]).reshape(-1, self.comps).tolist()
+    def addrs(self, host_indices: Sequence[int]) -> List[int]:
+        """The address of each object of the pages (of ``P`` token slots; a page starts at
+        ``host_indices[i * P]``), page by page, K before V."""
+        return self.pool._object_addrs(host_indices)
 
     def validate(self, host_indices: Any) -> None:
         """Raises for an index outside the pool or a page that does not start on a page start."""
-        self.pool.get_page_buffer_meta(host_indices)
+        self.pool._check_pages(host_indices)
 
     def read_page(self, index: int) -> Any:
         return self.pool.get_data_page(index)
@@ -134,9 +132,9 @@ class SglangLayout:
     def synchronize(self) -> None:
         return None  # sglang's controller orders its own transfers before storage calls
 
-    def spans(self, host_indices: Sequence[int]) -> List[List[int]]:
+    def addrs(self, host_indices: Sequence[int]) -> List[int]:
         ptrs, _sizes = self.pool.get_page_buffer_meta(sglang_indices(host_indices))
-        return [list(map(int, ptrs[i : i + self.comps])) for i in range(0, len(ptrs), self.comps)]
+        return list(map(int, ptrs))
 
     def validate(self, host_indices: Any) -> None:
         """sglang's pools compute addresses without checks: every object must lie inside the

@@ -51,7 +51,7 @@ def put_pages(store: Any, what: str, keys: List[str], obj_keys: List[str], place
             trailer = place.writes_trailers
             if trailer:
                 seal(place.trailers, obj_keys, sums, todo)
-            picked = [obj_keys[j] for j in todo]
+            picked = obj_keys if len(todo) == len(obj_keys) else [obj_keys[j] for j in todo]
             rcs, call = store._io.put(keys, picked, place.put_spans(todo, trailer), config(len(picked)) if config else None)
             ok[todo] = rcs == 0
             bad = np.flatnonzero(rcs != 0)

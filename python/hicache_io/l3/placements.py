@@ -125,7 +125,7 @@ class PoolPages(Placement):
 
     def ptrs(self) -> List[int]:
         if self._ptrs is None:
-            self._ptrs = [p for page in self.lay.spans(self.idx) for p in page]
+            self._ptrs = self.lay.addrs(self.idx)
         return self._ptrs
 
     def put_sums(self) -> Sums:
@@ -147,7 +147,7 @@ class PoolPages(Placement):
         ptrs, size = self.ptrs(), int(self.sizes[0]) if self.n else 0
         if trailer:
             return Spans([[ptrs[j], t] for j, t in zip(todo, self._trailer_addrs(todo))], [[size, 16]] * len(todo), True, True)
-        return Spans([ptrs[j] for j in todo], [size] * len(todo), False, False)
+        return Spans(ptrs if len(todo) == len(ptrs) else [ptrs[j] for j in todo], [size] * len(todo), False, False)
 
     def get_forms(self) -> List[Spans]:
         everything = np.arange(self.n)

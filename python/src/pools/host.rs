@@ -118,6 +118,34 @@ impl PyHostPool {
         let idx = index_list(indices, "Host", Ctx { stream: None })?;
         py.detach(|| self.inner.get_page_buffer_meta(&idx)).py()
     }
+    /// Private to the L3 store: raises as `get_page_buffer_meta(indices)` would, and returns
+    /// nothing (a batch's check without a tuple per span).
+    pub(crate) fn _check_pages(&self, py: Python<'_>, indices: &Bound<'_, PyAny>) -> PyResult<()> {
+        let idx = index_list(indices, "Host", Ctx { stream: None })?;
+        py.detach(|| self.inner.get_page_buffer_meta(&idx).map(drop)).py()
+    }
+    /// Private to the L3 store: the address of each span `get_page_buffer_meta(indices)` names
+    /// (the pages' objects, page by page), for a pool in this process's memory; raises as that
+    /// call would, or when a component is not in this process's memory (wgpu).
+    pub(crate) fn _object_addrs(&self, py: Python<'_>, indices: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+        let idx = index_list(indices, "Host", Ctx { stream: None })?;
+        py.detach(|| {
+            let meta = self.inner.get_page_buffer_meta(&idx)?;
+            let mut bases = Vec::new();
+            meta.iter()
+                .map(|&(c, off, _)| {
+                    while bases.len() <= c {
+                        bases.push(self.inner.host_span(bases.len())?);
+                    }
+                    // The span lies inside its buffer (get_page_buffer_meta checked it).
+                    bases[c].map(|(base, _)| base + off).ok_or_else(|| {
+                        hicache_io::TransferError::InvalidConfig(format!("component {c} of this host pool is not in this process's memory"))
+                    })
+                })
+                .collect::<hicache_io::Result<Vec<u64>>>()
+        })
+        .py()
+    }
     /// Test support: holds the pages starting at host tokens `indices` (every layer; `write`: as
     /// a backup would) while `callback()` runs, so a test can show which calls wait for them.
     /// The callback must make no call on these pools on its own thread.
