@@ -18,6 +18,8 @@ model with 8 kv heads, each page 8 objects of 32 KiB (one per kv head and compon
 place from a ``page_first_direct_hg`` pool (one span an object) and a ``page_unified`` one (one
 span per layer) with Mooncake's scatter/gather calls, next to Mooncake's ``batch_put_from`` /
 ``batch_get_into`` of as many objects of that size from one registered buffer.
+For each row also hicache-io's own time: the same calls on a client that moves nothing (keys,
+staging and checksum passes, trailers, verdicts), and the ceiling that leaves, bare / (bare + own).
 Then a layer-sharded DSA indexer backup (layers 2..6 of 8 and one MTP draft layer, page_first,
 what sglang refuses) into the host pool followed by ``batch_set_v1`` of its pages: the pipeline
 an engine runs, end to end.
@@ -27,6 +29,7 @@ an engine runs, end to end.
 Needs the hicache_io package and ``mooncake-transfer-engine-non-cuda``.
 """
 import argparse
+import ctypes
 import json
 import sys
 import time
@@ -68,6 +71,89 @@ def pool_for(kind, bytes_per_token, layers, page, pages, layout="page_first", gr
     dev = hicache_io.DevicePool(hicache_io.Device("cpu"), kind, bytes_per_token, pages if kind == "dsa" else pages * page, page, layers)
     host = hicache_io.HostPool(dev, layout, pages * page, head_num=groups, profile="extended")
     return dev, host
+
+
+class NullClient:
+    """A Mooncake client that moves nothing but each object's last 16 bytes (its trailer, where it
+    has one: kept at put, written back at get) and answers every object as written or read whole:
+    the same store calls on it time hicache-io's own work (keys, staging and checksum passes,
+    trailers, verdicts), the part of a row that is not Mooncake's. ``spent``: its own seconds, taken
+    out of the timings."""
+
+    def __init__(self):
+        self.tails, self.spent = {}, 0.0
+
+    def register_buffer(self, addr, nbytes):
+        return 0
+
+    def unregister_buffer(self, addr):
+        return 0
+
+    def _move(self, keys, ptrs, sizes, put):
+        t = time.perf_counter()
+        for k, p, n in zip(keys, ptrs, sizes):
+            p, n = (p[-1], n[-1]) if isinstance(p, list) else (p, n)
+            if put:
+                self.tails[k] = ctypes.string_at(p + n - 16, 16)
+            else:
+                ctypes.memmove(p + n - 16, self.tails[k], 16)
+        answers = [0] * len(keys) if put else [sum(n) if isinstance(n, list) else n for n in sizes]
+        self.spent += time.perf_counter() - t
+        return answers
+
+    def batch_put_from(self, keys, ptrs, sizes, *config):
+        return self._move(keys, ptrs, sizes, True)
+
+    batch_put_from_multi_buffers = batch_put_from
+
+    def batch_get_into(self, keys, ptrs, sizes):
+        return self._move(keys, ptrs, sizes, False)
+
+    batch_get_into_multi_buffers = batch_get_into
+
+    def batch_is_exist(self, keys):
+        return [0] * len(keys)
+
+    def get(self, key):
+        return None
+
+    def put(self, key, value, *config):
+        return 0
+
+    def close(self):
+        pass
+
+
+def own_time(store, host, toks, page, pages, rounds):
+    """hicache-io's own time for a row's put and get (median of ``rounds``): the store's calls on a
+    :class:`NullClient`, one batch of pages a call, each get right after its put (so the bytes and trailers it checks are the ones that put left where it reads them)."""
+    client = NullClient()
+    null = MooncakeStore(store.storage_config, {}, store=client, integrity=store.integrity)
+    null.register_mem_pool_host(host)
+    puts, gets = [], []
+
+    def own(fn):
+        before = client.spent
+        return timed(fn) - (client.spent - before)
+
+    try:
+        for _ in range(rounds):
+            p = g = 0.0
+            step = null._batch_pages  # one batch a call (sealed objects' batches may hold fewer than 128 pages)
+            for a in range(0, pages, step):
+                keys = [uuid.uuid4().hex for _ in range(min(step, pages - a))]
+                idx = toks[a * page : (a + len(keys)) * page]
+                p += own(lambda: null.batch_set_v1(keys, idx))
+                ok = []
+                g += own(lambda: ok.extend(null.batch_get_v1(keys, idx)))
+                assert all(ok), null.last_error
+            client.tails.clear()
+            puts.append(p)
+            gets.append(g)
+    finally:
+        null.unregister_mem_pool_host()
+        null.close()
+    return median(puts), median(gets)
 
 
 def object_case(store, name, kind, bytes_per_token, layers, page, pages, rounds, integrity=True, layout="page_first", groups=1):
@@ -154,9 +240,13 @@ def object_case(store, name, kind, bytes_per_token, layers, page, pages, rounds,
         store.store.unregister_buffer(trailers.ctypes.data)
     finally:
         store.unregister_mem_pool_host()
+    own_put, own_get = own_time(store, host, toks, page, pages, rounds)
     gbs = lambda ts: total / median(ts) / 1e9  # noqa: E731
     store.integrity = True
     return {
+        # Seconds: hicache-io's own work (on a client that moves nothing) and Mooncake's bare calls.
+        "own_put_s": own_put, "own_get_s": own_get, "mooncake_put_s": median(mc_put), "mooncake_get_s": median(mc_get),
+        "put_s": median(ours_put), "get_s": median(ours_get),
         "case": name, "object_bytes": obj, "pages": pages, "objects_per_page": per_page, "integrity": integrity,
         "put_gbs": gbs(ours_put), "get_gbs": gbs(ours_get),
         "mooncake_put_gbs": gbs(mc_put), "mooncake_get_gbs": gbs(mc_get),
@@ -237,6 +327,17 @@ def main():
             + f" {r['get_gbs']:>9.2f} {r['mooncake_get_gbs']:>9.2f} {r['get_gbs'] / r['mooncake_get_gbs']:>6.2f}"
             + trail(r["get_gbs"], tg)
         )
+    # Where a row's time goes: hicache-io's own work (the same calls on a client that moves
+    # nothing) next to Mooncake's bare calls; "ceiling": the ratio were Mooncake to take exactly
+    # its bare time inside hicache-io's calls, bare / (bare + own).
+    print()
+    print(f"{'object':<26} {'put ms':>7} {'own':>6} {'bare':>6} {'ceiling':>7} {'get ms':>7} {'own':>6} {'bare':>6} {'ceiling':>7}")
+    for r in rows:
+        cells = []
+        for d in ("put", "get"):
+            bare, own = r[f"mooncake_{d}_s"], r[f"own_{d}_s"]
+            cells.append(f" {r[f'{d}_s'] * 1e3:>7.2f} {own * 1e3:>6.2f} {bare * 1e3:>6.2f} {bare / (bare + own):>7.2f}")
+        print(f"{r['case']:<26}" + "".join(cells))
     print(
         f"{pipe['case']}: {pipe['pages']} pages of {pipe['object_bytes']} B; backup {pipe['backup_gbs']:.2f} GB/s, "
         f"put {pipe['put_gbs']:.2f} GB/s, backup then put {pipe['pipeline_gbs']:.2f} GB/s"
