@@ -241,6 +241,30 @@ def test_sealed_objects_are_the_objects_moved_in_place(master, model):
         in_place.close()
 
 
+def test_a_staging_buffer_smaller_than_a_batch_moves_fewer_pages_a_batch(master, model, monkeypatch):
+    """Sealed objects whose 128 pages would not fit the staging buffer's bound move in batches of
+    as many pages as fit: a call of 4 pages through batches of 3 puts and reads every page exact."""
+    from hicache_io.l3 import placements
+
+    # 3 pages of 8 objects (4 kv heads, K and V) of 512 B (stride 576), and a little more.
+    monkeypatch.setattr(placements, "SEALED_MAX_BYTES", 3 * 8 * 576 + 100)
+    _, a = pools()
+    _, b = pools(seed=3)
+    w, r = store_for(master, model), store_for(master, model)
+    try:
+        w.register_mem_pool_host(a)
+        r.register_mem_pool_host(b)
+        assert w._batch_pages == 3 and w._sealed.nbytes == 3 * 8 * 576
+        keys = [f"p{i}" for i in range(4)]
+        assert w.batch_set_v1(keys, np.arange(16)) == [True] * 4
+        assert r.batch_get_v1(keys, np.arange(16)) == [True] * 4
+        assert r.integrity_stats()["verified"] == 4 * 8
+        assert all(np.array_equal(x, y) for x, y in zip(page_bytes(b, range(4)), page_bytes(a, range(4))))
+    finally:
+        w.close()
+        r.close()
+
+
 def test_the_staging_pass_gathers_and_scatters_page_shares():
     """The pool's staging pass for shares: each share's bytes gathered to byte ``j · stride`` in
     the order its spans name, with the checksum of the in-place pass; landed into another pool,
