@@ -15,9 +15,12 @@ rank, no tp size and no host layout::
   the host layout, so a ``page_first_direct_hg`` or ``page_unified`` writer and a ``page_first``
   reader share objects too. Where the pool's head groups are the grid's, a head group of a
   ``page_first_direct_hg`` pool is one span of host memory, of a ``page_unified`` pool one span
-  per layer (other layouts: one per layer and token, or finer); Mooncake's
-  scatter/gather calls (``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``) move
-  the spans in place, without staging.
+  per layer (other layouts: one per layer and token, or finer). Checksummed objects of one size,
+  up to 64 KiB, are gathered with their trailer into one span of a staging buffer, summed in the
+  same pass, and moved with Mooncake's single-buffer calls (its multi-buffer calls cost a quarter
+  of the throughput and more); other objects move in place with its scatter/gather calls
+  (``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``). Either way an object is
+  the same bytes.
 * ``u{digest}``: a 48-bit hash of what the bytes mean: format version, model, kv dtype
   (``hicache_io_kv_dtype``, or the pool's ``dtype`` where it has one), pool kind,
   bytes per kv head row (MHA) or per token row (MLA), the model's kv heads and layers, the group
