@@ -6,12 +6,22 @@
 //! 8448, 1152 and 128 B); `HICACHE_BENCH_FULL=1 cargo bench` the whole matrix (long: the L = 61
 //! cells need several GiB of memory, more than a small machine has, and wgpu skips pools above its
 //! buffer limit). Filter with e.g. `cargo bench -- 'cpu/128B'`.
+//!
+//! `cargo bench -- l3/` times the L3 store's checksummed passes over one batch of pages (the
+//! native part of `scripts/bench-l3.py`'s checksummed rows): `stage_put` copies each object of
+//! the batch into the store's staging buffer and checksums it in the same read (and checks the
+//! pages against the item checksums their backup recorded), `land_staged` copies the objects
+//! back into the pool, checksums them and records the pages' item checksums; `ceiling` is one
+//! copy of the same bytes. Batches rotate over a pool larger than the caches, as a store's do.
 
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use hicache_io::exec::{probe_all, Device};
+use hicache_io::geometry::PageShare;
+use hicache_io::integrity::STORAGE_SEED;
 use hicache_io::tools::bench::{specs, BenchSpec, Fixture};
+use hicache_io::{DevicePool, DevicePoolConfig, HostPool, HostPoolConfig, IoBackend, LayerMap, Layout, PageObjects, PoolKind, Profile};
 
 fn devices() -> Vec<Device> {
     probe_all()
@@ -76,5 +86,128 @@ fn transfers(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, transfers);
+/// One `l3/` case: a pool of `pages` pages whose objects a store moves `batch` pages at a time.
+struct L3Case {
+    name: &'static str,
+    kind: PoolKind,
+    bytes_per_token: u64,
+    page: u64,
+    layers: usize,
+    layout: Layout,
+    head_num: u64,
+    /// The unified key scheme's objects (`None`: one object a component).
+    shares: Option<Vec<PageShare>>,
+    pages: u64,
+    batch: u64,
+}
+
+fn l3_passes(c: &mut Criterion) {
+    // Head-group objects as scripts/bench-l3.py's: a TP=2 rank of 8 kv heads of 256 B, 8 layers,
+    // 16-token pages; one object a (kv head, component), 32 KiB, 15 pages a batch (the 4 MiB
+    // staging bound); DSA indexer pages of 8448 B, 128 a batch.
+    let head_groups = (0..4u64).flat_map(|g| (0..2u8).map(move |comp| PageShare { comp, layers: (0, 8), bytes: (g * 256, (g + 1) * 256) }));
+    let cases = [
+        L3Case {
+            name: "dsa-8448B",
+            kind: PoolKind::DsaIndexer,
+            bytes_per_token: 132,
+            page: 64,
+            layers: 1,
+            layout: Layout::PageFirst,
+            head_num: 1,
+            shares: None,
+            pages: 2048,
+            batch: 128,
+        },
+        L3Case {
+            name: "head-group-32KiB",
+            kind: PoolKind::Mha,
+            bytes_per_token: 1024,
+            page: 16,
+            layers: 8,
+            layout: Layout::PageFirstDirectHeadGroups,
+            head_num: 4,
+            shares: Some(head_groups.collect()),
+            pages: 256,
+            batch: 15,
+        },
+    ];
+    let device = Device::cpu();
+    for case in &cases {
+        let dsa = case.kind == PoolKind::DsaIndexer;
+        let slots = if dsa { case.pages } else { case.pages * case.page };
+        let config = DevicePoolConfig {
+            kind: case.kind,
+            bytes_per_token: case.bytes_per_token,
+            slots,
+            page_size: case.page,
+            layers: LayerMap::new(case.layers),
+        };
+        let dev = DevicePool::new(&device, &config).expect("device pool");
+        let host_config = HostPoolConfig {
+            layout: case.layout,
+            size: case.pages * case.page,
+            head_num: case.head_num,
+            profile: Profile::Extended,
+            integrity: None,
+        };
+        let mut host = HostPool::new(&dev, &host_config).expect("host pool");
+        // Every page backed up once, so the pool holds the item checksums a store checks.
+        let all: Vec<i64> = (0..(case.pages * case.page) as i64).collect();
+        host.backup_from_device_all_layer(&dev, &all, &all, IoBackend::Kernel).expect("backup");
+        let objects = match &case.shares {
+            Some(s) => PageObjects::Shares(s),
+            None => PageObjects::Components,
+        };
+        let batches: Vec<Vec<i64>> = all
+            .chunks((case.batch * case.page) as usize)
+            .filter(|b| b.len() == (case.batch * case.page) as usize)
+            .map(<[i64]>::to_vec)
+            .collect();
+        let meta = host.get_page_buffer_meta(&batches[0]).expect("pages");
+        let (per_batch, longest) = (meta.len(), meta.iter().map(|m| m.2).max().unwrap_or(0));
+        let object = match &case.shares {
+            Some(s) => s.iter().map(|s| (s.layers.1 - s.layers.0) * case.page * (s.bytes.1 - s.bytes.0)).max().unwrap_or(0),
+            None => longest,
+        };
+        let objects_per_batch = match &case.shares {
+            Some(s) => s.len() * case.batch as usize,
+            None => per_batch,
+        };
+        let stride = (object + 16).div_ceil(64) as usize * 64;
+        let mut staging = vec![0u8; objects_per_batch * stride];
+        let bytes = object * objects_per_batch as u64;
+        let mut group = c.benchmark_group(format!("l3/{}/{}pages", case.name, case.batch));
+        group.sample_size(10).warm_up_time(Duration::from_millis(200)).measurement_time(Duration::from_secs(1));
+        group.throughput(Throughput::Bytes(bytes));
+        let mut k = 0usize;
+        group.bench_function("stage_put", |b| {
+            b.iter(|| {
+                k = (k + 1) % batches.len();
+                host.stage_put(&batches[k], objects, STORAGE_SEED, &mut staging, stride).expect("stage_put")
+            })
+        });
+        let (sums, _) = host.stage_put(&batches[0], objects, STORAGE_SEED, &mut staging, stride).expect("stage_put");
+        let (eligible, write) = (vec![true; sums.len()], vec![true; sums.len()]);
+        group.bench_function("land_staged", |b| {
+            // The staged objects of batch 0 landed on every batch in turn (their sums then match
+            // only batch 0's pages: the others are settled as unverified, the same work).
+            b.iter(|| {
+                k = (k + 1) % batches.len();
+                host.land_staged(&batches[k], objects, STORAGE_SEED, &staging, stride, &sums, &eligible, &write).expect("land_staged")
+            })
+        });
+        let source = vec![1u8; (bytes as usize) * batches.len()];
+        let mut target = vec![0u8; bytes as usize];
+        group.bench_function("ceiling", |b| {
+            b.iter(|| {
+                k = (k + 1) % batches.len();
+                target.copy_from_slice(&source[k * bytes as usize..(k + 1) * bytes as usize]);
+            })
+        });
+        group.finish();
+    }
+}
+
+criterion_group!(benches, transfers, l3_passes);
 criterion_main!(benches);
