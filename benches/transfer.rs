@@ -174,6 +174,7 @@ fn l3_passes(c: &mut Criterion) {
             Some(s) => s.len() * case.batch as usize,
             None => per_batch,
         };
+        // As the store lays sealed objects out (hicache_io.l3.placements.sealing).
         let stride = (object + 16).div_ceil(64) as usize * 64;
         let mut staging = vec![0u8; objects_per_batch * stride];
         let bytes = object * objects_per_batch as u64;
@@ -190,8 +191,8 @@ fn l3_passes(c: &mut Criterion) {
         let (sums, _) = host.stage_put(&batches[0], objects, STORAGE_SEED, &mut staging, stride).expect("stage_put");
         let (eligible, write) = (vec![true; sums.len()], vec![true; sums.len()]);
         group.bench_function("land_staged", |b| {
-            // The staged objects of batch 0 landed on every batch in turn (their sums then match
-            // only batch 0's pages: the others are settled as unverified, the same work).
+            // The staged objects of batch 0 landed on every batch in turn: they match the sums
+            // given, so each batch's pages are trusted and their item checksums recorded.
             b.iter(|| {
                 k = (k + 1) % batches.len();
                 host.land_staged(&batches[k], objects, STORAGE_SEED, &staging, stride, &sums, &eligible, &write).expect("land_staged")

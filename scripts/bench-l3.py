@@ -9,7 +9,7 @@ For each object size, a host pool whose page is one object of that size:
 ``hicache-io`` is ``MooncakeStore.batch_set_v1`` / ``batch_get_v1`` (zero-copy from and to the pool's
 registered pages, 128 pages per call as sglang batches them); ``mooncake`` is
 ``MooncakeDistributedStore.batch_put_from`` / ``batch_get_into`` on a registered numpy buffer
-holding the same pages, in the same batches. For hicache-io's checksummed objects, ``+16 B`` is
+holding the same pages, in batches of as many objects as the store's calls. For hicache-io's checksummed objects, ``+16 B`` is
 Mooncake's own ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers`` of the same objects
 with a 16-byte trailer buffer each: the shape those objects have, so the ratio to it is what
 hicache-io adds. Fresh keys every round, median of the rounds.
@@ -38,7 +38,7 @@ import uuid
 import numpy as np
 
 import hicache_io
-from hicache_io.storage import STORAGE_BATCH_SIZE, HiCacheStorageConfig, LocalMaster, MooncakeStore
+from hicache_io.storage import HiCacheStorageConfig, LocalMaster, MooncakeStore
 
 
 #: The master's object lease: long enough for a cold batch of 1,024 objects (Mooncake fails a get
@@ -93,6 +93,8 @@ class NullClient:
         t = time.perf_counter()
         for k, p, n in zip(keys, ptrs, sizes):
             p, n = (p[-1], n[-1]) if isinstance(p, list) else (p, n)
+            if n < 16:  # no trailer there: nothing to keep
+                continue
             if put:
                 self.tails[k] = ctypes.string_at(p + n - 16, 16)
             else:
@@ -139,7 +141,7 @@ def own_time(store, host, toks, page, pages, rounds):
     try:
         for _ in range(rounds):
             p = g = 0.0
-            step = null._batch_pages  # one batch a call (sealed objects' batches may hold fewer than 128 pages)
+            step = null._pages_a_batch(null.integrity)  # one batch a call (sealed objects' batches may hold fewer than 128 pages)
             for a in range(0, pages, step):
                 keys = [uuid.uuid4().hex for _ in range(min(step, pages - a))]
                 idx = toks[a * page : (a + len(keys)) * page]
@@ -169,7 +171,7 @@ def object_case(store, name, kind, bytes_per_token, layers, page, pages, rounds,
     obj = grid.object_bytes[0] if grid else store._layout.obj_bytes
     per_page = len(grid.suffixes) if grid else 1
     total = pages * per_page * obj
-    batch = STORAGE_BATCH_SIZE * per_page
+    batch = store._pages_a_batch(integrity) * per_page  # the store's calls' objects (fewer pages where sealed objects are large)
     ours_put, ours_get, mc_put, mc_get, tr_put, tr_get = [], [], [], [], [], []
     try:
         # As many bytes, in objects of the same size, in a buffer registered for Mooncake's own calls.

@@ -127,8 +127,8 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
         self._sealed: Optional[np.ndarray] = None
         self._seal_t: Optional[np.ndarray] = None
         self._seal_stride = 0
-        # Pages a batch: sglang's 128, or fewer where the sealed objects' staging holds fewer.
-        self._batch_pages = STORAGE_BATCH_SIZE
+        # Pages a batch of sealed objects: sglang's 128, or fewer where the staging holds fewer.
+        self._seal_pages = STORAGE_BATCH_SIZE
         self.store = store if store is not None else open_client(self.config, self.storage_config)
 
     # ---- the pool ------------------------------------------------------------------------
@@ -183,7 +183,16 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
 
     def _seal(self, sealing: Optional[Tuple[np.ndarray, np.ndarray, int, int]]) -> None:
         """Keeps the registered staging buffer of :func:`sealing` (or none)."""
-        self._sealed, self._seal_t, self._seal_stride, self._batch_pages = sealing if sealing is not None else (None, None, 0, STORAGE_BATCH_SIZE)
+        self._sealed, self._seal_t, self._seal_stride, self._seal_pages = sealing if sealing is not None else (None, None, 0, STORAGE_BATCH_SIZE)
+
+    def _seals(self, integrity: bool) -> bool:
+        """Whether a call with checksums ``integrity`` moves the objects sealed (:func:`sealing`)."""
+        return self._sealed is not None and integrity
+
+    def _pages_a_batch(self, integrity: bool) -> int:
+        """Pages a batch of a call with checksums ``integrity``: sglang's 128, or as many as the
+        sealed objects' staging buffer holds."""
+        return self._seal_pages if self._seals(integrity) else STORAGE_BATCH_SIZE
 
     @property
     def _io(self) -> Transport:
@@ -272,15 +281,16 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
             self._fail(StorageError(what, REFUSED, keys, detail=str(e)))
             return None
 
-    def _batches(self, keys: List[str], idx: Any):
+    def _batches(self, keys: List[str], idx: Any, b: int):
         p = self._layout.page
-        b = self._batch_pages
         for at in range(0, len(keys), b):
             yield keys[at : at + b], idx[at * p : (at + b) * p]
 
     def _paged(self, what: str, keys: Sequence[str], host_indices: Any, per_batch: Any) -> List[bool]:
-        """One page call: arguments checked once, then ``per_batch`` over sglang's batches."""
+        """One page call: arguments checked once, then ``per_batch(keys, idx, integrity)`` over
+        its batches, ``integrity`` read once (the batches' size and placement follow it)."""
         keys = list(keys)
+        integrity = bool(self.integrity)
         with self._lock:
             idx = self._checked(what, keys, host_indices)
             if idx is None:
@@ -294,8 +304,8 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
 
             def run(ks: List[str], hi: Any) -> List[bool]:
                 out: List[bool] = []
-                for bks, bhi in self._batches(ks, hi):
-                    out += per_batch(bks, bhi)
+                for bks, bhi in self._batches(ks, hi, self._pages_a_batch(integrity)):
+                    out += per_batch(bks, bhi, integrity)
                 return out
 
             return in_rounds(keys, idx, self._layout.page, run)
@@ -306,19 +316,20 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
         objects that exist already are left as they are and count as written."""
         return self._paged("batch_set_v1", keys, host_indices, self._set_batch)
 
-    def _set_batch(self, keys: List[str], idx: Any) -> List[bool]:
-        return put_pages(self, "batch_set_v1", keys, self._object_keys(keys), self._placement(idx, len(keys)))
+    def _set_batch(self, keys: List[str], idx: Any, integrity: bool) -> List[bool]:
+        return put_pages(self, "batch_set_v1", keys, self._object_keys(keys), self._placement(idx, len(keys), integrity))
 
-    def _placement(self, idx: Any, n_pages: int) -> Placement:
-        """Where the registered pool's objects of a batch lie (:mod:`hicache_io.l3.placements`)."""
+    def _placement(self, idx: Any, n_pages: int, integrity: bool) -> Placement:
+        """Where the registered pool's objects of a batch lie (:mod:`hicache_io.l3.placements`),
+        for a call with checksums ``integrity``."""
         lay = self._layout
         if self._grid is not None:
-            place: PoolPages = SharePages(lay, self._grid, idx, n_pages, self._trailers, self.integrity)
+            place: PoolPages = SharePages(lay, self._grid, idx, n_pages, self._trailers, integrity)
         elif not lay.zero_copy:
-            return StagedPages(lay, idx, n_pages, self._trailers, self.integrity, self._staging)
+            return StagedPages(lay, idx, n_pages, self._trailers, integrity, self._staging)
         else:
-            place = PoolPages(lay, idx, n_pages, self._trailers, self.integrity)
-        if self._sealed is not None and self.integrity:
+            place = PoolPages(lay, idx, n_pages, self._trailers, integrity)
+        if self._seals(integrity):
             return SealedPages(place, self._sealed, self._seal_t, self._seal_stride)
         return place
 
@@ -328,8 +339,8 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
         ``True`` only when every object of it was read whole."""
         return self._paged("batch_get_v1", keys, host_indices, self._get_batch)
 
-    def _get_batch(self, keys: List[str], idx: Any) -> List[bool]:
-        return get_pages(self, "batch_get_v1", keys, self._object_keys(keys), self._placement(idx, len(keys)))
+    def _get_batch(self, keys: List[str], idx: Any, integrity: bool) -> List[bool]:
+        return get_pages(self, "batch_get_v1", keys, self._object_keys(keys), self._placement(idx, len(keys), integrity))
 
     @one_call
     def batch_exists(self, keys: List[str], extra_info: Any = None) -> int:

@@ -16,8 +16,9 @@ rank, no tp size and no host layout::
   reader share objects too. Where the pool's head groups are the grid's, a head group of a
   ``page_first_direct_hg`` pool is one span of host memory, of a ``page_unified`` pool one span
   per layer (other layouts: one per layer and token, or finer). Checksummed objects of one size,
-  up to 64 KiB, are gathered with their trailer into one span of a staging buffer, summed in the
-  same pass, and moved with Mooncake's single-buffer calls (its multi-buffer calls cost a quarter
+  up to 64 KiB, whose page fits the 4 MiB staging buffer (``l3.placements.sealing``), are gathered
+  with their trailer into one span of it, summed in the same pass, and moved with Mooncake's
+  single-buffer calls (its multi-buffer calls cost a quarter
   of the throughput and more); other objects move in place with its scatter/gather calls
   (``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``). Either way an object is
   the same bytes.

@@ -206,6 +206,22 @@ def page_bytes(host, pages):
     return [host.read_buffer(c)[off : off + n].copy() for c, off, n in meta]
 
 
+class Calls:
+    """A client whose batch calls are named in ``calls`` as they are made; the call ``refuse``
+    answers -600 (an object of another size than its buffer) for every object, moving nothing."""
+
+    def __init__(self, client, calls, refuse=None):
+        self._client, self._calls, self._refuse = client, calls, refuse
+
+    def __getattr__(self, name):
+        attr = getattr(self._client, name)
+        if name.startswith("batch_") and callable(attr):
+            self._calls.append(name)
+            if name == self._refuse:
+                return lambda keys, *rest: [-600] * len(keys)
+        return attr
+
+
 def test_sealed_objects_are_the_objects_moved_in_place(master, model):
     """A store seals its objects (a share gathered with its trailer into one span of its staging
     buffer); a store of a release that moved them in place with the multi-buffer calls
@@ -217,7 +233,7 @@ def test_sealed_objects_are_the_objects_moved_in_place(master, model):
     try:
         sealed.register_mem_pool_host(a)
         in_place.register_mem_pool_host(b)
-        assert sealed._sealed is not None and sealed._batch_pages == 128
+        assert sealed._sealed is not None and sealed._seal_pages == 128
         in_place._seal(None)
         per = len(sealed.object_keys("x"))
         assert sealed.batch_set_v1(["s0", "s1"], np.arange(8)) == [True, True]
@@ -228,14 +244,27 @@ def test_sealed_objects_are_the_objects_moved_in_place(master, model):
         assert sealed.batch_get_v1(["m0"], np.arange(12, 16)) == [True]
         assert sealed.integrity_stats()["verified"] == per and sealed.integrity_stats()["corrupt"] == 0
         assert all(np.array_equal(x, y) for x, y in zip(page_bytes(a, [3]), page_bytes(b, [0])))
-        # Without a trailer: read whole into the pool, unverified, and the page's item checksums
-        # are forgotten (its loads read as unverified).
+        # Without a trailer: Mooncake reads the object whole into the larger staged span; it lands
+        # from there, unverified, and the page's item checksums are forgotten (its loads read as
+        # unverified).
         in_place.integrity = False
-        assert in_place.batch_set_v1(["n0"], np.arange(4, 8)) == [True]
+        assert in_place.batch_set_v1(["n0", "n1"], np.arange(4, 12)) == [True, True]
+        client, calls = sealed.store, []
+        sealed.store = Calls(client, calls)
         assert sealed.batch_get_v1(["n0"], np.arange(8, 12)) == [True]
+        assert calls == ["batch_get_into"], calls
         assert sealed.integrity_stats()["unverified"] == per
         assert all(np.array_equal(x, y) for x, y in zip(page_bytes(a, [2]), page_bytes(b, [1])))
         assert all(x is None for x in a.page_checksums(8))
+        # A client that refuses a buffer of another size (-600) gets the other form: the object
+        # read into the pool in place with the scatter/gather call.
+        calls.clear()
+        sealed.store = Calls(client, calls, refuse="batch_get_into")
+        assert sealed.batch_get_v1(["n1"], np.arange(4, 8)) == [True]
+        assert calls == ["batch_get_into", "batch_get_into_multi_buffers"], calls
+        assert sealed.integrity_stats()["unverified"] == 2 * per
+        assert all(np.array_equal(x, y) for x, y in zip(page_bytes(a, [1]), page_bytes(b, [2])))
+        sealed.store = client
     finally:
         sealed.close()
         in_place.close()
@@ -254,7 +283,7 @@ def test_a_staging_buffer_smaller_than_a_batch_moves_fewer_pages_a_batch(master,
     try:
         w.register_mem_pool_host(a)
         r.register_mem_pool_host(b)
-        assert w._batch_pages == 3 and w._sealed.nbytes == 3 * 8 * 576
+        assert w._seal_pages == 3 and w._sealed.nbytes == 3 * 8 * 576
         keys = [f"p{i}" for i in range(4)]
         assert w.batch_set_v1(keys, np.arange(16)) == [True] * 4
         assert r.batch_get_v1(keys, np.arange(16)) == [True] * 4
@@ -293,13 +322,22 @@ def test_the_staging_pass_gathers_and_scatters_page_shares():
         _, b = pools(seed=5)
         before = [b.read_buffer(c) for c in range(b.components)]
         write = [True, False] * len(shares)
+        for nbytes, st, w in [(buf.nbytes, stride, write[:-1]), (buf.nbytes - 1, stride, write), (buf.nbytes, size - 1, write)]:
+            with pytest.raises(Exception):
+                b._land_staged(idx, buf.ctypes.data, nbytes, st, list(sums), [True] * n, w, shares)
+            assert all(np.array_equal(b.read_buffer(c), before[c]) for c in range(b.components))
         with pytest.raises(Exception):
-            b._land_staged(idx, buf.ctypes.data, buf.nbytes, stride, list(sums), [True] * n, write[:-1], shares)
-        assert all(np.array_equal(b.read_buffer(c), before[c]) for c in range(b.components))
+            b._land_staged(idx, buf.ctypes.data, buf.nbytes, stride, list(sums), [True] * n, write, [])
         landed = b._land_staged(idx, buf.ctypes.data, buf.nbytes, stride, list(sums), [True] * n, write, shares)
         assert list(landed) == [int(x) if w else 0 for x, w in zip(sums, write)]
-        assert list(b.object_sums(idx, shares)[0::2]) == list(sums[0::2])
-        assert list(b.object_sums(idx, shares)[1::2]) != list(sums[1::2])
+        now = b.object_sums(idx, shares)
+        assert all(now[j] == sums[j] for j in range(0, n, 2)) and all(now[j] != sums[j] for j in range(1, n, 2))
+        # A page some of whose objects were not written is not trusted: its item checksums are
+        # forgotten. Landed whole and eligible, a page's are recorded; not eligible, forgotten.
+        assert all(x is None for x in b.page_checksums(4)) and all(x is None for x in b.page_checksums(8))
+        eligible = [True] * len(shares) + [False] * len(shares)
+        b._land_staged(idx, buf.ctypes.data, buf.nbytes, stride, list(sums), eligible, [True] * n, shares)
+        assert None not in b.page_checksums(4) and all(x is None for x in b.page_checksums(8))
 
 
 @pytest.mark.parametrize("executor", executors(addressable=True))

@@ -165,6 +165,10 @@ impl HostPool<'_> {
     /// What summing `shares` of the pages starting at `indices[0], indices[P], …` takes, once the
     /// call is checked: every page starts a page of this pool, every share is a share of it.
     pub(super) fn share_summer(&self, indices: &[i64], shares: &[crate::geometry::PageShare], seed: u64) -> Result<ShareSummer> {
+        if shares.is_empty() {
+            // A page of no objects would read as landed whole and trusted.
+            return Err(TransferError::InvalidConfig("no page shares: a page cut into shares needs at least one".into()));
+        }
         let g = self.pair.host();
         let p = g.page_size();
         if !(indices.len() as u64).is_multiple_of(p) {
