@@ -35,17 +35,34 @@ fn setup(device: &Device, kind: PoolKind, item: u64, total: u64, page: u64, layo
     let mut host0 = vec![Vec::new(); comps];
     for c in 0..comps {
         for l in 0..LAYERS {
-            let mut b = vec![0u8; (total * item) as usize];
-            rng.fill(&mut b);
+            let b = random(&mut rng, (total * item) as usize);
             dev.write_buffer(c, l, &b).unwrap();
             dev0[c][l] = b;
         }
-        let mut b = vec![0u8; host.geometry().buffer_bytes() as usize];
-        rng.fill(&mut b);
+        let b = random(&mut rng, host.geometry().buffer_bytes() as usize);
         host.write_buffer(c, &b).unwrap();
         host0[c] = b;
     }
     Setup { dev, host, dev0, host0 }
+}
+
+/// `len` random bytes: a slice of one block generated once, at a place `rng` picks (generating
+/// every buffer of every case afresh was a fifth of this suite's time), or fresh where the block
+/// is too short.
+fn random(rng: &mut Rng, len: usize) -> Vec<u8> {
+    static BLOCK: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
+    let block = BLOCK.get_or_init(|| {
+        let mut b = vec![0u8; 96 << 20];
+        Rng::new(0x5eed).fill(&mut b);
+        b
+    });
+    if len >= block.len() {
+        let mut b = vec![0u8; len];
+        rng.fill(&mut b);
+        return b;
+    }
+    let at = rng.below((block.len() - len) as u64) as usize;
+    block[at..at + len].to_vec()
 }
 
 /// sglang's pattern: `randperm(total_pages)`; src = first `num_pages` pages, dst = the next.
