@@ -238,6 +238,22 @@ impl HostBytes<'_> {
     }
 }
 
+/// Walks one share of page `page`: `piece(span, at)` on each of its spans (`span`: buffer,
+/// offset and bytes of this page's; `at`: where it starts in the object), adding what each
+/// returns. Returns (that sum, the object's bytes).
+fn walk(
+    page: u64,
+    (template, shift): &crate::geometry::ShareSpans,
+    mut piece: impl FnMut((usize, u64, u64), usize) -> Result<u64>,
+) -> Result<(u64, usize)> {
+    let (mut at, mut sum) = (0usize, 0u64);
+    for &(buffer, off, len) in template {
+        sum = sum.wrapping_add(piece((buffer, off + page * shift, len), at)?);
+        at += len as usize;
+    }
+    Ok((sum, at))
+}
+
 /// The bytes of the longest of these shares.
 fn widest(spans: &[crate::geometry::ShareSpans]) -> u64 {
     spans.iter().map(|(v, _)| v.iter().map(|s| s.2).sum::<u64>()).max().unwrap_or(0)
@@ -261,18 +277,16 @@ impl ShareSummer {
     pub(super) fn sum_page(&self, bytes: &mut HostBytes<'_>, indices: &[i64], k: usize, out: &mut Vec<u64>) -> Result<()> {
         let page = indices[k * self.page] as u64 / self.page as u64;
         let mut scratch = self.scratch.borrow_mut();
-        for (template, shift) in &self.spans {
-            let (mut at, mut sum) = (0usize, 0u64);
-            for &(buffer, off, len) in template {
-                let from = bytes.get(buffer, off + page * shift, len)?;
+        for share in &self.spans {
+            let walked = walk(page, share, |(buffer, off, len), at| {
+                let from = bytes.get(buffer, off, len)?;
                 if self.in_place {
-                    sum = sum.wrapping_add(crate::integrity::range_sum(from, at / 4, &self.keys));
-                } else {
-                    scratch[at..at + len as usize].copy_from_slice(from);
+                    return Ok(crate::integrity::range_sum(from, at / 4, &self.keys));
                 }
-                at += len as usize;
-            }
-            out.push(if self.in_place { sum } else { crate::integrity::checksum(&scratch[..at], &self.keys) });
+                scratch[at..at + len as usize].copy_from_slice(from);
+                Ok(0)
+            })?;
+            out.push(self.finish(walked, &scratch));
         }
         Ok(())
     }
@@ -292,24 +306,23 @@ impl ShareSummer {
         out: &mut Vec<u64>,
     ) -> Result<()> {
         let page = indices[k * self.page] as u64 / self.page as u64;
-        for (s, (template, shift)) in self.spans.iter().enumerate() {
+        for (s, share) in self.spans.iter().enumerate() {
             let base = (k * self.spans.len() + s) * stride;
-            let (mut at, mut sum) = (0usize, 0u64);
-            for &(buffer, off, len) in template {
-                let from = bytes.get(buffer, off + page * shift, len)?;
-                let to = &mut staging[base + at..base + at + from.len()];
+            let object = &mut staging[base..base + stride];
+            let walked = walk(page, share, |(buffer, off, len), at| {
+                let from = bytes.get(buffer, off, len)?;
+                let to = &mut object[at..at + from.len()];
                 if self.in_place {
                     // SAFETY: two slices of the same length in different allocations (the pool's
                     // memory, the caller's staging buffer).
-                    let part =
-                        unsafe { crate::integrity::copy_and_sum(from.as_ptr(), to.as_mut_ptr(), to.len(), at / 4, &self.keys, false) };
-                    sum = sum.wrapping_add(part);
-                } else {
-                    to.copy_from_slice(from);
+                    return Ok(unsafe {
+                        crate::integrity::copy_and_sum(from.as_ptr(), to.as_mut_ptr(), to.len(), at / 4, &self.keys, false)
+                    });
                 }
-                at += len as usize;
-            }
-            out.push(if self.in_place { sum } else { crate::integrity::checksum(&staging[base..base + at], &self.keys) });
+                to.copy_from_slice(from);
+                Ok(0)
+            })?;
+            out.push(self.finish(walked, object));
         }
         Ok(())
     }
@@ -326,31 +339,38 @@ impl ShareSummer {
         out: &mut Vec<u64>,
     ) -> Result<()> {
         let page = indices[k * self.page] as u64 / self.page as u64;
-        for (s, (template, shift)) in self.spans.iter().enumerate() {
+        for (s, share) in self.spans.iter().enumerate() {
             let j = k * self.spans.len() + s;
             if !write[j] {
                 out.push(0);
                 continue;
             }
-            let base = j * stride;
-            let (mut at, mut sum) = (0usize, 0u64);
-            for &(buffer, off, len) in template {
-                let from = &staging[base + at..base + at + len as usize];
-                let part = bytes.put_with(buffer, off + page * shift, len, |to| {
+            let object = &staging[j * stride..(j + 1) * stride];
+            let walked = walk(page, share, |(buffer, off, len), at| {
+                let from = &object[at..at + len as usize];
+                bytes.put_with(buffer, off, len, |to| {
                     if self.in_place {
                         // SAFETY: two slices of the same length in different allocations (the
                         // staging buffer, the pool's memory).
-                        unsafe { crate::integrity::copy_and_sum(from.as_ptr(), to.as_mut_ptr(), to.len(), at / 4, &self.keys, false) }
-                    } else {
-                        to.copy_from_slice(from);
-                        0
+                        return unsafe {
+                            crate::integrity::copy_and_sum(from.as_ptr(), to.as_mut_ptr(), to.len(), at / 4, &self.keys, false)
+                        };
                     }
-                })?;
-                sum = sum.wrapping_add(part);
-                at += len as usize;
-            }
-            out.push(if self.in_place { sum } else { crate::integrity::checksum(&staging[base..base + at], &self.keys) });
+                    to.copy_from_slice(from);
+                    0
+                })
+            })?;
+            out.push(self.finish(walked, object));
         }
         Ok(())
+    }
+    /// A share's checksum from [`walk`]'s `(sum, bytes)`: the spans' sums where they were summed
+    /// where they lie (`in_place`), else the checksum of the object as gathered into `object`.
+    fn finish(&self, (sum, len): (u64, usize), object: &[u8]) -> u64 {
+        if self.in_place {
+            sum
+        } else {
+            crate::integrity::checksum(&object[..len], &self.keys)
+        }
     }
 }
