@@ -8,6 +8,90 @@ use crate::plan::{ChecksumMode, CopyStep, Span};
 
 use super::copy::{prefetch, prefetch_item, RawBindings, SendPtr, PREFETCH_AHEAD};
 
+/// How a summing loop copies and checksums one chunk: the generic copy, or (the common small
+/// items, one chunk each) keys held in registers ([`integrity::BlockKeys`]).
+trait ChunkSum {
+    /// Copies chunk `head` of an item from `src` to `dst`, returning its checksum terms.
+    ///
+    /// # Safety
+    /// As `copy_nonoverlapping(src, dst, chunk)` for the chunk size the summer was made for.
+    unsafe fn copy_sum(&self, src: *const u8, dst: *mut u8, head: u64) -> u64;
+}
+
+/// Any chunk: [`integrity::copy_and_sum`]; `AVX2`: the caller is compiled with AVX2 and probed
+/// for it, so the vector loop inlines.
+struct AnyChunk<'a, const AVX2: bool> {
+    chunk: usize,
+    keys: &'a integrity::Keys,
+    stream: bool,
+}
+
+impl<const AVX2: bool> ChunkSum for AnyChunk<'_, AVX2> {
+    #[inline(always)]
+    unsafe fn copy_sum(&self, src: *const u8, dst: *mut u8, head: u64) -> u64 {
+        let first_word = head as usize * integrity::words(self.chunk);
+        #[cfg(target_arch = "x86_64")]
+        if AVX2 {
+            // SAFETY: as the caller vouches (memory; AVX2 where `AVX2`).
+            return unsafe { integrity::copy_and_sum_avx2(src, dst, self.chunk, first_word, self.keys, self.stream) };
+        }
+        // SAFETY: as the caller vouches.
+        unsafe { integrity::copy_and_sum(src, dst, self.chunk, first_word, self.keys, self.stream) }
+    }
+}
+
+/// Items of `B` whole 32-byte blocks in one chunk, their keys in registers.
+#[cfg(target_arch = "x86_64")]
+struct Blocks<const B: usize> {
+    keys: integrity::BlockKeys<B>,
+    stream: bool,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl<const B: usize> ChunkSum for Blocks<B> {
+    #[inline(always)]
+    unsafe fn copy_sum(&self, src: *const u8, dst: *mut u8, _head: u64) -> u64 {
+        // SAFETY: a `BlockKeys` exists only where AVX2 does; the caller vouches for the memory.
+        unsafe { self.keys.copy_sum(src, dst, self.stream) }
+    }
+}
+
+/// Runs `$body` with `$sum` bound to the fastest [`ChunkSum`] for chunks of `$chunk` bytes, one
+/// per item where `$single` (inside an AVX2 function: the register-keyed forms inline there).
+#[cfg(target_arch = "x86_64")]
+macro_rules! with_summer {
+    ($keys:expr, $chunk:expr, $single:expr, $stream:expr, |$sum:ident| $body:expr) => {{
+        let (keys, chunk, stream) = ($keys, $chunk, $stream);
+        // SAFETY (both `BlockKeys::new`): the enclosing function runs only where AVX2 is.
+        match chunk {
+            64 if $single => match unsafe { integrity::BlockKeys::<2>::new(keys) } {
+                Some(k) => {
+                    let $sum = &Blocks { keys: k, stream };
+                    $body
+                }
+                None => {
+                    let $sum = &AnyChunk::<true> { chunk, keys, stream };
+                    $body
+                }
+            },
+            128 if $single => match unsafe { integrity::BlockKeys::<4>::new(keys) } {
+                Some(k) => {
+                    let $sum = &Blocks { keys: k, stream };
+                    $body
+                }
+                None => {
+                    let $sum = &AnyChunk::<true> { chunk, keys, stream };
+                    $body
+                }
+            },
+            _ => {
+                let $sum = &AnyChunk::<true> { chunk, keys, stream };
+                $body
+            }
+        }
+    }};
+}
+
 /// [`gather_items`] that checksums every item it copies, in the same pass (each block of the
 /// source is loaded once, stored and multiplied in): recorded in the host pool's table for
 /// backups, compared with it for loads. Returns the counts (recorded, verified, unverified,
@@ -30,7 +114,8 @@ pub(super) fn gather_checked<const NT: bool>(
         // SAFETY: AVX2 is present (checked).
         return unsafe { gather_checked_avx2::<NT>(pair, item, si, di, chunk, heads, lo, hi, mode, ib) };
     }
-    gather_checked_body::<NT, false>(pair, item, si, di, chunk, heads, lo, hi, mode, ib)
+    let sum = &AnyChunk::<false> { chunk, keys: ib.table.keys(), stream: NT };
+    gather_checked_body(pair, item, si, di, heads, lo, hi, mode, ib, sum)
 }
 
 /// [`gather_checked`] compiled with AVX2, so that each item's copy and sum inline into the loop.
@@ -52,48 +137,23 @@ unsafe fn gather_checked_avx2<const NT: bool>(
     mode: ChecksumMode,
     ib: &ChecksumBinding,
 ) -> [u64; 4] {
-    gather_checked_body::<NT, true>(pair, item, si, di, chunk, heads, lo, hi, mode, ib)
-}
-
-/// Copies and sums `len` bytes ([`integrity::copy_and_sum`]); `AVX2`: the caller is compiled
-/// with AVX2 and probed for it, so the vector loop inlines.
-///
-/// # Safety
-/// As `copy_nonoverlapping(src, dst, len)`; `AVX2` only where the processor has it.
-#[inline(always)]
-unsafe fn copy_sum<const AVX2: bool>(
-    src: *const u8,
-    dst: *mut u8,
-    len: usize,
-    first_word: usize,
-    keys: &integrity::Keys,
-    stream: bool,
-) -> u64 {
-    #[cfg(target_arch = "x86_64")]
-    if AVX2 {
-        // SAFETY: as the caller vouches.
-        return unsafe { integrity::copy_and_sum_avx2(src, dst, len, first_word, keys, stream) };
-    }
-    // SAFETY: as the caller vouches.
-    unsafe { integrity::copy_and_sum(src, dst, len, first_word, keys, stream) }
+    with_summer!(ib.table.keys(), chunk, heads == 1, NT, |sum| gather_checked_body(pair, item, si, di, heads, lo, hi, mode, ib, sum))
 }
 
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn gather_checked_body<const NT: bool, const AVX2: bool>(
+fn gather_checked_body<S: ChunkSum>(
     (sp, dp, sa, da): &(SendPtr, SendPtr, Addr, Addr),
     (layer, comp): (u64, u8),
     si: &[i64],
     di: &[i64],
-    chunk: usize,
     heads: u64,
     lo: usize,
     hi: usize,
     mode: ChecksumMode,
     ib: &ChecksumBinding,
+    summer: &S,
 ) -> [u64; 4] {
-    let keys = ib.table.keys();
-    let chunk_words = integrity::words(chunk);
     let mut n = [0u64; 4];
     for i in lo..hi {
         let (s, d) = (si[i], di[i]);
@@ -115,7 +175,7 @@ fn gather_checked_body<const NT: bool, const AVX2: bool>(
             // calls whose destinations overlap a source).
             unsafe {
                 let (src, dst) = (sp.0.add(sa.offset(s as u64, h) as usize), dp.0.add(da.offset(d as u64, h) as usize));
-                sum = sum.wrapping_add(copy_sum::<AVX2>(src, dst, chunk, h as usize * chunk_words, keys, NT));
+                sum = sum.wrapping_add(summer.copy_sum(src, dst, h));
             }
         }
         let (host, device) = match mode {
@@ -142,7 +202,8 @@ pub(super) fn copy_runs_checked(
         // SAFETY: AVX2 is present (checked).
         return unsafe { copy_runs_checked_avx2(c, bufs, (lo, hi), stream, mode, ib) };
     }
-    copy_runs_checked_body::<false>(c, bufs, (lo, hi), stream, mode, ib)
+    let sum = &AnyChunk::<false> { chunk: c.item_bytes() as usize, keys: ib.table.keys(), stream };
+    copy_runs_checked_body(c, bufs, (lo, hi), mode, ib, sum)
 }
 
 /// [`copy_runs_checked`] compiled with AVX2 (the copy and sum inline into the loop).
@@ -159,19 +220,18 @@ unsafe fn copy_runs_checked_avx2(
     mode: ChecksumMode,
     ib: &ChecksumBinding,
 ) -> [u64; 4] {
-    copy_runs_checked_body::<true>(c, bufs, range, stream, mode, ib)
+    with_summer!(ib.table.keys(), c.item_bytes() as usize, true, stream, |sum| copy_runs_checked_body(c, bufs, range, mode, ib, sum))
 }
 
 #[inline(always)]
-fn copy_runs_checked_body<const AVX2: bool>(
+fn copy_runs_checked_body<S: ChunkSum>(
     c: &CopyStep,
     bufs: &RawBindings,
     (lo, hi): (usize, usize),
-    stream: bool,
     mode: ChecksumMode,
     ib: &ChecksumBinding,
+    summer: &S,
 ) -> [u64; 4] {
-    let keys = ib.table.keys();
     let mut n = [0u64; 4];
     let item = c.item_bytes() as usize;
     for (p, spans) in c.pieces(lo, hi) {
@@ -199,7 +259,7 @@ fn copy_runs_checked_body<const AVX2: bool>(
                 }
                 // SAFETY: the planner made the span from range-checked items of these pools'
                 // geometry; item `j` lies inside it.
-                let sum = unsafe { copy_sum::<AVX2>(sp.add(so + off), dp.add(dof + off), item, 0, keys, stream) };
+                let sum = unsafe { summer.copy_sum(sp.add(so + off), dp.add(dof + off), 0) };
                 ib.settle(mode, (s.host_unit + j, s.device_unit + j, layer, comp), sum, &mut n);
             }
         }
