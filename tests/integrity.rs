@@ -72,9 +72,12 @@ fn backups_record_each_items_checksum_and_loads_verify_it() {
         for (kind, layout, heads) in [
             (PoolKind::Mha, Layout::PageFirst, 1),
             (PoolKind::Mha, Layout::LayerFirst, 1),
-            // 128-byte items in one chunk (the cpu executor's register-keyed path, as 64 B).
+            // 128, 256 and 512-byte items in one chunk (the cpu executor's register-keyed
+            // paths, as 64 B).
             (PoolKind::Mha, Layout::LayerFirst, 2),
             (PoolKind::Mha, Layout::PageFirst, 2),
+            (PoolKind::Mha, Layout::LayerFirst, 4),
+            (PoolKind::Mha, Layout::PageFirst, 8),
             (PoolKind::Mha, Layout::PageHead, 4),
             (PoolKind::Mha, Layout::PageFirstDirectHeadGroups, 2),
             (PoolKind::Mla, Layout::PageFirst, 1),

@@ -56,39 +56,54 @@ impl<const B: usize> ChunkSum for Blocks<B> {
     }
 }
 
-/// Runs `$body` with `$sum` bound to the fastest [`ChunkSum`] for chunks of `$chunk` bytes, one
-/// per item where `$single` (inside an AVX2 function: the register-keyed forms inline there).
+#[cfg(target_arch = "x86_64")]
+impl<const B: usize> Blocks<B> {
+    /// `None` where the key table is shorter than one item.
+    ///
+    /// # Safety
+    /// AVX2 available.
+    #[inline(always)]
+    unsafe fn new(keys: &integrity::Keys, stream: bool) -> Option<Blocks<B>> {
+        // SAFETY: as the caller vouches.
+        Some(Blocks { keys: unsafe { integrity::BlockKeys::new(keys)? }, stream })
+    }
+}
+
+/// Evaluates `$body` with `$sum` bound to the fastest [`ChunkSum`] for chunks of `$chunk` bytes
+/// (keys in registers for one-chunk items, `$single`, of 64 to 512 bytes), returning from the
+/// enclosing function (an AVX2 one, so that the register-keyed forms inline there).
 #[cfg(target_arch = "x86_64")]
 macro_rules! with_summer {
     ($keys:expr, $chunk:expr, $single:expr, $stream:expr, |$sum:ident| $body:expr) => {{
         let (keys, chunk, stream) = ($keys, $chunk, $stream);
-        // SAFETY (both `BlockKeys::new`): the enclosing function runs only where AVX2 is.
-        match chunk {
-            64 if $single => match unsafe { integrity::BlockKeys::<2>::new(keys) } {
-                Some(k) => {
-                    let $sum = &Blocks { keys: k, stream };
-                    $body
+        if $single {
+            // SAFETY (each `Blocks::new`): the enclosing function runs only where AVX2 is.
+            match chunk {
+                64 => {
+                    if let Some($sum) = unsafe { Blocks::<2>::new(keys, stream) }.as_ref() {
+                        return $body;
+                    }
                 }
-                None => {
-                    let $sum = &AnyChunk::<true> { chunk, keys, stream };
-                    $body
+                128 => {
+                    if let Some($sum) = unsafe { Blocks::<4>::new(keys, stream) }.as_ref() {
+                        return $body;
+                    }
                 }
-            },
-            128 if $single => match unsafe { integrity::BlockKeys::<4>::new(keys) } {
-                Some(k) => {
-                    let $sum = &Blocks { keys: k, stream };
-                    $body
+                256 => {
+                    if let Some($sum) = unsafe { Blocks::<8>::new(keys, stream) }.as_ref() {
+                        return $body;
+                    }
                 }
-                None => {
-                    let $sum = &AnyChunk::<true> { chunk, keys, stream };
-                    $body
+                512 => {
+                    if let Some($sum) = unsafe { Blocks::<16>::new(keys, stream) }.as_ref() {
+                        return $body;
+                    }
                 }
-            },
-            _ => {
-                let $sum = &AnyChunk::<true> { chunk, keys, stream };
-                $body
+                _ => {}
             }
         }
+        let $sum = &AnyChunk::<true> { chunk, keys, stream };
+        $body
     }};
 }
 
