@@ -475,23 +475,34 @@ impl ChecksumTable {
         let i = (layer.checked_mul(self.comps)? + comp as u64).checked_mul(self.units)?.checked_add(unit)?;
         (i < self.entries.len() as u64).then_some(i as usize)
     }
-    /// Where item `(unit, layer, comp)`'s entry lives (a prefetch hint; never read through),
-    /// null outside the table.
-    #[inline(always)]
-    pub(crate) fn entry_addr(&self, unit: u64, layer: u64, comp: u8) -> *const u8 {
-        self.slot(unit, layer, comp).map_or(std::ptr::null(), |s| self.entries[s..].as_ptr() as *const u8)
+    /// The entries of `(layer, comp)`'s items, by unit (empty outside the table): a loop over
+    /// one layer's items finds each entry with one bounds check.
+    #[inline]
+    pub(crate) fn layer_entries(&self, layer: u64, comp: u8) -> &[std::sync::atomic::AtomicU64] {
+        let base = self.slot(0, layer, comp);
+        base.and_then(|b| self.entries.get(b..b.checked_add(usize::try_from(self.units).ok()?)?)).unwrap_or(&[])
     }
     /// Records an item's checksum.
     #[inline(always)]
     pub(crate) fn record(&self, slot: usize, sum: u64) {
         if let Some(e) = self.entries.get(slot) {
-            e.store(sum.wrapping_add(1), std::sync::atomic::Ordering::Relaxed);
+            Self::record_entry(e, sum);
         }
     }
     /// The recorded checksum of an item, if one is known.
     #[inline(always)]
     pub(crate) fn expected(&self, slot: usize) -> Option<u64> {
-        let v = self.entries.get(slot)?.load(std::sync::atomic::Ordering::Relaxed);
+        self.entries.get(slot).and_then(Self::entry_expected)
+    }
+    /// Records `sum` in an item's entry.
+    #[inline(always)]
+    pub(crate) fn record_entry(e: &std::sync::atomic::AtomicU64, sum: u64) {
+        e.store(sum.wrapping_add(1), std::sync::atomic::Ordering::Relaxed);
+    }
+    /// The checksum an item's entry holds, if one is known.
+    #[inline(always)]
+    pub(crate) fn entry_expected(e: &std::sync::atomic::AtomicU64) -> Option<u64> {
+        let v = e.load(std::sync::atomic::Ordering::Relaxed);
         (v != 0).then(|| v.wrapping_sub(1))
     }
     /// Forgets an item's checksum (its bytes were written by something that did not compute one).

@@ -169,7 +169,7 @@ fn gather_checked_body<S: ChunkSum>(
     ib: &ChecksumBinding,
     summer: &S,
 ) -> [u64; 4] {
-    let mut n = [0u64; 4];
+    let mut settle = ib.layer(mode, layer, comp);
     for i in lo..hi {
         let (s, d) = (si[i], di[i]);
         if s < 0 || d < 0 {
@@ -181,7 +181,7 @@ fn gather_checked_body<S: ChunkSum>(
         if let (Some(&s2), Some(&d2)) = (si.get(i + PREFETCH_AHEAD), di.get(i + PREFETCH_AHEAD)) {
             let unit = if mode == ChecksumMode::Record { d2 } else { s2 };
             if unit >= 0 {
-                prefetch(ib.table.entry_addr(unit as u64, layer, comp));
+                prefetch(settle.entry_addr(unit as u64));
             }
         }
         let mut sum = 0u64;
@@ -197,9 +197,9 @@ fn gather_checked_body<S: ChunkSum>(
             ChecksumMode::Record => (d as u64, s as u64),
             ChecksumMode::Verify => (s as u64, d as u64),
         };
-        ib.settle(mode, (host, device, layer, comp), sum, &mut n);
+        settle.item(host, device, sum);
     }
-    n
+    settle.n
 }
 
 /// `direct` runs `lo..hi`, item by item, each copied and checksummed in one pass (a run's items
@@ -253,6 +253,7 @@ fn copy_runs_checked_body<S: ChunkSum>(
         let pair = &c.pairs()[p];
         let (layer, comp) = c.item(p);
         let (sp, dp) = (bufs.get(pair.src.buf()), bufs.get(pair.dst.buf()));
+        let mut settle = ib.layer(mode, layer, comp);
         let at = |s: &Span| {
             let (su, du) = c.units(s);
             (pair.src.offset(su, 0) as usize, pair.dst.offset(du, 0) as usize)
@@ -275,8 +276,11 @@ fn copy_runs_checked_body<S: ChunkSum>(
                 // SAFETY: the planner made the span from range-checked items of these pools'
                 // geometry; item `j` lies inside it.
                 let sum = unsafe { summer.copy_sum(sp.add(so + off), dp.add(dof + off), 0) };
-                ib.settle(mode, (s.host_unit + j, s.device_unit + j, layer, comp), sum, &mut n);
+                settle.item(s.host_unit + j, s.device_unit + j, sum);
             }
+        }
+        for (a, b) in n.iter_mut().zip(settle.n) {
+            *a += b;
         }
     }
     n
