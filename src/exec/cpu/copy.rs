@@ -100,18 +100,40 @@ fn run_gather_plain(g: &GatherStep, pairs: &[Pair], threads: usize, streaming: b
     let prefetching = streaming || chunk >= PREFETCH_MIN_CHUNK;
     let work = |lo: usize, hi: usize| {
         for l in pairs {
-            // Monomorphized per store kind and prefetch: a branch per chunk measured
-            // 30% slower for 128-byte items.
-            match (streaming, prefetching) {
-                (true, true) => gather_items::<true, true>(l, si, di, chunk, heads, lo, hi),
-                (true, false) => gather_items::<true, false>(l, si, di, chunk, heads, lo, hi),
-                (false, true) => gather_items::<false, true>(l, si, di, chunk, heads, lo, hi),
-                (false, false) => gather_items::<false, false>(l, si, di, chunk, heads, lo, hi),
+            #[cfg(target_arch = "x86_64")]
+            if crate::cpu_features::has_avx2() {
+                // SAFETY: AVX2 is present (checked).
+                unsafe { gather_items_avx2(l, si, di, chunk, heads, (lo, hi), (streaming, prefetching)) };
+                continue;
             }
+            gather_items_as(l, si, di, chunk, heads, (lo, hi), (streaming, prefetching));
         }
         store_fence(streaming);
     };
     split(g.src_indices.len(), threads, &work);
+}
+
+/// [`gather_items`] of the store kind and prefetch asked for, monomorphized (a branch per
+/// chunk measured 30% slower for 128-byte items).
+#[inline(always)]
+fn gather_items_as(l: &Pair, si: &[i64], di: &[i64], chunk: usize, heads: u64, (lo, hi): (usize, usize), how: (bool, bool)) {
+    match how {
+        (true, true) => gather_items::<true, true>(l, si, di, chunk, heads, lo, hi),
+        (true, false) => gather_items::<true, false>(l, si, di, chunk, heads, lo, hi),
+        (false, true) => gather_items::<false, true>(l, si, di, chunk, heads, lo, hi),
+        (false, false) => gather_items::<false, false>(l, si, di, chunk, heads, lo, hi),
+    }
+}
+
+/// [`gather_items_as`] compiled with AVX2: the small items' constant-size copies become 32-byte
+/// moves instead of 16-byte ones (measured 19 -> 33 GB/s on 128-byte loads that fit the caches).
+///
+/// # Safety
+/// AVX2 available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn gather_items_avx2(l: &Pair, si: &[i64], di: &[i64], chunk: usize, heads: u64, range: (usize, usize), how: (bool, bool)) {
+    gather_items_as(l, si, di, chunk, heads, range, how)
 }
 
 /// The runs of a checksumming `direct` step, split across threads, their checksums counted.
