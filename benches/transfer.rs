@@ -11,8 +11,9 @@
 //! native part of `scripts/bench-l3.py`'s checksummed rows): `stage_put` copies each object of
 //! the batch into the store's staging buffer and checksums it in the same read (and checks the
 //! pages against the item checksums their backup recorded), `land_staged` copies the objects
-//! back into the pool, checksums them and records the pages' item checksums; `ceiling` is one
-//! copy of the same bytes. Batches rotate over a pool larger than the caches, as a store's do.
+//! back into the pool, checksums them and records the pages' item checksums; `pages_intact` is
+//! the item checks alone (each page's items summed and compared with what their backup
+//! recorded), read from memory; `ceiling` is one copy of the same bytes. Batches rotate over a pool larger than the caches, as a store's do.
 
 use std::time::Duration;
 
@@ -186,6 +187,12 @@ fn l3_passes(c: &mut Criterion) {
             b.iter(|| {
                 k = (k + 1) % batches.len();
                 host.stage_put(&batches[k], objects, STORAGE_SEED, &mut staging, stride).expect("stage_put")
+            })
+        });
+        group.bench_function("pages_intact", |b| {
+            b.iter(|| {
+                k = (k + 1) % batches.len();
+                host.pages_intact(&batches[k]).expect("pages_intact")
             })
         });
         let (sums, _) = host.stage_put(&batches[0], objects, STORAGE_SEED, &mut staging, stride).expect("stage_put");

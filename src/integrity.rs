@@ -499,6 +499,11 @@ impl ChecksumTable {
     pub(crate) fn record_entry(e: &std::sync::atomic::AtomicU64, sum: u64) {
         e.store(sum.wrapping_add(1), std::sync::atomic::Ordering::Relaxed);
     }
+    /// Forgets the checksum an item's entry holds.
+    #[inline(always)]
+    pub(crate) fn forget_entry(e: &std::sync::atomic::AtomicU64) {
+        e.store(0, std::sync::atomic::Ordering::Relaxed);
+    }
     /// The checksum an item's entry holds, if one is known.
     #[inline(always)]
     pub(crate) fn entry_expected(e: &std::sync::atomic::AtomicU64) -> Option<u64> {

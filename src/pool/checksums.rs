@@ -90,11 +90,22 @@ impl HostPool<'_> {
         (unit, layer, comp): (u64, u64, u8),
     ) -> Result<u64> {
         let g = self.pair.host();
-        let addr = g.addr(comp, layer);
-        (0..g.head_num()).try_fold(0u64, |sum, h| {
-            let chunk = bytes.get(g.buffer_of(comp) as usize, addr.offset(unit, h), g.chunk_bytes())?;
-            Ok(sum.wrapping_add(integrity::item_part(chunk, h, keys)))
-        })
+        self.item_sum_at(bytes, keys, (g.buffer_of(comp) as usize, g.addr(comp, layer)), unit)
+    }
+
+    /// [`HostPool::item_sum`] of slot `unit` of the layer and component whose buffer and
+    /// addresses are given.
+    #[inline]
+    fn item_sum_at(
+        &self,
+        bytes: &mut super::pages::HostBytes<'_>,
+        keys: &integrity::Keys,
+        (buffer, addr): (usize, crate::geometry::Addr),
+        unit: u64,
+    ) -> Result<u64> {
+        let (chunk, heads) = (self.pair.host().chunk_bytes(), self.pair.host().head_num());
+        (0..heads)
+            .try_fold(0u64, |sum, h| Ok(sum.wrapping_add(integrity::item_part(bytes.get(buffer, addr.offset(unit, h), chunk)?, h, keys))))
     }
 
     /// [`HostPool::object_checksums`] and [`HostPool::pages_intact`] of the same pages in one
@@ -279,36 +290,48 @@ impl HostPool<'_> {
                     (first..sums.len()).all(|j| eligible.get(j) == Some(&true) && expected.get(j) == Some(&sums[j]))
                 }
             };
-            let spans = reuse.map(|(meta, seed)| (&meta[first..sums.len()], seed));
+            // The objects' spans, where an item that is exactly one object's bytes under the
+            // same keys takes that object's sum.
+            let objs = reuse.filter(|(_, seed)| g.head_num() == 1 && s.keys().seed() == *seed).map(|(meta, _)| &meta[first..sums.len()]);
             let (mut ok, mut items) = (true, 0u64);
-            // The page starts at `page[0]` (checked by the caller).
-            for item in self.items_of_page(page[0] as u64) {
-                let slot = self.item_slot(s, item.0, item.1, item.2)?;
-                let want = match check {
-                    PageCheck::Intact => match s.expected(slot) {
-                        Some(w) => Some(w),
-                        None => continue,
-                    },
-                    PageCheck::Landed { .. } if !trusted => {
-                        s.forget(slot);
-                        continue;
-                    }
-                    PageCheck::Landed { .. } => None,
-                };
-                // The object's sum where the item is exactly that object's bytes under the same keys.
-                let span = (g.buffer_of(item.2) as usize, g.addr(item.2, item.1).offset(item.0, 0), g.chunk_bytes());
-                let same = spans
-                    .filter(|(_, seed)| g.head_num() == 1 && s.keys().seed() == *seed)
-                    .and_then(|(objs, _)| objs.iter().position(|o| *o == span));
-                let sum = match same {
-                    Some(j) => sums[first + j],
-                    None => self.item_sum(&mut bytes, s.keys(), item)?,
-                };
-                match want {
-                    Some(w) => ok &= sum == w,
-                    None => {
-                        s.record(slot, sum);
-                        items += 1;
+            // The page's items (component, then layer, then slot: `items_of_page`), each layer's
+            // entries and addresses found once (per item they cost as much as its sum did).
+            let per = g.index_page_size();
+            let units = (page[0] as u64 / g.page_size()) * per..(page[0] as u64 / g.page_size() + 1) * per;
+            'page: for comp in 0..g.kind().components() as u8 {
+                let buffer = g.buffer_of(comp) as usize;
+                for layer in 0..g.layer_num() {
+                    let (entries, addr) = (s.layer_entries(layer, comp), g.addr(comp, layer));
+                    for unit in units.clone() {
+                        let Some(e) = usize::try_from(unit).ok().and_then(|u| entries.get(u)) else {
+                            // Outside the table: the error that names the item.
+                            self.item_slot(s, unit, layer, comp)?;
+                            continue;
+                        };
+                        let want = match check {
+                            PageCheck::Intact if !ok => break 'page,
+                            PageCheck::Intact => match integrity::ChecksumTable::entry_expected(e) {
+                                Some(w) => Some(w),
+                                None => continue,
+                            },
+                            PageCheck::Landed { .. } if !trusted => {
+                                integrity::ChecksumTable::forget_entry(e);
+                                continue;
+                            }
+                            PageCheck::Landed { .. } => None,
+                        };
+                        let span = (buffer, addr.offset(unit, 0), g.chunk_bytes());
+                        let sum = match objs.and_then(|o| o.iter().position(|o| *o == span)) {
+                            Some(j) => sums[first + j],
+                            None => self.item_sum_at(&mut bytes, s.keys(), (buffer, addr), unit)?,
+                        };
+                        match want {
+                            Some(w) => ok &= sum == w,
+                            None => {
+                                integrity::ChecksumTable::record_entry(e, sum);
+                                items += 1;
+                            }
+                        }
                     }
                 }
             }
