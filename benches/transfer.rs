@@ -13,7 +13,8 @@
 //! pages against the item checksums their backup recorded), `land_staged` copies the objects
 //! back into the pool, checksums them and records the pages' item checksums; `pages_intact` is
 //! the item checks alone (each page's items summed and compared with what their backup
-//! recorded), read from memory; `ceiling` is one copy of the same bytes. Batches rotate over a pool larger than the caches, as a store's do.
+//! recorded), read from memory; `ceiling` is one copy of the same bytes. Batches rotate over a
+//! pool larger than the caches, as a store's do.
 
 use std::time::Duration;
 

@@ -117,15 +117,16 @@ fn backups_record_each_items_checksum_and_loads_verify_it() {
 
 #[test]
 fn a_corrupted_byte_fails_the_load_naming_the_item_and_the_rest_lands() {
-    for device in common::devices() {
-        let name = device.name();
-        let (mut dev, mut host) = pools(&device, PoolKind::Mha, Layout::PageFirst, 1, None, Profile::Extended);
+    // Items of 64 to 512 B (each a register-keyed size on cpu), one bit flipped in their last block.
+    for (device, heads) in common::devices().into_iter().flat_map(|d| [1, 2, 4, 8].map(|h| (d.clone(), h))) {
+        let name = format!("{} {heads}", device.name());
+        let (mut dev, mut host) = pools(&device, PoolKind::Mha, Layout::PageFirst, heads, None, Profile::Extended);
         let hi: Vec<i64> = (8..16).collect();
         let di: Vec<i64> = (20..28).collect();
         host.backup_from_device_all_layer(&dev, &hi, &di, IoBackend::Kernel).unwrap();
         let g = host.geometry().clone();
         // One bit of host item 11, layer 2, V.
-        let off = g.addr(1, 2).offset(11, 0) + 17;
+        let off = g.addr(1, 2).offset(11, 0) + g.item_bytes() - 15;
         let before = host.read_buffer(1).unwrap()[off as usize];
         host.inject_host_corruption(1, off, &[before ^ 0x10]).unwrap();
         let back: Vec<i64> = (0..8).collect();
@@ -198,9 +199,10 @@ fn corrupted_checksums_swapped_and_replayed_pages_are_detected() {
 
 #[test]
 fn direct_copies_record_and_verify_where_they_can() {
-    for device in common::devices() {
-        let name = device.name();
-        let (mut dev, mut host) = pools(&device, PoolKind::Mha, Layout::LayerFirst, 1, None, Profile::Extended);
+    // Items of 64 to 512 B (each a register-keyed size on cpu).
+    for (device, heads) in common::devices().into_iter().flat_map(|d| [1, 2, 4, 8].map(|h| (d.clone(), h))) {
+        let name = format!("{} {heads}", device.name());
+        let (mut dev, mut host) = pools(&device, PoolKind::Mha, Layout::LayerFirst, heads, None, Profile::Extended);
         let hi: Vec<i64> = (8..16).chain(20..24).collect();
         let di: Vec<i64> = (20..28).chain(4..8).collect();
         let back: Vec<i64> = (0..12).collect();
@@ -224,7 +226,7 @@ fn direct_copies_record_and_verify_where_they_can() {
         for (h, d) in hi.iter().zip(&di) {
             assert_eq!(host.item_checksum(*h as u64, 2, 1).unwrap(), Some(expected(&dev, 1, 2, *d as u64)), "{name} item {h}");
         }
-        let off = host.geometry().addr(0, 1).offset(21, 0) + 60;
+        let off = host.geometry().addr(0, 1).offset(21, 0) + host.geometry().item_bytes() - 4;
         host.inject_host_corruption(0, off, &[0x5a]).unwrap();
         let err = landed(&device, host.load_to_device_per_layer(&mut dev, &hi, &back, 1, IoBackend::Direct)).unwrap_err();
         assert!(matches!(err, TransferError::Integrity { host_index: 21, device_index: 9, layer: 1, .. }), "{name}: {err:?}");

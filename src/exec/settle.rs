@@ -15,27 +15,17 @@ pub(crate) struct ChecksumBinding {
 }
 
 impl ChecksumBinding {
-    /// Records (backup) or verifies (load) the checksum `sum` of item `(host index, device index,
-    /// host layer, component)`, counting into `n` (recorded, verified, unverified, mismatched).
-    #[inline(always)]
-    pub(crate) fn settle(&self, mode: ChecksumMode, (host, device, layer, comp): (u64, u64, u64, u8), sum: u64, n: &mut [u64; 4]) {
-        let mut one = self.layer(mode, layer, comp);
-        one.item(host, device, sum);
-        for (a, b) in n.iter_mut().zip(one.n) {
-            *a += b;
-        }
-    }
-
-    /// Settles the items of one host layer and component, for a loop over many of them.
+    /// Settles the items of one host layer and component, for a loop over many of them: each
+    /// checksum recorded (backup) or verified (load).
     #[inline(always)]
     pub(crate) fn layer(&self, mode: ChecksumMode, layer: u64, comp: u8) -> LayerSettle<'_> {
         LayerSettle { binding: self, entries: self.table.layer_entries(layer, comp), mode, layer, comp, n: [0; 4] }
     }
 }
 
-/// [`ChecksumBinding::settle`] for the items of one host layer and component: their table
-/// entries found once, so that each item costs one bounds check and one load or store (the
-/// slot's arithmetic per item measured 20% of a checksummed 128-byte load).
+/// The settling of one host layer and component's item checksums ([`ChecksumBinding::layer`]):
+/// their table entries found once, so that each item costs one bounds check and one load or store
+/// (the slot's arithmetic per item measured 20% of a checksummed 128-byte load).
 pub(crate) struct LayerSettle<'a> {
     binding: &'a ChecksumBinding,
     entries: &'a [AtomicU64],
@@ -101,6 +91,7 @@ impl ChecksumBinding {
         let mut n = [0u64; 4];
         match what {
             Settle::Sums { src, dst, items } => {
+                let mut layers: Vec<LayerSettle<'_>> = items.iter().map(|&(layer, comp)| self.layer(mode, layer, comp)).collect();
                 for (i, (&s, &d)) in src.iter().zip(dst.iter()).enumerate() {
                     if s < 0 || d < 0 {
                         continue;
@@ -109,11 +100,16 @@ impl ChecksumBinding {
                         ChecksumMode::Record => (d as u64, s as u64),
                         ChecksumMode::Verify => (s as u64, d as u64),
                     };
-                    for (l, &(layer, comp)) in items.iter().enumerate() {
+                    for (l, (settle, &(layer, comp))) in layers.iter_mut().zip(items.iter()).enumerate() {
                         match sum {
-                            Some(sum) => self.settle(mode, (host, device, layer, comp), sum(i, l), &mut n),
+                            Some(sum) => settle.item(host, device, sum(i, l)),
                             None => self.unknown(mode, (host, layer, comp), &mut n),
                         }
+                    }
+                }
+                for settle in &layers {
+                    for (a, b) in n.iter_mut().zip(settle.n) {
+                        *a += b;
                     }
                 }
             }

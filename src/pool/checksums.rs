@@ -293,48 +293,12 @@ impl HostPool<'_> {
             // The objects' spans, where an item that is exactly one object's bytes under the
             // same keys takes that object's sum.
             let objs = reuse.filter(|(_, seed)| g.head_num() == 1 && s.keys().seed() == *seed).map(|(meta, _)| &meta[first..sums.len()]);
-            let (mut ok, mut items) = (true, 0u64);
-            // The page's items (component, then layer, then slot: `items_of_page`), each layer's
-            // entries and addresses found once (per item they cost as much as its sum did).
-            let per = g.index_page_size();
-            let units = (page[0] as u64 / g.page_size()) * per..(page[0] as u64 / g.page_size() + 1) * per;
-            'page: for comp in 0..g.kind().components() as u8 {
-                let buffer = g.buffer_of(comp) as usize;
-                for layer in 0..g.layer_num() {
-                    let (entries, addr) = (s.layer_entries(layer, comp), g.addr(comp, layer));
-                    for unit in units.clone() {
-                        let Some(e) = usize::try_from(unit).ok().and_then(|u| entries.get(u)) else {
-                            // Outside the table: the error that names the item.
-                            self.item_slot(s, unit, layer, comp)?;
-                            continue;
-                        };
-                        let want = match check {
-                            PageCheck::Intact if !ok => break 'page,
-                            PageCheck::Intact => match integrity::ChecksumTable::entry_expected(e) {
-                                Some(w) => Some(w),
-                                None => continue,
-                            },
-                            PageCheck::Landed { .. } if !trusted => {
-                                integrity::ChecksumTable::forget_entry(e);
-                                continue;
-                            }
-                            PageCheck::Landed { .. } => None,
-                        };
-                        let span = (buffer, addr.offset(unit, 0), g.chunk_bytes());
-                        let sum = match objs.and_then(|o| o.iter().position(|o| *o == span)) {
-                            Some(j) => sums[first + j],
-                            None => self.item_sum_at(&mut bytes, s.keys(), (buffer, addr), unit)?,
-                        };
-                        match want {
-                            Some(w) => ok &= sum == w,
-                            None => {
-                                integrity::ChecksumTable::record_entry(e, sum);
-                                items += 1;
-                            }
-                        }
-                    }
-                }
-            }
+            let want = match check {
+                PageCheck::Intact => PageItems::Check,
+                PageCheck::Landed { .. } if trusted => PageItems::Record,
+                PageCheck::Landed { .. } => PageItems::Forget,
+            };
+            let (ok, items) = self.page_items_pass(s, &mut bytes, page[0], want, objs.map(|o| (o, &sums[first..])))?;
             if items > 0 {
                 s.count([items, 0, 0, 0]);
             }
@@ -344,6 +308,62 @@ impl HostPool<'_> {
             });
         }
         Ok((sums, flags))
+    }
+
+    /// The item checks of the page starting at token `first` ([`HostPool::page_pass`]): each item
+    /// checked against its recorded checksum (those without one skipped), its checksum recorded,
+    /// or forgotten. `objs`: the page's object spans and sums, where an item that is exactly one
+    /// object's bytes takes that object's sum. Returns (every checked item matched, items
+    /// recorded). The page's items in `items_of_page` order (component, layer, slot), each
+    /// layer's entries and address found once (per item they cost as much as its sum did).
+    fn page_items_pass(
+        &self,
+        s: &integrity::ChecksumTable,
+        bytes: &mut super::pages::HostBytes<'_>,
+        first: i64,
+        want: PageItems,
+        objs: Option<(ObjectSpans<'_>, &[u64])>,
+    ) -> Result<(bool, u64)> {
+        let g = self.pair.host();
+        let (mut ok, mut items) = (true, 0u64);
+        let (per, page) = (g.index_page_size(), first as u64 / g.page_size());
+        for comp in 0..g.kind().components() as u8 {
+            let buffer = g.buffer_of(comp) as usize;
+            for layer in 0..g.layer_num() {
+                let (entries, addr) = (s.layer_entries(layer, comp), g.addr(comp, layer));
+                for unit in page * per..(page + 1) * per {
+                    let Some(e) = usize::try_from(unit).ok().and_then(|u| entries.get(u)) else {
+                        // Outside the table: the error that names the item.
+                        self.item_slot(s, unit, layer, comp)?;
+                        continue;
+                    };
+                    let expected = match want {
+                        PageItems::Check => match integrity::ChecksumTable::entry_expected(e) {
+                            Some(w) => Some(w),
+                            None => continue,
+                        },
+                        PageItems::Forget => {
+                            integrity::ChecksumTable::forget_entry(e);
+                            continue;
+                        }
+                        PageItems::Record => None,
+                    };
+                    let span = (buffer, addr.offset(unit, 0), g.chunk_bytes());
+                    let sum = match objs.and_then(|(o, sums)| Some(sums[o.iter().position(|o| *o == span)?])) {
+                        Some(sum) => sum,
+                        None => self.item_sum_at(bytes, s.keys(), (buffer, addr), unit)?,
+                    };
+                    match expected {
+                        Some(w) => ok &= sum == w,
+                        None => {
+                            integrity::ChecksumTable::record_entry(e, sum);
+                            items += 1;
+                        }
+                    }
+                }
+            }
+        }
+        Ok((ok, items))
     }
 
     /// For each page whose first token is `indices[0], indices[P], …` (as
@@ -524,6 +544,17 @@ fn check_staging(objects: usize, longest: u64, staging: usize, stride: usize) ->
         return Err(TransferError::BufferSize { what: "staging buffer".into(), expected: need, actual: staging as u64 });
     }
     Ok(())
+}
+
+/// What [`HostPool::page_items_pass`] does with a page's items.
+#[derive(Clone, Copy)]
+enum PageItems {
+    /// Compare each with its recorded checksum (a put's check).
+    Check,
+    /// Record each one's checksum (a landing that was trusted).
+    Record,
+    /// Forget each one's checksum (a landing that was not).
+    Forget,
 }
 
 /// What [`HostPool::page_pass`] does with a page's items.

@@ -14,7 +14,9 @@ trait ChunkSum {
     /// Copies chunk `head` of an item from `src` to `dst`, returning its checksum terms.
     ///
     /// # Safety
-    /// As `copy_nonoverlapping(src, dst, chunk)` for the chunk size the summer was made for.
+    /// As `copy_nonoverlapping(src, dst, chunk)` for the chunk size the summer was made for; the
+    /// AVX2 forms (`AnyChunk<true>`, `Blocks`) only where the processor has AVX2 (they are made
+    /// only inside functions that run where it does).
     unsafe fn copy_sum(&self, src: *const u8, dst: *mut u8, head: u64) -> u64;
 }
 
