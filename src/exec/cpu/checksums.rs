@@ -78,31 +78,21 @@ impl<const B: usize> Blocks<B> {
 macro_rules! with_summer {
     ($keys:expr, $chunk:expr, $single:expr, $stream:expr, |$sum:ident| $body:expr) => {{
         let (keys, chunk, stream) = ($keys, $chunk, $stream);
-        if $single {
-            // SAFETY (each `Blocks::new`): the enclosing function runs only where AVX2 is.
-            match chunk {
-                64 => {
-                    if let Some($sum) = unsafe { Blocks::<2>::new(keys, stream) }.as_ref() {
-                        return $body;
-                    }
+        // `$blocks` 32-byte blocks an item: returns `$body` (keys too short: falls through).
+        macro_rules! blocks {
+            ($blocks:literal) => {
+                // SAFETY: the enclosing function runs only where AVX2 is.
+                if let Some($sum) = unsafe { Blocks::<$blocks>::new(keys, stream) }.as_ref() {
+                    return $body;
                 }
-                128 => {
-                    if let Some($sum) = unsafe { Blocks::<4>::new(keys, stream) }.as_ref() {
-                        return $body;
-                    }
-                }
-                256 => {
-                    if let Some($sum) = unsafe { Blocks::<8>::new(keys, stream) }.as_ref() {
-                        return $body;
-                    }
-                }
-                512 => {
-                    if let Some($sum) = unsafe { Blocks::<16>::new(keys, stream) }.as_ref() {
-                        return $body;
-                    }
-                }
-                _ => {}
-            }
+            };
+        }
+        match chunk {
+            64 if $single => blocks!(2),
+            128 if $single => blocks!(4),
+            256 if $single => blocks!(8),
+            512 if $single => blocks!(16),
+            _ => {}
         }
         let $sum = &AnyChunk::<true> { chunk, keys, stream };
         $body
