@@ -23,6 +23,14 @@ impl ChecksumBinding {
     }
 }
 
+/// `n += m`, counts (recorded, verified, unverified, mismatched) of settled items.
+#[inline(always)]
+pub(crate) fn add_counts(n: &mut [u64; 4], m: [u64; 4]) {
+    for (a, b) in n.iter_mut().zip(m) {
+        *a += b;
+    }
+}
+
 /// The settling of one host layer and component's item checksums ([`ChecksumBinding::layer`]):
 /// their table entries found once, so that each item costs one bounds check and one load or store
 /// (the slot's arithmetic per item measured 20% of a checksummed 128-byte load).
@@ -108,9 +116,7 @@ impl ChecksumBinding {
                     }
                 }
                 for settle in &layers {
-                    for (a, b) in n.iter_mut().zip(settle.n) {
-                        *a += b;
-                    }
+                    add_counts(&mut n, settle.n);
                 }
             }
             Settle::Unknown(step, range) => {

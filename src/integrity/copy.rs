@@ -96,11 +96,7 @@ unsafe fn copy_sum_avx2(src: *const u8, dst: *mut u8, len: usize, keys: *const u
             // SAFETY: the block lies inside all three ranges (see the contract).
             unsafe {
                 let m = _mm256_loadu_si256(src.add($off) as *const __m256i);
-                if aligned {
-                    _mm256_stream_si256(dst.add($off) as *mut __m256i, m);
-                } else {
-                    _mm256_storeu_si256(dst.add($off) as *mut __m256i, m);
-                }
+                store_block(dst.add($off), m, aligned);
                 let k = _mm256_loadu_si256(kp.add($off) as *const __m256i);
                 $even = _mm256_add_epi64($even, _mm256_mul_epu32(k, m));
                 $odd = _mm256_add_epi64($odd, _mm256_mul_epu32(_mm256_srli_epi64(k, 32), _mm256_srli_epi64(m, 32)));
@@ -116,11 +112,38 @@ unsafe fn copy_sum_avx2(src: *const u8, dst: *mut u8, len: usize, keys: *const u
         block!(e0, o0, at);
         at += 32;
     }
-    // The four lanes added in registers (a store and reload per item showed in profiles).
-    let total = _mm256_add_epi64(_mm256_add_epi64(e0, o0), _mm256_add_epi64(e1, o1));
-    let half = _mm_add_epi64(_mm256_castsi256_si128(total), _mm256_extracti128_si256::<1>(total));
-    let sum = _mm_add_epi64(half, _mm_unpackhi_epi64(half, half));
-    (_mm_cvtsi128_si64(sum) as u64, at)
+    (lanes_sum(_mm256_add_epi64(_mm256_add_epi64(e0, o0), _mm256_add_epi64(e1, o1))), at)
+}
+
+/// Stores a 32-byte block at `dst`: non-temporal where `aligned` (the caller checked the
+/// alignment and fences), plain otherwise.
+///
+/// # Safety
+/// AVX2 available; `dst` valid for 32 bytes, 32-byte aligned where `aligned`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn store_block(dst: *mut u8, m: std::arch::x86_64::__m256i, aligned: bool) {
+    use std::arch::x86_64::*;
+    // SAFETY: as the caller vouches.
+    unsafe {
+        if aligned {
+            _mm256_stream_si256(dst as *mut __m256i, m);
+        } else {
+            _mm256_storeu_si256(dst as *mut __m256i, m);
+        }
+    }
+}
+
+/// The sum of a vector's four 64-bit lanes, added in registers (a store and reload per item
+/// showed in profiles).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+fn lanes_sum(v: std::arch::x86_64::__m256i) -> u64 {
+    use std::arch::x86_64::*;
+    let half = _mm_add_epi64(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+    _mm_cvtsi128_si64(_mm_add_epi64(half, _mm_unpackhi_epi64(half, half))) as u64
 }
 
 /// The keys of items of `B` whole 32-byte blocks, loaded once by a loop that checksums many such
@@ -173,17 +196,11 @@ impl<const B: usize> BlockKeys<B> {
             // SAFETY: block `b` lies inside both ranges (see the contract).
             unsafe {
                 let m = _mm256_loadu_si256(src.add(32 * b) as *const __m256i);
-                if aligned {
-                    _mm256_stream_si256(dst.add(32 * b) as *mut __m256i, m);
-                } else {
-                    _mm256_storeu_si256(dst.add(32 * b) as *mut __m256i, m);
-                }
+                store_block(dst.add(32 * b), m, aligned);
                 e = _mm256_add_epi64(e, _mm256_mul_epu32(self.even[b], m));
                 o = _mm256_add_epi64(o, _mm256_mul_epu32(self.odd[b], _mm256_srli_epi64(m, 32)));
             }
         }
-        let total = _mm256_add_epi64(e, o);
-        let half = _mm_add_epi64(_mm256_castsi256_si128(total), _mm256_extracti128_si256::<1>(total));
-        _mm_cvtsi128_si64(_mm_add_epi64(half, _mm_unpackhi_epi64(half, half))) as u64
+        lanes_sum(_mm256_add_epi64(e, o))
     }
 }

@@ -58,10 +58,17 @@ impl HostPool<'_> {
     /// [`HostPool::page_items`] of a page already checked to start at token `index`.
     fn items_of_page(&self, index: u64) -> impl Iterator<Item = (u64, u64, u8)> + '_ {
         let g = self.pair.host();
+        let std::ops::Range { start: first, end } = self.units_of_page(index);
+        (0..g.kind().components() as u8).flat_map(move |c| (0..g.layer_num()).flat_map(move |l| (first..end).map(move |u| (u, l, c))))
+    }
+
+    /// The host units (slots; indexer pages for the DSA indexer) of the page starting at token
+    /// `index`.
+    fn units_of_page(&self, index: u64) -> std::ops::Range<u64> {
+        let g = self.pair.host();
         let per = g.index_page_size();
         let first = (index / g.page_size()) * per;
-        (0..g.kind().components() as u8)
-            .flat_map(move |c| (0..g.layer_num()).flat_map(move |l| (first..first + per).map(move |u| (u, l, c))))
+        first..first + per
     }
 
     /// The recorded checksums of the items of the page starting at token `index` once the
@@ -326,12 +333,12 @@ impl HostPool<'_> {
     ) -> Result<(bool, u64)> {
         let g = self.pair.host();
         let (mut ok, mut items) = (true, 0u64);
-        let (per, page) = (g.index_page_size(), first as u64 / g.page_size());
+        let units = self.units_of_page(first as u64);
         for comp in 0..g.kind().components() as u8 {
             let buffer = g.buffer_of(comp) as usize;
             for layer in 0..g.layer_num() {
                 let (entries, addr) = (s.layer_entries(layer, comp), g.addr(comp, layer));
-                for unit in page * per..(page + 1) * per {
+                for unit in units.clone() {
                     let Some(e) = usize::try_from(unit).ok().and_then(|u| entries.get(u)) else {
                         // Outside the table: the error that names the item.
                         self.item_slot(s, unit, layer, comp)?;

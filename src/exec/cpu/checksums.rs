@@ -1,6 +1,7 @@
 //! Copies that checksum every item in the same pass (each block of the source is loaded once,
 //! stored and multiplied in), settling into the host pool's table as they go.
 
+use crate::exec::settle::add_counts;
 use crate::exec::ChecksumBinding;
 use crate::geometry::Addr;
 use crate::integrity;
@@ -271,9 +272,7 @@ fn copy_runs_checked_body<S: ChunkSum>(
                 settle.item(s.host_unit + j, s.device_unit + j, sum);
             }
         }
-        for (a, b) in n.iter_mut().zip(settle.n) {
-            *a += b;
-        }
+        add_counts(&mut n, settle.n);
     }
     n
 }

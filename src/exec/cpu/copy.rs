@@ -7,6 +7,7 @@ use crate::plan::{ChecksumMode, CopyStep, GatherStep, Span, Step, StepKind};
 
 use super::checksums::{copy_runs_checked, gather_checked};
 use super::queue::ON_WORKER;
+use crate::exec::settle::add_counts;
 
 /// Below this many bytes a transfer stays on the calling thread (thread start-up costs more).
 pub(super) const PARALLEL_MIN_BYTES: u64 = 1 << 20;
@@ -76,8 +77,8 @@ fn run_gather_checked(g: &GatherStep, pairs: &[Pair], threads: usize, streaming:
     let work = |lo: usize, hi: usize| {
         let mut n = [0u64; 4];
         for (l, &item) in pairs.iter().zip(&g.items) {
-            n = add4(
-                n,
+            add_counts(
+                &mut n,
                 match streaming {
                     true => gather_checked::<true>(l, item, si, di, chunk, heads, lo, hi, mode, ib),
                     false => gather_checked::<false>(l, item, si, di, chunk, heads, lo, hi, mode, ib),
@@ -213,10 +214,6 @@ pub(super) fn prefetch_item((sp, dp, sa, da): &(SendPtr, SendPtr, Addr, Addr), s
             prefetch(dp.0.wrapping_add(da.offset(d as u64, 0) as usize));
         }
     }
-}
-
-fn add4(a: [u64; 4], b: [u64; 4]) -> [u64; 4] {
-    [a[0] + b[0], a[1] + b[1], a[2] + b[2], a[3] + b[3]]
 }
 
 /// [`copy_streaming`] or [`copy_chunk`] (a constant `streaming` folds the branch away).
