@@ -11,8 +11,9 @@ sglang binds its transfer functions when its modules are imported, in three ways
    ops, ``transfer_embedding_ranges_direct`` and, lazily, ``get_device_accessible_ptr``):
    ``sys.modules["sgl_kernel.kvcacheio"]`` becomes :mod:`hicache_io.kvcacheio`. When sgl-kernel
    is installed it is imported first and only its ``kvcacheio`` submodule is replaced (its
-   other kernels stay); when it is not, a package ``sgl_kernel`` holding just ``kvcacheio`` (and
-   ``copy_all_layer_kv_cache_cpu``) is made.
+   other kernels stay); when it is not, a package ``sgl_kernel`` holding just ``kvcacheio``,
+   ``copy_all_layer_kv_cache_cpu`` and the CPU engine's imports
+   (:data:`hicache_io.sglang_cpu.STAND_INS`) is made.
 2. ``torch.ops.sgl_kernel.<op>``, which sglang checks with ``hasattr`` before it uses
    ``get_device_accessible_ptr`` and ``transfer_embedding_ranges_direct``: every op of
    :mod:`hicache_io.torch_ops` is defined there (or, when sgl-kernel defined it with the same
@@ -126,6 +127,11 @@ def _kvcacheio_module() -> "tuple[Dict[str, Any], str]":
         pkg.__path__ = []  # a package, so `import sgl_kernel.kvcacheio` resolves through sys.modules
         pkg._hicache_io_stub = True  # type: ignore[attr-defined]
         pkg.copy_all_layer_kv_cache_cpu = kvcacheio.copy_all_layer_kv_cache_cpu  # type: ignore[attr-defined]
+        # What sglang's CPU engine imports from sgl_kernel (see hicache_io.sglang_cpu).
+        from .sglang_cpu import STAND_INS
+
+        for name, fn in STAND_INS.items():
+            setattr(pkg, name, fn)
         sys.modules["sgl_kernel"] = pkg
     pkg.kvcacheio = kvcacheio  # type: ignore[attr-defined]
     sys.modules["sgl_kernel.kvcacheio"] = kvcacheio

@@ -1,0 +1,134 @@
+"""Runs sglang 0.5.23's ``Engine`` on CPU through a list of steps and writes what it saw as JSON.
+
+``python sglang_driver.py SPEC.json OUT.json``. SPEC: ``{"model": DIR, "engine": {extra
+sglang.Engine arguments}, "steps": [{"op": "generate", "name": N, "prompts": [[ids]],
+"max_new_tokens": K} | {"op": "flush"}]}``. OUT: ``{"steps": [{"name", "tokens", "cached",
+"details"}], "processes": {pid: {"calls": {op: n}, "installed": bool, "hook": [...]}}}``.
+
+hicache-io reaches sglang's scheduler processes only through the wheel's hook
+(``HICACHE_IO_SGLANG=1`` in the environment the test passes): this script never installs it.
+sglang spawns its schedulers, and a spawned process imports this file again as
+``__mp_main__``, so the top-level code below runs in every scheduler too, before sglang's
+modules. It only observes and, for the negative control, breaks:
+
+- every sgl_kernel.kvcacheio op hicache-io serves is wrapped to count its calls per process
+  (written to ``$HICACHE_ENGINE_TEST_COUNTS/<pid>.json``), so the test sees that hicache-io
+  moved the bytes, in which process, and that its hook had run there;
+- ``HICACHE_ENGINE_TEST_BREAK_LOADS=1`` makes the host->device loads (the per-layer ops) move
+  nothing: the prefix then comes back as whatever the device slots held, and the tokens must
+  change (the comparison can fail)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+COUNTS = os.environ.get("HICACHE_ENGINE_TEST_COUNTS")
+
+
+def _instrument() -> None:
+    import hicache_io.kvcacheio as kvcacheio
+    from hicache_io.sglang import KVCACHEIO_OPS
+
+    calls: dict = {}
+    path = os.path.join(COUNTS, f"{os.getpid()}.json")
+    broken = os.environ.get("HICACHE_ENGINE_TEST_BREAK_LOADS") == "1"
+
+    def dump() -> None:
+        from hicache_io import _sglang_hook
+
+        done = _sglang_hook.report()
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"calls": calls, "installed": "sglang" in done, "hook": sorted(done)}, f)
+        os.replace(tmp, path)
+
+    def wrap(name, fn):
+        load = name.startswith("transfer_kv_per_layer")
+
+        def counted(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            dump()
+            if broken and load:
+                return None
+            return fn(*args, **kwargs)
+
+        counted.__name__ = name
+        counted.__doc__ = fn.__doc__
+        return counted
+
+    for name in KVCACHEIO_OPS:
+        if name.startswith("transfer_"):
+            setattr(kvcacheio, name, wrap(name, getattr(kvcacheio, name)))
+
+
+if COUNTS and os.environ.get("HICACHE_IO_SGLANG") == "1":
+    _instrument()
+
+
+def _flush(engine) -> None:
+    # Right after a generate sglang may answer "pending requests": retry for a while.
+    deadline = time.monotonic() + 30
+    while True:
+        result = engine.flush_cache()
+        ok = getattr(result, "success", result)
+        if ok or time.monotonic() > deadline:
+            if not ok:
+                raise RuntimeError(f"flush_cache did not succeed: {result}")
+            return
+        time.sleep(0.2)
+
+
+def main(spec_path: str, out_path: str) -> None:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    import sglang
+
+    args = dict(
+        model_path=spec["model"],
+        device="cpu",
+        attention_backend="torch_native",
+        skip_tokenizer_init=True,
+        page_size=16,
+        dtype="bfloat16",
+        mem_fraction_static=0.05,
+        max_total_tokens=1024,
+        disable_cuda_graph=True,
+        disable_overlap_schedule=True,
+        chunked_prefill_size=1024,
+        enable_cache_report=True,
+        random_seed=0,
+        log_level="warning",
+    )
+    args.update(spec.get("engine", {}))
+    t0 = time.monotonic()
+    engine = sglang.Engine(**args)
+    out = {"steps": [], "start_s": round(time.monotonic() - t0, 1)}
+    try:
+        for step in spec["steps"]:
+            if step["op"] == "flush":
+                _flush(engine)
+                continue
+            params = {"temperature": 0, "max_new_tokens": step.get("max_new_tokens", 16), "ignore_eos": True}
+            for prompt in step["prompts"]:
+                r = engine.generate(input_ids=prompt, sampling_params=params)
+                meta = r["meta_info"]
+                out["steps"].append(
+                    {
+                        "name": step["name"],
+                        "tokens": r["output_ids"],
+                        "cached": meta.get("cached_tokens", 0),
+                        "details": meta.get("cached_tokens_details"),
+                    }
+                )
+    finally:
+        engine.shutdown()
+    out["seconds"] = round(time.monotonic() - t0, 1)
+    with open(out_path, "w") as f:
+        json.dump(out, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,250 @@
+"""sglang 0.5.23's ``Engine`` on CPU, its HiCache on hicache-io through the wheel's one setting
+(``HICACHE_IO_SGLANG=1``), generating greedy tokens equal to the same engine without HiCache.
+
+Every reused prefix's source is asserted from sglang's own report (``cached_tokens_details``:
+device, host, storage), since a silent miss recomputes and still gives equal tokens:
+
+- L2: a prefix stored, evicted from the device by filler prompts, served from the host pool
+  (``page_first``/kernel and ``page_first_direct``/direct here; every host layout x io backend of
+  the MHA pool with ``HICACHE_ENGINE_LAYOUTS=all``);
+- L3 on ``LocalStore``: after ``flush_cache()`` (device and host emptied), from the directory;
+  and from a new engine process over the same directory;
+- L3 on ``MooncakeStore`` against a master this test starts on loopback;
+- a negative control: the same engine with hicache-io's host->device loads broken must give other
+  tokens, so that the comparison can fail;
+- hicache-io's counted calls, in the scheduler process, show that it moved the bytes and that
+  the hook (not this test) installed it there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from . import model
+from .harness import DriverFailed, collect, missing_modules, problem_or_skip, run_driver, site_file, toolchain_problem
+
+SGLANG_VERSION = "0.5.23"
+PREFIX = 400  # tokens: 25 pages of 16
+# (layout, io backend): what CI runs; HICACHE_ENGINE_LAYOUTS=all adds the rest sglang offers
+# for the MHA pool (page_first_direct_hg and page_unified: sglang 0.5.23 never selects them).
+CI_CELLS = [("page_first", "kernel"), ("page_first_direct", "direct")]
+MORE_CELLS = [("layer_first", "kernel"), ("page_head", "kernel"), ("layer_first", "direct")]
+CELLS = CI_CELLS + (MORE_CELLS if os.environ.get("HICACHE_ENGINE_LAYOUTS") == "all" else [])
+# Modules sglang's Engine imports on CPU beyond the sglang client suite's venv.
+ENGINE_MODULES = ["uvloop", "fastapi", "uvicorn", "multipart", "setproctitle", "xxhash", "interegular", "einops", "distro", "zstandard", "xgrammar", "partial_json_parser"]
+
+
+def _problem() -> "str | None":
+    missing = missing_modules(["torch", "sglang"])
+    if missing:
+        return f"not installed: {', '.join(missing)}"
+    import importlib.metadata
+
+    version = importlib.metadata.version("sglang")
+    if version != SGLANG_VERSION:
+        return f"sglang {version} installed; these tests run sglang {SGLANG_VERSION}"
+    missing = missing_modules(ENGINE_MODULES)
+    if missing:
+        return f"sglang's engine needs {', '.join(missing)} (python/tests/engines/requirements.txt)"
+    if site_file("hicache_io_sglang.pth") is None:
+        return "hicache-io's hook (hicache_io_sglang.pth) is not in site-packages: install the wheel (pip install ./python)"
+    return toolchain_problem()
+
+
+PROBLEM = _problem()
+PREFIX_IDS, PROMPTS = model.prompts(PREFIX, 6)
+FILL = [model.prompts(300, 1, seed=s)[1][0] for s in range(10, 14)]
+
+
+def store_config(kind: str, where: str) -> str:
+    import json
+
+    raw = {"backend_name": "hicache_io", "module_path": "hicache_io.storage", "interface_v1": 1}
+    if kind == "local":
+        raw.update(class_name="LocalStore", hicache_io_local_dir=where)
+    else:
+        raw.update(class_name="MooncakeStore", master_server_address=where, protocol="tcp", metadata_server="P2PHANDSHAKE", local_hostname="127.0.0.1", global_segment_size=64 << 20, local_buffer_size=16 << 20)
+    return json.dumps(raw)
+
+
+def hicache(layout: str, io: str, store: "tuple[str, str] | None") -> dict:
+    args = {"enable_hierarchical_cache": True, "hicache_ratio": 8, "hicache_io_backend": io, "hicache_mem_layout": layout, "hicache_write_policy": "write_through"}
+    if store is not None:
+        args.update(hicache_storage_backend="dynamic", hicache_storage_backend_extra_config=store_config(*store))
+    return args
+
+
+def steps(*, l2: int, l3: "int | None" = None) -> list:
+    """Prompt 0 computes the prefix, the fillers evict it from the device (written through to the
+    host pool), prompt ``l2`` reuses it from the host; with ``l3``, ``flush_cache()`` then empties
+    device and host and prompt ``l3`` reuses it from storage."""
+    out = [
+        {"op": "generate", "name": "first", "prompts": [PROMPTS[0]]},
+        {"op": "generate", "name": "fill", "prompts": FILL, "max_new_tokens": 1},
+        {"op": "generate", "name": "l2", "prompts": [PROMPTS[l2]]},
+    ]
+    if l3 is not None:
+        out += [{"op": "flush"}, {"op": "generate", "name": "l3", "prompts": [PROMPTS[l3]]}]
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model, tmp_path_factory):
+    """Every engine run of this module, two at a time (each is mostly one busy thread): name ->
+    the driver's output (``steps``, ``processes``, ``seconds``)."""
+    problem_or_skip(PROBLEM)
+    work = str(tmp_path_factory.mktemp("sglang-engines"))
+    counts = os.path.join(work, "counts")
+    base_env = {"SGLANG_USE_CPU_ENGINE": "1", "HICACHE_IO_SGLANG": "1", "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", os.path.join(work, "torch-extensions"))}
+    master = None
+    mooncake = None
+    try:
+        from common import mooncake_problem
+
+        mooncake = mooncake_problem()
+    except Exception as e:  # noqa: BLE001 - HICACHE_REQUIRE_MOONCAKE=1 raised: the test says so
+        mooncake = str(e)
+    plain_prompts = [{"op": "generate", "name": "all", "prompts": PROMPTS}]
+    plan = [("plain", {}, plain_prompts, {})]
+    for layout, io in CELLS:
+        local = os.path.join(work, f"l3-{layout}-{io}")
+        plan.append((f"{layout}/{io}", hicache(layout, io, ("local", local)), steps(l2=1, l3=2), {}))
+    if mooncake is None:
+        from hicache_io.storage import LocalMaster
+
+        master = LocalMaster(lease_ms=200)
+        plan.append(("mooncake", hicache("page_first_direct", "direct", ("mooncake", master.address)), steps(l2=4, l3=5), {}))
+    plan.append(("broken", hicache("page_first", "kernel", None), steps(l2=1), {"HICACHE_ENGINE_TEST_BREAK_LOADS": "1"}))
+    # Last: it reads what page_first/kernel (started second) wrote, which has ended by then.
+    plan.append(("restart", hicache("page_first", "kernel", ("local", os.path.join(work, "l3-page_first-kernel"))), [{"op": "generate", "name": "l3", "prompts": [PROMPTS[3]]}], {}))
+    results = {"_mooncake": mooncake}
+    started = []  # (name, process)
+
+    def finish(n: int) -> None:
+        while len(started) > n:
+            name, proc = started.pop(0)
+            try:
+                results[name] = collect(proc)
+            except DriverFailed as e:  # the tests that read this run fail with it
+                results[name] = {"error": str(e)}
+                continue
+            results[name]["processes"] = read_counts(os.path.join(counts, stem(name)))
+
+    try:
+        for name, engine, run_steps, env in plan:
+            finish(1)  # two engines at a time
+            os.makedirs(os.path.join(counts, stem(name)))
+            spec = {"model": tiny_model, "engine": engine, "steps": run_steps}
+            env = {**base_env, "HICACHE_ENGINE_TEST_COUNTS": os.path.join(counts, stem(name)), **env}
+            started.append((name, run_driver("sglang_driver.py", spec, work, stem(name), env)))
+        finish(0)
+    finally:
+        if master is not None:
+            master.stop()
+    return results
+
+
+def stem(name: str) -> str:
+    return name.replace("/", "-")
+
+
+def read_counts(folder: str) -> dict:
+    """pid -> what the driver's instrumentation recorded in that process."""
+    out = {}
+    for f in os.listdir(folder):
+        if f.endswith(".json"):
+            with open(os.path.join(folder, f)) as fh:
+                out[f[: -len(".json")]] = json.load(fh)
+    return out
+
+
+def get(runs: dict, name: str) -> dict:
+    run = runs[name]
+    if "error" in run:
+        raise DriverFailed(run["error"])
+    return run
+
+
+def step(run: dict, name: str) -> dict:
+    (found,) = [s for s in run["steps"] if s["name"] == name]
+    return found
+
+
+def expected(runs, prompt: int) -> list:
+    return get(runs, "plain")["steps"][prompt]["tokens"]
+
+
+def calls(run: dict) -> dict:
+    """hicache-io's op calls, summed over the run's processes, and whether the hook had
+    installed hicache-io in each process that made them."""
+    total: dict = {}
+    for proc in run["processes"].values():
+        assert proc["installed"], "hicache-io ran in a process its hook had not installed (the test must not install it)"
+        for op, n in proc["calls"].items():
+            total[op] = total.get(op, 0) + n
+    return total
+
+
+def assert_equal_tokens(runs, run: dict, name: str, prompt: int) -> None:
+    got = step(run, name)["tokens"]
+    assert got == expected(runs, prompt), f"{name}: tokens differ from the engine without HiCache: {got} != {expected(runs, prompt)}"
+
+
+@pytest.mark.parametrize("cell", ["/".join(c) for c in CELLS])
+def test_l2_prefix_from_host_equal_tokens(runs, cell):
+    run = get(runs, cell)
+    assert step(run, "first")["cached"] == 0
+    details = step(run, "l2")["details"]
+    # Every full page of the prefix came back from the host pool, none from the device.
+    assert details["host"] == PREFIX and details["device"] == 0, details
+    assert_equal_tokens(runs, run, "l2", 1)
+    made = calls(run)
+    loads = sum(n for op, n in made.items() if op.startswith("transfer_kv_per_layer"))
+    backups = sum(n for op, n in made.items() if op.startswith("transfer_kv_all_layer"))
+    assert loads > 0 and backups > 0, f"hicache-io moved no load or no backup: {made}"
+
+
+@pytest.mark.parametrize("cell", ["/".join(c) for c in CELLS])
+def test_l3_local_store_after_flush_equal_tokens(runs, cell):
+    run = get(runs, cell)
+    details = step(run, "l3")["details"]
+    assert details["storage"] == PREFIX and details["host"] == 0 and details["device"] == 0, details
+    assert details["storage_backend"] == "LocalStore"
+    assert_equal_tokens(runs, run, "l3", 2)
+
+
+def test_l3_local_store_from_a_new_process(runs):
+    run = get(runs, "restart")
+    details = step(run, "l3")["details"]
+    assert details["storage"] == PREFIX, f"the new engine found nothing of what the first one stored: {details}"
+    assert_equal_tokens(runs, run, "l3", 3)
+    assert calls(run), "no hicache-io call in the new engine"
+
+
+def test_l3_mooncake_store_equal_tokens(runs):
+    problem_or_skip(runs["_mooncake"])
+    run = get(runs, "mooncake")
+    assert step(run, "l2")["details"]["host"] == PREFIX
+    assert_equal_tokens(runs, run, "l2", 4)
+    details = step(run, "l3")["details"]
+    assert details["storage"] == PREFIX and details["storage_backend"] == "MooncakeStore", details
+    assert_equal_tokens(runs, run, "l3", 5)
+
+
+def test_broken_loads_change_the_tokens(runs):
+    """The negative control: the prefix still comes 'from the host' by sglang's account, but no
+    byte of it lands, and the tokens differ from the engine without HiCache."""
+    run = get(runs, "broken")
+    assert step(run, "l2")["details"]["host"] == PREFIX
+    assert step(run, "l2")["tokens"] != expected(runs, 1), "tokens equal with the loads broken: the comparison cannot fail"
+    assert calls(run).get("transfer_kv_per_layer_pf_lf", 0) > 0
+
+
+def test_engine_without_hicache_makes_no_transfer(runs):
+    """The baseline moves no byte through hicache-io's transfer ops (HiCache off), though its
+    hook serves the CPU engine's own sgl_kernel imports there."""
+    assert calls(get(runs, "plain")) == {}
+    assert all(s["cached"] == 0 or s["details"] is None or s["details"]["host"] == 0 for s in get(runs, "plain")["steps"])
