@@ -49,8 +49,8 @@ if getattr(_vllm, "__version__", None) != VLLM_VERSION:
     )
 
 from .connector import HicacheOffloadingConnector  # noqa: E402
-from .spec import HicacheOffloadingSpec  # noqa: E402
+from .spec import HicacheOffloadingManager, HicacheOffloadingSpec  # noqa: E402
 from .tier import HicacheTier  # noqa: E402
 from .worker import HicacheOffloadingWorker  # noqa: E402
 
-__all__ = ["HicacheOffloadingConnector", "HicacheOffloadingSpec", "HicacheOffloadingWorker", "HicacheTier", "VLLM_VERSION"]
+__all__ = ["HicacheOffloadingConnector", "HicacheOffloadingManager", "HicacheOffloadingSpec", "HicacheOffloadingWorker", "HicacheTier", "VLLM_VERSION"]

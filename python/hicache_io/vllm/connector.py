@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import threading
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 
 from .worker import HicacheOffloadingWorker
+
+log = logging.getLogger(__name__)
 
 
 class HicacheOffloadingConnector(OffloadingConnector):
@@ -39,6 +42,58 @@ class HicacheOffloadingConnector(OffloadingConnector):
         self._failed_reqs: set[str] = set()
         self._failed_sync = False
         self._one_group = len(self._kv_cache_config.kv_cache_groups) == 1
+        # Scheduler side: request -> group -> device block id -> the chunk key loaded into it.
+        self._block_keys: dict[str, dict[int, dict[int, Any]]] = {}
+
+    # ---- scheduler side: damaged chunks leave the manager's index --------------------------
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> Any:
+        """vLLM's, then, for a load it just planned, which chunk key lands in each device block
+        (so a failed block can be traced to the chunk that held it)."""
+        before = set(self.connector_scheduler._current_batch_load_jobs)
+        result = super().update_state_after_alloc(request, blocks, num_external_tokens)
+        sched = self.connector_scheduler
+        for job_id in set(sched._current_batch_load_jobs) - before:
+            job = sched._current_batch_load_jobs[job_id]
+            state = sched._req_status[job.req_id]
+            self._block_keys[job.req_id] = _block_keys(job.dst_spec, state, sched.config.kv_group_configs)
+        return result
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """vLLM's, and first: the chunks behind a failed load leave the manager's index
+        (:meth:`HicacheOffloadingManager.discard`), so the recomputed request stores a good copy
+        instead of loading the damaged one again (vLLM's manager keeps it, and with
+        ``kv_load_failure_policy: "recompute"`` every retry hits it and fails the same way,
+        forever)."""
+        damaged = self._damaged_keys(connector_output)
+        super().update_connector_output(connector_output)
+        if not damaged:
+            return
+        manager = self.connector_scheduler.manager
+        discard = getattr(manager, "discard", None)
+        if discard is None:
+            log.warning("hicache-io: the offloading manager (%s) cannot forget damaged chunks: use HicacheOffloadingSpec", type(manager).__name__)
+            return
+        with manager.lock:
+            gone = discard(damaged)
+        log.warning("hicache-io offloading: %d damaged chunk(s) leave the index (%d now, the rest when their loads end)", len(damaged), gone)
+
+    def request_finished(self, request: Any, block_ids: Any) -> Any:
+        self._block_keys.pop(request.request_id, None)
+        return super().request_finished(request, block_ids)
+
+    def _damaged_keys(self, output: Any) -> list:
+        """The keys of the chunks whose loads failed: by device block (one group), or every key
+        a failed receive loaded (several groups: vLLM reports the request)."""
+        invalid = set(getattr(output, "invalid_block_ids", None) or ())
+        failed = set(getattr(output, "failed_recving", None) or ())
+        keys: list = []
+        for req_id, by_block in self._block_keys.items():
+            if req_id in failed:
+                keys.extend(dict.fromkeys(k for g in by_block.values() for k in g.values()))
+            elif invalid and 0 in by_block:
+                keys.extend(dict.fromkeys(k for b, k in by_block[0].items() if b in invalid))
+        return keys
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         super().register_kv_caches(kv_caches)
@@ -80,3 +135,23 @@ class HicacheOffloadingConnector(OffloadingConnector):
                 "which vLLM can only recompute by block id within one group; stopping rather than computing on damaged KV"
             )
         return set()
+
+
+def _block_keys(dst_spec: Any, state: Any, group_configs: Any) -> "dict[int, dict[int, Any]]":
+    """group -> device block id -> chunk key, for one planned load: the load's device blocks
+    (``dst_spec``: per group, ``group_sizes[g]`` blocks from block index ``block_indices[g]``)
+    against the token range each loaded key covers (``state.load_key_ranges``, in group order)."""
+    out: dict[int, dict[int, Any]] = {}
+    ranges = list(state.load_key_ranges)
+    block_ids = list(dst_spec.block_ids)
+    pos = 0
+    for g, (size, first) in enumerate(zip(dst_spec.group_sizes, dst_spec.block_indices)):
+        tpb = group_configs[g].tokens_per_block
+        mapping = out.setdefault(g, {})
+        for p in range(int(size)):
+            start = (int(first) + p) * tpb
+            key = next((k for lo, hi, k in ranges if lo <= start < hi), None)
+            if key is not None:
+                mapping[int(block_ids[pos + p])] = key
+        pos += int(size)
+    return out

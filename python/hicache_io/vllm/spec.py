@@ -13,12 +13,75 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from .worker import HicacheOffloadingWorker
 
 
+class HicacheOffloadingManager(CPUOffloadingManager):
+    """vLLM's ``CPUOffloadingManager`` that can forget chunks whose loads failed their checksums.
+
+    vLLM's manager keeps a chunk in its index after a failed load, so every later lookup hits it
+    and every load of it fails again: with ``kv_load_failure_policy: "recompute"`` the scheduler
+    reschedules the request, which hits the same chunk, forever. :meth:`discard` takes such
+    chunks out (at once when no load holds them, else when the last one completes), so the next
+    request recomputes the tokens and stores a good copy.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._doomed: set = set()
+        #: Chunks taken out of the index after failed loads (for stats and tests).
+        self.discarded = 0
+
+    def discard(self, keys: Any) -> int:
+        """Removes ``keys`` from the index (a key not in it is skipped; one that a load still
+        holds goes when that load completes); returns how many went now."""
+        gone = []
+        for key in keys:
+            chunk = self._policy.get(key)
+            if chunk is None or not chunk.is_ready:
+                continue  # absent, or a store in flight: a new copy is on its way
+            if chunk.ref_cnt > 0:
+                self._doomed.add(key)
+                continue
+            self._remove_ready(key, chunk)
+            gone.append(key)
+        self._removed_event(gone)
+        return len(gone)
+
+    def _remove_ready(self, key: Any, chunk: Any) -> None:
+        self._num_evictable_cache_chunks -= 1
+        self._policy.remove(key)
+        self._free_chunk(chunk)
+        self.discarded += 1
+
+    def _removed_event(self, keys: list) -> None:
+        if keys and self.events is not None:
+            from vllm.v1.kv_offload.base import OffloadingEvent
+
+            self.events.append(OffloadingEvent(keys=keys, medium=self.medium, removed=True))
+
+    def complete_load(self, keys: Any, req_context: Any) -> None:
+        super().complete_load(keys, req_context)
+        if not self._doomed:
+            return
+        gone = []
+        for key in keys:
+            chunk = self._policy.get(key)
+            if key in self._doomed and chunk is not None and chunk.ref_cnt == 0:
+                self._doomed.discard(key)
+                self._remove_ready(key, chunk)
+                gone.append(key)
+        self._removed_event(gone)
+
+    def reset_cache(self) -> None:
+        super().reset_cache()
+        self._doomed.clear()
+
+
 class HicacheOffloadingSpec(OffloadingSpec):
     """vLLM's CPU offloading, configured as vLLM's ``CPUOffloadingSpec`` is:
     ``cpu_bytes_to_use`` (all workers together, required), ``eviction_policy`` (``lru`` or
     ``arc``), ``cache_policy_module_path``, ``store_threshold``, ``max_tracker_size``.
 
-    The scheduler side is vLLM's own ``CPUOffloadingManager`` (chunk ids, eviction, events);
+    The scheduler side is vLLM's own ``CPUOffloadingManager`` (chunk ids, eviction, events),
+    as :class:`HicacheOffloadingManager`, which can also forget a chunk whose load failed;
     the worker side is :class:`HicacheOffloadingWorker`, which keeps each worker's chunks in
     hicache-io host rows on the executor of the KV tensors. Unlike vLLM's CPU spec it runs on
     CPU tensors too, and verifies every chunk it loads.
@@ -61,7 +124,7 @@ class HicacheOffloadingSpec(OffloadingSpec):
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
-            self._manager = CPUOffloadingManager(
+            self._manager = HicacheOffloadingManager(
                 num_chunks=self.num_chunks,
                 cache_policy=self.eviction_policy,
                 cache_policy_module_path=self.cache_policy_module_path,

@@ -282,6 +282,19 @@ def test_a_damaged_chunk_is_recomputed_never_loaded(tmp_path):
     # Recomputed from the damaged block on: every byte right.
     e.check_blocks("c", c, len(c))
     e.run()
+    # The damaged chunk left the manager's index (vLLM's manager keeps it, and every later
+    # request over this prefix would hit it and fail again). c loaded the chunks before it, so
+    # stores none of the prefix: the next request loads those, recomputes block 2 and stores it
+    # fresh, and the one after it loads the whole prefix.
+    for req_id, seed, loaded in (("d", 10, 2 * BLOCK), ("e", 11, 4 * BLOCK)):
+        e.scramble(seed)
+        tokens = shared + prompt(seed, BLOCK)
+        e.add(req_id, tokens, max_tokens=3)
+        assert e.until_output(req_id) == set(), f"{req_id}: the damaged chunk was loaded again"
+        assert e.loaded_tokens[req_id] >= loaded, e.loaded_tokens
+        e.check_blocks(req_id, tokens, len(tokens))
+        e.run()
+    assert e.scheduler.connector.connector_scheduler.manager.discarded == 1
     e.worker.shutdown()
 
 
