@@ -15,9 +15,9 @@ import time
 
 import numpy as np
 import pytest
-import torch
 
 try:
+    import torch
     from vllm import SamplingParams
     from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole

@@ -4,9 +4,9 @@ pages, a cross-layer tensor; damaged chunks fail their loads; bad specs move not
 
 import numpy as np
 import pytest
-import torch
 
 try:
+    import torch
     from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, GPULoadStoreSpec
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
