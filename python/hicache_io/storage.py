@@ -56,6 +56,7 @@ from .l3.config import size_of as _size
 from .l3.errors import INTEGRITY, LOCAL_STORE, MOONCAKE_ERRORS, MOONCAKE_STORE, REFUSED, SHORT_READ, StorageError
 from .l3.keys import GridKeys, RankKeys, claim_namespace, namespace_key, namespace_of, shard_descriptor
 from .l3.layouts import PoolLayout as _Layout
+from .l3.watch import ReadBack
 from .l3.layouts import SglangLayout as _SglangLayout  # noqa: F401 (the name it had)
 from .l3.layouts import check_inside as _check_inside  # noqa: F401 (the name it had)
 from .l3.layouts import host_list as _host_list
@@ -112,6 +113,8 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
         self._trailers: Optional[np.ndarray] = None
         self.stats = {"verified": 0, "unverified": 0, "corrupt": 0, "damaged_puts": 0, "foreign": 0, "incompatible": 0}
         self._health = Health(self._store_name, local=self._store_name == LOCAL_STORE)
+        # Whether what is stored is ever read back (l3.watch: warns once when it is not).
+        self._read_back = ReadBack(self._store_name, getattr(store, "directory", "") or "")
         self.mem_pool_host: Any = None
         # What owned memory registered with the client (pools, staging and trailer buffers) after
         # it was unregistered: kept until the client has closed (see the module docstring). It
@@ -314,7 +317,9 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
     def batch_set_v1(self, keys: List[str], host_indices: Any, extra_info: Any = None) -> List[bool]:
         """Writes page ``i`` (host slots ``host_indices[i * P : (i + 1) * P]``) under ``keys[i]``;
         objects that exist already are left as they are and count as written."""
-        return self._paged("batch_set_v1", keys, host_indices, self._set_batch)
+        done = self._paged("batch_set_v1", keys, host_indices, self._set_batch)
+        self._read_back.put(sum(done))
+        return done
 
     def _set_batch(self, keys: List[str], idx: Any, integrity: bool) -> List[bool]:
         return put_pages(self, "batch_set_v1", keys, self._object_keys(keys), self._placement(idx, len(keys), integrity))
@@ -337,7 +342,9 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
     def batch_get_v1(self, keys: List[str], host_indices: Any, extra_info: Any = None) -> List[bool]:
         """Reads page ``keys[i]`` into host slots ``host_indices[i * P : (i + 1) * P]``; a page is
         ``True`` only when every object of it was read whole."""
-        return self._paged("batch_get_v1", keys, host_indices, self._get_batch)
+        done = self._paged("batch_get_v1", keys, host_indices, self._get_batch)
+        self._read_back.looked_up(any(done))
+        return done
 
     def _get_batch(self, keys: List[str], idx: Any, integrity: bool) -> List[bool]:
         return get_pages(self, "batch_get_v1", keys, self._object_keys(keys), self._placement(idx, len(keys), integrity))
@@ -351,8 +358,11 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
         with self._lock:
             self._pool()
             if self._foreign or (self._grid is not None and self._grid.missing):
-                return 0
-            return counted_exists(self, self._object_keys(keys), self._layout.comps)
+                found = 0
+            else:
+                found = counted_exists(self, self._object_keys(keys), self._layout.comps)
+        self._read_back.looked_up(found > 0)
+        return found
 
     # ---- the plain forms: raw keys, as sglang's Mooncake backend names them -----------------
 
@@ -413,8 +423,14 @@ class MooncakeStore(PoolsV2, UnifiedKeys, HiCacheStorage):
         failed because the master could not be reached), ``outages`` (times it became
         unreachable; each start and end is logged as a warning), ``io_errors`` (the local store's
         object answers that failed with an I/O error of its disk: a full disk, a failing read;
-        always 0 on Mooncake)."""
-        return {**self.stats, **self._health.counts}
+        always 0 on Mooncake).
+
+        And whether the engine reads back what it stores (:mod:`hicache_io.l3.watch`):
+        ``put_batches`` (put calls that wrote pages), ``lookups`` (``batch_exists`` and page-read
+        calls), ``hits`` (those that found a page), ``never_read`` (1 once that many put calls
+        and no hit were warned about: keys that never match, such as sglang's without its
+        page-hash extension)."""
+        return {**self.stats, **self._health.counts, **self._read_back.counts}
 
     def close(self) -> None:
         """Unregisters the pool and closes the client (waits for a call in progress)."""

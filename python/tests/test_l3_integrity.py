@@ -233,7 +233,7 @@ def test_integrity_can_be_turned_off(master):
         (obj,) = s.object_keys(key)
         assert s.store.get_size(obj) == host.get_data_page(P).size  # no trailer
         assert s.batch_get_v1([key], tokens([3])) == [True]
-        assert s.integrity_stats() == {"verified": 0, "unverified": 0, "corrupt": 0, "damaged_puts": 0, "foreign": 0, "incompatible": 0, "unreachable": 0, "outages": 0, "io_errors": 0}
+        assert s.integrity_stats() == {"verified": 0, "unverified": 0, "corrupt": 0, "damaged_puts": 0, "foreign": 0, "incompatible": 0, "unreachable": 0, "outages": 0, "io_errors": 0, "put_batches": 1, "lookups": 1, "hits": 1, "never_read": 0}
         assert s.get_stats() is None  # sglang's metrics hook
     finally:
         s.close()

@@ -275,3 +275,38 @@ def test_large_page_aligned_objects_are_written_direct_and_read_back_exactly(tmp
         assert c.batch_get_into(["big"], [dst.ctypes.data], [total]) == [OBJECT_NOT_FOUND]
     finally:
         c.close()
+
+
+def test_a_store_never_read_back_warns_once_and_counts_it(tmp_path, caplog):
+    """Keys that never match (sglang without its page-hash extension): puts, lookups that find
+    nothing, and after SILENT_AFTER put calls one warning, counted as ``never_read``; a store
+    whose pages are found stays quiet."""
+    import logging
+
+    import hicache_io
+    from hicache_io.l3.watch import SILENT_AFTER
+    from hicache_io.storage import LocalStore
+
+    dev = hicache_io.DevicePool(hicache_io.Device("cpu"), "dsa", 132, 16, 8, 2)
+    host = hicache_io.HostPool(dev, "page_first", 16 * 8, profile="extended")
+    quiet = LocalStore(kwargs={"hicache_io_local_dir": str(tmp_path / "read")})
+    silent = LocalStore(kwargs={"hicache_io_local_dir": str(tmp_path / "unread")})
+    try:
+        for store in (quiet, silent):
+            store.register_mem_pool_host(host)
+        with caplog.at_level(logging.WARNING, logger="hicache_io.storage"):
+            for i in range(SILENT_AFTER + 5):
+                for store in (quiet, silent):
+                    assert store.batch_set_v1([f"written-{i}"], tokens([0])) == [True]
+                assert quiet.batch_exists([f"written-{i}"]) == 1
+                assert silent.batch_exists([f"asked-{i}"]) == 0  # another key each time
+        warned = [r for r in caplog.records if "never reads back" in r.getMessage()]
+        assert len(warned) == 1 and str(tmp_path / "unread") in warned[0].getMessage()
+        assert "page-hash extension" in warned[0].getMessage()
+        stats = silent.integrity_stats()
+        assert stats["never_read"] == 1 and stats["hits"] == 0 and stats["put_batches"] == SILENT_AFTER + 5
+        assert stats["lookups"] == SILENT_AFTER + 5
+        assert quiet.integrity_stats()["never_read"] == 0 and quiet.integrity_stats()["hits"] == SILENT_AFTER + 5
+    finally:
+        quiet.close()
+        silent.close()
