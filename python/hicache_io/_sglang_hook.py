@@ -12,21 +12,26 @@ modules finish loading:
   (:func:`hicache_io.sglang_cpu.bind_guarded_ops`);
 - ``pool_host/common.py`` without a CUDA driver: host registration as no-ops.
 
-Nothing else is imported at start, so the ``.pth`` line costs one environment lookup in
-processes that do not set the variable. A failure (an sglang version ``install`` refuses, say)
-raises from the ``import sglang`` that triggered it: the setting asked for hicache-io, and a
-server silently without it would be worse.
+Without the variable the ``.pth`` line costs one environment lookup and imports nothing; with
+it, every Python process imports ``hicache_io`` (numpy and its native module) at start. A failure
+in an action (an sglang version ``install`` refuses, say) raises from the ``import sglang`` that
+triggered it: the setting asked for hicache-io, and a server silently without it would be worse.
+(Should ``hicache_io`` itself not import, Python prints that error at every start and goes on
+without the hook.)
 """
 
 from __future__ import annotations
 
 import importlib.abc
 import logging
-import os
 import sys
+import threading
 from typing import Any, Callable, Dict, Optional
 
 ENV = "HICACHE_IO_SGLANG"
+#: The attribute that marks the hook on ``sys.meta_path`` (a class check would miss a hook made
+#: by a reloaded copy of this module).
+MARK = "_hicache_io_sglang_hook"
 
 logger = logging.getLogger("hicache_io.sglang")
 
@@ -69,20 +74,32 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
     def __init__(self, actions: Dict[str, Callable[[Any], None]]):
         self.actions = actions
+        setattr(self, MARK, True)
+        # Names being looked up by this thread: a finder after this one that asks the whole
+        # meta path again (as this one does) must not bring the question back here.
+        self._asking = threading.local()
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Optional[Any]:
         action = self.actions.get(name)
-        if action is None:
+        asking = self._asking.__dict__.setdefault("names", set())
+        if action is None or name in asking:
             return None
+        asking.add(name)
+        try:
+            return self._wrapped(name, path, target, action)
+        finally:
+            asking.discard(name)
+
+    def _wrapped(self, name: str, path: Any, target: Any, action: Callable[[Any], None]) -> Optional[Any]:
         for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
+            if getattr(finder, MARK, False) or not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(name, path, target)
             if spec is None:
                 continue
             loader = spec.loader
             if loader is None or not hasattr(loader, "exec_module"):
-                return spec
+                raise ImportError(f"{ENV}=1: {name} is loaded by {loader!r}, which hicache-io's hook cannot follow; call hicache_io.sglang.install() in the process instead")
             run = loader.exec_module
 
             def exec_module(module: Any, run: Callable[[Any], None] = run) -> None:
@@ -100,7 +117,7 @@ def activate() -> bool:
     """Puts the hook on ``sys.meta_path`` (once); True when it was added now. A module already
     imported is not revisited: call :func:`hicache_io.sglang.install` and
     :func:`hicache_io.sglang_cpu.apply` for those."""
-    if any(isinstance(f, _AfterImport) for f in sys.meta_path):
+    if any(getattr(f, MARK, False) for f in sys.meta_path):
         return False
     sys.meta_path.insert(0, _AfterImport(_actions()))
     return True

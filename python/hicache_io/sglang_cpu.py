@@ -7,9 +7,9 @@ pieces make HiCache run there on hicache-io:
 
 - :data:`STAND_INS` -- the ``sgl_kernel`` names sglang's CPU path imports, put into hicache-io's
   ``sgl_kernel`` stand-in (only when sgl-kernel is not installed: a real sgl-kernel is never
-  shadowed). ``assign_req_to_token_pool_cpu`` (called on every prefill) is implemented; the
-  speculative-decoding kernels are imported at module load by sglang but only called with
-  speculative decoding on, so their stand-ins raise ``NotImplementedError`` naming themselves.
+  shadowed). sglang imports them at module load; it calls them only with speculative decoding
+  on. ``assign_req_to_token_pool_cpu`` (its speculative allocation's request-table writes) is
+  implemented; the others raise ``NotImplementedError`` naming themselves.
 - :func:`bind_guarded_ops` -- each host-pool module imports its transfer ops inside
   ``if _is_cuda or _is_hip: from sgl_kernel.kvcacheio import (...)``; on CPU those names do
   not exist and the first transfer raises ``NameError``. This runs exactly those import
@@ -196,7 +196,8 @@ def apply() -> Dict[str, Any]:
     registered = []
     if not cuda_driver_present():
         for name, mod in list(sys.modules.items()):
-            if mod is not None and (name == HOST_REGISTER_MODULE or name.startswith("sglang.srt.mem_cache.")) and (hasattr(mod, "_cuda_host_register") or hasattr(mod, "_cuda_host_unregister")):
+            # Every sglang module that took a copy (the pools, sglang.srt.state_capturer.base, ...).
+            if mod is not None and name.startswith("sglang.") and (hasattr(mod, "_cuda_host_register") or hasattr(mod, "_cuda_host_unregister")):
                 register_host_noop(mod)
                 registered.append(name)
     return {"bound": bound, "host_register_noop": sorted(registered)}

@@ -9,7 +9,8 @@ a salt that changes per process) look the same from here.
 
 :class:`ReadBack` counts put batches, lookups and hits; after :data:`SILENT_AFTER` put batches
 with pages written and not one hit, it warns once (with what it counted) and the store's
-``integrity_stats()`` says so (``never_read``: 1). A workload whose prompts share no prefix has no
+``integrity_stats()`` says so (``never_read``: 1, and it stays 1: it records that the warning
+was given, while ``hits`` shows what came after). A workload whose prompts share no prefix has no
 hits either: the warning names that possibility too; it is a signal to check, not an error.
 """
 

@@ -42,21 +42,21 @@ class HicacheOffloadingConnector(OffloadingConnector):
         self._failed_reqs: set[str] = set()
         self._failed_sync = False
         self._one_group = len(self._kv_cache_config.kv_cache_groups) == 1
-        # Scheduler side: request -> group -> device block id -> the chunk key loaded into it.
-        self._block_keys: dict[str, dict[int, dict[int, Any]]] = {}
+        # Scheduler side: each request's last planned load (see _PlannedLoad), until it finishes.
+        self._loads: dict[str, _PlannedLoad] = {}
 
     # ---- scheduler side: damaged chunks leave the manager's index --------------------------
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> Any:
-        """vLLM's, then, for a load it just planned, which chunk key lands in each device block
-        (so a failed block can be traced to the chunk that held it)."""
-        before = set(self.connector_scheduler._current_batch_load_jobs)
-        result = super().update_state_after_alloc(request, blocks, num_external_tokens)
+        """vLLM's; then, for a load it just planned, what is needed to trace a failed device
+        block back to its chunk (worked out only if one fails)."""
         sched = self.connector_scheduler
+        before = set(sched._current_batch_load_jobs)
+        result = super().update_state_after_alloc(request, blocks, num_external_tokens)
         for job_id in set(sched._current_batch_load_jobs) - before:
             job = sched._current_batch_load_jobs[job_id]
             state = sched._req_status[job.req_id]
-            self._block_keys[job.req_id] = _block_keys(job.dst_spec, state, sched.config.kv_group_configs)
+            self._loads[job.req_id] = _PlannedLoad(job.dst_spec, list(state.load_key_ranges), set(sched._jobs[job_id].keys))
         return result
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -65,7 +65,7 @@ class HicacheOffloadingConnector(OffloadingConnector):
         instead of loading the damaged one again (vLLM's manager keeps it, and with
         ``kv_load_failure_policy: "recompute"`` every retry hits it and fails the same way,
         forever)."""
-        damaged = self._damaged_keys(connector_output)
+        damaged = self._damaged_keys(connector_output) if self._loads else []
         super().update_connector_output(connector_output)
         if not damaged:
             return
@@ -79,21 +79,32 @@ class HicacheOffloadingConnector(OffloadingConnector):
         log.warning("hicache-io offloading: %d damaged chunk(s) leave the index (%d now, the rest when their loads end)", len(damaged), gone)
 
     def request_finished(self, request: Any, block_ids: Any) -> Any:
-        self._block_keys.pop(request.request_id, None)
+        self._loads.pop(request.request_id, None)
         return super().request_finished(request, block_ids)
 
+    def request_finished_all_groups(self, request: Any, block_ids: Any) -> Any:
+        # What vLLM's scheduler calls for a connector that serves several groups (this one).
+        self._loads.pop(request.request_id, None)
+        return super().request_finished_all_groups(request, block_ids)
+
     def _damaged_keys(self, output: Any) -> list:
-        """The keys of the chunks whose loads failed: by device block (one group), or every key
-        a failed receive loaded (several groups: vLLM reports the request)."""
+        """The keys of the chunks whose loads failed: by device block with one group (vLLM
+        reports blocks), every key a load brought for a failed receive (vLLM reports the
+        request). Only unfinished requests are looked at (a finished one's block ids may belong
+        to another by now; a preempted one's too, until its next load replaces its entry: then a
+        healthy chunk may go with the damaged one, which costs a recompute, never wrong KV)."""
         invalid = set(getattr(output, "invalid_block_ids", None) or ())
         failed = set(getattr(output, "failed_recving", None) or ())
+        if not invalid and not failed:
+            return []
+        groups = self.connector_scheduler.config.kv_group_configs
         keys: list = []
-        for req_id, by_block in self._block_keys.items():
+        for req_id, load in self._loads.items():
             if req_id in failed:
-                keys.extend(dict.fromkeys(k for g in by_block.values() for k in g.values()))
-            elif invalid and 0 in by_block:
-                keys.extend(dict.fromkeys(k for b, k in by_block[0].items() if b in invalid))
-        return keys
+                keys.extend(load.keys)
+            elif invalid and self._one_group:
+                keys.extend(load.keys_of_blocks(invalid, groups[0]))
+        return list(dict.fromkeys(keys))
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         super().register_kv_caches(kv_caches)
@@ -137,21 +148,28 @@ class HicacheOffloadingConnector(OffloadingConnector):
         return set()
 
 
-def _block_keys(dst_spec: Any, state: Any, group_configs: Any) -> "dict[int, dict[int, Any]]":
-    """group -> device block id -> chunk key, for one planned load: the load's device blocks
-    (``dst_spec``: per group, ``group_sizes[g]`` blocks from block index ``block_indices[g]``)
-    against the token range each loaded key covers (``state.load_key_ranges``, in group order)."""
-    out: dict[int, dict[int, Any]] = {}
-    ranges = list(state.load_key_ranges)
-    block_ids = list(dst_spec.block_ids)
-    pos = 0
-    for g, (size, first) in enumerate(zip(dst_spec.group_sizes, dst_spec.block_indices)):
-        tpb = group_configs[g].tokens_per_block
-        mapping = out.setdefault(g, {})
-        for p in range(int(size)):
-            start = (int(first) + p) * tpb
-            key = next((k for lo, hi, k in ranges if lo <= start < hi), None)
-            if key is not None:
-                mapping[int(block_ids[pos + p])] = key
-        pos += int(size)
-    return out
+
+class _PlannedLoad:
+    """One planned load of a request: its device blocks (``dst``: per group ``group_sizes[g]``
+    blocks from block index ``block_indices[g]``), the token range each loaded key covers
+    (``ranges``: vLLM's ``load_key_ranges``, ``(start, end, key)``, every group's) and the keys."""
+
+    __slots__ = ("dst", "ranges", "keys")
+
+    def __init__(self, dst: Any, ranges: list, keys: set):
+        self.dst, self.ranges, self.keys = dst, ranges, keys
+
+    def keys_of_blocks(self, invalid: set, group: Any) -> list:
+        """The keys loaded into the blocks of ``invalid`` (group 0: the only one vLLM reports
+        block ids for)."""
+        from vllm.v1.kv_offload.base import get_offload_group_idx
+
+        size, first = int(self.dst.group_sizes[0]), int(self.dst.block_indices[0])
+        ranges = [(lo, hi, k) for lo, hi, k in self.ranges if get_offload_group_idx(k) == group.group_idx]
+        out = []
+        for p, block in enumerate(self.dst.block_ids[:size]):
+            if int(block) not in invalid:
+                continue
+            start = (first + p) * group.tokens_per_block
+            out.extend(k for lo, hi, k in ranges if lo <= start < hi)
+        return out

@@ -65,9 +65,14 @@ def collect(proc: "subprocess.Popen") -> dict:
     try:
         rc = proc.wait(timeout=max(1.0, timeout - (time.monotonic() - t0)))
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        proc.wait()
         rc = "timeout"
+    # The engine's own processes (sglang's scheduler, detokenizer) go with it, whatever the end:
+    # left running they would slow the engines after them.
+    try:
+        os.killpg(proc.pid, 9)
+    except ProcessLookupError:
+        pass
+    proc.wait()
     log.close()
     if rc != 0 or not os.path.exists(out):
         with open(log.name) as f:

@@ -3,7 +3,8 @@
 ``python sglang_driver.py SPEC.json OUT.json``. SPEC: ``{"model": DIR, "engine": {extra
 sglang.Engine arguments}, "steps": [{"op": "generate", "name": N, "prompts": [[ids]],
 "max_new_tokens": K} | {"op": "flush"}]}``. OUT: ``{"steps": [{"name", "tokens", "cached",
-"details"}], "processes": {pid: {"calls": {op: n}, "installed": bool, "hook": [...]}}}``.
+"details", "seconds"}], "start_s", "seconds"}``; per process, ``{"calls": {op: n}, "installed":
+bool, "hook": [...]}`` in ``$HICACHE_ENGINE_TEST_COUNTS/<pid>.json``.
 
 hicache-io reaches sglang's scheduler processes only through the wheel's hook
 (``HICACHE_IO_SGLANG=1`` in the environment the test passes): this script never installs it.
@@ -113,7 +114,9 @@ def main(spec_path: str, out_path: str) -> None:
                 continue
             params = {"temperature": 0, "max_new_tokens": step.get("max_new_tokens", 16), "ignore_eos": True}
             for prompt in step["prompts"]:
+                t = time.perf_counter()
                 r = engine.generate(input_ids=prompt, sampling_params=params)
+                t = time.perf_counter() - t
                 meta = r["meta_info"]
                 out["steps"].append(
                     {
@@ -121,6 +124,7 @@ def main(spec_path: str, out_path: str) -> None:
                         "tokens": r["output_ids"],
                         "cached": meta.get("cached_tokens", 0),
                         "details": meta.get("cached_tokens_details"),
+                        "seconds": t,
                     }
                 )
     finally:

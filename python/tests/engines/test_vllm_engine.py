@@ -132,13 +132,16 @@ def test_damaged_rows_are_recomputed_and_leave_the_index(runs):
     assert damaged["cached"] == 0, "damaged rows were served as KV"
     # The damaged chunks left the index: the next request computes and stores fresh ones (its
     # own stores), and the one after it is served from them.
-    assert step(runs, "damaged", "recomputed")["tokens"] == expected(runs, 3)
+    recomputed = step(runs, "damaged", "recomputed")
+    assert recomputed["cached"] == 0, "a damaged chunk was still in the index"
+    assert recomputed["tokens"] == expected(runs, 3)
     fresh = step(runs, "damaged", "fresh")
     assert fresh["cached"] == REUSED and fresh["tokens"] == expected(runs, 4)
     with open(run["log"]) as f:
         log = f.read()
-    assert "Recovered from KV load failure" in log
-    assert log.count("Recovered from KV load failure") < 5, "the damaged chunk was hit again and again"
+    # One recovery: the damaged chunks were met once, then left the index (before, every retry
+    # met them again, without end).
+    assert log.count("Recovered from KV load failure") == 1, log.count("Recovered from KV load failure")
 
 
 def test_broken_loads_change_the_tokens(runs):

@@ -2,7 +2,7 @@
 
 ``python vllm_driver.py SPEC.json OUT.json``. SPEC: ``{"model": DIR, "llm": {extra vllm.LLM
 arguments}, "steps": [{"op": "generate", "name": N, "prompts": [[ids]], "max_new_tokens": K} |
-{"op": "reset"} | {"op": "damage"}]}``. OUT: ``{"steps": [{"name", "tokens", "cached"}],
+{"op": "reset"} | {"op": "damage"}]}``. OUT: ``{"steps": [{"name", "tokens", "cached", "seconds"}],
 "worker": {...}}``.
 
 The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the driver can
@@ -92,8 +92,10 @@ def main(spec_path: str, out_path: str) -> None:
             continue
         params = SamplingParams(temperature=0, max_tokens=step.get("max_new_tokens", 16), ignore_eos=True, detokenize=False)
         for prompt in step["prompts"]:
+            t = time.perf_counter()
             (r,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
-            out["steps"].append({"name": step["name"], "tokens": list(r.outputs[0].token_ids), "cached": r.num_cached_tokens or 0})
+            t = time.perf_counter() - t
+            out["steps"].append({"name": step["name"], "tokens": list(r.outputs[0].token_ids), "cached": r.num_cached_tokens or 0, "seconds": t})
     out["workers"] = len(workers())
     out["seconds"] = round(time.monotonic() - t0, 1)
     with open(out_path, "w") as f:

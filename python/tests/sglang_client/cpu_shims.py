@@ -21,27 +21,20 @@ S4 and S5 are read by the pools at construction: a test builds its pools inside
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import importlib
-import inspect
 import sys
 import types
 
 import msgspec
 import torch
 
-# Modules whose ``if _is_cuda or _is_hip: from sgl_kernel.kvcacheio import ...`` block S2 re-runs.
-AOT_MODULES = (
-    "sglang.srt.mem_cache.pool_host.mha",
-    "sglang.srt.mem_cache.pool_host.mla",
-    "sglang.srt.mem_cache.pool_host.dsa",
-    "sglang.srt.mem_cache.memory_pool_host",
-    "sglang.srt.mem_cache.pool_host.mamba",
-    "sglang.srt.mem_cache.pool_host.unified",
-    "sglang.srt.mem_cache.hisparse_memory_pool",
-    "sglang.srt.mem_cache.pool_host.minimax_m3_nvfp4",  # transfer_embedding_ranges_direct (not driven here)
-)
+from hicache_io import sglang_cpu
+
+# Modules whose ``if _is_cuda or _is_hip: from sgl_kernel.kvcacheio import ...`` block S2 re-runs
+# (the product's list: HICACHE_IO_SGLANG=1 binds the same ones in a real engine).
+AOT_MODULES = sglang_cpu.AOT_MODULES
+guarded_aot_imports = sglang_cpu.guarded_imports
 
 # Modules whose ``_is_cuda`` global gates the CUDA transfer branches (S4).
 IS_CUDA_MODULES = (
@@ -67,51 +60,14 @@ _STATE: dict = {}
 # ------------------------------------------------------------------------------ S2
 
 
-def guarded_aot_imports(module) -> list[ast.ImportFrom]:
-    """The ``from sgl_kernel.kvcacheio import ...`` statements of ``module``'s top-level
-    ``if _is_cuda ...:`` blocks (read from its source, so a new name is picked up), and those
-    importing from a JIT module hicache-io serves (``hicache_io.sglang.JIT_OPS``: the Mamba
-    state copies)."""
-    from hicache_io.sglang import JIT_OPS
-
-    served = {"sgl_kernel.kvcacheio", *JIT_OPS}
-    tree = ast.parse(inspect.getsource(module))
-    found = []
-    for node in tree.body:
-        if not isinstance(node, ast.If):
-            continue
-        if "_is_cuda" not in {n.id for n in ast.walk(node.test) if isinstance(n, ast.Name)}:
-            continue
-        for stmt in node.body:
-            if isinstance(stmt, ast.ImportFrom) and stmt.module in served:
-                found.append(stmt)
-    return found
-
-
 def _bind_aot_names() -> dict[str, list[str]]:
-    bound = {}
-    for name in AOT_MODULES:
-        mod = importlib.import_module(name)
-        stmts = guarded_aot_imports(mod)
-        if not stmts:
-            raise RuntimeError(f"{name}: no `if _is_cuda: from sgl_kernel.kvcacheio import` block found")
-        code = compile(ast.fix_missing_locations(ast.Module(body=stmts, type_ignores=[])), mod.__file__, "exec")
-        # Exactly the statement sglang runs on CUDA, resolved through sys.modules
-        # ["sgl_kernel.kvcacheio"] (hicache-io's after install()).
-        exec(code, vars(mod))
-        bound[name] = [a.asname or a.name for s in stmts for a in s.names]
-    return bound
+    # Exactly the statements sglang runs on CUDA, resolved through sys.modules
+    # ["sgl_kernel.kvcacheio"] (hicache-io's after install()): the product's fixup, applied here
+    # to every module whatever its flags (the tests toggle them afterwards).
+    return {name: sglang_cpu.bind_guarded_ops(importlib.import_module(name)) for name in AOT_MODULES}
 
 
 # ------------------------------------------------------------------------------ S6
-
-
-def _fake_cuda_host_register(buffer: torch.Tensor, registration_granularity_bytes=None) -> None:
-    setattr(buffer, "_sglang_cuda_host_registered_ranges", [(buffer.data_ptr(), buffer.numel() * buffer.element_size())])
-
-
-def _fake_cuda_host_unregister(buffer: torch.Tensor) -> None:
-    setattr(buffer, "_sglang_cuda_host_registered_ranges", [])
 
 
 # ------------------------------------------------------------------------------ S7
@@ -232,9 +188,8 @@ def apply() -> dict:
     # passes) calls torch.cuda.cudart().cudaHostRegister -> "Found no NVIDIA driver"; destroy()
     # calls cudaHostUnregister. Replace both with no-ops that keep the range attribute sglang
     # reads.
-    importlib.import_module("sglang.srt.mem_cache.pool_host.common")._cuda_host_register = _fake_cuda_host_register
-    for name in UNREGISTER_MODULES:
-        setattr(importlib.import_module(name), "_cuda_host_unregister", _fake_cuda_host_unregister)
+    for name in (sglang_cpu.HOST_REGISTER_MODULE, *UNREGISTER_MODULES):
+        sglang_cpu.register_host_noop(importlib.import_module(name))
     report["S6"] = list(UNREGISTER_MODULES)
 
     # (S7) Streams and events. get_device_module() is torch.cpu here: its Stream has no

@@ -295,6 +295,7 @@ def test_a_damaged_chunk_is_recomputed_never_loaded(tmp_path):
         e.check_blocks(req_id, tokens, len(tokens))
         e.run()
     assert e.scheduler.connector.connector_scheduler.manager.discarded == 1
+    assert e.scheduler.connector._loads == {}, "finished requests' planned loads were kept"
     e.worker.shutdown()
 
 

@@ -1,0 +1,205 @@
+#!/usr/bin/env python3
+"""Time to first token of a long shared prefix, per KV source, in the engines themselves: the
+number a user picks a KV tier by.
+
+For each engine, a prompt of ``--prefix`` shared tokens plus a short distinct tail is answered with
+one token (``max_new_tokens=1``: the wall time of the call is the prefill, plus the engine's own
+overhead, plus whatever brought the prefix back):
+
+- sglang 0.5.23 (``Engine``, ``HICACHE_IO_SGLANG=1``): *recompute* (no prefix anywhere: a prefix
+  never seen), *host pool* (HiCache's L2 on hicache-io, after fillers evicted the device copy),
+  *L3 local* (``LocalStore`` after ``flush_cache()`` emptied device and host), and *device* (sglang's
+  own radix cache, for reference);
+- vLLM 0.33.0 (``LLM``): *recompute*, *CPU tier* (``HicacheOffloadingSpec`` after
+  ``reset_prefix_cache()``), and *device* (vLLM's prefix cache).
+
+Each source is asserted from the engine's own report (sglang's ``cached_tokens_details``, vLLM's
+``num_cached_tokens``) and timed over ``--trials`` prompts, the median printed. The model is a
+random-weight Llama made here (``--layers``, ``--hidden``: the default, 8 x 1024 with 16 heads, 4
+KV heads, about 110 M parameters, makes a 2000-token prefill cost seconds on 2 cores, against
+megabytes of KV). Needs the engine tests' venvs (README): ``--sglang-python`` and
+``--vllm-python`` name them (default: this Python for both; an engine whose Python lacks it is
+skipped with the reason).
+
+    python scripts/bench-engine.py --sglang-python VENV/bin/python --vllm-python VLLM_VENV/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ENGINES = os.path.join(HERE, "..", "python", "tests", "engines")
+sys.path.insert(0, ENGINES)
+
+import model  # noqa: E402
+
+
+def run(python: str, driver: str, spec: dict, work: str, name: str, env: dict, timeout: float) -> dict:
+    spec_path, out = os.path.join(work, f"{name}.spec.json"), os.path.join(work, f"{name}.out.json")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    path = os.path.dirname(python) + os.pathsep + os.environ.get("PATH", "")
+    full = {**os.environ, "PATH": path, "HF_HUB_OFFLINE": "1", **env}
+    log = os.path.join(work, f"{name}.log")
+    with open(log, "w") as lf:
+        # A session of its own: the engine's processes go with the driver, whatever the end.
+        proc = subprocess.Popen([python, os.path.join(ENGINES, driver), spec_path, out], env=full, stdout=lf, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        try:
+            os.killpg(proc.pid, 9)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    if rc != 0 or not os.path.exists(out):
+        with open(log) as f:
+            tail = "".join(line for line in f.readlines() if "Ignore import error" not in line)[-3000:]
+        raise RuntimeError(f"{name} failed ({rc}); the end of its log:\n{tail}")
+    with open(out) as f:
+        return json.load(f)
+
+
+def median_of(result: dict, name: str, check) -> "tuple[float, int]":
+    steps = [s for s in result["steps"] if s["name"] == name]
+    for s in steps:
+        check(s)
+    return statistics.median(s["seconds"] for s in steps), len(steps)
+
+
+def sglang_rows(a, model_dir: str, work: str) -> list:
+    cold = [model.prompts(a.prefix, 1, seed=200 + i)[1][0] for i in range(a.trials)]
+    fill = [model.prompts(a.prefix, 1, seed=300 + i)[1][0] for i in range(a.fillers)]
+    steps = []
+    for i in range(a.trials):
+        # One prefix a trial; its four prompts differ in their tails.
+        store, device, host, l3 = model.prompts(a.prefix, 4, seed=100 + i)[1]
+        # The cold prompt last, after the flush: it leaves nothing in the way of the eviction.
+        steps += [
+            {"op": "generate", "name": "store", "prompts": [store], "max_new_tokens": 1},
+            {"op": "generate", "name": "device", "prompts": [device], "max_new_tokens": 1},
+            {"op": "generate", "name": "fill", "prompts": fill, "max_new_tokens": 1},
+            {"op": "generate", "name": "host", "prompts": [host], "max_new_tokens": 1},
+            {"op": "flush"},
+            {"op": "generate", "name": "l3", "prompts": [l3], "max_new_tokens": 1},
+            {"op": "flush"},
+            {"op": "generate", "name": "recompute", "prompts": [cold[i]], "max_new_tokens": 1},
+            {"op": "flush"},
+        ]
+    # The fillers fill the device pool: the prefix (least recently used) goes to the host pool.
+    pool = a.fillers * (a.prefix + 32)
+    engine = {
+        "max_total_tokens": pool,
+        "chunked_prefill_size": 4096,
+        "context_length": a.prefix + 64,
+        "enable_hierarchical_cache": True,
+        "hicache_ratio": 4,
+        "hicache_io_backend": "kernel",
+        "hicache_mem_layout": "page_first",
+        "hicache_write_policy": "write_through",
+        "hicache_storage_backend": "dynamic",
+        "hicache_storage_backend_extra_config": json.dumps({"backend_name": "hicache_io", "module_path": "hicache_io.storage", "class_name": "LocalStore", "interface_v1": 1, "hicache_io_local_dir": os.path.join(work, "l3")}),
+    }
+    env = {"SGLANG_USE_CPU_ENGINE": "1", "HICACHE_IO_SGLANG": "1", "TORCH_EXTENSIONS_DIR": os.path.join(work, "torch-extensions")}
+    r = run(a.sglang_python, "sglang_driver.py", {"model": model_dir, "engine": engine, "steps": steps}, work, "sglang", env, a.timeout)
+    reused = a.prefix // 16 * 16
+
+    def source(where):
+        def check(s):
+            d = s["details"] or {}
+            got = {k: d.get(k, 0) for k in ("device", "host", "storage")}
+            want = {k: (reused if k == where else 0) for k in got} if where else {k: 0 for k in got}
+            assert got == want, f"sglang {where or 'recompute'}: {got}, expected {want}"
+
+        return check
+
+    rows = []
+    for label, name, where in (("recompute", "recompute", None), ("device (sglang's radix cache)", "device", "device"), ("host pool (hicache-io L2)", "host", "host"), ("L3 local (LocalStore)", "l3", "storage")):
+        t, n = median_of(r, name, source(where))
+        rows.append(("sglang", label, t, n))
+    return rows
+
+
+def vllm_rows(a, model_dir: str, work: str) -> list:
+    steps = []
+    for i in range(a.trials):
+        cold = model.prompts(a.prefix, 1, seed=200 + i)[1][0]
+        tail = model.prompts(a.prefix, 3, seed=100 + i)[1]
+        steps += [
+            {"op": "reset"},
+            {"op": "generate", "name": "recompute", "prompts": [cold], "max_new_tokens": 1},
+            {"op": "generate", "name": "store", "prompts": [tail[0]], "max_new_tokens": 1},
+            {"op": "generate", "name": "device", "prompts": [tail[1]], "max_new_tokens": 1},
+            {"op": "reset"},
+            {"op": "generate", "name": "tier", "prompts": [tail[2]], "max_new_tokens": 1},
+        ]
+    llm = {
+        "max_model_len": a.prefix + 64,
+        "kv_transfer_config": {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"spec_name": "HicacheOffloadingSpec", "spec_module_path": "hicache_io.vllm", "cpu_bytes_to_use": 512 << 20},
+        },
+    }
+    r = run(a.vllm_python, "vllm_driver.py", {"model": model_dir, "llm": llm, "steps": steps}, work, "vllm", {}, a.timeout)
+    reused = a.prefix // 32 * 32
+
+    def cached(n):
+        def check(s):
+            assert s["cached"] == n, f"vLLM: {s['cached']} tokens cached, expected {n}"
+
+        return check
+
+    rows = []
+    for label, name, n in (("recompute", "recompute", 0), ("device (vLLM's prefix cache)", "device", reused), ("CPU tier (HicacheOffloadingSpec)", "tier", reused)):
+        t, k = median_of(r, name, cached(n))
+        rows.append(("vllm", label, t, k))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prefix", type=int, default=2000, help="shared prefix tokens")
+    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--fillers", type=int, default=3, help="sglang: prompts that evict the device copy")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--sglang-python", default=sys.executable)
+    ap.add_argument("--vllm-python", default=sys.executable)
+    ap.add_argument("--only", choices=["sglang", "vllm"])
+    ap.add_argument("--timeout", type=float, default=1200)
+    ap.add_argument("--json", help="write the rows here too")
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory() as work:
+        model_dir = model.build(os.path.join(work, "model"), layers=a.layers, hidden=a.hidden, intermediate=a.hidden * 11 // 4, heads=16, kv_heads=4)
+        rows, skipped = [], []
+        for engine, fn in (("sglang", sglang_rows), ("vllm", vllm_rows)):
+            if a.only not in (None, engine):
+                continue
+            print(f"{engine}: running ...", file=sys.stderr, flush=True)
+            try:
+                rows += fn(a, model_dir, work)
+            except (RuntimeError, AssertionError) as e:
+                skipped.append(f"{engine}: {e}")
+    base = {e: t for e, label, t, _ in rows if label == "recompute"}
+    print(f"TTFT, {a.prefix}-token shared prefix, {a.layers} x {a.hidden} Llama, median of {a.trials}")
+    print(f"{'engine':8}{'prefix from':34}{'TTFT s':>9}{'vs recompute':>14}")
+    for engine, label, t, _ in rows:
+        print(f"{engine:8}{label:34}{t:9.3f}{base[engine] / t:13.2f}x")
+    for s in skipped:
+        print(f"skipped {s}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump([{"engine": e, "source": label, "ttft_s": t, "trials": n} for e, label, t, n in rows], f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
