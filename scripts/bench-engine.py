@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 
@@ -38,34 +37,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ENGINES = os.path.join(HERE, "..", "python", "tests", "engines")
 sys.path.insert(0, ENGINES)
 
+import harness  # noqa: E402
 import model  # noqa: E402
 
 
 def run(python: str, driver: str, spec: dict, work: str, name: str, env: dict, timeout: float) -> dict:
-    spec_path, out = os.path.join(work, f"{name}.spec.json"), os.path.join(work, f"{name}.out.json")
-    with open(spec_path, "w") as f:
-        json.dump(spec, f)
-    path = os.path.dirname(python) + os.pathsep + os.environ.get("PATH", "")
-    full = {**os.environ, "PATH": path, "HF_HUB_OFFLINE": "1", **env}
-    log = os.path.join(work, f"{name}.log")
-    with open(log, "w") as lf:
-        # A session of its own: the engine's processes go with the driver, whatever the end.
-        proc = subprocess.Popen([python, os.path.join(ENGINES, driver), spec_path, out], env=full, stdout=lf, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-        try:
-            os.killpg(proc.pid, 9)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-    if rc != 0 or not os.path.exists(out):
-        with open(log) as f:
-            tail = "".join(line for line in f.readlines() if "Ignore import error" not in line)[-3000:]
-        raise RuntimeError(f"{name} failed ({rc}); the end of its log:\n{tail}")
-    with open(out) as f:
-        return json.load(f)
+    """One driver run, as the engine tests start it (its own session, killed with its engine's
+    processes at the end); raises the tests' ``DriverFailed`` with its log's end."""
+    return harness.collect(harness.run_driver(driver, spec, work, name, env, timeout=timeout, python=python))
 
 
 def median_of(result: dict, name: str, check) -> "tuple[float, int]":

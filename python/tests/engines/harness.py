@@ -16,8 +16,8 @@ import subprocess
 import sys
 import sysconfig
 import time
+from typing import Callable
 
-import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 #: Engines whose tests must run (``HICACHE_REQUIRE_ENGINES=sglang,vllm``; CI sets it in the pass of
@@ -30,6 +30,8 @@ def problem_or_skip(problem: "str | None", engine: "str | None" = None) -> None:
     engine, for ``None``) is required."""
     if problem is None:
         return
+    import pytest
+
     if (engine in REQUIRED) if engine is not None else bool(REQUIRED):
         pytest.fail(f"HICACHE_REQUIRE_ENGINES={','.join(sorted(REQUIRED))} but {problem}", pytrace=False)
     pytest.skip(problem)
@@ -43,18 +45,18 @@ class DriverFailed(AssertionError):
     pass
 
 
-def run_driver(script: str, spec: dict, workdir: str, name: str, env: dict, timeout: float = 240) -> "subprocess.Popen":
-    """Starts ``script`` (a driver beside this file) on ``spec`` in its own process; collect
-    its output with :func:`collect`."""
+def run_driver(script: str, spec: dict, workdir: str, name: str, env: dict, timeout: float = 240, python: str = sys.executable) -> "subprocess.Popen":
+    """Starts ``script`` (a driver beside this file) on ``spec`` with ``python`` in a process
+    (and session) of its own; collect its output with :func:`collect`."""
     spec_path = os.path.join(workdir, f"{name}.spec.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
     out = os.path.join(workdir, f"{name}.out.json")
     log = open(os.path.join(workdir, f"{name}.log"), "w")
     # The venv's bin first: sglang finds ninja there for its extension build.
-    path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    path = os.path.dirname(python) + os.pathsep + os.environ.get("PATH", "")
     full_env = {**os.environ, "PATH": path, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **env}
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, script), spec_path, out], cwd=workdir, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen([python, os.path.join(HERE, script), spec_path, out], cwd=workdir, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     proc._hicache = (name, out, log, time.monotonic(), timeout)  # type: ignore[attr-defined]
     return proc
 
@@ -82,6 +84,41 @@ def collect(proc: "subprocess.Popen") -> dict:
         result = json.load(f)
     result["log"] = log.name
     return result
+
+
+def run_pairs(plan: list, start: Callable[..., "subprocess.Popen"], after: "Callable[[str, dict], None] | None" = None) -> dict:
+    """Runs ``start(*entry)`` for each entry of ``plan`` (``(name, ...)``), two engines at a time
+    (each is mostly one busy thread), in order: a run starts once every run two places before
+    it ended. Returns name -> the driver's output, or ``{"error": ...}`` for a run that failed
+    (:func:`get` raises it in the tests that read the run); ``after(name, output)`` runs on each
+    output."""
+    results: dict = {}
+    started: list = []
+
+    def finish(n: int) -> None:
+        while len(started) > n:
+            name, proc = started.pop(0)
+            try:
+                results[name] = collect(proc)
+            except DriverFailed as e:
+                results[name] = {"error": str(e)}
+                continue
+            if after is not None:
+                after(name, results[name])
+
+    for entry in plan:
+        finish(1)
+        started.append((entry[0], start(*entry)))
+    finish(0)
+    return results
+
+
+def get(runs: dict, name: str) -> dict:
+    """Run ``name``'s output; :class:`DriverFailed` (with its log) for a run that failed."""
+    run = runs[name]
+    if "error" in run:
+        raise DriverFailed(run["error"])
+    return run
 
 
 def site_file(name: str) -> "str | None":

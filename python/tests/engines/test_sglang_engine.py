@@ -24,7 +24,7 @@ import os
 import pytest
 
 from . import model
-from .harness import DriverFailed, collect, missing_modules, problem_or_skip, run_driver, site_file, toolchain_problem
+from .harness import get, missing_modules, problem_or_skip, run_driver, run_pairs, site_file, toolchain_problem
 
 SGLANG_VERSION = "0.5.23"
 PREFIX = 400  # tokens: 25 pages of 16
@@ -116,30 +116,19 @@ def runs(tiny_model, tmp_path_factory):
     plan.append(("broken", hicache("page_first", "kernel", None), steps(l2=1), {"HICACHE_ENGINE_TEST_BREAK_LOADS": "1"}))
     # Last: it reads what page_first/kernel (started second) wrote, which has ended by then.
     plan.append(("restart", hicache("page_first", "kernel", ("local", os.path.join(work, "l3-page_first-kernel"))), [{"op": "generate", "name": "l3", "prompts": [PROMPTS[3]]}], {}))
-    results = {"_mooncake": mooncake}
-    started = []  # (name, process)
+    counts_of = lambda name: os.path.join(counts, stem(name))  # noqa: E731
 
-    def finish(n: int) -> None:
-        while len(started) > n:
-            name, proc = started.pop(0)
-            try:
-                results[name] = collect(proc)
-            except DriverFailed as e:  # the tests that read this run fail with it
-                results[name] = {"error": str(e)}
-                continue
-            results[name]["processes"] = read_counts(os.path.join(counts, stem(name)))
+    def start(name, engine, run_steps, env):
+        os.makedirs(counts_of(name))
+        spec = {"model": tiny_model, "engine": engine, "steps": run_steps}
+        return run_driver("sglang_driver.py", spec, work, stem(name), {**base_env, "HICACHE_ENGINE_TEST_COUNTS": counts_of(name), **env})
 
     try:
-        for name, engine, run_steps, env in plan:
-            finish(1)  # two engines at a time
-            os.makedirs(os.path.join(counts, stem(name)))
-            spec = {"model": tiny_model, "engine": engine, "steps": run_steps}
-            env = {**base_env, "HICACHE_ENGINE_TEST_COUNTS": os.path.join(counts, stem(name)), **env}
-            started.append((name, run_driver("sglang_driver.py", spec, work, stem(name), env)))
-        finish(0)
+        results = run_pairs(plan, start, lambda name, out: out.update(processes=read_counts(counts_of(name))))
     finally:
         if master is not None:
             master.stop()
+    results["_mooncake"] = mooncake
     return results
 
 
@@ -155,13 +144,6 @@ def read_counts(folder: str) -> dict:
             with open(os.path.join(folder, f)) as fh:
                 out[f[: -len(".json")]] = json.load(fh)
     return out
-
-
-def get(runs: dict, name: str) -> dict:
-    run = runs[name]
-    if "error" in run:
-        raise DriverFailed(run["error"])
-    return run
 
 
 def step(run: dict, name: str) -> dict:
