@@ -16,7 +16,7 @@ overhead, plus whatever brought the prefix back):
 Each source is asserted from the engine's own report (sglang's ``cached_tokens_details``, vLLM's
 ``num_cached_tokens``) and timed over ``--trials`` prompts, the median printed. The model is a
 random-weight Llama made here (``--layers``, ``--hidden``: the default, 8 x 1024 with 16 heads, 4
-KV heads, about 110 M parameters, makes a 2000-token prefill cost seconds on 2 cores, against
+KV heads, a vocabulary of 1024: about 92 M parameters, makes a 2000-token prefill cost seconds on 2 cores, against
 megabytes of KV). Needs the engine tests' venvs (README): ``--sglang-python`` and
 ``--vllm-python`` name them (default: this Python for both; an engine whose Python lacks it is
 skipped with the reason).
