@@ -2,7 +2,8 @@
 
 ``python sglang_driver.py SPEC.json OUT.json``. SPEC: ``{"model": DIR, "engine": {extra
 sglang.Engine arguments}, "steps": [{"op": "generate", "name": N, "prompts": [[ids]],
-"max_new_tokens": K} | {"op": "flush"}]}``. OUT: ``{"steps": [{"name", "tokens", "cached",
+"max_new_tokens": K} | {"op": "flush"}], "server": false}`` (``true``: sglang's HTTP server,
+``python -m sglang.launch_server``, in place of ``Engine``). OUT: ``{"steps": [{"name", "tokens", "cached",
 "details", "seconds"}], "start_s", "seconds"}``; per process, ``{"calls": {op: n}, "installed":
 bool, "hook": [...]}`` in ``$HICACHE_ENGINE_TEST_COUNTS/<pid>.json``.
 
@@ -82,6 +83,63 @@ def _flush(engine) -> None:
         time.sleep(0.2)
 
 
+class Server:
+    """``python -m sglang.launch_server`` with the same arguments, on a free loopback port, as
+    an engine with ``generate`` (over HTTP ``/generate``), ``flush_cache`` and ``shutdown``:
+    sglang's server process and the schedulers it spawns get hicache-io from the hook alone
+    (this driver is not their main module)."""
+
+    def __init__(self, **args):
+        import socket
+        import subprocess
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port", str(self.port)]
+        for key, value in args.items():
+            flag = "--" + key.replace("_", "-")
+            if value is True:
+                cmd.append(flag)
+            elif value is not False and value is not None:
+                cmd += [flag, str(value)]
+        self.proc = subprocess.Popen(cmd)
+        deadline = time.monotonic() + 180
+        while not self._get("/health"):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"sglang's server did not come up (exit {self.proc.poll()})")
+            time.sleep(0.5)
+
+    def _get(self, path: str) -> bool:
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def _post(self, path: str, body: dict) -> dict:
+        import urllib.request
+
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", json.dumps(body).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return json.loads(r.read() or b"{}")
+
+    def generate(self, input_ids, sampling_params):
+        return self._post("/generate", {"input_ids": input_ids, "sampling_params": sampling_params})
+
+    def flush_cache(self):
+        return self._get("/flush_cache")
+
+    def shutdown(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except Exception:  # noqa: BLE001 - it is killed with the driver's session then
+            self.proc.kill()
+
+
 def main(spec_path: str, out_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
@@ -105,7 +163,7 @@ def main(spec_path: str, out_path: str) -> None:
     )
     args.update(spec.get("engine", {}))
     t0 = time.monotonic()
-    engine = sglang.Engine(**args)
+    engine = Server(**args) if spec.get("server") else sglang.Engine(**args)
     out = {"steps": [], "start_s": round(time.monotonic() - t0, 1)}
     try:
         for step in spec["steps"]:
