@@ -4,6 +4,10 @@
     hicache_io.sglang.install()      # before sglang's pool modules are imported
     # ... then build sglang's host pools / start its scheduler in this process
 
+sglang's server and ``Engine`` run their schedulers in processes they spawn, which a call here
+does not reach: there set ``HICACHE_IO_SGLANG=1`` instead (a hook the wheel installs calls
+:func:`install` in every process as sglang loads, see :mod:`hicache_io._sglang_hook`).
+
 sglang binds its transfer functions when its modules are imported, in three ways, and
 :func:`install` serves all three with hicache-io:
 
