@@ -186,8 +186,8 @@ def cuda_driver_present() -> bool:
 def apply() -> Dict[str, Any]:
     """The fixups for a process that imported sglang's pool modules already (the hook applies
     them at import instead): guarded ops bound in each pool module that took the non-CUDA
-    path, and, without a CUDA driver, host registration as no-ops in ``HOST_REGISTER_MODULE``
-    and in every pool module that imported its functions. Returns what it did."""
+    path, and, without a CUDA driver, host registration as no-ops in every sglang module that
+    holds ``HOST_REGISTER_MODULE``'s functions. Returns what it did."""
     bound = {}
     for name in AOT_MODULES:
         mod = importlib.import_module(name)

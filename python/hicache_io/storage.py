@@ -56,7 +56,6 @@ from .l3.config import size_of as _size
 from .l3.errors import INTEGRITY, LOCAL_STORE, MOONCAKE_ERRORS, MOONCAKE_STORE, REFUSED, SHORT_READ, StorageError
 from .l3.keys import GridKeys, RankKeys, claim_namespace, namespace_key, namespace_of, shard_descriptor
 from .l3.layouts import PoolLayout as _Layout
-from .l3.watch import ReadBack
 from .l3.layouts import SglangLayout as _SglangLayout  # noqa: F401 (the name it had)
 from .l3.layouts import check_inside as _check_inside  # noqa: F401 (the name it had)
 from .l3.layouts import host_list as _host_list
@@ -68,6 +67,7 @@ from .l3.placements import SEALED_MAX_OBJECT, Placement, PoolPages, SealedPages,
 from .l3.trailer import OLD_TRAILER_MAGICS, TRAILER_MAGIC  # noqa: F401 (importable from here)
 from .l3.trailer import name_tag as _name_tag  # noqa: F401 (the name it had)
 from .l3.transport import Health, Transport
+from .l3.watch import ReadBack
 from .storage_unified import KEY_SCHEMES, UnifiedKeys
 from .storage_v2 import PoolsV2
 

@@ -148,7 +148,6 @@ class HicacheOffloadingConnector(OffloadingConnector):
         return set()
 
 
-
 class _PlannedLoad:
     """One planned load of a request: its device blocks (``dst``: per group ``group_sizes[g]``
     blocks from block index ``block_indices[g]``), the token range each loaded key covers

@@ -59,16 +59,11 @@ class HicacheOffloadingManager(CPUOffloadingManager):
 
     def complete_load(self, keys: Any, req_context: Any) -> None:
         super().complete_load(keys, req_context)
-        if not self._doomed:
-            return
-        gone = []
-        for key in keys:
-            chunk = self._policy.get(key)
-            if key in self._doomed and chunk is not None and chunk.ref_cnt == 0:
-                self._doomed.discard(key)
-                self._remove_ready(key, chunk)
-                gone.append(key)
-        self._removed_event(gone)
+        # The doomed among these go now, unless another load still holds them (discard keeps those).
+        doomed = [key for key in keys if key in self._doomed]
+        if doomed:
+            self._doomed.difference_update(doomed)
+            self.discard(doomed)
 
     def reset_cache(self) -> None:
         super().reset_cache()
