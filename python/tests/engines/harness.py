@@ -121,6 +121,18 @@ def get(runs: dict, name: str) -> dict:
     return run
 
 
+def step(run: dict, name: str) -> dict:
+    """The one step of ``run`` named ``name``."""
+    (found,) = [s for s in run["steps"] if s["name"] == name]
+    return found
+
+
+def expected(runs: dict, prompt: int) -> list:
+    """The tokens the engine without hicache-io gave prompt ``prompt`` (the ``plain`` run: one
+    step a prompt, in order)."""
+    return get(runs, "plain")["steps"][prompt]["tokens"]
+
+
 def site_file(name: str) -> "str | None":
     path = os.path.join(sysconfig.get_paths()["purelib"], name)
     return path if os.path.exists(path) else None

@@ -25,7 +25,7 @@ import os
 import pytest
 
 from . import model
-from .harness import get, missing_modules, problem_or_skip, run_driver, run_pairs, site_file, toolchain_problem
+from .harness import expected, get, missing_modules, problem_or_skip, run_driver, run_pairs, site_file, step, toolchain_problem
 
 SGLANG_VERSION = "0.5.23"
 PREFIX = 400  # tokens: 25 pages of 16
@@ -153,15 +153,6 @@ def read_counts(folder: str) -> dict:
             with open(os.path.join(folder, f)) as fh:
                 out[f[: -len(".json")]] = json.load(fh)
     return out
-
-
-def step(run: dict, name: str) -> dict:
-    (found,) = [s for s in run["steps"] if s["name"] == name]
-    return found
-
-
-def expected(runs, prompt: int) -> list:
-    return get(runs, "plain")["steps"][prompt]["tokens"]
 
 
 def calls(run: dict) -> dict:

@@ -25,7 +25,7 @@ import os
 import pytest
 
 from . import model
-from .harness import get, problem_or_skip, run_driver, run_pairs
+from .harness import expected, get, problem_or_skip, run_driver, run_pairs, step
 
 VLLM_VERSION = "0.33.0"
 PREFIX = 400  # tokens: 12 full blocks of 32 (384 tokens) are reusable
@@ -83,19 +83,10 @@ def runs(tiny_model, tmp_path_factory):
     return run_pairs(plan, lambda name, llm, steps, env: run_driver("vllm_driver.py", {"model": tiny_model, "llm": llm, "steps": steps}, work, name, env, timeout=180))
 
 
-def step(runs: dict, run: str, name: str) -> dict:
-    (found,) = [s for s in get(runs, run)["steps"] if s["name"] == name]
-    return found
-
-
-def expected(runs: dict, prompt: int) -> list:
-    return get(runs, "plain")["steps"][prompt]["tokens"]
-
-
 def test_prefix_from_hicache_io_tier_equal_tokens(runs):
     """vLLM's own connector over hicache-io's spec: the prefix comes back from the tier."""
-    assert step(runs, "spec", "first")["cached"] == 0
-    tier = step(runs, "spec", "tier")
+    assert step(get(runs, "spec"), "first")["cached"] == 0
+    tier = step(get(runs, "spec"), "tier")
     assert tier["cached"] == REUSED, f"{tier['cached']} tokens cached after the reset: the tier served {'nothing' if not tier['cached'] else 'part'}"
     assert tier["tokens"] == expected(runs, 1)
 
@@ -103,16 +94,16 @@ def test_prefix_from_hicache_io_tier_equal_tokens(runs):
 def test_damaged_rows_are_recomputed_and_leave_the_index(runs):
     run = get(runs, "damaged")
     assert run["damaged_rows"] > 0 and run["workers"] == 1
-    damaged = step(runs, "damaged", "damaged")
+    damaged = step(get(runs, "damaged"), "damaged")
     # Every stored row was damaged: the load fails, vLLM recomputes the request whole.
     assert damaged["tokens"] == expected(runs, 2)
     assert damaged["cached"] == 0, "damaged rows were served as KV"
     # The damaged chunks left the index and the recomputed request stored fresh copies: the
     # next requests are served from those (a damaged one loaded again would fail and be
     # recovered a second time: the log counts one recovery).
-    recomputed = step(runs, "damaged", "recomputed")
+    recomputed = step(get(runs, "damaged"), "recomputed")
     assert recomputed["cached"] == REUSED and recomputed["tokens"] == expected(runs, 3)
-    fresh = step(runs, "damaged", "fresh")
+    fresh = step(get(runs, "damaged"), "fresh")
     assert fresh["cached"] == REUSED and fresh["tokens"] == expected(runs, 4)
     with open(run["log"]) as f:
         log = f.read()
@@ -123,6 +114,6 @@ def test_damaged_rows_are_recomputed_and_leave_the_index(runs):
 
 def test_broken_loads_change_the_tokens(runs):
     """The negative control: the tier answers hits, no byte lands, and the tokens differ."""
-    tier = step(runs, "broken", "tier")
+    tier = step(get(runs, "broken"), "tier")
     assert tier["cached"] == REUSED
     assert tier["tokens"] != expected(runs, 1), "tokens equal with the loads broken: the comparison cannot fail"
