@@ -4,13 +4,14 @@
 //! while the other rows land; bad moves (lengths, ranges, duplicate destinations, a tensor of
 //! another shape, a tensor named twice) move nothing. On the cpu executor here; on cuda (a GPU
 //! or the simulated driver) with device tensors; wgpu, whose memory is its own, refuses caller
-//! tensors.
+//! tensors. `BlockTier::over_host`: the same over rows in the caller's memory (a region shared
+//! with other processes), gap bytes untouched, checksums carried from one tier to another.
 
 #![allow(clippy::needless_range_loop, clippy::type_complexity)] // indices name tensors and rows
 
 mod common;
 
-use hicache_io::kvcacheio::{BlockMove, BlockShape, BlockTier, RawTensor};
+use hicache_io::kvcacheio::{BlockMove, BlockShape, BlockTier, HostRows, RawTensor};
 use hicache_io::{Device, TransferError};
 
 const ROWS: u64 = 24;
@@ -68,10 +69,14 @@ impl Oracle {
 }
 
 fn run_tier<B: Blocks>(device: &Device, blocks: &mut B, upload: &mut dyn FnMut(&mut B, &[Vec<u8>])) {
-    let name = device.name();
     let shapes = shapes();
     let pairs: Vec<(BlockShape, RawTensor)> = (0..3).map(|j| (shapes[j], blocks.raw(j))).collect();
-    let mut tier = BlockTier::new(device, &pairs, HOST_ROWS).unwrap();
+    let tier = BlockTier::new(device, &pairs, HOST_ROWS).unwrap();
+    run_on(device, tier, blocks, upload);
+}
+
+fn run_on<B: Blocks>(device: &Device, mut tier: BlockTier, blocks: &mut B, upload: &mut dyn FnMut(&mut B, &[Vec<u8>])) {
+    let name = device.name();
     let mut oracle = Oracle { rows: vec![vec![None; HOST_ROWS as usize]; 3] };
     let mut engine: Vec<Vec<u8>> = (0..3).map(|j| blocks.bytes(j)).collect();
     let mut rng = hicache_io::rng::Rng::new(11);
@@ -188,6 +193,98 @@ fn block_tier_matches_the_oracle_on_every_executor() {
             "cuda" => cuda::run(&device),
             other => panic!("unexpected executor {other}"),
         }
+    }
+}
+
+/// Rows in the caller's region: tensors interleaved in 512-byte rows (96 + 96 + 256 data bytes,
+/// then 64 bytes the tier must never touch).
+const REGION_ROW: u64 = 512;
+const OFFSETS: [u64; 3] = [0, 96, 192];
+const GAP: u8 = 0xee;
+
+fn region_with_gaps() -> Vec<u8> {
+    let mut region = vec![GAP; (HOST_ROWS * REGION_ROW) as usize];
+    for r in 0..HOST_ROWS as usize {
+        for (j, &o) in OFFSETS.iter().enumerate() {
+            let at = r * REGION_ROW as usize + o as usize;
+            region[at..at + SHAPES[j].0 as usize].fill(0);
+        }
+    }
+    region
+}
+
+fn gaps(region: &[u8]) -> Vec<u8> {
+    region.chunks(REGION_ROW as usize).flat_map(|row| row[448..].to_vec()).collect()
+}
+
+#[test]
+fn block_tier_over_caller_rows_matches_the_oracle_and_carries_checksums() {
+    let device = Device::cpu();
+    let mut region = region_with_gaps();
+    let host =
+        HostRows { region: common::host_tensor(&mut region, &[HOST_ROWS * REGION_ROW]), row_stride: REGION_ROW, offsets: OFFSETS.to_vec() };
+    let mut blocks = HostBlocks((0..3).map(|j| common::random_bytes((ROWS * SHAPES[j].1) as usize, 100 + j as u64)).collect());
+    let pairs: Vec<(BlockShape, RawTensor)> = (0..3).map(|j| (shapes()[j], blocks.raw(j))).collect();
+    let tier = BlockTier::over_host(&device, &pairs, HOST_ROWS, &host).unwrap();
+    run_on(&device, tier, &mut blocks, &mut |b: &mut HostBlocks, engine: &[Vec<u8>]| b.0 = engine.to_vec());
+    assert!(gaps(&region).iter().all(|&b| b == GAP), "the tier wrote bytes between or after the tensors' rows");
+
+    // Another tier over the same rows (another process mapping the region) knows no checksums
+    // until given the first one's; then its loads verify against them.
+    let mut region = region_with_gaps();
+    let host =
+        HostRows { region: common::host_tensor(&mut region, &[HOST_ROWS * REGION_ROW]), row_stride: REGION_ROW, offsets: OFFSETS.to_vec() };
+    let mut a = BlockTier::over_host(&device, &pairs, HOST_ROWS, &host).unwrap();
+    let calls = |b: &mut HostBlocks| -> Vec<(usize, RawTensor)> { (0..3).map(|j| (j, b.raw(j))).collect() };
+    a.run(BlockMove::Store, &calls(&mut blocks), &[1, 2, 3], &[4, 5, 6]).unwrap();
+    let sums: Vec<Vec<Option<u64>>> = (0..3).map(|j| a.row_checksums(j, &[4, 5, 6]).unwrap()).collect();
+    assert!(sums.iter().flatten().all(Option::is_some), "a store records every row's checksum");
+    assert_eq!(a.row_checksums(0, &[7]).unwrap(), vec![None], "a row never stored has none");
+    let mut b = BlockTier::over_host(&device, &pairs, HOST_ROWS, &host).unwrap();
+    for (j, s) in sums.iter().enumerate() {
+        b.set_row_checksums(j, &[4, 5, 6], s).unwrap();
+    }
+    let want = blocks.bytes(0);
+    b.run(BlockMove::Load, &calls(&mut blocks), &[10, 11, 12], &[4, 5, 6]).unwrap();
+    let got = blocks.bytes(0);
+    for (src, dst) in [(1usize, 10usize), (2, 11), (3, 12)] {
+        assert_eq!(got[dst * 128..dst * 128 + 96], want[src * 128..src * 128 + 96], "row of block {src} into {dst}");
+    }
+    // A byte of row 5 (tensor 2) damaged in the shared memory: the other tier's load catches it.
+    region[(5 * REGION_ROW + OFFSETS[2] + 7) as usize] ^= 1;
+    match b.run(BlockMove::Load, &calls(&mut blocks), &[13, 14, 15], &[4, 5, 6]) {
+        Err(TransferError::Integrity { items, .. }) => {
+            assert_eq!(items.iter().map(|m| (m.layer, m.host_index, m.device_index)).collect::<Vec<_>>(), vec![(2, 5, 14)]);
+        }
+        other => panic!("expected an integrity failure, got {other:?}"),
+    }
+    // Forgotten checksums load unverified; bad rows or counts are refused.
+    b.set_row_checksums(2, &[5], &[None]).unwrap();
+    b.run(BlockMove::Load, &calls(&mut blocks), &[13, 14, 15], &[4, 5, 6]).unwrap();
+    assert!(b.set_row_checksums(0, &[HOST_ROWS as i64], &[Some(1)]).is_err());
+    assert!(b.set_row_checksums(0, &[-1], &[Some(1)]).is_err());
+    assert!(b.set_row_checksums(0, &[1, 2], &[Some(1)]).is_err());
+    assert!(b.set_row_checksums(3, &[1], &[Some(1)]).is_err());
+    assert!(b.row_checksums(0, &[HOST_ROWS as i64]).is_err());
+
+    // Layouts refused before anything is wrapped.
+    let mut small = vec![0u8; (HOST_ROWS * REGION_ROW - 1) as usize];
+    let bad: Vec<(HostRows, &str)> = vec![
+        (
+            HostRows {
+                region: common::host_tensor(&mut small, &[HOST_ROWS * REGION_ROW - 1]),
+                row_stride: REGION_ROW,
+                offsets: OFFSETS.to_vec(),
+            },
+            "region too small",
+        ),
+        (HostRows { region: host.region.clone(), row_stride: REGION_ROW, offsets: vec![0, 96] }, "two offsets for three tensors"),
+        (HostRows { region: host.region.clone(), row_stride: REGION_ROW, offsets: vec![0, 95, 192] }, "tensors 0 and 1 overlap"),
+        (HostRows { region: host.region.clone(), row_stride: REGION_ROW, offsets: vec![0, 96, 257] }, "tensor 2 leaves the row"),
+        (HostRows { region: host.region.clone(), row_stride: u64::MAX, offsets: OFFSETS.to_vec() }, "rows × stride overflows"),
+    ];
+    for (h, what) in bad {
+        assert!(BlockTier::over_host(&device, &pairs, HOST_ROWS, &h).is_err(), "{what}: accepted");
     }
 }
 

@@ -7,7 +7,7 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
-use hicache_io::kvcacheio::{BlockMove, BlockShape, BlockTier, RawTensor};
+use hicache_io::kvcacheio::{BlockMove, BlockShape, BlockTier, HostRows, RawTensor};
 
 use crate::*;
 
@@ -25,10 +25,18 @@ use crate::*;
 /// a byte moves. On cuda a move returns once enqueued on `stream`: the tensors must stay
 /// allocated (and unwritten by other streams) until it ran, e.g. until `synchronize()`; and a
 /// mismatch's tensor field is 0 there (the executor reports per call, naming row and block).
+///
+/// With `host` (a contiguous, writable host array of at least `host_rows × host_row_stride`
+/// bytes, e.g. a region other processes map too; registered with the driver on cuda) the rows are
+/// that memory instead: row `r` of tensor `j` is its `row_bytes[j]` at `r × host_row_stride +
+/// host_offsets[j]`. The tier keeps `host` referenced; it neither zeroes nor owns it, and the
+/// rows' checksums travel through `row_checksums` / `set_row_checksums`.
 #[pyclass(name = "BlockTier", module = "hicache_io", frozen)]
 pub(crate) struct PyBlockTier {
     inner: Mutex<BlockTier>,
     stream: Option<u64>,
+    /// The caller's host rows, kept alive as long as the tier.
+    _host: Option<Py<PyAny>>,
 }
 
 /// A tensor of the tier as `(shape, raw)`, checked against the shape it was registered with.
@@ -53,8 +61,18 @@ fn block_tensor(obj: &Bound<'_, PyAny>, name: &str, row_bytes: Option<u64>, ctx:
 #[pymethods]
 impl PyBlockTier {
     #[new]
-    #[pyo3(signature = (tensors, row_bytes, host_rows, *, stream = None))]
-    fn new(py: Python<'_>, tensors: &Bound<'_, PyList>, row_bytes: Vec<u64>, host_rows: u64, stream: Option<u64>) -> PyResult<Self> {
+    #[pyo3(signature = (tensors, row_bytes, host_rows, *, stream = None, host = None, host_row_stride = None, host_offsets = None))]
+    #[allow(clippy::too_many_arguments)] // Python keywords
+    fn new(
+        py: Python<'_>,
+        tensors: &Bound<'_, PyList>,
+        row_bytes: Vec<u64>,
+        host_rows: u64,
+        stream: Option<u64>,
+        host: Option<&Bound<'_, PyAny>>,
+        host_row_stride: Option<u64>,
+        host_offsets: Option<Vec<u64>>,
+    ) -> PyResult<Self> {
         if row_bytes.len() != tensors.len() {
             return Err(PyValueError::new_err(format!("{} tensors but {} row sizes", tensors.len(), row_bytes.len())));
         }
@@ -66,8 +84,41 @@ impl PyBlockTier {
         let refs: Vec<&Held> = held.iter().map(|(h, _)| h).collect();
         let device = executor_for(&refs, Ctx { stream })?;
         let pairs: Vec<(BlockShape, RawTensor)> = held.iter().map(|(h, s)| (*s, h.raw.clone())).collect();
-        let tier = py.detach(|| BlockTier::new(&device, &pairs, host_rows)).py()?;
-        Ok(PyBlockTier { inner: Mutex::new(tier), stream })
+        let region = match (host, host_row_stride, host_offsets) {
+            (None, None, None) => None,
+            (Some(h), Some(row_stride), Some(offsets)) => {
+                let held = view(h, "host", ctx)?;
+                if !held.writable {
+                    return Err(PyValueError::new_err("host: read-only (stores write it)"));
+                }
+                if held.device_type == DL_CUDA {
+                    return Err(PyValueError::new_err("host: device memory; the tier's rows are host memory"));
+                }
+                Some((HostRows { region: held.raw.clone(), row_stride, offsets }, held))
+            }
+            _ => return Err(PyTypeError::new_err("host, host_row_stride and host_offsets go together")),
+        };
+        let tier = match &region {
+            None => py.detach(|| BlockTier::new(&device, &pairs, host_rows)),
+            Some((rows, _)) => py.detach(|| BlockTier::over_host(&device, &pairs, host_rows, rows)),
+        }
+        .py()?;
+        let keep = region.map(|(_, held)| held._keep);
+        Ok(PyBlockTier { inner: Mutex::new(tier), stream, _host: keep })
+    }
+
+    /// The checksums recorded for host rows `rows` of tensor `j` (`None`: none), once queued
+    /// moves are done.
+    fn row_checksums(&self, py: Python<'_>, j: usize, rows: &Bound<'_, PyAny>) -> PyResult<Vec<Option<u64>>> {
+        let rows = index_list(rows, "Host", Ctx { stream: self.stream })?;
+        py.detach(|| self.lock().row_checksums(j, &rows)).py()
+    }
+
+    /// Records `sums[i]` (`None`: forgets) as the checksum of host row `rows[i]` of tensor `j`,
+    /// which the next load verifies inside its copy.
+    fn set_row_checksums(&self, py: Python<'_>, j: usize, rows: &Bound<'_, PyAny>, sums: Vec<Option<u64>>) -> PyResult<()> {
+        let rows = index_list(rows, "Host", Ctx { stream: self.stream })?;
+        py.detach(|| self.lock().set_row_checksums(j, &rows, &sums)).py()
     }
 
     /// Copies block `blocks[i]` of each `tensors[k]` (tier tensor `ids[k]`) into host row `rows[i]`.

@@ -45,6 +45,20 @@ pub struct BlockTier {
     tensors: Vec<TierTensor>,
 }
 
+/// Host rows the caller owns, for [`BlockTier::over_host`]: `region` holds `rows ×
+/// row_stride` bytes or more, row `r` of tier tensor `j` being the `row_bytes` of that tensor at
+/// `r × row_stride + offsets[j]` (each tensor's rows interleaved with the others', as in a region
+/// other processes share chunk by chunk).
+#[derive(Debug, Clone)]
+pub struct HostRows {
+    /// The caller's host memory (host memory registered with the driver on cuda).
+    pub region: RawTensor,
+    /// Bytes from one host row to the next.
+    pub row_stride: u64,
+    /// Where each tier tensor's bytes start inside a row.
+    pub offsets: Vec<u64>,
+}
+
 /// Which direction a call moves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BlockMove {
@@ -77,6 +91,95 @@ impl BlockTier {
             out.push(TierTensor { shape: *shape, geometry, host });
         }
         Ok(BlockTier { device: device.clone(), host_rows, tensors: out })
+    }
+
+    /// A tier of `host_rows` rows for each tensor of `tensors`, as [`BlockTier::new`], whose
+    /// rows are the caller's memory laid out as `host` says, not zeroed and not owned: row
+    /// checksums are the tier's own until [`BlockTier::set_row_checksums`] takes them from
+    /// wherever the caller keeps them. Refused before anything is wrapped: a region too small
+    /// for `host_rows` rows, an offset count other than the tensor count, a tensor's bytes
+    /// leaving the row, or two tensors' bytes overlapping.
+    pub fn over_host(device: &Device, tensors: &[(BlockShape, RawTensor)], host_rows: u64, host: &HostRows) -> Result<BlockTier> {
+        if host_rows == 0 {
+            return Err(TransferError::InvalidConfig("a block tier needs at least one host row".into()));
+        }
+        let bad = |value: i64, message: String| TransferError::BadArgument { arg: "host", value, message };
+        if host.offsets.len() != tensors.len() {
+            return Err(bad(host.offsets.len() as i64, format!("{} row offsets for {} tensors", host.offsets.len(), tensors.len())));
+        }
+        let need = crate::geometry::mul(host_rows, host.row_stride, "host region bytes (rows × row stride)")?;
+        if host.region.len < need {
+            return Err(TransferError::BufferSize { what: "host region".into(), expected: need, actual: host.region.len });
+        }
+        let mut spans: Vec<(u64, u64, usize)> = Vec::with_capacity(tensors.len());
+        for (j, ((shape, _), &offset)) in tensors.iter().zip(&host.offsets).enumerate() {
+            let end = crate::geometry::add(offset, shape.row_bytes, "row offset + row bytes")?;
+            if end > host.row_stride {
+                return Err(bad(
+                    j as i64,
+                    format!("tensor {j}: {} bytes at offset {offset} leave a {}-byte row", shape.row_bytes, host.row_stride),
+                ));
+            }
+            spans.push((offset, end, j));
+        }
+        spans.sort_unstable();
+        if let Some(w) = spans.windows(2).find(|w| w[1].0 < w[0].1) {
+            return Err(bad(w[1].2 as i64, format!("tensors {} and {} overlap inside the row", w[0].2, w[1].2)));
+        }
+        let mut out = Vec::with_capacity(tensors.len());
+        for (j, (shape, raw)) in tensors.iter().enumerate() {
+            let geometry = geometry_of(j, shape)?;
+            let pool = device_pool(device, &geometry, shape, j, raw)?;
+            let config = HostPoolConfig {
+                layout: Layout::LayerFirst,
+                size: host_rows - 1,
+                head_num: 1,
+                profile: Profile::Extended,
+                integrity: Some(true),
+            };
+            let buffer = wrap(device, &Arg { name: "host".into(), t: &host.region })?;
+            let padding = PagePadding { page_bytes: host.row_stride, offset: host.offsets[j] };
+            let host = HostPool::wrap_padded(&pool, &config, vec![buffer], Some(padding))?;
+            out.push(TierTensor { shape: *shape, geometry, host });
+        }
+        Ok(BlockTier { device: device.clone(), host_rows, tensors: out })
+    }
+
+    /// The checksums recorded for host rows `rows` of tensor `j` (`None`: none recorded), once
+    /// queued moves are done: what a caller keeping the rows' checksums beside them stores.
+    pub fn row_checksums(&self, j: usize, rows: &[i64]) -> Result<Vec<Option<u64>>> {
+        let t = self.tensor(j)?;
+        self.check_rows(rows)?;
+        self.device.settle_checksums()?;
+        rows.iter().map(|&r| t.host.item_checksum(r as u64, 0, 0)).collect()
+    }
+
+    /// Records `sums[i]` as the checksum of host row `rows[i]` of tensor `j` (`None` forgets
+    /// it: the row loads unverified): rows written by someone else (another process sharing the
+    /// host region) carry theirs in, and the next load verifies the bytes against them inside
+    /// its copy. Every row is checked before one is recorded.
+    pub fn set_row_checksums(&self, j: usize, rows: &[i64], sums: &[Option<u64>]) -> Result<()> {
+        let t = self.tensor(j)?;
+        if rows.len() != sums.len() {
+            return Err(TransferError::BadArgument {
+                arg: "checksums",
+                value: sums.len() as i64,
+                message: format!("{} checksums for {} rows", sums.len(), rows.len()),
+            });
+        }
+        self.check_rows(rows)?;
+        t.host.set_item_checksums(rows.iter().map(|&r| r as u64).zip(sums.iter().copied()))
+    }
+
+    fn check_rows(&self, rows: &[i64]) -> Result<()> {
+        match rows.iter().find(|&&r| r < 0 || r as u64 >= self.host_rows) {
+            Some(&r) => Err(TransferError::BadArgument {
+                arg: "rows",
+                value: r,
+                message: format!("host row {r} is out of range (the tier holds {} rows)", self.host_rows),
+            }),
+            None => Ok(()),
+        }
     }
 
     /// The executor the tier's host rows live on.
@@ -163,10 +266,10 @@ impl BlockTier {
     /// queued moves are done.
     pub fn read_rows(&self, j: usize) -> Result<Vec<u8>> {
         let t = self.tensor(j)?;
-        // Host rows are `stride` apart, as the engine's blocks are (the last one unpadded).
         let buf = t.host.read_buffer(0)?;
-        let (row, stride) = (t.shape.row_bytes as usize, t.shape.stride as usize);
-        Ok((0..self.host_rows as usize).flat_map(|r| &buf[r * stride..r * stride + row]).copied().collect())
+        let (stride, offset) = host_row_span(t);
+        let (row, stride, offset) = (t.shape.row_bytes as usize, stride as usize, offset as usize);
+        Ok((0..self.host_rows as usize).flat_map(|r| &buf[r * stride + offset..r * stride + offset + row]).copied().collect())
     }
 
     /// Fault injection: writes `bytes` into host row `row` of tensor `j` at byte `offset` of the
@@ -183,7 +286,8 @@ impl BlockTier {
                 message: format!("{} bytes at {offset} are outside the tier's rows", bytes.len()),
             });
         }
-        t.host.inject_host_corruption(0, row * t.shape.stride + offset, bytes)
+        let (stride, first) = host_row_span(t);
+        t.host.inject_host_corruption(0, row * stride + first + offset, bytes)
     }
 
     fn tensor(&self, j: usize) -> Result<&TierTensor> {
@@ -192,6 +296,15 @@ impl BlockTier {
             value: j as i64,
             message: format!("the tier has {} tensors", self.tensors.len()),
         })
+    }
+}
+
+/// `(bytes from one host row to the next, where a row's data starts)`: the block stride for the
+/// tier's own rows, the caller's layout for [`BlockTier::over_host`].
+fn host_row_span(t: &TierTensor) -> (u64, u64) {
+    match t.host.geometry().padding() {
+        Some(p) => (p.page_bytes, p.offset),
+        None => (t.shape.stride, 0),
     }
 }
 

@@ -387,6 +387,23 @@ impl HostPool<'_> {
         Ok(self.page_pass(indices, None, PageCheck::Intact, |_, _, _| Ok(()))?.1)
     }
 
+    /// Records (or, for `None`, forgets) the checksums of host items `(host_index, 0, 0)`, after
+    /// the queued transfers (their checksums settle first): for items whose bytes and checksums
+    /// someone else wrote, verified by the next load inside its copy. Every item is checked
+    /// before one is recorded. A no-op without checksums.
+    pub(crate) fn set_item_checksums(&self, items: impl Iterator<Item = (u64, Option<u64>)> + Clone) -> Result<()> {
+        let Some(s) = &self.checksums else { return Ok(()) };
+        let slots = items.clone().map(|(u, _)| self.item_slot(s, u, 0, 0)).collect::<Result<Vec<_>>>()?;
+        self.device.settle_checksums()?;
+        for (slot, (_, sum)) in slots.into_iter().zip(items) {
+            match sum {
+                Some(sum) => s.record(slot, sum),
+                None => s.forget(slot),
+            }
+        }
+        Ok(())
+    }
+
     /// Recomputes and records the checksums of the page starting at token `index` from its bytes
     /// in host memory: for pages written by something that does not record them (an L3 store
     /// writing the pool's memory in place) once their bytes are known good (the store verified
