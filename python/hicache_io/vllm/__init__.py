@@ -30,7 +30,9 @@ with any other vLLM version raises ``ImportError`` naming the version found.
   "kv_connector_module_path": "hicache_io.vllm"``.
 - :class:`HicacheTier` -- a secondary tier (``secondary_tiers: [{"type": "HicacheTier",
   "module_path": "hicache_io.vllm", ...}]``) that moves chunks between vLLM's CPU tier and
-  hicache-io's L3 stores (a local directory, or Mooncake Store), sealed with checksums.
+  hicache-io's L3 stores (a local directory, or Mooncake Store), sealed with checksums; in
+  ``HicacheOffloadingSpec``'s own ``secondary_tiers`` (CPU tensors) or under vLLM's
+  ``TieringOffloadingSpec``.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -32,12 +32,28 @@ class _Rows:
     rows: np.ndarray
 
 
-def chunk_rows(group_size: int, block_index: int, chunks: np.ndarray, blocks_per_chunk: int) -> np.ndarray:
+@dataclass
+class RegionRows:
+    """Where a worker keeps its rows when secondary tiers read them: vLLM's ``SharedOffloadRegion``
+    of ``chunks`` rows of ``world_size × B`` host rows each, ``row_stride`` bytes apart; this
+    worker's (``rank``) are rows ``c × world_size × B + rank × B + i``, its tensors' bytes packed
+    from 0 and one 8-byte checksum per tensor at ``sums_at`` (the checksum plus one; 0: none)."""
+
+    region: Any
+    rank: int
+    world_size: int
+    row_stride: int
+    sums_at: int
+
+
+def chunk_rows(group_size: int, block_index: int, chunks: np.ndarray, blocks_per_chunk: int, chunk_rows: int = 0, first: int = 0) -> np.ndarray:
     """Host rows of ``group_size`` logically consecutive blocks, the first at logical index
-    ``block_index``, held by ``chunks`` (chunk ``c`` holds rows ``c × B .. c × B + B - 1``).
-    The first chunk may hold earlier blocks (skipped) and the last one later ones (unused)."""
+    ``block_index``, held by ``chunks`` (chunk ``c`` holds rows ``c × R + first .. c × R + first
+    + B - 1``, ``R`` = ``chunk_rows``, by default ``B``). The first chunk may hold earlier
+    blocks (skipped) and the last one later ones (unused)."""
+    per = chunk_rows or blocks_per_chunk
     skip = block_index % blocks_per_chunk
-    rows = (chunks.astype(np.int64)[:, None] * blocks_per_chunk + np.arange(blocks_per_chunk, dtype=np.int64)[None, :]).ravel()
+    rows = (chunks.astype(np.int64)[:, None] * per + first + np.arange(blocks_per_chunk, dtype=np.int64)[None, :]).ravel()
     return rows[skip : skip + group_size]
 
 
@@ -56,7 +72,7 @@ class HicacheOffloadingWorker(OffloadingWorker):
     likewise; completion is tracked with events (the host waits only in ``wait``).
     """
 
-    def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int, num_chunks: int):
+    def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int, num_chunks: int, region: Optional[RegionRows] = None):
         if blocks_per_chunk < 1:
             raise ValueError(f"blocks_per_chunk must be at least 1, got {blocks_per_chunk}")
         if num_chunks < 0:
@@ -104,8 +120,14 @@ class HicacheOffloadingWorker(OffloadingWorker):
             stream_handle = self._stream.cuda_stream
         elif self.device.type != "cpu":
             raise ValueError(f"KV tensors on {self.device}: hicache-io moves CPU and CUDA tensors")
-        host_rows = num_chunks * blocks_per_chunk
-        self.tier = _native.BlockTier(tensors, row_bytes, host_rows, stream=stream_handle) if host_rows else None
+        self.region = region
+        self._chunk_rows, self._first_row = blocks_per_chunk, 0
+        self._sums: Optional[np.ndarray] = None
+        if region is None:
+            host_rows = num_chunks * blocks_per_chunk
+            self.tier = _native.BlockTier(tensors, row_bytes, host_rows, stream=stream_handle) if host_rows else None
+        else:
+            host_rows = self._region_tier(region, tensors, row_bytes, num_chunks)
         self.on_load_failure: Optional[LoadFailureSink] = None
         self._lock = threading.Lock()
         self._finished: list[TransferResult] = []
@@ -130,6 +152,61 @@ class HicacheOffloadingWorker(OffloadingWorker):
             blocks_per_chunk,
             sum(t.shape[1] for t in tensors) * host_rows,
         )
+
+    def _region_tier(self, region: RegionRows, tensors: list[torch.Tensor], row_bytes: list[int], num_chunks: int) -> int:
+        """The tier over the shared region's rows (see :class:`RegionRows`); answers its rows."""
+        if self._stream is not None:
+            # The region would have to be registered with the driver, and its checksums written
+            # once each store's stream work ran: not built yet.
+            raise ValueError("secondary_tiers with CUDA KV tensors: not supported by HicacheOffloadingSpec yet (use vLLM's TieringOffloadingSpec)")
+        if not 0 <= region.rank < region.world_size:
+            raise ValueError(f"worker rank {region.rank} of {region.world_size}")
+        if region.sums_at % 8 or region.row_stride % 8:
+            raise ValueError(f"region rows: checksums at {region.sums_at}, rows {region.row_stride} bytes apart (8-byte aligned needed)")
+        offsets = [int(x) for x in np.cumsum([0] + row_bytes[:-1])]
+        data, sums_end = sum(row_bytes), region.sums_at + 8 * len(tensors)
+        if data > region.sums_at or sums_end > region.row_stride:
+            raise ValueError(
+                f"{len(tensors)} tensors of {data} data bytes a block do not fit the region's {region.row_stride}-byte rows "
+                f"(data before byte {region.sums_at}, then 8 bytes of checksum per tensor)"
+            )
+        B = self.blocks_per_chunk
+        self._chunk_rows, self._first_row = region.world_size * B, region.rank * B
+        host_rows = num_chunks * region.world_size * B
+        base = region.region.base_tensor
+        if base.numel() < host_rows * region.row_stride:
+            raise ValueError(f"the region holds {base.numel()} bytes, {host_rows} rows of {region.row_stride} need more")
+        self.tier = _native.BlockTier(tensors, row_bytes, host_rows, host=base, host_row_stride=region.row_stride, host_offsets=offsets)
+        buf = base.numpy()
+        self._sums = np.ndarray((host_rows, len(tensors)), dtype=np.uint64, buffer=buf, offset=region.sums_at, strides=(region.row_stride, 8))
+        return host_rows
+
+    def _seal(self, parts: list[_Rows]) -> None:
+        """Region rows: writes the checksums the store recorded beside the rows, for whoever
+        reads them next (a secondary tier copies them with the rows)."""
+        if self._sums is None:
+            return
+        for p in parts:
+            for j in p.tensors:
+                sums = self.tier.row_checksums(j, p.rows)
+                self._sums[p.rows, j] = np.array([0 if x is None else (x + 1) & 0xFFFF_FFFF_FFFF_FFFF for x in sums], dtype=np.uint64)
+
+    def _unseal(self, p: _Rows) -> tuple[np.ndarray, list[int]]:
+        """Region rows: takes the checksums beside the rows (written by a store here or carried
+        in with a promoted chunk) for the load to verify the rows against inside its copy.
+        Answers the rows to load and the blocks of rows that carry none (never sealed here:
+        written by something else), which are skipped and fail."""
+        if self._sums is None:
+            return p.rows, []
+        sums = self._sums[p.rows][:, p.tensors]
+        missing = (sums == 0).any(axis=1)
+        for k, j in enumerate(p.tensors):
+            self.tier.set_row_checksums(j, p.rows, [None if x == 0 else int(x) - 1 for x in sums[:, k].tolist()])
+        if not missing.any():
+            return p.rows, []
+        rows = p.rows.copy()
+        rows[missing] = -1  # a negative row skips its pair: the block keeps its bytes
+        return rows, [int(b) for b in p.blocks[missing]]
 
     # ---- planning: every check before a byte moves ---------------------------------------
 
@@ -173,7 +250,7 @@ class HicacheOffloadingWorker(OffloadingWorker):
                     f"group {g}: {size} blocks from logical block {start} need {n_chunks} chunks; "
                     f"the specs hold {len(block_ids) - b_off} blocks and {len(chunk_ids) - c_off} chunks from here"
                 )
-            rows = chunk_rows(size, start, chunk_ids[c_off : c_off + n_chunks], B)
+            rows = chunk_rows(size, start, chunk_ids[c_off : c_off + n_chunks], B, self._chunk_rows, self._first_row)
             out.append(_Rows(self._groups[g], block_ids[b_off : b_off + size], rows))
             b_off, c_off = b_off + size, c_off + n_chunks
         if b_off != len(block_ids) or c_off != len(chunk_ids):
@@ -193,8 +270,13 @@ class HicacheOffloadingWorker(OffloadingWorker):
             try:
                 if store:
                     self.tier.store(p.tensors, tensors, p.blocks, p.rows)
+                    self._seal([p])
                 else:
-                    self.tier.load(p.tensors, tensors, p.rows, p.blocks)
+                    rows, unsealed = self._unseal(p)
+                    if unsealed:
+                        failed.extend(unsealed)
+                        log.warning("hicache-io offloading: %d rows carry no checksum (not stored by this worker); their blocks are recomputed", len(unsealed))
+                    self.tier.load(p.tensors, tensors, rows, p.blocks)
             except _native.IntegrityError as e:
                 failed.extend(sorted({int(item[3]) for item in e.items}))
                 log.warning("hicache-io offloading: %d blocks failed their checksums on load (%s)", len(e.items), e)
@@ -328,3 +410,7 @@ class HicacheOffloadingWorker(OffloadingWorker):
             self._thread.join()
         if self._stream is not None:
             self._stream.synchronize()
+        if self.region is not None:
+            # The tier and the checksum view hold the mapping: let go of them first.
+            self.tier, self._sums = None, None
+            self.region.region.cleanup()

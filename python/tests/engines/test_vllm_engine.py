@@ -10,6 +10,10 @@ prefix, so a request's ``num_cached_tokens`` can only come from the offload tier
   damaged, the next request's loads fail their checksums and vLLM recomputes it (equal tokens,
   nothing cached), the damaged chunks leave the index, it stores fresh copies, and the requests
   after it are served from those;
+- ``HicacheOffloadingSpec`` with ``secondary_tiers``: ``HicacheTier`` on a local directory, the
+  CPU tier too small for two prefixes, so the first prefix's chunks are evicted by a second one's
+  and come back from the directory (promoted, verified, loaded); then a new engine process over
+  the same directory serves its first request's prefix from what the first process wrote;
 - a negative control: the worker's loads move nothing while reporting success, and the tokens
   must differ (the comparison can fail).
 
@@ -31,6 +35,8 @@ VLLM_VERSION = "0.33.0"
 PREFIX = 400  # tokens: 12 full blocks of 32 (384 tokens) are reusable
 REUSED = PREFIX // 32 * 32
 PREFIX_IDS, PROMPTS = model.prompts(PREFIX, 5)
+_, FILLER = model.prompts(PREFIX, 1, seed=2)  # another prefix, to evict the first one's chunks
+BLOCK_BYTES = 2 * 2 * 32 * 2 * 64 * 4  # layers × (K, V) × tokens × KV heads × head dim × float32
 
 
 def _problem() -> "str | None":
@@ -65,13 +71,26 @@ def gen(name: str, prompt: int) -> dict:
 RESET = {"op": "reset"}
 
 
+def tiered(l3: str) -> dict:
+    """The spec with ``HicacheTier`` on ``l3`` behind a CPU tier of 16 chunks (a prefix takes 13)."""
+    config = kv("OffloadingConnector")
+    extra = config["kv_transfer_config"]["kv_connector_extra_config"]
+    extra["cpu_bytes_to_use"] = 16 * (BLOCK_BYTES + 4096)  # a region row: the block, its checksums, page-rounded
+    extra["secondary_tiers"] = [{"type": "HicacheTier", "module_path": "hicache_io.vllm", "store": "local", "path": l3}]
+    return config
+
+
 @pytest.fixture(scope="module")
 def runs(tiny_model, tmp_path_factory):
     problem_or_skip(_problem(), engine="vllm")
     work = str(tmp_path_factory.mktemp("vllm-engines"))
+    l3 = os.path.join(work, "l3")
     plan = [
         ("plain", {}, [{"op": "generate", "name": "all", "prompts": PROMPTS}], {}),
+        ("tiers", tiered(l3), [gen("first", 0), {"op": "generate", "name": "filler", "prompts": FILLER}, RESET, gen("l3", 1)], {}),
         ("spec", kv("OffloadingConnector"), [gen("first", 0), RESET, gen("tier", 1)], {}),
+        # Starts once "tiers" ended (two places before it): a new process over its directory.
+        ("restart", tiered(l3), [gen("l3", 2)], {}),
         (
             "damaged",
             kv("HicacheOffloadingConnector", kv_load_failure_policy="recompute"),
@@ -89,6 +108,28 @@ def test_prefix_from_hicache_io_tier_equal_tokens(runs):
     tier = step(get(runs, "spec"), "tier")
     assert tier["cached"] == REUSED, f"{tier['cached']} tokens cached after the reset: the tier served {'nothing' if not tier['cached'] else 'part'}"
     assert tier["tokens"] == expected(runs, 1)
+
+
+def test_prefix_from_hicache_tier_behind_the_cpu_tier(runs):
+    """The spec with secondary tiers: evicted chunks come back from the local directory."""
+    run = get(runs, "tiers")
+    assert step(run, "first")["cached"] == 0
+    (tier,) = run["tiers"]
+    assert tier["stored"] >= 2 * (REUSED // 32), f"chunks written to the directory: {tier}"
+    l3 = step(run, "l3")
+    assert l3["cached"] == REUSED and l3["tokens"] == expected(runs, 1)
+    # The CPU tier holds 16 chunks and the filler's 13 came after the prefix's: most of the
+    # prefix was evicted, so it came back through the directory, verified.
+    assert tier["loaded"] >= REUSED // 32 - 3 and tier["verified"] == tier["loaded"] and tier["corrupt"] == 0, tier
+
+
+def test_a_new_engine_process_reads_what_the_first_wrote(runs):
+    run = get(runs, "restart")
+    l3 = step(run, "l3")
+    # A fresh process holds nothing: every cached token came from the first process's chunks.
+    assert l3["cached"] == REUSED and l3["tokens"] == expected(runs, 2)
+    (tier,) = run["tiers"]
+    assert tier["loaded"] == REUSED // 32 and tier["corrupt"] == 0, tier
 
 
 def test_damaged_rows_are_recomputed_and_leave_the_index(runs):

@@ -3,7 +3,7 @@
 ``python vllm_driver.py SPEC.json OUT.json``. SPEC: ``{"model": DIR, "llm": {extra vllm.LLM
 arguments}, "steps": [{"op": "generate", "name": N, "prompts": [[ids]], "max_new_tokens": K} |
 {"op": "reset"} | {"op": "damage"}]}``. OUT: ``{"steps": [{"name", "tokens", "cached", "seconds"}],
-"worker": {...}}``.
+"workers": N, "tiers": [each secondary tier's counters], "discarded": N}``.
 
 The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the driver can
 reach hicache-io's offloading worker: ``damage`` flips a byte in every chunk it holds (a load of
@@ -35,6 +35,14 @@ def workers() -> list:
         return []
     found = getattr(getattr(get_kv_transfer_group(), "connector_worker", None), "worker", None)
     return [found] if isinstance(found, HicacheOffloadingWorker) else []
+
+
+def scheduler_manager(llm):
+    """The offloading manager of the engine's scheduler (in this process), or None."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    connector = core.scheduler.get_kv_connector() if core is not None else None
+    sched = getattr(connector, "connector_scheduler", None)
+    return getattr(sched, "manager", None)
 
 
 def break_loads() -> None:
@@ -97,6 +105,8 @@ def main(spec_path: str, out_path: str) -> None:
             t = time.perf_counter() - t
             out["steps"].append({"name": step["name"], "tokens": list(r.outputs[0].token_ids), "cached": r.num_cached_tokens or 0, "seconds": t})
     out["workers"] = len(workers())
+    manager = scheduler_manager(llm)
+    out["tiers"] = [dict(getattr(t, "stats", {})) for t in getattr(manager, "secondary_tiers", [])]
     out["seconds"] = round(time.monotonic() - t0, 1)
     with open(out_path, "w") as f:
         json.dump(out, f)

@@ -213,3 +213,63 @@ def test_vllm_factory_builds_the_tier(tmp_path):
         assert isinstance(tier, HicacheTier) and tier.client.capacity == 1 << 20
     finally:
         tier.shutdown()
+
+
+def tiered_config(tmp_path, engine_id, **extra):
+    from vllm.v1.kv_offload.config import OffloadingGroupConfig
+
+    s = spec()
+    tiers = [{"type": "HicacheTier", "module_path": "hicache_io.vllm", "store": "local", "path": str(tmp_path / "l3")}]
+    fields = {f: getattr(s.config, f) for f in ("enable_kv_cache_events", "model", "cache", "parallel")}
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0", "l1"), group_id=0),),
+        worker_kv_bytes_per_block=2 * 1000,
+        extra_config={"cpu_bytes_to_use": 1 << 20, "secondary_tiers": tiers, **extra},
+        engine_id=engine_id,
+        **fields,
+    )
+
+
+def test_spec_with_secondary_tiers_shares_one_region_between_worker_and_scheduler(tmp_path):
+    """As in an engine: the worker registers its KV caches first, then the scheduler's manager
+    is built. Both map the same region (rows the worker stores are the rows the tier reads), and
+    its path is gone once both mapped it (nothing left in /dev/shm, whatever ends the engine)."""
+    import os
+    import uuid
+
+    import torch
+    from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, GPULoadStoreSpec
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    from hicache_io.vllm import HicacheOffloadingSpec
+    from hicache_io.vllm.spec import HicacheTieringManager
+
+    engine_id = f"hicache-io-test-{uuid.uuid4().hex}"
+    s = HicacheOffloadingSpec(tiered_config(tmp_path, engine_id))
+    assert s.region_sums_at == 2000 and s.kv_bytes_per_chunk % 4096 == 0 and s.kv_bytes_per_chunk == 2 * s.region_row_stride
+    tensors = [torch.randint(-128, 127, (8, 1000), dtype=torch.int8) for _ in range(2)]
+    caches = CanonicalKVCaches(tensors=[CanonicalKVCacheTensor(t, 1000) for t in tensors], group_data_refs=[[CanonicalKVCacheRef(0, 1000), CanonicalKVCacheRef(1, 1000)]])
+    worker = s.get_worker(caches)
+    manager = s.get_manager()
+    try:
+        assert isinstance(manager, HicacheTieringManager) and len(manager.secondary_tiers) == 1
+        assert not os.path.exists(f"/dev/shm/vllm_offload_{engine_id}.mmap"), "the region's path outlives its mappings"
+        assert worker.submit_store(1, GPULoadStoreSpec([5, 6], [2], [0]), CPULoadStoreSpec([3]))
+        worker.wait({1})
+        assert [r.success for r in worker.get_finished()] == [True]
+        row = np.frombuffer(manager.primary_tier.get_kv_memoryview(), dtype=np.uint8).reshape(s.num_chunks, -1)[3]
+        for i, blk in enumerate((5, 6)):
+            at = i * s.region_row_stride
+            assert np.array_equal(row[at : at + 1000], tensors[0][blk].numpy().view(np.uint8))
+            assert np.array_equal(row[at + 1000 : at + 2000], tensors[1][blk].numpy().view(np.uint8))
+    finally:
+        worker.shutdown()
+        manager.shutdown()
+
+
+@pytest.mark.parametrize("extra, message", [({"secondary_tiers": {"type": "HicacheTier"}}, "must be a list"), ({"store_threshold": 2}, "store_threshold")])
+def test_spec_with_secondary_tiers_refuses_bad_configs(tmp_path, extra, message):
+    from hicache_io.vllm import HicacheOffloadingSpec
+
+    with pytest.raises(ValueError, match=message):
+        HicacheOffloadingSpec(tiered_config(tmp_path, "unused", **extra))

@@ -1,6 +1,12 @@
 """``HicacheOffloadingWorker`` against an oracle of vLLM's chunk semantics, byte for byte: every
 group, ``blocks_per_chunk`` ≥ 1 with partial first and last chunks, split K/V tensors, padded
-pages, a cross-layer tensor; damaged chunks fail their loads; bad specs move nothing."""
+pages, a cross-layer tensor; damaged chunks fail their loads; bad specs move nothing. The same
+with the rows in vLLM's shared region (as with secondary tiers), another rank's rows and the
+gaps untouched, and checksums travelling with the rows."""
+
+import math
+import mmap
+import uuid
 
 import numpy as np
 import pytest
@@ -10,7 +16,10 @@ try:
     from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, GPULoadStoreSpec
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
+    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
     from hicache_io.vllm import HicacheOffloadingWorker
+    from hicache_io.vllm.worker import RegionRows
 except ImportError:  # skipped by conftest
     pass
 
@@ -77,15 +86,41 @@ SHAPES = [
 ]
 
 
+def region_rows(pages, B, num_chunks, rank=1, world_size=2, engine_id=None):
+    """vLLM's shared region laid out as ``region_layout`` lays it (the scheduler's mapping and
+    a worker's, both made here), rows for rank ``rank`` of ``world_size``."""
+    sums_at = -(-sum(pages) // 8) * 8
+    align = math.lcm(8, mmap.PAGESIZE // math.gcd(world_size * B, mmap.PAGESIZE))
+    row = -(-(sums_at + 16 * len(pages)) // align) * align
+    engine_id = engine_id or f"hicache-io-test-{uuid.uuid4().hex}"
+    region = SharedOffloadRegion(engine_id, num_chunks, rank, world_size * B * row, B * row)
+    return RegionRows(region=region, rank=rank, world_size=world_size, row_stride=row, sums_at=sums_at)
+
+
+def own_rows(worker, t, num_chunks, B):
+    """The worker's rows of tensor ``t`` (its own, or its rank's share of the region's), and
+    the rest of the region's bytes (None without a region)."""
+    rows = worker.tier.read_rows(t)
+    if worker.region is None:
+        return rows, None
+    r = worker.region
+    mine = rows.reshape(num_chunks, r.world_size, B, -1)[:, r.rank].ravel()
+    whole = np.frombuffer(r.region.mmap_obj, dtype=np.uint8).reshape(num_chunks, r.world_size, B, r.row_stride)
+    others = np.delete(whole, r.rank, axis=1)
+    return mine, others
+
+
+@pytest.mark.parametrize("where", ["own", "region"])
 @pytest.mark.parametrize("B", [1, 2, 4])
 @pytest.mark.parametrize("shape", range(len(SHAPES)))
-def test_store_then_load_matches_the_oracle(shape, B):
+def test_store_then_load_matches_the_oracle(shape, B, where):
     pages, refs = SHAPES[shape]
     rng = np.random.default_rng(shape * 10 + B)
     num_blocks, num_chunks = 40, 12
     tensors, caches = make_caches(rng, num_blocks, pages, refs)
     oracle = Oracle(pages, refs, num_chunks, B)
-    worker = HicacheOffloadingWorker(caches, B, num_chunks)
+    region = region_rows(pages, B, num_chunks) if where == "region" else None
+    worker = HicacheOffloadingWorker(caches, B, num_chunks, region=region)
     try:
         job = 0
         for round_ in range(6):
@@ -109,7 +144,10 @@ def test_store_then_load_matches_the_oracle(shape, B):
             for t in range(len(pages)):
                 # Rows the oracle never wrote are zero on both sides.
                 want = oracle.rows[t][:, : worker.row_bytes[t]].astype(np.uint8).ravel()
-                assert np.array_equal(worker.tier.read_rows(t), want), f"round {round_}, tensor {t}"
+                mine, others = own_rows(worker, t, num_chunks, B)
+                assert np.array_equal(mine, want), f"round {round_}, tensor {t}"
+                if others is not None:
+                    assert not others.any(), "another rank's rows changed"
             # The engine overwrites the blocks; the load brings the stored bytes back (into
             # other blocks, too).
             for t in tensors:
@@ -186,3 +224,53 @@ def test_bad_specs_move_nothing(gpu_args, chunks, error):
             assert torch.equal(t, b)
     finally:
         worker.shutdown()
+
+
+def test_region_rows_carry_their_checksums_to_another_worker():
+    """A chunk stored by one worker is verified by another over the same region (another
+    process's mapping), also after its row was copied to another chunk with its checksums (as a
+    secondary tier promotes one); a row copied without them, or damaged, fails its load."""
+    pages, B, num_chunks = [64, 64], 2, 6
+    rng = np.random.default_rng(3)
+    tensors, caches = make_caches(rng, 16, pages, [[(0, 64), (1, 64)]])
+    a_rows = region_rows(pages, B, num_chunks, rank=0, world_size=1)
+    a = HicacheOffloadingWorker(caches, B, num_chunks, region=a_rows)
+    engine_id = a_rows.region.mmap_path.split("vllm_offload_")[1][: -len(".mmap")]
+    b = HicacheOffloadingWorker(caches, B, num_chunks, region=region_rows(pages, B, num_chunks, rank=0, world_size=1, engine_id=engine_id))
+    try:
+        assert a.submit_store(1, GPULoadStoreSpec([3, 4, 5, 6], [4], [0]), CPULoadStoreSpec([2, 5]))
+        assert finish(a, [1])[1].success
+        view = np.frombuffer(a_rows.region.mmap_obj, dtype=np.uint8).reshape(num_chunks, -1)
+        dest = GPULoadStoreSpec([8, 9, 10, 11], [4], [0])
+        assert b.submit_load(2, CPULoadStoreSpec([2, 5]), dest)
+        assert finish(b, [2])[2].success
+        assert torch.equal(tensors[0][8:12], tensors[0][3:7]) and torch.equal(tensors[1][8:12], tensors[1][3:7])
+        # Promoted: chunk 5's row (data and checksums) copied to chunk 1, as a tier copies view[c].
+        view[1] = view[5]
+        assert b.submit_load(3, CPULoadStoreSpec([2, 1]), GPULoadStoreSpec([12, 13, 14, 15], [4], [0]))
+        assert finish(b, [3])[3].success
+        assert torch.equal(tensors[1][14:16], tensors[1][5:7])
+        # Data without its checksums (or damaged data) is caught.
+        view[0, : a_rows.sums_at] = view[5, : a_rows.sums_at]
+        before = [t.clone() for t in tensors]
+        assert b.submit_load(4, CPULoadStoreSpec([0]), GPULoadStoreSpec([12, 13], [2], [0]))
+        assert not finish(b, [4])[4].success
+        assert all(torch.equal(t, u) for t, u in zip(tensors, before)), "rows without checksums landed"
+        view[5, 3] ^= 1
+        assert b.submit_load(5, CPULoadStoreSpec([5]), GPULoadStoreSpec([12, 13], [2], [0]))
+        assert not finish(b, [5])[5].success
+    finally:
+        view = None  # the mapping is let go of only when nothing views it
+        a.shutdown()
+        b.shutdown()
+
+
+def test_region_too_small_for_the_tensors_is_refused():
+    rng = np.random.default_rng(4)
+    _, caches = make_caches(rng, 8, [64, 64], [[(0, 64), (1, 64)]])
+    rows = region_rows([64], 1, 4, rank=0, world_size=1)  # laid out for one 64-byte tensor
+    try:
+        with pytest.raises(ValueError, match="do not fit"):
+            HicacheOffloadingWorker(caches, 1, 4, region=rows)
+    finally:
+        rows.region.cleanup()
