@@ -11,7 +11,7 @@
 
 mod common;
 
-use hicache_io::kvcacheio::{BlockMove, BlockShape, BlockTier, HostRows, RawTensor};
+use hicache_io::kvcacheio::{BlockMove, BlockShape, BlockTier, HostRows, Memory, RawTensor};
 use hicache_io::{Device, TransferError};
 
 const ROWS: u64 = 24;
@@ -225,7 +225,8 @@ fn block_tier_over_caller_rows_matches_the_oracle_and_carries_checksums() {
         HostRows { region: common::host_tensor(&mut region, &[HOST_ROWS * REGION_ROW]), row_stride: REGION_ROW, offsets: OFFSETS.to_vec() };
     let mut blocks = HostBlocks((0..3).map(|j| common::random_bytes((ROWS * SHAPES[j].1) as usize, 100 + j as u64)).collect());
     let pairs: Vec<(BlockShape, RawTensor)> = (0..3).map(|j| (shapes()[j], blocks.raw(j))).collect();
-    let tier = BlockTier::over_host(&device, &pairs, HOST_ROWS, &host).unwrap();
+    // SAFETY: `region` outlives the tier, and only the test writes it, between moves.
+    let tier = unsafe { BlockTier::over_host(&device, &pairs, HOST_ROWS, &host) }.unwrap();
     run_on(&device, tier, &mut blocks, &mut |b: &mut HostBlocks, engine: &[Vec<u8>]| b.0 = engine.to_vec());
     assert!(gaps(&region).iter().all(|&b| b == GAP), "the tier wrote bytes between or after the tensors' rows");
 
@@ -234,13 +235,15 @@ fn block_tier_over_caller_rows_matches_the_oracle_and_carries_checksums() {
     let mut region = region_with_gaps();
     let host =
         HostRows { region: common::host_tensor(&mut region, &[HOST_ROWS * REGION_ROW]), row_stride: REGION_ROW, offsets: OFFSETS.to_vec() };
-    let mut a = BlockTier::over_host(&device, &pairs, HOST_ROWS, &host).unwrap();
+    // SAFETY: as above (two tiers over one region, as two processes would map it).
+    let mut a = unsafe { BlockTier::over_host(&device, &pairs, HOST_ROWS, &host) }.unwrap();
     let calls = |b: &mut HostBlocks| -> Vec<(usize, RawTensor)> { (0..3).map(|j| (j, b.raw(j))).collect() };
     a.run(BlockMove::Store, &calls(&mut blocks), &[1, 2, 3], &[4, 5, 6]).unwrap();
     let sums: Vec<Vec<Option<u64>>> = (0..3).map(|j| a.row_checksums(j, &[4, 5, 6]).unwrap()).collect();
     assert!(sums.iter().flatten().all(Option::is_some), "a store records every row's checksum");
     assert_eq!(a.row_checksums(0, &[7]).unwrap(), vec![None], "a row never stored has none");
-    let mut b = BlockTier::over_host(&device, &pairs, HOST_ROWS, &host).unwrap();
+    // SAFETY: as above.
+    let mut b = unsafe { BlockTier::over_host(&device, &pairs, HOST_ROWS, &host) }.unwrap();
     for (j, s) in sums.iter().enumerate() {
         b.set_row_checksums(j, &[4, 5, 6], s).unwrap();
     }
@@ -282,17 +285,97 @@ fn block_tier_over_caller_rows_matches_the_oracle_and_carries_checksums() {
         (HostRows { region: host.region.clone(), row_stride: REGION_ROW, offsets: vec![0, 95, 192] }, "tensors 0 and 1 overlap"),
         (HostRows { region: host.region.clone(), row_stride: REGION_ROW, offsets: vec![0, 96, 257] }, "tensor 2 leaves the row"),
         (HostRows { region: host.region.clone(), row_stride: u64::MAX, offsets: OFFSETS.to_vec() }, "rows × stride overflows"),
+        // SAFETY: never wrapped (refused first): device memory is not what the rows are.
+        (
+            HostRows {
+                region: unsafe { RawTensor::new(host.region.addr(), host.region.len(), vec![host.region.len()], Memory::CudaDevice) },
+                row_stride: REGION_ROW,
+                offsets: OFFSETS.to_vec(),
+            },
+            "device memory",
+        ),
     ];
     for (h, what) in bad {
-        assert!(BlockTier::over_host(&device, &pairs, HOST_ROWS, &h).is_err(), "{what}: accepted");
+        // SAFETY: the regions outlive the call (each is refused, so no tier keeps them).
+        assert!(unsafe { BlockTier::over_host(&device, &pairs, HOST_ROWS, &h) }.is_err(), "{what}: accepted");
     }
+}
+
+/// Two strided views interleaved in one buffer, `STRIDED_ROW` bytes a block: view 0 of 96 bytes
+/// at 0, view 1 of 128 bytes (112 of data) at 96, the rest another view's. Each view's span ends
+/// with its last block's width (its memory ends there).
+const STRIDED_ROW: u64 = 256;
+const VIEWS: [(u64, u64, u64); 2] = [(0, 96, 96), (96, 128, 112)]; // (offset, width, data bytes)
+
+/// Stores blocks of both views, scrambles the buffer's data bytes, loads the blocks back into
+/// others: the loaded data equals the stored, and no byte outside the views' data ever changes.
+/// `raw(offset, len)` describes a span of the buffer; `read`/`write` the whole buffer.
+fn run_strided(device: &Device, raw: &dyn Fn(u64, u64) -> RawTensor, read: &dyn Fn() -> Vec<u8>, write: &dyn Fn(&[u8])) {
+    let name = device.name();
+    let span = |v: usize| (ROWS - 1) * STRIDED_ROW + VIEWS[v].1;
+    let shapes: Vec<BlockShape> =
+        VIEWS.iter().map(|&(_, _, data)| BlockShape { row_bytes: data, stride: STRIDED_ROW, rows: ROWS }).collect();
+    let pairs: Vec<(BlockShape, RawTensor)> = (0..2).map(|v| (shapes[v], raw(VIEWS[v].0, span(v)))).collect();
+    let mut tier = BlockTier::new(device, &pairs, HOST_ROWS).unwrap();
+    let data = |row: usize, v: usize| {
+        let at = row * STRIDED_ROW as usize + VIEWS[v].0 as usize;
+        at..at + VIEWS[v].2 as usize
+    };
+    let before = read();
+    let calls: Vec<(usize, RawTensor)> = (0..2).map(|v| (v, raw(VIEWS[v].0, span(v)))).collect();
+    let (blocks, rows) = ([0i64, 5, ROWS as i64 - 1], [3i64, 4, 5]);
+    tier.run(BlockMove::Store, &calls, &blocks, &rows).unwrap();
+    tier.synchronize().unwrap();
+    assert_eq!(read(), before, "{name}: a store changed the engine's buffer");
+    let mut scrambled = common::random_bytes(before.len(), 99);
+    for (i, b) in scrambled.iter_mut().enumerate() {
+        let row = i / STRIDED_ROW as usize;
+        if !(0..2).any(|v| data(row, v).contains(&i)) {
+            *b = before[i]; // only data bytes change: the rest is not the views'
+        }
+    }
+    write(&scrambled);
+    let dest = [7i64, ROWS as i64 - 2, 1];
+    tier.run(BlockMove::Load, &calls, &dest, &rows).unwrap();
+    tier.synchronize().unwrap();
+    let after = read();
+    let mut want = scrambled.clone();
+    for (&src, &dst) in blocks.iter().zip(&dest) {
+        for v in 0..2 {
+            want[data(dst as usize, v)].copy_from_slice(&before[data(src as usize, v)]);
+        }
+    }
+    assert_eq!(after, want, "{name}: the load landed other bytes than the stored blocks' data");
+    // Views whose data windows meet (view 1 moved 4 bytes into view 0's data): a load would
+    // write those bytes twice, and is refused; a store only reads them.
+    let meeting = vec![(0usize, raw(0, span(0))), (1usize, raw(92, span(1)))];
+    assert!(tier.run(BlockMove::Load, &meeting, &[1], &[0]).is_err(), "{name}: a load into overlapping views accepted");
+    let untouched = read();
+    tier.run(BlockMove::Store, &meeting, &[1], &[0]).unwrap();
+    tier.synchronize().unwrap();
+    assert_eq!(read(), untouched);
+    // A span that stops inside the last block's data, or runs past the last block's stride, is
+    // refused.
+    for len in [(ROWS - 1) * STRIDED_ROW + VIEWS[0].2 - 1, ROWS * STRIDED_ROW + 1] {
+        let calls = vec![(0usize, raw(0, len))];
+        assert!(tier.run(BlockMove::Store, &calls, &[1], &[0]).is_err(), "{name}: a span of {len} bytes accepted");
+    }
+}
+
+#[test]
+fn block_tier_moves_strided_views_without_touching_other_bytes() {
+    let device = Device::cpu();
+    let buf = std::cell::RefCell::new(common::random_bytes((ROWS * STRIDED_ROW) as usize, 5));
+    let base = buf.borrow_mut().as_mut_ptr() as u64;
+    // SAFETY: spans of `buf`, which outlives the tier; the test reads and writes it between moves.
+    let raw = |offset: u64, len: u64| unsafe { RawTensor::new(base + offset, len, vec![ROWS, len / ROWS], Memory::Host) };
+    run_strided(&device, &raw, &|| buf.borrow().clone(), &|b: &[u8]| buf.borrow_mut().copy_from_slice(b));
 }
 
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::*;
     use cudarc::driver::result;
-    use hicache_io::kvcacheio::Memory;
 
     pub(super) struct DeviceBlocks {
         ptrs: Vec<u64>,
@@ -339,6 +422,26 @@ mod cuda {
         let init: Vec<Vec<u8>> = (0..3).map(|j| common::random_bytes((ROWS * SHAPES[j].1) as usize, 100 + j as u64)).collect();
         upload(&mut blocks, &init);
         run_tier(device, &mut blocks, &mut upload);
+        // Strided views of one device buffer.
+        let len = (ROWS * STRIDED_ROW) as usize;
+        let p = unsafe { result::malloc_sync(len) }.unwrap();
+        unsafe { result::memcpy_htod_sync(p, &common::random_bytes(len, 5)) }.unwrap();
+        // SAFETY: spans of our allocation, alive until freed below, after the executor is idle.
+        let raw = |offset: u64, l: u64| unsafe { RawTensor::new(p + offset, l, vec![ROWS, l / ROWS], Memory::CudaDevice) };
+        let read = || {
+            device.wait_idle().unwrap();
+            let mut out = vec![0u8; len];
+            unsafe { result::memcpy_dtoh_sync(&mut out, p) }.unwrap();
+            out
+        };
+        let write = |b: &[u8]| {
+            device.wait_idle().unwrap();
+            unsafe { result::memcpy_htod_sync(p, b) }.unwrap();
+            result::ctx::synchronize().unwrap();
+        };
+        run_strided(device, &raw, &read, &write);
+        device.wait_idle().unwrap();
+        unsafe { result::free_sync(p) }.unwrap();
         // Host tensors are not what a cuda tier moves.
         let mut t = vec![0u8; (ROWS * 128) as usize];
         let raw = common::host_tensor(&mut t, &[ROWS, 128]);

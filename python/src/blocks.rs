@@ -11,9 +11,9 @@ use hicache_io::kvcacheio::{BlockMove, BlockShape, BlockTier, HostRows, RawTenso
 
 use crate::*;
 
-/// Host rows for each of an engine's block tensors: tensor `j` is `rows × stride` bytes (2-D,
-/// contiguous, 1-byte elements: vLLM's canonical int8 views), of which the first `row_bytes[j]`
-/// of each block are data. The rows live on the executor of the tensors: host tensors on the
+/// Host rows for each of an engine's block tensors: tensor `j` is `rows` blocks (2-D, 1-byte
+/// elements: vLLM's canonical int8 views; contiguous, or strided `(S, 1)` with blocks narrower
+/// than `S`), of which the first `row_bytes[j]` of each block are data; only data bytes move. The rows live on the executor of the tensors: host tensors on the
 /// cpu executor (in host memory), CUDA tensors on the cuda executor of their device, on
 /// `stream` (pinned host memory; moves are enqueued there, not waited for).
 ///
@@ -30,7 +30,8 @@ use crate::*;
 /// bytes, e.g. a region other processes map too; registered with the driver on cuda) the rows are
 /// that memory instead: row `r` of tensor `j` is its `row_bytes[j]` at `r × host_row_stride +
 /// host_offsets[j]`. The tier keeps `host` referenced; it neither zeroes nor owns it, and the
-/// rows' checksums travel through `row_checksums` / `set_row_checksums`.
+/// rows' checksums travel through `row_checksums` / `set_row_checksums`. Other processes sharing
+/// the memory must not write a row while a move of the tier reads or writes it.
 #[pyclass(name = "BlockTier", module = "hicache_io", frozen)]
 pub(crate) struct PyBlockTier {
     inner: Mutex<BlockTier>,
@@ -40,8 +41,9 @@ pub(crate) struct PyBlockTier {
 }
 
 /// A tensor of the tier as `(shape, raw)`, checked against the shape it was registered with.
+/// Its blocks may lie further apart than their width (strides `(S, 1)`): `S` is the stride.
 fn block_tensor(obj: &Bound<'_, PyAny>, name: &str, row_bytes: Option<u64>, ctx: Ctx) -> PyResult<(Held, BlockShape)> {
-    let h = view(obj, name, ctx)?;
+    let (h, stride) = view_rows(obj, name, ctx)?;
     let dims = h.raw.dims().to_vec();
     if dims.len() != 2 || h.dtype.1 != 8 {
         return Err(PyTypeError::new_err(format!(
@@ -53,8 +55,11 @@ fn block_tensor(obj: &Bound<'_, PyAny>, name: &str, row_bytes: Option<u64>, ctx:
     if !h.writable {
         return Err(PyValueError::new_err(format!("{name}: read-only (loads write it)")));
     }
-    let (rows, stride) = (dims[0], dims[1]);
-    let row_bytes = row_bytes.unwrap_or(stride);
+    let (rows, width) = (dims[0], dims[1]);
+    let row_bytes = row_bytes.unwrap_or(width);
+    if row_bytes > width {
+        return Err(PyValueError::new_err(format!("{name}: {row_bytes} data bytes in blocks {width} bytes wide")));
+    }
     Ok((h, BlockShape { row_bytes, stride, rows }))
 }
 
@@ -100,7 +105,9 @@ impl PyBlockTier {
         };
         let tier = match &region {
             None => py.detach(|| BlockTier::new(&device, &pairs, host_rows)),
-            Some((rows, _)) => py.detach(|| BlockTier::over_host(&device, &pairs, host_rows, rows)),
+            // SAFETY: the region's owner is kept by the tier (`_host`) for its whole life; the
+            // caller's contract (the class docs) is that nothing else writes rows during a move.
+            Some((rows, _)) => py.detach(|| unsafe { BlockTier::over_host(&device, &pairs, host_rows, rows) }),
         }
         .py()?;
         let keep = region.map(|(_, held)| held._keep);

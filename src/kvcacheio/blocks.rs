@@ -1,7 +1,7 @@
 //! A host tier for an engine's block tensors (vLLM's offloading): the engine keeps its KV cache
 //! as tensors of `rows` blocks, one block `stride` bytes apart, of which the first `row_bytes`
-//! are data (the rest padding); the tier keeps host rows of `row_bytes` in host pools of its own
-//! executor, one pool per engine tensor, with item checksums.
+//! are data (the rest padding, or other views' bytes); the tier keeps host rows of `row_bytes`,
+//! packed, in host pools of its own executor, one pool per engine tensor, with item checksums.
 //!
 //! Stores and loads are pool calls like every other op (one validation table): a tensor is wrapped
 //! as a one-layer device pool of `rows` one-token pages padded to `stride`, paired with the
@@ -10,7 +10,7 @@
 //! [`TransferError::Integrity`] naming every row that no longer matches, after the call's other
 //! rows landed. Nothing moves unless every tensor's call is accepted.
 
-use super::tensors::{arg, check_overlaps, wrap, Arg};
+use super::tensors::{wrap, Arg};
 use super::{Memory, RawTensor};
 use crate::error::{Result, TransferError};
 use crate::exec::Device;
@@ -22,6 +22,8 @@ use crate::Layout;
 use crate::Profile;
 
 /// The shape of one engine tensor: `rows` blocks, `stride` bytes apart, `row_bytes` of data each.
+/// Its memory is `rows × stride` bytes, or as little as ends with the last block's data (a
+/// strided view whose blocks are narrower than their stride); only data bytes are read or written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BlockShape {
     /// Data bytes of a block (vLLM's un-padded page size).
@@ -45,8 +47,8 @@ pub struct BlockTier {
     tensors: Vec<TierTensor>,
 }
 
-/// Host rows the caller owns, for [`BlockTier::over_host`]: `region` holds `rows ×
-/// row_stride` bytes or more, row `r` of tier tensor `j` being the `row_bytes` of that tensor at
+/// Host rows the caller owns, for [`BlockTier::over_host`] (whose safety contract the region
+/// must meet): `region` holds `rows × row_stride` bytes or more, row `r` of tier tensor `j` being the `row_bytes` of that tensor at
 /// `r × row_stride + offsets[j]` (each tensor's rows interleaved with the others', as in a region
 /// other processes share chunk by chunk).
 #[derive(Debug, Clone)]
@@ -87,7 +89,9 @@ impl BlockTier {
                 profile: Profile::Extended,
                 integrity: Some(true),
             };
-            let host = HostPool::new(&pool, &config)?;
+            // Rows packed: a block's padding (or the other views between a strided view's
+            // blocks) is not the tier's to keep.
+            let host = HostPool::new_padded(&pool, &config, None)?;
             out.push(TierTensor { shape: *shape, geometry, host });
         }
         Ok(BlockTier { device: device.clone(), host_rows, tensors: out })
@@ -96,12 +100,20 @@ impl BlockTier {
     /// A tier of `host_rows` rows for each tensor of `tensors`, as [`BlockTier::new`], whose
     /// rows are the caller's memory laid out as `host` says, not zeroed and not owned: row
     /// checksums are the tier's own until [`BlockTier::set_row_checksums`] takes them from
-    /// wherever the caller keeps them. Refused before anything is wrapped: a region too small
-    /// for `host_rows` rows, an offset count other than the tensor count, a tensor's bytes
-    /// leaving the row, or two tensors' bytes overlapping.
-    pub fn over_host(device: &Device, tensors: &[(BlockShape, RawTensor)], host_rows: u64, host: &HostRows) -> Result<BlockTier> {
+    /// wherever the caller keeps them. Refused before anything is wrapped: a region that is not
+    /// host memory or is too small for `host_rows` rows, an offset count other than the tensor
+    /// count, a tensor's bytes leaving the row, or two tensors' bytes overlapping.
+    ///
+    /// # Safety
+    /// `host.region` must stay valid for reads and writes for as long as the tier lives (not only
+    /// during one move, as [`RawTensor::new`] asks), and nothing else may write a row while a
+    /// move of the tier reads or writes it.
+    pub unsafe fn over_host(device: &Device, tensors: &[(BlockShape, RawTensor)], host_rows: u64, host: &HostRows) -> Result<BlockTier> {
         if host_rows == 0 {
             return Err(TransferError::InvalidConfig("a block tier needs at least one host row".into()));
+        }
+        if host.region.memory != Memory::Host {
+            return Err(TransferError::BadTensor { arg: "host".into(), reason: "the tier's rows are host memory".into() });
         }
         let bad = |value: i64, message: String| TransferError::BadArgument { arg: "host", value, message };
         if host.offsets.len() != tensors.len() {
@@ -171,6 +183,41 @@ impl BlockTier {
         t.host.set_item_checksums(rows.iter().map(|&r| r as u64).zip(sums.iter().copied()))
     }
 
+    /// Two tensors a load writes must not share a data byte: both would be written, in an
+    /// order executors differ on. Spans may interleave (strided views of one buffer, each
+    /// block's data inside the others' gaps): with one stride, their data windows must be
+    /// disjoint in every block; otherwise their spans must be.
+    fn check_load_overlaps(&self, calls: &[(usize, RawTensor)]) -> Result<()> {
+        for (a, (ja, ra)) in calls.iter().enumerate() {
+            for (jb, rb) in &calls[a + 1..] {
+                let (Ok(ta), Ok(tb)) = (self.tensor(*ja), self.tensor(*jb)) else { continue }; // refused later
+                let (sa, sb) = (&ta.shape, &tb.shape);
+                let spans_meet =
+                    ra.memory == rb.memory && ra.addr < rb.addr.saturating_add(rb.len) && rb.addr < ra.addr.saturating_add(ra.len);
+                if !spans_meet || ra.len == 0 || rb.len == 0 {
+                    continue;
+                }
+                let interleaved = sa.stride == sb.stride && sa.rows == sb.rows && {
+                    // The later view's data starts `r` bytes into each of the earlier one's blocks.
+                    let ((first, d1), (second, d2)) = if ra.addr <= rb.addr {
+                        ((ra, sa.row_bytes), (rb, sb.row_bytes))
+                    } else {
+                        ((rb, sb.row_bytes), (ra, sa.row_bytes))
+                    };
+                    let r = (second.addr - first.addr) % sa.stride;
+                    d1 <= r && r + d2 <= sa.stride
+                };
+                if !interleaved {
+                    return Err(TransferError::BadTensor {
+                        arg: format!("tensor[{ja}]"),
+                        reason: format!("destination overlaps tensor[{jb}]"),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn check_rows(&self, rows: &[i64]) -> Result<()> {
         match rows.iter().find(|&&r| r < 0 || r as u64 >= self.host_rows) {
             Some(&r) => Err(TransferError::BadArgument {
@@ -209,9 +256,7 @@ impl BlockTier {
             BlockMove::Load => Op::Load { layer_id: 0, is_draft: false },
         };
         if dir == BlockMove::Load {
-            // Two tensors sharing bytes would both be written, in an order executors differ on.
-            let writes: Vec<Arg<'_>> = calls.iter().map(|(j, raw)| arg(format!("tensor[{j}]"), raw)).collect();
-            check_overlaps(&[], &writes)?;
+            self.check_load_overlaps(calls)?;
         }
         let mut planned = Vec::with_capacity(calls.len());
         let mut seen = vec![false; self.tensors.len()];
@@ -299,12 +344,12 @@ impl BlockTier {
     }
 }
 
-/// `(bytes from one host row to the next, where a row's data starts)`: the block stride for the
-/// tier's own rows, the caller's layout for [`BlockTier::over_host`].
+/// `(bytes from one host row to the next, where a row's data starts)`: packed for the tier's own
+/// rows, the caller's layout for [`BlockTier::over_host`].
 fn host_row_span(t: &TierTensor) -> (u64, u64) {
     match t.host.geometry().padding() {
         Some(p) => (p.page_bytes, p.offset),
-        None => (t.shape.stride, 0),
+        None => (t.shape.row_bytes, 0),
     }
 }
 
@@ -327,12 +372,18 @@ fn device_pool(device: &Device, geometry: &DeviceGeometry, shape: &BlockShape, j
         return Err(TransferError::BadTensor { arg: format!("tensor[{j}]"), reason: "a cuda tier moves device memory".into() });
     }
     let name = format!("tensor[{j}]");
-    // Exactly the registered blocks: a larger tensor would be another tensor's memory.
-    let want = crate::geometry::mul(shape.rows, shape.stride, "block tensor bytes (rows × stride)")?;
-    if raw.len != want {
+    // Exactly the registered blocks: a larger tensor would be another tensor's memory. Its last
+    // block may end after its data (a strided view, whose rows are narrower than their stride,
+    // ends there: the bytes after it are another view's).
+    let whole = crate::geometry::mul(shape.rows, shape.stride, "block tensor bytes (rows × stride)")?;
+    let least = whole - (shape.stride - shape.row_bytes);
+    if raw.len < least || raw.len > whole {
         return Err(TransferError::BadTensor {
             arg: name,
-            reason: format!("{} bytes, but the tier's tensor {j} is {want} ({} blocks of {})", raw.len, shape.rows, shape.stride),
+            reason: format!(
+                "{} bytes, but the tier's tensor {j} is {least} to {whole} ({} blocks {} bytes apart, {} of data each)",
+                raw.len, shape.rows, shape.stride, shape.row_bytes
+            ),
         });
     }
     let buffer = wrap(device, &Arg { name, t: raw })?;

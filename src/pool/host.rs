@@ -45,7 +45,17 @@ impl HostPool<'static> {
     /// A host pool for `device_pool`: same kind, item and page size; `L` = live target layers
     /// plus drafts. Owns its buffers (pinned and mapped on cuda).
     pub fn new(device_pool: &DevicePool, config: &HostPoolConfig) -> Result<HostPool<'static>> {
-        let pair = PoolPair::new(device_pool.geometry.clone(), config.layout, config.size, config.head_num)?;
+        HostPool::new_padded(device_pool, config, device_pool.geometry.padding())
+    }
+
+    /// [`HostPool::new`] with the host's own padded pages (`None`: items packed), whatever the
+    /// device's are.
+    pub(crate) fn new_padded(
+        device_pool: &DevicePool,
+        config: &HostPoolConfig,
+        padding: Option<crate::geometry::PagePadding>,
+    ) -> Result<HostPool<'static>> {
+        let pair = PoolPair::with_host_padding(device_pool.geometry.clone(), config.layout, config.size, config.head_num, padding)?;
         let device = device_pool.device.clone();
         let host = pair.host();
         let count = host.buffers() as u64;
