@@ -1,8 +1,9 @@
 """vLLM's KV offloading on hicache-io: an offloading spec, its worker, a secondary tier and a
 connector that turns a damaged chunk into a recompute.
 
-Written for vLLM 0.33.0, whose offloading API changed twice in a year: importing this module
-with any other vLLM version raises ``ImportError`` naming the version found.
+Written for vLLM 0.33.0 and 0.34.0, whose offloading APIs differ (0.34's worker is handed device
+pointers, and reports failed loads itself): importing this module with any other vLLM version
+raises ``ImportError`` naming the version found.
 
 - :class:`HicacheOffloadingSpec` -- vLLM's CPU offloading (its own ``CPUOffloadingManager``:
   LRU/ARC, events, store threshold) with the chunks kept in hicache-io host rows and every store
@@ -24,9 +25,10 @@ with any other vLLM version raises ``ImportError`` naming the version found.
       }
 
 - :class:`HicacheOffloadingConnector` -- vLLM's ``OffloadingConnector`` that reports a failed
-  load's blocks through ``get_block_ids_with_load_errors`` (vLLM 0.33's connector asserts that
-  every transfer succeeded); with ``kv_load_failure_policy: "recompute"`` the scheduler
-  recomputes them. Use ``"kv_connector": "HicacheOffloadingConnector",
+  load's blocks through ``get_block_ids_with_load_errors`` and drops the damaged chunk from the
+  index (vLLM 0.33's connector asserts that every transfer succeeded; 0.34's recomputes the
+  whole request and keeps the chunk); with ``kv_load_failure_policy: "recompute"`` the scheduler
+  recomputes from the first damaged block. Use ``"kv_connector": "HicacheOffloadingConnector",
   "kv_connector_module_path": "hicache_io.vllm"``.
 - :class:`HicacheTier` -- a secondary tier (``secondary_tiers: [{"type": "HicacheTier",
   "module_path": "hicache_io.vllm", ...}]``) that moves chunks between vLLM's CPU tier and
@@ -37,22 +39,26 @@ with any other vLLM version raises ``ImportError`` naming the version found.
 
 from __future__ import annotations
 
-VLLM_VERSION = "0.33.0"
+#: The vLLM releases this module serves (their offloading APIs differ; see ``_versions``).
+VLLM_VERSIONS = ("0.33.0", "0.34.0")
 
 try:
     import vllm as _vllm
 except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError(f"hicache_io.vllm needs vLLM {VLLM_VERSION} (pip install --no-deps vllm=={VLLM_VERSION}): {e}") from e
+    raise ImportError(f"hicache_io.vllm needs vLLM {' or '.join(VLLM_VERSIONS)} (pip install --no-deps vllm=={VLLM_VERSIONS[-1]}): {e}") from e
 
-if getattr(_vllm, "__version__", None) != VLLM_VERSION:
+if getattr(_vllm, "__version__", None) not in VLLM_VERSIONS:
     raise ImportError(
-        f"hicache_io.vllm is written for vLLM {VLLM_VERSION}'s offloading API, found vLLM {getattr(_vllm, '__version__', '?')}: "
-        f"its spec, worker and tier interfaces change between releases"
+        f"hicache_io.vllm is written for vLLM {' and '.join(VLLM_VERSIONS)}'s offloading APIs, found vLLM "
+        f"{getattr(_vllm, '__version__', '?')}: its spec, worker and tier interfaces change between releases"
     )
+
+#: The vLLM release found (one of :data:`VLLM_VERSIONS`).
+VLLM_VERSION: str = _vllm.__version__
 
 from .connector import HicacheOffloadingConnector  # noqa: E402
 from .spec import HicacheOffloadingManager, HicacheOffloadingSpec  # noqa: E402
 from .tier import HicacheTier  # noqa: E402
 from .worker import HicacheOffloadingWorker  # noqa: E402
 
-__all__ = ["HicacheOffloadingConnector", "HicacheOffloadingManager", "HicacheOffloadingSpec", "HicacheOffloadingWorker", "HicacheTier", "VLLM_VERSION"]
+__all__ = ["HicacheOffloadingConnector", "HicacheOffloadingManager", "HicacheOffloadingSpec", "HicacheOffloadingWorker", "HicacheTier", "VLLM_VERSION", "VLLM_VERSIONS"]

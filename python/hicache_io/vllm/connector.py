@@ -28,7 +28,10 @@ class HicacheOffloadingConnector(OffloadingConnector):
       step that ran on it raises, before its output reaches the scheduler.
 
     vLLM 0.33's own connector asserts that every transfer succeeded: with it, a damaged chunk
-    stops the engine instead (never wrong KV, but no recompute). Load this one with
+    stops the engine instead (never wrong KV, but no recompute). vLLM 0.34's reports the load
+    failed and recomputes the whole request, keeping the chunk: every later request over it
+    fails and is recomputed whole again. With this connector, on both, the valid prefix is kept
+    (one group) and the chunk leaves the index. Load this one with
     ``"kv_connector": "HicacheOffloadingConnector", "kv_connector_module_path":
     "hicache_io.vllm"``; the spec is chosen as for vLLM's connector (``spec_name``,
     ``spec_module_path``) and must be :class:`HicacheOffloadingSpec` for failed loads to be

@@ -54,8 +54,10 @@ class HicacheTier(SecondaryTierManager):
 
     Keys are vLLM's own file names for the chunk (``FileMapper``: the model, the KV groups, the
     dtype and, unless vLLM certifies the layout parallelism-agnostic, the parallel sizes and the
-    rank, hashed into a namespace), prefixed with the row size: tiers of one namespace share
-    chunks across processes and restarts; chunks of different shapes never meet.
+    rank, hashed into a namespace), prefixed with the row size (and, under
+    ``HicacheOffloadingSpec``'s ``secondary_tiers``, its row layout, the ranks always hashed in):
+    tiers of one namespace share chunks across processes and restarts; chunks of different shapes
+    or layouts never meet.
     """
 
     medium = Medium.STORAGE
@@ -102,8 +104,13 @@ class HicacheTier(SecondaryTierManager):
             raise ValueError(f"store must be 'local' or 'mooncake', got {store!r}")
         self._io = Transport(self.client, Health(LOCAL_STORE, local=True) if store == "local" else Health(MOONCAKE_STORE))
         self._registered = self._io.register([(self._mem.ctypes.data, len(self._mem)), (self._trailers.ctypes.data, self._trailers.nbytes)])
-        self._mapper = FileMapper.from_offloading_spec(root_dir=namespace, offloading_spec=offloading_spec, blocks_per_file=offloading_spec.blocks_per_chunk, parallel_agnostic=True)
-        self._prefix = f"{row}B/"
+        # HicacheOffloadingSpec's own rows (each worker's blocks with their checksums) are laid out
+        # unlike vLLM's CPU tier's and hold one topology's ranks: their chunks carry the layout
+        # in their keys and never meet another layout's or topology's, even of the same size.
+        rows = getattr(offloading_spec, "region_row_stride", 0)
+        rows = rows if isinstance(rows, int) else 0
+        self._mapper = FileMapper.from_offloading_spec(root_dir=namespace, offloading_spec=offloading_spec, blocks_per_file=offloading_spec.blocks_per_chunk, parallel_agnostic=not rows)
+        self._prefix = f"{row}B-rows{rows}/" if rows else f"{row}B/"
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="hicache-io-tier")
         self._lock = threading.Lock()
         self._finished: list[JobResult] = []

@@ -14,6 +14,7 @@ import torch
 from vllm.v1.kv_offload.base import BlockIDsLoadStoreSpec, CanonicalKVCaches, GPULoadStoreSpec, LoadStoreSpec, OffloadingWorker, TransferResult
 
 from .. import _native
+from ._versions import DevicePointers
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,21 @@ def chunk_rows(group_size: int, block_index: int, chunks: np.ndarray, blocks_per
     return rows[skip : skip + group_size]
 
 
+def blocks_view(x: torch.Tensor, page: int, j: int) -> torch.Tensor:
+    """KV tensor ``j`` as int8 ``blocks × page`` bytes: a contiguous tensor, or a 2-D byte tensor
+    whose blocks lie ``stride(0)`` bytes apart, further than ``page`` (a view of blocks packed
+    with other views', as vLLM gives for packed layouts); the bytes between its blocks are not
+    its own and are never touched."""
+    if x.is_contiguous():
+        return x.view(torch.int8).view(-1, page)
+    if x.dim() == 2 and x.element_size() == 1 and x.shape[1] == page and x.stride(1) == 1 and x.stride(0) > page:
+        return x.view(torch.int8)
+    raise ValueError(
+        f"KV tensor {j}: expected contiguous blocks of {page} bytes, or a 2-D byte tensor of {page}-byte blocks "
+        f"(strides (S, 1)), got shape {tuple(x.shape)} with strides {x.stride()} of {x.dtype}"
+    )
+
+
 class HicacheOffloadingWorker(OffloadingWorker):
     """Moves KV blocks between vLLM's canonical KV tensors and hicache-io host rows
     (:class:`hicache_io.BlockTier`), one row per block, ``blocks_per_chunk`` rows per chunk.
@@ -83,7 +99,7 @@ class HicacheOffloadingWorker(OffloadingWorker):
         for j, t in enumerate(kv_caches.tensors):
             if t.page_size_bytes <= 0:
                 raise ValueError(f"KV tensor {j}: page size {t.page_size_bytes}")
-            tensors.append(t.tensor.view(torch.int8).view(-1, t.page_size_bytes))
+            tensors.append(blocks_view(t.tensor, t.page_size_bytes, j))
         if not tensors:
             raise ValueError("no KV tensors to offload")
         if len({t.shape[0] for t in tensors}) != 1:
@@ -96,6 +112,8 @@ class HicacheOffloadingWorker(OffloadingWorker):
         # (a layer's page may be padded to the tensor's).
         row_bytes = [0] * len(tensors)
         self._groups: list[list[int]] = []
+        # Per group, its data refs as (tensor, page bytes), in vLLM's order (0.34's pointers).
+        self._refs = [[(int(r.tensor_idx), int(r.page_size_bytes)) for r in refs] for refs in kv_caches.group_data_refs]
         for g, refs in enumerate(kv_caches.group_data_refs):
             used = []
             for ref in refs:
@@ -150,7 +168,7 @@ class HicacheOffloadingWorker(OffloadingWorker):
             self.device,
             num_chunks,
             blocks_per_chunk,
-            sum(t.shape[1] for t in tensors) * host_rows,
+            sum(row_bytes) * num_chunks * blocks_per_chunk,
         )
 
     def _region_tier(self, region: RegionRows, tensors: list[torch.Tensor], row_bytes: list[int], num_chunks: int) -> int:
@@ -210,18 +228,69 @@ class HicacheOffloadingWorker(OffloadingWorker):
 
     # ---- planning: every check before a byte moves ---------------------------------------
 
-    def _plan(self, gpu: LoadStoreSpec, chunks: LoadStoreSpec) -> list[_Rows]:
-        if not isinstance(gpu, GPULoadStoreSpec):
-            raise TypeError(f"expected a GPULoadStoreSpec for the engine's blocks, got {type(gpu).__name__}")
+    def _blocks_of_pointers(self, dp: "DevicePointers") -> tuple[np.ndarray, list[int], list[int]]:
+        """vLLM 0.34's device side, ``(block ids, group sizes, block indices)``: each pointer
+        mapped back to a block of its data ref's tensor. Refused unless the counts add up, every
+        pointer is the start of a block inside its tensor, every size is its ref's page, and the
+        refs of a group name the same blocks (vLLM resolves pointers without a bounds check: a
+        worker that trusted them would let one bad block id write anywhere in the process)."""
+        counts, per_group, starts = list(dp.group_block_counts), list(dp.group_data_ref_counts), list(dp.block_indices)
+        if not (len(counts) == len(per_group) == len(starts) == len(self._refs)):
+            raise ValueError(f"device pointers for {len(counts)} groups ({len(per_group)} ref counts, {len(starts)} block indices); the KV caches have {len(self._refs)}")
+        ptrs, sizes = np.asarray(dp.ptrs), np.asarray(dp.sizes)
+        if ptrs.ndim != 1 or sizes.shape != ptrs.shape or ptrs.dtype.kind not in "ui" or sizes.dtype.kind not in "ui":
+            raise ValueError(f"device pointers: {ptrs.shape} {ptrs.dtype} pointers and {sizes.shape} {sizes.dtype} sizes (1-D integers, as many of each)")
+        ptrs, sizes = ptrs.astype(np.uint64, copy=False), sizes.astype(np.uint64, copy=False)
+        want = 0
+        for g, (n, k) in enumerate(zip(counts, per_group)):
+            if n < 0 or k != len(self._refs[g]):
+                raise ValueError(f"group {g}: {n} blocks of {k} data refs; it has {len(self._refs[g])} refs")
+            want += n * k
+        if want != len(ptrs):
+            raise ValueError(f"{len(ptrs)} device pointers; the groups' counts make {want}")
+        out: list[np.ndarray] = []
+        at = 0
+        for g, n in enumerate(counts):
+            if n == 0:
+                continue
+            group_blocks = None
+            for k, (t, page) in enumerate(self._refs[g]):
+                seg, size = ptrs[at : at + n], sizes[at : at + n]
+                at += n
+                tensor = self._tensors[t]
+                base, stride, blocks = np.uint64(tensor.data_ptr()), np.uint64(tensor.stride(0)), tensor.shape[0]
+                if (size != page).any():
+                    raise ValueError(f"group {g}, ref {k}: a copy of {int(size[size != page][0])} bytes; the ref's page is {page}")
+                bad = seg < base
+                delta = np.where(bad, np.uint64(0), seg - base)
+                bad |= delta % stride != 0
+                bad |= delta // stride >= np.uint64(blocks)
+                if bad.any():
+                    p = int(seg[bad][0])
+                    raise IndexError(f"group {g}, ref {k}: pointer {p:#x} is not the start of one of the {blocks} blocks of KV tensor {t} (at {int(base):#x}, {int(stride)} bytes apart)")
+                found = (delta // stride).astype(np.int64)
+                if group_blocks is None:
+                    group_blocks = found
+                elif not np.array_equal(found, group_blocks):
+                    raise ValueError(f"group {g}: its data refs' pointers name different blocks")
+            out.append(group_blocks)
+        block_ids = np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+        return block_ids, counts, starts
+
+    def _plan(self, gpu: object, chunks: LoadStoreSpec) -> list[_Rows]:
+        if DevicePointers is not None and isinstance(gpu, DevicePointers):
+            block_ids, sizes, starts = self._blocks_of_pointers(gpu)
+        elif isinstance(gpu, GPULoadStoreSpec):
+            block_ids, sizes, starts = np.asarray(gpu.block_ids, dtype=np.int64), list(gpu.group_sizes), list(gpu.block_indices)
+        else:
+            raise TypeError(f"expected the engine's blocks (GPULoadStoreSpec or DevicePointers), got {type(gpu).__name__}")
         if not isinstance(chunks, BlockIDsLoadStoreSpec):
             raise TypeError(f"expected chunk ids (CPULoadStoreSpec), got {type(chunks).__name__}")
         if self.tier is None:
             raise ValueError("this worker holds no chunks (cpu_bytes_to_use is below one chunk)")
-        block_ids = np.asarray(gpu.block_ids, dtype=np.int64)
         chunk_ids = np.asarray(chunks.block_ids, dtype=np.int64)
         if block_ids.ndim != 1 or chunk_ids.ndim != 1:
             raise ValueError("block and chunk ids must be 1-D")
-        sizes, starts = list(gpu.group_sizes), list(gpu.block_indices)
         if len(sizes) != len(self._groups) or len(starts) != len(self._groups):
             raise ValueError(f"{len(sizes)} group sizes and {len(starts)} block indices for {len(self._groups)} KV groups")
         if len(chunk_ids) and (chunk_ids.min() < 0 or chunk_ids.max() >= self.num_chunks):
@@ -282,7 +351,7 @@ class HicacheOffloadingWorker(OffloadingWorker):
                 log.warning("hicache-io offloading: %d blocks failed their checksums on load (%s)", len(e.items), e)
         return failed
 
-    def _submit(self, job_id: int, store: bool, gpu: LoadStoreSpec, chunks: LoadStoreSpec, expedited: bool = False) -> bool:
+    def _submit(self, job_id: int, store: bool, gpu: object, chunks: LoadStoreSpec, expedited: bool = False) -> bool:
         parts = self._plan(gpu, chunks)
         nbytes = self._bytes(parts)
         with self._wake:
@@ -379,10 +448,13 @@ class HicacheOffloadingWorker(OffloadingWorker):
 
     # ---- vLLM's interface -----------------------------------------------------------------
 
-    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+    def submit_store(self, job_id: int, src_spec: object, dst_spec: LoadStoreSpec) -> bool:
+        """The engine's blocks (``src_spec``: a ``GPULoadStoreSpec`` on vLLM 0.33, ``DevicePointers``
+        on 0.34) into chunks ``dst_spec``."""
         return self._submit(job_id, True, src_spec, dst_spec)
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False) -> bool:
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: object, expedited: bool = False) -> bool:
+        """Chunks ``src_spec`` into the engine's blocks (``dst_spec``, as ``submit_store``'s)."""
         return self._submit(job_id, False, dst_spec, src_spec, expedited)
 
     def get_finished(self) -> list[TransferResult]:

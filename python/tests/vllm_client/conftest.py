@@ -1,8 +1,9 @@
-"""vLLM 0.33.0's own classes driving hicache-io (its scheduler, connector, manager, tiers).
+"""vLLM's own classes driving hicache-io (its scheduler, connector, manager, tiers), on 0.33.0
+and on 0.34.0.
 
-These run where vLLM 0.33.0 is installed (CI: a venv of its own, layered on the sglang suite's
-for torch; see ``requirements.txt``) and skip elsewhere, unless ``HICACHE_REQUIRE_VLLM=1``
-(CI sets it), which makes a missing or different vLLM an error."""
+These run where one of those is installed (CI: a venv of its own for each, layered on the sglang
+suite's for torch; see ``requirements.txt``) and skip elsewhere, unless
+``HICACHE_REQUIRE_VLLM=1`` (CI sets it), which makes a missing or different vLLM an error."""
 
 import os
 
@@ -19,6 +20,12 @@ def _problem():
         if os.environ.get("HICACHE_REQUIRE_VLLM") == "1":
             raise
         return str(e)
+    if hicache_io.vllm.VLLM_VERSION != "0.33.0":
+        # vLLM 0.34 refuses an x86 CPU without triton-cpu (no registry here serves it) in its
+        # config check; these tests run its scheduler, connector and manager, no kernel.
+        import vllm.triton_utils
+
+        vllm.triton_utils.HAS_TRITON = True
     return None
 
 
@@ -29,7 +36,7 @@ def pytest_collection_modifyitems(config, items):
     if PROBLEM is None:
         return
     here = os.path.dirname(__file__)
-    skip = pytest.mark.skip(reason=f"vLLM 0.33.0 not usable here: {PROBLEM}")
+    skip = pytest.mark.skip(reason=f"vLLM 0.33.0 or 0.34.0 not usable here: {PROBLEM}")
     for item in items:
         if str(item.fspath).startswith(here):
             item.add_marker(skip)

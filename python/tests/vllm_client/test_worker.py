@@ -1,12 +1,13 @@
 """``HicacheOffloadingWorker`` against an oracle of vLLM's chunk semantics, byte for byte: every
 group, ``blocks_per_chunk`` ≥ 1 with partial first and last chunks, split K/V tensors, padded
-pages, a cross-layer tensor; damaged chunks fail their loads; bad specs move nothing. The same
+pages, a cross-layer tensor, strided views of one buffer; damaged chunks fail their loads; bad
+specs move nothing. The same
 with the rows in vLLM's shared region (as with secondary tiers), another rank's rows and the
 gaps untouched, and checksums travelling with the rows."""
 
-import math
 import mmap
 import uuid
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -19,14 +20,23 @@ try:
     from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
     from hicache_io.vllm import HicacheOffloadingWorker
+    from hicache_io.vllm.spec import region_layout
     from hicache_io.vllm.worker import RegionRows
 except ImportError:  # skipped by conftest
     pass
 
 
-def make_caches(rng, num_blocks, pages, refs_per_group):
-    """Tensors of ``pages[j]`` bytes per block; ``refs_per_group[g]`` = [(tensor, page bytes)]."""
-    tensors = [torch.from_numpy(rng.integers(-128, 128, (num_blocks, p), dtype=np.int8)) for p in pages]
+def make_caches(rng, num_blocks, pages, refs_per_group, packed=0):
+    """Tensors of ``pages[j]`` bytes per block; ``refs_per_group[g]`` = [(tensor, page bytes)].
+    ``packed``: the tensors are strided views of one buffer of ``packed``-byte blocks, side by
+    side from byte 0 (the rest of each block another view's); the buffer is ``make_caches.buffer``."""
+    if packed:
+        buffer = torch.from_numpy(rng.integers(-128, 128, (num_blocks, packed), dtype=np.int8))
+        at = np.cumsum([0] + list(pages))
+        tensors = [buffer[:, at[j] : at[j] + p] for j, p in enumerate(pages)]
+        make_caches.buffer = buffer
+    else:
+        tensors = [torch.from_numpy(rng.integers(-128, 128, (num_blocks, p), dtype=np.int8)) for p in pages]
     caches = CanonicalKVCaches(
         tensors=[CanonicalKVCacheTensor(t, p) for t, p in zip(tensors, pages)],
         group_data_refs=[[CanonicalKVCacheRef(j, pb) for j, pb in refs] for refs in refs_per_group],
@@ -83,15 +93,23 @@ SHAPES = [
     ([128, 128], [[(0, 96), (1, 96)]]),
     ([48, 48, 80], [[(0, 48), (1, 48)], [(2, 80)]]),
     ([256], [[(0, 256)]]),
+    # Strided views of one buffer of 256-byte blocks (vLLM's packed layouts): K 96 bytes at 0, V
+    # 128 at 96 (112 read by the layer), 32 bytes after them that are no view's.
+    ([96, 128], [[(0, 96), (1, 112)]], 256),
 ]
 
 
 def region_rows(pages, B, num_chunks, rank=1, world_size=2, engine_id=None):
-    """vLLM's shared region laid out as ``region_layout`` lays it (the scheduler's mapping and
-    a worker's, both made here), rows for rank ``rank`` of ``world_size``."""
-    sums_at = -(-sum(pages) // 8) * 8
-    align = math.lcm(8, mmap.PAGESIZE // math.gcd(world_size * B, mmap.PAGESIZE))
-    row = -(-(sums_at + 16 * len(pages)) // align) * align
+    """vLLM's shared region laid out by the spec's ``region_layout`` (a layer a tensor), rows
+    for rank ``rank`` of ``world_size``."""
+    config = SimpleNamespace(
+        groups=[SimpleNamespace(layer_names=[f"l{j}" for j in range(len(pages))])],
+        worker_kv_bytes_per_block=sum(pages),
+        parallel=SimpleNamespace(world_size=world_size),
+    )
+    sums_at, row = region_layout(config, B)
+    assert sums_at >= sum(pages) and sums_at % 8 == 0 and row >= sums_at + 8 * len(pages)
+    assert (world_size * B * row) % mmap.PAGESIZE == 0, "a chunk is not whole pages"
     engine_id = engine_id or f"hicache-io-test-{uuid.uuid4().hex}"
     region = SharedOffloadRegion(engine_id, num_chunks, rank, world_size * B * row, B * row)
     return RegionRows(region=region, rank=rank, world_size=world_size, row_stride=row, sums_at=sums_at)
@@ -114,10 +132,11 @@ def own_rows(worker, t, num_chunks, B):
 @pytest.mark.parametrize("B", [1, 2, 4])
 @pytest.mark.parametrize("shape", range(len(SHAPES)))
 def test_store_then_load_matches_the_oracle(shape, B, where):
-    pages, refs = SHAPES[shape]
+    pages, refs, packed = (SHAPES[shape] + (0,))[:3]
     rng = np.random.default_rng(shape * 10 + B)
     num_blocks, num_chunks = 40, 12
-    tensors, caches = make_caches(rng, num_blocks, pages, refs)
+    tensors, caches = make_caches(rng, num_blocks, pages, refs, packed)
+    outside = make_caches.buffer[:, sum(pages) :].clone() if packed else None
     oracle = Oracle(pages, refs, num_chunks, B)
     region = region_rows(pages, B, num_chunks) if where == "region" else None
     worker = HicacheOffloadingWorker(caches, B, num_chunks, region=region)
@@ -160,13 +179,15 @@ def test_store_then_load_matches_the_oracle(shape, B, where):
             assert finish(worker, [job])[job].success
             for t, w in zip(tensors, want):
                 assert torch.equal(t, w)
+            if packed:
+                assert torch.equal(make_caches.buffer[:, sum(pages) :], outside), "bytes of no view changed"
     finally:
         worker.shutdown()
 
 
-def stored(B=2, pages=(64, 64)):
+def stored(B=2, pages=(64, 64), packed=0):
     rng = np.random.default_rng(7)
-    tensors, caches = make_caches(rng, 16, list(pages), [[(j, p) for j, p in enumerate(pages)]])
+    tensors, caches = make_caches(rng, 16, list(pages), [[(j, p) for j, p in enumerate(pages)]], packed)
     worker = HicacheOffloadingWorker(caches, B, 6)
     gpu = GPULoadStoreSpec([3, 4, 5, 6], [4], [0])
     worker.submit_store(1, gpu, CPULoadStoreSpec([2, 5]))
@@ -207,8 +228,9 @@ def test_a_damaged_chunk_fails_its_load_and_a_sink_gets_its_blocks():
         (([3, 4, 5, 6], [4], [-1]), [2, 5], ValueError),  # a negative logical block
     ],
 )
-def test_bad_specs_move_nothing(gpu_args, chunks, error):
-    tensors, worker = stored()
+@pytest.mark.parametrize("packed", [0, 160], ids=["contiguous", "strided"])
+def test_bad_specs_move_nothing(gpu_args, chunks, error, packed):
+    tensors, worker = stored(packed=packed)
     try:
         before = [worker.tier.read_rows(t).copy() for t in range(2)]
         blocks = [t.clone() for t in tensors]
@@ -274,3 +296,80 @@ def test_region_too_small_for_the_tensors_is_refused():
             HicacheOffloadingWorker(caches, 1, 4, region=rows)
     finally:
         rows.region.cleanup()
+
+
+def pointers_of(worker, caches, gpu):
+    """vLLM 0.34's device side for ``gpu``, as its connector resolves it."""
+    from vllm.v1.kv_offload.pointer_utils import resolve_device_pointers
+
+    return resolve_device_pointers(GPULoadStoreSpec(np.asarray(gpu.block_ids, dtype=np.int64), gpu.group_sizes, gpu.block_indices), caches)
+
+
+def tampered(dp, **changes):
+    from vllm.v1.kv_offload.base import DevicePointers
+
+    fields = dict(ptrs=dp.ptrs.copy(), sizes=dp.sizes.copy(), group_block_counts=dp.group_block_counts, group_data_ref_counts=dp.group_data_ref_counts, block_indices=dp.block_indices)
+    for k, v in changes.items():
+        fields[k] = v(fields[k]) if callable(v) else v
+    return DevicePointers(**fields)
+
+
+def _poke(i, delta):
+    def f(a):
+        a = a.copy()
+        a[i] = np.uint64(int(a[i]) + delta)
+        return a
+
+    return f
+
+
+@pytest.mark.parametrize(
+    "change, error",
+    [
+        (lambda S: {"ptrs": _poke(3, 16 * S)}, IndexError),  # block 3 + 16: past the tensor (16 blocks)
+        (lambda S: {"ptrs": _poke(0, -(1 << 20))}, IndexError),  # before the tensor
+        (lambda S: {"ptrs": _poke(1, 8)}, IndexError),  # inside a block, not at its start
+        (lambda S: {"ptrs": _poke(5, S)}, ValueError),  # tensor 1 names another block than tensor 0
+        (lambda S: {"sizes": _poke(2, 1)}, ValueError),  # a size that is not the ref's page
+        (lambda S: {"group_block_counts": (3,)}, ValueError),  # counts that do not add up
+        (lambda S: {"group_data_ref_counts": (1,)}, ValueError),  # a ref count other than the group's
+        (lambda S: {"group_block_counts": (4, 0)}, ValueError),  # two groups for one
+        (lambda S: {"ptrs": lambda a: a[:-1], "sizes": lambda a: a[:-1]}, ValueError),  # a pointer short
+    ],
+    ids=["past", "before", "inside", "other-block", "size", "counts", "ref-count", "groups", "short"],
+)
+@pytest.mark.parametrize("packed", [0, 160], ids=["contiguous", "strided"])
+def test_device_pointers_that_are_not_blocks_move_nothing(change, error, packed):
+    """vLLM 0.34 hands the worker pointers (``base + block × stride``, unchecked): each must be
+    the start of a block of its ref's tensor, of its ref's size, the refs of a group naming the
+    same blocks, the counts adding up; anything else is refused before a byte moves."""
+    from hicache_io.vllm._versions import DevicePointers
+
+    if DevicePointers is None:
+        pytest.skip("vLLM 0.33 hands the worker block ids, not pointers (test_bad_specs_move_nothing)")
+    rng = np.random.default_rng(7)
+    tensors, caches = make_caches(rng, 16, [64, 64], [[(0, 64), (1, 64)]], packed)
+    worker = HicacheOffloadingWorker(caches, 2, 6)
+    try:
+        gpu = GPULoadStoreSpec([3, 4, 5, 6], [4], [0])
+        assert worker.submit_store(1, pointers_of(worker, caches, gpu), CPULoadStoreSpec([2, 5]))
+        assert finish(worker, [1])[1].success
+        before = [worker.tier.read_rows(t).copy() for t in range(2)]
+        blocks = [t.clone() for t in tensors]
+        bad = tampered(pointers_of(worker, caches, GPULoadStoreSpec([8, 9, 10, 11], [4], [0])), **change(packed or 64))
+        with pytest.raises(error):
+            worker.submit_store(9, bad, CPULoadStoreSpec([2, 5]))
+        with pytest.raises(error):
+            worker.submit_load(10, CPULoadStoreSpec([2, 5]), bad)
+        worker.wait({9, 10})
+        assert worker.get_finished() == []
+        for t in range(2):
+            assert np.array_equal(worker.tier.read_rows(t), before[t])
+        for t, b in zip(tensors, blocks):
+            assert torch.equal(t, b)
+        # The untampered pointers load the stored blocks.
+        assert worker.submit_load(11, CPULoadStoreSpec([2, 5]), pointers_of(worker, caches, GPULoadStoreSpec([8, 9, 10, 11], [4], [0])))
+        assert finish(worker, [11])[11].success
+        assert torch.equal(tensors[0][8:12], tensors[0][3:7]) and torch.equal(tensors[1][8:12], tensors[1][3:7])
+    finally:
+        worker.shutdown()
