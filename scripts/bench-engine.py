@@ -11,7 +11,9 @@ overhead, plus whatever brought the prefix back):
   *L3 local* (``LocalStore`` after ``flush_cache()`` emptied device and host), and *device* (sglang's
   own radix cache, for reference);
 - vLLM 0.33.0 (``LLM``): *recompute*, *CPU tier* (``HicacheOffloadingSpec`` after
-  ``reset_prefix_cache()``), and *device* (vLLM's prefix cache).
+  ``reset_prefix_cache()``), *device* (vLLM's prefix cache), and *L3 local* (``HicacheTier`` on a
+  local directory in the spec's ``secondary_tiers``: a new engine process over the directory
+  another one wrote, its CPU tier empty).
 
 Each source is asserted from the engine's own report (sglang's ``cached_tokens_details``, vLLM's
 ``num_cached_tokens``) and timed over ``--trials`` prompts, the median printed. The model is a
@@ -141,6 +143,24 @@ def vllm_rows(a, model_dir: str, work: str) -> list:
     for label, name, n in (("recompute", "recompute", 0), ("device (vLLM's prefix cache)", "device", reused), ("CPU tier (HicacheOffloadingSpec)", "tier", reused)):
         t, k = median_of(r, name, cached(n))
         rows.append(("vllm", label, t, k))
+
+    # L3: one engine stores the prefixes (through its CPU tier to the directory); a new engine
+    # over the same directory, its CPU tier empty, answers prompts over them: every prefix comes
+    # back from the directory (promoted into the CPU tier, then loaded). Its first request is a
+    # cold warm-up, not timed.
+    extra = llm["kv_transfer_config"]["kv_connector_extra_config"]
+    extra["secondary_tiers"] = [{"type": "HicacheTier", "module_path": "hicache_io.vllm", "store": "local", "path": os.path.join(work, "vllm-l3")}]
+    prompts = [model.prompts(a.prefix, 2, seed=400 + i)[1] for i in range(a.trials)]
+    stores = [{"op": "generate", "name": "store", "prompts": [p[0]], "max_new_tokens": 1} for p in prompts] + [{"op": "settle"}]
+    run(a.vllm_python, "vllm_driver.py", {"model": model_dir, "llm": llm, "steps": stores}, work, "vllm-l3-store", {}, a.timeout)
+    warm = model.prompts(a.prefix, 1, seed=600)[1][0]
+    steps = [{"op": "generate", "name": "warm", "prompts": [warm], "max_new_tokens": 1}]
+    steps += [{"op": "generate", "name": "l3", "prompts": [p[1]], "max_new_tokens": 1} for p in prompts]
+    r = run(a.vllm_python, "vllm_driver.py", {"model": model_dir, "llm": llm, "steps": steps}, work, "vllm-l3", {}, a.timeout)
+    (tier,) = r["tiers"]
+    assert tier["loaded"] == a.trials * (a.prefix // 32) and tier["corrupt"] == 0, f"vLLM L3: {tier}"
+    t, k = median_of(r, "l3", cached(reused))
+    rows.append(("vllm", "L3 local (HicacheTier)", t, k))
     return rows
 
 

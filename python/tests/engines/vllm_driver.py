@@ -2,8 +2,8 @@
 
 ``python vllm_driver.py SPEC.json OUT.json``. SPEC: ``{"model": DIR, "llm": {extra vllm.LLM
 arguments}, "steps": [{"op": "generate", "name": N, "prompts": [[ids]], "max_new_tokens": K} |
-{"op": "reset"} | {"op": "damage"}]}``. OUT: ``{"steps": [{"name", "tokens", "cached", "seconds"}],
-"workers": N, "tiers": [each secondary tier's counters], "discarded": N}``.
+{"op": "reset"} | {"op": "damage"} | {"op": "settle"}]}``. OUT: ``{"steps": [{"name", "tokens", "cached", "seconds"}],
+"workers": N, "tiers": [each secondary tier's counters]}``.
 
 The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the driver can
 reach hicache-io's offloading worker: ``damage`` flips a byte in every chunk it holds (a load of
@@ -43,6 +43,25 @@ def scheduler_manager(llm):
     connector = core.scheduler.get_kv_connector() if core is not None else None
     sched = getattr(connector, "connector_scheduler", None)
     return getattr(sched, "manager", None)
+
+
+def settle(llm) -> None:
+    """Runs one-token requests until every offloading job is done: stores to the CPU tier
+    complete (and cascade to the secondary tiers) only in the engine steps after them."""
+    from vllm import SamplingParams
+
+    core = llm.llm_engine.engine_core.engine_core
+    sched = getattr(core.scheduler.get_kv_connector(), "connector_scheduler", None)
+    manager = getattr(sched, "manager", None)
+    tiers = getattr(manager, "secondary_tiers", [])
+    params = SamplingParams(temperature=0, max_tokens=1, detokenize=False)
+    for _ in range(200):
+        busy = bool(getattr(sched, "_jobs", None)) or bool(getattr(manager, "_jobs", None)) or any(t.has_pending_work() for t in tiers)
+        if not busy:
+            return
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+        time.sleep(0.05)
+    raise RuntimeError("offloading jobs still in flight after 200 steps")
 
 
 def break_loads() -> None:
@@ -97,6 +116,9 @@ def main(spec_path: str, out_path: str) -> None:
             continue
         if step["op"] == "damage":
             out["damaged_rows"] = damage()
+            continue
+        if step["op"] == "settle":
+            settle(llm)
             continue
         params = SamplingParams(temperature=0, max_tokens=step.get("max_new_tokens", 16), ignore_eos=True, detokenize=False)
         for prompt in step["prompts"]:
