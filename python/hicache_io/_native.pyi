@@ -78,12 +78,29 @@ class HostPool:
     def layer_num(self) -> int: ...
 
 class BlockTier:
-    """Host rows for an engine's block tensors (vLLM's canonical int8 views, ``blocks x page``):
-    ``host_rows`` rows of ``row_bytes[j]`` for tensor ``j``, on the executor of the tensors (cpu
-    for host tensors; cuda for CUDA tensors, on ``stream``). Stores record each row's checksum
-    inside the copy, loads verify it inside the copy: damaged rows raise ``IntegrityError`` after
-    the other rows landed (cuda: from ``integrity_reports`` / ``synchronize`` once the load ran)."""
-    def __init__(self, tensors: List[Any], row_bytes: List[int], host_rows: int, *, stream: Optional[int] = None) -> None: ...
+    """Host rows for an engine's block tensors (vLLM's canonical int8 views, ``blocks x page``,
+    contiguous or strided ``(S, 1)`` with blocks narrower than ``S``): ``host_rows`` rows of
+    ``row_bytes[j]`` for tensor ``j``, on the executor of the tensors (cpu for host tensors; cuda
+    for CUDA tensors, on ``stream``). Stores record each row's checksum inside the copy, loads
+    verify it inside the copy: damaged rows raise ``IntegrityError`` after the other rows landed
+    (cuda: from ``integrity_reports`` / ``synchronize`` once the load ran). With ``host`` (a
+    writable host array of ``host_rows x host_row_stride`` bytes or more, kept referenced) the
+    rows are that memory: row ``r`` of tensor ``j`` at ``r x host_row_stride + host_offsets[j]``."""
+    def __init__(
+        self,
+        tensors: List[Any],
+        row_bytes: List[int],
+        host_rows: int,
+        *,
+        stream: Optional[int] = None,
+        host: Any = None,
+        host_row_stride: Optional[int] = None,
+        host_offsets: Optional[List[int]] = None,
+    ) -> None: ...
+    def row_checksums(self, j: int, rows: Any) -> List[Optional[int]]:
+        """The checksums recorded for host rows ``rows`` of tensor ``j`` (``None``: none)."""
+    def set_row_checksums(self, j: int, rows: Any, sums: List[Optional[int]]) -> None:
+        """Records (``None``: forgets) the checksums the next load verifies rows against."""
     def store(self, ids: List[int], tensors: List[Any], blocks: Any, rows: Any) -> None:
         """Block ``blocks[i]`` of each ``tensors[k]`` (tier tensor ``ids[k]``) into host row ``rows[i]``."""
     def load(self, ids: List[int], tensors: List[Any], rows: Any, blocks: Any) -> None:

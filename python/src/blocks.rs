@@ -43,9 +43,9 @@ pub(crate) struct PyBlockTier {
 /// A tensor of the tier as `(shape, raw)`, checked against the shape it was registered with.
 /// Its blocks may lie further apart than their width (strides `(S, 1)`): `S` is the stride.
 fn block_tensor(obj: &Bound<'_, PyAny>, name: &str, row_bytes: Option<u64>, ctx: Ctx) -> PyResult<(Held, BlockShape)> {
-    let (h, stride) = view_rows(obj, name, ctx)?;
+    let (h, rows, width, stride) = view_rows(obj, name, ctx)?;
     let dims = h.raw.dims().to_vec();
-    if dims.len() != 2 || h.dtype.1 != 8 {
+    if !(dims.len() == 2 || stride != width) || h.dtype.1 != 8 {
         return Err(PyTypeError::new_err(format!(
             "{name}: expected a 2-D tensor of 1-byte elements (blocks × page bytes), got {} dimensions of {}-bit elements",
             dims.len(),
@@ -55,7 +55,6 @@ fn block_tensor(obj: &Bound<'_, PyAny>, name: &str, row_bytes: Option<u64>, ctx:
     if !h.writable {
         return Err(PyValueError::new_err(format!("{name}: read-only (loads write it)")));
     }
-    let (rows, width) = (dims[0], dims[1]);
     let row_bytes = row_bytes.unwrap_or(width);
     if row_bytes > width {
         return Err(PyValueError::new_err(format!("{name}: {row_bytes} data bytes in blocks {width} bytes wide")));

@@ -92,25 +92,34 @@ pub(crate) fn view(obj: &Bound<'_, PyAny>, name: &str, ctx: Ctx) -> PyResult<Hel
 
 /// A 2-D array of 1-byte elements whose rows may lie further apart than their width (a torch
 /// tensor of strides `(S, 1)`, `S` > the width: vLLM's views of blocks packed with other views'),
-/// as `(held, S)`: the held span runs from the first row's start to the last row's end,
-/// `(rows - 1) × S + width` bytes. Any other array is [`view`]'s, `S` its row's bytes.
-pub(crate) fn view_rows(obj: &Bound<'_, PyAny>, name: &str, ctx: Ctx) -> PyResult<(Held, u64)> {
-    if let Some((h, stride)) = strided_rows(obj, name)? {
-        inside_storage(obj, name, &h.raw)?;
-        return Ok((h, stride));
+/// as `(held, rows, width, S)`: the held span runs from the first row's start to the last row's
+/// end, `(rows - 1) × S + width` bytes, exported as a 1-D view of those bytes (so as [`view`]
+/// exports any tensor: the stream order of a CUDA tensor, its storage checked). Any other array
+/// is [`view`]'s, `S` its row's bytes.
+pub(crate) fn view_rows(obj: &Bound<'_, PyAny>, name: &str, ctx: Ctx) -> PyResult<(Held, u64, u64, u64)> {
+    if let Some((rows, width, stride)) = strided_rows(obj)? {
+        let span = (rows - 1)
+            .checked_mul(stride)
+            .and_then(|a| a.checked_add(width))
+            .ok_or_else(|| PyValueError::new_err(format!("{name}: size overflows")))?;
+        // The bytes from the first block's start to the last block's end, as one 1-D view.
+        let flat = obj.call_method1("as_strided", ((span,), (1,)))?;
+        let h = view(&flat, name, ctx)?;
+        return Ok((h, rows, width, stride));
     }
     let h = view(obj, name, ctx)?;
-    let stride = match h.raw.dims() {
-        [_, w] => w.saturating_mul(u64::from(h.dtype.1 / 8)),
-        _ => 0,
+    let elem = u64::from(h.dtype.1 / 8);
+    let (rows, width) = match h.raw.dims() {
+        [r, w] => (*r, w.saturating_mul(elem)),
+        _ => (0, 0),
     };
-    Ok((h, stride))
+    Ok((h, rows, width, width))
 }
 
-/// [`view_rows`]' strided case, read from the tensor's own attributes (CPU or CUDA); `None` for
-/// anything else.
-fn strided_rows(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Option<(Held, u64)>> {
-    if !obj.get_type().module()?.to_cow()?.starts_with("torch") || !obj.hasattr("is_cpu")? {
+/// `(rows, width, S)` of a torch tensor [`view_rows`] takes as strided rows; `None` for
+/// anything else (left to [`view`], which refuses what is not contiguous).
+fn strided_rows(obj: &Bound<'_, PyAny>) -> PyResult<Option<(u64, u64, u64)>> {
+    if !obj.get_type().module()?.to_cow()?.starts_with("torch") || !obj.hasattr("as_strided")? || !obj.hasattr("element_size")? {
         return Ok(None);
     }
     let shape: Vec<i64> = obj.getattr("shape")?.extract()?;
@@ -120,28 +129,7 @@ fn strided_rows(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Option<(Held, u6
     if elem != 1 || rows < 2 || width < 1 || (s1 != 1 && width > 1) || s0 <= width {
         return Ok(None);
     }
-    if obj.getattr("requires_grad")?.is_truthy()? || obj.getattr("layout")?.str()?.to_cow()? != "torch.strided" {
-        return Ok(None);
-    }
-    let Some(dtype) = torch_dtype(&obj.getattr("dtype")?.str()?.to_cow()?) else { return Ok(None) };
-    let (memory, device_type, device_id) = if obj.getattr("is_cpu")?.is_truthy()? {
-        (Memory::Host, DL_CPU, 0)
-    } else if obj.getattr("is_cuda")?.is_truthy()? {
-        let index: Option<i32> = obj.getattr("device")?.getattr("index")?.extract()?;
-        (Memory::CudaDevice, DL_CUDA, index.unwrap_or(0))
-    } else {
-        return Ok(None);
-    };
-    let len = (rows as u64 - 1)
-        .checked_mul(s0 as u64)
-        .and_then(|a| a.checked_add(width as u64))
-        .ok_or_else(|| PyValueError::new_err(format!("{name}: size overflows")))?;
-    let addr: u64 = obj.call_method0("data_ptr")?.extract()?;
-    addr.checked_add(len).ok_or_else(|| PyValueError::new_err(format!("{name}: address range wraps")))?;
-    // SAFETY: the span from the first row's start to the last row's end is the tensor's own
-    // memory (checked against its storage by the caller), kept alive by `Held`.
-    let raw = unsafe { RawTensor::new(addr, len, vec![rows as u64, width as u64], memory) };
-    Ok(Some((Held { raw, dtype, device_type, device_id, writable: true, _keep: obj.clone().unbind() }, s0 as u64)))
+    Ok(Some((rows as u64, width as u64, s0 as u64)))
 }
 
 /// Refuses an array whose bytes do not lie in the memory that owns them: a torch view of a

@@ -376,7 +376,8 @@ fn device_pool(device: &Device, geometry: &DeviceGeometry, shape: &BlockShape, j
     // block may end after its data (a strided view, whose rows are narrower than their stride,
     // ends there: the bytes after it are another view's).
     let whole = crate::geometry::mul(shape.rows, shape.stride, "block tensor bytes (rows × stride)")?;
-    let least = whole - (shape.stride - shape.row_bytes);
+    // `geometry_of` checked `row_bytes ≤ stride` and `rows ≥ 1`: `least ≥ row_bytes`.
+    let least = shape.stride.checked_sub(shape.row_bytes).and_then(|gap| whole.checked_sub(gap)).unwrap_or(whole);
     if raw.len < least || raw.len > whole {
         return Err(TransferError::BadTensor {
             arg: name,

@@ -6,12 +6,19 @@
   blocks of its registered tensors (:meth:`HicacheOffloadingWorker._plan`).
 - Failed transfers: 0.33's connector asserts every transfer succeeded; 0.34's reports a failed
   load as a failed receive (the request recomputed whole under ``kv_load_failure_policy:
-  "recompute"``) and fails on a failed synchronous one. ``HicacheOffloadingConnector`` reports
-  block ids with load errors on both, which keeps the valid prefix.
+  "recompute"``) and fails on a failed synchronous one. ``HicacheOffloadingConnector`` reports a
+  failed load's block ids on both (with one KV group; a failed receive with several), which keeps
+  the valid prefix.
+- A secondary tier's lookups: 0.34's ``AsyncLookupManager`` has ``mark_present``, which
+  ``HicacheTier`` calls for the keys it stored (a lookup begun before the store then cannot
+  answer "absent" for them).
 
-Everything else hicache_io.vllm uses (the spec factory and ``OffloadingSpec``, the CPU and
-tiering managers, the shared region, the tier factory and ``SecondaryTierManager``) is the same
-in both.
+What else changed between them does not reach this module's use: the spec factory and
+``OffloadingSpec``, the CPU manager's and the tiering manager's constructors and the internals
+``HicacheOffloadingManager.discard`` touches, the shared region's constructor, the tier factory
+and ``SecondaryTierManager``'s abstract methods. (0.34 also dropped ``touch`` from the managers,
+counts ``store_threshold`` per request, maps the region in segments and adds
+``deferred_release`` to tiers; none of which these classes override or call.)
 """
 
 from __future__ import annotations

@@ -234,8 +234,9 @@ class HicacheOffloadingSpec(OffloadingSpec):
             # The workers made and mapped it (their KV caches are registered before the
             # scheduler is built): nobody else opens the path, so the memory goes with the
             # last process that maps it, however it ends.
+            unlink = getattr(region, "_unlink", None)  # every segment file vLLM made
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(region.mmap_path)
+                unlink() if unlink is not None else os.unlink(region.mmap_path)
         primary = None
         tiers: list[Any] = []
         try:

@@ -116,6 +116,7 @@ class HicacheTier(SecondaryTierManager):
         self._finished: list[JobResult] = []
         self._pending: Dict[int, threading.Event] = {}
         self._missed: list = []
+        self._present: list = []
         self._lookups = _Lookups(self, tier_type)
         self.stats = {"stored": 0, "loaded": 0, "verified": 0, "corrupt": 0, "store_failed": 0, "missing": 0}
 
@@ -167,6 +168,8 @@ class HicacheTier(SecondaryTierManager):
         with self._lock:
             self.stats["stored"] += int((rcs == 0).sum())
             self.stats["store_failed"] += int((rcs != 0).sum())
+            # Lookup verdicts belong to the scheduler thread: applied in get_finished_jobs.
+            self._present.extend(k for k, rc in zip(job.keys, rcs.tolist()) if rc == 0)
         self._finish(JobResult(job_id=job.job_id, success=ok, transfer_time=time.perf_counter() - t0, transfer_bytes=len(keys) * self._row))
 
     def _load(self, job: TransferJob, chunk_ids: np.ndarray, keys: list[str]) -> None:
@@ -242,9 +245,13 @@ class HicacheTier(SecondaryTierManager):
         with self._lock:
             out, self._finished = self._finished, []
             missed, self._missed = self._missed, []
+            present, self._present = self._present, []
         if missed:
             # Before vLLM sees the failures: a key that failed answers miss from now on.
             self._lookups.mark_miss(missed)
+        if present and hasattr(self._lookups, "mark_present"):
+            # vLLM 0.34: a lookup begun before the store must not answer "absent" for its keys.
+            self._lookups.mark_present(present)
         return out
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:

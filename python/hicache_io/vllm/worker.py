@@ -114,6 +114,10 @@ class HicacheOffloadingWorker(OffloadingWorker):
         self._groups: list[list[int]] = []
         # Per group, its data refs as (tensor, page bytes), in vLLM's order (0.34's pointers).
         self._refs = [[(int(r.tensor_idx), int(r.page_size_bytes)) for r in refs] for refs in kv_caches.group_data_refs]
+        # Where vLLM 0.34 puts a tensor's block `b`: `data_ptr + b × stride(0)` of the canonical
+        # tensor as it is (its stride in elements, whatever the dtype): pointers are mapped back
+        # by the same rule, so each names the block vLLM meant.
+        self._pointer_rule = [(int(t.tensor.data_ptr()), int(t.tensor.stride(0)), int(t.tensor.shape[0])) for t in kv_caches.tensors]
         for g, refs in enumerate(kv_caches.group_data_refs):
             used = []
             for ref in refs:
@@ -243,7 +247,7 @@ class HicacheOffloadingWorker(OffloadingWorker):
         ptrs, sizes = ptrs.astype(np.uint64, copy=False), sizes.astype(np.uint64, copy=False)
         want = 0
         for g, (n, k) in enumerate(zip(counts, per_group)):
-            if n < 0 or k != len(self._refs[g]):
+            if n < 0 or k != len(self._refs[g]) or (n and not k):
                 raise ValueError(f"group {g}: {n} blocks of {k} data refs; it has {len(self._refs[g])} refs")
             want += n * k
         if want != len(ptrs):
@@ -257,17 +261,18 @@ class HicacheOffloadingWorker(OffloadingWorker):
             for k, (t, page) in enumerate(self._refs[g]):
                 seg, size = ptrs[at : at + n], sizes[at : at + n]
                 at += n
-                tensor = self._tensors[t]
-                base, stride, blocks = np.uint64(tensor.data_ptr()), np.uint64(tensor.stride(0)), tensor.shape[0]
+                base, stride, blocks = (np.uint64(x) for x in self._pointer_rule[t])
+                if stride == 0:
+                    raise ValueError(f"KV tensor {t}: a block stride of 0 maps no pointer to a block")
                 if (size != page).any():
                     raise ValueError(f"group {g}, ref {k}: a copy of {int(size[size != page][0])} bytes; the ref's page is {page}")
                 bad = seg < base
                 delta = np.where(bad, np.uint64(0), seg - base)
                 bad |= delta % stride != 0
-                bad |= delta // stride >= np.uint64(blocks)
+                bad |= delta // stride >= blocks
                 if bad.any():
                     p = int(seg[bad][0])
-                    raise IndexError(f"group {g}, ref {k}: pointer {p:#x} is not the start of one of the {blocks} blocks of KV tensor {t} (at {int(base):#x}, {int(stride)} bytes apart)")
+                    raise IndexError(f"group {g}, ref {k}: pointer {p:#x} is not the start of one of the {int(blocks)} blocks of KV tensor {t} (at {int(base):#x}, {int(stride)} elements apart)")
                 found = (delta // stride).astype(np.int64)
                 if group_blocks is None:
                     group_blocks = found

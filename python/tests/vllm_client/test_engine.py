@@ -7,7 +7,8 @@ must hold. Requests with a shared prefix are stored, the device blocks overwritt
 prefix cache reset, then a request with the same prefix is served from the offloaded chunks:
 every byte of its prefix blocks is compared. A damaged chunk fails its load, and the scheduler
 recomputes the request (``kv_load_failure_policy: recompute``) through
-``HicacheOffloadingConnector``; vLLM's own connector stops on it instead (never wrong KV)."""
+``HicacheOffloadingConnector``; vLLM's own connector stops on it instead on 0.33 (never wrong
+KV), and on 0.34 recomputes every request that meets it, whole."""
 
 import dataclasses
 import hashlib
@@ -318,11 +319,24 @@ def test_vllms_own_connector_on_a_damaged_chunk(tmp_path):
     for r in range(tier.host_rows):
         tier.inject_host_corruption(0, r, 0, b"\x01")
     if VLLM_VERSION != "0.33.0":
-        for req_id, tail in (("c", [12, 13]), ("d", [14, 15])):
+        # Count the worker's failed loads as vLLM's connector collects them.
+        failed = []
+        collect = e.offload.get_finished
+
+        def get_finished():
+            out = collect()
+            failed.extend(r.job_id for r in out if not r.success)
+            return out
+
+        e.offload.get_finished = get_finished
+        for n, (req_id, tail) in enumerate((("c", [12, 13]), ("d", [14, 15])), start=1):
             e.scramble(4)  # nothing from the device's prefix cache: c's recompute left it there
             tokens = shared + tail
             e.add(req_id, tokens, max_tokens=3)
             e.until_output(req_id)
+            # Its load failed (the damaged chunk is still in the index for d), and it was
+            # recomputed whole: nothing of it came from the tier, every byte right.
+            assert len(failed) == n, f"{req_id}: {len(failed)} failed loads so far"
             assert e.loaded_tokens[req_id] == 0, f"{req_id}: {e.loaded_tokens[req_id]} tokens from a failed load"
             e.check_blocks(req_id, tokens, len(tokens))
             e.run()

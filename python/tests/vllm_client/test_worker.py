@@ -373,3 +373,28 @@ def test_device_pointers_that_are_not_blocks_move_nothing(change, error, packed)
         assert torch.equal(tensors[0][8:12], tensors[0][3:7]) and torch.equal(tensors[1][8:12], tensors[1][3:7])
     finally:
         worker.shutdown()
+
+
+def test_device_pointers_of_a_wider_dtype_name_vllms_blocks():
+    """vLLM 0.34 places block ``b`` at ``data_ptr + b × stride(0)`` of the canonical tensor as
+    it is, its stride counted in elements: a float16 tensor's pointers are mapped back by the
+    same rule, each to the block vLLM meant (a byte stride would send block b to b / 2)."""
+    from hicache_io.vllm._versions import DevicePointers
+
+    if DevicePointers is None:
+        pytest.skip("vLLM 0.33 hands the worker block ids, not pointers")
+    tensors = [torch.randn(16, 32).to(torch.float16) for _ in range(2)]
+    caches = CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(t, 64) for t in tensors],
+        group_data_refs=[[CanonicalKVCacheRef(0, 64), CanonicalKVCacheRef(1, 64)]],
+    )
+    worker = HicacheOffloadingWorker(caches, 1, 8)
+    try:
+        assert worker.submit_store(1, pointers_of(worker, caches, GPULoadStoreSpec([3, 5], [2], [0])), CPULoadStoreSpec([0, 1]))
+        assert finish(worker, [1])[1].success
+        assert worker.submit_load(2, CPULoadStoreSpec([0, 1]), pointers_of(worker, caches, GPULoadStoreSpec([10, 12], [2], [0])))
+        assert finish(worker, [2])[2].success
+        for t in tensors:
+            assert torch.equal(t[10], t[3]) and torch.equal(t[12], t[5])
+    finally:
+        worker.shutdown()

@@ -1,4 +1,4 @@
-"""A pytest plugin for vLLM 0.33.0's own offloading tests (from its sdist, fetched at test time by
+"""A pytest plugin for vLLM 0.33.0's and 0.34.0's own offloading tests (from its sdist, fetched at test time by
 ``scripts/fetch-vllm-tests.py``): every connector those tests build with their mock spec gets
 ``HicacheOffloadingSpec`` instead, wherever a test would let vLLM's scheduler and connector drive
 a real spec.
@@ -43,6 +43,17 @@ if "HF_HOME" not in os.environ:
 
 import pytest  # noqa: E402
 
+
+def pytest_configure(config):
+    import vllm
+
+    if vllm.__version__ != "0.33.0":
+        # vLLM 0.34 refuses an x86 CPU without triton-cpu in its config check; these tests run
+        # no kernel.
+        import vllm.triton_utils
+
+        vllm.triton_utils.HAS_TRITON = True
+
 #: Tests that cannot take a real spec, by what they need (matched on the test's fixtures or
 #: its file).
 MOCK_ONLY = {
@@ -84,11 +95,27 @@ def _hicache_spec(monkeypatch):
     yield
 
 
+#: Tests that script the mock manager in their own body (0.34's lookahead tests), by the source.
+MOCK_SCRIPTED = "scripts the scheduler's mock manager in its body (manager.<method>.side_effect / return_value, also through _as_mock)"
+
+
+def _scripts_manager(item) -> bool:
+    import inspect
+    import re
+
+    try:
+        src = inspect.getsource(getattr(item, "function", None) or (lambda: None))
+    except (OSError, TypeError):
+        return False
+    return re.search(r"manager\)?\.\w+\.(side_effect|return_value)", src) is not None
+
+
 def pytest_collection_modifyitems(config, items):
     keep, dropped = [], {}
     for item in items:
         reason = next((why for fx, why in MOCK_ONLY.items() if fx in getattr(item, "fixturenames", ())), None)
         reason = reason or MOCK_FILES.get(os.path.basename(str(item.fspath)))
+        reason = reason or (MOCK_SCRIPTED if _scripts_manager(item) else None)
         if reason:
             dropped.setdefault(reason, []).append(item)
         else:
