@@ -77,24 +77,9 @@ impl BlockTier {
         if host_rows == 0 {
             return Err(TransferError::InvalidConfig("a block tier needs at least one host row".into()));
         }
-        let mut out = Vec::with_capacity(tensors.len());
-        for (j, (shape, raw)) in tensors.iter().enumerate() {
-            let geometry = geometry_of(j, shape)?;
-            let pool = device_pool(device, &geometry, shape, j, raw)?;
-            let config = HostPoolConfig {
-                layout: Layout::LayerFirst,
-                // sglang's rounding makes `size + 1` rows of one-token pages.
-                size: host_rows - 1,
-                head_num: 1,
-                profile: Profile::Extended,
-                integrity: Some(true),
-            };
-            // Rows packed: a block's padding (or the other views between a strided view's
-            // blocks) is not the tier's to keep.
-            let host = HostPool::new_padded(&pool, &config, None)?;
-            out.push(TierTensor { shape: *shape, geometry, host });
-        }
-        Ok(BlockTier { device: device.clone(), host_rows, tensors: out })
+        // Rows packed: a block's padding (or the other views between a strided view's blocks)
+        // is not the tier's to keep.
+        BlockTier::build(device, tensors, host_rows, |_, pool, config| HostPool::new_padded(pool, config, None))
     }
 
     /// A tier of `host_rows` rows for each tensor of `tensors`, as [`BlockTier::new`], whose
@@ -138,20 +123,34 @@ impl BlockTier {
         if let Some(w) = spans.windows(2).find(|w| w[1].0 < w[0].1) {
             return Err(bad(w[1].2 as i64, format!("tensors {} and {} overlap inside the row", w[0].2, w[1].2)));
         }
+        BlockTier::build(device, tensors, host_rows, |j, pool, config| {
+            let buffer = wrap(device, &Arg { name: "host".into(), t: &host.region })?;
+            let padding = PagePadding { page_bytes: host.row_stride, offset: host.offsets[j] };
+            HostPool::wrap_padded(pool, config, vec![buffer], Some(padding))
+        })
+    }
+
+    /// The tier of `tensors` whose host pool for tensor `j` `host_pool(j, device pool, config)`
+    /// makes (`host_rows ≥ 1`).
+    fn build(
+        device: &Device,
+        tensors: &[(BlockShape, RawTensor)],
+        host_rows: u64,
+        mut host_pool: impl FnMut(usize, &DevicePool<'static>, &HostPoolConfig) -> Result<HostPool<'static>>,
+    ) -> Result<BlockTier> {
         let mut out = Vec::with_capacity(tensors.len());
         for (j, (shape, raw)) in tensors.iter().enumerate() {
             let geometry = geometry_of(j, shape)?;
             let pool = device_pool(device, &geometry, shape, j, raw)?;
             let config = HostPoolConfig {
                 layout: Layout::LayerFirst,
+                // sglang's rounding makes `size + 1` rows of one-token pages.
                 size: host_rows - 1,
                 head_num: 1,
                 profile: Profile::Extended,
                 integrity: Some(true),
             };
-            let buffer = wrap(device, &Arg { name: "host".into(), t: &host.region })?;
-            let padding = PagePadding { page_bytes: host.row_stride, offset: host.offsets[j] };
-            let host = HostPool::wrap_padded(&pool, &config, vec![buffer], Some(padding))?;
+            let host = host_pool(j, &pool, &config)?;
             out.push(TierTensor { shape: *shape, geometry, host });
         }
         Ok(BlockTier { device: device.clone(), host_rows, tensors: out })

@@ -232,20 +232,26 @@ def test_a_damaged_chunk_fails_its_load_and_a_sink_gets_its_blocks():
 def test_bad_specs_move_nothing(gpu_args, chunks, error, packed):
     tensors, worker = stored(packed=packed)
     try:
-        before = [worker.tier.read_rows(t).copy() for t in range(2)]
-        blocks = [t.clone() for t in tensors]
-        with pytest.raises(error):
-            worker.submit_store(9, GPULoadStoreSpec(*gpu_args), CPULoadStoreSpec(chunks))
-        with pytest.raises(error):
-            worker.submit_load(10, CPULoadStoreSpec(chunks), GPULoadStoreSpec(*gpu_args))
-        worker.wait({9, 10})
-        assert worker.get_finished() == []
-        for t in range(2):
-            assert np.array_equal(worker.tier.read_rows(t), before[t])
-        for t, b in zip(tensors, blocks):
-            assert torch.equal(t, b)
+        refused_both_ways(worker, tensors, GPULoadStoreSpec(*gpu_args), CPULoadStoreSpec(chunks), error)
     finally:
         worker.shutdown()
+
+
+def refused_both_ways(worker, tensors, device_side, chunks, error):
+    """A store and a load of ``device_side`` and ``chunks`` both raise ``error``, no job is
+    queued, and no byte of the host rows or the tensors changed."""
+    before = [worker.tier.read_rows(t).copy() for t in range(len(tensors))]
+    blocks = [t.clone() for t in tensors]
+    with pytest.raises(error):
+        worker.submit_store(9, device_side, chunks)
+    with pytest.raises(error):
+        worker.submit_load(10, chunks, device_side)
+    worker.wait({9, 10})
+    assert worker.get_finished() == []
+    for t in range(len(tensors)):
+        assert np.array_equal(worker.tier.read_rows(t), before[t])
+    for t, b in zip(tensors, blocks):
+        assert torch.equal(t, b)
 
 
 def test_region_rows_carry_their_checksums_to_another_worker():
@@ -354,19 +360,8 @@ def test_device_pointers_that_are_not_blocks_move_nothing(change, error, packed)
         gpu = GPULoadStoreSpec([3, 4, 5, 6], [4], [0])
         assert worker.submit_store(1, pointers_of(worker, caches, gpu), CPULoadStoreSpec([2, 5]))
         assert finish(worker, [1])[1].success
-        before = [worker.tier.read_rows(t).copy() for t in range(2)]
-        blocks = [t.clone() for t in tensors]
         bad = tampered(pointers_of(worker, caches, GPULoadStoreSpec([8, 9, 10, 11], [4], [0])), **change(packed or 64))
-        with pytest.raises(error):
-            worker.submit_store(9, bad, CPULoadStoreSpec([2, 5]))
-        with pytest.raises(error):
-            worker.submit_load(10, CPULoadStoreSpec([2, 5]), bad)
-        worker.wait({9, 10})
-        assert worker.get_finished() == []
-        for t in range(2):
-            assert np.array_equal(worker.tier.read_rows(t), before[t])
-        for t, b in zip(tensors, blocks):
-            assert torch.equal(t, b)
+        refused_both_ways(worker, tensors, bad, CPULoadStoreSpec([2, 5]), error)
         # The untampered pointers load the stored blocks.
         assert worker.submit_load(11, CPULoadStoreSpec([2, 5]), pointers_of(worker, caches, GPULoadStoreSpec([8, 9, 10, 11], [4], [0])))
         assert finish(worker, [11])[11].success
