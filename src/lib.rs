@@ -51,6 +51,8 @@
 
 #![deny(missing_docs)]
 
+/// Host tiers for an engine's block tensors (vLLM's offloading): [`blocks::BlockTier`].
+pub mod blocks;
 pub(crate) mod cpu_features;
 pub mod error;
 pub mod exec;

@@ -11,7 +11,8 @@
 
 mod common;
 
-use hicache_io::kvcacheio::{BlockMove, BlockShape, BlockTier, HostRows, Memory, RawTensor};
+use hicache_io::blocks::{BlockMove, BlockShape, BlockTier, HostRows};
+use hicache_io::kvcacheio::{Memory, RawTensor};
 use hicache_io::{Device, TransferError};
 
 const ROWS: u64 = 24;

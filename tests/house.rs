@@ -69,7 +69,7 @@ const LAYERS: &[&[&str]] = &[
     &["plan"],
     &["exec"],
     &["pool"],
-    &["kvcacheio"],
+    &["kvcacheio", "blocks"],
     &["tools"],
 ];
 

@@ -7,7 +7,8 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
-use hicache_io::kvcacheio::{BlockMove, BlockShape, BlockTier, HostRows, RawTensor};
+use hicache_io::blocks::{BlockMove, BlockShape, BlockTier, HostRows};
+use hicache_io::kvcacheio::RawTensor;
 
 use crate::*;
 

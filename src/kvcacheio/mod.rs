@@ -44,7 +44,6 @@
 
 mod args;
 mod backups;
-mod blocks;
 mod call;
 pub mod catalogue;
 mod direct;
@@ -55,7 +54,6 @@ mod tensors;
 mod tokens;
 
 pub use crate::exec::caller::{page_row_extents, table_extents, CudaIndices, Indices, LayerTable, Layers, Memory, RawTensor};
-pub use blocks::{BlockMove, BlockShape, BlockTier, HostRows};
 pub use catalogue::*;
 pub use lists::check_num_layers;
 pub use rows::{copy_all_layer_kv_cache, MAX_ROWS};

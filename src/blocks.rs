@@ -3,6 +3,8 @@
 //! are data (the rest padding, or other views' bytes); the tier keeps host rows of `row_bytes`,
 //! packed, in host pools of its own executor, one pool per engine tensor, with item checksums.
 //!
+//! Its own room, beside `kvcacheio` (sglang's ops): the engine block tiers (vLLM's offloading).
+//!
 //! Stores and loads are pool calls like every other op (one validation table): a tensor is wrapped
 //! as a one-layer device pool of `rows` one-token pages padded to `stride`, paired with the
 //! tensor's host pool (layer_first, `host_rows` rows). A store (a backup) records each row's
@@ -10,9 +12,8 @@
 //! [`TransferError::Integrity`] naming every row that no longer matches, after the call's other
 //! rows landed. Nothing moves unless every tensor's call is accepted.
 
-use super::tensors::{wrap, Arg};
-use super::{Memory, RawTensor};
 use crate::error::{Result, TransferError};
+use crate::exec::caller::{Memory, RawTensor};
 use crate::exec::Device;
 use crate::geometry::{DeviceGeometry, IoBackend, LayerMap, PagePadding, PoolKind};
 use crate::integrity::ItemMismatch;
@@ -124,7 +125,7 @@ impl BlockTier {
             return Err(bad(w[1].2 as i64, format!("tensors {} and {} overlap inside the row", w[0].2, w[1].2)));
         }
         BlockTier::build(device, tensors, host_rows, |j, pool, config| {
-            let buffer = wrap(device, &Arg { name: "host".into(), t: &host.region })?;
+            let buffer = device.wrap_raw(&host.region, "host")?;
             let padding = PagePadding { page_bytes: host.row_stride, offset: host.offsets[j] };
             HostPool::wrap_padded(pool, config, vec![buffer], Some(padding))
         })
@@ -386,6 +387,6 @@ fn device_pool(device: &Device, geometry: &DeviceGeometry, shape: &BlockShape, j
             ),
         });
     }
-    let buffer = wrap(device, &Arg { name, t: raw })?;
+    let buffer = device.wrap_raw(raw, &name)?;
     DevicePool::wrap_geometry(device, geometry.clone(), vec![vec![buffer]])
 }
