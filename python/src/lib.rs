@@ -45,6 +45,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ops::copy_all_layer_kv_cache_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(ops::checksum, m)?)?;
     m.add_function(wrap_pyfunction!(ops::name_tags, m)?)?;
+    m.add("TRAILER_MAGIC", local_io::TRAILER_MAGIC)?;
+    m.add("TRAILER_BYTES", local_io::TRAILER_BYTES)?;
     m.add_function(wrap_pyfunction!(local_io::local_get, m)?)?;
     m.add_function(wrap_pyfunction!(local_io::local_paths, m)?)?;
     m.add_function(wrap_pyfunction!(local_io::local_put, m)?)?;

@@ -20,8 +20,11 @@ use sha2::{Digest, Sha256};
 
 const FOOTER: usize = 32;
 const FOOTER_MAGIC: &[u8; 8] = b"HIOLOC01";
-/// hicache-io's integrity trailer (the store verifies objects that end in one).
-const TRAILER_MAGIC: u64 = u64::from_le_bytes(*b"HIOSUM03");
+/// hicache-io's integrity trailer (the store verifies objects that end in one): its first word,
+/// and its bytes (that word, then the object's checksum bound to its key). The one spelling of
+/// the format: Python's `hicache_io.l3.trailer` takes both from here.
+pub(crate) const TRAILER_MAGIC: u64 = u64::from_le_bytes(*b"HIOSUM03");
+pub(crate) const TRAILER_BYTES: usize = 16;
 /// Mooncake's codes, as the store reads them.
 const OBJECT_NOT_FOUND: i64 = -704;
 const INVALID_PARAMS: i64 = -600;
@@ -162,10 +165,10 @@ fn crc_of(spans: &[Span]) -> u32 {
 /// Whether the object ends in hicache-io's integrity trailer (which the store verifies).
 fn carries_trailer(spans: &[Span]) -> bool {
     match spans.last() {
-        Some(&(p, n)) if n >= 16 => {
+        Some(&(p, n)) if n >= TRAILER_BYTES => {
             let mut w = [0u8; 8];
-            // SAFETY: 8 bytes inside the span (n >= 16), which lies in registered memory.
-            unsafe { std::ptr::copy_nonoverlapping((p + n - 16) as *const u8, w.as_mut_ptr(), 8) };
+            // SAFETY: 8 bytes inside the span (n >= TRAILER_BYTES), which lies in registered memory.
+            unsafe { std::ptr::copy_nonoverlapping((p + n - TRAILER_BYTES) as *const u8, w.as_mut_ptr(), 8) };
             u64::from_le_bytes(w) == TRAILER_MAGIC
         }
         _ => false,

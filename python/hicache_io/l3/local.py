@@ -52,7 +52,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .errors import BUFFER_MISMATCH, INVALID_PARAMS, OBJECT_NOT_FOUND  # noqa: F401 (Mooncake's codes, as the store reads them)
-from .trailer import TRAILER_MAGIC
+from .trailer import TRAILER_BYTES, TRAILER_MAGIC
 
 logger = logging.getLogger(__name__)
 
@@ -354,9 +354,9 @@ def scan(directory: str) -> Tuple[int, List[Tuple[float, int, str]]]:
 def _carries_trailer(targets: Sequence[memoryview]) -> bool:
     """Whether the object read ends in hicache-io's integrity trailer (which the store checks)."""
     last = targets[-1]
-    if last.nbytes < 16:
+    if last.nbytes < TRAILER_BYTES:
         return False
-    return int.from_bytes(last[last.nbytes - 16 : last.nbytes - 8], "little") == TRAILER_MAGIC
+    return int.from_bytes(last[last.nbytes - TRAILER_BYTES : last.nbytes - TRAILER_BYTES + 8], "little") == TRAILER_MAGIC
 
 
 def stats(directory: str) -> Dict[str, int]:
@@ -409,6 +409,6 @@ def _file_intact(p: str) -> bool:
     if not ok or not named or zlib.crc32(obj) != crc:
         return False
     if _carries_trailer([obj]):
-        body = np.frombuffer(obj[: n - 16], np.uint8)
+        body = np.frombuffer(obj[: n - TRAILER_BYTES], np.uint8)
         return (_native.checksum(body) ^ name_tag(key.decode())) == int.from_bytes(obj[n - 8 :], "little")
     return True

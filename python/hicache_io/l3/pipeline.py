@@ -21,7 +21,7 @@ import numpy as np
 
 from .errors import INTEGRITY, REFUSED, SHORT_READ, StorageError
 from .placements import Placement
-from .trailer import TRAILER_MAGIC, name_tags, seal, verify
+from .trailer import TRAILER_BYTES, TRAILER_MAGIC, name_tags, seal, verify
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ def _get(store: Any, what: str, keys: List[str], obj_keys: List[str], place: Pla
         return np.zeros(len(keys), bool)
     # Read whole: the object's own bytes, or those and the trailer where the form has one.
     sizes = place.sizes
-    has_trailer = trailer & (got == sizes + 16)
+    has_trailer = trailer & (got == sizes + TRAILER_BYTES)
     ok = (got == sizes) | has_trailer
     if not ok.all():
         bad = np.flatnonzero(~ok)

@@ -30,6 +30,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .config import STORAGE_BATCH_SIZE
+from .trailer import TRAILER_BYTES
 from .transport import Spans
 
 Sums = Tuple[Optional[np.ndarray], Optional[np.ndarray]]
@@ -49,12 +50,12 @@ def sealing(obj_bytes: int, per: int) -> Optional[Tuple[np.ndarray, np.ndarray, 
     """The staging buffer for checksummed objects of ``obj_bytes`` bytes, ``per`` a page, each
     with its trailer as one span: ``(buffer, its trailers as [n][2] u64 rows, stride, pages a
     batch)``; ``None`` where they are too large to stage."""
-    stride = -(-(obj_bytes + 16) // 64) * 64
+    stride = -(-(obj_bytes + TRAILER_BYTES) // 64) * 64
     fit = min(STORAGE_BATCH_SIZE, SEALED_MAX_BYTES // (max(1, per) * stride))
     if obj_bytes > SEALED_MAX_OBJECT or fit < 1:
         return None
     sealed = np.zeros(fit * per * stride, np.uint8)
-    return sealed, sealed.reshape(-1, stride)[:, obj_bytes : obj_bytes + 16].view("<u8"), stride, fit
+    return sealed, sealed.reshape(-1, stride)[:, obj_bytes : obj_bytes + TRAILER_BYTES].view("<u8"), stride, fit
 
 
 def _u64(values: Any) -> np.ndarray:
@@ -102,7 +103,7 @@ class Placement:
 
     def _trailer_addrs(self, js: Sequence[int]) -> List[int]:
         tb = self.trailers.ctypes.data
-        return [tb + 16 * int(j) for j in js]
+        return [tb + TRAILER_BYTES * int(j) for j in js]
 
 
 class PoolPages(Placement):
@@ -147,7 +148,7 @@ class PoolPages(Placement):
     def put_spans(self, todo: np.ndarray, trailer: bool) -> Spans:
         ptrs, size = self.ptrs(), int(self.sizes[0]) if self.n else 0
         if trailer:
-            return Spans([[ptrs[j], t] for j, t in zip(todo, self._trailer_addrs(todo))], [[size, 16]] * len(todo), True, True)
+            return Spans([[ptrs[j], t] for j, t in zip(todo, self._trailer_addrs(todo))], [[size, TRAILER_BYTES]] * len(todo), True, True)
         return Spans(ptrs if len(todo) == len(ptrs) else [ptrs[j] for j in todo], [size] * len(todo), False, False)
 
     def get_forms(self) -> List[Spans]:
@@ -232,7 +233,7 @@ class SealedPages(Placement):
 
     def put_spans(self, todo: np.ndarray, trailer: bool) -> Spans:
         at = self.sealed.ctypes.data + self.stride * np.asarray(todo, dtype=np.int64)
-        return Spans(at.tolist(), (self.sizes[todo] + 16).tolist(), False, True)
+        return Spans(at.tolist(), (self.sizes[todo] + TRAILER_BYTES).tolist(), False, True)
 
     def get_forms(self) -> List[Spans]:
         # Objects stored without a trailer (by a store with checksums off) land in the staging
@@ -269,7 +270,7 @@ class SharePages(PoolPages):
     def put_spans(self, todo: np.ndarray, trailer: bool) -> Spans:
         ptrs, sizes = self.bufs()
         if trailer:
-            return Spans([ptrs[j] + [t] for j, t in zip(todo, self._trailer_addrs(todo))], [sizes[j] + [16] for j in todo], True, True)
+            return Spans([ptrs[j] + [t] for j, t in zip(todo, self._trailer_addrs(todo))], [sizes[j] + [TRAILER_BYTES] for j in todo], True, True)
         return Spans([ptrs[j] for j in todo], [sizes[j] for j in todo], True, False)
 
 
@@ -308,7 +309,7 @@ class SidecarPages(Placement):
         return self._sums(), None
 
     def put_spans(self, todo: np.ndarray, trailer: bool) -> Spans:
-        return Spans([[self.ptrs[j], t] for j, t in zip(todo, self._trailer_addrs(todo))], [[int(self.sizes[j]), 16] for j in todo], True, True)
+        return Spans([[self.ptrs[j], t] for j, t in zip(todo, self._trailer_addrs(todo))], [[int(self.sizes[j]), TRAILER_BYTES] for j in todo], True, True)
 
     def get_forms(self) -> List[Spans]:
         return [self.put_spans(np.arange(self.n), True)]

@@ -15,9 +15,13 @@ from typing import Dict, Sequence
 
 import numpy as np
 
+from .. import _native
+
 #: First word of a page object's trailer: ``HIOSUM03`` (checksum keys computed from each word's
-#: position by a 32-bit mixer).
-TRAILER_MAGIC = int.from_bytes(b"HIOSUM03", "little")
+#: position by a 32-bit mixer). Spelled once, in the native module (its local store checks it too).
+TRAILER_MAGIC: int = _native.TRAILER_MAGIC
+#: Bytes of a trailer: the magic, then the object's checksum bound to its key (little-endian u64s).
+TRAILER_BYTES: int = _native.TRAILER_BYTES
 #: Trailers of earlier key streams (``HIOSUM01``: 64-bit keys; ``HIOSUM02``: 32-bit keys of a
 #: 64-bit mixer): read as unverified.
 OLD_TRAILER_MAGICS = (int.from_bytes(b"HIOSUM01", "little"), int.from_bytes(b"HIOSUM02", "little"))
@@ -26,8 +30,6 @@ OLD_TRAILER_MAGICS = (int.from_bytes(b"HIOSUM01", "little"), int.from_bytes(b"HI
 def name_tags(keys: Sequence[str]) -> np.ndarray:
     """64-bit tags of objects' keys (FNV-1a), folded into their checksums so that a page stored
     under another key (swapped, replayed from elsewhere) fails the check."""
-    from .. import _native
-
     return _native.name_tags(list(keys))
 
 
@@ -41,7 +43,18 @@ def seal(trailers: np.ndarray, obj_keys: Sequence[str], sums: np.ndarray, todo: 
     one checksum per object of the batch."""
     pick = np.asarray(todo, dtype=np.intp)
     trailers[pick, 0] = TRAILER_MAGIC
-    trailers[pick, 1] = sums[pick] ^ name_tags(obj_keys)[pick]
+    trailers[pick, 1] = bound(sums, obj_keys)[pick]
+
+
+def bound(sums: np.ndarray, obj_keys: Sequence[str]) -> np.ndarray:
+    """The trailer's second word for objects ``obj_keys`` of checksums ``sums``: each checksum
+    bound to its key."""
+    return np.asarray(sums, dtype=np.uint64) ^ name_tags(obj_keys)
+
+
+def matches(trailers: np.ndarray, sums: np.ndarray, obj_keys: Sequence[str]) -> np.ndarray:
+    """Which of the trailers (``[n][2]``) are this format's and hold ``sums`` bound to ``obj_keys``."""
+    return (trailers[:, 0] == TRAILER_MAGIC) & (trailers[:, 1] == bound(sums, obj_keys))
 
 
 def verify(trailers: np.ndarray, sums: np.ndarray, tags: np.ndarray, ok: np.ndarray, unverified: np.ndarray, stats: Dict[str, int]) -> np.ndarray:

@@ -17,13 +17,10 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from .. import _native
 from ..l3.errors import LOCAL_STORE, MOONCAKE_STORE
-from ..l3.trailer import TRAILER_MAGIC, name_tags
+from ..l3.trailer import TRAILER_BYTES, TRAILER_MAGIC, bound, matches
 from ..l3.transport import Health, Spans, Transport
 
 log = logging.getLogger(__name__)
-
-#: Bytes of the trailer after each chunk's object (magic, checksum bound to the key).
-TRAILER_BYTES = 16
 
 
 class _Lookups(AsyncLookupManager):
@@ -155,9 +152,8 @@ class HicacheTier(SecondaryTierManager):
     def _store(self, job: TransferJob, chunk_ids: np.ndarray, keys: list[str]) -> None:
         t0 = time.perf_counter()
         try:
-            sums = self._sums(chunk_ids) ^ name_tags(keys)
             self._trailers[chunk_ids, 0] = TRAILER_MAGIC
-            self._trailers[chunk_ids, 1] = sums
+            self._trailers[chunk_ids, 1] = bound(self._sums(chunk_ids), keys)
             rcs, _ = self._io.put(keys, keys, self._spans(chunk_ids))
             ok = bool((rcs == 0).all())
             if not ok:
@@ -181,8 +177,7 @@ class HicacheTier(SecondaryTierManager):
             got, _, _, _ = self._io.get(keys, keys, [self._spans(chunk_ids)])
             whole = got == self._row + TRAILER_BYTES
             if whole.any():
-                sums = self._sums(chunk_ids) ^ name_tags(keys)
-                good = whole & (self._trailers[chunk_ids, 0] == TRAILER_MAGIC) & (self._trailers[chunk_ids, 1] == sums)
+                good = whole & matches(self._trailers[chunk_ids], self._sums(chunk_ids), keys)
             # Damaged, or stored in another size (refused by both transports as -600 / -800):
             # such an object would fail every later load, and a store keeps an existing object.
             bad = (whole & ~good) | np.isin(got, (-600, -800))
