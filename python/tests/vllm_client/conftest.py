@@ -3,7 +3,8 @@ and on 0.34.0.
 
 These run where one of those is installed (CI: a venv of its own for each, layered on the sglang
 suite's for torch; see ``requirements.txt``) and skip elsewhere, unless
-``HICACHE_REQUIRE_VLLM=1`` (CI sets it), which makes a missing or different vLLM an error."""
+``HICACHE_REQUIRE_VLLM=1`` (or a version: CI sets ``0.33.0`` and ``0.34.0`` in its two passes),
+which makes a missing or unsupported vLLM (or another version than named) an error."""
 
 import os
 
@@ -14,12 +15,15 @@ import pytest  # noqa: E402
 
 
 def _problem():
+    required = os.environ.get("HICACHE_REQUIRE_VLLM")  # "1", or the version that must be found
     try:
         import hicache_io.vllm  # noqa: F401
     except ImportError as e:
-        if os.environ.get("HICACHE_REQUIRE_VLLM") == "1":
+        if required:
             raise
         return str(e)
+    if required not in (None, "", "1") and hicache_io.vllm.VLLM_VERSION != required:
+        raise RuntimeError(f"HICACHE_REQUIRE_VLLM={required}, but vLLM {hicache_io.vllm.VLLM_VERSION} is installed")
     if hicache_io.vllm.VLLM_VERSION != "0.33.0":
         # vLLM 0.34 refuses an x86 CPU without triton-cpu (no registry here serves it) in its
         # config check; these tests run its scheduler, connector and manager, no kernel.
