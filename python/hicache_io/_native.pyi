@@ -131,6 +131,9 @@ def checksum(data: Any, seed: int = ...) -> int: ...
 def name_tags(names: List[str]) -> numpy.ndarray: ...
 
 STORAGE_SEED: int
+#: The integrity trailer's first word (``HIOSUM03``) and its size in bytes.
+TRAILER_MAGIC: int
+TRAILER_BYTES: int
 
 class IntegrityError(RuntimeError):
     items: List[Tuple[int, int, int, int, int, int]]

@@ -22,6 +22,8 @@ from .. import _native
 TRAILER_MAGIC: int = _native.TRAILER_MAGIC
 #: Bytes of a trailer: the magic, then the object's checksum bound to its key (little-endian u64s).
 TRAILER_BYTES: int = _native.TRAILER_BYTES
+# Trailers are held as rows of two little-endian u64 words (``[n][2]`` arrays) everywhere.
+assert TRAILER_BYTES == 16, f"the native module's trailer is {TRAILER_BYTES} bytes: this code holds two 8-byte words"
 #: Trailers of earlier key streams (``HIOSUM01``: 64-bit keys; ``HIOSUM02``: 32-bit keys of a
 #: 64-bit mixer): read as unverified.
 OLD_TRAILER_MAGICS = (int.from_bytes(b"HIOSUM01", "little"), int.from_bytes(b"HIOSUM02", "little"))

@@ -15,14 +15,15 @@ import pytest  # noqa: E402
 
 
 def _problem():
-    required = os.environ.get("HICACHE_REQUIRE_VLLM")  # "1", or the version that must be found
+    required = os.environ.get("HICACHE_REQUIRE_VLLM", "")  # "1", or the version that must be found
+    required = "" if required == "0" else required
     try:
         import hicache_io.vllm  # noqa: F401
     except ImportError as e:
         if required:
             raise
         return str(e)
-    if required not in (None, "", "1") and hicache_io.vllm.VLLM_VERSION != required:
+    if required not in ("", "1") and hicache_io.vllm.VLLM_VERSION != required:
         raise RuntimeError(f"HICACHE_REQUIRE_VLLM={required}, but vLLM {hicache_io.vllm.VLLM_VERSION} is installed")
     if hicache_io.vllm.VLLM_VERSION != "0.33.0":
         # vLLM 0.34 refuses an x86 CPU without triton-cpu (no registry here serves it) in its
