@@ -44,15 +44,14 @@ pub(crate) struct PyBlockTier {
 /// A tensor of the tier as `(shape, raw)`, checked against the shape it was registered with.
 /// Its blocks may lie further apart than their width (strides `(S, 1)`): `S` is the stride.
 fn block_tensor(obj: &Bound<'_, PyAny>, name: &str, row_bytes: Option<u64>, ctx: Ctx) -> PyResult<(Held, BlockShape)> {
-    let (h, rows, width, stride) = view_rows(obj, name, ctx)?;
-    let dims = h.raw.dims().to_vec();
-    if !(dims.len() == 2 || stride != width) || h.dtype.1 != 8 {
+    let (h, shape) = view_rows(obj, name, ctx)?;
+    let Some((rows, width, stride)) = shape.filter(|_| h.dtype.1 == 8) else {
         return Err(PyTypeError::new_err(format!(
             "{name}: expected a 2-D tensor of 1-byte elements (blocks × page bytes), got {} dimensions of {}-bit elements",
-            dims.len(),
+            h.raw.dims().len(),
             h.dtype.1
         )));
-    }
+    };
     if !h.writable {
         return Err(PyValueError::new_err(format!("{name}: read-only (loads write it)")));
     }

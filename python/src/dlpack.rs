@@ -90,13 +90,16 @@ pub(crate) fn view(obj: &Bound<'_, PyAny>, name: &str, ctx: Ctx) -> PyResult<Hel
     Ok(h)
 }
 
+/// `(rows, width in bytes, bytes from one row to the next)` of a 2-D array.
+pub(crate) type RowShape = (u64, u64, u64);
+
 /// A 2-D array of 1-byte elements whose rows may lie further apart than their width (a torch
 /// tensor of strides `(S, 1)`, `S` > the width: vLLM's views of blocks packed with other views'),
-/// as `(held, rows, width, S)`: the held span runs from the first row's start to the last row's
-/// end, `(rows - 1) × S + width` bytes, exported as a 1-D view of those bytes (so as [`view`]
+/// as `(held, Some((rows, width, S)))`: the held span runs from the first row's start to the last
+/// row's end, `(rows - 1) × S + width` bytes, exported as a 1-D view of those bytes (so as [`view`]
 /// exports any tensor: the stream order of a CUDA tensor, its storage checked). Any other array
-/// is [`view`]'s, `S` its row's bytes.
-pub(crate) fn view_rows(obj: &Bound<'_, PyAny>, name: &str, ctx: Ctx) -> PyResult<(Held, u64, u64, u64)> {
+/// is [`view`]'s, with its rows (`S` = width) when it is 2-D, else `None`.
+pub(crate) fn view_rows(obj: &Bound<'_, PyAny>, name: &str, ctx: Ctx) -> PyResult<(Held, Option<RowShape>)> {
     if let Some((rows, width, stride)) = strided_rows(obj)? {
         let span = (rows - 1)
             .checked_mul(stride)
@@ -104,21 +107,20 @@ pub(crate) fn view_rows(obj: &Bound<'_, PyAny>, name: &str, ctx: Ctx) -> PyResul
             .ok_or_else(|| PyValueError::new_err(format!("{name}: size overflows")))?;
         // The bytes from the first block's start to the last block's end, as one 1-D view.
         let flat = obj.call_method1("as_strided", ((span,), (1,)))?;
-        let h = view(&flat, name, ctx)?;
-        return Ok((h, rows, width, stride));
+        return Ok((view(&flat, name, ctx)?, Some((rows, width, stride))));
     }
     let h = view(obj, name, ctx)?;
     let elem = u64::from(h.dtype.1 / 8);
-    let (rows, width) = match h.raw.dims() {
-        [r, w] => (*r, w.saturating_mul(elem)),
-        _ => (0, 0),
+    let shape = match h.raw.dims() {
+        [r, w] => Some((*r, w.saturating_mul(elem), w.saturating_mul(elem))),
+        _ => None,
     };
-    Ok((h, rows, width, width))
+    Ok((h, shape))
 }
 
 /// `(rows, width, S)` of a torch tensor [`view_rows`] takes as strided rows; `None` for
 /// anything else (left to [`view`], which refuses what is not contiguous).
-fn strided_rows(obj: &Bound<'_, PyAny>) -> PyResult<Option<(u64, u64, u64)>> {
+fn strided_rows(obj: &Bound<'_, PyAny>) -> PyResult<Option<RowShape>> {
     if !obj.get_type().module()?.to_cow()?.starts_with("torch") || !obj.hasattr("as_strided")? || !obj.hasattr("element_size")? {
         return Ok(None);
     }

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import mmap
-import os
 from typing import Any
 
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager, OffloadingMetricMetadata, OffloadingSpec, OffloadingWorker
@@ -233,10 +231,8 @@ class HicacheOffloadingSpec(OffloadingSpec):
         if not region._creator:
             # The workers made and mapped it (their KV caches are registered before the
             # scheduler is built): nobody else opens the path, so the memory goes with the
-            # last process that maps it, however it ends.
-            unlink = getattr(region, "_unlink", None)  # every segment file vLLM made
-            with contextlib.suppress(FileNotFoundError):
-                unlink() if unlink is not None else os.unlink(region.mmap_path)
+            # last process that maps it, however it ends. (vLLM's own unlink: every segment file.)
+            region._unlink()
         primary = None
         tiers: list[Any] = []
         try:

@@ -105,7 +105,6 @@ class HicacheTier(SecondaryTierManager):
         # unlike vLLM's CPU tier's and hold one topology's ranks: their chunks carry the layout
         # in their keys and never meet another layout's or topology's, even of the same size.
         rows = getattr(offloading_spec, "region_row_stride", 0)
-        rows = rows if isinstance(rows, int) else 0
         self._mapper = FileMapper.from_offloading_spec(root_dir=namespace, offloading_spec=offloading_spec, blocks_per_file=offloading_spec.blocks_per_chunk, parallel_agnostic=not rows)
         self._prefix = f"{row}B-rows{rows}/" if rows else f"{row}B/"
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="hicache-io-tier")

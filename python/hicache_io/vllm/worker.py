@@ -195,23 +195,20 @@ class HicacheOffloadingWorker(OffloadingWorker):
         B = self.blocks_per_chunk
         self._chunk_rows, self._first_row = region.world_size * B, region.rank * B
         host_rows = num_chunks * region.world_size * B
-        base = region.region.base_tensor
-        if base.numel() < host_rows * region.row_stride:
-            raise ValueError(f"the region holds {base.numel()} bytes, {host_rows} rows of {region.row_stride} need more")
+        base = region.region.base_tensor  # its size against the rows: checked by the tier
         self.tier = _native.BlockTier(tensors, row_bytes, host_rows, host=base, host_row_stride=region.row_stride, host_offsets=offsets)
         buf = base.numpy()
         self._sums = np.ndarray((host_rows, len(tensors)), dtype=np.uint64, buffer=buf, offset=region.sums_at, strides=(region.row_stride, 8))
         return host_rows
 
-    def _seal(self, parts: list[_Rows]) -> None:
+    def _seal(self, p: _Rows) -> None:
         """Region rows: writes the checksums the store recorded beside the rows, for whoever
         reads them next (a secondary tier copies them with the rows)."""
         if self._sums is None:
             return
-        for p in parts:
-            for j in p.tensors:
-                sums = self.tier.row_checksums(j, p.rows)
-                self._sums[p.rows, j] = np.array([0 if x is None else (x + 1) & 0xFFFF_FFFF_FFFF_FFFF for x in sums], dtype=np.uint64)
+        for j in p.tensors:
+            sums = self.tier.row_checksums(j, p.rows)
+            self._sums[p.rows, j] = np.array([0 if x is None else (x + 1) & 0xFFFF_FFFF_FFFF_FFFF for x in sums], dtype=np.uint64)
 
     def _unseal(self, p: _Rows) -> tuple[np.ndarray, list[int]]:
         """Region rows: takes the checksums beside the rows (written by a store here or carried
@@ -344,7 +341,7 @@ class HicacheOffloadingWorker(OffloadingWorker):
             try:
                 if store:
                     self.tier.store(p.tensors, tensors, p.blocks, p.rows)
-                    self._seal([p])
+                    self._seal(p)
                 else:
                     rows, unsealed = self._unseal(p)
                     if unsealed:

@@ -47,6 +47,7 @@ def spec(tp_size=1, rank=0, agnostic=False, model="test/model"):
         ),
     )
     s.blocks_per_chunk = 2
+    s.region_row_stride = 0  # vLLM's own layout (a spec without HicacheOffloadingSpec's rows)
     return s
 
 
