@@ -13,7 +13,7 @@ holding the same pages, in batches of as many objects as the store's calls. For 
 Mooncake's own ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers`` of the same objects
 with a 16-byte trailer buffer each: the shape those objects have, so the ratio to it is what
 hicache-io adds. Fresh keys every round, median of the rounds.
-Then head-group objects of the unified key scheme (hicache_io.storage_unified): a TP=2 rank of a
+Then head-group objects of the unified key scheme (hicache_io.l3.unified): a TP=2 rank of a
 model with 8 kv heads, each page 8 objects of 32 KiB (one per kv head and component), moved in
 place from a ``page_first_direct_hg`` pool (one span an object) and a ``page_unified`` one (one
 span per layer) with Mooncake's scatter/gather calls, next to Mooncake's ``batch_put_from`` /
@@ -141,7 +141,7 @@ def own_time(store, host, toks, page, pages, rounds):
     try:
         for _ in range(rounds):
             p = g = 0.0
-            step = null._pages_a_batch(null.integrity)  # one batch a call (sealed objects' batches may hold fewer than 128 pages)
+            step = null.registered.pages_a_batch(null.integrity)  # one batch a call (sealed objects' batches may hold fewer than 128 pages)
             for a in range(0, pages, step):
                 keys = [uuid.uuid4().hex for _ in range(min(step, pages - a))]
                 idx = toks[a * page : (a + len(keys)) * page]
@@ -166,12 +166,13 @@ def object_case(store, name, kind, bytes_per_token, layers, page, pages, rounds,
         host.write_buffer(c, rng.integers(0, 256, host.buffer_bytes, dtype=np.uint8))
     toks = page_tokens(range(pages), page)
     store.register_mem_pool_host(host)
-    grid = store._grid  # the unified scheme's objects (head groups), else one object a page
-    trailer = integrity and store._trailers is not None  # hicache-io's own objects, checksummed
-    obj = grid.object_bytes[0] if grid else store._layout.obj_bytes
+    reg = store.registered
+    grid = reg.grid  # the unified scheme's objects (head groups), else one object a page
+    trailer = integrity and reg.trailers is not None  # hicache-io's own objects, checksummed
+    obj = grid.object_bytes[0] if grid else reg.layout.obj_bytes
     per_page = len(grid.suffixes) if grid else 1
     total = pages * per_page * obj
-    batch = store._pages_a_batch(integrity) * per_page  # the store's calls' objects (fewer pages where sealed objects are large)
+    batch = reg.pages_a_batch(integrity) * per_page  # the store's calls' objects (fewer pages where sealed objects are large)
     ours_put, ours_get, mc_put, mc_get, tr_put, tr_get = [], [], [], [], [], []
     try:
         # As many bytes, in objects of the same size, in a buffer registered for Mooncake's own calls.
@@ -267,7 +268,7 @@ def sharded_pipeline(store, rounds):
     host = hicache_io.HostPool(dev, "page_first", pages * page, profile="extended")
     toks = page_tokens(range(pages), page)
     store.register_mem_pool_host(host)
-    obj = store._layout.obj_bytes
+    obj = store.registered.layout.obj_bytes
     backup, put = [], []
     try:
         for _ in range(rounds):

@@ -24,6 +24,13 @@ The calls run on the executor of their arrays like every hicache-io op: host arr
 executor, CUDA arrays on the cuda executor, enqueued on the caller's current stream. Checks
 carry sglang's messages where it has them (``HicacheKernel: cache dimension mismatch.``) and
 hicache-io's range and uniqueness checks beyond them; a call that raises has moved no byte.
+
+Why these entry points are written by hand rather than made from the op catalogue, as
+:mod:`hicache_io.kvcacheio`'s are: none is a plain op. Each takes sglang's destination-first
+arguments and reads what the catalogue's ops take as explicit numbers (item bytes, layer, layer
+stride, layer count, page size) from the shapes, strides and views of sglang's tensors, then moves
+the bytes through one of the catalogue's ops in :mod:`hicache_io.kvcacheio`, whose checks and
+planner are the same as every other caller's.
 """
 
 import ctypes

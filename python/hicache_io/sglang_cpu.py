@@ -129,9 +129,9 @@ def guarded_imports(module: Any) -> List[ast.ImportFrom]:
     """The ``from sgl_kernel.kvcacheio import ...`` statements (and those from a JIT module
     hicache-io serves) inside ``module``'s top-level ``if _is_cuda ...:`` blocks, read from its
     source so that a name sglang adds is picked up."""
-    from .sglang import JIT_OPS
+    from .kvcacheio import CATALOGUE  # not hicache_io.sglang, which imports this module
 
-    served = {"sgl_kernel.kvcacheio", *JIT_OPS}
+    served = {"sgl_kernel.kvcacheio", *(spec["sglang"]["Jit"] for spec in CATALOGUE if isinstance(spec["sglang"], dict))}
     tree = ast.parse(inspect.getsource(module))
     found = []
     for node in tree.body:

@@ -31,7 +31,9 @@ def test_pages_carry_checksums_and_corruption_is_caught(store):
     A page read back whole is verified; bytes changed in the store, or a page stored under another
     key (swapped, replayed), fail their page; objects without a trailer read as unverified."""
     from hicache_io import _native
-    from hicache_io.storage import INTEGRITY, OLD_TRAILER_MAGICS, TRAILER_MAGIC, _name_tag
+    from hicache_io.l3.trailer import OLD_TRAILER_MAGICS, TRAILER_MAGIC
+    from hicache_io.l3.trailer import name_tag as _name_tag
+    from hicache_io.storage import INTEGRITY
 
     host = _dsa_store_pages(store)
     store.register_mem_pool_host(host)

@@ -285,7 +285,7 @@ def test_registered_memory_is_released_only_after_the_client_closes(master):
         # interpreter counts for the call itself: here the test's and the client's.
         base = sys.getrefcount(host)
         s.register_mem_pool_host(host)
-        sealed = s._sealed
+        sealed = s.registered.sealed
         assert sealed is not None
         key = uuid.uuid4().hex
         assert s.batch_set_v1([key], tokens([0])) == [True]
@@ -548,7 +548,7 @@ def test_v2_sidecar_of_hicache_io_pools(master):
         # recorded for that page are forgotten (its load reads unverified, not corrupt).
         ix.backup_from_device_all_layer(ix_dev, tokens([10]), tokens([7]), "kernel")
         replayed = uuid.uuid4().hex
-        for src, dst in zip(s._v2_keys("indexer", [keys[0]]), s._v2_keys("indexer", [replayed])):
+        for src, dst in zip(s.v2_object_keys("indexer", [keys[0]]), s.v2_object_keys("indexer", [replayed])):
             assert s.store.put(dst, bytes(s.store.get(src))) == 0
         corrupt = s.stats["corrupt"]
         assert s.batch_get_v2([T([replayed], tokens([10]))]) == {"indexer": [False]}

@@ -20,7 +20,7 @@ rank's shard.
 Namespaces. A page's bytes mean something only to a pool of the same model, KV dtype (the pool's
 ``dtype``, or ``extra_config["hicache_io_kv_dtype"]``), kind, layout, object size, page size and
 head split. These, the format version and an optional
-``extra_config["hicache_io_namespace"]`` make the store's namespace (:attr:`MooncakeStore.namespace`,
+``extra_config["hicache_io_namespace"]`` make the store's namespace (:attr:`PageStore.namespace`,
 a JSON record) and its 48-bit digest. hicache-io's own names end in ``-n{digest}``, so a page
 written under another namespace is another key: it reads as a miss, never as data. sglang's names
 cannot change without losing sglang's own readers, so for them the namespace is a sidecar object
@@ -105,7 +105,7 @@ class RankKeys(KeyScheme):
 
 
 class GridKeys(KeyScheme):
-    """The unified scheme's keys (:mod:`hicache_io.storage_unified`):
+    """The unified scheme's keys (:mod:`hicache_io.l3.unified`):
     ``{prefix}{page}_{digest}_{suffix}``, one per share of the grid, no rank."""
 
     def __init__(self, prefix: str, digest: str, suffixes: Sequence[str]):
@@ -116,7 +116,7 @@ class GridKeys(KeyScheme):
 
 
 class SidecarKeys(KeyScheme):
-    """Storage v2's keys of a pool's page objects (:mod:`hicache_io.storage_v2`):
+    """Storage v2's keys of a pool's page objects (:mod:`hicache_io.l3.sidecars`):
     ``{prefix}{page}_{rank}_hio2-{pool}-n{digest}_{j}``."""
 
     def __init__(self, prefix: str, rank: str, pool: str, digest: str, per_page: int):

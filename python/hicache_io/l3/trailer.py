@@ -11,7 +11,7 @@ the host pool's memory, the pool's own item checksums of each verified page are 
 the bytes that landed, and forgotten for every other page the get wrote.
 """
 
-from typing import Dict, Sequence
+from typing import Any, Dict, Sequence
 
 import numpy as np
 
@@ -39,13 +39,16 @@ def name_tag(key: str) -> int:
     return int(name_tags([key])[0])
 
 
-def seal(trailers: np.ndarray, obj_keys: Sequence[str], sums: np.ndarray, todo: Sequence[int]) -> None:
-    """Writes the trailers of objects ``todo`` of the batch ``obj_keys`` (row ``j`` of
-    ``trailers``, ``[n][2]`` little-endian u64: magic, checksum bound to the key) from ``sums``,
-    one checksum per object of the batch."""
-    pick = np.asarray(todo, dtype=np.intp)
-    trailers[pick, 0] = TRAILER_MAGIC
-    trailers[pick, 1] = bound(sums, obj_keys)[pick]
+def seal(trailers: np.ndarray, rows: Any, sums: np.ndarray, obj_keys: Sequence[str]) -> None:
+    """Writes trailers ``rows`` of ``trailers`` (``[n][2]`` little-endian u64: magic, checksum
+    bound to the key) for objects ``obj_keys`` of checksums ``sums``, one of each a row."""
+    trailers[rows, 0] = TRAILER_MAGIC
+    trailers[rows, 1] = bound(sums, obj_keys)
+
+
+def sealed_rows(trailers: np.ndarray) -> np.ndarray:
+    """Which trailers (``[n][2]``) are this format's (whatever checksum they hold)."""
+    return trailers[:, 0] == TRAILER_MAGIC
 
 
 def bound(sums: np.ndarray, obj_keys: Sequence[str]) -> np.ndarray:

@@ -17,8 +17,8 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from .. import _native
 from ..l3.errors import LOCAL_STORE, MOONCAKE_STORE
-from ..l3.trailer import TRAILER_BYTES, TRAILER_MAGIC, bound, matches
-from ..l3.transport import Health, Spans, Transport
+from ..l3.trailer import TRAILER_BYTES, matches, seal
+from ..l3.transport import OTHER_SIZE, Health, Spans, Transport
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +31,7 @@ class _Lookups(AsyncLookupManager):
         self._tier = tier
 
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
-        found = self._tier._io.exists([self._tier.object_key(k) for k in keys])
-        return [bool(f == 1) for f in found]
+        return self._tier.stored(keys)
 
 
 class HicacheTier(SecondaryTierManager):
@@ -139,6 +138,10 @@ class HicacheTier(SecondaryTierManager):
             raise ValueError(f"job {job.job_id}: a chunk named twice")
         return chunk_ids
 
+    def stored(self, keys: Iterable[OffloadKey]) -> list[bool]:
+        """Whether each chunk's object is in the store (one existence call)."""
+        return [bool(f == 1) for f in self._io.exists([self.object_key(k) for k in keys])]
+
     # ---- jobs -----------------------------------------------------------------------------
 
     def _finish(self, result: JobResult) -> None:
@@ -151,8 +154,7 @@ class HicacheTier(SecondaryTierManager):
     def _store(self, job: TransferJob, chunk_ids: np.ndarray, keys: list[str]) -> None:
         t0 = time.perf_counter()
         try:
-            self._trailers[chunk_ids, 0] = TRAILER_MAGIC
-            self._trailers[chunk_ids, 1] = bound(self._sums(chunk_ids), keys)
+            seal(self._trailers, chunk_ids, self._sums(chunk_ids), keys)
             rcs, _ = self._io.put(keys, keys, self._spans(chunk_ids))
             ok = bool((rcs == 0).all())
             if not ok:
@@ -179,7 +181,7 @@ class HicacheTier(SecondaryTierManager):
                 good = whole & matches(self._trailers[chunk_ids], self._sums(chunk_ids), keys)
             # Damaged, or stored in another size (refused by both transports as -600 / -800):
             # such an object would fail every later load, and a store keeps an existing object.
-            bad = (whole & ~good) | np.isin(got, (-600, -800))
+            bad = (whole & ~good) | np.isin(got, tuple(OTHER_SIZE.values()))
             for j in np.flatnonzero(bad):
                 self.client.remove(keys[j])
                 log.warning("hicache-io tier: chunk %s failed its checks (%d); removed", keys[j], int(got[j]))

@@ -69,7 +69,9 @@ def test_kv_and_mamba_states_round_trip(transport, request, tmp_path):
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo, PoolHitPolicy, PoolName, PoolTransfer
 
     from hicache_io import _native
-    from hicache_io.storage import INTEGRITY, TRAILER_MAGIC, _name_tag
+    from hicache_io.l3.trailer import TRAILER_MAGIC
+    from hicache_io.l3.trailer import name_tag as _name_tag
+    from hicache_io.storage import INTEGRITY
 
     g = sp.gen(sp.seed_of("v2", "mamba"))
     with cpu_shims.sglang_paths(cuda=True):
@@ -125,9 +127,9 @@ def test_kv_and_mamba_states_round_trip(transport, request, tmp_path):
         # Damaged objects fail their page (and only it): page 1's objects replayed under another
         # page's keys (their trailers bind them to their own keys), and one with a bit flipped.
         replayed, flipped = uuid.uuid4().hex, uuid.uuid4().hex
-        for src, dst in zip(store._v2_keys("mamba", [keys[1]]), store._v2_keys("mamba", [replayed])):
+        for src, dst in zip(store.v2_object_keys("mamba", [keys[1]]), store.v2_object_keys("mamba", [replayed])):
             assert store.store.put(dst, bytes(store.store.get(src))) == 0
-        for n, (src, dst) in enumerate(zip(store._v2_keys("mamba", [keys[1]]), store._v2_keys("mamba", [flipped]))):
+        for n, (src, dst) in enumerate(zip(store.v2_object_keys("mamba", [keys[1]]), store.v2_object_keys("mamba", [flipped]))):
             body = bytearray(store.store.get(src))[:-16]
             trailer = np.array([TRAILER_MAGIC, _native.checksum(np.frombuffer(bytes(body), np.uint8)) ^ _name_tag(dst)], "<u8").tobytes()
             if n == 0:
@@ -145,7 +147,7 @@ def test_kv_and_mamba_states_round_trip(transport, request, tmp_path):
         assert store.batch_get_v2([mt(keys, torch.tensor([0, 1, 10_000]))]) == {"mamba": [False] * 3}
         check_equal("refused get", mamba.temporal_buffer, image)
         # Keys: the pool, this rank and the namespace in every name; none of sglang's.
-        name = store._v2_keys("mamba", [keys[1]])[0]
+        name = store.v2_object_keys("mamba", [keys[1]])[0]
         assert "_0_hio2-mamba-n" in name and name.startswith(store.key_prefix)
     finally:
         store.close()
@@ -185,6 +187,6 @@ def test_kv_indexer_and_draft_round_trip(transport, request, tmp_path):
         assert sum(int(torch.count_nonzero(b.view(torch.uint8))) for b in bufs) <= moved, "bytes outside the pages changed"
         del before
         # An MLA model's indexer and MLA draft are rank-replicated: their names carry no rank.
-        assert all("_h__hio2-" in store._v2_keys(n, ["h"])[0] for n in ("indexer", "draft"))
+        assert all("_h__hio2-" in store.v2_object_keys(n, ["h"])[0] for n in ("indexer", "draft"))
     finally:
         store.close()

@@ -1,7 +1,7 @@
 """Topology-free L3 keys: one cache for every tensor-parallel shape.
 
-With ``extra_config["hicache_io_key_scheme"] = "unified"``, :class:`hicache_io.storage.MooncakeStore`
-stores each page as objects per (layer range, kv-head group, component) under keys that name no
+With ``extra_config["hicache_io_key_scheme"] = "unified"``, the L3 stores (:class:`hicache_io.l3.store.PageStore`)
+store each page as objects per (layer range, kv-head group, component) under keys that name no
 rank, no tp size and no host layout::
 
     {prefix}_{page_hash}_u{digest}_L{a}-{b}[_H{g}]_{k|v}
@@ -16,7 +16,7 @@ rank, no tp size and no host layout::
   reader share objects too. Where the pool's head groups are the grid's, a head group of a
   ``page_first_direct_hg`` pool is one span of host memory, of a ``page_unified`` pool one span
   per layer (other layouts: one per layer and token, or finer). Checksummed objects of one size,
-  up to 64 KiB, whose page fits the 4 MiB staging buffer (``l3.placements.sealing``), are gathered
+  up to 64 KiB, whose page fits the 4 MiB staging buffer (:func:`hicache_io.l3.placements.sealing`), are gathered
   with their trailer into one span of it, summed in the same pass, and moved with Mooncake's
   single-buffer calls (its multi-buffer calls cost a quarter
   of the throughput and more); other objects move in place with its scatter/gather calls
@@ -53,9 +53,6 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .l3.config import STORAGE_BATCH_SIZE
-from .l3.layouts import PoolLayout
-from .l3.placements import sealing
 
 logger = logging.getLogger(__name__)
 
@@ -158,31 +155,3 @@ class UnifiedGrid:
                 ptrs.append((addrs + np.uint64(page * shift)).tolist())
                 sizes.append(lens)
         return ptrs, sizes
-
-
-class UnifiedKeys:
-    """:class:`hicache_io.storage.MooncakeStore`'s unified key scheme (see the module docstring)."""
-
-    _grid: Optional[UnifiedGrid]
-
-    def _register_unified(self, pool: Any) -> None:
-        if not hasattr(pool, "host_span"):
-            raise ValueError("unified keys need a hicache-io HostPool (sglang 0.5.23's host pools have no head-group layout)")
-        grid = UnifiedGrid(pool, self.storage_config, self._extra)
-        lay = PoolLayout(pool, shares=max(1, len(grid.suffixes)))
-        pool.synchronize()
-        trailers = np.zeros((STORAGE_BATCH_SIZE * lay.comps, 2), "<u8")
-        regions = list(grid.regions) + [(trailers.ctypes.data, trailers.nbytes)]
-        # Objects of one size, small enough, are sealed: gathered with their trailer into one
-        # span of a staging buffer (Mooncake's single-buffer calls), summed in the same pass.
-        sealed = sealing(grid.object_bytes[0], len(grid.suffixes)) if len(set(grid.object_bytes)) == 1 and hasattr(pool, "_stage_put") else None
-        if sealed is not None:
-            regions.append((sealed[0].ctypes.data, sealed[0].nbytes))
-        self._registered = self._register_all(regions)
-        self._seal(sealed)
-        self._staging, self._layout, self.mem_pool_host = None, lay, pool
-        self._descriptor, self._trailers, self._grid = grid.digest, trailers, grid
-        self._keys = self._key_scheme()
-        self.namespace, self._foreign = grid.namespace, False
-        if grid.missing:
-            logger.warning("hicache-io L3 (unified keys): %s; every page reads and writes as a miss", grid.missing)
