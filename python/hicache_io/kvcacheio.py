@@ -29,7 +29,7 @@ import os
 import sys
 from typing import Any, Dict, List, Optional
 
-from . import _native
+from . import _native, _torch_library
 
 #: Every op of hicache-io's catalogue (``hicache_io::kvcacheio::catalogue``): name, arguments and
 #: their kinds, launch tuning, sglang's torch schema, dispatch keys, docstring. The generic ops
@@ -269,6 +269,5 @@ def register_torch_ops(namespace: str = "sgl_kernel", *, overwrite: bool = False
     strings, for code that calls ``torch.ops.sgl_kernel.<op>.default(...)`` directly. See
     :mod:`hicache_io.torch_ops`; returns the names defined.
     """
-    from . import torch_ops
-
-    return torch_ops.register(namespace, overwrite=overwrite)
+    routed, _ = _torch_library.register(namespace, CATALOGUE, globals(), overwrite=overwrite, keep_mismatched=False)
+    return routed

@@ -72,16 +72,23 @@ def build(executor, kind, layout, heads, bpt, layers, shard, drafts, pages=12, s
     return device, dev, host
 
 
-def page_meta(host, page):
-    """(component, offset, bytes) of each object of host page ``page``."""
-    return host.get_page_buffer_meta(list(range(page * P, (page + 1) * P)))
+def page_meta(host, page, page_size=P):
+    """(component, offset, bytes) of each object of host page ``page`` (of ``page_size`` tokens)."""
+    return host.get_page_buffer_meta(list(range(page * page_size, (page + 1) * page_size)))
 
 
-def page_bytes(host, page, buffers=None):
+def page_bytes(host, page, buffers=None, page_size=P):
     """Host page ``page``'s bytes, its objects one after another (``buffers``: the pool's
-    component buffers, read once by the caller)."""
+    component buffers, read once by the caller; ``page_size``: the pool's tokens a page)."""
     bufs = buffers if buffers is not None else [host.read_buffer(c) for c in range(host.components)]
-    return b"".join(bytes(bufs[c][off : off + n]) for c, off, n in page_meta(host, page))
+    return b"".join(bytes(bufs[c][off : off + n]) for c, off, n in page_meta(host, page, page_size))
+
+
+def pages(n, page, total, seed=0):
+    """The rows (int64, page after page) of ``n // page`` whole pages of ``page`` rows, drawn at
+    random (``seed``) among the ``total // page`` pages of ``total`` rows."""
+    p = np.random.default_rng(seed).permutation(total // page)[: n // page]
+    return (p[:, None] * page + np.arange(page)).reshape(-1).astype(np.int64)
 
 
 def tokens(pages):

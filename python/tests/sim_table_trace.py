@@ -12,6 +12,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from common import pages  # noqa: E402
 from test_cuda_sim import DevArray, LAYERS, SLOTS, registered, sim_errors, sync, table  # noqa: E402
 
 from hicache_io import hicache, kvcacheio as kv  # noqa: E402
@@ -57,11 +58,7 @@ def main(trace: str) -> None:
     pf_r = registered((PAGES, LAYERS, 1, NV_ROW), np.uint8)
     nv_table = table([kv.get_device_accessible_ptr(pf_r[:, layer, 0], 0) for layer in range(LAYERS)])
 
-    def pages(seed):
-        p = np.random.default_rng(seed).permutation(SLOTS // PAGE)[:6]
-        return (p[:, None] * PAGE + np.arange(PAGE)).reshape(-1).astype(np.int64)
-
-    dev_rows, host_rows = pages(1), pages(2)
+    dev_rows, host_rows = pages(6 * PAGE, PAGE, SLOTS, 1), pages(6 * PAGE, PAGE, SLOTS, 2)
     dev_pages, host_pages = np.array([3, 9, 0], np.int64), np.array([7, 1, 12], np.int64)
     d_rows, h_rows, d_pages, h_pages = (DevArray.of(a) for a in (dev_rows, host_rows, dev_pages, host_pages))
 

@@ -33,6 +33,7 @@ except ImportError:  # run as a script on a machine without pytest: the two help
 
 torch = pytest.importorskip("torch")
 
+from common import pages  # noqa: E402
 from hicache_io import kvcacheio as kv  # noqa: E402
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (torch.cuda.is_available() is False)")
@@ -41,17 +42,11 @@ SLOTS, LAYERS, ITEM_ELEMS = 4096, 4, 256
 ITEM = ITEM_ELEMS * 2  # fp16 bytes
 
 
-def pages(n, page, total=SLOTS, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    p = torch.randperm(total // page, generator=g)[: n // page]
-    return (p[:, None] * page + torch.arange(page)).reshape(-1)
-
-
 @needs_gpu
 def test_per_layer_load_from_pinned_host_on_a_side_stream():
     host = torch.randn(SLOTS, ITEM_ELEMS, dtype=torch.float16).pin_memory()
     dev = torch.zeros(SLOTS, ITEM_ELEMS, dtype=torch.float16, device="cuda")
-    hi, di = pages(512, 16, seed=1), pages(512, 16, seed=2)
+    hi, di = torch.from_numpy(pages(512, 16, SLOTS, 1)), torch.from_numpy(pages(512, 16, SLOTS, 2))
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         kv.transfer_kv_per_layer_mla(host, dev, hi.cuda(), di.cuda(), ITEM)
@@ -65,7 +60,7 @@ def test_per_layer_load_from_pinned_host_on_a_side_stream():
 def test_all_layer_backup_into_pinned_page_first():
     dev = [torch.randn(SLOTS, ITEM_ELEMS, dtype=torch.float16, device="cuda") for _ in range(LAYERS)]
     host = torch.zeros(SLOTS, LAYERS, ITEM_ELEMS, dtype=torch.float16).pin_memory()
-    di, hi = pages(256, 16, seed=3), pages(256, 16, seed=4)
+    di, hi = torch.from_numpy(pages(256, 16, SLOTS, 3)), torch.from_numpy(pages(256, 16, SLOTS, 4))
     kv.transfer_kv_all_layer_mla_lf_pf(dev, host, di, hi, ITEM, ITEM * LAYERS, LAYERS)
     torch.cuda.current_stream().synchronize()
     for layer in range(LAYERS):
@@ -76,7 +71,7 @@ def test_all_layer_backup_into_pinned_page_first():
 def test_per_layer_lf_pf_and_direct():
     dev = torch.randn(SLOTS, ITEM_ELEMS, dtype=torch.float16, device="cuda")
     host = torch.zeros(SLOTS, LAYERS, ITEM_ELEMS, dtype=torch.float16).pin_memory()
-    di, hi = pages(256, 16, seed=5), pages(256, 16, seed=6)
+    di, hi = torch.from_numpy(pages(256, 16, SLOTS, 5)), torch.from_numpy(pages(256, 16, SLOTS, 6))
     kv.transfer_kv_per_layer_mla_lf_pf(dev, host, di, hi, 2, ITEM, ITEM * LAYERS)
     back = [torch.zeros(SLOTS, ITEM_ELEMS, dtype=torch.float16, device="cuda")]
     kv.transfer_kv_direct([dev], back, di, hi, 16)

@@ -15,6 +15,7 @@ import pytest
 if os.environ.get("HICACHE_CUDA_SIM") != "1":
     pytest.skip("not under scripts/cuda-sim.sh", allow_module_level=True)
 
+from common import pages  # noqa: E402
 from hicache_io import kvcacheio as kv  # noqa: E402
 
 cu = ctypes.CDLL("libcuda.so.1")
@@ -147,16 +148,11 @@ SLOTS, LAYERS, ITEM = 1024, 3, 256
 rng = np.random.default_rng(7)
 
 
-def pages(n, page, seed):
-    p = np.random.default_rng(seed).permutation(SLOTS // page)[: n // page]
-    return (p[:, None] * page + np.arange(page)).reshape(-1).astype(np.int64)
-
-
 @pytest.mark.parametrize("cuda_indices", [False, True])
 def test_per_layer_load_from_pinned_host(cuda_indices):
     host = pinned((SLOTS, ITEM), np.uint8, rng.integers(0, 256, (SLOTS, ITEM), dtype=np.uint8))
     dev = DevArray.of(np.zeros((SLOTS, ITEM), np.uint8))
-    hi, di = pages(256, 16, 1), pages(256, 16, 2)
+    hi, di = pages(256, 16, SLOTS, 1), pages(256, 16, SLOTS, 2)
     idx = (DevArray.of(hi), DevArray.of(di)) if cuda_indices else (hi, di)
     kv.transfer_kv_per_layer_mla(host, dev, idx[0], idx[1], ITEM)
     sync()
@@ -170,7 +166,7 @@ def test_mha_per_layer_load_and_all_layer_backup_page_first():
     k = [DevArray.of(rng.integers(0, 256, (SLOTS, ITEM), dtype=np.uint8)) for _ in range(LAYERS)]
     v = [DevArray.of(rng.integers(0, 256, (SLOTS, ITEM), dtype=np.uint8)) for _ in range(LAYERS)]
     hk, hv = pinned((SLOTS, LAYERS, ITEM), np.uint8), pinned((SLOTS, LAYERS, ITEM), np.uint8)
-    di, hi = pages(128, 16, 3), pages(128, 16, 4)
+    di, hi = pages(128, 16, SLOTS, 3), pages(128, 16, SLOTS, 4)
     kv.transfer_kv_all_layer_lf_pf(k, hk, v, hv, DevArray.of(di), DevArray.of(hi), ITEM, ITEM * LAYERS, LAYERS)
     sync()
     for layer in range(LAYERS):
@@ -188,7 +184,7 @@ def test_mha_per_layer_load_and_all_layer_backup_page_first():
 def test_direct_and_per_layer_lf_pf():
     dev = DevArray.of(rng.integers(0, 256, (SLOTS, ITEM), dtype=np.uint8))
     host = pinned((SLOTS, LAYERS, ITEM), np.uint8)
-    di, hi = pages(128, 16, 5), pages(128, 16, 6)
+    di, hi = pages(128, 16, SLOTS, 5), pages(128, 16, SLOTS, 6)
     kv.transfer_kv_per_layer_mla_lf_pf(dev, host, di, hi, 2, ITEM, ITEM * LAYERS)
     back = DevArray.of(np.zeros((SLOTS, ITEM), np.uint8))
     kv.transfer_kv_direct([dev], [back], di, hi, 16)
@@ -274,7 +270,7 @@ def test_launch_arguments_do_not_change_the_bytes(block_quota, num_warps_per_blo
     k = DevArray.of(rng.integers(0, 256, (SLOTS, ITEM), dtype=np.uint8))
     v = DevArray.of(rng.integers(0, 256, (SLOTS, ITEM), dtype=np.uint8))
     hk, hv = pinned((SLOTS, LAYERS, ITEM), np.uint8), pinned((SLOTS, LAYERS, ITEM), np.uint8)
-    di, hi = pages(256, 16, 8), pages(256, 16, 9)
+    di, hi = pages(256, 16, SLOTS, 8), pages(256, 16, SLOTS, 9)
     lists = (DevArray.of(di), DevArray.of(hi))
     kv.transfer_kv_per_layer_lf_pf(k, hk, v, hv, lists[0], lists[1], 1, ITEM, ITEM * LAYERS,
                                    block_quota=block_quota, num_warps_per_block=num_warps_per_block)
@@ -342,7 +338,7 @@ def test_jit_one_layer_on_cuda_arrays():
 
     host = pinned((SLOTS, ITEM), np.uint8, rng.integers(0, 256, (SLOTS, ITEM), dtype=np.uint8))
     dk, dv = DevArray.of(np.zeros((SLOTS, ITEM), np.uint8)), DevArray.of(np.zeros((SLOTS, ITEM), np.uint8))
-    hi, di = pages(64, 16, 8), pages(64, 16, 9)
+    hi, di = pages(64, 16, SLOTS, 8), pages(64, 16, SLOTS, 9)
     # DevArray is not a library hicache.py knows, so only contiguous rows (its only shape) apply.
     hicache.transfer_hicache_one_layer_mla(dk, DevArray.of(di), host, DevArray.of(hi), element_dim=ITEM)
     sync()
@@ -400,7 +396,7 @@ def test_sglang_registered_host_pool_chunked_page_first():
     dev = [DevArray.of(rng.integers(0, 256, (SLOTS, ITEM), dtype=np.uint8)) for _ in range(LAYERS)]
     dev_table, host_table = table([d.ptr for d in dev]), table(ptrs)
     # Pages on both sides of the registration boundary.
-    di, hi = pages(256, page, 11), pages(256, page, 12)
+    di, hi = pages(256, page, SLOTS, 11), pages(256, page, SLOTS, 12)
     hicache.transfer_hicache_all_layer_mla(host_table, DevArray.of(hi), dev_table, DevArray.of(di), cache_dst_stride_bytes=LAYERS * ITEM, cache_src_stride_bytes=ITEM, element_size=ITEM, page_size=page)
     sync()
     for layer in range(LAYERS):
@@ -428,7 +424,7 @@ def test_sglang_registered_host_pool_layer_first_tables():
     dev = [DevArray.of(rng.integers(0, 256, (SLOTS, ITEM), dtype=np.uint8)) for _ in range(LAYERS)]
     host_table = table([kv.get_device_accessible_ptr(host[layer], 0) for layer in range(LAYERS)])
     dev_table = table([d.ptr for d in dev])
-    di, hi = pages(128, 16, 13), pages(128, 16, 14)
+    di, hi = pages(128, 16, SLOTS, 13), pages(128, 16, SLOTS, 14)
     kv.transfer_kv_all_layer_mla(dev_table, host_table, DevArray.of(di), DevArray.of(hi), ITEM, LAYERS)
     sync()
     for layer in range(LAYERS):
@@ -587,7 +583,7 @@ def test_kv_layers_in_an_expandable_segment_and_the_memory_saver_cycle():
 
     layers = [Layer(seg.ptr + l * layer_bytes) for l in range(3)]
     host = pinned((SLOTS, 3, ITEM), np.uint8)
-    di, hi = pages(128, 16, 21), pages(128, 16, 22)
+    di, hi = pages(128, 16, SLOTS, 21), pages(128, 16, SLOTS, 22)
     kv.transfer_kv_all_layer_mla_lf_pf(layers, host.reshape(-1), DevArray.of(di), DevArray.of(hi), ITEM, 3 * ITEM, 3)
     kv.synchronize(0)
     for l in range(3):
@@ -644,7 +640,7 @@ def test_kv_layers_from_a_stream_ordered_pool():
 
     dev = Pooled()
     host = pinned((SLOTS, ITEM), np.uint8)
-    di, hi = pages(64, 16, 31), pages(64, 16, 32)
+    di, hi = pages(64, 16, SLOTS, 31), pages(64, 16, SLOTS, 32)
     kv.transfer_kv_per_layer_mla(dev, host, DevArray.of(di), DevArray.of(hi), ITEM)
     kv.synchronize(0)
     assert np.array_equal(host[hi], data[di])

@@ -18,7 +18,9 @@ ITEM, PAGE, LAYERS = 64, 4, 3
 EXECUTORS = executors()
 
 
-def pools(profile="extended", integrity=None, layout="page_first", executor="cpu"):
+def integrity_pools(profile="extended", integrity=None, layout="page_first", executor="cpu"):
+    """``(device pool, host pool)``: an MHA device pool of random bytes and a host pool of
+    ``profile`` with item checksums as ``integrity`` says (the profile's default when ``None``)."""
     dpool = DevicePool(Device(executor), "mha", ITEM, 32, PAGE, LAYERS)
     kw = {} if integrity is None else {"integrity": integrity}
     hpool = HostPool(dpool, layout, 32, profile=profile, **kw)
@@ -31,16 +33,16 @@ def pools(profile="extended", integrity=None, layout="page_first", executor="cpu
 
 @pytest.mark.parametrize("executor", EXECUTORS)
 def test_defaults_and_opt_out(executor):
-    assert pools(executor=executor)[1].integrity
-    assert not pools(profile="sglang", executor=executor)[1].integrity
-    assert pools(profile="sglang", integrity=True, executor=executor)[1].integrity
-    assert not pools(integrity=False, executor=executor)[1].integrity
-    assert pools(integrity=False, executor=executor)[1].integrity_stats() is None
+    assert integrity_pools(executor=executor)[1].integrity
+    assert not integrity_pools(profile="sglang", executor=executor)[1].integrity
+    assert integrity_pools(profile="sglang", integrity=True, executor=executor)[1].integrity
+    assert not integrity_pools(integrity=False, executor=executor)[1].integrity
+    assert integrity_pools(integrity=False, executor=executor)[1].integrity_stats() is None
 
 
 @pytest.mark.parametrize("executor", EXECUTORS)
 def test_a_damaged_item_fails_its_load_and_the_rest_lands(executor):
-    dpool, hpool = pools(executor=executor)
+    dpool, hpool = integrity_pools(executor=executor)
     hi = np.arange(8, 16, dtype=np.int64)
     di = np.arange(0, 8, dtype=np.int64)
     hpool.backup_from_device_all_layer(dpool, hi, di)
@@ -65,12 +67,12 @@ def test_a_damaged_item_fails_its_load_and_the_rest_lands(executor):
 
 @pytest.mark.parametrize("executor", EXECUTORS)
 def test_pages_carry_their_checksums(executor):
-    dpool, hpool = pools(executor=executor)
+    dpool, hpool = integrity_pools(executor=executor)
     hi = np.arange(0, 8, dtype=np.int64)
     hpool.backup_from_device_all_layer(dpool, hi, hi)
     page, sums = hpool.get_data_page(4), hpool.page_checksums(4)
     assert len(sums) == 2 * LAYERS * PAGE and all(s is not None for s in sums)
-    _, other = pools(executor=executor)
+    _, other = integrity_pools(executor=executor)
     other.set_from_flat_data_page_checked(12, page, sums)
     assert other.page_checksums(12) == sums
     bad = np.array(page, copy=True)
@@ -86,7 +88,7 @@ def test_pages_carry_their_checksums(executor):
 
 @pytest.mark.parametrize("executor", EXECUTORS)
 def test_unverifiable_writes_are_never_reported_as_corrupt(executor):
-    dpool, hpool = pools(layout="layer_first", executor=executor)
+    dpool, hpool = integrity_pools(layout="layer_first", executor=executor)
     hi = np.arange(8, 16, dtype=np.int64)
     hpool.backup_from_device_all_layer(dpool, hi, hi)
     hpool.backup_from_device_all_layer(dpool, hi, hi, io_backend="direct")

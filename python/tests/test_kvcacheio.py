@@ -264,7 +264,8 @@ def test_read_only_sources_and_index_sequences_are_accepted():
 # ---- bad input: sglang's exception and message, nothing moved --------------------------------
 
 
-def pools(rng):
+def mla_arrays(rng):
+    """``(source, destination, a copy of the destination)``: two random 64-row MLA arrays."""
     src = rand(rng, 64, 16)
     dst = rand(rng, 64, 16)
     return src, dst, dst.copy()
@@ -281,7 +282,7 @@ def pools(rng):
     ],
 )
 def test_bad_input_moves_nothing(si, di, item, exc, msg):
-    src, dst, before = pools(np.random.default_rng(2))
+    src, dst, before = mla_arrays(np.random.default_rng(2))
     with pytest.raises(exc) as e:
         kv.transfer_kv_per_layer_mla(src, dst, np.array(si, np.int64), np.array(di, np.int64), item)
     assert msg in str(e.value)
@@ -312,7 +313,7 @@ def test_sglang_messages_of_the_layer_and_direct_checks():
 
 def test_arguments_sglang_cannot_check():
     rng = np.random.default_rng(5)
-    src, dst, before = pools(rng)
+    src, dst, before = mla_arrays(rng)
     idx = np.arange(4, dtype=np.int64)
     with pytest.raises(ValueError, match="overlaps"):
         kv.transfer_kv_per_layer_mla(dst, dst, idx, idx + 8, 32)

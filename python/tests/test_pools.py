@@ -101,17 +101,17 @@ def test_the_seed_layer_sharded_dsa_page_first_backup(executor):
     page = 4
     item = 132 * page  # DeepSeek V3.2's indexer: 132 B per token per layer, one page per item
 
-    def pools(profile):
+    def dsa_shard_pools(profile):
         d = DevicePool(dev, "dsa", 132, 8, page, 4, layer_shard=(2, 4))
         return d, HostPool(d, "page_first", 32, profile=profile)
 
     tokens_dev = np.arange(8, 16, dtype=np.int64)   # device pages 2, 3
     tokens_host = np.arange(20, 28, dtype=np.int64)  # host pages 5, 6
-    d, h = pools("sglang")
+    d, h = dsa_shard_pools("sglang")
     with pytest.raises(ValueError) as e:
         h.backup_from_device_all_layer(d, tokens_host, tokens_dev, "kernel")
     assert str(e.value) == SEED_MESSAGE
-    d, h = pools("extended")
+    d, h = dsa_shard_pools("extended")
     rng = np.random.default_rng(1)
     data = [rng.integers(0, 256, 8 * item, dtype=np.uint8) for _ in range(2)]
     for s in range(2):

@@ -16,7 +16,7 @@ import uuid
 import numpy as np
 import pytest
 
-from common import executors, mooncake_problem  # noqa: E402
+from common import executors, mooncake_problem, page_bytes  # noqa: E402
 
 if mooncake_problem() is not None:
     pytest.skip(mooncake_problem(), allow_module_level=True)
@@ -136,7 +136,9 @@ def layer_bytes(seed, comp, layer, n):
     return np.random.default_rng([seed, comp, layer]).integers(0, 256, n, dtype=np.uint8)
 
 
-def pools(executor="cpu", layout="page_unified", groups=2, shard=None, drafts=0, layers=4, item=4 * 32, seed=0):
+def backed_up_pools(executor="cpu", layout="page_unified", groups=2, shard=None, drafts=0, layers=4, item=4 * 32, seed=0):
+    """``(device pool, host pool)``: an MHA device pool of 16 slots (4 a page) whose layer bytes
+    are :func:`layer_bytes` of ``seed``, every slot backed up into a host pool in ``layout``."""
     dev = hicache_io.DevicePool(hicache_io.Device(executor), "mha", item, 16, 4, layers, layer_shard=shard, drafts=drafts)
     first = shard[0] if shard else 0
     for c in range(2):
@@ -148,7 +150,7 @@ def pools(executor="cpu", layout="page_unified", groups=2, shard=None, drafts=0,
 
 
 def test_a_replaced_object_fails_its_page(master, model):
-    dev, host = pools()
+    dev, host = backed_up_pools()
     s = store_for(master, model)
     try:
         s.register_mem_pool_host(host)
@@ -176,7 +178,7 @@ def test_a_replaced_object_fails_its_page(master, model):
 def test_a_get_that_raises_forgets_the_pages_it_wrote(master, model):
     """raise_errors=True: a get whose object fails its trailer raises; the pages it may have written
     in place lose their item checksums (their loads read unverified, not corrupt)."""
-    dev, host = pools()
+    dev, host = backed_up_pools()
     s = store_for(master, model)
     s.raise_errors = True
     try:
@@ -200,10 +202,10 @@ def test_a_get_that_raises_forgets_the_pages_it_wrote(master, model):
         s.close()
 
 
-def page_bytes(host, pages):
-    """Each component's bytes of host pages ``pages`` (page_unified: one span a page)."""
-    meta = host.get_page_buffer_meta(np.concatenate([np.arange(4 * q, 4 * q + 4) for q in pages]))
-    return [host.read_buffer(c)[off : off + n].copy() for c, off, n in meta]
+def page_images(host, pages):
+    """Host pages ``pages``' bytes, one ``bytes`` a page (its objects one after another; the
+    pools here hold 4 tokens a page)."""
+    return [page_bytes(host, q, page_size=4) for q in pages]
 
 
 class Calls:
@@ -225,25 +227,25 @@ class Calls:
 def test_sealed_objects_are_the_objects_moved_in_place(master, model):
     """A store seals its objects (a share gathered with its trailer into one span of its staging
     buffer); a store of a release that moved them in place with the multi-buffer calls
-    (``_seal(None)``) wrote and reads the same objects: each side reads the other's verified and
+    (``registered.seal(None)``) wrote and reads the same objects: each side reads the other's verified and
     exact, and objects stored without a trailer read as unverified."""
-    _, a = pools()
-    _, b = pools()
+    _, a = backed_up_pools()
+    _, b = backed_up_pools()
     sealed, in_place = store_for(master, model), store_for(master, model)
     try:
         sealed.register_mem_pool_host(a)
         in_place.register_mem_pool_host(b)
-        assert sealed._sealed is not None and sealed._seal_pages == 128
-        in_place._seal(None)
+        assert sealed.registered.sealed is not None and sealed.registered.seal_pages == 128
+        in_place.registered.seal(None)
         per = len(sealed.object_keys("x"))
         assert sealed.batch_set_v1(["s0", "s1"], np.arange(8)) == [True, True]
         assert in_place.batch_get_v1(["s0", "s1"], np.arange(8, 16)) == [True, True]
         assert in_place.integrity_stats()["verified"] == 2 * per
-        assert all(np.array_equal(x, y) for x, y in zip(page_bytes(b, [2, 3]), page_bytes(a, [0, 1])))
+        assert page_images(b, [2, 3]) == page_images(a, [0, 1])
         assert in_place.batch_set_v1(["m0"], np.arange(4)) == [True]
         assert sealed.batch_get_v1(["m0"], np.arange(12, 16)) == [True]
         assert sealed.integrity_stats()["verified"] == per and sealed.integrity_stats()["corrupt"] == 0
-        assert all(np.array_equal(x, y) for x, y in zip(page_bytes(a, [3]), page_bytes(b, [0])))
+        assert page_images(a, [3]) == page_images(b, [0])
         # Without a trailer: Mooncake reads the object whole into the larger staged span; it lands
         # from there, unverified, and the page's item checksums are forgotten (its loads read as
         # unverified).
@@ -254,7 +256,7 @@ def test_sealed_objects_are_the_objects_moved_in_place(master, model):
         assert sealed.batch_get_v1(["n0"], np.arange(8, 12)) == [True]
         assert calls == ["batch_get_into"], calls
         assert sealed.integrity_stats()["unverified"] == per
-        assert all(np.array_equal(x, y) for x, y in zip(page_bytes(a, [2]), page_bytes(b, [1])))
+        assert page_images(a, [2]) == page_images(b, [1])
         assert all(x is None for x in a.page_checksums(8))
         # A client that refuses a buffer of another size (-600) gets the other form: the object
         # read into the pool in place with the scatter/gather call.
@@ -263,7 +265,7 @@ def test_sealed_objects_are_the_objects_moved_in_place(master, model):
         assert sealed.batch_get_v1(["n1"], np.arange(4, 8)) == [True]
         assert calls == ["batch_get_into", "batch_get_into_multi_buffers"], calls
         assert sealed.integrity_stats()["unverified"] == 2 * per
-        assert all(np.array_equal(x, y) for x, y in zip(page_bytes(a, [1]), page_bytes(b, [2])))
+        assert page_images(a, [1]) == page_images(b, [2])
         sealed.store = client
     finally:
         sealed.close()
@@ -277,18 +279,18 @@ def test_a_staging_buffer_smaller_than_a_batch_moves_fewer_pages_a_batch(master,
 
     # 3 pages of 8 objects (4 kv heads, K and V) of 512 B (stride 576), and a little more.
     monkeypatch.setattr(placements, "SEALED_MAX_BYTES", 3 * 8 * 576 + 100)
-    _, a = pools()
-    _, b = pools(seed=3)
+    _, a = backed_up_pools()
+    _, b = backed_up_pools(seed=3)
     w, r = store_for(master, model), store_for(master, model)
     try:
         w.register_mem_pool_host(a)
         r.register_mem_pool_host(b)
-        assert w._seal_pages == 3 and w._sealed.nbytes == 3 * 8 * 576
+        assert w.registered.seal_pages == 3 and w.registered.sealed.nbytes == 3 * 8 * 576
         keys = [f"p{i}" for i in range(4)]
         assert w.batch_set_v1(keys, np.arange(16)) == [True] * 4
         assert r.batch_get_v1(keys, np.arange(16)) == [True] * 4
         assert r.integrity_stats()["verified"] == 4 * 8
-        assert all(np.array_equal(x, y) for x, y in zip(page_bytes(b, range(4)), page_bytes(a, range(4))))
+        assert page_images(b, range(4)) == page_images(a, range(4))
     finally:
         w.close()
         r.close()
@@ -299,7 +301,7 @@ def test_the_staging_pass_gathers_and_scatters_page_shares():
     the order its spans name, with the checksum of the in-place pass; landed into another pool,
     only the objects marked written, with the same sums; a stride or buffer too short refused
     with nothing written. A share of 6 bytes an item takes the gather-then-sum path."""
-    _, a = pools()
+    _, a = backed_up_pools()
     idx = np.arange(4, 12)
     for shares in ([(0, 0, 4, 0, 64), (1, 1, 3, 64, 128)], [(1, 0, 4, 2, 8), (0, 2, 3, 10, 16)]):
         spans = [a.page_share_spans(*sh[:1], sh[1:3], sh[3:]) for sh in shares]
@@ -319,7 +321,7 @@ def test_the_staging_pass_gathers_and_scatters_page_shares():
             want = np.concatenate([a.read_buffer(c)[off + page * shift : off + page * shift + k] for c, off, k in v])
             assert np.array_equal(buf[j * stride : j * stride + len(want)], want), (shares, j)
             assert (buf[j * stride + len(want) : (j + 1) * stride] == 7).all()
-        _, b = pools(seed=5)
+        _, b = backed_up_pools(seed=5)
         before = [b.read_buffer(c) for c in range(b.components)]
         write = [True, False] * len(shares)
         for nbytes, st, w in [(buf.nbytes, stride, write[:-1]), (buf.nbytes - 1, stride, write), (buf.nbytes, size - 1, write)]:
@@ -347,13 +349,13 @@ def test_layer_ranges_let_pipeline_shapes_share(master, model, executor):
     stages = []
     try:
         for shard in ((0, 2), (2, 4)):
-            dev, host = pools(executor, shard=shard, seed=7)
+            dev, host = backed_up_pools(executor, shard=shard, seed=7)
             s = store_for(master, model)
             s.register_mem_pool_host(host)
             assert s.batch_set_v1(["p"], np.arange(4)) == [True]
             assert s.object_keys("p")[0].endswith(f"_L{shard[0]}-{shard[1]}_H0_k")
             stages.append((s, dev, host))
-        dev, host = pools(executor, layout="page_first", groups=1, seed=99)
+        dev, host = backed_up_pools(executor, layout="page_first", groups=1, seed=99)
         s = store_for(master, model, hicache_io_layer_ranges=[[0, 2], [2, 4]])
         try:
             s.register_mem_pool_host(host)
@@ -392,17 +394,17 @@ def test_refusals(master, model, extra, build, message):
         return
     s = store_for(master, model, tp=tp, **extra)
     try:
-        dev, host = pools(**build)
+        dev, host = backed_up_pools(**build)
         with pytest.raises(ValueError, match=message):
             s.register_mem_pool_host(host)
-        assert s.mem_pool_host is None and s._grid is None
+        assert s.mem_pool_host is None and s.registered is None
     finally:
         s.close()
 
 
 def test_wgpu_pools_are_refused(master, model):
     try:
-        dev, host = pools(executor="wgpu")
+        dev, host = backed_up_pools(executor="wgpu")
     except Exception:  # noqa: BLE001
         if os.environ.get("CI"):
             raise

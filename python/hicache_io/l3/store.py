@@ -139,8 +139,6 @@ class PageStore(HiCacheStorage):
         self._health = Health(name, local=name == LOCAL_STORE)
         # Whether what is stored is ever read back (l3.watch: warns once when it is not).
         self._read_back = ReadBack(name, getattr(client, "directory", "") or "")
-        #: The transport's raw client (``store``, as sglang's Mooncake backend names it).
-        self.store = client
         self._io = Transport(client, self._health)
         self._pages = StoreCalls(self._io, self._fail, self.stats)
         self._reg: Optional[Registered] = None
@@ -152,6 +150,16 @@ class PageStore(HiCacheStorage):
         self._sidecars = SidecarPools(self._pages, self._retired.extend, self.storage_config, st.extra, st.key_prefix, st.mha_suffix, st.mla_suffix)
         #: sglang's storage v2: the pools registered by name (the KV anchor too).
         self.registered_pools: Dict[str, Any] = {}
+
+    @property
+    def store(self) -> Any:
+        """The transport's raw client, as sglang's Mooncake backend names it (``None`` once closed);
+        replacing it (a wrapper, in tests) replaces it for every call of the store."""
+        return self._io.client
+
+    @store.setter
+    def store(self, client: Any) -> None:
+        self._io.client = client
 
     # ---- the pool ------------------------------------------------------------------------
 

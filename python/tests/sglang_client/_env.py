@@ -42,22 +42,14 @@ def require_sglang() -> None:
     pytest.skip(problem, allow_module_level=True)
 
 
-def mooncake_problem() -> str | None:
-    try:
-        from hicache_io.l3.mooncake_client import store_module
-
-        store_module()
-    except Exception as e:  # noqa: BLE001
-        return f"Mooncake Store not importable ({type(e).__name__}: {e})"
-    return None
-
-
 def require_mooncake() -> None:
+    """Module-level guard of the storage tests: :func:`common.mooncake_problem` (python/tests)."""
     import pytest
+    from common import mooncake_problem
 
-    problem = mooncake_problem()
-    if problem is None:
-        return
-    if os.environ.get("HICACHE_REQUIRE_MOONCAKE") == "1":
-        raise RuntimeError(f"HICACHE_REQUIRE_MOONCAKE=1 but {problem}")
-    pytest.skip(problem, allow_module_level=True)
+    try:
+        problem = mooncake_problem()  # raises under HICACHE_REQUIRE_MOONCAKE=1
+    except Exception as e:  # noqa: BLE001
+        raise RuntimeError(f"HICACHE_REQUIRE_MOONCAKE=1 but Mooncake Store not importable ({type(e).__name__}: {e})") from e
+    if problem is not None:
+        pytest.skip(problem, allow_module_level=True)

@@ -194,6 +194,98 @@ class Stack:
         return {t: getattr(c, t).is_alive() for t in ("backup_thread", "prefetch_thread", "prefetch_io_aux_thread", "prefetch_sync_thread")}
 
 
+def stored_before_the_outage(s, be):
+    """Before: a span written, backed up, and a prefetch of it hits with exact bytes. Its
+    ``(tokens, keys, host indices)``."""
+    tok_a, keys_a = span(1000)
+    h_a = s.write(node_id=1)
+    assert s.backup(h_a, tok_a, keys_a, 20).completed_tokens == N * sp.P
+    assert be.batch_exists(keys_a) == N
+    before = s.host_image()
+    hit, completed, idx = s.prefetch(tok_a, 20)
+    assert (hit, completed) == (N * sp.P, N * sp.P)
+    check_equal("prefetch before the outage", s.host.kv_buffer, s.expect_copied(before, idx, h_a))
+    assert be.integrity_stats()["outages"] == 0
+    return tok_a, keys_a, h_a
+
+
+def with_the_master_down(s, be, caplog, tok_a, h_a):
+    """The master just stopped: a backup is acked with nothing completed, prefetches of the span
+    stored before fetch nothing, L1 <-> L2 moves exact bytes, one outage counted and logged."""
+    stats = [be.integrity_stats()["unreachable"]]
+
+    # the backup thread: acked with nothing completed, and alive
+    tok_b, keys_b = span(2000)
+    h_b = s.write(node_id=2)  # L1 -> L2 keeps working
+    t0 = time.monotonic()
+    op = s.backup(h_b, tok_b, keys_b, DOWN_BOUND_S)
+    assert op.completed_tokens == 0, f"{op.completed_tokens} tokens backed up with the master down"
+    assert all(s.threads_alive().values()), s.threads_alive()
+    stats.append(be.integrity_stats()["unreachable"])
+
+    # a prefetch of the pages stored before: a miss at the hit query (the scheduler revokes it)
+    image = s.host_image()
+    assert s.prefetch(tok_a, DOWN_BOUND_S) == (0, 0, None)
+    stats.append(be.integrity_stats()["unreachable"])
+    # and one that skips the query (a span proven stored): its gets fetch nothing, touch nothing
+    hit, completed, idx = s.prefetch(tok_a, DOWN_BOUND_S, assume_stored=True)
+    assert (hit, completed) == (N * sp.P, 0)
+    check_equal("host pool after a prefetch with the master down", s.host.kv_buffer, image)
+    s.ctrl.mem_pool_host.free(idx)  # what the scheduler's ack drain releases
+    stats.append(be.integrity_stats()["unreachable"])
+    assert stats == sorted(set(stats)), f"each call with the master down counts its objects unreachable: {stats}"
+    assert time.monotonic() - t0 < DOWN_BOUND_S, "the three L3 calls with the master down took too long together"
+    sglang_said = [r.getMessage() for r in caplog.records if r.name.startswith("sglang.")]
+    assert "Write page to storage: 2 pages failed." in sglang_said, sglang_said  # the backup failed the ordinary way
+
+    # L2 -> L1 keeps working, for pages stored before and pages whose backup failed
+    s.load(h_a, node_id=3)
+    s.load(h_b, node_id=4)
+    counts = be.integrity_stats()
+    assert counts["outages"] == 1 and counts["unreachable"] > 0, counts
+    logged = transport_warnings(caplog)
+    assert len(logged) == 1 and logged[0].startswith("hicache-io L3: Mooncake Store is unreachable"), logged
+    assert all(s.threads_alive().values()), s.threads_alive()
+
+
+def after_the_restart(s, be, caplog, tok_a, keys_a):
+    """The master just restarted on the same port, empty: the same store backs up and prefetches
+    exact bytes again, the span stored before the outage reads as misses, the return is logged."""
+    t1 = time.monotonic()
+    tok_c, keys_c = span(3000)
+    h_c = s.write(node_id=5)
+    attempts = 0
+    while True:
+        attempts += 1
+        op = s.backup(h_c, tok_c, keys_c, DOWN_BOUND_S)
+        if op.completed_tokens == N * sp.P:
+            break
+        # until the client has mounted its segment on the new master, puts fail (NO_AVAILABLE_HANDLE, measured ~1.5 s)
+        assert op.completed_tokens == 0 and time.monotonic() - t1 < RECONNECT_BOUND_S, f"no complete backup {time.monotonic() - t1:.1f} s after the restart ({attempts} tries)"
+        time.sleep(0.5)
+    assert be.batch_exists(keys_c) == N
+    before = s.host_image()
+    hit, completed, idx = s.prefetch(tok_c, 20)
+    assert (hit, completed) == (N * sp.P, N * sp.P)
+    check_equal("prefetch after the restart", s.host.kv_buffer, s.expect_copied(before, idx, h_c))
+
+    # what was stored before the outage is gone with the old master's metadata: misses, no bytes
+    assert be.batch_exists(keys_a) == 0
+    assert s.prefetch(tok_a, 20) == (0, 0, None)
+    image = s.host_image()
+    hit, completed, idx = s.prefetch(tok_a, 20, assume_stored=True)
+    assert (hit, completed) == (N * sp.P, 0)
+    check_equal("host pool after a prefetch of pages the old master held", s.host.kv_buffer, image)
+    s.ctrl.mem_pool_host.free(idx)
+
+    # While the client remounts its segment a call may still meet the old connection (-900)
+    # after one that reached the new master: a second, short outage, counted and logged.
+    counts = be.integrity_stats()
+    assert counts["outages"] in (1, 2), counts
+    logged = transport_warnings(caplog)
+    assert len(logged) == 2 * counts["outages"] and logged[-1].startswith("hicache-io L3: Mooncake Store answers again"), logged
+
+
 def test_controller_through_a_master_outage(caplog, monkeypatch):
     from sglang.srt.mem_cache.hybrid_cache import hybrid_cache_controller
 
@@ -214,88 +306,16 @@ def test_controller_through_a_master_outage(caplog, monkeypatch):
         assert type(be) is MooncakeStore and ctrl.page_get_func == ctrl._page_get_zero_copy
 
         # ---- before: backed up, and a prefetch of it hits with exact bytes
-        tok_a, keys_a = span(1000)
-        h_a = s.write(node_id=1)
-        assert s.backup(h_a, tok_a, keys_a, 20).completed_tokens == N * sp.P
-        assert be.batch_exists(keys_a) == N
-        before = s.host_image()
-        hit, completed, idx = s.prefetch(tok_a, 20)
-        assert (hit, completed) == (N * sp.P, N * sp.P)
-        check_equal("prefetch before the outage", s.host.kv_buffer, s.expect_copied(before, idx, h_a))
-        assert be.integrity_stats()["outages"] == 0
+        tok_a, keys_a, h_a = stored_before_the_outage(s, be)
 
         # ---- master down
         masters[0].stop()
-        stats = [be.integrity_stats()["unreachable"]]
-
-        # the backup thread: acked with nothing completed, and alive
-        tok_b, keys_b = span(2000)
-        h_b = s.write(node_id=2)  # L1 -> L2 keeps working
-        t0 = time.monotonic()
-        op = s.backup(h_b, tok_b, keys_b, DOWN_BOUND_S)
-        assert op.completed_tokens == 0, f"{op.completed_tokens} tokens backed up with the master down"
-        assert all(s.threads_alive().values()), s.threads_alive()
-        stats.append(be.integrity_stats()["unreachable"])
-
-        # a prefetch of the pages stored before: a miss at the hit query (the scheduler revokes it)
-        image = s.host_image()
-        assert s.prefetch(tok_a, DOWN_BOUND_S) == (0, 0, None)
-        stats.append(be.integrity_stats()["unreachable"])
-        # and one that skips the query (a span proven stored): its gets fetch nothing, touch nothing
-        hit, completed, idx = s.prefetch(tok_a, DOWN_BOUND_S, assume_stored=True)
-        assert (hit, completed) == (N * sp.P, 0)
-        check_equal("host pool after a prefetch with the master down", s.host.kv_buffer, image)
-        ctrl.mem_pool_host.free(idx)  # what the scheduler's ack drain releases
-        stats.append(be.integrity_stats()["unreachable"])
-        assert stats == sorted(set(stats)), f"each call with the master down counts its objects unreachable: {stats}"
-        assert time.monotonic() - t0 < DOWN_BOUND_S, "the three L3 calls with the master down took too long together"
-        sglang_said = [r.getMessage() for r in caplog.records if r.name.startswith("sglang.")]
-        assert "Write page to storage: 2 pages failed." in sglang_said, sglang_said  # the backup failed the ordinary way
-
-        # L2 -> L1 keeps working, for pages stored before and pages whose backup failed
-        s.load(h_a, node_id=3)
-        s.load(h_b, node_id=4)
-        counts = be.integrity_stats()
-        assert counts["outages"] == 1 and counts["unreachable"] > 0, counts
-        logged = transport_warnings(caplog)
-        assert len(logged) == 1 and logged[0].startswith("hicache-io L3: Mooncake Store is unreachable"), logged
-        assert all(s.threads_alive().values()), s.threads_alive()
+        with_the_master_down(s, be, caplog, tok_a, h_a)
 
         # ---- master back on the same port, empty; same controller, same store
         masters.append(LocalMaster(port=port, lease_ms=200))
-        t1 = time.monotonic()
-        tok_c, keys_c = span(3000)
-        h_c = s.write(node_id=5)
-        attempts = 0
-        while True:
-            attempts += 1
-            op = s.backup(h_c, tok_c, keys_c, DOWN_BOUND_S)
-            if op.completed_tokens == N * sp.P:
-                break
-            # until the client has mounted its segment on the new master, puts fail (NO_AVAILABLE_HANDLE, measured ~1.5 s)
-            assert op.completed_tokens == 0 and time.monotonic() - t1 < RECONNECT_BOUND_S, f"no complete backup {time.monotonic() - t1:.1f} s after the restart ({attempts} tries)"
-            time.sleep(0.5)
-        assert be.batch_exists(keys_c) == N
-        before = s.host_image()
-        hit, completed, idx = s.prefetch(tok_c, 20)
-        assert (hit, completed) == (N * sp.P, N * sp.P)
-        check_equal("prefetch after the restart", s.host.kv_buffer, s.expect_copied(before, idx, h_c))
+        after_the_restart(s, be, caplog, tok_a, keys_a)
 
-        # what was stored before the outage is gone with the old master's metadata: misses, no bytes
-        assert be.batch_exists(keys_a) == 0
-        assert s.prefetch(tok_a, 20) == (0, 0, None)
-        image = s.host_image()
-        hit, completed, idx = s.prefetch(tok_a, 20, assume_stored=True)
-        assert (hit, completed) == (N * sp.P, 0)
-        check_equal("host pool after a prefetch of pages the old master held", s.host.kv_buffer, image)
-        ctrl.mem_pool_host.free(idx)
-
-        # While the client remounts its segment a call may still meet the old connection (-900)
-        # after one that reached the new master: a second, short outage, counted and logged.
-        counts = be.integrity_stats()
-        assert counts["outages"] in (1, 2), counts
-        logged = transport_warnings(caplog)
-        assert len(logged) == 2 * counts["outages"] and logged[-1].startswith("hicache-io L3: Mooncake Store answers again"), logged
         # sglang logged the failures as warnings of its own, never an exception from its threads
         assert [r for r in caplog.records if r.levelno >= logging.ERROR] == [] and thread_errors == []
         assert all(s.threads_alive().values()), s.threads_alive()
