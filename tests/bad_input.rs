@@ -4,7 +4,6 @@
 mod common;
 
 use hicache_io::error::TransferError;
-use hicache_io::tools::check::Rng;
 use hicache_io::{Device, DevicePool, DevicePoolConfig, HostPool, HostPoolConfig, IoBackend, LayerMap, Layout, PoolKind, Profile};
 
 struct Pools {
@@ -12,22 +11,12 @@ struct Pools {
     host: HostPool<'static>,
 }
 
-fn pools(device: &Device, kind: PoolKind, layout: Layout, bytes_per_token: u64, page: u64, profile: Profile, layers: LayerMap) -> Pools {
+/// Pools of `kind` in `layout`, `page` tokens a page, two heads, every byte of both random.
+fn pools_of(device: &Device, kind: PoolKind, layout: Layout, bytes_per_token: u64, page: u64, profile: Profile, layers: LayerMap) -> Pools {
     let slots = if kind == PoolKind::DsaIndexer { 16 } else { 16 * page };
-    let mut dev = DevicePool::new(device, &DevicePoolConfig { kind, bytes_per_token, slots, page_size: page, layers }).unwrap();
-    let mut host = HostPool::new(&dev, &HostPoolConfig { layout, size: 16 * page, head_num: 2, profile, integrity: None }).unwrap();
-    let mut rng = Rng::new(5);
-    let g = dev.geometry().clone();
-    for c in 0..kind.components() {
-        for s in 0..g.buffer_count() {
-            let mut b = vec![0u8; g.layer_bytes() as usize];
-            rng.fill(&mut b);
-            dev.write_buffer(c, s, &b).unwrap();
-        }
-        let mut b = vec![0u8; host.geometry().buffer_bytes() as usize];
-        rng.fill(&mut b);
-        host.write_buffer(c, &b).unwrap();
-    }
+    let dc = DevicePoolConfig { kind, bytes_per_token, slots, page_size: page, layers };
+    let hc = HostPoolConfig { layout, size: 16 * page, head_num: 2, profile, integrity: None };
+    let (dev, host, _) = common::pools(device, &dc, &hc, Some(common::Fill { seed: 5, device: true, host: true }));
     Pools { dev, host }
 }
 
@@ -71,7 +60,7 @@ fn token_pools_reject_bad_indices() {
             (PoolKind::Mla, Layout::PageFirstDirect, IoBackend::Direct),
             (PoolKind::Mha, Layout::PageHead, IoBackend::Kernel),
         ] {
-            let mut p = pools(&device, kind, layout, 64, 4, Profile::Extended, LayerMap::new(3));
+            let mut p = pools_of(&device, kind, layout, 64, 4, Profile::Extended, LayerMap::new(3));
             let host_slots = p.host.geometry().slots() as i64;
             let dev_slots = p.dev.geometry().slots() as i64;
             let tag = format!("{n} {kind} {layout} {io}");
@@ -165,7 +154,7 @@ fn dsa_and_sharded_pools() {
         layers.skipped[2] = true;
         layers.drafts = 1;
         // DSA indexer, P = 4 tokens per page, 16 B per token: 64 B pages.
-        let mut p = pools(&device, PoolKind::DsaIndexer, Layout::PageFirst, 16, 4, Profile::Sglang, layers.clone());
+        let mut p = pools_of(&device, PoolKind::DsaIndexer, Layout::PageFirst, 16, 4, Profile::Sglang, layers.clone());
         rejected(
             &mut p,
             &format!("{n} dsa unaligned count"),
@@ -199,7 +188,7 @@ fn dsa_and_sharded_pools() {
         });
 
         // sglang's 8-byte kernel check on a token pool (MLA record of 12 B).
-        let mut q = pools(&device, PoolKind::Mla, Layout::LayerFirst, 12, 4, Profile::Sglang, LayerMap::new(2));
+        let mut q = pools_of(&device, PoolKind::Mla, Layout::LayerFirst, 12, 4, Profile::Sglang, LayerMap::new(2));
         rejected(
             &mut q,
             &format!("{n} item not a multiple of 8"),
@@ -207,7 +196,7 @@ fn dsa_and_sharded_pools() {
             |e| e.to_string() == "Item byte size must be divisible by 8",
         );
         // MHA has no sharded path in sglang.
-        let mut r = pools(&device, PoolKind::Mha, Layout::LayerFirst, 16, 4, Profile::Sglang, layers.clone());
+        let mut r = pools_of(&device, PoolKind::Mha, Layout::LayerFirst, 16, 4, Profile::Sglang, layers.clone());
         rejected(
             &mut r,
             &format!("{n} mha sharded (sglang)"),
@@ -221,8 +210,8 @@ fn dsa_and_sharded_pools() {
 fn buffers_and_pairs_are_checked() {
     for device in common::devices() {
         let n = device.name();
-        let mut p = pools(&device, PoolKind::Mla, Layout::PageFirst, 32, 4, Profile::Extended, LayerMap::new(2));
-        let q = pools(&device, PoolKind::Mla, Layout::PageFirst, 32, 4, Profile::Extended, LayerMap::new(3));
+        let mut p = pools_of(&device, PoolKind::Mla, Layout::PageFirst, 32, 4, Profile::Extended, LayerMap::new(2));
+        let q = pools_of(&device, PoolKind::Mla, Layout::PageFirst, 32, 4, Profile::Extended, LayerMap::new(3));
         let before = snapshot(&p);
         let e = p.host.backup_from_device_all_layer(&q.dev, &range(0, 4), &range(0, 4), IoBackend::Kernel).unwrap_err();
         assert!(matches!(e, TransferError::PoolMismatch(_)), "{n}: {e:?}");
@@ -239,7 +228,7 @@ fn buffers_and_pairs_are_checked() {
 #[test]
 fn wgpu_direct_alignment_is_a_planner_decision() {
     for device in common::devices() {
-        let mut p = pools(&device, PoolKind::Mla, Layout::LayerFirst, 6, 4, Profile::Extended, LayerMap::new(2));
+        let mut p = pools_of(&device, PoolKind::Mla, Layout::LayerFirst, 6, 4, Profile::Extended, LayerMap::new(2));
         let call = |p: &mut Pools| p.host.load_to_device_per_layer(&mut p.dev, &range(0, 4), &range(4, 8), 1, IoBackend::Direct);
         if device.capabilities().direct_align > 1 {
             rejected(&mut p, "wgpu 6-byte direct", call, |e| matches!(e, TransferError::Misaligned { value: 6, required: 4, .. }));

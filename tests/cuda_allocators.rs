@@ -12,6 +12,7 @@ mod common;
 use std::ffi::c_void;
 
 use cudarc::driver::{result, sys};
+use hicache_io::exec::cuda::CudaExecutor;
 use hicache_io::exec::ExecutorKind;
 use hicache_io::kvcacheio::{self as kv, CudaIndices, Memory, RawTensor};
 use hicache_io::Device;
@@ -121,6 +122,60 @@ fn pattern(seed: usize, len: usize) -> Vec<u8> {
     (0..len).map(|i| ((i * 31 + seed * 7) % 251) as u8).collect()
 }
 
+/// Bytes of a host page (every layer's item of one slot).
+const PAGE: usize = LAYERS * ITEM;
+
+/// The rows every part backs up: source rows of the device layers, destination rows of the
+/// host buffer, and both lists on the device.
+struct Rows {
+    src: Vec<i64>,
+    dst: Vec<i64>,
+    d_src: u64,
+    d_dst: u64,
+}
+
+impl Rows {
+    fn new() -> Rows {
+        let (src, dst): (Vec<i64>, Vec<i64>) = ((0..96).map(|i| (i * 31) % SLOTS as i64).collect(), (0..96).map(|i| 2000 + i).collect());
+        let (d_src, d_dst) = (list(&src), list(&dst));
+        Rows { src, dst, d_src, d_dst }
+    }
+
+    /// The device lists, `(src, dst)` (`back`: swapped, for loads).
+    fn idx(&self, back: bool) -> (CudaIndices, CudaIndices) {
+        let n = self.src.len();
+        let (a, b) = unsafe { (CudaIndices::new(self.d_src, n), CudaIndices::new(self.d_dst, n)) };
+        if back {
+            (b, a)
+        } else {
+            (a, b)
+        }
+    }
+}
+
+/// An expandable segment of three 1.5 MiB layers over three 2 MiB chunks, and a pinned host
+/// page_first buffer.
+struct Segment {
+    base: u64,
+    handles: Vec<u64>,
+    layers: Vec<u64>,
+    lt: Vec<RawTensor>,
+    host: *mut u8,
+    host_t: RawTensor,
+}
+
+impl Segment {
+    fn host_bytes(&self) -> Vec<u8> {
+        unsafe { std::slice::from_raw_parts(self.host, SLOTS * PAGE) }.to_vec()
+    }
+
+    /// The MLA backup of every layer into the host buffer.
+    fn backup(&self, device: &Device, rows: &Rows) -> Result<(), hicache_io::TransferError> {
+        let (src, dst) = rows.idx(false);
+        kv::transfer_kv_all_layer_mla_lf_pf(device, &self.lt, &self.host_t, src, dst, ITEM as i64, PAGE as i64, LAYERS as i64)
+    }
+}
+
 #[test]
 fn engine_allocators_are_classified_and_moved_byte_exact() {
     // On a GPU (scripts/gpu-check.sh) parts 1-3 run; part 4 checks the simulator itself.
@@ -131,49 +186,68 @@ fn engine_allocators_are_classified_and_moved_byte_exact() {
     };
     let device = Device::Cuda(exec.clone());
     cudarc::driver::CudaContext::new(0).unwrap().bind_to_thread().unwrap();
-    let idx = |p: u64, n: usize| unsafe { CudaIndices::new(p, n) };
-    let page = LAYERS * ITEM;
-    let (src_rows, dst_rows): (Vec<i64>, Vec<i64>) =
-        ((0..96).map(|i| (i * 31) % SLOTS as i64).collect(), (0..96).map(|i| 2000 + i).collect());
-    let (d_src, d_dst) = (list(&src_rows), list(&dst_rows));
-    let n = src_rows.len();
+    let rows = Rows::new();
+    let seg = expandable_segment(&exec, &device, &rows);
+    let table = straddling_layer_table(&exec, &device, &rows, &seg);
+    memory_saver_cycle(&exec, &device, &rows, &seg);
+    let (host2, host2_t, pooled) = stream_ordered_pool(&exec, &device, &rows);
+    if !on_sim() {
+        // A real pool may keep freed memory mapped for reuse: the refusal below is the
+        // simulator's (which releases at once).
+        return;
+    }
+    let (src, dst) = rows.idx(false);
+    let e = kv::transfer_kv_per_layer_mla_lf_pf(&device, &pooled, &host2_t, src, dst, 1, ITEM as i64, PAGE as i64).unwrap_err();
+    assert!(e.to_string().contains("not"), "{e}");
+    assert_eq!(sim_errors(), (0, 0));
+    simulator_reports_misuse(exec.cu_stream());
 
-    // ---- 1. An expandable segment: three 1.5 MiB layers over three 2 MiB chunks (layer 1
-    // straddles chunks 0 and 1, layer 2 chunks 1 and 2).
+    unsafe {
+        for p in [rows.d_src, rows.d_dst, table] {
+            result::free_sync(p).unwrap();
+        }
+        result::free_host(seg.host as *mut c_void).unwrap();
+        result::free_host(host2 as *mut c_void).unwrap();
+    }
+}
+
+/// Part 1: an expandable segment whose layer 1 straddles chunks 0 and 1, layer 2 chunks 1 and 2:
+/// backed up, loaded back per layer from the page_first host buffer, and a direct (copy-engine)
+/// copy between two layers across a chunk boundary.
+fn expandable_segment(exec: &CudaExecutor, device: &Device, rows: &Rows) -> Segment {
     let (base, handles) = expandable(3);
     let layers: Vec<u64> = (0..LAYERS).map(|l| base + (l * SLOTS * ITEM) as u64).collect();
     for (l, &p) in layers.iter().enumerate() {
         write(p, &pattern(l, SLOTS * ITEM));
     }
     let lt: Vec<RawTensor> = layers.iter().map(|&p| layer(p)).collect();
-    let (host, host_t) = pinned(SLOTS * page);
-    kv::transfer_kv_all_layer_mla_lf_pf(&device, &lt, &host_t, idx(d_src, n), idx(d_dst, n), ITEM as i64, page as i64, LAYERS as i64)
-        .unwrap();
+    let (host, host_t) = pinned(SLOTS * PAGE);
+    let seg = Segment { base, handles, layers, lt, host, host_t };
+    seg.backup(device, rows).unwrap();
     exec.synchronize().unwrap();
-    let got = unsafe { std::slice::from_raw_parts(host, SLOTS * page) }.to_vec();
+    let got = seg.host_bytes();
     for l in 0..LAYERS {
         let want = pattern(l, SLOTS * ITEM);
-        for (&s, &d) in src_rows.iter().zip(&dst_rows) {
+        for (&s, &d) in rows.src.iter().zip(&rows.dst) {
             let (s, d) = (s as usize, d as usize);
-            assert_eq!(&got[d * page + l * ITEM..][..ITEM], &want[s * ITEM..][..ITEM], "expandable backup layer {l} row {s}");
+            assert_eq!(&got[d * PAGE + l * ITEM..][..ITEM], &want[s * ITEM..][..ITEM], "expandable backup layer {l} row {s}");
         }
     }
-    // Loads back into the straddling layers, per layer from the page_first host buffer, and a
-    // direct (copy-engine) copy between two layers across a chunk boundary.
-    for (l, t) in lt.iter().enumerate() {
-        kv::transfer_kv_per_layer_mla_pf_lf(&device, &host_t, t, idx(d_dst, n), idx(d_src, n), l as i64, ITEM as i64, page as i64).unwrap();
+    for (l, t) in seg.lt.iter().enumerate() {
+        let (dst, src) = rows.idx(true);
+        kv::transfer_kv_per_layer_mla_pf_lf(device, &seg.host_t, t, dst, src, l as i64, ITEM as i64, PAGE as i64).unwrap();
     }
     let direct_src: Vec<i64> = (1000..1100).collect();
     let direct_dst: Vec<i64> = (2900..3000).collect();
-    kv::transfer_kv_direct(&device, &lt[1..2], &lt[2..3], &direct_src, &direct_dst, 1).unwrap();
+    kv::transfer_kv_direct(device, &seg.lt[1..2], &seg.lt[2..3], &direct_src, &direct_dst, 1).unwrap();
     exec.synchronize().unwrap();
-    let l1 = read(layers[1], SLOTS * ITEM);
-    let l2 = read(layers[2], SLOTS * ITEM);
+    let l1 = read(seg.layers[1], SLOTS * ITEM);
+    let l2 = read(seg.layers[2], SLOTS * ITEM);
     assert_eq!(&l2[2900 * ITEM..3000 * ITEM], &l1[1000 * ITEM..1100 * ITEM], "direct copy across chunks");
-    for (l, &p) in layers.iter().enumerate() {
+    for (l, &p) in seg.layers.iter().enumerate() {
         let now = read(p, SLOTS * ITEM);
         let want = pattern(l, SLOTS * ITEM);
-        for &s in &src_rows {
+        for &s in &rows.src {
             let s = s as usize;
             if l == 2 && (2900..3000).contains(&s) {
                 continue;
@@ -181,73 +255,75 @@ fn engine_allocators_are_classified_and_moved_byte_exact() {
             assert_eq!(&now[s * ITEM..][..ITEM], &want[s * ITEM..][..ITEM], "load back layer {l} row {s}");
         }
     }
-    // A layer table of the segment (GPU memory) with CUDA lists: the executor bounds each layer
-    // by the chunks that follow each other, so the straddling layers keep their extent.
+    seg
+}
+
+/// A layer table of the segment (GPU memory) with CUDA lists: the executor bounds each layer by
+/// the chunks that follow each other, so the straddling layers keep their extent. The table.
+fn straddling_layer_table(exec: &CudaExecutor, device: &Device, rows: &Rows, seg: &Segment) -> u64 {
     let table = {
         let p = unsafe { result::malloc_sync(LAYERS * 8) }.unwrap();
-        write(p, unsafe { std::slice::from_raw_parts(layers.as_ptr() as *const u8, LAYERS * 8) });
+        write(p, unsafe { std::slice::from_raw_parts(seg.layers.as_ptr() as *const u8, LAYERS * 8) });
         p
     };
     let tab = unsafe { exec.layer_table(table, LAYERS) }.unwrap();
-    kv::transfer_kv_all_layer_mla_lf_pf(&device, &tab, &host_t, idx(d_src, n), idx(d_dst, n), ITEM as i64, page as i64, LAYERS as i64)
-        .unwrap();
+    let (src, dst) = rows.idx(false);
+    kv::transfer_kv_all_layer_mla_lf_pf(device, &tab, &seg.host_t, src, dst, ITEM as i64, PAGE as i64, LAYERS as i64).unwrap();
     exec.synchronize().unwrap();
+    table
+}
 
-    // ---- 2. The memory-saver cycle: chunk 1 unmapped between two backups. A call that reaches
-    // it is refused before anything moves; mapped again (the same physical memory), it moves.
-    unsafe { ok(sys::cuMemUnmap(base + CHUNK as u64, CHUNK), "cuMemUnmap") };
-    let before = unsafe { std::slice::from_raw_parts(host, SLOTS * page) }.to_vec();
-    let e =
-        kv::transfer_kv_all_layer_mla_lf_pf(&device, &lt, &host_t, idx(d_src, n), idx(d_dst, n), ITEM as i64, page as i64, LAYERS as i64)
-            .unwrap_err();
+/// Part 2: the memory-saver cycle, chunk 1 unmapped between two backups. A call that reaches it
+/// is refused before anything moves; mapped again (the same physical memory), it moves.
+fn memory_saver_cycle(exec: &CudaExecutor, device: &Device, rows: &Rows, seg: &Segment) {
+    unsafe { ok(sys::cuMemUnmap(seg.base + CHUNK as u64, CHUNK), "cuMemUnmap") };
+    let before = seg.host_bytes();
+    let e = seg.backup(device, rows).unwrap_err();
     assert!(e.to_string().contains("not mapped") || e.to_string().contains("not device memory"), "{e}");
     exec.synchronize().unwrap();
-    assert_eq!(unsafe { std::slice::from_raw_parts(host, SLOTS * page) }, &before[..], "a refused call moved bytes");
-    unsafe { ok(sys::cuMemMap(base + CHUNK as u64, CHUNK, 0, handles[1], 0), "cuMemMap again") };
-    grant(base + CHUNK as u64, CHUNK);
-    unsafe { std::ptr::write_bytes(host, 0, SLOTS * page) };
-    kv::transfer_kv_all_layer_mla_lf_pf(&device, &lt, &host_t, idx(d_src, n), idx(d_dst, n), ITEM as i64, page as i64, LAYERS as i64)
-        .unwrap();
+    assert_eq!(seg.host_bytes(), before, "a refused call moved bytes");
+    unsafe { ok(sys::cuMemMap(seg.base + CHUNK as u64, CHUNK, 0, seg.handles[1], 0), "cuMemMap again") };
+    grant(seg.base + CHUNK as u64, CHUNK);
+    unsafe { std::ptr::write_bytes(seg.host, 0, SLOTS * PAGE) };
+    seg.backup(device, rows).unwrap();
     exec.synchronize().unwrap();
-    let again = unsafe { std::slice::from_raw_parts(host, SLOTS * page) }.to_vec();
+    let again = seg.host_bytes();
     for l in 0..LAYERS {
-        let now = read(layers[l], SLOTS * ITEM);
-        for (&s, &d) in src_rows.iter().zip(&dst_rows) {
+        let now = read(seg.layers[l], SLOTS * ITEM);
+        for (&s, &d) in rows.src.iter().zip(&rows.dst) {
             let (s, d) = (s as usize, d as usize);
-            assert_eq!(&again[d * page + l * ITEM..][..ITEM], &now[s * ITEM..][..ITEM], "after remap layer {l} row {s}");
+            assert_eq!(&again[d * PAGE + l * ITEM..][..ITEM], &now[s * ITEM..][..ITEM], "after remap layer {l} row {s}");
         }
     }
+}
 
-    // ---- 3. A stream-ordered pool on the executor's stream: allocated, written, backed up and
-    // freed in stream order; afterwards the address is refused.
+/// Part 3: a stream-ordered pool on the executor's stream: allocated, written, backed up and
+/// freed in stream order. The second host buffer, its tensor, and the freed layer (whose address
+/// the simulator then refuses).
+fn stream_ordered_pool(exec: &CudaExecutor, device: &Device, rows: &Rows) -> (*mut u8, RawTensor, RawTensor) {
     let s = exec.cu_stream();
     let mut pooled = 0;
     unsafe { ok(sys::cuMemAllocAsync(&mut pooled, SLOTS * ITEM, s), "cuMemAllocAsync") };
     let fill = pattern(9, SLOTS * ITEM);
     unsafe { ok(sys::cuMemcpyHtoDAsync_v2(pooled, fill.as_ptr() as *const c_void, fill.len(), s), "cuMemcpyHtoDAsync") };
     let (host2, host2_t) = pinned(SLOTS * ITEM * LAYERS);
-    let one = [layer(pooled)];
-    let row = ITEM as i64;
-    kv::transfer_kv_per_layer_mla_lf_pf(&device, &one[0], &host2_t, idx(d_src, n), idx(d_dst, n), 1, row, page as i64).unwrap();
+    let one = layer(pooled);
+    let (src, dst) = rows.idx(false);
+    kv::transfer_kv_per_layer_mla_lf_pf(device, &one, &host2_t, src, dst, 1, ITEM as i64, PAGE as i64).unwrap();
     unsafe { ok(sys::cuMemFreeAsync(pooled, s), "cuMemFreeAsync") };
     exec.synchronize().unwrap();
-    let got = unsafe { std::slice::from_raw_parts(host2, SLOTS * page) };
-    for (&s_, &d) in src_rows.iter().zip(&dst_rows) {
+    let got = unsafe { std::slice::from_raw_parts(host2, SLOTS * PAGE) };
+    for (&s_, &d) in rows.src.iter().zip(&rows.dst) {
         let (s_, d) = (s_ as usize, d as usize);
-        assert_eq!(&got[d * page + ITEM..][..ITEM], &fill[s_ * ITEM..][..ITEM], "pool backup row {s_}");
+        assert_eq!(&got[d * PAGE + ITEM..][..ITEM], &fill[s_ * ITEM..][..ITEM], "pool backup row {s_}");
     }
-    if !on_sim() {
-        // A real pool may keep freed memory mapped for reuse: the refusal below is the
-        // simulator's (which releases at once).
-        return;
-    }
-    let e = kv::transfer_kv_per_layer_mla_lf_pf(&device, &one[0], &host2_t, idx(d_src, n), idx(d_dst, n), 1, row, page as i64).unwrap_err();
-    assert!(e.to_string().contains("not"), "{e}");
-    assert_eq!(sim_errors(), (0, 0));
+    (host2, host2_t, one)
+}
 
-    // ---- 4. The simulator: memory of another stream's pool allocation used without ordering is
-    // a race; a mapping used before cuMemSetAccess is a fault; an unmap while a copy is queued
-    // is reported (race or fault), never silent.
+/// Part 4, the simulator: memory of another stream's pool allocation used without ordering is a
+/// race; a mapping used before cuMemSetAccess is a fault; an unmap while a copy is queued is
+/// reported (race or fault), never silent.
+fn simulator_reports_misuse(s: sys::CUstream) {
     let mut other: sys::CUstream = std::ptr::null_mut();
     unsafe { ok(sys::cuStreamCreate(&mut other, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32), "cuStreamCreate") };
     let mut racy = 0;
@@ -287,12 +363,4 @@ fn engine_allocators_are_classified_and_moved_byte_exact() {
     let (races, faults) = sim_errors();
     assert!(races + faults >= 1, "an unmap under queued work went unnoticed");
     sim_clear();
-
-    unsafe {
-        for p in [d_src, d_dst, table] {
-            result::free_sync(p).unwrap();
-        }
-        result::free_host(host as *mut c_void).unwrap();
-        result::free_host(host2 as *mut c_void).unwrap();
-    }
 }

@@ -282,120 +282,161 @@ fn a_misaligned_cuda_index_list_is_refused_before_anything_is_enqueued() {
     assert!(dst.bytes().iter().all(|b| *b == 0));
 }
 
+/// The head-group-major case: 4 heads × 16 B rows = 64 B items, 2 head groups, 3 layers, pages
+/// of 4, 4 pages.
+struct Hgm {
+    heads: usize,
+    groups: usize,
+    layers: usize,
+    page: usize,
+    row: usize,
+    item: usize,
+    rows: usize,
+    host_bytes: usize,
+}
+
+impl Hgm {
+    fn new() -> Hgm {
+        let (heads, groups, layers, page, row, pages) = (4usize, 2usize, 3usize, 4usize, 16usize, 4usize);
+        let (item, rows) = (heads * row, pages * page);
+        Hgm { heads, groups, layers, page, row, item, rows, host_bytes: rows * layers * item }
+    }
+
+    /// Where head `head` of slot `slot`, layer `layer` lies in a page_first_direct_hg buffer.
+    fn host_byte(&self, slot: usize, layer: usize, head: usize) -> usize {
+        let hg = self.heads / self.groups;
+        let (p, t, g, j) = (slot / self.page, slot % self.page, head / hg, head % hg);
+        ((((p * self.groups + g) * self.layers + layer) * self.page + t) * hg + j) * self.row
+    }
+
+    /// The one-layer load of layer `layer` from host K and V pages into device layers.
+    fn load(
+        &self,
+        device: &Device,
+        (hk, hv): (&Mem, &Mem),
+        (dk, dv): (&Mem, &Mem),
+        lists: (CudaIndices, CudaIndices),
+        layer: i64,
+    ) -> hicache_io::Result<()> {
+        let (item, layers) = (self.item as i64, self.layers as i64);
+        let (src, dst) = lists;
+        let (dk, dv) = (dk.tensor(self.rows), dv.tensor(self.rows));
+        kv::transfer_kv_per_layer_pfdhg_lf(
+            device,
+            &hk.tensor(1),
+            &dk,
+            &hv.tensor(1),
+            &dv,
+            src,
+            dst,
+            layer,
+            item,
+            item * layers,
+            self.page as i64,
+            self.groups as i64,
+        )
+    }
+}
+
 /// The head-group-major pair with device index lists: a load of one layer from pinned pages, a
 /// backup of every layer into fresh pinned pages, both against the element formula; then a list
 /// with a destination written twice moves nothing and reports sglang's words for the sides.
 #[test]
 fn head_group_major_pages_with_device_lists() {
     let Some((device, exec)) = setup() else { return };
-    // 4 heads × 16 B rows = 64 B items, 2 head groups, 3 layers, pages of 4, 4 pages.
-    let (heads, groups, layers, page, row, pages) = (4usize, 2usize, 3usize, 4usize, 16usize, 4usize);
-    let (item, rows) = (heads * row, pages * page);
-    let host_bytes = rows * layers * item;
-    let host_byte = |slot: usize, layer: usize, head: usize| {
-        let hg = heads / groups;
-        let (p, t, g, j) = (slot / page, slot % page, head / hg, head % hg);
-        ((((p * groups + g) * layers + layer) * page + t) * hg + j) * row
-    };
+    let c = Hgm::new();
     let pat = |seed: u8, n: usize| (0..n).map(|i| (i as u8).wrapping_mul(13).wrapping_add(seed)).collect::<Vec<u8>>();
-    let (hk, hv) = (Mem::pinned(&pat(1, host_bytes)), Mem::pinned(&pat(2, host_bytes)));
-    let (dk, dv) = (Mem::device(&vec![0u8; rows * item]), Mem::device(&vec![0u8; rows * item]));
-    let src: Vec<i64> = (0..rows as i64).collect();
+    let (hk, hv) = (Mem::pinned(&pat(1, c.host_bytes)), Mem::pinned(&pat(2, c.host_bytes)));
+    let (dk, dv) = (Mem::device(&vec![0u8; c.rows * c.item]), Mem::device(&vec![0u8; c.rows * c.item]));
+    let src: Vec<i64> = (0..c.rows as i64).collect();
     let dst: Vec<i64> = src.iter().rev().copied().collect();
     let (sm, dm) = (Mem::indices(&src), Mem::indices(&dst));
-    let flat = |m: &Mem| m.tensor(1);
-    kv::transfer_kv_per_layer_pfdhg_lf(
-        &device,
-        &flat(&hk),
-        &dk.tensor(rows),
-        &flat(&hv),
-        &dv.tensor(rows),
-        sm.list(),
-        dm.list(),
-        2,
-        item as i64,
-        (item * layers) as i64,
-        page as i64,
-        groups as i64,
-    )
-    .unwrap();
+    c.load(&device, (&hk, &hv), (&dk, &dv), (sm.list(), dm.list()), 2).unwrap();
     exec.synchronize().unwrap();
     for (h, d) in [(&hk, &dk), (&hv, &dv)] {
         let (hb, db) = (h.bytes(), d.bytes());
         for (&s, &t) in src.iter().zip(&dst) {
-            for head in 0..heads {
-                let at = t as usize * item + head * row;
-                let from = host_byte(s as usize, 2, head);
-                assert_eq!(&db[at..at + row], &hb[from..from + row], "load slot {s} head {head}");
+            for head in 0..c.heads {
+                let at = t as usize * c.item + head * c.row;
+                let from = c.host_byte(s as usize, 2, head);
+                assert_eq!(&db[at..at + c.row], &hb[from..from + c.row], "load slot {s} head {head}");
             }
         }
     }
-    // Every device layer into fresh pinned pages (the device layers: dk for K, dv for V).
-    let (bk, bv) = (Mem::pinned(&vec![0u8; host_bytes]), Mem::pinned(&vec![0u8; host_bytes]));
-    let kl: Vec<RawTensor> = (0..layers).map(|_| dk.tensor(rows)).collect();
-    let vl: Vec<RawTensor> = (0..layers).map(|_| dv.tensor(rows)).collect();
+    hgm_backup_of_every_layer(&device, &exec, &c, (&dk, &dv), (&src, &dst), (&sm, &dm));
+    hgm_double_destination_moves_nothing(&device, &exec, &c, (&hk, &hv));
+}
+
+/// Every device layer (`dk` for K, `dv` for V, the load's destinations) into fresh pinned pages,
+/// from the load's destination slots back to its source slots (`sm`, `dm`: their device lists).
+fn hgm_backup_of_every_layer(
+    device: &Device,
+    exec: &CudaExecutor,
+    c: &Hgm,
+    (dk, dv): (&Mem, &Mem),
+    (src, dst): (&[i64], &[i64]),
+    (sm, dm): (&Mem, &Mem),
+) {
+    let (bk, bv) = (Mem::pinned(&vec![0u8; c.host_bytes]), Mem::pinned(&vec![0u8; c.host_bytes]));
+    let kl: Vec<RawTensor> = (0..c.layers).map(|_| dk.tensor(c.rows)).collect();
+    let vl: Vec<RawTensor> = (0..c.layers).map(|_| dv.tensor(c.rows)).collect();
+    let (item, layers) = (c.item as i64, c.layers as i64);
+    let (page, groups) = (c.page as i64, c.groups as i64);
     kv::transfer_kv_all_layer_lf_pfdhg(
-        &device,
+        device,
         &kl,
-        &flat(&bk),
+        &bk.tensor(1),
         &vl,
-        &flat(&bv),
+        &bv.tensor(1),
         dm.list(),
         sm.list(),
-        item as i64,
-        (item * layers) as i64,
-        layers as i64,
-        page as i64,
-        groups as i64,
+        item,
+        item * layers,
+        layers,
+        page,
+        groups,
     )
     .unwrap();
     exec.synchronize().unwrap();
-    for (h, d) in [(&bk, &dk), (&bv, &dv)] {
+    for (h, d) in [(&bk, dk), (&bv, dv)] {
         let (hb, db) = (h.bytes(), d.bytes());
-        for (&s, &t) in dst.iter().zip(&src) {
-            for layer in 0..layers {
-                for head in 0..heads {
-                    let from = s as usize * item + head * row;
-                    let at = host_byte(t as usize, layer, head);
-                    assert_eq!(&hb[at..at + row], &db[from..from + row], "backup layer {layer}");
+        for (&s, &t) in dst.iter().zip(src) {
+            for layer in 0..c.layers {
+                for head in 0..c.heads {
+                    let from = s as usize * c.item + head * c.row;
+                    let at = c.host_byte(t as usize, layer, head);
+                    assert_eq!(&hb[at..at + c.row], &db[from..from + c.row], "backup layer {layer}");
                 }
             }
         }
     }
-    // A destination written twice: nothing moves, the error names the destination.
-    let (fresh_k, fresh_v) = (Mem::device(&vec![0u8; rows * item]), Mem::device(&vec![0u8; rows * item]));
+}
+
+/// A destination written twice: nothing moves, the error names the destination.
+fn hgm_double_destination_moves_nothing(device: &Device, exec: &CudaExecutor, c: &Hgm, hosts: (&Mem, &Mem)) {
+    let (fresh_k, fresh_v) = (Mem::device(&vec![0u8; c.rows * c.item]), Mem::device(&vec![0u8; c.rows * c.item]));
     let (bad_s, bad_d) = (Mem::indices(&[0, 1, 2]), Mem::indices(&[5, 6, 5]));
-    let call = kv::transfer_kv_per_layer_pfdhg_lf(
-        &device,
-        &flat(&hk),
-        &fresh_k.tensor(rows),
-        &flat(&hv),
-        &fresh_v.tensor(rows),
-        bad_s.list(),
-        bad_d.list(),
-        0,
-        item as i64,
-        (item * layers) as i64,
-        page as i64,
-        groups as i64,
-    );
+    let call = c.load(device, hosts, (&fresh_k, &fresh_v), (bad_s.list(), bad_d.list()), 0);
     call.expect("enqueued; checked on the device");
     device.wait_idle().unwrap(); // the check has run; its report is still pending
                                  // An op that moves nothing (empty lists) still reports the earlier failure, as any op does.
     let empty: [i64; 0] = [];
+    let (hk, hv) = hosts;
+    let (item, layers) = (c.item as i64, c.layers as i64);
+    let (fk, fv) = (fresh_k.tensor(c.rows), fresh_v.tensor(c.rows));
     let e = kv::transfer_kv_per_layer_pfdhg_lf(
-        &device,
-        &flat(&hk),
-        &fresh_k.tensor(rows),
-        &flat(&hv),
-        &fresh_v.tensor(rows),
+        device,
+        &hk.tensor(1),
+        &fk,
+        &hv.tensor(1),
+        &fv,
         &empty[..],
         &empty[..],
         0,
-        item as i64,
-        (item * layers) as i64,
-        page as i64,
-        groups as i64,
+        item,
+        item * layers,
+        c.page as i64,
+        c.groups as i64,
     )
     .unwrap_err();
     expect_device_error(e, "transfer_kv_per_layer_pfdhg_lf", "destination slot 5 is written twice (positions 0 and 2)");

@@ -56,7 +56,8 @@ fn engine_writes(engine: &CudaStream, layers: &[u64], value: u8) {
     }
 }
 
-fn pools(device: &Device) -> (DevicePool<'static>, HostPool<'static>) {
+/// An MLA pool pair of `LAYERS` layers, as allocated.
+fn mla_pools(device: &Device) -> (DevicePool<'static>, HostPool<'static>) {
     let cfg = DevicePoolConfig {
         kind: PoolKind::Mla,
         bytes_per_token: ITEM as u64,
@@ -64,10 +65,9 @@ fn pools(device: &Device) -> (DevicePool<'static>, HostPool<'static>) {
         page_size: 16,
         layers: LayerMap::new(LAYERS),
     };
-    let dev = DevicePool::new(device, &cfg).unwrap();
     let host_cfg =
         HostPoolConfig { layout: Layout::LayerFirst, size: SLOTS as u64, head_num: 1, profile: Profile::Extended, integrity: None };
-    let host = HostPool::new(&dev, &host_cfg).unwrap();
+    let (dev, host, _) = common::pools(device, &cfg, &host_cfg, None);
     (dev, host)
 }
 
@@ -75,7 +75,7 @@ fn pools(device: &Device) -> (DevicePool<'static>, HostPool<'static>) {
 fn backups_copy_what_the_engine_stream_wrote() {
     let Some((engine, exec)) = setup() else { return };
     let device = Device::Cuda(exec.clone());
-    let (mut dev, mut host) = pools(&device);
+    let (mut dev, mut host) = mla_pools(&device);
     assert_eq!(dev.geometry().layer_bytes() as usize, LAYER_BYTES);
     let layers = layer_ptrs(&dev);
     let idx: Vec<i64> = (0..64).collect();
@@ -114,7 +114,7 @@ fn backups_copy_what_the_engine_stream_wrote() {
 fn the_engine_stream_waits_for_a_layer_on_the_device() {
     let Some((engine, exec)) = setup() else { return };
     let device = Device::Cuda(exec.clone());
-    let (mut dev, mut host) = pools(&device);
+    let (mut dev, mut host) = mla_pools(&device);
     let layers = layer_ptrs(&dev);
     let idx: Vec<i64> = (0..SLOTS as i64).collect();
     // Host pool: every byte 9, through a backup of a device pool the engine filled.
@@ -153,7 +153,7 @@ fn the_engine_stream_waits_for_a_layer_on_the_device() {
 fn a_damaged_item_is_reported_by_its_layer_after_a_device_side_wait() {
     let Some((engine, exec)) = setup() else { return };
     let device = Device::Cuda(exec.clone());
-    let (mut dev, mut host) = pools(&device);
+    let (mut dev, mut host) = mla_pools(&device);
     assert!(host.integrity_enabled());
     let layers = layer_ptrs(&dev);
     let idx: Vec<i64> = (0..SLOTS as i64).collect();

@@ -31,7 +31,7 @@ fn sixty_one_layer_loads_and_a_backup_with_cuda_index_lists_never_block_the_host
         unsafe { result::malloc_host(host_bytes, sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP) }.unwrap() as *mut u8;
     let pattern: Vec<u8> = (0..host_bytes).map(|i| (i % 251) as u8).collect();
     unsafe { std::ptr::copy_nonoverlapping(pattern.as_ptr(), host, host_bytes) };
-    let layers: Vec<u64> = (0..LAYERS).map(|_| unsafe { result::malloc_sync(SLOTS * ITEM) }.unwrap()).collect();
+    let (layers, layer_t) = device_layers();
     let list = |v: &[i64]| -> u64 {
         let p = unsafe { result::malloc_sync(v.len() * 8) }.unwrap();
         unsafe { result::memcpy_htod_sync(p, v) }.unwrap();
@@ -43,10 +43,6 @@ fn sixty_one_layer_loads_and_a_backup_with_cuda_index_lists_never_block_the_host
     result::ctx::synchronize().unwrap();
     let idx = |p: u64, n: usize| unsafe { CudaIndices::new(p, n) };
     let host_t = unsafe { RawTensor::new(host as u64, host_bytes as u64, vec![SLOTS as u64, (LAYERS * ITEM) as u64], Memory::Host) };
-    let layer_t: Vec<RawTensor> = layers
-        .iter()
-        .map(|&p| unsafe { RawTensor::new(p, (SLOTS * ITEM) as u64, vec![SLOTS as u64, ITEM as u64], Memory::CudaDevice) })
-        .collect();
 
     let before = std::fs::read_to_string(&trace).unwrap_or_default().lines().count();
     for (l, t) in layer_t.iter().enumerate() {
@@ -75,11 +71,7 @@ fn sixty_one_layer_loads_and_a_backup_with_cuda_index_lists_never_block_the_host
     )
     .unwrap();
     // And a layer-list op (one call per layer inside): device layers → a second set of layers.
-    let copies: Vec<u64> = (0..LAYERS).map(|_| unsafe { result::malloc_sync(SLOTS * ITEM) }.unwrap()).collect();
-    let copy_t: Vec<RawTensor> = copies
-        .iter()
-        .map(|&p| unsafe { RawTensor::new(p, (SLOTS * ITEM) as u64, vec![SLOTS as u64, ITEM as u64], Memory::CudaDevice) })
-        .collect();
+    let (copies, copy_t) = device_layers();
     kv::transfer_kv_all_layer_mla(&device, &layer_t, &copy_t, idx(lists[1], 128), idx(lists[2], 128), ITEM as i64, LAYERS as i64).unwrap();
     let issued = std::fs::read_to_string(&trace).unwrap();
     exec.synchronize().unwrap();
@@ -92,6 +84,30 @@ fn sixty_one_layer_loads_and_a_backup_with_cuda_index_lists_never_block_the_host
     let blocking: Vec<&&str> = calls.iter().filter(|l| l.contains("blocked=1")).collect();
     assert!(blocking.is_empty(), "host-blocking driver calls while issuing: {blocking:#?}");
 
+    let host_now = unsafe { std::slice::from_raw_parts(host, host_bytes) };
+    check_bytes(&layers, &copies, &pattern, host_now);
+    unsafe {
+        for p in layers.into_iter().chain(copies).chain(lists) {
+            result::free_sync(p).unwrap();
+        }
+        result::free_host(host as *mut c_void).unwrap();
+    }
+    let _ = std::fs::remove_file(&trace);
+}
+
+/// `LAYERS` device layers of `SLOTS` items, one allocation each, and their tensors.
+fn device_layers() -> (Vec<u64>, Vec<RawTensor>) {
+    let layers: Vec<u64> = (0..LAYERS).map(|_| unsafe { result::malloc_sync(SLOTS * ITEM) }.unwrap()).collect();
+    let tensors = layers
+        .iter()
+        .map(|&p| unsafe { RawTensor::new(p, (SLOTS * ITEM) as u64, vec![SLOTS as u64, ITEM as u64], Memory::CudaDevice) })
+        .collect();
+    (layers, tensors)
+}
+
+/// The bytes the loads, the backup and the layer-list op moved (`pattern`: the host's bytes
+/// before; `host_now`: after).
+fn check_bytes(layers: &[u64], copies: &[u64], pattern: &[u8], host_now: &[u8]) {
     // The bytes: each layer got host slots 0..128 at device slots 256..384; the backup wrote
     // device slots 0..128 (whatever the new allocation held) to host slots 384..512.
     let page = LAYERS * ITEM;
@@ -102,23 +118,15 @@ fn sixty_one_layer_loads_and_a_backup_with_cuda_index_lists_never_block_the_host
             let want = &pattern[j * page + l * ITEM..][..ITEM];
             assert_eq!(&got[(256 + j) * ITEM..][..ITEM], want, "layer {l} slot {}", 256 + j);
         }
-        let host_now = unsafe { std::slice::from_raw_parts(host, host_bytes) };
         for j in 0..128usize {
             assert_eq!(&host_now[(384 + j) * page + l * ITEM..][..ITEM], &got[j * ITEM..][..ITEM], "backup layer {l} slot {j}");
         }
     }
     // The layer-list op: device slots 256..384 of each layer → slots 0..128 of its copy.
-    for (l, (&p, &c)) in layers.iter().zip(&copies).enumerate() {
+    for (l, (&p, &c)) in layers.iter().zip(copies).enumerate() {
         let (mut a, mut b) = (vec![0u8; SLOTS * ITEM], vec![0u8; SLOTS * ITEM]);
         unsafe { result::memcpy_dtoh_sync(&mut a, p) }.unwrap();
         unsafe { result::memcpy_dtoh_sync(&mut b, c) }.unwrap();
         assert_eq!(&b[..128 * ITEM], &a[256 * ITEM..384 * ITEM], "layer copy {l}");
     }
-    unsafe {
-        for p in layers.into_iter().chain(copies).chain(lists) {
-            result::free_sync(p).unwrap();
-        }
-        result::free_host(host as *mut c_void).unwrap();
-    }
-    let _ = std::fs::remove_file(&trace);
 }

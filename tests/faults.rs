@@ -9,30 +9,21 @@ use common::contents;
 
 use hicache_io::error::TransferError;
 use hicache_io::plan::Op;
-use hicache_io::tools::check::Rng;
 use hicache_io::tools::oracle::{self, OracleBuffers};
 use hicache_io::{Device, DevicePool, DevicePoolConfig, HostPool, HostPoolConfig, IoBackend, LayerMap, Layout, PoolKind, Profile};
 
 const LAYERS: usize = 4;
 
-fn pools(device: &Device, sharded: bool) -> (DevicePool<'static>, HostPool<'static>) {
+/// MLA pools of `LAYERS` layers (`sharded`: the device pool a layer shard of all of them), every
+/// byte random.
+fn mla_pools(device: &Device, sharded: bool) -> (DevicePool<'static>, HostPool<'static>) {
     let mut layers = LayerMap::new(LAYERS);
     if sharded {
         layers.layer_shard = Some((0, LAYERS));
     }
     let dc = DevicePoolConfig { kind: PoolKind::Mla, bytes_per_token: 64, slots: 32, page_size: 4, layers };
-    let mut dev = DevicePool::new(device, &dc).unwrap();
     let hc = HostPoolConfig { layout: Layout::LayerFirst, size: 32, head_num: 1, profile: Profile::Extended, integrity: None };
-    let mut host = HostPool::new(&dev, &hc).unwrap();
-    let mut rng = Rng::new(9);
-    for s in 0..LAYERS {
-        let mut b = vec![0u8; dev.geometry().layer_bytes() as usize];
-        rng.fill(&mut b);
-        dev.write_buffer(0, s, &b).unwrap();
-    }
-    let mut b = vec![0u8; host.geometry().buffer_bytes() as usize];
-    rng.fill(&mut b);
-    host.write_buffer(0, &b).unwrap();
+    let (dev, host, _) = common::pools(device, &dc, &hc, Some(common::Fill { seed: 9, device: true, host: true }));
     (dev, host)
 }
 
@@ -42,7 +33,7 @@ fn sharded_backup_fault_names_completed_layers() {
     for device in common::devices() {
         let n = device.name();
         for fail_at in 0..LAYERS as u64 {
-            let (dev, mut host) = pools(&device, true);
+            let (dev, mut host) = mla_pools(&device, true);
             let (dev0, host0) = contents(&dev, &host);
             let (mut want_dev, mut want_host) = (dev0.clone(), host0.clone());
             oracle::apply(host.pair(), Op::Backup, &hi, &di, OracleBuffers { host: &mut want_host, device: &mut want_dev });
@@ -78,7 +69,7 @@ fn single_step_faults_write_nothing_and_pools_stay_usable() {
         let n = device.name();
         for io in IoBackend::ALL {
             for op in [Op::Backup, Op::Load { layer_id: 2, is_draft: false }] {
-                let (mut dev, mut host) = pools(&device, false);
+                let (mut dev, mut host) = mla_pools(&device, false);
                 let before = contents(&dev, &host);
                 let (mut want_dev, mut want_host) = before.clone();
                 oracle::apply(host.pair(), op, &hi, &di, OracleBuffers { host: &mut want_host, device: &mut want_dev });
@@ -106,7 +97,7 @@ fn single_step_faults_write_nothing_and_pools_stay_usable() {
 fn an_async_plan_reports_a_failed_submission_of_any_step() {
     let (hi, di): (Vec<i64>, Vec<i64>) = ((8..16).collect(), (20..28).collect());
     for device in common::devices().into_iter().filter(|d| d.name() == "wgpu") {
-        let (dev, mut host) = pools(&device, true);
+        let (dev, mut host) = mla_pools(&device, true);
         let (mut want_dev, mut want_host) = contents(&dev, &host);
         oracle::apply(host.pair(), Op::Backup, &hi, &di, OracleBuffers { host: &mut want_host, device: &mut want_dev });
         device.inject_submission_fault(1);
@@ -126,7 +117,7 @@ fn an_async_plan_reports_a_failed_submission_of_any_step() {
 fn a_lost_wgpu_device_fails_every_call_and_a_new_one_works() {
     let Some(device) = common::open(hicache_io::exec::ExecutorKind::Wgpu) else { return };
     let (hi, di): (Vec<i64>, Vec<i64>) = ((8..16).collect(), (20..28).collect());
-    let (mut dev, mut host) = pools(&device, false);
+    let (mut dev, mut host) = mla_pools(&device, false);
     host.backup_from_device_all_layer(&dev, &hi, &di, IoBackend::Kernel).unwrap();
     let Device::Wgpu(w) = &device else { unreachable!() };
     w.device().destroy();
@@ -145,7 +136,7 @@ fn a_lost_wgpu_device_fails_every_call_and_a_new_one_works() {
     }
     drop((dev, host));
     let fresh = common::open(hicache_io::exec::ExecutorKind::Wgpu).expect("a new wgpu executor");
-    let (dev, mut host) = pools(&fresh, false);
+    let (dev, mut host) = mla_pools(&fresh, false);
     let (mut want_dev, mut want_host) = contents(&dev, &host);
     oracle::apply(host.pair(), Op::Backup, &hi, &di, OracleBuffers { host: &mut want_host, device: &mut want_dev });
     host.backup_from_device_all_layer(&dev, &hi, &di, IoBackend::Kernel).unwrap();

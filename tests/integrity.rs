@@ -12,7 +12,8 @@ use hicache_io::{
 
 const SLOTS: u64 = 32;
 
-fn pools(
+/// Pools of `kind` in `layout` with `heads` heads a token, the device's bytes random.
+fn checked_pools(
     device: &Device,
     kind: PoolKind,
     layout: Layout,
@@ -30,16 +31,9 @@ fn pools(
     };
     let mut layers = LayerMap::new(3);
     layers.drafts = 1;
-    let mut dev = DevicePool::new(device, &DevicePoolConfig { kind, bytes_per_token, slots, page_size, layers }).unwrap();
-    let host = HostPool::new(&dev, &HostPoolConfig { layout, size: 64, head_num: heads, profile, integrity }).unwrap();
-    let mut rng = Rng::new(5);
-    for c in 0..kind.components() {
-        for b in 0..dev.geometry().buffer_count() {
-            let mut data = vec![0u8; dev.geometry().layer_bytes() as usize];
-            rng.fill(&mut data);
-            dev.write_buffer(c, b, &data).unwrap();
-        }
-    }
+    let dc = DevicePoolConfig { kind, bytes_per_token, slots, page_size, layers };
+    let hc = HostPoolConfig { layout, size: 64, head_num: heads, profile, integrity };
+    let (dev, host, _) = common::pools(device, &dc, &hc, Some(common::Fill { seed: 5, device: true, host: false }));
     (dev, host)
 }
 
@@ -84,7 +78,7 @@ fn backups_record_each_items_checksum_and_loads_verify_it() {
             (PoolKind::DsaIndexer, Layout::LayerFirst, 1),
             (PoolKind::DsaIndexer, Layout::PageFirst, 1),
         ] {
-            let (mut dev, mut host) = pools(&device, kind, layout, heads, None, Profile::Extended);
+            let (mut dev, mut host) = checked_pools(&device, kind, layout, heads, None, Profile::Extended);
             assert!(host.integrity_enabled(), "{name} {kind:?} {layout}");
             let dsa = kind == PoolKind::DsaIndexer;
             let (hu, du): (Vec<u64>, Vec<u64>) = if dsa { (vec![3, 5], vec![1, 6]) } else { ((8..16).collect(), (20..28).collect()) };
@@ -120,7 +114,7 @@ fn a_corrupted_byte_fails_the_load_naming_the_item_and_the_rest_lands() {
     // Items of 64 to 512 B (each a register-keyed size on cpu), one bit flipped in their last block.
     for (device, heads) in common::devices().into_iter().flat_map(|d| [1, 2, 4, 8].map(|h| (d.clone(), h))) {
         let name = format!("{} {heads}", device.name());
-        let (mut dev, mut host) = pools(&device, PoolKind::Mha, Layout::PageFirst, heads, None, Profile::Extended);
+        let (mut dev, mut host) = checked_pools(&device, PoolKind::Mha, Layout::PageFirst, heads, None, Profile::Extended);
         let hi: Vec<i64> = (8..16).collect();
         let di: Vec<i64> = (20..28).collect();
         host.backup_from_device_all_layer(&dev, &hi, &di, IoBackend::Kernel).unwrap();
@@ -157,7 +151,7 @@ fn a_corrupted_byte_fails_the_load_naming_the_item_and_the_rest_lands() {
 fn corrupted_checksums_swapped_and_replayed_pages_are_detected() {
     for device in common::devices() {
         let name = device.name();
-        let (mut dev, mut host) = pools(&device, PoolKind::Mha, Layout::PageFirst, 1, None, Profile::Extended);
+        let (mut dev, mut host) = checked_pools(&device, PoolKind::Mha, Layout::PageFirst, 1, None, Profile::Extended);
         let hi: Vec<i64> = (8..16).collect();
         let di: Vec<i64> = (20..28).collect();
         host.backup_from_device_all_layer(&dev, &hi, &di, IoBackend::Kernel).unwrap();
@@ -202,7 +196,7 @@ fn direct_copies_record_and_verify_where_they_can() {
     // Items of 64 to 512 B (each a register-keyed size on cpu).
     for (device, heads) in common::devices().into_iter().flat_map(|d| [1, 2, 4, 8].map(|h| (d.clone(), h))) {
         let name = format!("{} {heads}", device.name());
-        let (mut dev, mut host) = pools(&device, PoolKind::Mha, Layout::LayerFirst, heads, None, Profile::Extended);
+        let (mut dev, mut host) = checked_pools(&device, PoolKind::Mha, Layout::LayerFirst, heads, None, Profile::Extended);
         let hi: Vec<i64> = (8..16).chain(20..24).collect();
         let di: Vec<i64> = (20..28).chain(4..8).collect();
         let back: Vec<i64> = (0..12).collect();
@@ -238,7 +232,7 @@ fn direct_copies_record_and_verify_where_they_can() {
 fn writes_without_checksums_leave_items_unverified_never_corrupt() {
     for device in common::devices() {
         let name = device.name();
-        let (mut dev, mut host) = pools(&device, PoolKind::Mha, Layout::LayerFirst, 1, None, Profile::Extended);
+        let (mut dev, mut host) = checked_pools(&device, PoolKind::Mha, Layout::LayerFirst, 1, None, Profile::Extended);
         let hi: Vec<i64> = (8..16).collect();
         let di: Vec<i64> = (20..28).collect();
         host.backup_from_device_all_layer(&dev, &hi, &di, IoBackend::Kernel).unwrap();
@@ -273,11 +267,11 @@ fn writes_without_checksums_leave_items_unverified_never_corrupt() {
 fn sglang_profile_is_off_unless_asked_and_extended_can_opt_out() {
     for device in common::devices() {
         let name = device.name();
-        let (_, host) = pools(&device, PoolKind::Mha, Layout::PageFirst, 1, None, Profile::Sglang);
+        let (_, host) = checked_pools(&device, PoolKind::Mha, Layout::PageFirst, 1, None, Profile::Sglang);
         assert!(!host.integrity_enabled(), "{name}");
-        let (_, host) = pools(&device, PoolKind::Mha, Layout::PageFirst, 1, Some(true), Profile::Sglang);
+        let (_, host) = checked_pools(&device, PoolKind::Mha, Layout::PageFirst, 1, Some(true), Profile::Sglang);
         assert!(host.integrity_enabled(), "{name}");
-        let (mut dev, mut host) = pools(&device, PoolKind::Mha, Layout::PageFirst, 1, Some(false), Profile::Extended);
+        let (mut dev, mut host) = checked_pools(&device, PoolKind::Mha, Layout::PageFirst, 1, Some(false), Profile::Extended);
         assert!(!host.integrity_enabled(), "{name}");
         assert_eq!(host.integrity_stats(), None, "{name}");
         let hi: Vec<i64> = (8..16).collect();
@@ -291,7 +285,7 @@ fn sglang_profile_is_off_unless_asked_and_extended_can_opt_out() {
 fn asynchronous_and_layer_wise_loads_report_at_completion() {
     for device in common::devices() {
         let name = device.name();
-        let (mut dev, mut host) = pools(&device, PoolKind::Mla, Layout::LayerFirst, 1, None, Profile::Extended);
+        let (mut dev, mut host) = checked_pools(&device, PoolKind::Mla, Layout::LayerFirst, 1, None, Profile::Extended);
         let hi: Vec<i64> = (8..16).collect();
         host.backup_from_device_all_layer(&dev, &hi, &hi, IoBackend::Kernel).unwrap();
         let off = host.geometry().addr(0, 1).offset(12, 0);
@@ -313,7 +307,7 @@ fn asynchronous_and_layer_wise_loads_report_at_completion() {
 fn pages_carry_their_checksums_through_storage() {
     for device in common::devices() {
         let name = device.name();
-        let (dev, mut host) = pools(&device, PoolKind::Mha, Layout::PageHead, 2, None, Profile::Extended);
+        let (dev, mut host) = checked_pools(&device, PoolKind::Mha, Layout::PageHead, 2, None, Profile::Extended);
         let hi: Vec<i64> = (8..16).collect();
         host.backup_from_device_all_layer(&dev, &hi, &hi, IoBackend::Kernel).unwrap();
         let page = host.get_data_page(12).unwrap();
@@ -321,7 +315,7 @@ fn pages_carry_their_checksums_through_storage() {
         assert_eq!(sums.len(), 4 * 4 * 2);
         assert!(sums.iter().all(|s| s.is_some()));
         // Another pool (another machine) takes the page with its checksums.
-        let (_, mut other) = pools(&device, PoolKind::Mha, Layout::PageHead, 2, None, Profile::Extended);
+        let (_, mut other) = checked_pools(&device, PoolKind::Mha, Layout::PageHead, 2, None, Profile::Extended);
         other.set_from_flat_data_page_checked(20, &page, &sums).unwrap();
         assert_eq!(other.page_checksums(20).unwrap(), sums);
         // A page damaged on the way is refused item by item; its checksums are forgotten.
@@ -336,7 +330,7 @@ fn pages_carry_their_checksums_through_storage() {
         assert!(other.page_checksums(28).unwrap().iter().all(|s| s.is_some()));
         assert!(matches!(other.set_from_flat_data_page_checked(28, &page, &sums[1..]), Err(TransferError::BufferSize { .. })));
         // A page from a pool without checksums carries none: taken as unverified.
-        let (_, plain) = pools(&device, PoolKind::Mha, Layout::PageHead, 2, Some(false), Profile::Extended);
+        let (_, plain) = checked_pools(&device, PoolKind::Mha, Layout::PageHead, 2, Some(false), Profile::Extended);
         assert!(plain.page_checksums(12).unwrap().is_empty());
         other.set_from_flat_data_page_checked(28, &page, &[]).unwrap();
         assert!(other.page_checksums(28).unwrap().iter().all(|s| s.is_none()));
@@ -420,7 +414,7 @@ fn loads_report_mismatches_while_another_thread_polls_the_executor() {
         let poller = {
             let (device, stop) = (device.clone(), stop.clone());
             std::thread::spawn(move || {
-                let (mut dev, host) = pools(&device, PoolKind::Mha, Layout::PageFirst, 1, None, Profile::Extended);
+                let (mut dev, host) = checked_pools(&device, PoolKind::Mha, Layout::PageFirst, 1, None, Profile::Extended);
                 let idx: Vec<i64> = (0..4).collect();
                 while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                     let t = host.load_to_device_per_layer_async(&mut dev, &idx, &idx, 0, IoBackend::Kernel).unwrap();
@@ -428,7 +422,7 @@ fn loads_report_mismatches_while_another_thread_polls_the_executor() {
                 }
             })
         };
-        let (mut dev, mut host) = pools(&device, PoolKind::Mha, Layout::PageFirst, 1, None, Profile::Extended);
+        let (mut dev, mut host) = checked_pools(&device, PoolKind::Mha, Layout::PageFirst, 1, None, Profile::Extended);
         let hi: Vec<i64> = (8..16).collect();
         host.backup_from_device_all_layer(&dev, &hi, &hi, IoBackend::Kernel).unwrap();
         let off = host.geometry().addr(0, 0).offset(9, 0);
@@ -456,7 +450,7 @@ fn loads_report_mismatches_while_another_thread_polls_the_executor() {
 fn settling_follows_issue_order_across_the_pipelines_streams() {
     for device in common::devices() {
         let name = device.name();
-        let (mut dev, mut host) = pools(&device, PoolKind::Mha, Layout::PageFirst, 1, None, Profile::Extended);
+        let (mut dev, mut host) = checked_pools(&device, PoolKind::Mha, Layout::PageFirst, 1, None, Profile::Extended);
         let hi: Vec<i64> = (0..8).collect();
         let di: Vec<i64> = (16..24).collect();
         let back: Vec<i64> = (24..32).collect();

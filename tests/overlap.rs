@@ -6,7 +6,6 @@
 mod common;
 
 use hicache_io::plan::Op;
-use hicache_io::tools::check::Rng;
 use hicache_io::tools::oracle::{self, OracleBuffers};
 use hicache_io::{
     Device, DevicePool, DevicePoolConfig, HostPool, HostPoolConfig, IoBackend, LayerMap, Layout, PoolKind, Profile, TransferError,
@@ -14,28 +13,11 @@ use hicache_io::{
 
 use common::{contents, Contents};
 
-fn pools(device: &Device, layers: LayerMap, slots: u64, layout: Layout) -> (DevicePool<'static>, HostPool<'static>, Contents) {
+/// MHA pools of `layers`, `slots` tokens, page size 4, every byte random; with what they hold.
+fn mha_pools(device: &Device, layers: LayerMap, slots: u64, layout: Layout) -> (DevicePool<'static>, HostPool<'static>, Contents) {
     let dc = DevicePoolConfig { kind: PoolKind::Mha, bytes_per_token: 256, slots, page_size: 4, layers };
-    let mut dev = DevicePool::new(device, &dc).unwrap();
     let hc = HostPoolConfig { layout, size: slots, head_num: 1, profile: Profile::Extended, integrity: None };
-    let mut host = HostPool::new(&dev, &hc).unwrap();
-    let mut rng = Rng::new(slots);
-    let g = dev.geometry().clone();
-    let mut dev_bytes = vec![vec![]; 2];
-    let mut host_bytes = vec![];
-    for c in 0..2 {
-        for s in 0..g.buffer_count() {
-            let mut b = vec![0u8; g.layer_bytes() as usize];
-            rng.fill(&mut b);
-            dev.write_buffer(c, s, &b).unwrap();
-            dev_bytes[c].push(b);
-        }
-        let mut b = vec![0u8; host.geometry().buffer_bytes() as usize];
-        rng.fill(&mut b);
-        host.write_buffer(c, &b).unwrap();
-        host_bytes.push(b);
-    }
-    (dev, host, (dev_bytes, host_bytes))
+    common::pools(device, &dc, &hc, Some(common::Fill { seed: slots, device: true, host: true }))
 }
 
 fn indices(n: i64) -> (Vec<i64>, Vec<i64>) {
@@ -47,7 +29,7 @@ fn async_loads_and_backups_land_the_oracles_bytes() {
     for device in common::devices() {
         let n = device.name();
         for io in IoBackend::ALL {
-            let (mut dev, mut host, (mut want_dev, mut want_host)) = pools(&device, LayerMap::new(3), 64, Layout::LayerFirst);
+            let (mut dev, mut host, (mut want_dev, mut want_host)) = mha_pools(&device, LayerMap::new(3), 64, Layout::LayerFirst);
             let (hi, di) = indices(64);
             let t = host.load_to_device_per_layer_async(&mut dev, &hi, &di, 1, io).unwrap();
             t.wait().unwrap();
@@ -76,7 +58,7 @@ fn layer_wise_loads_complete_layer_by_layer() {
         let mut layers = LayerMap::new(6);
         layers.layer_shard = Some((1, 5));
         layers.drafts = 1;
-        let (mut dev, host, (mut want_dev, mut want_host)) = pools(&device, layers.clone(), 4096, Layout::PageFirst);
+        let (mut dev, host, (mut want_dev, mut want_host)) = mha_pools(&device, layers.clone(), 4096, Layout::PageFirst);
         let (hi, di) = indices(4096);
         let loads = host.load_layers(&mut dev, &hi, &di, IoBackend::Kernel).unwrap();
         assert_eq!(loads.layer_ids(), vec![1, 2, 3, 4, 6], "{n}: owned layers in order, then the draft");
@@ -119,7 +101,7 @@ fn layer_wise_loads_complete_layer_by_layer() {
 fn forgotten_handles_never_expose_a_pool_mid_transfer() {
     for device in common::devices() {
         let n = device.name();
-        let (mut dev, host, (mut want_dev, mut want_host)) = pools(&device, LayerMap::new(2), 1 << 14, Layout::LayerFirst);
+        let (mut dev, host, (mut want_dev, mut want_host)) = mha_pools(&device, LayerMap::new(2), 1 << 14, Layout::LayerFirst);
         let (hi, di) = indices(1 << 14);
         std::mem::forget(host.load_to_device_per_layer_async(&mut dev, &hi, &di, 0, IoBackend::Kernel).unwrap());
         oracle::apply(
@@ -141,8 +123,8 @@ fn forgotten_handles_never_expose_a_pool_mid_transfer() {
 #[test]
 fn synchronous_calls_queue_behind_asynchronous_ones() {
     for device in common::devices() {
-        let (mut dev_a, host_a, _) = pools(&device, LayerMap::new(2), 1 << 14, Layout::LayerFirst);
-        let (mut dev_b, host_b, (mut want_dev, mut want_host)) = pools(&device, LayerMap::new(2), 64, Layout::LayerFirst);
+        let (mut dev_a, host_a, _) = mha_pools(&device, LayerMap::new(2), 1 << 14, Layout::LayerFirst);
+        let (mut dev_b, host_b, (mut want_dev, mut want_host)) = mha_pools(&device, LayerMap::new(2), 64, Layout::LayerFirst);
         let (big_hi, big_di) = indices(1 << 14);
         let (hi, di) = indices(64);
         let t = host_a.load_to_device_per_layer_async(&mut dev_a, &big_hi, &big_di, 0, IoBackend::Kernel).unwrap();
@@ -164,7 +146,7 @@ fn synchronous_calls_queue_behind_asynchronous_ones() {
 fn faults_during_layer_wise_loads() {
     for device in common::devices() {
         let n = device.name();
-        let (mut dev, host, (want_dev, _)) = pools(&device, LayerMap::new(4), 64, Layout::LayerFirst);
+        let (mut dev, host, (want_dev, _)) = mha_pools(&device, LayerMap::new(4), 64, Layout::LayerFirst);
         let (hi, di) = indices(64);
         device.inject_fault(2);
         let err = host.load_layers(&mut dev, &hi, &di, IoBackend::Direct).err().expect("fault");

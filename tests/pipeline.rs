@@ -18,9 +18,9 @@ use common::{contents, Contents};
 
 const P: u64 = 4;
 
-/// MHA pools with `bytes_per_token`, `slots` tokens, page size 4; host filled with `fill(comp,
-/// byte offset)`-style noise (cheap for large pools), device zeroed or noise.
-fn pools(
+/// MHA pools of `layers` layers, `bytes_per_token`, `slots` tokens, page size 4: the host's
+/// bytes random, the device's random where `noisy_device` (else zero); with what they hold.
+fn mha_pools(
     device: &Device,
     layers: usize,
     slots: u64,
@@ -29,28 +29,8 @@ fn pools(
     noisy_device: bool,
 ) -> (DevicePool<'static>, HostPool<'static>, Contents) {
     let dc = DevicePoolConfig { kind: PoolKind::Mha, bytes_per_token, slots, page_size: P, layers: LayerMap::new(layers) };
-    let mut dev = DevicePool::new(device, &dc).unwrap();
     let hc = HostPoolConfig { layout, size: slots, head_num: 1, profile: Profile::Extended, integrity: None };
-    let mut host = HostPool::new(&dev, &hc).unwrap();
-    let mut rng = Rng::new(slots ^ bytes_per_token);
-    let g = dev.geometry().clone();
-    let mut dev_bytes = vec![vec![]; 2];
-    let mut host_bytes = vec![];
-    for c in 0..2 {
-        for s in 0..g.buffer_count() {
-            let mut b = vec![0u8; g.layer_bytes() as usize];
-            if noisy_device {
-                rng.fill(&mut b);
-                dev.write_buffer(c, s, &b).unwrap();
-            }
-            dev_bytes[c].push(b);
-        }
-        let mut b = vec![0u8; host.geometry().buffer_bytes() as usize];
-        rng.fill(&mut b);
-        host.write_buffer(c, &b).unwrap();
-        host_bytes.push(b);
-    }
-    (dev, host, (dev_bytes, host_bytes))
+    common::pools(device, &dc, &hc, Some(common::Fill { seed: slots ^ bytes_per_token, device: noisy_device, host: true }))
 }
 
 /// Token indices of whole pages.
@@ -88,7 +68,7 @@ fn interleaved_loads_and_backups_land_the_issue_order_bytes() {
         for (layout, io) in cells {
             {
                 for seed in 0..4u64 {
-                    let (mut dev, mut host, mut want) = pools(&device, 3, 256, 64, layout, true);
+                    let (mut dev, mut host, mut want) = mha_pools(&device, 3, 256, 64, layout, true);
                     let mut rng = Rng::new(seed * 31 + io as u64);
                     let mut pipe = host.pipeline(&mut dev).unwrap();
                     let mut ops = Vec::new();
@@ -128,7 +108,7 @@ fn interleaved_loads_and_backups_land_the_issue_order_bytes() {
 /// Large pools: loads that take a while on the cpu executor (so that a backup on the side
 /// stream would overtake them if it were not ordered).
 fn big_pools(device: &Device) -> (DevicePool<'static>, HostPool<'static>, Contents) {
-    pools(device, 4, 1 << 15, 1024, Layout::LayerFirst, false)
+    mha_pools(device, 4, 1 << 15, 1024, Layout::LayerFirst, false)
 }
 
 /// A backup of the device slots the loads just wrote: it must see the loaded bytes (it is
@@ -207,7 +187,7 @@ fn leaked_backups(device: &Device) -> (DevicePool<'static>, HostPool<'static>, C
         hicache_io::ExecutorKind::Cuda => 1 << 15,
         _ => 1 << 13,
     };
-    let (mut dev, mut host, want) = pools(device, 4, slots, 1024, Layout::LayerFirst, true);
+    let (mut dev, mut host, want) = mha_pools(device, 4, slots, 1024, Layout::LayerFirst, true);
     let pages = slots / P;
     let all: Vec<u64> = (0..pages).collect();
     let di = tokens(&all);
@@ -271,8 +251,8 @@ fn a_leaked_pipeline_orders_the_next_pipeline() {
 fn tickets_belong_to_their_pipeline_and_refusals_move_nothing() {
     for device in common::devices() {
         let n = device.name();
-        let (mut dev, mut host, want) = pools(&device, 2, 64, 64, Layout::PageFirst, true);
-        let (mut dev2, mut host2, _) = pools(&device, 3, 64, 64, Layout::PageFirst, true);
+        let (mut dev, mut host, want) = mha_pools(&device, 2, 64, 64, Layout::PageFirst, true);
+        let (mut dev2, mut host2, _) = mha_pools(&device, 3, 64, 64, Layout::PageFirst, true);
         let mut p2 = host2.pipeline(&mut dev2).unwrap();
         let foreign = p2.load(&tokens(&[0]), &tokens(&[1]), 0, IoBackend::Kernel).unwrap();
         p2.finish().unwrap();
@@ -298,7 +278,7 @@ fn tickets_belong_to_their_pipeline_and_refusals_move_nothing() {
 fn faults_during_pipelined_layer_loads() {
     for device in common::devices() {
         let n = device.name();
-        let (mut dev, mut host, _) = pools(&device, 4, 64, 64, Layout::LayerFirst, true);
+        let (mut dev, mut host, _) = mha_pools(&device, 4, 64, 64, Layout::LayerFirst, true);
         let all: Vec<u64> = (0..16).collect();
         let (hi, di) = (tokens(&all), tokens(&all));
         let mut pipe = host.pipeline(&mut dev).unwrap();

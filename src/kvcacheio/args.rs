@@ -2,51 +2,10 @@
 //! function) hands over, checked against the entry's kinds once, then read by role and name by
 //! the op's semantics.
 
-use super::catalogue::{ArgKind, OpSpec};
+use super::catalogue::spec::{ArgKind, OpSpec, Value};
 use super::*;
 use crate::plan::{LaunchTuning, TableGuards};
 use crate::{Result, TransferError};
-
-/// One argument, as the bindings hand it over.
-#[derive(Debug, Clone, Copy)]
-pub enum Value<'a> {
-    /// [`ArgKind::In`], [`ArgKind::Out`].
-    Tensor(&'a RawTensor),
-    /// [`ArgKind::InLayers`], [`ArgKind::OutLayers`], [`ArgKind::InList`], [`ArgKind::OutList`].
-    Tensors(&'a [RawTensor]),
-    /// [`ArgKind::Idx`].
-    Indices(Indices<'a>),
-    /// [`ArgKind::HostIdx`], [`ArgKind::Ints`].
-    Ints(&'a [i64]),
-    /// [`ArgKind::Int`].
-    Int(i64),
-    /// [`ArgKind::InLayers`], [`ArgKind::OutLayers`]: a table of layer addresses.
-    Table(&'a LayerTable),
-}
-
-impl<'a> From<Layers<'a>> for Value<'a> {
-    fn from(l: Layers<'a>) -> Self {
-        match l {
-            Layers::List(v) => Value::Tensors(v),
-            Layers::Table(t) => Value::Table(t),
-        }
-    }
-}
-
-impl Value<'_> {
-    fn fits(&self, kind: ArgKind) -> bool {
-        use ArgKind::*;
-        matches!(
-            (self, kind),
-            (Value::Tensor(_), In | Out)
-                | (Value::Tensors(_), InLayers | OutLayers | InList | OutList)
-                | (Value::Table(_), InLayers | OutLayers)
-                | (Value::Indices(_), Idx)
-                | (Value::Ints(_), HostIdx | Ints)
-                | (Value::Int(_), Int)
-        )
-    }
-}
 
 /// A mistake between the catalogue and a caller of [`super::catalogue::call`] or an op's
 /// semantics: never the caller's data.

@@ -1,7 +1,7 @@
 //! All-layer backups into a host layout, and the one-layer backups sglang lacks.
 
 use super::args::{refs, OpArgs};
-use super::catalogue::ArgKind;
+use super::catalogue::spec::ArgKind;
 use super::*;
 use crate::exec::Device;
 use crate::geometry::{IoBackend, Layout, Profile};

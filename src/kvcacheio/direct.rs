@@ -1,7 +1,7 @@
 //! page_first_direct: whole pages between a host buffer `[pages][L][P][...]` and device layers.
 
 use super::args::OpArgs;
-use super::catalogue::ArgKind;
+use super::catalogue::spec::ArgKind;
 use super::*;
 use crate::exec::Device;
 use crate::geometry::{IoBackend, Layout, PoolKind, Profile};

@@ -1,7 +1,7 @@
 //! All-layer copies between layer lists (`kernel`) and `transfer_kv_direct`.
 
 use super::args::OpArgs;
-use super::catalogue::ArgKind;
+use super::catalogue::spec::ArgKind;
 use super::*;
 use crate::exec::Device;
 use crate::geometry::{IoBackend, PoolKind};

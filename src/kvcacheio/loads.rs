@@ -2,7 +2,7 @@
 //! one device layer.
 
 use super::args::{refs, OpArgs};
-use super::catalogue::ArgKind;
+use super::catalogue::spec::ArgKind;
 use super::*;
 use crate::exec::Device;
 use crate::geometry::{IoBackend, Layout, PoolKind, Profile};

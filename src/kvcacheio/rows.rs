@@ -1,7 +1,7 @@
 //! Whole rows: embedding ranges, and rows moved inside the device pool.
 
 use super::args::OpArgs;
-use super::catalogue::ArgKind;
+use super::catalogue::spec::ArgKind;
 use super::*;
 use crate::exec::Device;
 use crate::geometry::{IoBackend, PoolKind};

@@ -1,7 +1,7 @@
 //! Token copies between page-padded buffers: DeepSeek-V4's C4 caches.
 
 use super::args::OpArgs;
-use super::catalogue::ArgKind;
+use super::catalogue::spec::ArgKind;
 use super::*;
 use crate::exec::Device;
 use crate::geometry::{DeviceGeometry, IoBackend, LayerMap, Layout, PagePadding, PoolKind, Profile};

@@ -7,17 +7,20 @@
 //! two instances is an `ExecutorMismatch` error before anything moves.//!
 //! Rooms: `device` (the device pool), `host` (the host pool and its calls), `transfers` (calls in
 //! flight: `Transfer`, `LayerLoads`, the asynchronous calls), `pages` (page helpers, per-layout
-//! byte order), `checksums` (the host pool's item checksums), `objects` (the page objects an L3 store
-//! moves and their sums), `pipeline`, `shared` (pools shared by threads),
+//! byte order), `checksums` (the host pool's item checksums), `faults` (fault injection), `objects` (the page
+//! objects an L3 store moves and their sums), `staging` (the passes over those objects' pages,
+//! through a store's staging buffer or in place), `pipeline`, `shared` (pools shared by threads),
 //! `util`.
 
 mod checksums;
 mod device;
+mod faults;
 mod host;
 mod objects;
 mod pages;
 mod pipeline;
 mod shared;
+mod staging;
 mod transfers;
 mod util;
 

@@ -1,11 +1,12 @@
-//! Shared test helpers: which executors to run on, when a missing one fails the run, a pool
-//! pair's bytes, caller memory for the `kvcacheio` ops, and the simulated driver's call trace.
+//! Shared test helpers: which executors to run on, when a missing one fails the run, the one
+//! pool pair builder and a pool pair's bytes, caller memory for the `kvcacheio` ops, and the
+//! simulated driver's call trace.
 #![allow(dead_code)]
 
 use hicache_io::exec::{Device, ExecutorKind};
 use hicache_io::kvcacheio::{Memory, RawTensor};
 use hicache_io::rng::Rng;
-use hicache_io::{DevicePool, HostPool};
+use hicache_io::{DevicePool, DevicePoolConfig, HostPool, HostPoolConfig};
 
 /// `buf` as an op's host tensor of shape `dims` (elements).
 pub fn host_tensor(buf: &mut [u8], dims: &[u64]) -> RawTensor {
@@ -36,6 +37,51 @@ pub fn sim_trace(name: &str) -> Option<std::path::PathBuf> {
 
 /// A pool pair's bytes: device `[comp][buffer]`, host `[comp]`.
 pub type Contents = (Vec<Vec<Vec<u8>>>, Vec<Vec<u8>>);
+
+/// How [`pools`] fills a new pair: random bytes from `seed`, drawn component by component (each
+/// device buffer of the component, then its host buffer), into the sides asked for.
+#[derive(Clone, Copy)]
+pub struct Fill {
+    pub seed: u64,
+    pub device: bool,
+    pub host: bool,
+}
+
+/// The pool pair of configs `dc` and `hc` on `device`, filled as `fill` says (`None`: as
+/// allocated), with what it was filled with: the sides not filled as zeros (new pools are), no
+/// bytes at all without `fill`. The one builder of the Rust tests; their files pick configs.
+pub fn pools(
+    device: &Device,
+    dc: &DevicePoolConfig,
+    hc: &HostPoolConfig,
+    fill: Option<Fill>,
+) -> (DevicePool<'static>, HostPool<'static>, Contents) {
+    let mut dev = DevicePool::new(device, dc).unwrap();
+    let mut host = HostPool::new(&dev, hc).unwrap();
+    let Some(fill) = fill else { return (dev, host, (Vec::new(), Vec::new())) };
+    let mut rng = Rng::new(fill.seed);
+    let g = dev.geometry().clone();
+    let (mut dev_bytes, mut host_bytes) = (Vec::new(), Vec::new());
+    for c in 0..g.kind().components() {
+        let mut bufs = Vec::new();
+        for s in 0..g.buffer_count() {
+            let mut b = vec![0u8; g.layer_bytes() as usize];
+            if fill.device {
+                rng.fill(&mut b);
+                dev.write_buffer(c, s, &b).unwrap();
+            }
+            bufs.push(b);
+        }
+        dev_bytes.push(bufs);
+        let mut b = vec![0u8; host.geometry().buffer_bytes() as usize];
+        if fill.host {
+            rng.fill(&mut b);
+            host.write_buffer(c, &b).unwrap();
+        }
+        host_bytes.push(b);
+    }
+    (dev, host, (dev_bytes, host_bytes))
+}
 
 /// Every byte of both pools.
 pub fn contents(dev: &DevicePool, host: &HostPool) -> Contents {

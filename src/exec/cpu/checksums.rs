@@ -3,11 +3,10 @@
 
 use crate::exec::settle::add_counts;
 use crate::exec::ChecksumBinding;
-use crate::geometry::Addr;
 use crate::integrity;
-use crate::plan::{ChecksumMode, CopyStep, Span};
+use crate::plan::{ChecksumMode, CopyStep};
 
-use super::copy::{prefetch, prefetch_item, RawBindings, SendPtr, PREFETCH_AHEAD};
+use super::raw::{each_span, prefetch, prefetch_item, Pair, RawBindings, PREFETCH_AHEAD};
 
 /// How a summing loop copies and checksums one chunk: the generic copy, or (the common small
 /// items, one chunk each) keys held in registers ([`integrity::BlockKeys`]).
@@ -106,7 +105,7 @@ macro_rules! with_summer {
 /// mismatched).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn gather_checked<const NT: bool>(
-    pair: &(SendPtr, SendPtr, Addr, Addr),
+    pair: &Pair,
     item: (u64, u8),
     si: &[i64],
     di: &[i64],
@@ -134,7 +133,7 @@ pub(super) fn gather_checked<const NT: bool>(
 #[target_feature(enable = "avx2")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn gather_checked_avx2<const NT: bool>(
-    pair: &(SendPtr, SendPtr, Addr, Addr),
+    pair: &Pair,
     item: (u64, u8),
     si: &[i64],
     di: &[i64],
@@ -151,7 +150,7 @@ unsafe fn gather_checked_avx2<const NT: bool>(
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn gather_checked_body<S: ChunkSum>(
-    (sp, dp, sa, da): &(SendPtr, SendPtr, Addr, Addr),
+    (sp, dp, sa, da): &Pair,
     (layer, comp): (u64, u8),
     si: &[i64],
     di: &[i64],
@@ -243,35 +242,23 @@ fn copy_runs_checked_body<S: ChunkSum>(
     let mut n = [0u64; 4];
     let item = c.item_bytes() as usize;
     for (p, spans) in c.pieces(lo, hi) {
-        let pair = &c.pairs()[p];
         let (layer, comp) = c.item(p);
-        let (sp, dp) = (bufs.get(pair.src.buf()), bufs.get(pair.dst.buf()));
         let mut settle = ib.layer(mode, layer, comp);
-        let at = |s: &Span| {
-            let (su, du) = c.units(s);
-            (pair.src.offset(su, 0) as usize, pair.dst.offset(du, 0) as usize)
-        };
-        for (k, s) in spans.iter().enumerate() {
-            // Spans of one item each (random pages) are latency-bound: prefetch ahead.
-            if let Some(a) = spans.get(k + PREFETCH_AHEAD) {
-                let (so, dof) = at(a);
-                prefetch(sp.wrapping_add(so));
-                prefetch(dp.wrapping_add(dof));
-            }
-            let (so, dof) = at(s);
+        each_span(c, bufs, p, spans, |s, src, dst| {
             for j in 0..s.items {
                 let off = j as usize * item;
+                // Within a long run too, the items ahead.
                 if j + (PREFETCH_AHEAD as u64) < s.items {
                     let ahead = off + PREFETCH_AHEAD * item;
-                    prefetch(sp.wrapping_add(so + ahead));
-                    prefetch(dp.wrapping_add(dof + ahead));
+                    prefetch(src.wrapping_add(ahead));
+                    prefetch(dst.wrapping_add(ahead));
                 }
                 // SAFETY: the planner made the span from range-checked items of these pools'
                 // geometry; item `j` lies inside it.
-                let sum = unsafe { summer.copy_sum(sp.add(so + off), dp.add(dof + off), 0) };
+                let sum = unsafe { summer.copy_sum(src.add(off), dst.add(off), 0) };
                 settle.item(s.host_unit + j, s.device_unit + j, sum);
             }
-        }
+        });
         add_counts(&mut n, settle.n);
     }
     n

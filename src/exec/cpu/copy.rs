@@ -2,43 +2,15 @@
 //! across threads for large transfers, with non-temporal stores and prefetch where they pay.
 
 use crate::exec::ChecksumBinding;
-use crate::geometry::{Addr, BufRef};
-use crate::plan::{ChecksumMode, CopyStep, GatherStep, Span, Step, StepKind};
+use crate::plan::{ChecksumMode, CopyStep, GatherStep, Step, StepKind};
 
 use super::checksums::{copy_runs_checked, gather_checked};
 use super::queue::ON_WORKER;
+use super::raw::{each_span, prefetch_item, Pair, RawBindings, SendPtr, PREFETCH_AHEAD};
 use crate::exec::settle::add_counts;
 
 /// Below this many bytes a transfer stays on the calling thread (thread start-up costs more).
 pub(super) const PARALLEL_MIN_BYTES: u64 = 1 << 20;
-#[derive(Clone, Copy)]
-pub(super) struct SendPtr(pub(super) *mut u8);
-unsafe impl Send for SendPtr {}
-unsafe impl Sync for SendPtr {}
-
-impl SendPtr {
-    /// The address (a method, so closures capture the whole `Send` wrapper).
-    pub(super) fn get(self) -> *mut u8 {
-        self.0
-    }
-}
-
-/// Buffer addresses of a plan's bindings, `[comp]` and `[comp][slot]`.
-pub(super) struct RawBindings {
-    pub(super) host: Vec<SendPtr>,
-    pub(super) device: Vec<Vec<SendPtr>>,
-    pub(super) integrity: Option<ChecksumBinding>,
-}
-
-impl RawBindings {
-    pub(super) fn get(&self, r: BufRef) -> *mut u8 {
-        match r {
-            BufRef::Host { comp } => self.host[comp as usize].0,
-            BufRef::Device { comp, slot } => self.device[comp as usize][slot as usize].0,
-        }
-    }
-}
-
 /// Runs one step over raw buffer addresses; `streaming`: with non-temporal stores (a transfer
 /// larger than the caches, whose destination nobody reads soon).
 pub(super) fn run_step(step: &Step, bufs: &RawBindings, threads: usize, streaming: bool) {
@@ -51,9 +23,6 @@ pub(super) fn run_step(step: &Step, bufs: &RawBindings, threads: usize, streamin
         StepKind::Copy(c) => run_copy(c, bufs, threads, streaming),
     }
 }
-
-/// One address pair of a gather: both buffers' addresses and addressing.
-type Pair = (SendPtr, SendPtr, Addr, Addr);
 
 /// A gather step: its address pairs resolved to buffer addresses, then its items copied (and
 /// checksummed where the step and the bindings keep checksums).
@@ -152,24 +121,11 @@ fn run_copy(c: &CopyStep, bufs: &RawBindings, threads: usize, streaming: bool) {
     let item = c.item_bytes() as usize;
     let work = |lo: usize, hi: usize| {
         for (p, spans) in c.pieces(lo, hi) {
-            let pair = &c.pairs()[p];
-            let (sp, dp) = (bufs.get(pair.src.buf()), bufs.get(pair.dst.buf()));
-            let at = |s: &Span| {
-                let (su, du) = c.units(s);
-                (pair.src.offset(su, 0) as usize, pair.dst.offset(du, 0) as usize)
-            };
-            for (j, s) in spans.iter().enumerate() {
-                // Runs of one item each (random pages) are latency-bound: prefetch ahead.
-                if let Some(a) = spans.get(j + PREFETCH_AHEAD) {
-                    let (so, dof) = at(a);
-                    prefetch(sp.wrapping_add(so));
-                    prefetch(dp.wrapping_add(dof));
-                }
-                let (so, dof) = at(s);
+            each_span(c, bufs, p, spans, |s, src, dst| {
                 // SAFETY: the planner made the span from range-checked items of these
                 // pools' geometry.
-                unsafe { copy(streaming, sp.add(so), dp.add(dof), s.items as usize * item) };
-            }
+                unsafe { copy(streaming, src, dst, s.items as usize * item) };
+            });
         }
         store_fence(streaming);
     };
@@ -180,7 +136,7 @@ fn run_copy(c: &CopyStep, bufs: &RawBindings, threads: usize, streaming: bool) {
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn gather_items<const NT: bool, const PF: bool>(
-    (sp, dp, sa, da): &(SendPtr, SendPtr, Addr, Addr),
+    (sp, dp, sa, da): &Pair,
     si: &[i64],
     di: &[i64],
     chunk: usize,
@@ -200,18 +156,6 @@ fn gather_items<const NT: bool, const PF: bool>(
             // SAFETY: plans are built only by the planner, for these pools: every index is
             // range-checked against the geometry the buffers were sized by.
             unsafe { copy(NT, sp.0.add(sa.offset(s as u64, h) as usize), dp.0.add(da.offset(d as u64, h) as usize), chunk) }
-        }
-    }
-}
-
-/// Prefetches both sides of index pair `j` of a gather (nothing past the lists or for a skipped
-/// pair).
-#[inline(always)]
-pub(super) fn prefetch_item((sp, dp, sa, da): &(SendPtr, SendPtr, Addr, Addr), si: &[i64], di: &[i64], j: usize) {
-    if let (Some(&s), Some(&d)) = (si.get(j), di.get(j)) {
-        if s >= 0 && d >= 0 {
-            prefetch(sp.0.wrapping_add(sa.offset(s as u64, 0) as usize));
-            prefetch(dp.0.wrapping_add(da.offset(d as u64, 0) as usize));
         }
     }
 }
@@ -310,20 +254,6 @@ fn store_fence(streaming: bool) {
 
 /// Chunks from which the gather prefetches even when the transfer fits the caches.
 const PREFETCH_MIN_CHUNK: usize = 512;
-
-/// How many items ahead the gather loop prefetches.
-pub(super) const PREFETCH_AHEAD: usize = 8;
-
-#[inline(always)]
-pub(super) fn prefetch(p: *const u8) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: prefetch is a hint; it never faults, even on an invalid address.
-    unsafe {
-        std::arch::x86_64::_mm_prefetch(p as *const i8, std::arch::x86_64::_MM_HINT_T0)
-    };
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
-}
 
 /// Runs `work(lo, hi)` over `0..n` split into up to `threads` pieces on rayon's pool (its
 /// threads stay alive between transfers: spawning per call cost ~10% of a 4 MiB load).

@@ -11,12 +11,13 @@
 //!
 //! Rooms: `memory` (the buffers), `queue` (the two ordered queues and their tickets), `copy` (one
 //! step over raw addresses, split across threads), `checksums` (copies that checksum in the same
-//! pass).
+//! pass), `raw` (what both share: the bindings' addresses, prefetching, the walk over spans).
 
 mod checksums;
 mod copy;
 mod memory;
 mod queue;
+mod raw;
 
 use std::sync::Arc;
 
@@ -25,9 +26,10 @@ use super::{AutoSlot, Bindings, Executor, ExecutorKind, Stream};
 use crate::error::Result;
 use crate::plan::{Capabilities, Plan};
 
-use copy::{run_step, split, RawBindings, SendPtr, PARALLEL_MIN_BYTES, STREAMING_MIN_BYTES};
+use copy::{run_step, split, PARALLEL_MIN_BYTES, STREAMING_MIN_BYTES};
 pub use memory::CpuBuffer;
 pub(crate) use queue::{CpuQueues, CpuTicket};
+use raw::{RawBindings, SendPtr};
 
 /// The cpu executor: plain host memory, `threads` threads per large transfer, two ordered
 /// queues of transfers (main and backup stream).

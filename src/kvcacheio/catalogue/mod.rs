@@ -8,21 +8,19 @@
 //! generated op functions), and here the dispatch: an op's generic checks, then its shape's
 //! semantics.
 
-mod spec;
+// Visible to `kvcacheio`'s files: they take the records from this leaf, not through the
+// dispatch here (which imports them: no circle).
+pub(super) mod spec;
 mod table;
 
 pub use spec::*;
 pub use table::*;
 
 use super::args::OpArgs;
-pub use super::args::Value;
 use super::*;
 use crate::exec::Device;
 use crate::plan::LaunchTuning;
 use crate::{Result, TransferError};
-
-/// What every kernel op's docstring ends with.
-const SIZES: &str = "Sizes are bytes; arrays, executors and checks: see the module docstring.";
 
 /// How one call of an op is made, beyond its arguments.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

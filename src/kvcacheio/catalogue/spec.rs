@@ -1,9 +1,56 @@
 //! What a catalogue entry says: the kinds of arguments, the launch tuning, where sglang takes
-//! the op from, its item checks, how the bindings serve it and its semantics ([`Shape`]).
+//! the op from, its item checks, how the bindings serve it and its semantics ([`Shape`]); and
+//! the values its arguments take ([`Value`]). A leaf of `kvcacheio`: the catalogue's dispatch and
+//! the ops' argument reader (`args`) both take these records from here, so neither imports the
+//! other's.
 
 use super::super::*;
-use super::CATALOGUE;
 use crate::geometry::{IoBackend, Layout};
+
+/// What every kernel op's docstring ends with.
+const SIZES: &str = "Sizes are bytes; arrays, executors and checks: see the module docstring.";
+
+/// One argument, as the bindings hand it over.
+#[derive(Debug, Clone, Copy)]
+pub enum Value<'a> {
+    /// [`ArgKind::In`], [`ArgKind::Out`].
+    Tensor(&'a RawTensor),
+    /// [`ArgKind::InLayers`], [`ArgKind::OutLayers`], [`ArgKind::InList`], [`ArgKind::OutList`].
+    Tensors(&'a [RawTensor]),
+    /// [`ArgKind::Idx`].
+    Indices(Indices<'a>),
+    /// [`ArgKind::HostIdx`], [`ArgKind::Ints`].
+    Ints(&'a [i64]),
+    /// [`ArgKind::Int`].
+    Int(i64),
+    /// [`ArgKind::InLayers`], [`ArgKind::OutLayers`]: a table of layer addresses.
+    Table(&'a LayerTable),
+}
+
+impl<'a> From<Layers<'a>> for Value<'a> {
+    fn from(l: Layers<'a>) -> Self {
+        match l {
+            Layers::List(v) => Value::Tensors(v),
+            Layers::Table(t) => Value::Table(t),
+        }
+    }
+}
+
+impl Value<'_> {
+    /// Whether this value can be an argument of `kind`.
+    pub(in crate::kvcacheio) fn fits(&self, kind: ArgKind) -> bool {
+        use ArgKind::*;
+        matches!(
+            (self, kind),
+            (Value::Tensor(_), In | Out)
+                | (Value::Tensors(_), InLayers | OutLayers | InList | OutList)
+                | (Value::Table(_), InLayers | OutLayers)
+                | (Value::Indices(_), Idx)
+                | (Value::Ints(_), HostIdx | Ints)
+                | (Value::Int(_), Int)
+        )
+    }
+}
 
 /// What an argument is, for the bindings (how to read it) and for the op (what it takes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -164,11 +211,6 @@ impl OpSpec {
         doc: "",
     };
 
-    /// The op named `name`.
-    pub fn find(name: &str) -> Option<&'static OpSpec> {
-        CATALOGUE.iter().find(|s| s.name == name)
-    }
-
     /// Each layer's extent in the tables of one call (`(kind, table)`: its argument's kind) as
     /// the driver can tell it (`int` reads the op's integer arguments): up to the next layer
     /// ([`table_extents`]), or for page rows, whose layers may interleave, up to the next layer
@@ -245,7 +287,7 @@ pub fn docstring(spec: &OpSpec) -> String {
     }
     if spec.args.iter().any(|(_, k)| matches!(k, ArgKind::Idx | ArgKind::HostIdx)) {
         out.push_str("\n\n");
-        out.push_str(super::SIZES);
+        out.push_str(SIZES);
     }
     out
 }

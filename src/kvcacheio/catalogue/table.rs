@@ -7,6 +7,13 @@ use crate::exec::Device;
 use crate::geometry::{IoBackend, Layout};
 use crate::Result;
 
+impl OpSpec {
+    /// The op named `name` (here, beside the table: the records in `spec` know no table).
+    pub fn find(name: &str) -> Option<&'static OpSpec> {
+        CATALOGUE.iter().find(|s| s.name == name)
+    }
+}
+
 /// The Rust parameter type of an argument kind.
 macro_rules! param {
     (In) => { &'i RawTensor };
