@@ -1,6 +1,6 @@
 """Type stubs of the native module (re-exported by :mod:`hicache_io`)."""
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy
 
@@ -134,6 +134,15 @@ STORAGE_SEED: int
 #: The integrity trailer's first word (``HIOSUM03``) and its size in bytes.
 TRAILER_MAGIC: int
 TRAILER_BYTES: int
+
+# The local L3 store's file I/O (``hicache_io.l3.local``); the object file format is local_io.rs's.
+def local_paths(objects: str, keys: List[str]) -> List[str]: ...
+def local_get(regions: List[Tuple[int, int]], objects: str, keys: List[str], ptrs: List[Any], sizes: List[Any], exact: bool, crc_trailered: bool, touch_seconds: float, threads: int) -> List[int]: ...
+def local_put(regions: List[Tuple[int, int]], objects: str, tmps: List[str], keys: List[str], ptrs: List[Any], sizes: List[Any], fsync: bool, threads: int, reserve: Callable[[int], bool]) -> Optional[Tuple[int, List[int]]]: ...
+def local_intact(objects: str, path: str) -> bool: ...
+#: Bytes of an object file's footer (after the object's bytes and its key).
+LOCAL_FOOTER_BYTES: int
+LOCAL_DAMAGED: int
 
 class IntegrityError(RuntimeError):
     items: List[Tuple[int, int, int, int, int, int]]

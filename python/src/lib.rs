@@ -50,6 +50,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(local_io::local_get, m)?)?;
     m.add_function(wrap_pyfunction!(local_io::local_paths, m)?)?;
     m.add_function(wrap_pyfunction!(local_io::local_put, m)?)?;
+    m.add_function(wrap_pyfunction!(local_io::local_intact, m)?)?;
+    m.add("LOCAL_FOOTER_BYTES", local_io::FOOTER)?;
     m.add("LOCAL_DAMAGED", local_io::DAMAGED)?;
     m.add("STORAGE_SEED", hicache_io::integrity::STORAGE_SEED)?;
     m.add("IntegrityError", m.py().get_type::<IntegrityError>())?;

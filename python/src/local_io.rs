@@ -2,7 +2,7 @@
 //! registered memory and files, one system call per object each way where it can (`preadv` /
 //! `pwritev`), with the GIL released and large objects spread over a few threads.
 //!
-//! File format (written here, read here and by the Python scrub): the object's bytes, its key,
+//! File format (written, read and checked here only; the Python scrub calls [`local_intact`]): the object's bytes, its key,
 //! then a 32-byte footer: `HIOLOC01`, the object's length (u64), the key's length (u32), the
 //! CRC-32 (IEEE, as zlib's) of the object's bytes (u32), 8 zero bytes; little-endian.
 //!
@@ -11,14 +11,19 @@
 //! object with a span outside answers `INVALID_PARAMS`, as Mooncake answers a bad buffer.
 
 use std::ffi::CString;
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::PyList;
+use pyo3::types::{PyAny, PyList};
 use sha2::{Digest, Sha256};
 
-const FOOTER: usize = 32;
+use crate::IntoPy;
+
+/// Bytes of the footer (exported as `LOCAL_FOOTER_BYTES`: Python sizes files by it).
+pub(crate) const FOOTER: usize = 32;
 const FOOTER_MAGIC: &[u8; 8] = b"HIOLOC01";
 /// hicache-io's integrity trailer (the store verifies objects that end in one): its first word,
 /// and its bytes (that word, then the object's checksum bound to its key). The one spelling of
@@ -71,8 +76,12 @@ fn spans_arg(ptrs: &Bound<'_, PyList>, sizes: &Bound<'_, PyList>) -> PyResult<Ve
 /// Where object `key` lives under folder `objects`: `<objects>/<h[..2]>/<h>`, `h` the SHA-256 of
 /// the key in hex (256 folders of at most a few thousand files each at a laptop's capacity).
 fn object_path(objects: &str, key: &[u8]) -> String {
-    let h: String = Sha256::digest(key).iter().map(|b| format!("{b:02x}")).collect();
+    let h = key_hash(key);
     format!("{objects}/{}/{h}", &h[..2])
+}
+
+fn key_hash(key: &[u8]) -> String {
+    Sha256::digest(key).iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// The files of objects `keys` under folder `objects` (see [`object_path`]).
@@ -186,6 +195,23 @@ fn footer(n: usize, key: &[u8], crc: u32) -> Vec<u8> {
     f
 }
 
+/// The CRC the footer `f` (the file's last [`FOOTER`] bytes) records, where it is this format's
+/// and names an object of `n` bytes and a key of `klen` bytes; `None` where it does not hold.
+fn footer_holds(f: &[u8], n: usize, klen: usize) -> Option<u32> {
+    let f: &[u8; FOOTER] = f.try_into().ok()?;
+    let (magic, rest) = f.split_first_chunk::<8>()?;
+    let (len, rest) = rest.split_first_chunk::<8>()?;
+    let (kl, rest) = rest.split_first_chunk::<4>()?;
+    let (crc, _pad) = rest.split_first_chunk::<4>()?;
+    (magic == FOOTER_MAGIC && u64::from_le_bytes(*len) == n as u64 && u32::from_le_bytes(*kl) as usize == klen)
+        .then_some(u32::from_le_bytes(*crc))
+}
+
+/// The bytes of `spans` together; `None` past `usize` (no buffer of the caller can be that large).
+fn span_bytes(spans: &[Span]) -> Option<usize> {
+    spans.iter().try_fold(0usize, |a, s| a.checked_add(s.1))
+}
+
 /// Reads object `key` from file `path` into `spans` (`exact`: their sizes add up to the
 /// object's; else one span at least as large); the object's bytes, or a code.
 fn get_one(path: &str, key: &[u8], spans: &[Span], exact: bool, crc_trailered: bool, touch_seconds: f64) -> i64 {
@@ -204,7 +230,7 @@ fn get_one(path: &str, key: &[u8], spans: &[Span], exact: bool, crc_trailered: b
     }
     let size = st.st_size.max(0) as usize;
     let Some(n) = size.checked_sub(key.len() + FOOTER) else { return OBJECT_NOT_FOUND };
-    let room: usize = spans.iter().map(|s| s.1).sum();
+    let Some(room) = span_bytes(spans) else { return INVALID_PARAMS };
     if exact && room != n {
         return BUFFER_MISMATCH;
     }
@@ -221,14 +247,8 @@ fn get_one(path: &str, key: &[u8], spans: &[Span], exact: bool, crc_trailered: b
         Err(e) => return e,
     }
     let (k, f) = tail.split_at(key.len());
-    let holds = k == key
-        && &f[..8] == FOOTER_MAGIC
-        && u64::from_le_bytes(f[8..16].try_into().unwrap_or_default()) == n as u64
-        && u32::from_le_bytes(f[16..20].try_into().unwrap_or_default()) as usize == key.len();
-    if !holds {
-        return DAMAGED;
-    }
-    if (crc_trailered || !carries_trailer(&targets)) && crc_of(&targets) != u32::from_le_bytes(f[20..24].try_into().unwrap_or_default()) {
+    let Some(crc) = footer_holds(f, n, key.len()).filter(|_| k == key) else { return DAMAGED };
+    if (crc_trailered || !carries_trailer(&targets)) && crc_of(&targets) != crc {
         return DAMAGED;
     }
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
@@ -246,18 +266,14 @@ fn on_disk(nbytes: usize) -> i64 {
 }
 
 /// Writes object `key` from `spans` to temporary file `tmp` and publishes it at `path` by a
-/// link (whole or not at all; an existing object is kept); the bytes it takes on disk (0 when
-/// kept), or a code. (`O_TMPFILE` measured no faster here: the file system's metadata work is
+/// link (whole or not at all; an object published meanwhile is kept: the caller checked that
+/// none existed before); the bytes it takes on disk (0 when kept), or a code. (`O_TMPFILE` measured no faster here: the file system's metadata work is
 /// the same.)
 fn put_one(path: &str, tmp: &str, key: &[u8], spans: &[Span], fsync: bool) -> i64 {
     let (Some(final_c), Some(tmp_c)) = (cpath(path), cpath(tmp)) else { return INVALID_PARAMS };
-    // SAFETY: NUL-terminated paths.
-    if unsafe { libc::access(final_c.as_ptr(), libc::F_OK) } == 0 {
-        return 0;
-    }
-    let n: usize = spans.iter().map(|s| s.1).sum();
+    let Some(n) = span_bytes(spans) else { return INVALID_PARAMS };
     let foot = footer(n, key, crc_of(spans));
-    let total = n + foot.len();
+    let Some(total) = n.checked_add(foot.len()) else { return INVALID_PARAMS };
     let write = |fd: &Fd| -> Result<(), i64> {
         let mut iov = iovecs(spans);
         iov.push(libc::iovec { iov_base: foot.as_ptr() as *mut libc::c_void, iov_len: foot.len() });
@@ -457,30 +473,100 @@ pub(crate) fn local_get(
 }
 
 /// Writes objects `keys[j]` from their spans (as [`local_get`]'s) to temporary files `tmps[j]`
-/// and publishes each at `paths[j]` by a link. Per object: the bytes its file takes on disk
-/// (written), `0` (it existed: kept), `-600` (a span outside `regions`) or `-errno`.
+/// and publishes each at its file under folder `objects` by a link. Each object's existence is
+/// checked once, here; then `reserve(need)` is called once, with the GIL, before any byte is
+/// written: `need` is what the new objects' files take on disk (the directory's capacity is
+/// counted first). `reserve` answers false to refuse (nothing is written: `None`); an exception
+/// it raises propagates. Else `(need, per object: the bytes its file takes on disk (written),
+/// `0` (it existed, or a racing writer published it first: kept), `-600` (a span outside
+/// `regions`) or `-errno`)`: the caller uncounts what `need` holds beyond what was written.
 #[pyfunction]
-#[pyo3(signature = (regions, paths, tmps, keys, ptrs, sizes, fsync, threads))]
+#[pyo3(signature = (regions, objects, tmps, keys, ptrs, sizes, fsync, threads, reserve))]
 pub(crate) fn local_put(
     py: Python<'_>,
     regions: Vec<Span>,
-    paths: Vec<String>,
+    objects: &str,
     tmps: Vec<String>,
     keys: Vec<String>,
     ptrs: &Bound<'_, PyList>,
     sizes: &Bound<'_, PyList>,
     fsync: bool,
     threads: usize,
-) -> PyResult<Vec<i64>> {
-    if paths.len() != keys.len() || tmps.len() != keys.len() {
-        return Err(PyValueError::new_err(format!("{} paths and {} temporary names for {} keys", paths.len(), tmps.len(), keys.len())));
+    reserve: &Bound<'_, PyAny>,
+) -> PyResult<Option<(u64, Vec<i64>)>> {
+    if tmps.len() != keys.len() {
+        return Err(PyValueError::new_err(format!("{} temporary names for {} keys", tmps.len(), keys.len())));
     }
-    let spans = checked(&regions, ptrs, sizes, keys.len())?;
-    let bytes = spans.iter().flatten().flatten().map(|s| s.1).sum();
-    Ok(py.detach(|| {
+    // Every object's bytes count, its spans checked or not (those outside fail below and are
+    // uncounted by the caller with the rest): the reservation is what the sizes say.
+    let all = spans_arg(ptrs, sizes)?;
+    if all.len() != keys.len() {
+        return Err(PyValueError::new_err(format!("{} objects but {} span lists", keys.len(), all.len())));
+    }
+    let paths: Vec<String> = keys.iter().map(|k| object_path(objects, k.as_bytes())).collect();
+    let (exists, need) = py.detach(|| {
+        let exists: Vec<bool> = paths.iter().map(|p| cpath(p).is_some_and(|c| file_exists(&c))).collect();
+        // Saturating: a sum past u64 exceeds any capacity, so the reservation refuses it.
+        let need = (0..keys.len()).filter(|&j| !exists[j]).fold(0u64, |acc, j| {
+            let file = span_bytes(&all[j]).and_then(|n| n.checked_add(FOOTER)).and_then(|n| n.checked_add(keys[j].len()));
+            acc.saturating_add(file.map_or(u64::MAX, |f| on_disk(f) as u64))
+        });
+        (exists, need)
+    });
+    if !reserve.call1((need,))?.is_truthy()? {
+        return Ok(None);
+    }
+    let spans: Vec<Option<Vec<Span>>> = all.into_iter().map(|s| inside(&regions, &s).then_some(s)).collect();
+    let bytes = spans.iter().flatten().flatten().fold(0usize, |a, s| a.saturating_add(s.1));
+    let written = py.detach(|| {
         run_all(keys.len(), bytes, threads, |j| match &spans[j] {
-            Some(s) => put_one(&paths[j], &tmps[j], keys[j].as_bytes(), s, fsync),
             None => INVALID_PARAMS,
+            Some(_) if exists[j] => 0,
+            Some(s) => put_one(&paths[j], &tmps[j], keys[j].as_bytes(), s, fsync),
         })
-    }))
+    });
+    Ok(Some((need, written)))
+}
+
+/// Whether file `c` exists (as `os.path.exists`: any failure to find it is no).
+fn file_exists(c: &CString) -> bool {
+    // SAFETY: a NUL-terminated path.
+    unsafe { libc::access(c.as_ptr(), libc::F_OK) == 0 }
+}
+
+/// Whether object file `path` holds what its footer says: its key (valid UTF-8, whose file
+/// under folder `objects` is `path`), the object's length and CRC-32, and, where the object
+/// ends in hicache-io's trailer, that trailer's checksum of the body bound to the key. The
+/// scrub's check (`hicache_io.l3.local.scrub`); a file that cannot be read is not intact.
+#[pyfunction]
+pub(crate) fn local_intact(py: Python<'_>, objects: PathBuf, path: PathBuf) -> PyResult<bool> {
+    py.detach(|| {
+        let Ok(data) = std::fs::read(&path) else { return Ok(false) };
+        let Some(foot_at) = data.len().checked_sub(FOOTER) else { return Ok(false) };
+        let (head, foot) = data.split_at(foot_at);
+        // The key's length as the footer says, then the object before it.
+        let klen = foot.get(16..20).and_then(|b| b.try_into().ok()).map_or(0, u32::from_le_bytes) as usize;
+        let Some(n) = foot_at.checked_sub(klen) else { return Ok(false) };
+        let (obj, key) = head.split_at(n);
+        let Some(crc) = footer_holds(foot, n, key.len()) else { return Ok(false) };
+        if std::str::from_utf8(key).is_err() {
+            return Ok(false);
+        }
+        let h = key_hash(key);
+        let mut named = objects.into_os_string().into_vec();
+        named.extend_from_slice(format!("/{}/{h}", &h[..2]).as_bytes());
+        if named != path.as_os_str().as_bytes() || crc32fast::hash(obj) != crc {
+            return Ok(false);
+        }
+        let Some(body_len) = obj.len().checked_sub(TRAILER_BYTES) else { return Ok(true) };
+        let (body, trailer) = obj.split_at(body_len);
+        let word = |at: usize| trailer.get(at..at + 8).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes);
+        if word(0) != Some(TRAILER_MAGIC) {
+            return Ok(true);
+        }
+        use hicache_io::integrity as ig;
+        let keys = ig::shared_keys(ig::STORAGE_SEED, ig::words(body.len()))?;
+        Ok(Some(ig::checksum(body, &keys) ^ ig::name_hash(key)) == word(8))
+    })
+    .py()
 }

@@ -110,7 +110,9 @@ def test_writers_killed_at_random_points_leave_exact_pages_or_misses(tmp_path, k
     assert got["stats"]["corrupt"] == 0
 
 
-def test_a_flipped_byte_reads_as_a_miss_and_scrub_removes_it(tmp_path):
+def test_flipped_objects_read_as_counted_misses_and_scrub_removes_them(tmp_path):
+    """sglang-named objects (no trailer: the file's CRC is their only check): three flipped ones
+    are damaged to scrub, and three more found by reads are misses counted as corrupt."""
     directory = tmp_path / "l3"
     call(tmp_path, "write", "mha", directory, 0, 0, 8)
     # K and V of 8 pages (and the namespace record of sglang-named pages, a small object).
@@ -123,17 +125,21 @@ def test_a_flipped_byte_reads_as_a_miss_and_scrub_removes_it(tmp_path):
             f.seek(100)
             f.write(bytes([b[0] ^ 0x10]))
 
-    flip(files[3])
+    for j in (3, 5, 7):
+        flip(files[j])
     out = subprocess.run([sys.executable, "-m", "hicache_io.l3", "scrub", str(directory)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout) == {"checked": 17, "intact": 16, "removed": 1}
+    assert json.loads(out.stdout) == {"checked": 17, "intact": 14, "damaged": 3, "removed": 3}
     stats = json.loads(subprocess.run([sys.executable, "-m", "hicache_io.l3", "stats", str(directory)], capture_output=True, text=True, timeout=120).stdout)
-    assert stats["objects"] == 16
-    # Another flip, found by a read: that page is a miss (and its object goes), the rest exact.
-    flip(files[9])
+    assert stats["objects"] == 14
+    # Three more flips, found by reads: their pages are misses (their objects go), counted as
+    # corrupt; the rest exact.
+    for j in (9, 11, 13):
+        flip(files[j])
     got = call(tmp_path, "read", "mha", directory, 0, 0, 8)
-    assert got["hits"] == 6 and got["wrong"] == []
-    assert not os.path.exists(files[9])
+    assert got["stats"]["corrupt"] == 3 and got["wrong"] == []
+    assert 2 <= got["hits"] <= 5, got  # the pages of the six objects (three or more pages) miss
+    assert not any(os.path.exists(files[j]) for j in (9, 11, 13))
 
 
 def test_the_capacity_holds_with_two_writer_processes(tmp_path):
@@ -193,7 +199,7 @@ def test_the_client_moves_objects_of_many_spans_and_removes_damaged_ones(tmp_pat
     """Objects scattered over more buffers than one system call takes (Linux's IOV_MAX, 1024), a
     put of an existing key that keeps the first object, and a damaged object that goes at its
     first read."""
-    from hicache_io.l3.local import OBJECT_NOT_FOUND, LocalDiskClient
+    from hicache_io.l3.local import DAMAGED, LocalDiskClient
 
     c = LocalDiskClient(str(tmp_path / "l3"), capacity_bytes=64 << 20)
     try:
@@ -210,7 +216,7 @@ def test_the_client_moves_objects_of_many_spans_and_removes_damaged_ones(tmp_pat
         with open(c.path("k"), "r+b") as f:
             f.seek(5)
             f.write(b"\xff")
-        assert c.batch_get_into_multi_buffers(["k"], [spans(dst)], [[8] * n]) == [OBJECT_NOT_FOUND]
+        assert c.batch_get_into_multi_buffers(["k"], [spans(dst)], [[8] * n]) == [DAMAGED]
         assert c.batch_is_exist(["k"]) == [0]  # gone: the page can be stored again
     finally:
         c.close()
@@ -248,7 +254,8 @@ def test_large_page_aligned_objects_are_written_direct_and_read_back_exactly(tmp
     (the span's whole pages straight from memory, the rest padded through an aligned buffer, the
     file then cut to its size): every byte reads back, the file holds exactly the object, key and
     footer, and a flipped byte still makes it a miss."""
-    from hicache_io.l3.local import FOOTER, OBJECT_NOT_FOUND, LocalDiskClient, scrub
+    from hicache_io import _native
+    from hicache_io.l3.local import DAMAGED, LocalDiskClient, scrub
 
     c = LocalDiskClient(str(tmp_path / "l3"), capacity_bytes=64 << 20)
     try:
@@ -263,7 +270,7 @@ def test_large_page_aligned_objects_are_written_direct_and_read_back_exactly(tmp
             c.register_buffer(a.ctypes.data, a.nbytes)
         starts = np.cumsum([0] + sizes[:-1])
         assert c.batch_put_from_multi_buffers(["big"], [[src.ctypes.data + int(s) for s in starts]], [sizes]) == [0]
-        assert os.path.getsize(c.path("big")) == total + len("big") + FOOTER.size
+        assert os.path.getsize(c.path("big")) == total + len("big") + _native.LOCAL_FOOTER_BYTES
         assert c.batch_get_into(["big"], [dst.ctypes.data], [total]) == [total]
         assert np.array_equal(src, dst)
         assert scrub(c.directory)["removed"] == 0
@@ -272,7 +279,7 @@ def test_large_page_aligned_objects_are_written_direct_and_read_back_exactly(tmp
             b = f.read(1)
             f.seek(total - 1)
             f.write(bytes([b[0] ^ 1]))
-        assert c.batch_get_into(["big"], [dst.ctypes.data], [total]) == [OBJECT_NOT_FOUND]
+        assert c.batch_get_into(["big"], [dst.ctypes.data], [total]) == [DAMAGED]
     finally:
         c.close()
 

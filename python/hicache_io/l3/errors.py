@@ -25,6 +25,10 @@ MOONCAKE_ERRORS[SHORT_READ] = "short read (the object has another size than the 
 INTEGRITY = -100002
 MOONCAKE_ERRORS[INTEGRITY] = "integrity check failed (the bytes read are not the page that was stored under this key)"
 MOONCAKE_ERRORS[REFUSED] = "refused before any byte moved"
+#: hicache-io's own code: the local store found the object damaged (its footer does not hold, or
+#: its bytes fail the footer's CRC) and removed it; a miss, counted as ``corrupt``.
+DAMAGED = -100003
+MOONCAKE_ERRORS[DAMAGED] = "damaged object (it failed the local store's CRC and was removed)"
 
 
 #: How failures name the two stores.

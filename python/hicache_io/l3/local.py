@@ -7,8 +7,9 @@ with Mooncake's return conventions, so the store's pipelines, key schemes and tr
 same over both transports (:class:`hicache_io.storage.LocalStore`).
 
 Files. Object ``key`` is ``objects/<h[:2]>/<h>`` under the directory (``h``: SHA-256 of the key):
-the object's bytes, the key, and a 32-byte footer (``HIOLOC01``, the object's length, the key's
-length, the CRC-32 of the object's bytes). A put writes a temporary file (``tmp/``) and links it
+the object's bytes, the key, and a footer (``_native.LOCAL_FOOTER_BYTES`` bytes: a magic, the
+object's length, the key's length, the CRC-32 of the object's bytes; read, written and checked in
+native code only, ``python/src/local_io.rs``). A put writes a temporary file (``tmp/``) and links it
 into place: an object is visible only when complete, and a writer killed at any instant leaves a
 temporary file (removed later) or nothing. Objects are never changed once published; a put of an
 existing key keeps the object (as Mooncake does), even when two writers race.
@@ -43,21 +44,17 @@ import itertools
 import logging
 import os
 import socket
-import struct
 import threading
 import time
-import zlib
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .errors import BUFFER_MISMATCH, INVALID_PARAMS, OBJECT_NOT_FOUND  # noqa: F401 (Mooncake's codes, as the store reads them)
-from .trailer import TRAILER_BYTES, TRAILER_MAGIC
+from .. import _native
+from .errors import BUFFER_MISMATCH, DAMAGED, INVALID_PARAMS, OBJECT_NOT_FOUND  # noqa: F401 (Mooncake's codes, as the store reads them)
 
 logger = logging.getLogger(__name__)
 
-FOOTER = struct.Struct("<8sQII8x")
-FOOTER_MAGIC = b"HIOLOC01"
 #: Default capacity: fits a laptop's disk.
 DEFAULT_CAPACITY = 8 << 30
 #: A get marks an object used (for the eviction order) when its last mark is older than this.
@@ -107,8 +104,6 @@ class LocalDiskClient:
 
     def paths(self, keys: Sequence[str]) -> List[str]:
         """The files of objects ``keys``: ``objects/<h[:2]>/<h>``, ``h`` the SHA-256 of the key."""
-        from .. import _native
-
         return _native.local_paths(self.objects, list(keys))
 
     @staticmethod
@@ -155,6 +150,15 @@ class LocalDiskClient:
 
         self._counted(reserve)
 
+    def _reserve_new(self, need: int) -> bool:
+        """Counts ``need`` bytes of new objects before they are written (:meth:`_reserve`); False
+        (nothing is written) when they exceed the whole directory's capacity."""
+        if need > self.capacity:
+            return False
+        if need:
+            self._reserve(need)
+        return True
+
     def _adjust(self, delta: int) -> None:
         """Corrects the counter by ``delta`` bytes (reserved but not written: negative; written
         but not reserved, an object removed meanwhile and written again: positive)."""
@@ -180,23 +184,17 @@ class LocalDiskClient:
 
     def _put(self, keys: Sequence[str], ptrs: Sequence[Any], sizes: Sequence[Any], extra: Sequence[Tuple[int, int]] = ()) -> List[int]:
         """Puts objects ``keys`` from their spans: the new objects' bytes counted first (the
-        directory never holds more than its capacity), what was not written uncounted after."""
-        from .. import _native
-
+        directory never holds more than its capacity), what was not written uncounted after.
+        The native put maps keys to files and checks which exist, once; it calls
+        :meth:`_reserve_new` with the new objects' bytes before it writes any."""
         keys = list(keys)
-        paths = self.paths(keys)
+        prefix = f"{self.tmp}/{os.getpid()}-{_HOST}-{threading.get_ident()}-"
+        tmps = [prefix + str(next(self._seq)) for _ in keys]
         try:
-            need = 0
-            for k, p, n in zip(keys, paths, sizes):
-                if not os.path.exists(p):
-                    need += _on_disk((sum(n) if isinstance(n, (list, tuple)) else int(n)) + FOOTER.size + len(k.encode()))
-            if need > self.capacity:
+            done = _native.local_put(self._regions_with(extra), self.objects, tmps, keys, list(ptrs), list(sizes), self.fsync, self.threads, self._reserve_new)
+            if done is None:
                 return [-errno.ENOSPC] * len(keys)  # more than the whole directory may hold
-            if need:
-                self._reserve(need)
-            prefix = f"{self.tmp}/{os.getpid()}-{_HOST}-{threading.get_ident()}-"
-            tmps = [prefix + str(next(self._seq)) for _ in keys]
-            written = _native.local_put(self._regions_with(extra), paths, tmps, keys, list(ptrs), list(sizes), self.fsync, self.threads)
+            need, written = done
             self._adjust(sum(w for w in written if w > 0) - need)
         except OSError as e:  # the lock or the directory itself failed: every put fails
             logger.warning("hicache-io L3 (local): puts failed: %s", e)
@@ -210,8 +208,6 @@ class LocalDiskClient:
         """Reads objects ``keys`` into their spans (``exact``: their sizes must add up to the
         object's; else one span at least as large); per object the bytes read or a code. A
         damaged object is a miss, and goes (so that the page can be stored again)."""
-        from .. import _native
-
         keys = list(keys)
         got = _native.local_get(self._regions_with(extra), self.objects, keys, list(ptrs), list(sizes), exact, self.crc_trailered, TOUCH_SECONDS, self.threads)
         for j, g in enumerate(got):
@@ -220,14 +216,16 @@ class LocalDiskClient:
         return got
 
     def _damaged(self, key: str, p: str) -> int:
+        """Removes damaged object ``key`` (file ``p``): its answer is ``DAMAGED``, a miss the
+        store counts as corrupt."""
         logger.warning("hicache-io L3 (local): object %s is damaged (its footer does not hold or it fails its CRC): a miss, removed", key)
         try:
             size = os.stat(p).st_blocks * 512
         except OSError:
-            return OBJECT_NOT_FOUND
+            return DAMAGED
         if self._unlink(p):
             self._adjust(-size)
-        return OBJECT_NOT_FOUND
+        return DAMAGED
 
     # ---- Mooncake's client calls -------------------------------------------------------------
 
@@ -251,7 +249,7 @@ class LocalDiskClient:
 
     def get(self, key: str) -> bytes:
         try:
-            n = os.stat(self.path(key)).st_size - len(key.encode()) - FOOTER.size
+            n = os.stat(self.path(key)).st_size - len(key.encode()) - _native.LOCAL_FOOTER_BYTES
         except OSError:
             return b""
         if n < 0:
@@ -293,15 +291,6 @@ class LocalDiskClient:
 
     def close(self) -> None:
         pass
-
-
-def _footer_holds(tail: bytes, kb: bytes, n: int) -> Tuple[bool, int]:
-    """Whether ``tail`` (the file's key and footer) names key ``kb`` and an object of ``n``
-    bytes; and the footer's CRC."""
-    if n < 0 or len(tail) != len(kb) + FOOTER.size or tail[: len(kb)] != kb:
-        return False, 0
-    magic, length, klen, crc = FOOTER.unpack(tail[len(kb) :])
-    return magic == FOOTER_MAGIC and length == n and klen == len(kb), crc
 
 
 def _on_disk(nbytes: int) -> int:
@@ -351,14 +340,6 @@ def scan(directory: str) -> Tuple[int, List[Tuple[float, int, str]]]:
     return total, objs
 
 
-def _carries_trailer(targets: Sequence[memoryview]) -> bool:
-    """Whether the object read ends in hicache-io's integrity trailer (which the store checks)."""
-    last = targets[-1]
-    if last.nbytes < TRAILER_BYTES:
-        return False
-    return int.from_bytes(last[last.nbytes - TRAILER_BYTES : last.nbytes - TRAILER_BYTES + 8], "little") == TRAILER_MAGIC
-
-
 def stats(directory: str) -> Dict[str, int]:
     """Objects, their bytes on disk, and the whole directory's bytes on disk."""
     total, objs = scan(directory)
@@ -366,49 +347,25 @@ def stats(directory: str) -> Dict[str, int]:
 
 
 def scrub(directory: str) -> Dict[str, int]:
-    """Reads every object; removes those whose file is torn, whose footer does not hold, or whose
-    bytes fail their CRC or their hicache-io trailer. Counts ``checked``, ``intact``, ``removed``."""
-    out = {"checked": 0, "intact": 0, "removed": 0}
+    """Reads every object; removes the damaged: those whose file is torn, whose footer does not
+    hold, or whose bytes fail their CRC or their hicache-io trailer. Counts ``checked``,
+    ``intact``, ``damaged`` and ``removed`` (the damaged files it removed; another process may
+    have removed one first)."""
+    out = {"checked": 0, "intact": 0, "damaged": 0, "removed": 0}
     objects = os.path.join(directory, "objects")
     for root, _dirs, files in os.walk(objects):
         for name in files:
             p = os.path.join(root, name)
             out["checked"] += 1
-            if _file_intact(p):
+            # The file's own folder's parent as the objects folder: a file elsewhere than
+            # objects/<h[:2]>/ is named by no key, so it is not intact.
+            if _native.local_intact(os.path.dirname(os.path.dirname(p)), p):
                 out["intact"] += 1
-            elif LocalDiskClient._unlink(p):
+                continue
+            out["damaged"] += 1
+            if LocalDiskClient._unlink(p):
                 out["removed"] += 1
     if out["removed"] and os.path.exists(os.path.join(directory, "lock")):
         client = LocalDiskClient(directory)  # counts the directory anew
         client.close()
     return out
-
-
-def _file_intact(p: str) -> bool:
-    """Whether object file ``p`` holds what its footer says (its key, whose path it is, its length
-    and CRC), and a hicache-io trailer that matches, where the object carries one."""
-    from .. import _native
-    from .trailer import name_tag
-
-    try:
-        with open(p, "rb") as f:
-            data = f.read()
-    except OSError:
-        return False
-    if len(data) < FOOTER.size:
-        return False
-    klen = FOOTER.unpack(data[-FOOTER.size :])[2]
-    n = len(data) - klen - FOOTER.size
-    key = data[n : n + klen] if n >= 0 else b""
-    ok, crc = _footer_holds(data[n:] if n >= 0 else b"", key, n)
-    obj = memoryview(data)[: max(n, 0)]
-    try:
-        named = _native.local_paths(os.path.dirname(os.path.dirname(p)), [key.decode()])[0] == p
-    except UnicodeDecodeError:
-        return False
-    if not ok or not named or zlib.crc32(obj) != crc:
-        return False
-    if _carries_trailer([obj]):
-        body = np.frombuffer(obj[: n - TRAILER_BYTES], np.uint8)
-        return (_native.checksum(body) ^ name_tag(key.decode())) == int.from_bytes(obj[n - 8 :], "little")
-    return True

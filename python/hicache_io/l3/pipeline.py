@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from .errors import INTEGRITY, REFUSED, SHORT_READ, StorageError
+from .errors import DAMAGED, INTEGRITY, REFUSED, SHORT_READ, StorageError
 from .placements import Placement
 from .trailer import TRAILER_BYTES, name_tags, seal, sealed_rows, verify
 from .transport import Transport
@@ -117,6 +117,9 @@ def _get(calls: StoreCalls, what: str, keys: List[str], obj_keys: List[str], pla
     if not ok.all():
         bad = np.flatnonzero(~ok)
         first = int(got[bad[0]])
+        # Found damaged by the transport (the local store's CRC): a miss, counted as a trailer
+        # mismatch is.
+        calls.stats["corrupt"] += int(np.count_nonzero(got == DAMAGED))
         calls.fail(StorageError(call, first if first < 0 else SHORT_READ, [obj_keys[j] for j in bad]))
     unverified = ~has_trailer
     settled = False

@@ -483,8 +483,10 @@ class PageStore(HiCacheStorage):
 
     def integrity_stats(self) -> Dict[str, int]:
         """Objects of hicache-io's own (shard-named) pages read so far: ``verified`` (checksum
-        matched), ``unverified`` (no trailer), ``corrupt`` (refused). sglang-named objects carry no
-        checksum and are not counted. ``damaged_puts``: pages not put because their bytes in the
+        matched), ``unverified`` (no trailer), ``corrupt`` (refused: a trailer that does not match,
+        or, on the local store, any object, sglang-named ones too, whose bytes fail its file's CRC;
+        such a file is removed). sglang-named objects carry no trailer and are otherwise not
+        counted. ``damaged_puts``: pages not put because their bytes in the
         host pool failed the item checksums their backup recorded (any naming). ``foreign``:
         sglang-named pages read or written as misses because the prefix's sidecar record names
         another namespace. ``incompatible``: pages read or written as misses under the unified key

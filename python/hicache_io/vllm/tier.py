@@ -16,7 +16,7 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from .. import _native
-from ..l3.errors import LOCAL_STORE, MOONCAKE_STORE
+from ..l3.errors import DAMAGED, LOCAL_STORE, MOONCAKE_STORE
 from ..l3.trailer import TRAILER_BYTES, matches, seal
 from ..l3.transport import OTHER_SIZE, Health, Spans, Transport
 
@@ -181,7 +181,7 @@ class HicacheTier(SecondaryTierManager):
                 good = whole & matches(self._trailers[chunk_ids], self._sums(chunk_ids), keys)
             # Damaged, or stored in another size (refused by both transports as -600 / -800):
             # such an object would fail every later load, and a store keeps an existing object.
-            bad = (whole & ~good) | np.isin(got, tuple(OTHER_SIZE.values()))
+            bad = (whole & ~good) | np.isin(got, (*OTHER_SIZE.values(), DAMAGED))
             for j in np.flatnonzero(bad):
                 self.client.remove(keys[j])
                 log.warning("hicache-io tier: chunk %s failed its checks (%d); removed", keys[j], int(got[j]))
