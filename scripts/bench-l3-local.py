@@ -58,12 +58,12 @@ def pools(kind, bpt, layers, page, pages):
     return host, toks
 
 
-def local_rounds(root, host, toks, page, pages, integrity, rounds):
+def local_rounds(root, host, toks, page, pages, integrity, rounds, writes="cached"):
     puts, gets = [], []
     back = toks + pages * page
     for r in range(rounds):
-        d = os.path.join(root, f"local-{integrity}-{r}")
-        s = LocalStore(HiCacheStorageConfig(model_name="bench"), {}, directory=d, capacity_bytes=1 << 40, integrity=integrity)
+        d = os.path.join(root, f"local-{integrity}-{writes}-{r}")
+        s = LocalStore(HiCacheStorageConfig(model_name="bench"), {"hicache_io_local_writes": writes}, directory=d, capacity_bytes=1 << 40, integrity=integrity)
         s.register_mem_pool_host(host)
         keys = [f"p{i}" for i in range(pages)]
         n = STORAGE_BATCH_SIZE
@@ -143,6 +143,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--dir", default=None)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--writes", default="cached", help="LocalStore's hicache_io_local_writes, a comma list: each also gets a row of its own (cached, direct, buffered)")
     args = ap.parse_args()
     root = tempfile.mkdtemp(prefix="hicache-io-bench-l3-", dir=args.dir)
     rows = []
@@ -152,9 +153,13 @@ def main():
             plain_put, plain_get, nbytes = plain_rounds(root, host, toks, page, args.rounds)
             gb = nbytes / 1e9
             row = {"pages": name, "bytes": nbytes, "plain": [gb / plain_put, gb / plain_get]}
+            writes = args.writes.split(",")
             for integrity in (True, False):
-                p, g = local_rounds(root, host, toks, page, pages, integrity, args.rounds)
+                p, g = local_rounds(root, host, toks, page, pages, integrity, args.rounds, writes[0])
                 row["local" + ("" if integrity else " unchecked")] = [gb / p, gb / g]
+            for w in writes[1:]:
+                p, g = local_rounds(root, host, toks, page, pages, True, args.rounds, w)
+                row[f"local {w}"] = [gb / p, gb / g]
             file_times, why = sglang_file_rounds(root, host, toks, page, pages, args.rounds)
             row["sglang file"] = [gb / file_times[0], gb / file_times[1]] if file_times else why
             rows.append(row)
@@ -163,18 +168,18 @@ def main():
     if args.json:
         print(json.dumps(rows, indent=2))
         return
-    print(f"{'pages':<12} {'path':<18} {'put GB/s':>9} {'get GB/s':>9} {'put x file':>11} {'get x file':>11} {'put x plain':>12} {'get x plain':>12}")
+    print(f"{'pages':<12} {'path':<22} {'put GB/s':>9} {'get GB/s':>9} {'put x file':>11} {'get x file':>11} {'put x plain':>12} {'get x plain':>12}")
     for r in rows:
         f = r["sglang file"] if isinstance(r["sglang file"], list) else None
-        for path in ("local", "local unchecked", "sglang file", "plain"):
+        for path in [k for k in r if k.startswith("local")] + ["sglang file", "plain"]:
             v = r[path]
             if not isinstance(v, list):
-                print(f"{r['pages']:<12} {path:<18} {v}")
+                print(f"{r['pages']:<12} {path:<22} {v}")
                 continue
             vs_file = [v[0] / f[0], v[1] / f[1]] if f else ["-", "-"]
             vs_plain = [v[0] / r["plain"][0], v[1] / r["plain"][1]]
             fmt = lambda x: f"{x:.2f}" if isinstance(x, float) else x  # noqa: E731
-            print(f"{r['pages']:<12} {path:<18} {v[0]:>9.2f} {v[1]:>9.2f} {fmt(vs_file[0]):>11} {fmt(vs_file[1]):>11} {fmt(vs_plain[0]):>12} {fmt(vs_plain[1]):>12}")
+            print(f"{r['pages']:<12} {path:<22} {v[0]:>9.2f} {v[1]:>9.2f} {fmt(vs_file[0]):>11} {fmt(vs_file[1]):>11} {fmt(vs_plain[0]):>12} {fmt(vs_plain[1]):>12}")
 
 
 if __name__ == "__main__":

@@ -60,5 +60,6 @@ class LocalStore(PageStore):
             # Objects that carry hicache-io's trailer are checked by the store; with its checksums
             # off nothing else would, so the client checks their CRC too.
             crc_trailered=not settings.integrity,
+            writes=str(extra.get("hicache_io_local_writes", "cached")),
         )
         super().__init__(storage_config, settings, client, LOCAL_STORE, MooncakeStoreConfig(), raise_errors)

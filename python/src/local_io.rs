@@ -40,10 +40,20 @@ pub(crate) const DAMAGED: i64 = -100_003;
 const PARALLEL_BYTES: usize = 64 << 10;
 /// Buffers one vectored call takes (Linux's `IOV_MAX`).
 const IOV_MAX: usize = 1024;
+/// How a put writes its files: `fsync` (each file flushed before it is published), `direct`
+/// (objects of [`DIRECT_MIN`] and more whose first span starts on a page written with `O_DIRECT`,
+/// so they bypass the page cache), `start_writeback` (buffered files' writeback started as each
+/// is written, so that they stay cached without piling up dirty pages).
+#[derive(Clone, Copy)]
+struct WriteRule {
+    fsync: bool,
+    direct: bool,
+    start_writeback: bool,
+}
+
 /// Objects at least this large whose first span starts on a page are written with `O_DIRECT`
-/// (where the file system takes it): buffered writes of new files run at a tenth of the disk's
-/// speed on machines whose page cache is slow to grow (measured 0.15–0.2 GB/s buffered against
-/// 2.5 GB/s direct on this project's CI machine kind).
+/// where the put asks for it and the file system takes it: sustained buffered writes of new files
+/// ran at a fifth to a tenth of the disk's speed on this project's CI machine kind.
 const DIRECT_MIN: usize = 1 << 20;
 /// `O_DIRECT`'s alignment of addresses, offsets and lengths (a page covers every block size).
 const DIRECT_ALIGN: usize = 4096;
@@ -269,7 +279,8 @@ fn on_disk(nbytes: usize) -> i64 {
 /// link (whole or not at all; an object published meanwhile is kept: the caller checked that
 /// none existed before); the bytes it takes on disk (0 when kept), or a code. (`O_TMPFILE` measured no faster here: the file system's metadata work is
 /// the same.)
-fn put_one(path: &str, tmp: &str, key: &[u8], spans: &[Span], fsync: bool) -> i64 {
+fn put_one(path: &str, tmp: &str, key: &[u8], spans: &[Span], rule: WriteRule) -> i64 {
+    let fsync = rule.fsync;
     let (Some(final_c), Some(tmp_c)) = (cpath(path), cpath(tmp)) else { return INVALID_PARAMS };
     let Some(n) = span_bytes(spans) else { return INVALID_PARAMS };
     let foot = footer(n, key, crc_of(spans));
@@ -283,6 +294,13 @@ fn put_one(path: &str, tmp: &str, key: &[u8], spans: &[Span], fsync: bool) -> i6
                 if fsync && unsafe { libc::fsync(fd.0) } != 0 {
                     Err(errno())
                 } else {
+                    if rule.start_writeback && !fsync {
+                        // Starts the file's writeback now, without waiting for it: its pages stay
+                        // in the page cache (a get reads them from memory) while dirty pages stay
+                        // few. Advice only: a failure changes nothing the caller sees.
+                        // SAFETY: an open descriptor.
+                        unsafe { libc::sync_file_range(fd.0, 0, 0, libc::SYNC_FILE_RANGE_WRITE) };
+                    }
                     Ok(())
                 }
             }
@@ -301,7 +319,8 @@ fn put_one(path: &str, tmp: &str, key: &[u8], spans: &[Span], fsync: bool) -> i6
     let flags = libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC;
     // Direct when the object is mostly its first span's whole pages: the rest goes through a
     // bounce buffer, which must stay small.
-    let direct = total >= DIRECT_MIN
+    let direct = rule.direct
+        && total >= DIRECT_MIN
         && spans.first().is_some_and(|&(p, n)| {
             p.is_multiple_of(DIRECT_ALIGN) && n >= DIRECT_ALIGN && total - (n - n % DIRECT_ALIGN) <= DIRECT_REST_MAX
         });
@@ -481,7 +500,7 @@ pub(crate) fn local_get(
 /// `0` (it existed, or a racing writer published it first: kept), `-600` (a span outside
 /// `regions`) or `-errno`)`: the caller uncounts what `need` holds beyond what was written.
 #[pyfunction]
-#[pyo3(signature = (regions, objects, tmps, keys, ptrs, sizes, fsync, threads, reserve))]
+#[pyo3(signature = (regions, objects, tmps, keys, ptrs, sizes, fsync, threads, reserve, direct=true, start_writeback=false))]
 pub(crate) fn local_put(
     py: Python<'_>,
     regions: Vec<Span>,
@@ -493,7 +512,10 @@ pub(crate) fn local_put(
     fsync: bool,
     threads: usize,
     reserve: &Bound<'_, PyAny>,
+    direct: bool,
+    start_writeback: bool,
 ) -> PyResult<Option<(u64, Vec<i64>)>> {
+    let rule = WriteRule { fsync, direct, start_writeback };
     if tmps.len() != keys.len() {
         return Err(PyValueError::new_err(format!("{} temporary names for {} keys", tmps.len(), keys.len())));
     }
@@ -521,8 +543,10 @@ pub(crate) fn local_put(
     let written = py.detach(|| {
         run_all(keys.len(), bytes, threads, |j| match &spans[j] {
             None => INVALID_PARAMS,
-            Some(_) if exists[j] => 0,
-            Some(s) => put_one(&paths[j], &tmps[j], keys[j].as_bytes(), s, fsync),
+            // Kept, unless it went meanwhile (the reservation's eviction, another process):
+            // then written, its bytes counted by the caller's correction.
+            Some(_) if exists[j] && cpath(&paths[j]).is_some_and(|c| file_exists(&c)) => 0,
+            Some(s) => put_one(&paths[j], &tmps[j], keys[j].as_bytes(), s, rule),
         })
     });
     Ok(Some((need, written)))

@@ -248,16 +248,18 @@ def test_the_client_moves_bytes_of_registered_memory_only(tmp_path):
         c.close()
 
 
+@pytest.mark.parametrize("writes", ["direct", "cached", "buffered"])
 @pytest.mark.parametrize("head, spans", [((1 << 20) + 37, [63]), (1 << 20, []), ((1 << 20) + 4096, [16, 5000])])
-def test_large_page_aligned_objects_are_written_direct_and_read_back_exactly(tmp_path, head, spans):
-    """Objects of 1 MiB and more whose first span starts on a page go to disk with ``O_DIRECT``
-    (the span's whole pages straight from memory, the rest padded through an aligned buffer, the
-    file then cut to its size): every byte reads back, the file holds exactly the object, key and
-    footer, and a flipped byte still makes it a miss."""
+def test_large_page_aligned_objects_are_written_and_read_back_exactly(tmp_path, head, spans, writes):
+    """Objects of 1 MiB and more whose first span starts on a page, under each write rule (``direct``:
+    to disk with ``O_DIRECT``, the span's whole pages straight from memory, the rest padded through
+    an aligned buffer, the file then cut to its size; ``cached``: buffered, writeback started):
+    every byte reads back, the file holds exactly the object, key and footer, and a flipped byte
+    still makes it a miss."""
     from hicache_io import _native
     from hicache_io.l3.local import DAMAGED, LocalDiskClient, scrub
 
-    c = LocalDiskClient(str(tmp_path / "l3"), capacity_bytes=64 << 20)
+    c = LocalDiskClient(str(tmp_path / "l3"), capacity_bytes=64 << 20, writes=writes)
     try:
         sizes = [head] + spans
         total = sum(sizes)
@@ -317,3 +319,51 @@ def test_a_store_never_read_back_warns_once_and_counts_it(tmp_path, caplog):
     finally:
         quiet.close()
         silent.close()
+
+
+def test_a_store_dropped_without_close_closes_at_once(tmp_path):
+    """No reference cycle keeps a dropped store (and its client, its registered pool) alive until
+    a garbage collection: with the collector off, the store goes at ``del`` and closes its client."""
+    import gc
+    import weakref
+
+    from hicache_io.storage import HiCacheStorageConfig, LocalStore
+
+    closed = []
+    s = LocalStore(HiCacheStorageConfig(model_name="m"), {}, directory=str(tmp_path / "l3"))
+    s.store.close = lambda: closed.append(True)
+    gone = weakref.ref(s)
+    gc.disable()
+    try:
+        del s
+        assert gone() is None and closed == [True]
+    finally:
+        gc.enable()
+
+
+def test_an_object_the_put_evicts_to_make_room_is_written_again(tmp_path):
+    """A put of [a, d] where ``a`` exists and is the least recently used: the room made for ``d``
+    removes ``a``, so ``a`` is written again rather than answered "kept" and lost."""
+    from hicache_io.l3.local import LocalDiskClient, stats
+
+    directory = str(tmp_path / "l3")
+    LocalDiskClient(directory).close()
+    base = stats(directory)["disk_bytes"]  # the folders and the lock file
+    size, per = 256 << 10, (256 << 10) + 4096  # an object, and its file on disk
+    c = LocalDiskClient(directory, capacity_bytes=base + 3 * per + per // 2)
+    src = np.random.default_rng(5).integers(0, 256, size, dtype=np.uint8)
+    c.register_buffer(src.ctypes.data, src.nbytes)
+    for t, key in enumerate("abc"):
+        assert c.batch_put_from([key], [src.ctypes.data], [size]) == [0]
+        os.utime(c.path(key), (1000 + t, 1000 + t))  # a is the least recently used
+    assert c.batch_put_from(["a", "d"], [src.ctypes.data] * 2, [size] * 2) == [0, 0]
+    assert c.batch_is_exist(["a", "b", "c", "d"]) == [1, 0, 1, 1]
+    assert c.get("a") == src.tobytes()
+    assert stats(directory)["disk_bytes"] <= c.capacity
+
+
+def test_a_write_rule_the_store_does_not_know_is_refused(tmp_path):
+    from hicache_io.storage import HiCacheStorageConfig, LocalStore
+
+    with pytest.raises(ValueError, match="hicache_io_local_writes 'fast'"):
+        LocalStore(HiCacheStorageConfig(model_name="m"), {"hicache_io_local_writes": "fast"}, directory=str(tmp_path / "l3"))

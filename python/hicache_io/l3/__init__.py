@@ -1,2 +1,3 @@
-"""hicache-io's L3 tier: the parts every store shares (see :mod:`hicache_io.storage` for the
-stores themselves)."""
+"""hicache-io's L3 tier: :class:`hicache_io.l3.store.PageStore` and the parts it is made of (keys,
+placements, pipelines, transports, the trailer); :mod:`hicache_io.storage` builds it as
+``MooncakeStore`` or ``LocalStore``."""

@@ -28,7 +28,7 @@ MOONCAKE_ERRORS[REFUSED] = "refused before any byte moved"
 #: hicache-io's own code: the local store found the object damaged (its footer does not hold, or
 #: its bytes fail the footer's CRC) and removed it; a miss, counted as ``corrupt``.
 DAMAGED = -100003
-MOONCAKE_ERRORS[DAMAGED] = "damaged object (it failed the local store's CRC and was removed)"
+MOONCAKE_ERRORS[DAMAGED] = "damaged object (its file's footer or CRC failed: a miss; the file is removed)"
 
 
 #: How failures name the two stores.
@@ -59,8 +59,8 @@ class StorageError(RuntimeError):
         super().__init__(f"{store} {what} failed: {code} {name}" + (f" for {shown}" if shown else "") + (f": {detail}" if detail else ""))
 
     def of(self, store: str) -> "StorageError":
-        """The same failure, reported by ``store``."""
-        return StorageError(self.what, self.code, self.keys, self.detail, store)
+        """The same failure, reported by ``store`` (itself where ``store`` reported it)."""
+        return self if store == self.store else StorageError(self.what, self.code, self.keys, self.detail, store)
 
 
 def errno_name(code: int) -> str:

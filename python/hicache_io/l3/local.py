@@ -31,9 +31,12 @@ bytes first, in a counter all of them share (in the lock file, under its lock); 
 not fit, the putting process counts the directory anew and removes the least recently used
 objects until the directory and the new bytes fit in nine tenths of the capacity.
 Removal is safe while other processes read (an open file stays readable; a file removed before it
-was opened is a miss). Reads are buffered (the page cache shares objects between processes);
-objects of 1 MiB and more whose first span starts on a page are written with ``O_DIRECT``
-(buffered writes of new files can run at a tenth of the disk's speed), others buffered.
+was opened is a miss). Reads are buffered (the page cache shares objects between processes).
+Writes follow ``writes`` (:data:`WRITE_RULES`): ``cached`` (``LocalStore``'s default) leaves a
+page just stored in the page cache, so it is read back from memory, and starts each file's
+writeback at once; ``direct`` (the vLLM tier's default) writes objects of 1 MiB and more with
+``O_DIRECT``, which holds the disk's speed under sustained stores (buffered writes of new files ran
+at a fifth to a tenth of it on this project's machines) but leaves nothing cached.
 
 Durability: objects survive a process that dies (they are in the page cache); ``fsync=True``
 also makes them survive a machine that loses power, at the cost of a flush per object."""
@@ -55,6 +58,16 @@ from .errors import BUFFER_MISMATCH, DAMAGED, INVALID_PARAMS, OBJECT_NOT_FOUND  
 
 logger = logging.getLogger(__name__)
 
+#: How puts write their files. ``cached``: buffered, each file's writeback started as it is
+#: written (pages just stored stay in the page cache, dirty pages stay few). ``direct``: objects
+#: of 1 MiB and more whose first span starts on a page with ``O_DIRECT`` (the disk's speed however
+#: much writeback the kernel has pending; nothing left cached), others buffered. ``buffered``:
+#: the kernel's writeback alone.
+WRITE_RULES = {
+    "cached": {"direct": False, "start_writeback": True},
+    "direct": {"direct": True, "start_writeback": False},
+    "buffered": {"direct": False, "start_writeback": False},
+}
 #: Default capacity: fits a laptop's disk.
 DEFAULT_CAPACITY = 8 << 30
 #: A get marks an object used (for the eviction order) when its last mark is older than this.
@@ -74,12 +87,16 @@ def default_directory() -> str:
 class LocalDiskClient:
     """Mooncake Store's client calls over a directory (see the module docstring)."""
 
-    def __init__(self, directory: Optional[str] = None, capacity_bytes: Optional[int] = None, threads: int = 4, fsync: bool = False, crc_trailered: bool = False):
+    def __init__(self, directory: Optional[str] = None, capacity_bytes: Optional[int] = None, threads: int = 4, fsync: bool = False, crc_trailered: bool = False, writes: str = "cached"):
         self.directory = os.path.abspath(directory or default_directory())
         self.capacity = int(capacity_bytes) if capacity_bytes is not None else DEFAULT_CAPACITY
         if self.capacity <= 0:
             raise ValueError(f"hicache_io_local_capacity_bytes must be positive, got {self.capacity}")
         self.fsync = fsync
+        if writes not in WRITE_RULES:
+            raise ValueError(f"hicache_io_local_writes {writes!r}: expected one of {', '.join(WRITE_RULES)}")
+        #: How puts write files (:data:`WRITE_RULES`).
+        self.writes = writes
         # Objects that carry hicache-io's trailer are verified by the store against it; with the
         # store's checksums off nothing would, so their CRC is checked here too.
         self.crc_trailered = crc_trailered
@@ -191,7 +208,7 @@ class LocalDiskClient:
         prefix = f"{self.tmp}/{os.getpid()}-{_HOST}-{threading.get_ident()}-"
         tmps = [prefix + str(next(self._seq)) for _ in keys]
         try:
-            done = _native.local_put(self._regions_with(extra), self.objects, tmps, keys, list(ptrs), list(sizes), self.fsync, self.threads, self._reserve_new)
+            done = _native.local_put(self._regions_with(extra), self.objects, tmps, keys, list(ptrs), list(sizes), self.fsync, self.threads, self._reserve_new, **WRITE_RULES[self.writes])
             if done is None:
                 return [-errno.ENOSPC] * len(keys)  # more than the whole directory may hold
             need, written = done

@@ -137,17 +137,18 @@ class SidecarPools:
     under its own lock; ``calls`` is what the store lends its pipelines, ``retire`` keeps memory
     the client may still write until the client has closed."""
 
-    def __init__(self, calls: StoreCalls, retire: Callable[[List[Any]], None], storage_config: Any, extra: Dict[str, Any], key_prefix: str, mha_suffix: str, mla_suffix: str):
+    def __init__(self, calls: StoreCalls, retire: Callable[[List[Any]], None], storage_config: Any, extra: Dict[str, Any]):
         self.calls, self.retire = calls, retire
         self.storage_config, self.extra = storage_config, extra
-        self.key_prefix, self.mha_suffix, self.mla_suffix = key_prefix, mha_suffix, mla_suffix
         self._pools: Dict[str, _SidecarPool] = {}
         self._keys: Dict[str, SidecarKeys] = {}
         self._regions: List[int] = []
         self._trailers: Optional[np.ndarray] = None
 
-    def register(self, host_pool: Any, name: str) -> None:
-        """Registers pool ``name``'s buffers with the client and names its objects."""
+    def register(self, host_pool: Any, name: str, prefix: str, mha_suffix: str, mla_suffix: str) -> None:
+        """Registers pool ``name``'s buffers with the client and names its objects: ``prefix``
+        (``""`` or ending in ``_``) and the rank suffixes are the store's as the pool registers,
+        as its KV pages' are."""
         if name in self._pools:
             raise RuntimeError(f"a {name!r} pool is already registered with this store")
         side = _SidecarPool(host_pool, name)
@@ -163,8 +164,7 @@ class SidecarPools:
         self._trailers = trailers
         self._regions += done
         record = json.dumps(side.namespace(self.storage_config, self.extra), sort_keys=True).encode()
-        rank = self.mha_suffix if side.rank_specific(self.storage_config) else self.mla_suffix
-        prefix = f"{self.key_prefix}_" if self.key_prefix else ""
+        rank = mha_suffix if side.rank_specific(self.storage_config) else mla_suffix
         self._keys[name] = SidecarKeys(prefix, rank, name, hashlib.blake2b(record, digest_size=6).hexdigest(), side.per_page)
         self._pools[name] = side
 

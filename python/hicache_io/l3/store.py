@@ -46,6 +46,7 @@ import hashlib
 import json
 import logging
 import threading
+import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -67,6 +68,19 @@ logger = logging.getLogger(__name__)
 #: A staging buffer for sealed objects (:func:`hicache_io.l3.placements.sealing`): the buffer,
 #: its trailers as ``[n][2]`` u64 rows, the stride of an object and its trailer, pages a batch.
 Sealing = Tuple[np.ndarray, np.ndarray, int, int]
+
+
+def _weakly(method: Any) -> Any:
+    """``method`` (a bound method) through a weak reference to its object: a no-op once the
+    object is gone."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+
+    return call
 
 
 class Registered:
@@ -140,14 +154,16 @@ class PageStore(HiCacheStorage):
         # Whether what is stored is ever read back (l3.watch: warns once when it is not).
         self._read_back = ReadBack(name, getattr(client, "directory", "") or "")
         self._io = Transport(client, self._health)
-        self._pages = StoreCalls(self._io, self._fail, self.stats)
+        # Failures reach the store through a weak reference: the store holds its pipelines' calls,
+        # and a cycle back would keep a dropped store (and its client) alive until a collection.
+        self._pages = StoreCalls(self._io, _weakly(self._fail), self.stats)
         self._reg: Optional[Registered] = None
         # What owned memory registered with the client (pools, staging and trailer buffers) after
         # it was unregistered: kept until the client has closed (see the module docstring). It
         # grows with each re-registration until close(), by design: a pool re-registered is rare,
         # and a buffer the client may still write must not be freed.
         self._retired: List[Any] = []
-        self._sidecars = SidecarPools(self._pages, self._retired.extend, self.storage_config, st.extra, st.key_prefix, st.mha_suffix, st.mla_suffix)
+        self._sidecars = SidecarPools(self._pages, self._retired.extend, self.storage_config, st.extra)
         #: sglang's storage v2: the pools registered by name (the KV anchor too).
         self.registered_pools: Dict[str, Any] = {}
 
@@ -222,7 +238,11 @@ class PageStore(HiCacheStorage):
         keys = RankKeys(self._prefix(), rank, descriptor, lay.kind, lay.comps)
         reg = Registered(pool, lay, keys, addrs, namespace, staging=staging, trailers=trailers, sealed=sealed)
         if descriptor is None and self._settings.namespace_record:
-            reg.foreign = not claim_namespace(self.store, namespace_key(self._prefix(), rank), record)
+            try:
+                reg.foreign = not claim_namespace(self.store, namespace_key(self._prefix(), rank), record)
+            except BaseException:
+                self._release(reg)
+                raise
         return reg
 
     def _register_unified(self, pool: Any) -> Registered:
@@ -255,9 +275,14 @@ class PageStore(HiCacheStorage):
             self.registered_pools = {}
             reg, self._reg = self._reg, None
             if reg is not None:
-                self._io.unregister(reg.addrs)
-                if reg.addrs:
-                    self._retired += reg.memory()
+                self._release(reg)
+
+    def _release(self, reg: Registered) -> None:
+        """Unregisters ``reg``'s memory; what owns it is kept until the client has closed (first:
+        an unregistration that fails must not free memory the client may still write)."""
+        if reg.addrs:
+            self._retired += reg.memory()
+        self._io.unregister(reg.addrs)
 
     def _registered(self) -> Registered:
         if self._reg is None:
@@ -366,7 +391,7 @@ class PageStore(HiCacheStorage):
                 if host_pool is not self._registered().pool:
                     raise ValueError("the KV pool of storage v2 must be the pool register_mem_pool_host registered")
             else:
-                self._sidecars.register(host_pool, name)
+                self._sidecars.register(host_pool, name, self._prefix(), self.mha_suffix, self.mla_suffix)
             self.registered_pools[name] = host_pool
 
     def on_host_pools_registered(self) -> None:

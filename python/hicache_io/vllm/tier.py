@@ -36,7 +36,8 @@ class _Lookups(AsyncLookupManager):
 
 class HicacheTier(SecondaryTierManager):
     """Chunks of vLLM's CPU tier in hicache-io's L3 stores: ``store="local"`` (a directory shared
-    by the processes of a machine, no server: ``path``, ``capacity_bytes``, ``fsync``) or
+    by the processes of a machine, no server: ``path``, ``capacity_bytes``, ``fsync``, ``writes``:
+    how files are written, :data:`hicache_io.l3.local.WRITE_RULES`) or
     ``store="mooncake"`` (Mooncake Store: ``master_server_address``, ``metadata_server``,
     ``protocol``, ``global_segment_size``, ``local_buffer_size``, ``local_hostname``,
     ``device_name``).
@@ -70,6 +71,7 @@ class HicacheTier(SecondaryTierManager):
         capacity_bytes: Optional[int] = None,
         fsync: bool = False,
         threads: int = 4,
+        writes: str = "direct",
         namespace: str = "hicache-io",
         **mooncake: Any,
     ):
@@ -90,7 +92,7 @@ class HicacheTier(SecondaryTierManager):
                 raise TypeError(f"unknown options for the local store: {sorted(mooncake)}")
             from ..l3.local import LocalDiskClient
 
-            self.client = LocalDiskClient(path, capacity_bytes=capacity_bytes, threads=threads, fsync=fsync)
+            self.client = LocalDiskClient(path, capacity_bytes=capacity_bytes, threads=threads, fsync=fsync, writes=writes)
         elif store == "mooncake":
             from ..l3.config import MooncakeStoreConfig
             from ..l3.mooncake_client import open_client
@@ -183,7 +185,8 @@ class HicacheTier(SecondaryTierManager):
             # such an object would fail every later load, and a store keeps an existing object.
             bad = (whole & ~good) | np.isin(got, (*OTHER_SIZE.values(), DAMAGED))
             for j in np.flatnonzero(bad):
-                self.client.remove(keys[j])
+                if got[j] != DAMAGED:  # the local store removed a damaged file itself
+                    self.client.remove(keys[j])
                 log.warning("hicache-io tier: chunk %s failed its checks (%d); removed", keys[j], int(got[j]))
         except Exception:
             log.exception("hicache-io tier: load job %d failed", job.job_id)
