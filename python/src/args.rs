@@ -1,6 +1,7 @@
 //! An op's index lists and layer arguments, placed for the executor that runs it.
 
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 
@@ -36,7 +37,7 @@ impl Idx {
 
 /// Index list: an int64 array (sglang's type check and message), or a sequence of ints.
 pub(crate) fn index_arg(obj: &Bound<'_, PyAny>, side: &str, ctx: Ctx) -> PyResult<Idx> {
-    if obj.hasattr("__dlpack__")? || obj.hasattr("__array_interface__")? {
+    if obj.hasattr(intern!(obj.py(), "__dlpack__"))? || obj.hasattr(intern!(obj.py(), "__array_interface__"))? {
         let h = view(obj, &format!("{} indices", side.to_lowercase()), ctx)?;
         if !h.is_int64() {
             return Err(PyRuntimeError::new_err(format!("{side} indices must be of type long")));

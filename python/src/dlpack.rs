@@ -2,6 +2,7 @@
 //! `__array_interface__`.
 
 use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::intern;
 use pyo3::prelude::*;
 
 use hicache_io::kvcacheio::{Memory, RawTensor};
@@ -106,7 +107,7 @@ pub(crate) fn view_rows(obj: &Bound<'_, PyAny>, name: &str, ctx: Ctx) -> PyResul
             .and_then(|a| a.checked_add(width))
             .ok_or_else(|| PyValueError::new_err(format!("{name}: size overflows")))?;
         // The bytes from the first block's start to the last block's end, as one 1-D view.
-        let flat = obj.call_method1("as_strided", ((span,), (1,)))?;
+        let flat = obj.call_method1(intern!(obj.py(), "as_strided"), ((span,), (1,)))?;
         return Ok((view(&flat, name, ctx)?, Some((rows, width, stride))));
     }
     let h = view(obj, name, ctx)?;
@@ -121,13 +122,16 @@ pub(crate) fn view_rows(obj: &Bound<'_, PyAny>, name: &str, ctx: Ctx) -> PyResul
 /// `(rows, width, S)` of a torch tensor [`view_rows`] takes as strided rows; `None` for
 /// anything else (left to [`view`], which refuses what is not contiguous).
 fn strided_rows(obj: &Bound<'_, PyAny>) -> PyResult<Option<RowShape>> {
-    if !obj.get_type().module()?.to_cow()?.starts_with("torch") || !obj.hasattr("as_strided")? || !obj.hasattr("element_size")? {
+    if !obj.get_type().module()?.to_cow()?.starts_with("torch")
+        || !obj.hasattr(intern!(obj.py(), "as_strided"))?
+        || !obj.hasattr(intern!(obj.py(), "element_size"))?
+    {
         return Ok(None);
     }
-    let shape: Vec<i64> = obj.getattr("shape")?.extract()?;
-    let strides: Vec<i64> = obj.call_method0("stride")?.extract()?;
+    let shape: Vec<i64> = obj.getattr(intern!(obj.py(), "shape"))?.extract()?;
+    let strides: Vec<i64> = obj.call_method0(intern!(obj.py(), "stride"))?.extract()?;
     let (&[rows, width], &[s0, s1]) = (shape.as_slice(), strides.as_slice()) else { return Ok(None) };
-    let elem: i64 = obj.call_method0("element_size")?.extract()?;
+    let elem: i64 = obj.call_method0(intern!(obj.py(), "element_size"))?.extract()?;
     if elem != 1 || rows < 2 || width < 1 || (s1 != 1 && width > 1) || s0 <= width {
         return Ok(None);
     }
@@ -144,20 +148,20 @@ fn inside_storage(obj: &Bound<'_, PyAny>, name: &str, raw: &RawTensor) -> PyResu
     let ty = obj.get_type();
     let module = ty.module()?;
     let module = module.to_cow()?;
-    let owner: Option<(u64, u64)> = if module.starts_with("torch") && obj.hasattr("untyped_storage")? {
-        let st = obj.call_method0("untyped_storage")?;
-        Some((st.call_method0("data_ptr")?.extract()?, st.call_method0("nbytes")?.extract()?))
+    let owner: Option<(u64, u64)> = if module.starts_with("torch") && obj.hasattr(intern!(obj.py(), "untyped_storage"))? {
+        let st = obj.call_method0(intern!(obj.py(), "untyped_storage"))?;
+        Some((st.call_method0(intern!(st.py(), "data_ptr"))?.extract()?, st.call_method0(intern!(st.py(), "nbytes"))?.extract()?))
     } else if module == "numpy" {
         // The array at the root of the view chain owns the bytes, whole (it has no base); a
         // chain that ends in another kind of buffer is not checked.
         let mut root = obj.clone();
         let owned = loop {
-            let base = root.getattr("base")?;
+            let base = root.getattr(intern!(root.py(), "base"))?;
             if base.is_none() {
                 // Owning its data, the root spans exactly its nbytes from its address.
-                break root.getattr("flags")?.getattr("owndata")?.is_truthy()?;
+                break root.getattr(intern!(root.py(), "flags"))?.getattr(intern!(root.py(), "owndata"))?.is_truthy()?;
             }
-            if base.get_type().module()?.to_cow()? != "numpy" || !base.hasattr("__array_interface__")? {
+            if base.get_type().module()?.to_cow()? != "numpy" || !base.hasattr(intern!(base.py(), "__array_interface__"))? {
                 break false;
             }
             root = base;
@@ -165,9 +169,9 @@ fn inside_storage(obj: &Bound<'_, PyAny>, name: &str, raw: &RawTensor) -> PyResu
         if root.is(obj) || !owned {
             None
         } else {
-            let ai = root.getattr("__array_interface__")?;
+            let ai = root.getattr(intern!(root.py(), "__array_interface__"))?;
             let (ptr, _ro): (u64, bool) = ai.get_item("data")?.extract()?;
-            Some((ptr, root.getattr("nbytes")?.extract()?))
+            Some((ptr, root.getattr(intern!(root.py(), "nbytes"))?.extract()?))
         }
     } else {
         None
@@ -211,21 +215,21 @@ fn torch_dtype(dtype: &str) -> Option<(u8, u8)> {
 /// and without a lazy conjugate or negative bit; anything else (`None`) goes through DLPack,
 /// which also raises the errors torch gives.
 fn torch_host(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Option<Held>> {
-    if !obj.get_type().module()?.to_cow()?.starts_with("torch") || !obj.hasattr("is_cpu")? {
+    if !obj.get_type().module()?.to_cow()?.starts_with("torch") || !obj.hasattr(intern!(obj.py(), "is_cpu"))? {
         return Ok(None);
     }
-    if !obj.getattr("is_cpu")?.is_truthy()?
-        || obj.getattr("requires_grad")?.is_truthy()?
-        || obj.getattr("layout")?.str()?.to_cow()? != "torch.strided"
-        || obj.call_method0("is_conj")?.is_truthy()?
-        || obj.call_method0("is_neg")?.is_truthy()?
+    if !obj.getattr(intern!(obj.py(), "is_cpu"))?.is_truthy()?
+        || obj.getattr(intern!(obj.py(), "requires_grad"))?.is_truthy()?
+        || obj.getattr(intern!(obj.py(), "layout"))?.str()?.to_cow()? != "torch.strided"
+        || obj.call_method0(intern!(obj.py(), "is_conj"))?.is_truthy()?
+        || obj.call_method0(intern!(obj.py(), "is_neg"))?.is_truthy()?
     {
         return Ok(None);
     }
-    let Some(dtype) = torch_dtype(&obj.getattr("dtype")?.str()?.to_cow()?) else { return Ok(None) };
-    let addr: u64 = obj.call_method0("data_ptr")?.extract()?;
-    let shape: Vec<i64> = obj.getattr("shape")?.extract()?;
-    let strides: Vec<i64> = obj.call_method0("stride")?.extract()?;
+    let Some(dtype) = torch_dtype(&obj.getattr(intern!(obj.py(), "dtype"))?.str()?.to_cow()?) else { return Ok(None) };
+    let addr: u64 = obj.call_method0(intern!(obj.py(), "data_ptr"))?.extract()?;
+    let shape: Vec<i64> = obj.getattr(intern!(obj.py(), "shape"))?.extract()?;
+    let strides: Vec<i64> = obj.call_method0(intern!(obj.py(), "stride"))?.extract()?;
     let raw = described(name, addr, &shape, Some(&strides), dtype.1 as u64 / 8, Memory::Host)?;
     Ok(Some(Held { raw, dtype, device_type: DL_CPU, device_id: 0, writable: true, _keep: obj.clone().unbind() }))
 }
@@ -235,32 +239,32 @@ fn exported(obj: &Bound<'_, PyAny>, name: &str, ctx: Ctx) -> PyResult<Held> {
     if let Some(h) = torch_host(obj, name)? {
         return Ok(h);
     }
-    if obj.hasattr("__dlpack__")? {
-        let device: Option<(i32, i32)> = obj.call_method0("__dlpack_device__").ok().and_then(|d| d.extract().ok());
+    if obj.hasattr(intern!(obj.py(), "__dlpack__"))? {
+        let device: Option<(i32, i32)> = obj.call_method0(intern!(obj.py(), "__dlpack_device__")).ok().and_then(|d| d.extract().ok());
         let kw = pyo3::types::PyDict::new(py);
-        kw.set_item("max_version", (1, 0))?;
+        kw.set_item(intern!(py, "max_version"), (1, 0))?;
         if matches!(device, Some((DL_CUDA, _))) {
             // DLPack: the consumer's stream; the producer orders its pending work before it.
-            kw.set_item("stream", ctx.stream.unwrap_or(1))?;
+            kw.set_item(intern!(py, "stream"), ctx.stream.unwrap_or(1))?;
         }
-        let cap = match obj.call_method("__dlpack__", (), Some(&kw)) {
+        let cap = match obj.call_method(intern!(obj.py(), "__dlpack__"), (), Some(&kw)) {
             Ok(c) => Ok(c),
             // Producers older than DLPack 1.0 take no max_version.
             Err(e) if e.is_instance_of::<PyTypeError>(py) => {
-                kw.del_item("max_version")?;
-                obj.call_method("__dlpack__", (), Some(&kw))
+                kw.del_item(intern!(py, "max_version"))?;
+                obj.call_method(intern!(obj.py(), "__dlpack__"), (), Some(&kw))
             }
             Err(e) => Err(e),
         };
         match cap {
             Ok(cap) => return from_capsule(&cap, name),
-            Err(e) if !obj.hasattr("__array_interface__")? => {
+            Err(e) if !obj.hasattr(intern!(obj.py(), "__array_interface__"))? => {
                 return Err(PyTypeError::new_err(format!("{name}: DLPack export failed ({e})")))
             }
             Err(_) => {}
         }
     }
-    match obj.getattr("__array_interface__") {
+    match obj.getattr(intern!(obj.py(), "__array_interface__")) {
         Ok(ai) => from_array_interface(obj, &ai, name),
         Err(_) => Err(PyTypeError::new_err(format!("{name}: expected an array that speaks DLPack"))),
     }

@@ -295,11 +295,7 @@ fn put_one(path: &str, tmp: &str, key: &[u8], spans: &[Span], rule: WriteRule) -
                     Err(errno())
                 } else {
                     if rule.start_writeback && !fsync {
-                        // Starts the file's writeback now, without waiting for it: its pages stay
-                        // in the page cache (a get reads them from memory) while dirty pages stay
-                        // few. Advice only: a failure changes nothing the caller sees.
-                        // SAFETY: an open descriptor.
-                        unsafe { libc::sync_file_range(fd.0, 0, 0, libc::SYNC_FILE_RANGE_WRITE) };
+                        start_writeback(fd);
                     }
                     Ok(())
                 }
@@ -359,6 +355,14 @@ fn put_one(path: &str, tmp: &str, key: &[u8], spans: &[Span], rule: WriteRule) -
     // SAFETY: a NUL-terminated path.
     unsafe { libc::unlink(tmp_c.as_ptr()) };
     rc
+}
+
+/// Starts `fd`'s writeback now, without waiting for it: its pages stay in the page cache (a get
+/// reads them from memory) while dirty pages stay few. Advice only: a failure changes nothing the
+/// caller sees.
+fn start_writeback(fd: &Fd) {
+    // SAFETY: an open descriptor.
+    unsafe { libc::sync_file_range(fd.0, 0, 0, libc::SYNC_FILE_RANGE_WRITE) };
 }
 
 /// Writes an object to `fd` (opened with `O_DIRECT`): the page-aligned head of the first span

@@ -19,12 +19,12 @@ pub(super) fn layout_backup(device: &Device, a: &OpArgs<'_, '_>, layout: Layout)
     let (page_size, head_num) = (a.int_or("page_size", 1)?, a.int_or("head_num", 1)?);
     if layout == Layout::PageFirstDirectHeadGroups {
         head_group_args(item_size, "dst_layout_dim", dim, page_size, head_num)?;
-        launcher(hi, di, item_size)?;
-        if hi.is_empty() {
-            return earlier_reports(device);
-        }
     }
     let item = launcher(hi, di, item_size)?;
+    // sglang's head-group kernels return on empty lists once their checks pass.
+    if layout == Layout::PageFirstDirectHeadGroups && hi.is_empty() {
+        return earlier_reports(device);
+    }
     let (page, heads) = (positive("page_size", page_size)?, positive("head_num", head_num)?);
     let layers = layers_of("dst_layout_dim", dim, item)?;
     let src = a.lists(&[ArgKind::InLayers]);
@@ -32,11 +32,11 @@ pub(super) fn layout_backup(device: &Device, a: &OpArgs<'_, '_>, layout: Layout)
     let named = named_lists(&src, layers)?;
     check_overlaps(&named.iter().flatten().cloned().collect::<Vec<_>>(), &dst)?;
     let kind = kind_of(src.len());
-    let dev = device_pool(device, kind, item, page, &named.iter().map(|l| l.iter().collect()).collect::<Vec<_>>())?;
+    let dev = device_side(device, kind, item, page, &named.iter().map(|l| l.iter().collect()).collect::<Vec<_>>())?;
     let slots = paged_slots(&refs(&dst), slot_bytes(layout, kind, item, layers)?, page)?;
-    let host = host_pool(&dev, layout, heads, Profile::Sglang, &refs(&dst), slots)?;
+    let sides = host_side(dev, layout, heads, Profile::Sglang, &refs(&dst), slots)?;
     let (h, d) = backup_lists(hi, di);
-    a.run(vec![Call::new(dev, host, Op::Backup, IoBackend::Kernel, h, d)?])
+    a.run(vec![Call::new(sides, Op::Backup, IoBackend::Kernel, h, d)?])
 }
 
 /// A backup's (host, device) index lists from the op's (src = device, dst = host) lists.
@@ -72,9 +72,9 @@ pub(super) fn layer_backup(device: &Device, a: &OpArgs<'_, '_>) -> Result<()> {
     check_overlaps_kernel(&src, &dst)?;
     let dev = one_layer_device(device, kind_of(src.len()), item, 1, layers, &refs(&src))?;
     let slots = paged_slots(&refs(&dst), item * layers, 1)?;
-    let host = host_pool(&dev, Layout::PageFirst, 1, Profile::Extended, &refs(&dst), slots)?;
+    let sides = host_side(dev, Layout::PageFirst, 1, Profile::Extended, &refs(&dst), slots)?;
     let (h, d) = backup_lists(hi, di);
-    a.run(vec![Call::new(dev, host, Op::BackupLayer { layer_id, is_draft: false }, IoBackend::Kernel, h, d)?])
+    a.run(vec![Call::new(sides, Op::BackupLayer { layer_id, is_draft: false }, IoBackend::Kernel, h, d)?])
 }
 
 /// [`Shape::DirectLayerBackup`](super::catalogue::Shape::DirectLayerBackup): one device layer
@@ -90,7 +90,7 @@ pub(super) fn direct_layer_backup(device: &Device, args: &OpArgs<'_, '_>) -> Res
     }
     let layer_id = layer_index(args.int("layer_id")?)?;
     let dev = one_layer_device(device, a.kind, a.item, a.page, a.layers, &a.dev_layer(0))?;
-    let host = a.host_pool(&dev, Profile::Extended)?;
+    let sides = a.host_side(dev, Profile::Extended)?;
     let (hi, di) = backup_lists(src_indices, dst_indices);
-    args.run(vec![Call::new(dev, host, Op::BackupLayer { layer_id, is_draft: false }, IoBackend::Direct, hi.into(), di.into())?])
+    args.run(vec![Call::new(sides, Op::BackupLayer { layer_id, is_draft: false }, IoBackend::Direct, hi.into(), di.into())?])
 }

@@ -6,7 +6,6 @@ use super::*;
 use crate::exec::Device;
 use crate::geometry::{IoBackend, Layout, PoolKind, Profile};
 use crate::plan::Op;
-use crate::pool::{DevicePool, HostPool};
 use crate::Result;
 
 /// A page_first_direct host buffer's geometry from its shape `[pages][L][P][...]`:
@@ -99,9 +98,9 @@ impl<'a> Pfd<'a> {
         self.dev.iter().map(|l| &l[j]).collect()
     }
 
-    /// The host pool over these buffers for `dev`.
-    pub(super) fn host_pool(&self, dev: &DevicePool, profile: Profile) -> Result<HostPool<'static>> {
-        host_pool(dev, Layout::PageFirstDirect, 1, profile, &self.host.iter().collect::<Vec<_>>(), self.slots)
+    /// The host side over these buffers against `dev`.
+    pub(super) fn host_side(&self, dev: DeviceSide, profile: Profile) -> Result<Sides> {
+        host_side(dev, Layout::PageFirstDirect, 1, profile, &self.host.iter().collect::<Vec<_>>(), self.slots)
     }
 }
 
@@ -118,10 +117,9 @@ pub(super) fn direct_load(device: &Device, args: &OpArgs<'_, '_>) -> Result<()> 
     let calls = (0..a.dev_layers())
         .map(|j| {
             let dev = one_layer_device(device, a.kind, a.item, a.page, a.layers, &a.dev_layer(j))?;
-            let host = a.host_pool(&dev, Profile::Sglang)?;
+            let sides = a.host_side(dev, Profile::Sglang)?;
             Call::new(
-                dev,
-                host,
+                sides,
                 Op::Load { layer_id: layer_id + j, is_draft: false },
                 IoBackend::Direct,
                 src_indices.into(),
@@ -142,10 +140,10 @@ pub(super) fn direct_backup(device: &Device, args: &OpArgs<'_, '_>) -> Result<()
     if a.dev_layers() as u64 != a.layers {
         return Err(bad(src_ptrs.0, format!("{} layers per component, the host buffers hold {}", a.dev_layers(), a.layers)));
     }
-    let dev = device_pool(device, a.kind, a.item, a.page, &a.dev.iter().map(|l| l.iter().collect()).collect::<Vec<_>>())?;
-    let host = a.host_pool(&dev, Profile::Sglang)?;
+    let dev = device_side(device, a.kind, a.item, a.page, &a.dev.iter().map(|l| l.iter().collect()).collect::<Vec<_>>())?;
+    let sides = a.host_side(dev, Profile::Sglang)?;
     let (hi, di) = backup_lists(src_indices, dst_indices);
-    args.run(vec![Call::new(dev, host, Op::Backup, IoBackend::Direct, hi.into(), di.into())?])
+    args.run(vec![Call::new(sides, Op::Backup, IoBackend::Direct, hi.into(), di.into())?])
 }
 
 pub(super) fn check_rows(lists: &[Vec<Arg<'_>>], item: u64) -> Result<()> {

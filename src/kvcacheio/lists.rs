@@ -55,7 +55,7 @@ pub(super) fn direct_counts(hi: &[i64], di: &[i64], page_size: i64) -> Result<()
     Ok(())
 }
 
-/// Layer `j` of the source lists → layer `j` of the destination lists, one pool pair per layer
+/// Layer `j` of the source lists → layer `j` of the destination lists, one pair of sides per layer
 /// (`lists`: source components, then destination components), every layer validated first.
 pub(super) fn layer_lists(
     device: &Device,

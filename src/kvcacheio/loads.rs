@@ -7,7 +7,6 @@ use super::*;
 use crate::exec::Device;
 use crate::geometry::{IoBackend, Layout, PoolKind, Profile};
 use crate::plan::Op;
-use crate::pool::DevicePool;
 use crate::{Result, TransferError};
 
 /// [`Shape::LayerPair`](super::catalogue::Shape::LayerPair): `transfer_kv_per_layer` and its
@@ -21,8 +20,8 @@ pub(super) fn layer_pair(device: &Device, a: &OpArgs<'_, '_>) -> Result<()> {
     a.run(vec![call])
 }
 
-/// One layer_first layer to another: the source as a one-layer layer_first host pool, the
-/// destination as a one-layer device pool.
+/// One layer_first layer to another: the source as a one-layer layer_first host side, the
+/// destination as a one-layer device side.
 pub(super) fn lf_pair(
     device: &Device,
     kind: PoolKind,
@@ -33,13 +32,13 @@ pub(super) fn lf_pair(
     hi: Indices<'_>,
     di: Indices<'_>,
 ) -> Result<Call> {
-    let dev = device_pool(device, kind, item, 1, &dst.iter().map(|a| vec![*a]).collect::<Vec<_>>())?;
+    let dev = device_side(device, kind, item, 1, &dst.iter().map(|a| vec![*a]).collect::<Vec<_>>())?;
     let slots = common_slots(src, item)?;
-    let host = host_pool(&dev, Layout::LayerFirst, 1, Profile::Sglang, src, slots)?;
-    Call::new(dev, host, Op::Load { layer_id: 0, is_draft: false }, io, hi, di)
+    let sides = host_side(dev, Layout::LayerFirst, 1, Profile::Sglang, src, slots)?;
+    Call::new(sides, Op::Load { layer_id: 0, is_draft: false }, io, hi, di)
 }
 
-/// A device pool of `layers` slots per component where every slot is the caller's one layer
+/// A device side of `layers` slots per component where every slot is the caller's one layer
 /// (the plan of a one-layer call addresses slot `layer_id` alone).
 pub(super) fn one_layer_device(
     device: &Device,
@@ -48,12 +47,12 @@ pub(super) fn one_layer_device(
     page: u64,
     layers: u64,
     comps: &[&Arg<'_>],
-) -> Result<DevicePool<'static>> {
+) -> Result<DeviceSide> {
     let n = usize::try_from(layers)
         .ok()
         .filter(|&n| n <= crate::geometry::MAX_LAYERS)
         .ok_or_else(|| bad(&comps[0].name, format!("{layers} layers exceed the limit of {}", crate::geometry::MAX_LAYERS)))?;
-    device_pool(device, kind, item, page, &comps.iter().map(|a| vec![*a; n]).collect::<Vec<_>>())
+    device_side(device, kind, item, page, &comps.iter().map(|a| vec![*a; n]).collect::<Vec<_>>())
 }
 
 pub(super) fn layer_index(layer_id: i64) -> Result<usize> {
@@ -118,12 +117,12 @@ pub(super) fn paged_load(device: &Device, a: &OpArgs<'_, '_>, layout: Layout) ->
     let (page_size, head_num) = (a.int_or("page_size", 1)?, a.int_or("head_num", 1)?);
     if layout == Layout::PageFirstDirectHeadGroups {
         head_group_args(item_size, "src_layout_dim", dim, page_size, head_num)?;
-        launcher(hi, di, item_size)?;
-        if hi.is_empty() {
-            return earlier_reports(device);
-        }
     }
     let item = launcher(hi, di, item_size)?;
+    // sglang's head-group kernels return on empty lists once their checks pass.
+    if layout == Layout::PageFirstDirectHeadGroups && hi.is_empty() {
+        return earlier_reports(device);
+    }
     let (page, heads) = (positive("page_size", page_size)?, positive("head_num", head_num)?);
     let layers = layers_of("src_layout_dim", dim, item)?;
     let layer_id = layer_index(a.int("layer_id")?)?;
@@ -132,6 +131,6 @@ pub(super) fn paged_load(device: &Device, a: &OpArgs<'_, '_>, layout: Layout) ->
     let kind = kind_of(dst.len());
     let dev = one_layer_device(device, kind, item, page, layers, &refs(&dst))?;
     let slots = paged_slots(&refs(&src), slot_bytes(layout, kind, item, layers)?, page)?;
-    let host = host_pool(&dev, layout, heads, Profile::Sglang, &refs(&src), slots)?;
-    a.run(vec![Call::new(dev, host, Op::Load { layer_id, is_draft: false }, IoBackend::Kernel, hi, di)?])
+    let sides = host_side(dev, layout, heads, Profile::Sglang, &refs(&src), slots)?;
+    a.run(vec![Call::new(sides, Op::Load { layer_id, is_draft: false }, IoBackend::Kernel, hi, di)?])
 }

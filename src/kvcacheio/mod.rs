@@ -1,10 +1,11 @@
 //! sglang's `sgl_kernel.kvcacheio` transfer ops over caller memory, with the same names and
 //! argument order, on the cpu and cuda executors.
 //!
-//! Each op is a pool call in disguise: its tensors are wrapped as a device pool (the layer-first
-//! side) and a host pool (the layout side) of exactly their sizes, and the call goes through the
-//! one planner, so it obeys the same table, order of checks and messages as the pools, and adds
-//! what sglang's ops lack: every index is range-checked against the tensor it addresses, and
+//! Each op is a pool call in disguise: its tensors are wrapped once, as a device side (layer-first)
+//! and a host side (the layout) with the pool geometry of exactly their sizes (no pools are
+//! built), and the call goes through the one planner, so it obeys the same table, order of
+//! checks and messages as the pools, and adds what sglang's ops lack: every index is
+//! range-checked against the tensor it addresses, and
 //! destinations must be unique and must not overlap another argument. Nothing moves unless every
 //! check of every layer passes.
 //!
@@ -35,7 +36,7 @@
 #![allow(clippy::too_many_arguments)] // sglang's signatures
 
 //!
-//! Rooms: `tensors` (caller memory and index lists), `call` (an op's pools and plans, run all or
+//! Rooms: `tensors` (caller memory and index lists), `call` (an op's sides and plans, run all or
 //! nothing), `loads` (one-layer loads), `lists` (all-layer copies between layer lists, `direct`
 //! included), `backups` (all-layer and one-layer backups into a layout), `direct`
 //! (page_first_direct), `rows` (whole rows), `blocks` (a host tier

@@ -6,7 +6,6 @@ use super::*;
 use crate::exec::Device;
 use crate::geometry::{DeviceGeometry, IoBackend, LayerMap, Layout, PagePadding, PoolKind, Profile};
 use crate::plan::Op;
-use crate::pool::{DevicePool, HostPool, HostPoolConfig};
 use crate::{Result, TransferError};
 
 /// Tokens of one C4 page.
@@ -75,17 +74,11 @@ pub(super) fn dsv4_tokens(device: &Device, a: &OpArgs<'_, '_>) -> Result<()> {
         for (r, w) in reads.iter().zip(&writes) {
             let geometry = DeviceGeometry::new(PoolKind::Mla, item, dst_pages * DSV4_PAGE_TOKENS, DSV4_PAGE_TOKENS, LayerMap::new(1))?
                 .with_padding(padding)?;
-            let dev = DevicePool::wrap_geometry(device, geometry, vec![vec![wrap(device, w)?]])?;
-            // HostPool rounds a requested size up to (size / P + 1) × P: ask for one page less.
-            let config = HostPoolConfig {
-                layout: Layout::LayerFirst,
-                size: (src_pages - 1) * DSV4_PAGE_TOKENS,
-                head_num: 1,
-                profile: Profile::Sglang,
-                integrity: Some(false),
-            };
-            let host = HostPool::from_buffers(&dev, &config, vec![wrap(device, r)?])?;
-            calls.push(Call::new(dev, host, Op::Load { layer_id: 0, is_draft: false }, IoBackend::Kernel, si, di)?);
+            let dev = DeviceSide::new(device, geometry, vec![vec![wrap(device, w)?]])?;
+            // A host side holds (size / P + 1) × P slots: ask for one page less.
+            let size = (src_pages - 1) * DSV4_PAGE_TOKENS;
+            let sides = dev.with_host(Layout::LayerFirst, size, 1, Profile::Sglang, Some(padding), vec![wrap(device, r)?])?;
+            calls.push(Call::new(sides, Op::Load { layer_id: 0, is_draft: false }, IoBackend::Kernel, si, di)?);
         }
     }
     a.run(calls)
@@ -145,16 +138,10 @@ pub(super) fn page_rows(device: &Device, a: &OpArgs<'_, '_>) -> Result<()> {
     for (h, d) in hosts.iter().zip(&devs) {
         let geometry = DeviceGeometry::new(PoolKind::Mla, row, dev_rows, 1, LayerMap::new(1))?
             .with_padding(PagePadding { page_bytes: ds, offset: 0 })?;
-        let pool = DevicePool::wrap_geometry(device, geometry, vec![vec![wrap(device, d)?]])?;
-        let config = HostPoolConfig {
-            layout: Layout::LayerFirst,
-            size: host_rows - 1,
-            head_num: 1,
-            profile: Profile::Sglang,
-            integrity: Some(false),
-        };
-        let host_pool = HostPool::wrap_padded(&pool, &config, vec![wrap(device, h)?], Some(PagePadding { page_bytes: hs, offset: 0 }))?;
-        calls.push(Call::new(pool, host_pool, op, IoBackend::Kernel, hi, di)?);
+        let dev_side = DeviceSide::new(device, geometry, vec![vec![wrap(device, d)?]])?;
+        let padding = Some(PagePadding { page_bytes: hs, offset: 0 });
+        let sides = dev_side.with_host(Layout::LayerFirst, host_rows - 1, 1, Profile::Sglang, padding, vec![wrap(device, h)?])?;
+        calls.push(Call::new(sides, op, IoBackend::Kernel, hi, di)?);
     }
     a.run(calls)
 }

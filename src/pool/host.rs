@@ -131,20 +131,6 @@ impl<'m> HostPool<'m> {
         plan::plan(self.profile, &caps, self.device.id(), &self.pair, req)?.with_checksums(self.checksums.is_some(), &caps)
     }
 
-    /// [`HostPool::plan`] for index lists in CUDA memory: the value checks are the plan's
-    /// device check, made on the device before anything moves (`kernel` only).
-    pub(crate) fn plan_device_lists(
-        &self,
-        device_pool: &DevicePool,
-        op: Op,
-        io_backend: IoBackend,
-        lists: plan::DeviceIndexLists,
-        call: &'static str,
-    ) -> Result<Plan> {
-        self.check_pair(device_pool)?;
-        plan::plan_device_lists(self.profile, &self.device.capabilities(), self.device.id(), &self.pair, op, io_backend, lists, call)
-    }
-
     /// The device pool is of the same executor instance and the geometry this pool was built
     /// for.
     pub(super) fn check_pair(&self, device_pool: &DevicePool) -> Result<()> {

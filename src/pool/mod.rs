@@ -33,4 +33,5 @@ pub use transfers::{LayerLoads, Transfer};
 
 use device::check_budget;
 use transfers::{layer_load_plans, partial_layers};
-use util::{alloc_bytes, check_wrapped, exact_size};
+pub(crate) use util::check_wrapped;
+use util::{alloc_bytes, exact_size};

@@ -21,8 +21,8 @@ pub(super) fn exact_size(what: &str, expected: u64, data: &[u8]) -> Result<()> {
 }
 
 /// Wrapped buffers: the right count, each at least `bytes` long, and of `device`'s executor
-/// instance.
-pub(super) fn check_wrapped(device: &Device, buffers: &[Vec<Buffer>], outer: usize, inner: usize, bytes: u64, what: &str) -> Result<()> {
+/// instance (also for the ops' sides over caller memory, `kvcacheio`).
+pub(crate) fn check_wrapped(device: &Device, buffers: &[Vec<Buffer>], outer: usize, inner: usize, bytes: u64, what: &str) -> Result<()> {
     if buffers.len() != outer || buffers.iter().any(|c| c.len() != inner) {
         return Err(TransferError::InvalidConfig(format!(
             "{what}s: expected {outer} × {inner}, got {:?}",
