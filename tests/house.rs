@@ -219,20 +219,25 @@ fn no_function_over_80_lines() {
     assert_eq!(function_lengths(&sample), vec![(1, "long".to_string(), 83)]);
 }
 
-/// The Python files of the project (the package, its tests, scripts, examples).
-fn python_files(dir: &Path) -> Vec<PathBuf> {
+/// Files under `dir`, build folders (`target`, `__pycache__`) and hidden ones left out.
+fn project_files(dir: &Path) -> Vec<PathBuf> {
     let mut out = Vec::new();
     let Ok(entries) = std::fs::read_dir(dir) else { return out };
     for entry in entries {
         let p = entry.expect("dir entry").path();
         let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
         if p.is_dir() && !name.starts_with('.') && name != "target" && name != "__pycache__" {
-            out.extend(python_files(&p));
-        } else if p.extension().is_some_and(|e| e == "py") {
+            out.extend(project_files(&p));
+        } else if p.is_file() {
             out.push(p);
         }
     }
     out
+}
+
+/// The Python files of the project (the package, its tests, scripts, examples).
+fn python_files(dir: &Path) -> Vec<PathBuf> {
+    project_files(dir).into_iter().filter(|p| p.extension().is_some_and(|e| e == "py")).collect()
 }
 
 /// No Python file past 700 lines either: the L3 store was once a 1,200-line room of mixins.
@@ -434,18 +439,7 @@ fn no_test_function_over_100_lines() {
 
 /// Text files under `dir` (binaries, such as the built module, and build folders left out).
 fn text_files(dir: &Path) -> Vec<(PathBuf, String)> {
-    let mut out = Vec::new();
-    let Ok(entries) = std::fs::read_dir(dir) else { return out };
-    for entry in entries {
-        let p = entry.expect("dir entry").path();
-        let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
-        if p.is_dir() && !name.starts_with('.') && name != "target" && name != "__pycache__" {
-            out.extend(text_files(&p));
-        } else if let Ok(text) = std::fs::read_to_string(&p) {
-            out.push((p, text));
-        }
-    }
-    out
+    project_files(dir).into_iter().filter_map(|p| std::fs::read_to_string(&p).ok().map(|t| (p, t))).collect()
 }
 
 /// The local L3 store's object footer is one file's format: its magic is spelled in
