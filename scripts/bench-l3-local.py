@@ -13,7 +13,9 @@ directory (``--dir``, default a temporary folder):
 
 Pages: DSA indexer pages of 8448 B (132 B x 64 tokens, one layer; hicache-io's own names) and MLA
 pages of 1 MiB (4 layers x 8 tokens x 32 KiB, page_first; sglang's names). Median of ``--rounds``.
-Everything here lives in the page cache: this measures the software path, not a disk.
+Gets are timed twice: warm (what a put just left in the page cache) and cold (every file of the
+folder written back and dropped from the page cache first, ``posix_fadvise(DONTNEED)``: what a
+restarted server reads from the disk).
 
     python3 scripts/bench-l3-local.py [--rounds 5] [--dir DIR] [--json]
 """
@@ -34,6 +36,18 @@ CASES = [
     ("DSA 8448 B", "dsa", 132, 1, 64, 4096),
     ("MLA 1 MiB", "mla", 32768, 4, 8, 128),
 ]
+
+
+def drop_cache(path):
+    """Writes back and drops from the page cache every file under ``path`` (a file or a folder)."""
+    os.sync()
+    files = [path] if os.path.isfile(path) else [os.path.join(r, f) for r, _d, fs in os.walk(path) for f in fs]
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def median(xs):
@@ -59,7 +73,7 @@ def pools(kind, bpt, layers, page, pages):
 
 
 def local_rounds(root, host, toks, page, pages, integrity, rounds, writes="cached"):
-    puts, gets = [], []
+    puts, gets, colds = [], [], []
     back = toks + pages * page
     for r in range(rounds):
         d = os.path.join(root, f"local-{integrity}-{writes}-{r}")
@@ -78,9 +92,11 @@ def local_rounds(root, host, toks, page, pages, integrity, rounds, writes="cache
 
         puts.append(timed(put))
         gets.append(timed(get))
+        drop_cache(d)
+        colds.append(timed(get))
         s.close()
         shutil.rmtree(d)
-    return median(puts), median(gets)
+    return median(puts), median(gets), median(colds)
 
 
 def sglang_file_rounds(root, host, toks, page, pages, rounds):
@@ -92,7 +108,7 @@ def sglang_file_rounds(root, host, toks, page, pages, rounds):
         return None, f"sglang not importable ({e})"
     values = [torch.from_numpy(np.asarray(host.get_data_page(int(t)))) for t in toks[::page]]
     targets = [torch.empty_like(v) for v in values]
-    puts, gets = [], []
+    puts, gets, colds = [], [], []
     for r in range(rounds):
         d = os.path.join(root, f"sglang-{r}")
         os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = d
@@ -111,15 +127,17 @@ def sglang_file_rounds(root, host, toks, page, pages, rounds):
 
         puts.append(timed(put))
         gets.append(timed(get))
+        drop_cache(d)
+        colds.append(timed(get))
         shutil.rmtree(d)
     assert all(torch.equal(a, b) for a, b in zip(values, targets))
-    return (median(puts), median(gets)), None
+    return (median(puts), median(gets), median(colds)), None
 
 
 def plain_rounds(root, host, toks, page, rounds):
     data = np.concatenate([np.asarray(host.get_data_page(int(t))) for t in toks[::page]])
     out = np.empty_like(data)
-    puts, gets = [], []
+    puts, gets, colds = [], [], []
     for r in range(rounds):
         p = os.path.join(root, f"plain-{r}.bin")
 
@@ -133,9 +151,11 @@ def plain_rounds(root, host, toks, page, rounds):
 
         puts.append(timed(put))
         gets.append(timed(get))
+        drop_cache(p)
+        colds.append(timed(get))
         os.unlink(p)
     assert np.array_equal(data, out)
-    return median(puts), median(gets), data.nbytes
+    return median(puts), median(gets), median(colds), data.nbytes
 
 
 def main():
@@ -150,25 +170,25 @@ def main():
     try:
         for name, kind, bpt, layers, page, pages in CASES:
             host, toks = pools(kind, bpt, layers, page, pages)
-            plain_put, plain_get, nbytes = plain_rounds(root, host, toks, page, args.rounds)
+            *plain, nbytes = plain_rounds(root, host, toks, page, args.rounds)
             gb = nbytes / 1e9
-            row = {"pages": name, "bytes": nbytes, "plain": [gb / plain_put, gb / plain_get]}
+            row = {"pages": name, "bytes": nbytes, "plain": [gb / t for t in plain]}
             writes = args.writes.split(",")
             for integrity in (True, False):
-                p, g = local_rounds(root, host, toks, page, pages, integrity, args.rounds, writes[0])
-                row["local" + ("" if integrity else " unchecked")] = [gb / p, gb / g]
+                times = local_rounds(root, host, toks, page, pages, integrity, args.rounds, writes[0])
+                row["local" + ("" if integrity else " unchecked")] = [gb / t for t in times]
             for w in writes[1:]:
-                p, g = local_rounds(root, host, toks, page, pages, True, args.rounds, w)
-                row[f"local {w}"] = [gb / p, gb / g]
+                times = local_rounds(root, host, toks, page, pages, True, args.rounds, w)
+                row[f"local {w}"] = [gb / t for t in times]
             file_times, why = sglang_file_rounds(root, host, toks, page, pages, args.rounds)
-            row["sglang file"] = [gb / file_times[0], gb / file_times[1]] if file_times else why
+            row["sglang file"] = [gb / t for t in file_times] if file_times else why
             rows.append(row)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if args.json:
         print(json.dumps(rows, indent=2))
         return
-    print(f"{'pages':<12} {'path':<22} {'put GB/s':>9} {'get GB/s':>9} {'put x file':>11} {'get x file':>11} {'put x plain':>12} {'get x plain':>12}")
+    print(f"{'pages':<12} {'path':<22} {'put GB/s':>9} {'get GB/s':>9} {'cold get':>9} {'put x file':>11} {'get x file':>11} {'cold x file':>12} {'get x plain':>12}")
     for r in rows:
         f = r["sglang file"] if isinstance(r["sglang file"], list) else None
         for path in [k for k in r if k.startswith("local")] + ["sglang file", "plain"]:
@@ -176,10 +196,9 @@ def main():
             if not isinstance(v, list):
                 print(f"{r['pages']:<12} {path:<22} {v}")
                 continue
-            vs_file = [v[0] / f[0], v[1] / f[1]] if f else ["-", "-"]
-            vs_plain = [v[0] / r["plain"][0], v[1] / r["plain"][1]]
             fmt = lambda x: f"{x:.2f}" if isinstance(x, float) else x  # noqa: E731
-            print(f"{r['pages']:<12} {path:<22} {v[0]:>9.2f} {v[1]:>9.2f} {fmt(vs_file[0]):>11} {fmt(vs_file[1]):>11} {fmt(vs_plain[0]):>12} {fmt(vs_plain[1]):>12}")
+            vs_file = [fmt(v[i] / f[i]) for i in range(3)] if f else ["-"] * 3
+            print(f"{r['pages']:<12} {path:<22} {v[0]:>9.2f} {v[1]:>9.2f} {v[2]:>9.2f} {vs_file[0]:>11} {vs_file[1]:>11} {vs_file[2]:>12} {v[1] / r['plain'][1]:>12.2f}")
 
 
 if __name__ == "__main__":

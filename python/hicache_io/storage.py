@@ -61,5 +61,6 @@ class LocalStore(PageStore):
             # off nothing else would, so the client checks their CRC too.
             crc_trailered=not settings.integrity,
             writes=str(extra.get("hicache_io_local_writes", "cached")),
+            reads=str(extra.get("hicache_io_local_reads", "auto")),
         )
         super().__init__(storage_config, settings, client, LOCAL_STORE, MooncakeStoreConfig(), raise_errors)

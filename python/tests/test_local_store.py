@@ -367,3 +367,49 @@ def test_a_write_rule_the_store_does_not_know_is_refused(tmp_path):
 
     with pytest.raises(ValueError, match="hicache_io_local_writes 'fast'"):
         LocalStore(HiCacheStorageConfig(model_name="m"), {"hicache_io_local_writes": "fast"}, directory=str(tmp_path / "l3"))
+
+
+@pytest.mark.parametrize("reads", ["auto", "buffered"])
+@pytest.mark.parametrize("shift", [0, 8])
+def test_large_objects_out_of_the_page_cache_read_back_exactly(tmp_path, reads, shift):
+    """A large object the page cache does not hold (written ``direct``, its pages dropped) reads
+    back exactly into page-aligned spans (``auto``: its whole pages with ``O_DIRECT``, the rest
+    and the footer through an aligned buffer) and into unaligned ones (buffered); a flipped byte
+    in its last span is still damaged."""
+    from hicache_io.l3.local import DAMAGED, LocalDiskClient
+
+    c = LocalDiskClient(str(tmp_path / "l3"), capacity_bytes=64 << 20, writes="direct", reads=reads)
+    sizes = [(1 << 20) + 4096 + 37, 63, 5000]
+    total = sum(sizes)
+    raw = np.zeros(2 * total + 4 * 4096, np.uint8)
+    base = (-raw.ctypes.data) % 4096
+    src = raw[base : base + total]
+    src[:] = np.random.default_rng(9).integers(0, 256, total, dtype=np.uint8)
+    at = base + -(-total // 4096) * 4096 + shift
+    dst = raw[at : at + total]
+    c.register_buffer(raw.ctypes.data, raw.nbytes)
+    starts = np.cumsum([0] + sizes[:-1])
+    spans = lambda a: [a.ctypes.data + int(s) for s in starts]  # noqa: E731
+
+    def drop():
+        fd = os.open(c.path("big"), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+    try:
+        assert c.batch_put_from_multi_buffers(["big"], [spans(src)], [sizes]) == [0]
+        drop()
+        assert c.batch_get_into_multi_buffers(["big"], [spans(dst)], [sizes]) == [total]
+        assert np.array_equal(src, dst)
+        with open(c.path("big"), "r+b") as f:
+            f.seek(total - 2)
+            b = f.read(1)
+            f.seek(total - 2)
+            f.write(bytes([b[0] ^ 1]))
+        drop()
+        assert c.batch_get_into_multi_buffers(["big"], [spans(dst)], [sizes]) == [DAMAGED]
+    finally:
+        c.close()

@@ -31,7 +31,9 @@ bytes first, in a counter all of them share (in the lock file, under its lock); 
 not fit, the putting process counts the directory anew and removes the least recently used
 objects until the directory and the new bytes fit in nine tenths of the capacity.
 Removal is safe while other processes read (an open file stays readable; a file removed before it
-was opened is a miss). Reads are buffered (the page cache shares objects between processes).
+was opened is a miss). Reads follow ``reads`` (:data:`READ_RULES`): by default an object the page
+cache holds is read from it (shared by the processes of the machine), a large one it does not hold
+from the disk with ``O_DIRECT``.
 Writes follow ``writes`` (:data:`WRITE_RULES`): ``cached`` (``LocalStore``'s default) leaves a
 page just stored in the page cache, so it is read back from memory, and starts each file's
 writeback at once; ``direct`` (the vLLM tier's default) writes objects of 1 MiB and more with
@@ -68,6 +70,12 @@ WRITE_RULES = {
     "direct": {"direct": True, "start_writeback": False},
     "buffered": {"direct": False, "start_writeback": False},
 }
+#: How gets read files. ``auto``: from the page cache where it holds the object, else objects of
+#: 1 MiB and more with ``O_DIRECT`` (the disk's speed: cold buffered reads ran at half of it on
+#: this project's machines), which leaves them uncached; ``buffered``: always through the page
+#: cache (a cold read then leaves the object cached for the next reader: ranks that read the same
+#: rank-replicated objects, MLA's, may prefer it).
+READ_RULES = {"auto": True, "buffered": False}
 #: Default capacity: fits a laptop's disk.
 DEFAULT_CAPACITY = 8 << 30
 #: A get marks an object used (for the eviction order) when its last mark is older than this.
@@ -87,7 +95,7 @@ def default_directory() -> str:
 class LocalDiskClient:
     """Mooncake Store's client calls over a directory (see the module docstring)."""
 
-    def __init__(self, directory: Optional[str] = None, capacity_bytes: Optional[int] = None, threads: int = 4, fsync: bool = False, crc_trailered: bool = False, writes: str = "cached"):
+    def __init__(self, directory: Optional[str] = None, capacity_bytes: Optional[int] = None, threads: int = 4, fsync: bool = False, crc_trailered: bool = False, writes: str = "cached", reads: str = "auto"):
         self.directory = os.path.abspath(directory or default_directory())
         self.capacity = int(capacity_bytes) if capacity_bytes is not None else DEFAULT_CAPACITY
         if self.capacity <= 0:
@@ -97,6 +105,10 @@ class LocalDiskClient:
             raise ValueError(f"hicache_io_local_writes {writes!r}: expected one of {', '.join(WRITE_RULES)}")
         #: How puts write files (:data:`WRITE_RULES`).
         self.writes = writes
+        if reads not in READ_RULES:
+            raise ValueError(f"hicache_io_local_reads {reads!r}: expected one of {', '.join(READ_RULES)}")
+        #: How gets read files (:data:`READ_RULES`).
+        self.reads = reads
         # Objects that carry hicache-io's trailer are verified by the store against it; with the
         # store's checksums off nothing would, so their CRC is checked here too.
         self.crc_trailered = crc_trailered
@@ -226,7 +238,7 @@ class LocalDiskClient:
         object's; else one span at least as large); per object the bytes read or a code. A
         damaged object is a miss, and goes (so that the page can be stored again)."""
         keys = list(keys)
-        got = _native.local_get(self._regions_with(extra), self.objects, keys, list(ptrs), list(sizes), exact, self.crc_trailered, TOUCH_SECONDS, self.threads)
+        got = _native.local_get(self._regions_with(extra), self.objects, keys, list(ptrs), list(sizes), exact, self.crc_trailered, TOUCH_SECONDS, self.threads, READ_RULES[self.reads])
         for j, g in enumerate(got):
             if g == _native.LOCAL_DAMAGED:
                 got[j] = self._damaged(keys[j], self.path(keys[j]))

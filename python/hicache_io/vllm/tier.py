@@ -36,8 +36,10 @@ class _Lookups(AsyncLookupManager):
 
 class HicacheTier(SecondaryTierManager):
     """Chunks of vLLM's CPU tier in hicache-io's L3 stores: ``store="local"`` (a directory shared
-    by the processes of a machine, no server: ``path``, ``capacity_bytes``, ``fsync``, ``writes``:
-    how files are written, :data:`hicache_io.l3.local.WRITE_RULES`) or
+    by the processes of a machine, no server: ``path``, ``capacity_bytes``, ``fsync``, ``writes``
+    and ``reads``: how files are written and read, :data:`hicache_io.l3.local.WRITE_RULES` and
+    ``READ_RULES``; chunks are written ``direct`` and read ``buffered`` by default, so a chunk loaded
+    once is cached for the next load) or
     ``store="mooncake"`` (Mooncake Store: ``master_server_address``, ``metadata_server``,
     ``protocol``, ``global_segment_size``, ``local_buffer_size``, ``local_hostname``,
     ``device_name``).
@@ -72,6 +74,7 @@ class HicacheTier(SecondaryTierManager):
         fsync: bool = False,
         threads: int = 4,
         writes: str = "direct",
+        reads: str = "buffered",
         namespace: str = "hicache-io",
         **mooncake: Any,
     ):
@@ -92,7 +95,7 @@ class HicacheTier(SecondaryTierManager):
                 raise TypeError(f"unknown options for the local store: {sorted(mooncake)}")
             from ..l3.local import LocalDiskClient
 
-            self.client = LocalDiskClient(path, capacity_bytes=capacity_bytes, threads=threads, fsync=fsync, writes=writes)
+            self.client = LocalDiskClient(path, capacity_bytes=capacity_bytes, threads=threads, fsync=fsync, writes=writes, reads=reads)
         elif store == "mooncake":
             from ..l3.config import MooncakeStoreConfig
             from ..l3.mooncake_client import open_client
