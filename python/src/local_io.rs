@@ -128,13 +128,8 @@ impl Drop for Fd {
 
 /// Reads (`write` false) or writes every byte of `iov` from file offset 0, at most `IOV_MAX`
 /// buffers a call, until done or a read meets the end of the file; the bytes moved, or a code.
-fn vectored(fd: &Fd, iov: Vec<libc::iovec>, write: bool) -> Result<usize, i64> {
-    vectored_at(fd, iov, 0, write)
-}
-
-/// [`vectored`] from file offset `start`: the bytes moved from there.
-fn vectored_at(fd: &Fd, mut iov: Vec<libc::iovec>, start: usize, write: bool) -> Result<usize, i64> {
-    let (mut offset, mut first) = (start, 0usize);
+fn vectored(fd: &Fd, mut iov: Vec<libc::iovec>, write: bool) -> Result<usize, i64> {
+    let (mut offset, mut first) = (0usize, 0usize);
     while first < iov.len() {
         let end = (first + IOV_MAX).min(iov.len());
         let cnt = (end - first) as libc::c_int;
@@ -159,7 +154,7 @@ fn vectored_at(fd: &Fd, mut iov: Vec<libc::iovec>, start: usize, write: bool) ->
         offset += n as usize;
         first += skip(&mut iov[first..], n as usize);
     }
-    Ok(offset - start)
+    Ok(offset)
 }
 
 /// Advances `iov` past `n` bytes: the buffers wholly covered (their count, returned) and the
@@ -179,16 +174,28 @@ fn skip(iov: &mut [libc::iovec], mut n: usize) -> usize {
 }
 
 /// Reads a file's `size` bytes into `iov` (the object's spans, then its key and footer) from
-/// `fd`. With `direct_cold`, objects of [`DIRECT_MIN`] and more that the page cache does not hold
-/// whole come from the disk with `O_DIRECT` where the first span allows it (cold buffered reads ran at half the
-/// disk's speed on this project's CI machine kind); the rest buffered. The bytes read.
-fn read_object(fd: &Fd, path: &CString, iov: Vec<libc::iovec>, size: usize, direct_cold: bool) -> Result<usize, i64> {
-    if direct_cold && size >= DIRECT_MIN && !cached(fd, size) {
-        if let Some(r) = read_direct(path, &iov, size) {
-            return r;
+/// `fd` (whose `fstat` is `st`; opened at `path`). With `direct_cold`, objects of [`DIRECT_MIN`]
+/// and more that the page cache does not hold whole come from the disk with `O_DIRECT` where the
+/// first span allows it (cold buffered reads ran at half the disk's speed on this project's CI
+/// machine kind); the rest buffered. The bytes read.
+fn read_object(fd: &Fd, st: &libc::stat, path: &CString, iov: Vec<libc::iovec>, size: usize, direct_cold: bool) -> Result<usize, i64> {
+    if direct_cold && size >= DIRECT_MIN {
+        if let Some(plan) = DirectRead::of(&iov, size) {
+            if !cached(fd, size) {
+                if let Some(got) = plan.read(path, st, &iov) {
+                    return Ok(got);
+                }
+            }
         }
     }
     vectored(fd, iov, false)
+}
+
+/// The machine's page size (`mincore` answers a byte per page).
+fn page_size() -> usize {
+    static PAGE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    // SAFETY: sysconf has no preconditions.
+    *PAGE.get_or_init(|| usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).ok().filter(|&p| p > 0).unwrap_or(4096))
 }
 
 /// Whether the page cache holds every page of `fd`'s first `size` bytes (`mincore` over a
@@ -201,79 +208,97 @@ fn cached(fd: &Fd, size: usize) -> bool {
     if map == libc::MAP_FAILED {
         return true;
     }
-    let mut pages = vec![0u8; size.div_ceil(4096)];
-    // SAFETY: `pages` holds a byte per page of the `size`-byte mapping (4 KiB pages: the
-    // machines this runs on; a larger page size needs fewer bytes).
+    let mut pages = vec![0u8; size.div_ceil(page_size())];
+    // SAFETY: `pages` holds a byte per page of the `size`-byte mapping.
     let known = unsafe { libc::mincore(map, size, pages.as_mut_ptr()) } == 0;
     // SAFETY: the mapping made above.
     unsafe { libc::munmap(map, size) };
     !known || pages.iter().all(|p| p & 1 == 1)
 }
 
-/// Reads `size` bytes of file `path` into `iov` with `O_DIRECT`: the first buffer's whole pages
-/// straight from the disk, the rest (its tail, the other buffers: at most [`DIRECT_REST_MAX`]
-/// bytes) through one aligned buffer. `None` where it cannot (the first buffer not page-aligned,
-/// a file system that refuses `O_DIRECT`): the caller reads buffered. The bytes read.
-fn read_direct(path: &CString, iov: &[libc::iovec], size: usize) -> Option<Result<usize, i64>> {
-    let (p0, n0) = (iov.first()?.iov_base as usize, iov.first()?.iov_len);
-    let head = n0 - n0 % DIRECT_ALIGN;
-    let rest = size.checked_sub(head)?;
-    if !p0.is_multiple_of(DIRECT_ALIGN) || head == 0 || rest > DIRECT_REST_MAX {
-        return None;
+/// A read of `size` bytes with `O_DIRECT` into buffers whose first one starts on a page: its
+/// `head` whole pages straight from the disk, the `rest` (its tail, the other buffers: at most
+/// [`DIRECT_REST_MAX`] bytes) through one aligned buffer.
+struct DirectRead {
+    p0: usize,
+    n0: usize,
+    head: usize,
+    rest: usize,
+}
+
+impl DirectRead {
+    fn of(iov: &[libc::iovec], size: usize) -> Option<DirectRead> {
+        let (p0, n0) = (iov.first()?.iov_base as usize, iov.first()?.iov_len);
+        let head = n0 - n0 % DIRECT_ALIGN;
+        let rest = size.checked_sub(head)?;
+        (p0.is_multiple_of(DIRECT_ALIGN) && head > 0 && rest <= DIRECT_REST_MAX).then_some(DirectRead { p0, n0, head, rest })
     }
-    // SAFETY: a NUL-terminated path; the descriptor is closed by `Fd`.
-    let raw = unsafe { libc::open(path.as_ptr(), libc::O_RDONLY | libc::O_DIRECT | libc::O_CLOEXEC) };
-    if raw < 0 {
-        return None;
-    }
-    let fd = Fd(raw);
-    let mut done = 0usize;
-    while done < head {
-        // SAFETY: `head` bytes of the first buffer (registered memory, page-aligned) from the
-        // page-aligned offset `done` (whole pages read until the end of the file).
-        let n = unsafe { libc::pread(fd.0, (p0 + done) as *mut libc::c_void, head - done, done as libc::off_t) };
-        if n < 0 {
-            match errno() {
-                e if e == -(libc::EINTR as i64) => continue,
-                e if e == -(libc::EINVAL as i64) && done == 0 => return None, // refused: buffered
-                e => return Some(Err(e)),
+
+    /// Reads file `path` (the file `st` describes: another one, linked there meanwhile, is left
+    /// alone) into `iov`; the bytes read (fewer where the file ends early), or `None` where this
+    /// cannot read it (a file system or memory that refuses `O_DIRECT`, any error): the caller
+    /// reads it buffered.
+    fn read(&self, path: &CString, st: &libc::stat, iov: &[libc::iovec]) -> Option<usize> {
+        let DirectRead { p0, n0, head, rest } = *self;
+        // SAFETY: a NUL-terminated path; the descriptor is closed by `Fd`.
+        let raw = unsafe { libc::open(path.as_ptr(), libc::O_RDONLY | libc::O_DIRECT | libc::O_CLOEXEC) };
+        if raw < 0 {
+            return None;
+        }
+        let fd = Fd(raw);
+        // SAFETY: fstat fills the zeroed struct for an open descriptor.
+        let mut same: libc::stat = unsafe { std::mem::zeroed() };
+        if unsafe { libc::fstat(fd.0, &mut same) } != 0 || (same.st_dev, same.st_ino) != (st.st_dev, st.st_ino) {
+            return None;
+        }
+        let mut done = 0usize;
+        while done < head {
+            // SAFETY: `head` bytes of the first buffer (registered memory, page-aligned) from the
+            // page-aligned offset `done` (whole pages read until the end of the file).
+            let n = unsafe { libc::pread(fd.0, (p0 + done) as *mut libc::c_void, head - done, done as libc::off_t) };
+            if n < 0 {
+                if errno() == -(libc::EINTR as i64) {
+                    continue;
+                }
+                return None;
+            }
+            done += n as usize;
+            if n == 0 || !(n as usize).is_multiple_of(DIRECT_ALIGN) {
+                return Some(done); // the file ends early: the caller sees a short read
             }
         }
-        done += n as usize;
-        if n == 0 || !(n as usize).is_multiple_of(DIRECT_ALIGN) {
-            return Some(Ok(done)); // the file ends early: the caller sees a short read
+        let padded = rest.div_ceil(DIRECT_ALIGN).max(1) * DIRECT_ALIGN;
+        let layout = std::alloc::Layout::from_size_align(padded, DIRECT_ALIGN).ok()?;
+        // SAFETY: a non-zero size; freed below.
+        let buf = unsafe { std::alloc::alloc(layout) };
+        if buf.is_null() {
+            return None;
         }
-    }
-    let padded = rest.div_ceil(DIRECT_ALIGN).max(1) * DIRECT_ALIGN;
-    let Ok(layout) = std::alloc::Layout::from_size_align(padded, DIRECT_ALIGN) else { return Some(Err(-(libc::ENOMEM as i64))) };
-    // SAFETY: a non-zero size; freed below.
-    let buf = unsafe { std::alloc::alloc(layout) };
-    if buf.is_null() {
-        return Some(Err(-(libc::ENOMEM as i64)));
-    }
-    let got = loop {
-        // SAFETY: `padded` bytes of the aligned buffer at the page-aligned offset `head`.
-        let n = unsafe { libc::pread(fd.0, buf as *mut libc::c_void, padded, head as libc::off_t) };
-        if n < 0 && errno() == -(libc::EINTR as i64) {
-            continue;
+        let got = loop {
+            // SAFETY: `padded` bytes of the aligned buffer at the page-aligned offset `head`.
+            let n = unsafe { libc::pread(fd.0, buf as *mut libc::c_void, padded, head as libc::off_t) };
+            if n < 0 && errno() == -(libc::EINTR as i64) {
+                continue;
+            }
+            break (n >= 0).then(|| (n as usize).min(rest));
+        };
+        if let Some(got) = got {
+            // The bytes after the first buffer's whole pages, in order: its tail, then the others.
+            let mut at = 0usize;
+            let pieces =
+                std::iter::once(((p0 + head) as *mut u8, n0 - head)).chain(iov[1..].iter().map(|v| (v.iov_base as *mut u8, v.iov_len)));
+            for (p, n) in pieces {
+                let take = n.min(got - at);
+                // SAFETY: `at + take <= got <= padded`; the target is a buffer of `iov` (registered
+                // memory or the caller's tail), `take` bytes of it.
+                unsafe { std::ptr::copy_nonoverlapping(buf.add(at), p, take) };
+                at += take;
+            }
         }
-        break if n < 0 { Err(errno()) } else { Ok((n as usize).min(rest)) };
-    };
-    if let Ok(got) = got {
-        // The bytes after the first buffer's whole pages, in order: its tail, then the others.
-        let mut at = 0usize;
-        let pieces = std::iter::once(((p0 + head) as *mut u8, n0 - head)).chain(iov[1..].iter().map(|v| (v.iov_base as *mut u8, v.iov_len)));
-        for (p, n) in pieces {
-            let take = n.min(got - at);
-            // SAFETY: `at + take <= got <= padded`; the target is a buffer of `iov` (registered
-            // memory or the caller's tail), `take` bytes of it.
-            unsafe { std::ptr::copy_nonoverlapping(buf.add(at), p, take) };
-            at += take;
-        }
+        // SAFETY: allocated above with this layout.
+        unsafe { std::alloc::dealloc(buf, layout) };
+        got.map(|g| head + g)
     }
-    // SAFETY: allocated above with this layout.
-    unsafe { std::alloc::dealloc(buf, layout) };
-    Some(got.map(|g| head + g))
 }
 
 fn iovecs(spans: &[Span]) -> Vec<libc::iovec> {
@@ -361,7 +386,7 @@ fn get_one(path: &str, key: &[u8], spans: &[Span], exact: bool, crc_trailered: b
     let mut tail = vec![0u8; key.len() + FOOTER];
     let mut iov = iovecs(&targets);
     iov.push(libc::iovec { iov_base: tail.as_mut_ptr() as *mut libc::c_void, iov_len: tail.len() });
-    match read_object(&fd, &c, iov, size, direct_cold) {
+    match read_object(&fd, &st, &c, iov, size, direct_cold) {
         Ok(got) if got == size => {}
         Ok(_) => return OBJECT_NOT_FOUND, // truncated meanwhile
         Err(e) => return e,
@@ -601,7 +626,9 @@ pub(crate) fn local_get(
     let bytes = spans.iter().flatten().flatten().map(|s| s.1).sum();
     Ok(py.detach(|| {
         run_all(keys.len(), bytes, threads, |j| match &spans[j] {
-            Some(s) => get_one(&object_path(objects, keys[j].as_bytes()), keys[j].as_bytes(), s, exact, crc_trailered, touch_seconds, direct_cold),
+            Some(s) => {
+                get_one(&object_path(objects, keys[j].as_bytes()), keys[j].as_bytes(), s, exact, crc_trailered, touch_seconds, direct_cold)
+            }
             None => INVALID_PARAMS,
         })
     }))
