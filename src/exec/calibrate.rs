@@ -23,6 +23,16 @@ impl Device {
         caps.auto = table(self, caps);
         caps
     }
+
+    /// The capabilities a request with io backend `io` is planned with: measured for `auto`
+    /// (which consults the table), plain for the others.
+    pub fn capabilities_for(&self, io: IoBackend) -> Capabilities {
+        if io == IoBackend::Auto {
+            self.calibrated_capabilities()
+        } else {
+            self.capabilities()
+        }
+    }
 }
 
 /// The table of `device`: measured (or read from the cache file) on first use, then kept on

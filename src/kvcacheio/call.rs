@@ -159,7 +159,7 @@ impl Call {
         let device = &sides.device;
         let plan = match (hi, di) {
             (Indices::Host(hi), Indices::Host(di)) => {
-                let caps = if io == IoBackend::Auto { device.calibrated_capabilities() } else { device.capabilities() };
+                let caps = device.capabilities_for(io);
                 let req = Request { op, io_backend: io, host_indices: hi, device_indices: di };
                 crate::plan::plan(sides.profile, &caps, device.id(), &sides.pair, &req)?
             }

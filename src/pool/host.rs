@@ -127,7 +127,7 @@ impl<'m> HostPool<'m> {
     /// Validates and lowers one call without running it (plan once, run many).
     pub fn plan(&self, device_pool: &DevicePool, req: &Request<'_>) -> Result<Plan> {
         self.check_pair(device_pool)?;
-        let caps = if req.io_backend == IoBackend::Auto { self.device.calibrated_capabilities() } else { self.device.capabilities() };
+        let caps = self.device.capabilities_for(req.io_backend);
         plan::plan(self.profile, &caps, self.device.id(), &self.pair, req)?.with_checksums(self.checksums.is_some(), &caps)
     }
 
