@@ -16,6 +16,7 @@ mod dlpack;
 mod errors;
 mod executors;
 mod local_io;
+mod local_pack;
 mod ops;
 mod pools;
 mod tools;
@@ -51,6 +52,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(local_io::local_paths, m)?)?;
     m.add_function(wrap_pyfunction!(local_io::local_put, m)?)?;
     m.add_function(wrap_pyfunction!(local_io::local_intact, m)?)?;
+    m.add_class::<local_pack::LocalPacks>()?;
+    m.add("PACK_OBJECT_MAX", local_pack::PACK_OBJECT_MAX)?;
     m.add("LOCAL_FOOTER_BYTES", local_io::FOOTER)?;
     m.add("LOCAL_DAMAGED", local_io::DAMAGED)?;
     m.add("STORAGE_SEED", hicache_io::integrity::STORAGE_SEED)?;

@@ -31,15 +31,15 @@ const FOOTER_MAGIC: &[u8; 8] = b"HIOLOC01";
 pub(crate) const TRAILER_MAGIC: u64 = u64::from_le_bytes(*b"HIOSUM03");
 pub(crate) const TRAILER_BYTES: usize = 16;
 /// Mooncake's codes, as the store reads them.
-const OBJECT_NOT_FOUND: i64 = -704;
-const INVALID_PARAMS: i64 = -600;
-const BUFFER_MISMATCH: i64 = -800;
+pub(crate) const OBJECT_NOT_FOUND: i64 = -704;
+pub(crate) const INVALID_PARAMS: i64 = -600;
+pub(crate) const BUFFER_MISMATCH: i64 = -800;
 /// A file whose footer does not hold or whose bytes fail their CRC: the caller removes it.
 pub(crate) const DAMAGED: i64 = -100_003;
 /// Objects of at least this many bytes (on average) move on several threads.
 const PARALLEL_BYTES: usize = 64 << 10;
 /// Buffers one vectored call takes (Linux's `IOV_MAX`).
-const IOV_MAX: usize = 1024;
+pub(crate) const IOV_MAX: usize = 1024;
 /// How a put writes its files: `fsync` (each file flushed before it is published), `direct`
 /// (objects of [`DIRECT_MIN`] and more whose first span starts on a page written with `O_DIRECT`,
 /// so they bypass the page cache), `start_writeback` (buffered files' writeback started as each
@@ -60,11 +60,11 @@ const DIRECT_ALIGN: usize = 4096;
 /// At most this many bytes of a direct put go through its aligned bounce buffer.
 const DIRECT_REST_MAX: usize = 256 << 10;
 
-type Span = (usize, usize);
+pub(crate) type Span = (usize, usize);
 
 /// Per object, its spans `(address, bytes)`: `ptrs[j]` is an address and `sizes[j]` a size, or
 /// both are lists of them.
-fn spans_arg(ptrs: &Bound<'_, PyList>, sizes: &Bound<'_, PyList>) -> PyResult<Vec<Vec<Span>>> {
+pub(crate) fn spans_arg(ptrs: &Bound<'_, PyList>, sizes: &Bound<'_, PyList>) -> PyResult<Vec<Vec<Span>>> {
     if ptrs.len() != sizes.len() {
         return Err(PyValueError::new_err(format!("{} objects' addresses but {} sizes", ptrs.len(), sizes.len())));
     }
@@ -101,23 +101,23 @@ pub(crate) fn local_paths(objects: &str, keys: Vec<String>) -> Vec<String> {
 }
 
 /// Whether every span lies inside one registered region.
-fn inside(regions: &[Span], spans: &[Span]) -> bool {
+pub(crate) fn inside(regions: &[Span], spans: &[Span]) -> bool {
     spans.iter().all(|&(p, n)| {
         p.checked_add(n)
             .is_some_and(|end| regions.iter().any(|&(base, len)| base <= p && base.checked_add(len).is_some_and(|top| end <= top)))
     })
 }
 
-fn errno() -> i64 {
+pub(crate) fn errno() -> i64 {
     -(std::io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO) as i64)
 }
 
-fn cpath(p: &str) -> Option<CString> {
+pub(crate) fn cpath(p: &str) -> Option<CString> {
     CString::new(p).ok()
 }
 
 /// An open file descriptor, closed when dropped.
-struct Fd(libc::c_int);
+pub(crate) struct Fd(pub(crate) libc::c_int);
 
 impl Drop for Fd {
     fn drop(&mut self) {
@@ -128,7 +128,21 @@ impl Drop for Fd {
 
 /// Reads (`write` false) or writes every byte of `iov` from file offset 0, at most `IOV_MAX`
 /// buffers a call, until done or a read meets the end of the file; the bytes moved, or a code.
-fn vectored(fd: &Fd, mut iov: Vec<libc::iovec>, write: bool) -> Result<usize, i64> {
+fn vectored(fd: &Fd, iov: Vec<libc::iovec>, write: bool) -> Result<usize, i64> {
+    vectored_at(fd, iov, write, 0)
+}
+
+/// [`vectored`] from file offset `base`.
+pub(crate) fn vectored_at(fd: &Fd, iov: Vec<libc::iovec>, write: bool, base: usize) -> Result<usize, i64> {
+    match vectored_progress(fd, iov, write, base) {
+        (_, Some(e)) => Err(e),
+        (n, None) => Ok(n),
+    }
+}
+
+/// [`vectored_at`], keeping what moved before an error: the bytes moved, and the error (a code)
+/// that stopped it, if any.
+pub(crate) fn vectored_progress(fd: &Fd, mut iov: Vec<libc::iovec>, write: bool, base: usize) -> (usize, Option<i64>) {
     let (mut offset, mut first) = (0usize, 0usize);
     while first < iov.len() {
         let end = (first + IOV_MAX).min(iov.len());
@@ -137,16 +151,16 @@ fn vectored(fd: &Fd, mut iov: Vec<libc::iovec>, write: bool) -> Result<usize, i6
         // of this function's caller; the count is within the vector.
         let n = unsafe {
             if write {
-                libc::pwritev(fd.0, iov[first..].as_ptr(), cnt, offset as libc::off_t)
+                libc::pwritev(fd.0, iov[first..].as_ptr(), cnt, (base + offset) as libc::off_t)
             } else {
-                libc::preadv(fd.0, iov[first..].as_ptr(), cnt, offset as libc::off_t)
+                libc::preadv(fd.0, iov[first..].as_ptr(), cnt, (base + offset) as libc::off_t)
             }
         };
         if n < 0 {
             if std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
                 continue;
             }
-            return Err(errno());
+            return (offset, Some(errno()));
         }
         if n == 0 {
             break;
@@ -154,7 +168,7 @@ fn vectored(fd: &Fd, mut iov: Vec<libc::iovec>, write: bool) -> Result<usize, i6
         offset += n as usize;
         first += skip(&mut iov[first..], n as usize);
     }
-    Ok(offset)
+    (offset, None)
 }
 
 /// Advances `iov` past `n` bytes: the buffers wholly covered (their count, returned) and the
@@ -301,12 +315,12 @@ impl DirectRead {
     }
 }
 
-fn iovecs(spans: &[Span]) -> Vec<libc::iovec> {
+pub(crate) fn iovecs(spans: &[Span]) -> Vec<libc::iovec> {
     spans.iter().map(|&(p, n)| libc::iovec { iov_base: p as *mut libc::c_void, iov_len: n }).collect()
 }
 
 /// The CRC-32 of the spans' bytes in order.
-fn crc_of(spans: &[Span]) -> u32 {
+pub(crate) fn crc_of(spans: &[Span]) -> u32 {
     let mut h = crc32fast::Hasher::new();
     for &(p, n) in spans {
         // SAFETY: the span lies inside registered memory (checked by the caller of this module's
@@ -317,7 +331,7 @@ fn crc_of(spans: &[Span]) -> u32 {
 }
 
 /// Whether the object ends in hicache-io's integrity trailer (which the store verifies).
-fn carries_trailer(spans: &[Span]) -> bool {
+pub(crate) fn carries_trailer(spans: &[Span]) -> bool {
     match spans.last() {
         Some(&(p, n)) if n >= TRAILER_BYTES => {
             let mut w = [0u8; 8];
@@ -353,7 +367,7 @@ fn footer_holds(f: &[u8], n: usize, klen: usize) -> Option<u32> {
 }
 
 /// The bytes of `spans` together; `None` past `usize` (no buffer of the caller can be that large).
-fn span_bytes(spans: &[Span]) -> Option<usize> {
+pub(crate) fn span_bytes(spans: &[Span]) -> Option<usize> {
     spans.iter().try_fold(0usize, |a, s| a.checked_add(s.1))
 }
 
@@ -495,7 +509,7 @@ fn put_one(path: &str, tmp: &str, key: &[u8], spans: &[Span], rule: WriteRule) -
 /// Starts `fd`'s writeback now, without waiting for it: its pages stay in the page cache (a get
 /// reads them from memory) while dirty pages stay few. Advice only: a failure changes nothing the
 /// caller sees.
-fn start_writeback(fd: &Fd) {
+pub(crate) fn start_writeback(fd: &Fd) {
     // SAFETY: an open descriptor.
     unsafe { libc::sync_file_range(fd.0, 0, 0, libc::SYNC_FILE_RANGE_WRITE) };
 }
@@ -592,7 +606,12 @@ fn run_all(count: usize, bytes: usize, threads: usize, f: impl Fn(usize) -> i64 
 }
 
 /// Checked spans of a batch: per object its spans, `None` for an object outside registered memory.
-fn checked(regions: &[Span], ptrs: &Bound<'_, PyList>, sizes: &Bound<'_, PyList>, count: usize) -> PyResult<Vec<Option<Vec<Span>>>> {
+pub(crate) fn checked(
+    regions: &[Span],
+    ptrs: &Bound<'_, PyList>,
+    sizes: &Bound<'_, PyList>,
+    count: usize,
+) -> PyResult<Vec<Option<Vec<Span>>>> {
     let spans = spans_arg(ptrs, sizes)?;
     if spans.len() != count {
         return Err(PyValueError::new_err(format!("{count} objects but {} span lists", spans.len())));
@@ -725,15 +744,21 @@ pub(crate) fn local_intact(py: Python<'_>, objects: PathBuf, path: PathBuf) -> P
         if named != path.as_os_str().as_bytes() || crc32fast::hash(obj) != crc {
             return Ok(false);
         }
-        let Some(body_len) = obj.len().checked_sub(TRAILER_BYTES) else { return Ok(true) };
-        let (body, trailer) = obj.split_at(body_len);
-        let word = |at: usize| trailer.get(at..at + 8).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes);
-        if word(0) != Some(TRAILER_MAGIC) {
-            return Ok(true);
-        }
-        use hicache_io::integrity as ig;
-        let keys = ig::shared_keys(ig::STORAGE_SEED, ig::words(body.len()))?;
-        Ok(Some(ig::checksum(body, &keys) ^ ig::name_hash(key)) == word(8))
+        trailer_holds(obj, key)
     })
     .py()
+}
+
+/// Whether object `obj` of key `key`, where it ends in hicache-io's trailer, holds it (the
+/// checksum of the body bound to the key); an object without one holds.
+pub(crate) fn trailer_holds(obj: &[u8], key: &[u8]) -> hicache_io::Result<bool> {
+    let Some(body_len) = obj.len().checked_sub(TRAILER_BYTES) else { return Ok(true) };
+    let (body, trailer) = obj.split_at(body_len);
+    let word = |at: usize| trailer.get(at..at + 8).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes);
+    if word(0) != Some(TRAILER_MAGIC) {
+        return Ok(true);
+    }
+    use hicache_io::integrity as ig;
+    let keys = ig::shared_keys(ig::STORAGE_SEED, ig::words(body.len()))?;
+    Ok(Some(ig::checksum(body, &keys) ^ ig::name_hash(key)) == word(8))
 }

@@ -101,3 +101,15 @@ def make_store(master, segment=64 << 20, extra=None, **kw):
 
     cfg = HiCacheStorageConfig(model_name=f"test/{uuid.uuid4().hex[:8]}", extra_config={"master_server_address": master.address, "global_segment_size": segment, "local_buffer_size": 4 << 20, "protocol": "tcp", "metadata_server": "P2PHANDSHAKE", "local_hostname": "127.0.0.1", **(extra or {})})
     return MooncakeStore(cfg, {}, **kw)
+
+
+def pack_records(path):
+    """The records of local-store pack ``path``: key → where its object's bytes start. (The
+    record format, as ``python/src/local_pack.rs`` documents it: a 32-byte header whose bytes
+    16..20 hold the object's length and 20..22 the key's, then the key, then the object.)"""
+    data, at, out = open(path, "rb").read(), 0, {}
+    while at + 32 <= len(data):
+        n, k = int.from_bytes(data[at + 16 : at + 20], "little"), int.from_bytes(data[at + 20 : at + 22], "little")
+        out[data[at + 32 : at + 32 + k].decode()] = at + 32 + k
+        at += 32 + k + n
+    return out

@@ -295,6 +295,9 @@ DISK = textwrap.dedent(
 
     directory, kind = sys.argv[1], sys.argv[2]
     bpt, layers = {"dsa": (132, 4), "mla": (32768, 4)}[kind]  # trailered 528 B pages; 1 MiB pages, written direct
+    # Where their bytes go: small objects to packs (this process's one pack file), others to files
+    # written under tmp/ and linked into objects/.
+    writes, reads = ("/packs/", "/packs/") if kind == "dsa" else ("/tmp/", "/objects/")
     dev = hicache_io.DevicePool(hicache_io.Device("cpu"), kind, bpt, 16 if kind == "dsa" else 16 * 8, 8, layers)
     host = hicache_io.HostPool(dev, "page_first", 16 * 8, profile="extended")
     n = len(host.get_dummy_flat_data_page())
@@ -323,14 +326,14 @@ DISK = textwrap.dedent(
         host.set_from_flat_data_page(p * 8, image[p])
 
     # A disk that fills part way through a batch: the puts that did not fit fail, whole.
-    fault(path=directory + "/tmp/", write_errno=28, write_budget=int(2.5 * n), epoch=1)
+    fault(path=directory + writes, write_errno=28, write_budget=int(2.5 * n), epoch=1)
     put = store.batch_set_v1(keys, toks(range(8)))
     err = store.last_error
     out["enospc_put"] = put
     assert not all(put) and err is not None and err.code == -28 and "ENOSPC" in str(err), (put, err)
     for k, ok in zip(keys, put):
         assert store.batch_exists([k]) == int(ok), k
-        assert all(os.path.exists(p) == ok for p in client.paths(store.object_keys(k))), k
+        assert client.batch_is_exist(store.object_keys(k)) == [int(ok)] * len(store.object_keys(k)), k
     assert os.listdir(os.path.join(directory, "tmp")) == [], "a failed put left its temporary file"
     c0, c1 = counted(), client.resync()
     assert c0 == c1, ("the byte count kept bytes that were never written", c0, c1, put)
@@ -343,7 +346,7 @@ DISK = textwrap.dedent(
         for p in range(8, 16):
             host.set_from_flat_data_page(p * 8, np.full(n, 0x5A, np.uint8))
         before = pages_of_pool()
-        fault(path=directory + "/objects/", read_errno=5, read_budget=budget, epoch=epoch)
+        fault(path=directory + reads, read_errno=5, read_budget=budget, epoch=epoch)
         got = store.batch_get_v1(keys[:4], toks(range(8, 12)))
         err = store.last_error
         fault()

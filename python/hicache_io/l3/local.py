@@ -124,6 +124,8 @@ class LocalDiskClient:
         self.threads = max(1, threads)
         self._seq = itertools.count()  # next() is atomic: temporary names unique per thread
         self._regions: Dict[int, int] = {}
+        #: Objects of up to ``_native.PACK_OBJECT_MAX`` bytes, packed (see the module docstring).
+        self.packs = _native.LocalPacks(self.directory, f"{os.getpid()}-{_HOST}-{time.time_ns()}", pack_bytes(self.capacity))
         self.resync()
 
     # ---- paths and sizes ---------------------------------------------------------------------
@@ -169,12 +171,15 @@ class LocalDiskClient:
             # writers whose files are not complete yet) loses what was removed.
             total, objs = scan(self.directory)
             goal = self.capacity * 9 // 10
-            freed = 0
+            freed, packs = 0, False
             for _mtime, size, p in sorted(objs):
                 if max(total, used) - freed + nbytes <= goal:
                     break
                 if self._unlink(p):
                     freed += size
+                    packs = packs or p.endswith(".pack")
+            if packs:
+                self.packs.changed()  # every process drops the evicted packs' objects
             return max(total, used) - freed + nbytes
 
         self._counted(reserve)
@@ -212,11 +217,39 @@ class LocalDiskClient:
         return list(self._regions.items()) + list(extra)
 
     def _put(self, keys: Sequence[str], ptrs: Sequence[Any], sizes: Sequence[Any], extra: Sequence[Tuple[int, int]] = ()) -> List[int]:
-        """Puts objects ``keys`` from their spans: the new objects' bytes counted first (the
-        directory never holds more than its capacity), what was not written uncounted after.
+        """Puts objects ``keys`` from their spans: small ones to packs, the others to files of
+        their own (:meth:`_put_files`)."""
+        keys, ptrs, sizes = list(keys), list(ptrs), list(sizes)
+        small = [j for j, s in enumerate(sizes) if (sum(s) if isinstance(s, (list, tuple)) else int(s)) <= _native.PACK_OBJECT_MAX]
+        if not small:
+            return self._put_files(keys, ptrs, sizes, extra)
+        out = [0] * len(keys)
+        packed = set(small)
+        big = [j for j in range(len(keys)) if j not in packed]
+        for part, put in ((small, self._put_packs), (big, self._put_files)):
+            if part:
+                for j, w in zip(part, put([keys[j] for j in part], [ptrs[j] for j in part], [sizes[j] for j in part], extra)):
+                    out[j] = w
+        return out
+
+    def _put_packs(self, keys: List[str], ptrs: List[Any], sizes: List[Any], extra: Sequence[Tuple[int, int]]) -> List[int]:
+        """Puts small objects into this process's pack, their bytes counted first (as files')."""
+        try:
+            done = self.packs.put(self._regions_with(extra), keys, ptrs, sizes, self._reserve_new, self.fsync, self.writes != "buffered")
+            if done is None:
+                return [-errno.ENOSPC] * len(keys)
+            need, written = done
+            self._adjust(sum(w for w in written if w > 0) - need)
+        except OSError as e:
+            logger.warning("hicache-io L3 (local): puts failed: %s", e)
+            return [-(e.errno or errno.EIO)] * len(keys)
+        return self._written(keys, written)
+
+    def _put_files(self, keys: List[str], ptrs: List[Any], sizes: List[Any], extra: Sequence[Tuple[int, int]] = ()) -> List[int]:
+        """Puts objects ``keys`` from their spans to files: the new objects' bytes counted first
+        (the directory never holds more than its capacity), what was not written uncounted after.
         The native put maps keys to files and checks which exist, once; it calls
         :meth:`_reserve_new` with the new objects' bytes before it writes any."""
-        keys = list(keys)
         prefix = f"{self.tmp}/{os.getpid()}-{_HOST}-{threading.get_ident()}-"
         tmps = [prefix + str(next(self._seq)) for _ in keys]
         try:
@@ -228,6 +261,10 @@ class LocalDiskClient:
         except OSError as e:  # the lock or the directory itself failed: every put fails
             logger.warning("hicache-io L3 (local): puts failed: %s", e)
             return [-(e.errno or errno.EIO)] * len(keys)
+        return self._written(keys, written)
+
+    @staticmethod
+    def _written(keys: List[str], written: List[int]) -> List[int]:
         failed = [(k, w) for k, w in zip(keys, written) if w < 0]
         if failed:
             logger.warning("hicache-io L3 (local): %d put(s) failed, the first %s with code %d", len(failed), failed[0][0], failed[0][1])
@@ -237,8 +274,17 @@ class LocalDiskClient:
         """Reads objects ``keys`` into their spans (``exact``: their sizes must add up to the
         object's; else one span at least as large); per object the bytes read or a code. A
         damaged object is a miss, and goes (so that the page can be stored again)."""
-        keys = list(keys)
-        got = _native.local_get(self._regions_with(extra), self.objects, keys, list(ptrs), list(sizes), exact, self.crc_trailered, TOUCH_SECONDS, self.threads, READ_RULES[self.reads])
+        keys, ptrs, sizes = list(keys), list(ptrs), list(sizes)
+        regions = self._regions_with(extra)
+        try:
+            got = self.packs.get(regions, keys, ptrs, sizes, exact, self.crc_trailered, TOUCH_SECONDS)
+        except OSError as e:
+            got = [-(e.errno or errno.EIO)] * len(keys)
+        files = [j for j, g in enumerate(got) if g == OBJECT_NOT_FOUND]  # not in a pack: its own file, if any
+        if files:
+            sub = _native.local_get(regions, self.objects, [keys[j] for j in files], [ptrs[j] for j in files], [sizes[j] for j in files], exact, self.crc_trailered, TOUCH_SECONDS, self.threads, READ_RULES[self.reads])
+            for j, g in zip(files, sub):
+                got[j] = g
         for j, g in enumerate(got):
             if g == _native.LOCAL_DAMAGED:
                 got[j] = self._damaged(keys[j], self.path(keys[j]))
@@ -271,14 +317,22 @@ class LocalDiskClient:
         return self._get(keys, [list(p) for p in ptrs], [list(s) for s in sizes], True)
 
     def batch_is_exist(self, keys: Sequence[str]) -> List[int]:
-        return [1 if os.path.exists(p) else 0 for p in self.paths(keys)]
+        keys = list(keys)
+        packed = self.packs.exists(keys)
+        out = [1 if p else 0 for p in packed]
+        rest = [j for j, p in enumerate(packed) if not p]
+        for j, p in zip(rest, self.paths([keys[j] for j in rest]) if rest else []):
+            out[j] = 1 if os.path.exists(p) else 0
+        return out
 
     def is_exist(self, key: str) -> int:
         return self.batch_is_exist([key])[0]
 
     def get(self, key: str) -> bytes:
+        n = self.packs.size(key)
         try:
-            n = os.stat(self.path(key)).st_size - len(key.encode()) - _native.LOCAL_FOOTER_BYTES
+            if n is None:
+                n = os.stat(self.path(key)).st_size - len(key.encode()) - _native.LOCAL_FOOTER_BYTES
         except OSError:
             return b""
         if n < 0:
@@ -293,18 +347,22 @@ class LocalDiskClient:
         return self._put([key], [addr], [len(value)], [(addr, buf.nbytes)])[0]
 
     def remove(self, key: str) -> int:
-        p = self.path(key)
+        held, added = self.packs.remove([key])
+        if added:
+            self._adjust(added)
+        p = self.path(key)  # an older file of the key too, else it would be read again
         try:
             size = os.stat(p).st_blocks * 512
         except FileNotFoundError:
-            return OBJECT_NOT_FOUND
+            return 0 if held[0] else OBJECT_NOT_FOUND
         if not self._unlink(p):
-            return OBJECT_NOT_FOUND
+            return 0 if held[0] else OBJECT_NOT_FOUND
         self._adjust(-size)
         return 0
 
     def remove_all(self) -> int:
-        n = sum(self._unlink(p) for _m, _s, p in scan(self.directory)[1])
+        n = self.packs.clear()
+        n += sum(self._unlink(p) for _m, _s, p in scan(self.directory)[1])
         self.resync()
         return n
 
@@ -320,6 +378,12 @@ class LocalDiskClient:
 
     def close(self) -> None:
         pass
+
+
+def pack_bytes(capacity: int) -> int:
+    """Where a writer closes its pack: 8 MiB, or a thirty-second of a smaller capacity (a pack is
+    the eviction's unit, so a capacity holds many), at least 256 KiB."""
+    return max(256 << 10, min(8 << 20, capacity // 32))
 
 
 def _on_disk(nbytes: int) -> int:
@@ -347,6 +411,7 @@ def scan(directory: str) -> Tuple[int, List[Tuple[float, int, str]]]:
     bytes, path)``. Removes temporary files of writers that have ended or stalled."""
     tmp = os.path.join(directory, "tmp")
     lock = os.path.join(directory, "lock")
+    counter = os.path.join(directory, "packs.counter")
     total, objs = 0, []
     for root, _dirs, files in os.walk(directory):
         try:
@@ -364,15 +429,23 @@ def scan(directory: str) -> Tuple[int, List[Tuple[float, int, str]]]:
                 continue
             size = st.st_blocks * 512 or _on_disk(st.st_size)
             total += size
-            if root != tmp and p != lock:
+            if root != tmp and p not in (lock, counter):
                 objs.append((st.st_mtime, size, p))
     return total, objs
 
 
 def stats(directory: str) -> Dict[str, int]:
-    """Objects, their bytes on disk, and the whole directory's bytes on disk."""
+    """Objects (files of their own, and those packs hold), their bytes on disk (files and
+    packs), and the whole directory's bytes on disk."""
     total, objs = scan(directory)
-    return {"objects": len(objs), "object_bytes": sum(s for _m, s, _p in objs), "disk_bytes": total}
+    files = sum(1 for _m, _s, p in objs if not p.endswith(".pack"))
+    packed = _reader(directory).count() if os.path.isdir(os.path.join(directory, "packs")) else 0
+    return {"objects": files + packed, "object_bytes": sum(s for _m, s, _p in objs), "disk_bytes": total}
+
+
+def _reader(directory: str) -> Any:
+    """The packs of ``directory``, to read (this process writes none through it)."""
+    return _native.LocalPacks(directory, f"{os.getpid()}-{_HOST}-{time.time_ns()}-r", 256 << 10)
 
 
 def scrub(directory: str) -> Dict[str, int]:
@@ -394,6 +467,12 @@ def scrub(directory: str) -> Dict[str, int]:
             out["damaged"] += 1
             if LocalDiskClient._unlink(p):
                 out["removed"] += 1
+    if os.path.isdir(os.path.join(directory, "packs")):
+        checked, damaged = _reader(directory).scrub()
+        out["checked"] += checked
+        out["intact"] += checked - damaged
+        out["damaged"] += damaged
+        out["removed"] += damaged
     if out["removed"] and os.path.exists(os.path.join(directory, "lock")):
         client = LocalDiskClient(directory)  # counts the directory anew
         client.close()
