@@ -120,6 +120,52 @@ fn reserved(len: u64) -> u64 {
 
 const BLOCK: u64 = 4096;
 
+/// The end of a sealed pack: its seal record's offset, then this.
+const SEAL_END: &[u8; 8] = b"HIOPKEND";
+/// A seal of more bytes than this is not read whole (the pack is read record by record).
+const SEAL_MAX: u64 = 64 << 20;
+
+/// One record in a seal's list: offset (u64), number (u64), object length (u32), flags (u16),
+/// key length (u16), key.
+fn index_item(items: &mut Vec<u8>, at: u64, h: &Header, key: &[u8]) {
+    items.extend_from_slice(&at.to_le_bytes());
+    items.extend_from_slice(&h.seq.to_le_bytes());
+    items.extend_from_slice(&(h.obj_len as u32).to_le_bytes());
+    items.extend_from_slice(&h.flags.to_le_bytes());
+    items.extend_from_slice(&(key.len() as u16).to_le_bytes());
+    items.extend_from_slice(key);
+}
+
+/// A seal record's object: the list of the pack's records, then the seal's own offset `at` and
+/// [`SEAL_END`], which end the file.
+fn seal_bytes(items: &[u8], at: u64) -> Vec<u8> {
+    let mut b = Vec::with_capacity(items.len() + 16);
+    b.extend_from_slice(items);
+    b.extend_from_slice(&at.to_le_bytes());
+    b.extend_from_slice(SEAL_END);
+    b
+}
+
+/// The records a seal lists (its object's bytes `body`, the list then 16 bytes), each checked to
+/// lie before the seal at `at`; `None` where the list does not parse.
+fn seal_items(body: &[u8], at: u64) -> Option<Vec<(Vec<u8>, Header, u64)>> {
+    let list = body.get(..body.len().checked_sub(16)?)?;
+    let (mut out, mut p) = (Vec::new(), 0usize);
+    while p < list.len() {
+        let f = list.get(p..p + 24)?;
+        let u = |r: std::ops::Range<usize>| f[r].iter().rev().fold(0u64, |a, &b| (a << 8) | b as u64);
+        let (rec_at, seq, obj_len, flags, key_len) = (u(0..8), u(8..16), u(16..20) as usize, u(20..22) as u16, u(22..24) as usize);
+        let key = list.get(p + 24..p + 24 + key_len)?.to_vec();
+        let h = Header { seq, obj_len, key_len, flags, crc: 0 };
+        if rec_at.checked_add(h.record_len() as u64)? > at {
+            return None;
+        }
+        out.push((key, h, rec_at));
+        p += 24 + key_len;
+    }
+    Some(out)
+}
+
 fn header_crc(head28: &[u8], key: &[u8]) -> u32 {
     let mut h = crc32fast::Hasher::new();
     h.update(&head28[..28]);
@@ -202,6 +248,8 @@ struct Index {
 struct Writer {
     pack: Option<(u32, Arc<Pack>, u64)>,
     made: u64,
+    /// The index of the pack's records so far, as its seal holds it ([`seal_bytes`]).
+    items: Vec<u8>,
 }
 
 /// Small objects of a local store's directory in packs (see the module docs).
@@ -271,12 +319,42 @@ impl Index {
         id
     }
 
+    /// Reads a sealed pack met for the first time from its seal alone (the list of its records);
+    /// false where it is not sealed or its seal does not hold (then it is read record by record).
+    fn scan_sealed(&mut self, id: u32, pack: &Pack, size: u64) -> bool {
+        let Some(tail) = size.checked_sub(16).and_then(|t| pread_some(&pack.fd, 16, t).ok()) else { return false };
+        if tail.len() != 16 || &tail[8..] != SEAL_END {
+            return false;
+        }
+        let at = u64::from_le_bytes(tail[..8].try_into().unwrap_or_default());
+        if at.checked_add((HEADER + 16) as u64).is_none_or(|e| e > size) || size - at > SEAL_MAX {
+            return false;
+        }
+        let Ok(rec) = pread_some(&pack.fd, (size - at) as usize, at) else { return false };
+        let Some(h) = Header::parse(&rec) else { return false };
+        let whole = h.flags == SEAL && h.key_len == 0 && HEADER + h.obj_len == rec.len() && Header::holds(&rec, 0);
+        let Some(items) = whole.then(|| &rec[HEADER..]).filter(|b| crc32fast::hash(b) == h.crc).and_then(|b| seal_items(b, at)) else {
+            return false;
+        };
+        for (key, h, rec_at) in items {
+            let e = Entry { pack: id, at: rec_at, obj_len: h.obj_len as u32, seq: h.seq, live: h.flags & REMOVAL == 0 };
+            self.apply(&key, e);
+        }
+        if let Some(k) = self.packs.get_mut(&id) {
+            (k.scanned, k.sealed) = (size, true);
+        }
+        true
+    }
+
     /// Reads pack `id`'s records past what was read of it; stops before a record not whole yet
     /// (or torn, or damaged in its header).
     fn scan(&mut self, id: u32) -> Result<(), i64> {
         let Some(k) = self.packs.get(&id) else { return Ok(()) };
         let (pack, mut scanned) = (k.pack.clone(), k.scanned);
         let size = fstat(&pack.fd)?.st_size.max(0) as u64;
+        if scanned == 0 && self.scan_sealed(id, &pack, size) {
+            return Ok(());
+        }
         let mut sealed = false;
         'chunks: while scanned + HEADER as u64 <= size && !sealed {
             let buf = pread_some(&pack.fd, CHUNK.min((size - scanned) as usize), scanned)?;
@@ -370,12 +448,11 @@ impl LocalPacks {
                 return Ok((id, pack, end));
             }
             if !gone {
-                let seal = Header { seq: 0, obj_len: 0, key_len: 0, flags: SEAL, crc: 0 }.encode(b"");
-                let iov = vec![libc::iovec { iov_base: seal.as_ptr() as *mut libc::c_void, iov_len: seal.len() }];
-                let _ = vectored_at(&pack.fd, iov, true, end as usize); // a pack left unsealed is read to its end
+                Self::seal_pack(&pack, end, &w.items);
             }
             w.pack = None;
         }
+        w.items.clear();
         w.made += 1;
         let name = format!("{}-{}.pack", self.tag, w.made);
         let fd = open_fd(&format!("{}/{name}", self.folder), libc::O_RDWR | libc::O_CREAT | libc::O_EXCL)?;
@@ -385,16 +462,58 @@ impl LocalPacks {
         Ok((id, pack, 0))
     }
 
+    /// Closes a pack whose records end at `end`: its last record lists them all ([`seal_bytes`]),
+    /// so that a process that meets the pack later reads that record alone. Best effort: a pack
+    /// left unsealed is read record by record.
+    fn seal_pack(pack: &Pack, end: u64, items: &[u8]) {
+        let body = seal_bytes(items, end);
+        let head = Header { seq: 0, obj_len: body.len(), key_len: 0, flags: SEAL, crc: crc32fast::hash(&body) }.encode(b"");
+        let iov = vec![
+            libc::iovec { iov_base: head.as_ptr() as *mut libc::c_void, iov_len: head.len() },
+            libc::iovec { iov_base: body.as_ptr() as *mut libc::c_void, iov_len: body.len() },
+        ];
+        let _ = vectored_at(&pack.fd, iov, true, end as usize);
+    }
+
+    /// The answers of records `heads` (of `lens` bytes) written from `start` of pack `id`, whose
+    /// bytes up to `done` are on disk: `(id, offset)` for each whole one (listed for the seal),
+    /// `failed` for the rest. The end of the last whole one.
+    fn written(
+        w: &mut Writer,
+        (id, start, done): (u32, u64, u64),
+        heads: &[Vec<u8>],
+        lens: &[u64],
+        failed: i64,
+        out: &mut Vec<Result<(u32, u64), i64>>,
+    ) -> u64 {
+        let (mut at, mut whole) = (start, start);
+        for (head, len) in heads.iter().zip(lens) {
+            let end = at + len;
+            if end <= done {
+                out.push(Ok((id, at)));
+                if let Some(h) = Header::parse(head) {
+                    index_item(&mut w.items, at, &h, &head[HEADER..]);
+                }
+                whole = end;
+            } else {
+                out.push(Err(failed));
+            }
+            at = end;
+        }
+        whole
+    }
+
     /// Appends records (`heads[j]`: header and key; `bodies[j]`: the object's spans) at the end
     /// of this process's pack; per record, its `(pack, offset)` or a code. A write cut short
     /// keeps the records written whole and cuts the rest away.
     fn append(&self, heads: &[Vec<u8>], bodies: &[&[Span]], rule: (bool, bool)) -> Vec<Result<(u32, u64), i64>> {
         let (fsync, writeback) = rule;
         let mut out: Vec<Result<(u32, u64), i64>> = Vec::with_capacity(heads.len());
+        let lens: Vec<u64> = heads.iter().zip(bodies).map(|(h, b)| (h.len() + b.iter().map(|s| s.1).sum::<usize>()) as u64).collect();
+        let len = |j: usize| lens[j];
         let mut w = lock(&self.writer);
         let mut j = 0;
         while j < heads.len() {
-            let len = |j: usize| (heads[j].len() + bodies[j].iter().map(|s| s.1).sum::<usize>()) as u64;
             let (id, pack, start) = match self.writer_pack(&mut w, len(j)) {
                 Ok(p) => p,
                 Err(e) => {
@@ -412,32 +531,30 @@ impl LocalPacks {
                 k += 1;
             }
             let mut iov = Vec::with_capacity(n_iov);
-            for r in j..k {
-                iov.push(libc::iovec { iov_base: heads[r].as_ptr() as *mut libc::c_void, iov_len: heads[r].len() });
-                iov.extend(iovecs(bodies[r]));
+            for (head, body) in heads[j..k].iter().zip(&bodies[j..k]) {
+                iov.push(libc::iovec { iov_base: head.as_ptr() as *mut libc::c_void, iov_len: head.len() });
+                iov.extend(iovecs(body));
             }
             let (wrote, err) = match vectored_progress(&pack.fd, iov, true, start as usize) {
                 (n, Some(e)) => (n as u64, e),
                 (n, None) => (n as u64, if (n as u64) < bytes { -(libc::ENOSPC as i64) } else { 0 }),
             };
             let synced = if fsync && err == 0 && unsafe { libc::fdatasync(pack.fd.0) } != 0 { errno() } else { 0 };
-            let (mut at, mut whole) = (start, start);
-            for r in j..k {
-                let end = at + len(r);
-                if end <= start + wrote && synced == 0 {
-                    out.push(Ok((id, at)));
-                    whole = end;
-                } else {
-                    out.push(Err(if synced != 0 {
-                        synced
-                    } else if err != 0 {
-                        err
-                    } else {
-                        -(libc::EIO as i64)
-                    }));
-                }
-                at = end;
-            }
+            let failed = if synced != 0 {
+                synced
+            } else if err != 0 {
+                err
+            } else {
+                -(libc::EIO as i64)
+            };
+            let whole = Self::written(
+                &mut w,
+                (id, start, start + if synced == 0 { wrote } else { 0 }),
+                &heads[j..k],
+                &lens[j..k],
+                failed,
+                &mut out,
+            );
             if whole < start + bytes {
                 // SAFETY: an open descriptor; the torn records go (the pack is abandoned if not).
                 if unsafe { libc::ftruncate(pack.fd.0, whole as libc::off_t) } != 0 {
@@ -830,6 +947,20 @@ impl LocalPacks {
     fn remove(&self, py: Python<'_>, keys: Vec<String>) -> PyResult<(Vec<bool>, u64)> {
         let keys = key_bytes(keys);
         py.detach(|| self.remove_keys(&keys)).map_err(os_err)
+    }
+
+    /// Seals this process's pack (its writer is done: a process that meets it later reads its
+    /// list of records alone); the next put starts a new one.
+    fn seal(&self, py: Python<'_>) {
+        py.detach(|| {
+            let mut w = lock(&self.writer);
+            if let Some((_, pack, end)) = w.pack.take() {
+                if fstat(&pack.fd).is_ok_and(|s| s.st_nlink > 0) {
+                    Self::seal_pack(&pack, end, &w.items);
+                }
+            }
+            w.items.clear();
+        })
     }
 
     /// Tells every process that packs went (removed by the capacity's eviction).

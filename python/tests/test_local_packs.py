@@ -141,3 +141,27 @@ def test_objects_up_to_the_pack_limit_go_to_packs_larger_ones_to_files(tmp_path)
     assert c.put("small", b"y" * _native.PACK_OBJECT_MAX) == 0 and c.put("big", big) == 0
     assert not os.path.exists(c.path("small")) and os.path.exists(c.path("big"))
     assert c.get("small") == b"y" * _native.PACK_OBJECT_MAX and c.get("big") == big
+
+
+@pytest.mark.parametrize("seal", ["intact", "damaged"])
+def test_a_sealed_pack_is_indexed_from_its_list_of_records(tmp_path, mem, seal):
+    """A closed pack ends in the list of its records; a process that meets it later reads that
+    alone. Seen through a record whose header is damaged: found through the list, its get answers
+    damaged; read record by record (a list that does not hold), the records before it are found
+    and it and those after it are not."""
+    d = tmp_path / "l3"
+    keys = [f"k{j}" for j in range(6)]
+    c = client(d, mem)
+    assert put(c, mem, keys) == [0] * 6
+    c.close()
+    (p,) = packs(d)
+    data, at = bytearray(open(p, "rb").read()), pack_records(p)
+    data[at["k3"] - len("k3") - 32 + 9] ^= 0x01  # a byte of k3's sequence number
+    if seal == "damaged":
+        data[-20] ^= 0x01  # a byte of the list
+    open(p, "wb").write(bytes(data))
+    rc, same = got(client(d, mem), mem, keys)
+    if seal == "intact":
+        assert rc == [SIZE] * 3 + [DAMAGED] + [SIZE] * 2 and same[:3] + same[4:] == [True] * 5
+    else:
+        assert rc == [SIZE] * 3 + [OBJECT_NOT_FOUND] * 3 and same[:3] == [True] * 3
