@@ -18,7 +18,7 @@
 //! | 28..32 | CRC-32 of bytes 0..28 and the key |
 //!
 //! Every process keeps its own index of the packs (key → record), built from the records'
-//! headers and followed through a counter every process shares (`packs/counter`, mapped
+//! headers and followed through a counter every process shares (`packs.counter`, mapped
 //! memory): a writer takes its records' sequence numbers from it before writing and adds one
 //! after (published), and a reader reads the packs' new records whenever the counter moved.
 //! Of two records of a key the later number wins (a removal hides an earlier put).
@@ -182,10 +182,24 @@ unsafe impl Sync for Counter {}
 
 impl Counter {
     fn open(path: &str) -> std::io::Result<Counter> {
+        use std::io::Write;
         use std::os::unix::io::AsRawFd;
-        let f = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(path)?;
+        if std::fs::metadata(path).is_err() {
+            // Made whole (its block written and flushed, not a hole a store to the mapping
+            // would have to allocate: a full disk would then kill the process with SIGBUS),
+            // then linked into place: a racing maker's counter is never zeroed.
+            let tmp = format!("{path}.{}.{}", std::process::id(), now_secs());
+            let mut t = std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp)?;
+            let made = t.write_all(&[0u8; 4096]).and_then(|_| t.sync_all()).and_then(|_| std::fs::hard_link(&tmp, path));
+            let _ = std::fs::remove_file(&tmp);
+            match made {
+                Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => return Err(e),
+                _ => {}
+            }
+        }
+        let f = std::fs::OpenOptions::new().read(true).write(true).open(path)?;
         if f.metadata()?.len() < 4096 {
-            f.set_len(4096)?; // the same size whoever sets it: a race is harmless
+            return Err(std::io::Error::other(format!("{path}: a counter file of {} bytes, not 4096", f.metadata()?.len())));
         }
         // SAFETY: a shared read-write mapping of 4096 bytes of an open file (the mapping outlives
         // the descriptor); unmapped in `Drop`.
@@ -241,6 +255,8 @@ struct Index {
     next_id: u32,
     map: HashMap<Vec<u8>, Entry>,
     last_seen: Option<u64>,
+    /// The highest number of a record applied.
+    top: u64,
 }
 
 /// The pack this process appends to.
@@ -248,6 +264,8 @@ struct Index {
 struct Writer {
     pack: Option<(u32, Arc<Pack>, u64)>,
     made: u64,
+    /// The process that made the pack (a child of `fork()` makes its own).
+    pid: u32,
     /// The index of the pack's records so far, as its seal holds it ([`seal_bytes`]).
     items: Vec<u8>,
 }
@@ -300,8 +318,14 @@ fn pread_some(fd: &Fd, n: usize, at: u64) -> Result<Vec<u8>, i64> {
 }
 
 impl Index {
+    /// The live record of `key`, in a pack this index knows.
+    fn live(&self, key: &[u8]) -> Option<&Entry> {
+        self.map.get(key).filter(|e| e.live && self.packs.contains_key(&e.pack))
+    }
+
     /// Applies a record: the later number of a key wins.
     fn apply(&mut self, key: &[u8], e: Entry) {
+        self.top = self.top.max(e.seq);
         match self.map.get_mut(key) {
             Some(old) if old.seq >= e.seq => {}
             Some(old) => *old = e,
@@ -362,7 +386,8 @@ impl Index {
             while let Some(h) = Header::parse(&buf[pos.min(buf.len())..]) {
                 let Some(rec) = buf.get(pos..pos + HEADER + h.key_len) else { break };
                 let end = scanned + (pos + h.record_len()) as u64;
-                if !Header::holds(rec, h.key_len) || end > size {
+                let sane = h.flags & SEAL != 0 || h.obj_len <= PACK_OBJECT_MAX;
+                if !sane || !Header::holds(rec, h.key_len) || end > size {
                     break 'chunks; // torn, damaged, or not whole yet: retried at the next scan
                 }
                 if h.flags & SEAL != 0 {
@@ -419,29 +444,33 @@ impl LocalPacks {
             if idx.by_name.contains_key(&n) {
                 continue;
             }
-            match open_fd(&format!("{}/{n}", self.folder), libc::O_RDONLY) {
-                Ok(fd) => {
-                    let touched = fstat(&fd).map_or(0, |s| s.st_mtime);
-                    idx.add_pack(n, Arc::new(Pack { fd, touched: AtomicI64::new(touched) }), 0);
-                }
-                Err(e) if e == -(libc::ENOENT as i64) => {}
-                Err(e) => return Err(e),
+            // A pack gone meanwhile, or not openable now (out of descriptors, a permission): its
+            // objects are misses until a later look opens it.
+            if let Ok(fd) = open_fd(&format!("{}/{n}", self.folder), libc::O_RDONLY) {
+                let touched = fstat(&fd).map_or(0, |s| s.st_mtime);
+                idx.add_pack(n, Arc::new(Pack { fd, touched: AtomicI64::new(touched) }), 0);
             }
         }
         let open: Vec<u32> = idx.packs.iter().filter(|(_, k)| !k.sealed).map(|(&id, _)| id).collect();
         for id in open {
-            idx.scan(id)?;
+            let _ = idx.scan(id); // a read error leaves the rest of that pack for the next look
         }
         // Numbers stay ahead of every record seen (a counter file made anew after a crash).
-        let top = idx.map.values().map(|e| e.seq).max().unwrap_or(0);
-        self.counter.get().fetch_max(top + 1, Ordering::AcqRel);
-        idx.last_seen = Some(now.max(top + 1));
+        if self.counter.get().load(Ordering::Acquire) <= idx.top {
+            self.counter.get().fetch_max(idx.top + 1, Ordering::AcqRel);
+        }
+        idx.last_seen = Some(now);
         Ok(idx)
     }
 
     /// The pack to append `need` more bytes to: the current one, unless it is full (then sealed)
     /// or gone (evicted); else a new one, known to the index.
     fn writer_pack(&self, w: &mut Writer, need: u64) -> Result<(u32, Arc<Pack>, u64), i64> {
+        if w.pid != std::process::id() {
+            // A child of fork(): its parent's pack is the parent's to append to.
+            (w.pack, w.made) = (None, 0);
+            w.items.clear();
+        }
         if let Some((id, pack, end)) = w.pack.clone() {
             let gone = fstat(&pack.fd).map_or(true, |s| s.st_nlink == 0);
             if !gone && (end == 0 || end + need <= self.pack_bytes) {
@@ -454,7 +483,8 @@ impl LocalPacks {
         }
         w.items.clear();
         w.made += 1;
-        let name = format!("{}-{}.pack", self.tag, w.made);
+        w.pid = std::process::id();
+        let name = format!("{}-{}-{}.pack", self.tag, w.pid, w.made);
         let fd = open_fd(&format!("{}/{name}", self.folder), libc::O_RDWR | libc::O_CREAT | libc::O_EXCL)?;
         let pack = Arc::new(Pack { fd, touched: AtomicI64::new(now_secs()) });
         let id = lock(&self.index).add_pack(name, pack.clone(), 0);
@@ -539,22 +569,9 @@ impl LocalPacks {
                 (n, Some(e)) => (n as u64, e),
                 (n, None) => (n as u64, if (n as u64) < bytes { -(libc::ENOSPC as i64) } else { 0 }),
             };
-            let synced = if fsync && err == 0 && unsafe { libc::fdatasync(pack.fd.0) } != 0 { errno() } else { 0 };
-            let failed = if synced != 0 {
-                synced
-            } else if err != 0 {
-                err
-            } else {
-                -(libc::EIO as i64)
-            };
-            let whole = Self::written(
-                &mut w,
-                (id, start, start + if synced == 0 { wrote } else { 0 }),
-                &heads[j..k],
-                &lens[j..k],
-                failed,
-                &mut out,
-            );
+            let failed = if err != 0 { err } else { -(libc::EIO as i64) };
+            let mark = out.len();
+            let whole = Self::written(&mut w, (id, start, start + wrote), &heads[j..k], &lens[j..k], failed, &mut out);
             if whole < start + bytes {
                 // SAFETY: an open descriptor; the torn records go (the pack is abandoned if not).
                 if unsafe { libc::ftruncate(pack.fd.0, whole as libc::off_t) } != 0 {
@@ -562,6 +579,13 @@ impl LocalPacks {
                 }
             } else if writeback && !fsync {
                 start_writeback(&pack.fd);
+            }
+            // SAFETY: an open descriptor.
+            if fsync && whole > start && unsafe { libc::fdatasync(pack.fd.0) } != 0 {
+                // The records stay (whole, and perhaps indexed by others already) but are not
+                // reported stored: their flush failed.
+                let e = errno();
+                out[mark..].iter_mut().filter(|o| o.is_ok()).for_each(|o| *o = Err(e));
             }
             if let Some(p) = w.pack.as_mut().filter(|p| p.0 == id) {
                 p.2 = whole;
@@ -580,15 +604,17 @@ impl LocalPacks {
         }
     }
 
-    /// Removal records for `keys` (those the index holds live); the bytes they added on disk.
-    fn remove_keys(&self, keys: &[Vec<u8>]) -> Result<(Vec<bool>, u64), i64> {
-        let live: Vec<bool> = {
+    /// Removal records for `keys`: those the index holds live (and, with `expected`, whose live
+    /// record is still the one numbered `expected[j]`: a damaged record's removal never removes
+    /// a newer put). Per key whether its removal was written, and the bytes on disk they added.
+    fn remove_keys(&self, keys: &[Vec<u8>], expected: Option<&[u64]>) -> Result<(Vec<bool>, u64), i64> {
+        let todo: Vec<usize> = {
             let idx = self.refresh(false)?;
-            keys.iter().map(|k| idx.map.get(k).is_some_and(|e| e.live)).collect()
+            (0..keys.len()).filter(|&j| idx.live(&keys[j]).is_some_and(|e| expected.is_none_or(|s| s.get(j) == Some(&e.seq)))).collect()
         };
-        let todo: Vec<usize> = (0..keys.len()).filter(|&j| live[j]).collect();
+        let mut removed = vec![false; keys.len()];
         if todo.is_empty() {
-            return Ok((live, 0));
+            return Ok((removed, 0));
         }
         let base = self.counter.get().fetch_add(todo.len() as u64, Ordering::AcqRel);
         let heads: Vec<Vec<u8>> = todo
@@ -602,12 +628,15 @@ impl LocalPacks {
         let mut bytes = 0;
         for (i, &j) in todo.iter().enumerate() {
             if let Ok((pack, at)) = wrote[i] {
-                idx.apply(&keys[j], Entry { pack, at, obj_len: 0, seq: base + 1 + i as u64, live: false });
+                if idx.packs.contains_key(&pack) {
+                    idx.apply(&keys[j], Entry { pack, at, obj_len: 0, seq: base + 1 + i as u64, live: false });
+                }
                 bytes += growth(at, heads[i].len() as u64);
+                removed[j] = true;
             }
         }
         self.publish(&mut idx, base, todo.len() as u64);
-        Ok((live, bytes))
+        Ok((removed, bytes))
     }
 }
 
@@ -716,7 +745,7 @@ impl LocalPacks {
         let idx = self.refresh(false)?;
         let mut wants = Vec::new();
         for (j, key) in keys.iter().enumerate() {
-            let Some(e) = idx.map.get(key).filter(|e| e.live) else {
+            let Some(e) = idx.live(key) else {
                 out[j] = OBJECT_NOT_FOUND;
                 continue;
             };
@@ -747,6 +776,7 @@ impl LocalPacks {
             Ok(w) => w,
             Err(e) => return vec![e; keys.len()],
         };
+        let seqs: Vec<(usize, u64)> = wants.iter().map(|w| (w.j, w.seq)).collect();
         let now = now_secs();
         for run in runs(wants) {
             Self::read_run(&run, keys, crc_trailered, &mut out);
@@ -757,9 +787,10 @@ impl LocalPacks {
                 unsafe { libc::futimens(p.fd.0, std::ptr::null()) };
             }
         }
-        let damaged: Vec<Vec<u8>> = (0..keys.len()).filter(|&j| out[j] == DAMAGED).map(|j| keys[j].clone()).collect();
+        let (damaged, seqs): (Vec<Vec<u8>>, Vec<u64>) =
+            seqs.into_iter().filter(|&(j, _)| out[j] == DAMAGED).map(|(j, s)| (keys[j].clone(), s)).unzip();
         if !damaged.is_empty() {
-            let _ = self.remove_keys(&damaged); // a miss either way; removed where it can be
+            let _ = self.remove_keys(&damaged, Some(&seqs)); // a miss either way; removed where it can be
         }
         out
     }
@@ -768,7 +799,7 @@ impl LocalPacks {
     fn fresh(&self, keys: &[Vec<u8>]) -> Result<Vec<bool>, i64> {
         let idx = self.refresh(false)?;
         let mut seen = HashSet::new();
-        Ok(keys.iter().map(|k| !idx.map.get(k).is_some_and(|e| e.live) && seen.insert(k.as_slice())).collect())
+        Ok(keys.iter().map(|k| idx.live(k).is_none() && seen.insert(k.as_slice())).collect())
     }
 
     /// Writes the objects `fresh` marks (their spans checked: `None` outside registered memory);
@@ -802,7 +833,11 @@ impl LocalPacks {
             let n = bodies[i].iter().map(|s| s.1).sum::<usize>();
             out[j] = match wrote[i] {
                 Ok((pack, at)) => {
-                    idx.apply(&keys[j], Entry { pack, at, obj_len: n as u32, seq: base + 1 + i as u64, live: true });
+                    // A pack evicted meanwhile (and dropped by a look of another thread) is not
+                    // indexed again: its record is gone with it.
+                    if idx.packs.contains_key(&pack) {
+                        idx.apply(&keys[j], Entry { pack, at, obj_len: n as u32, seq: base + 1 + i as u64, live: true });
+                    }
                     let len = (heads[i].len() + n) as u64;
                     if let Some(k) = idx.packs.get_mut(&pack).filter(|k| k.scanned == at) {
                         k.scanned = at + len;
@@ -827,7 +862,7 @@ impl LocalPacks {
                 .filter_map(|(k, e)| idx.packs.get(&e.pack).map(|p| (k.clone(), p.pack.clone(), *e)))
                 .collect()
         };
-        let mut damaged = Vec::new();
+        let (mut damaged, mut seqs) = (Vec::new(), Vec::new());
         for (key, pack, e) in &live {
             let len = HEADER + key.len() + e.obj_len as usize;
             let rec = pread_some(&pack.fd, len, e.at)?;
@@ -841,10 +876,11 @@ impl LocalPacks {
             });
             if !intact {
                 damaged.push(key.clone());
+                seqs.push(e.seq);
             }
         }
         if !damaged.is_empty() {
-            self.remove_keys(&damaged)?;
+            self.remove_keys(&damaged, Some(&seqs))?;
         }
         Ok((live.len(), damaged.len()))
     }
@@ -933,20 +969,19 @@ impl LocalPacks {
     /// Per key, whether a pack holds it.
     fn exists(&self, py: Python<'_>, keys: Vec<String>) -> PyResult<Vec<bool>> {
         let keys = key_bytes(keys);
-        py.detach(|| self.refresh(false).map(|idx| keys.iter().map(|k| idx.map.get(k).is_some_and(|e| e.live)).collect())).map_err(os_err)
+        py.detach(|| self.refresh(false).map(|idx| keys.iter().map(|k| idx.live(k).is_some()).collect())).map_err(os_err)
     }
 
     /// The object's length, where a pack holds it.
     fn size(&self, py: Python<'_>, key: String) -> PyResult<Option<usize>> {
-        py.detach(|| self.refresh(false).map(|idx| idx.map.get(key.as_bytes()).filter(|e| e.live).map(|e| e.obj_len as usize)))
-            .map_err(os_err)
+        py.detach(|| self.refresh(false).map(|idx| idx.live(key.as_bytes()).map(|e| e.obj_len as usize))).map_err(os_err)
     }
 
     /// Removes `keys` (a removal record each); per key whether a pack held it, and the bytes
     /// the removal records added.
     fn remove(&self, py: Python<'_>, keys: Vec<String>) -> PyResult<(Vec<bool>, u64)> {
         let keys = key_bytes(keys);
-        py.detach(|| self.remove_keys(&keys)).map_err(os_err)
+        py.detach(|| self.remove_keys(&keys, None)).map_err(os_err)
     }
 
     /// Seals this process's pack (its writer is done: a process that meets it later reads its

@@ -165,3 +165,29 @@ def test_a_sealed_pack_is_indexed_from_its_list_of_records(tmp_path, mem, seal):
         assert rc == [SIZE] * 3 + [DAMAGED] + [SIZE] * 2 and same[:3] + same[4:] == [True] * 5
     else:
         assert rc == [SIZE] * 3 + [OBJECT_NOT_FOUND] * 3 and same[:3] == [True] * 3
+
+
+def test_a_forked_child_writes_a_pack_of_its_own(tmp_path, mem):
+    """A child of fork() inherits its parent's client; were it to append to the parent's pack at
+    the parent's offsets, each would overwrite the other's records."""
+    d = tmp_path / "l3"
+    c = client(d, mem)
+    assert put(c, mem, ["p0", "p1"]) == [0, 0]
+    pid = os.fork()
+    if pid == 0:  # the child: its puts, then out without running the parent's teardown
+        os._exit(0 if put(c, mem, ["c0", "c1"], first=10) == [0, 0] else 1)
+    assert put(c, mem, ["p2", "p3"], first=2) == [0, 0]
+    assert os.waitpid(pid, 0)[1] == 0
+    assert len(packs(d)) == 2
+    fresh = client(d, mem)
+    assert got(fresh, mem, ["p0", "p1", "p2", "p3"]) == ([SIZE] * 4, [True] * 4)
+    assert got(fresh, mem, ["c0", "c1"], first=10) == ([SIZE] * 2, [True] * 2)
+
+
+def test_the_shared_counter_file_is_written_whole(tmp_path):
+    """A store into a mapped hole must allocate a block, and a full disk then kills the process
+    (SIGBUS): the counter is made of written bytes."""
+    d = tmp_path / "l3"
+    LocalDiskClient(str(d))
+    st = os.stat(d / "packs.counter")
+    assert st.st_size == 4096 and st.st_blocks * 512 >= 4096

@@ -7,7 +7,7 @@ with Mooncake's return conventions, so the store's pipelines, key schemes and tr
 same over both transports (:class:`hicache_io.storage.LocalStore`).
 
 Packs. An object of up to ``_native.PACK_OBJECT_MAX`` bytes (64 KiB: a DSA page, a sidecar) is a
-record appended to this process's pack, ``packs/<pid>-<host>-<time>-<n>.pack``: a batch's puts are
+record appended to this process's pack, ``packs/<host>-<time>-<pid>-<n>.pack``: a batch's puts are
 one write, a get of objects written together one read (a new file costs this project's file
 systems about 0.3 ms whatever its size). Each process indexes the packs itself, following a counter
 all of them map (``packs.counter``); the format, its crash safety and its checks live in native
@@ -21,7 +21,9 @@ object's length, the key's length, the CRC-32 of the object's bytes; read, writt
 native code only, ``python/src/local_io.rs``). A put writes a temporary file (``tmp/``) and links it
 into place: an object is visible only when complete, and a writer killed at any instant leaves a
 temporary file (removed later) or nothing. Objects are never changed once published; a put of an
-existing key keeps the object (as Mooncake does), even when two writers race.
+existing key keeps the object (as Mooncake does), even when two writers race for a file. (Two
+writers racing to pack one key both append it; the record numbered later is the key's, and either
+holds the key's own bytes.)
 
 Byte path. Objects move between the caller's registered memory and files in native code
 (:func:`hicache_io._native.local_get` / ``local_put``): one ``preadv`` / ``pwritev`` an object, no
@@ -134,7 +136,8 @@ class LocalDiskClient:
         self._seq = itertools.count()  # next() is atomic: temporary names unique per thread
         self._regions: Dict[int, int] = {}
         #: Objects of up to ``_native.PACK_OBJECT_MAX`` bytes, packed (see the module docstring).
-        self.packs = _native.LocalPacks(self.directory, f"{os.getpid()}-{_HOST}-{time.time_ns()}", pack_bytes(self.capacity))
+        _descriptors_for(self.capacity)
+        self.packs = _native.LocalPacks(self.directory, f"{_HOST}-{time.time_ns()}", pack_bytes(self.capacity))
         self.resync()
 
     # ---- paths and sizes ---------------------------------------------------------------------
@@ -287,8 +290,9 @@ class LocalDiskClient:
         regions = self._regions_with(extra)
         try:
             got = self.packs.get(regions, keys, ptrs, sizes, exact, self.crc_trailered, TOUCH_SECONDS)
-        except OSError as e:
-            got = [-(e.errno or errno.EIO)] * len(keys)
+        except OSError as e:  # the packs cannot be looked at now: misses there, files still read
+            logger.warning("hicache-io L3 (local): packs unreadable: %s", e)
+            got = [OBJECT_NOT_FOUND] * len(keys)
         files = [j for j, g in enumerate(got) if g == OBJECT_NOT_FOUND]  # not in a pack: its own file, if any
         if files:
             sub = _native.local_get(regions, self.objects, [keys[j] for j in files], [ptrs[j] for j in files], [sizes[j] for j in files], exact, self.crc_trailered, TOUCH_SECONDS, self.threads, READ_RULES[self.reads])
@@ -327,7 +331,10 @@ class LocalDiskClient:
 
     def batch_is_exist(self, keys: Sequence[str]) -> List[int]:
         keys = list(keys)
-        packed = self.packs.exists(keys)
+        try:
+            packed = self.packs.exists(keys)
+        except OSError:
+            packed = [False] * len(keys)
         out = [1 if p else 0 for p in packed]
         rest = [j for j, p in enumerate(packed) if not p]
         for j, p in zip(rest, self.paths([keys[j] for j in rest]) if rest else []):
@@ -338,8 +345,8 @@ class LocalDiskClient:
         return self.batch_is_exist([key])[0]
 
     def get(self, key: str) -> bytes:
-        n = self.packs.size(key)
         try:
+            n = self.packs.size(key)
             if n is None:
                 n = os.stat(self.path(key)).st_size - len(key.encode()) - _native.LOCAL_FOOTER_BYTES
         except OSError:
@@ -356,7 +363,10 @@ class LocalDiskClient:
         return self._put([key], [addr], [len(value)], [(addr, buf.nbytes)])[0]
 
     def remove(self, key: str) -> int:
-        held, added = self.packs.remove([key])
+        try:
+            held, added = self.packs.remove([key])
+        except OSError:
+            held, added = [False], 0
         if added:
             self._adjust(added)
         p = self.path(key)  # an older file of the key too, else it would be read again
@@ -392,9 +402,23 @@ class LocalDiskClient:
 
 
 def pack_bytes(capacity: int) -> int:
-    """Where a writer closes its pack: 8 MiB, or a thirty-second of a smaller capacity (a pack is
-    the eviction's unit, so a capacity holds many), at least 256 KiB."""
-    return max(256 << 10, min(8 << 20, capacity // 32))
+    """Where a writer closes its pack: a 256th of the capacity (a pack is the eviction's unit,
+    and each process holds a descriptor open for each pack it reads), between 256 KiB and 64 MiB."""
+    return max(256 << 10, min(64 << 20, capacity // 256))
+
+
+def _descriptors_for(capacity: int) -> None:
+    """Raises this process's limit of open files (its soft limit, up to the hard one) where the
+    packs of a full directory would not fit it. sglang's server raises it too."""
+    try:
+        import resource
+
+        need = capacity // pack_bytes(capacity) + 1024
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and soft < need:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (need if hard == resource.RLIM_INFINITY else min(hard, need), hard))
+    except (ImportError, ValueError, OSError) as e:
+        logger.warning("hicache-io L3 (local): could not raise the open-file limit for the packs: %s", e)
 
 
 def _on_disk(nbytes: int) -> int:
