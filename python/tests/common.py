@@ -113,3 +113,16 @@ def pack_records(path):
         out[data[at + 32 : at + 32 + k].decode()] = at + 32 + k
         at += 32 + k + n
     return out
+
+
+def held_at(client, key):
+    """The file holding local-store object ``key``'s bytes (of ``client``, a ``LocalDiskClient``)
+    and where they start in it: its own file, or the pack that holds it."""
+    if os.path.exists(client.path(key)):
+        return client.path(key), 0
+    folder = os.path.join(client.directory, "packs")
+    for name in sorted(os.listdir(folder)):
+        at = pack_records(os.path.join(folder, name)).get(key)
+        if at is not None:
+            return os.path.join(folder, name), at
+    raise KeyError(key)

@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from common import P, child_env, pack_records, tokens
+from common import P, child_env, held_at, tokens
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -193,15 +193,6 @@ def test_in_process_round_trip_and_the_default_directory(tmp_path, monkeypatch):
     finally:
         s.close()
     assert os.path.isdir(tmp_path / "cache" / "hicache-io" / "l3" / "objects")
-
-
-def held_at(client, key):
-    """The file holding object ``key``'s bytes and where they start in it: its own file, or the
-    pack (the directory's only one) that holds it."""
-    if os.path.exists(client.path(key)):
-        return client.path(key), 0
-    (pack,) = [os.path.join(client.directory, "packs", n) for n in os.listdir(os.path.join(client.directory, "packs"))]
-    return pack, pack_records(pack)[key]
 
 
 def test_the_client_moves_objects_of_many_spans_and_removes_damaged_ones(tmp_path):

@@ -9,6 +9,7 @@ from unittest.mock import MagicMock
 
 import numpy as np
 import pytest
+from common import held_at
 
 try:
     from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, ScheduleEndContext, make_offload_key
@@ -126,11 +127,11 @@ def test_a_damaged_chunk_fails_its_key_is_removed_and_misses_afterwards(tmp_path
         assert drain(tier)[1].success
         want = view[[0, 2]].copy()
         # A bit flips in the middle of the second object on disk.
-        path = tier.client.path(tier.object_key(keys[1]))
+        path, at = held_at(tier.client, tier.object_key(keys[1]))
         with open(path, "r+b") as f:
-            f.seek(ROW // 2)
+            f.seek(at + ROW // 2)
             b = f.read(1)
-            f.seek(ROW // 2)
+            f.seek(at + ROW // 2)
             f.write(bytes([b[0] ^ 0x10]))
         view[:] = 0
         # vLLM looked the keys up first (verdicts cached: hits).
@@ -150,8 +151,7 @@ def test_a_damaged_chunk_fails_its_key_is_removed_and_misses_afterwards(tmp_path
         # A chunk stored under another key fails too (the trailer binds the key).
         tier.submit_store(job(3, [key(50)], [3]))
         assert drain(tier)[3].success
-        with open(tier.client.path(tier.object_key(key(50))), "rb") as f:
-            data = f.read()
+        data = tier.client.get(tier.object_key(key(50)))
         tier.client.put(tier.object_key(key(51)), data[: ROW + 16])
         tier.submit_load(job(4, [key(51)], [9]))
         assert not drain(tier)[4].success
