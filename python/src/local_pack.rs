@@ -120,6 +120,11 @@ fn reserved(len: u64) -> u64 {
 
 const BLOCK: u64 = 4096;
 
+/// A record's share of its pack's seal (its line in the list), counted with the record.
+fn listed(key_len: usize) -> u64 {
+    24 + key_len as u64
+}
+
 /// The end of a sealed pack: its seal record's offset, then this.
 const SEAL_END: &[u8; 8] = b"HIOPKEND";
 /// A seal of more bytes than this is not read whole (the pack is read record by record).
@@ -157,7 +162,7 @@ fn seal_items(body: &[u8], at: u64) -> Option<Vec<(Vec<u8>, Header, u64)>> {
         let (rec_at, seq, obj_len, flags, key_len) = (u(0..8), u(8..16), u(16..20) as usize, u(20..22) as u16, u(22..24) as usize);
         let key = list.get(p + 24..p + 24 + key_len)?.to_vec();
         let h = Header { seq, obj_len, key_len, flags, crc: 0 };
-        if rec_at.checked_add(h.record_len() as u64)? > at {
+        if rec_at.checked_add(h.record_len() as u64)? > at || obj_len > PACK_OBJECT_MAX || flags & !REMOVAL != 0 {
             return None;
         }
         out.push((key, h, rec_at));
@@ -182,24 +187,14 @@ unsafe impl Sync for Counter {}
 
 impl Counter {
     fn open(path: &str) -> std::io::Result<Counter> {
-        use std::io::Write;
         use std::os::unix::io::AsRawFd;
-        if std::fs::metadata(path).is_err() {
-            // Made whole (its block written and flushed, not a hole a store to the mapping
-            // would have to allocate: a full disk would then kill the process with SIGBUS),
-            // then linked into place: a racing maker's counter is never zeroed.
-            let tmp = format!("{path}.{}.{}", std::process::id(), now_secs());
-            let mut t = std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp)?;
-            let made = t.write_all(&[0u8; 4096]).and_then(|_| t.sync_all()).and_then(|_| std::fs::hard_link(&tmp, path));
-            let _ = std::fs::remove_file(&tmp);
-            match made {
-                Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => return Err(e),
-                _ => {}
-            }
-        }
-        let f = std::fs::OpenOptions::new().read(true).write(true).open(path)?;
-        if f.metadata()?.len() < 4096 {
-            return Err(std::io::Error::other(format!("{path}: a counter file of {} bytes, not 4096", f.metadata()?.len())));
+        let f = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(path)?;
+        // Its block allocated, not a hole a store to the mapping would have to allocate (a full
+        // disk would then kill the process with SIGBUS); never zeroed, so a racing maker's
+        // counter stays. A file system without fallocate gets the hole.
+        // SAFETY: an open descriptor.
+        if unsafe { libc::posix_fallocate(f.as_raw_fd(), 0, 4096) } != 0 && f.metadata()?.len() < 4096 {
+            f.set_len(4096)?;
         }
         // SAFETY: a shared read-write mapping of 4096 bytes of an open file (the mapping outlives
         // the descriptor); unmapped in `Drop`.
@@ -266,6 +261,8 @@ struct Writer {
     made: u64,
     /// The process that made the pack (a child of `fork()` makes its own).
     pid: u32,
+    /// Bytes on disk seals added that no put has reported yet.
+    sealed: u64,
     /// The index of the pack's records so far, as its seal holds it ([`seal_bytes`]).
     items: Vec<u8>,
 }
@@ -477,14 +474,15 @@ impl LocalPacks {
                 return Ok((id, pack, end));
             }
             if !gone {
-                Self::seal_pack(&pack, end, &w.items);
+                w.sealed += Self::seal_pack(&pack, end, &w.items);
             }
             w.pack = None;
         }
         w.items.clear();
         w.made += 1;
         w.pid = std::process::id();
-        let name = format!("{}-{}-{}.pack", self.tag, w.pid, w.made);
+        let nonce = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+        let name = format!("{}-{}-{}-{nonce:09}.pack", self.tag, w.pid, w.made);
         let fd = open_fd(&format!("{}/{name}", self.folder), libc::O_RDWR | libc::O_CREAT | libc::O_EXCL)?;
         let pack = Arc::new(Pack { fd, touched: AtomicI64::new(now_secs()) });
         let id = lock(&self.index).add_pack(name, pack.clone(), 0);
@@ -495,14 +493,16 @@ impl LocalPacks {
     /// Closes a pack whose records end at `end`: its last record lists them all ([`seal_bytes`]),
     /// so that a process that meets the pack later reads that record alone. Best effort: a pack
     /// left unsealed is read record by record.
-    fn seal_pack(pack: &Pack, end: u64, items: &[u8]) {
+    fn seal_pack(pack: &Pack, end: u64, items: &[u8]) -> u64 {
         let body = seal_bytes(items, end);
         let head = Header { seq: 0, obj_len: body.len(), key_len: 0, flags: SEAL, crc: crc32fast::hash(&body) }.encode(b"");
         let iov = vec![
             libc::iovec { iov_base: head.as_ptr() as *mut libc::c_void, iov_len: head.len() },
             libc::iovec { iov_base: body.as_ptr() as *mut libc::c_void, iov_len: body.len() },
         ];
-        let _ = vectored_at(&pack.fd, iov, true, end as usize);
+        let len = (head.len() + body.len()) as u64;
+        // The bytes on disk it added (for the capacity's count), none where it failed.
+        vectored_at(&pack.fd, iov, true, end as usize).map_or(0, |_| growth(end, len))
     }
 
     /// The answers of records `heads` (of `lens` bytes) written from `start` of pack `id`, whose
@@ -624,6 +624,7 @@ impl LocalPacks {
             .collect();
         let none: Vec<&[Span]> = vec![&[]; heads.len()];
         let wrote = self.append(&heads, &none, (false, false));
+        let mut sealed = std::mem::take(&mut lock(&self.writer).sealed); // before the index: the writer's lock comes first
         let mut idx = lock(&self.index);
         let mut bytes = 0;
         for (i, &j) in todo.iter().enumerate() {
@@ -631,7 +632,7 @@ impl LocalPacks {
                 if idx.packs.contains_key(&pack) {
                     idx.apply(&keys[j], Entry { pack, at, obj_len: 0, seq: base + 1 + i as u64, live: false });
                 }
-                bytes += growth(at, heads[i].len() as u64);
+                bytes += growth(at, heads[i].len() as u64) + std::mem::take(&mut sealed);
                 removed[j] = true;
             }
         }
@@ -774,7 +775,7 @@ impl LocalPacks {
         let mut out = vec![0i64; keys.len()];
         let wants = match self.plan_get(keys, spans, exact, &mut out) {
             Ok(w) => w,
-            Err(e) => return vec![e; keys.len()],
+            Err(_) => return vec![OBJECT_NOT_FOUND; keys.len()], // packs unreadable now: the caller tries files
         };
         let seqs: Vec<(usize, u64)> = wants.iter().map(|w| (w.j, w.seq)).collect();
         let now = now_secs();
@@ -828,6 +829,8 @@ impl LocalPacks {
             })
             .collect();
         let wrote = self.append(&heads, &bodies, rule);
+        // The pack's seal written on the way is reported with the first record written.
+        let mut sealed = std::mem::take(&mut lock(&self.writer).sealed);
         let mut idx = lock(&self.index);
         for (i, &j) in todo.iter().enumerate() {
             let n = bodies[i].iter().map(|s| s.1).sum::<usize>();
@@ -842,7 +845,7 @@ impl LocalPacks {
                     if let Some(k) = idx.packs.get_mut(&pack).filter(|k| k.scanned == at) {
                         k.scanned = at + len;
                     }
-                    growth(at, len) as i64
+                    (growth(at, len) + std::mem::take(&mut sealed)) as i64
                 }
                 Err(e) => e,
             };
@@ -957,7 +960,7 @@ impl LocalPacks {
         };
         let need = (0..keys.len()).filter(|&j| fresh[j]).fold(0u64, |acc, j| {
             let rec = span_bytes(&all[j]).and_then(|n| n.checked_add(HEADER + keys[j].len()));
-            acc.saturating_add(rec.map_or(u64::MAX, |r| reserved(r as u64)))
+            acc.saturating_add(rec.map_or(u64::MAX, |r| reserved(r as u64) + listed(keys[j].len())))
         });
         if !reserve.call1((need,))?.is_truthy()? {
             return Ok(None);
@@ -985,16 +988,19 @@ impl LocalPacks {
     }
 
     /// Seals this process's pack (its writer is done: a process that meets it later reads its
-    /// list of records alone); the next put starts a new one.
-    fn seal(&self, py: Python<'_>) {
+    /// list of records alone); the next put starts a new one. The bytes on disk seals added since
+    /// the last put reported them (for the capacity's count).
+    fn seal(&self, py: Python<'_>) -> u64 {
         py.detach(|| {
             let mut w = lock(&self.writer);
+            let ours = w.pid == std::process::id(); // a fork()ed child's inherited pack is its parent's
             if let Some((_, pack, end)) = w.pack.take() {
-                if fstat(&pack.fd).is_ok_and(|s| s.st_nlink > 0) {
-                    Self::seal_pack(&pack, end, &w.items);
+                if ours && fstat(&pack.fd).is_ok_and(|s| s.st_nlink > 0) {
+                    w.sealed += Self::seal_pack(&pack, end, &w.items);
                 }
             }
             w.items.clear();
+            std::mem::take(&mut w.sealed)
         })
     }
 

@@ -174,8 +174,10 @@ def test_a_forked_child_writes_a_pack_of_its_own(tmp_path, mem):
     c = client(d, mem)
     assert put(c, mem, ["p0", "p1"]) == [0, 0]
     pid = os.fork()
-    if pid == 0:  # the child: its puts, then out without running the parent's teardown
-        os._exit(0 if put(c, mem, ["c0", "c1"], first=10) == [0, 0] else 1)
+    if pid == 0:  # the child: its puts and its close (which seals its pack only), then out
+        ok = put(c, mem, ["c0", "c1"], first=10) == [0, 0]
+        c.close()
+        os._exit(0 if ok else 1)
     assert put(c, mem, ["p2", "p3"], first=2) == [0, 0]
     assert os.waitpid(pid, 0)[1] == 0
     assert len(packs(d)) == 2
@@ -191,3 +193,15 @@ def test_the_shared_counter_file_is_written_whole(tmp_path):
     LocalDiskClient(str(d))
     st = os.stat(d / "packs.counter")
     assert st.st_size == 4096 and st.st_blocks * 512 >= 4096
+
+
+def test_packs_that_cannot_be_read_leave_files_readable(tmp_path, mem):
+    d = tmp_path / "l3"
+    c = client(d, mem)
+    assert put(c, mem, ["small"]) == [0]
+    assert c.put("big", b"z" * 200_000) == 0
+    for p in packs(d):
+        os.unlink(p)
+    os.rmdir(d / "packs")  # the packs cannot even be listed now
+    assert c.batch_is_exist(["big"]) == [1] and c.get("big") == b"z" * 200_000
+    assert got(c, mem, ["small"])[0] == [OBJECT_NOT_FOUND]

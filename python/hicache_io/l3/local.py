@@ -62,6 +62,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -137,8 +138,15 @@ class LocalDiskClient:
         self._regions: Dict[int, int] = {}
         #: Objects of up to ``_native.PACK_OBJECT_MAX`` bytes, packed (see the module docstring).
         _descriptors_for(self.capacity)
-        self.packs = _native.LocalPacks(self.directory, f"{_HOST}-{time.time_ns()}", pack_bytes(self.capacity))
+        self.packs = self._packs()
+        # A child of fork() gets packs of its own: the parent's pack, its index and its locks
+        # (perhaps held by another thread at the fork) stay the parent's.
+        me = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: _reopened(me))
         self.resync()
+
+    def _packs(self) -> Any:
+        return _native.LocalPacks(self.directory, f"{_HOST}-{time.time_ns()}", pack_bytes(self.capacity))
 
     # ---- paths and sizes ---------------------------------------------------------------------
 
@@ -347,6 +355,9 @@ class LocalDiskClient:
     def get(self, key: str) -> bytes:
         try:
             n = self.packs.size(key)
+        except OSError:  # the packs cannot be looked at now: its file, if any
+            n = None
+        try:
             if n is None:
                 n = os.stat(self.path(key)).st_size - len(key.encode()) - _native.LOCAL_FOOTER_BYTES
         except OSError:
@@ -398,7 +409,17 @@ class LocalDiskClient:
     def close(self) -> None:
         # A pack this process will not append to again lists its records at its end, so that
         # a process that meets it later reads that list alone, not the whole pack.
-        self.packs.seal()
+        added = self.packs.seal()
+        try:
+            self._adjust(added)
+        except OSError:
+            pass  # the directory went first: nothing left to count
+
+
+def _reopened(ref: Any) -> None:
+    client = ref()
+    if client is not None:
+        client.packs = client._packs()
 
 
 def pack_bytes(capacity: int) -> int:
