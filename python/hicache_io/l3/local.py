@@ -7,7 +7,7 @@ with Mooncake's return conventions, so the store's pipelines, key schemes and tr
 same over both transports (:class:`hicache_io.storage.LocalStore`).
 
 Packs. An object of up to ``_native.PACK_OBJECT_MAX`` bytes (64 KiB: a DSA page, a sidecar) is a
-record appended to this process's pack, ``packs/<host>-<time>-<pid>-<n>.pack``: a batch's puts are
+record appended to this process's pack, ``packs/<host>-<time>-<pid>-<n>-<nonce>.pack``: a batch's puts are
 one write, a get of objects written together one read (a new file costs this project's file
 systems about 0.3 ms whatever its size). Each process indexes the packs itself, following a counter
 all of them map (``packs.counter``); the format, its crash safety and its checks live in native
