@@ -18,7 +18,8 @@ Threads (each claims the pages it works on; pages are the unit of ownership, as 
 
 It reports throughput per thread and, after a warm-up and at the end, the process's resident
 memory, open file descriptors and threads. Bounds: resident memory may grow by at most
-``--rss-growth-mib`` (64 MiB by default), descriptors by 8, threads by 2."""
+``--rss-growth-mib`` (64 MiB by default), descriptors by 8 beyond those the local store's packs may
+hold open (``_native.PACK_DESCRIPTORS``, and the writer's own pack), threads by 2."""
 
 import argparse
 import collections
@@ -262,8 +263,11 @@ def main():
     report["growth"] = growth
     if growth["rss_mib"] > args.rss_growth_mib:
         failures.append(f"resident memory grew {growth['rss_mib']:.1f} MiB (bound {args.rss_growth_mib})")
-    if growth["fds"] > 8:
-        failures.append(f"open descriptors grew by {growth['fds']}")
+    # The local store's packs hold a bounded number of descriptors open (the least recently used
+    # closed past it, plus the writer's own pack's): a leak grows past that.
+    fd_bound = 8 + hicache_io._native.PACK_DESCRIPTORS + 1
+    if growth["fds"] > fd_bound:
+        failures.append(f"open descriptors grew by {growth['fds']} (bound {fd_bound})")
     if growth["threads"] > 2:
         failures.append(f"threads grew by {growth['threads']}")
     print(json.dumps(report, indent=1))

@@ -30,7 +30,7 @@
 //! removed.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use pyo3::exceptions::PyOSError;
@@ -218,11 +218,70 @@ impl Drop for Counter {
     }
 }
 
-/// A pack this process has open.
+/// Descriptors a process's packs hold open at most (beyond its own pack's): the least recently
+/// used are closed past it, and opened again when read.
+pub(crate) const OPEN_MAX: usize = 16;
+
+/// The packs' open descriptors, and a clock of their use.
+#[derive(Default)]
+struct Budget {
+    opened: AtomicUsize,
+    tick: AtomicU64,
+}
+
+/// A pack this process knows: its descriptor opened when read, closed when the budget is spent.
 struct Pack {
-    fd: Fd,
+    path: String,
+    fd: Mutex<Option<Arc<Fd>>>,
+    /// The writer's own pack: its read-write descriptor stays (and is not counted).
+    pinned: AtomicBool,
+    budget: Arc<Budget>,
+    used: AtomicU64,
     /// Seconds (since the epoch) of its last mark of use (its modification time).
     touched: AtomicI64,
+}
+
+impl Pack {
+    fn new(path: String, fd: Option<Fd>, budget: Arc<Budget>) -> Pack {
+        let pinned = AtomicBool::new(fd.is_some());
+        Pack { path, fd: Mutex::new(fd.map(Arc::new)), pinned, budget, used: AtomicU64::new(0), touched: AtomicI64::new(0) }
+    }
+
+    /// Its descriptor, opened (read-only) if closed; a reader's copy stays usable however the
+    /// pack's is closed meanwhile.
+    fn fd(&self) -> Result<Arc<Fd>, i64> {
+        self.used.store(self.budget.tick.fetch_add(1, Ordering::Relaxed), Ordering::Relaxed);
+        let mut g = lock(&self.fd);
+        if let Some(f) = g.as_ref() {
+            return Ok(f.clone());
+        }
+        let f = Arc::new(open_fd(&self.path, libc::O_RDONLY)?);
+        self.budget.opened.fetch_add(1, Ordering::Relaxed);
+        *g = Some(f.clone());
+        Ok(f)
+    }
+
+    /// Closes its descriptor (not the writer's own).
+    fn close(&self) {
+        if !self.pinned.load(Ordering::Relaxed) && lock(&self.fd).take().is_some() {
+            self.budget.opened.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    /// The writer is done with it: its descriptor counts (and closes) as any.
+    fn unpin(&self) {
+        if self.pinned.swap(false, Ordering::Relaxed) && lock(&self.fd).is_some() {
+            self.budget.opened.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Drop for Pack {
+    fn drop(&mut self) {
+        if !*self.pinned.get_mut() && self.fd.get_mut().map(|f| f.is_some()).unwrap_or(false) {
+            self.budget.opened.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
 }
 
 /// Where an object's record lies.
@@ -271,6 +330,7 @@ struct Writer {
 #[pyclass(module = "hicache_io._native")]
 pub(crate) struct LocalPacks {
     folder: String,
+    budget: Arc<Budget>,
     tag: String,
     pack_bytes: u64,
     counter: Counter,
@@ -343,7 +403,8 @@ impl Index {
     /// Reads a sealed pack met for the first time from its seal alone (the list of its records);
     /// false where it is not sealed or its seal does not hold (then it is read record by record).
     fn scan_sealed(&mut self, id: u32, pack: &Pack, size: u64) -> bool {
-        let Some(tail) = size.checked_sub(16).and_then(|t| pread_some(&pack.fd, 16, t).ok()) else { return false };
+        let Ok(fd) = pack.fd() else { return false };
+        let Some(tail) = size.checked_sub(16).and_then(|t| pread_some(&fd, 16, t).ok()) else { return false };
         if tail.len() != 16 || &tail[8..] != SEAL_END {
             return false;
         }
@@ -351,7 +412,7 @@ impl Index {
         if at.checked_add((HEADER + 16) as u64).is_none_or(|e| e > size) || size - at > SEAL_MAX {
             return false;
         }
-        let Ok(rec) = pread_some(&pack.fd, (size - at) as usize, at) else { return false };
+        let Ok(rec) = pread_some(&fd, (size - at) as usize, at) else { return false };
         let Some(h) = Header::parse(&rec) else { return false };
         let whole = h.flags == SEAL && h.key_len == 0 && HEADER + h.obj_len == rec.len() && Header::holds(&rec, 0);
         let Some(items) = whole.then(|| &rec[HEADER..]).filter(|b| crc32fast::hash(b) == h.crc).and_then(|b| seal_items(b, at)) else {
@@ -372,13 +433,14 @@ impl Index {
     fn scan(&mut self, id: u32) -> Result<(), i64> {
         let Some(k) = self.packs.get(&id) else { return Ok(()) };
         let (pack, mut scanned) = (k.pack.clone(), k.scanned);
-        let size = fstat(&pack.fd)?.st_size.max(0) as u64;
+        let fd = pack.fd()?;
+        let size = fstat(&fd)?.st_size.max(0) as u64;
         if scanned == 0 && self.scan_sealed(id, &pack, size) {
             return Ok(());
         }
         let mut sealed = false;
         'chunks: while scanned + HEADER as u64 <= size && !sealed {
-            let buf = pread_some(&pack.fd, CHUNK.min((size - scanned) as usize), scanned)?;
+            let buf = pread_some(&fd, CHUNK.min((size - scanned) as usize), scanned)?;
             let mut pos = 0usize;
             while let Some(h) = Header::parse(&buf[pos.min(buf.len())..]) {
                 let Some(rec) = buf.get(pos..pos + HEADER + h.key_len) else { break };
@@ -417,6 +479,7 @@ impl LocalPacks {
     /// last look (or always, `force`).
     fn refresh(&self, force: bool) -> Result<MutexGuard<'_, Index>, i64> {
         let mut idx = lock(&self.index);
+        self.trim(&idx);
         let now = self.counter.get().load(Ordering::Acquire);
         if !force && idx.last_seen == Some(now) {
             return Ok(idx);
@@ -441,12 +504,9 @@ impl LocalPacks {
             if idx.by_name.contains_key(&n) {
                 continue;
             }
-            // A pack gone meanwhile, or not openable now (out of descriptors, a permission): its
-            // objects are misses until a later look opens it.
-            if let Ok(fd) = open_fd(&format!("{}/{n}", self.folder), libc::O_RDONLY) {
-                let touched = fstat(&fd).map_or(0, |s| s.st_mtime);
-                idx.add_pack(n, Arc::new(Pack { fd, touched: AtomicI64::new(touched) }), 0);
-            }
+            // Opened when read: one gone meanwhile, or not openable (a permission), reads as misses.
+            let pack = Pack::new(format!("{}/{n}", self.folder), None, self.budget.clone());
+            idx.add_pack(n, Arc::new(pack), 0);
         }
         let open: Vec<u32> = idx.packs.iter().filter(|(_, k)| !k.sealed).map(|(&id, _)| id).collect();
         for id in open {
@@ -460,6 +520,22 @@ impl LocalPacks {
         Ok(idx)
     }
 
+    /// Past the budget of open descriptors, closes the least recently used down to half of it.
+    fn trim(&self, idx: &Index) {
+        let open = self.budget.opened.load(Ordering::Relaxed);
+        if open <= OPEN_MAX {
+            return;
+        }
+        let mut by_use: Vec<(u64, &Arc<Pack>)> = idx.packs.values().map(|k| (k.pack.used.load(Ordering::Relaxed), &k.pack)).collect();
+        by_use.sort_by_key(|u| u.0);
+        for (_, p) in by_use {
+            if self.budget.opened.load(Ordering::Relaxed) <= OPEN_MAX / 2 {
+                break;
+            }
+            p.close();
+        }
+    }
+
     /// The pack to append `need` more bytes to: the current one, unless it is full (then sealed)
     /// or gone (evicted); else a new one, known to the index.
     fn writer_pack(&self, w: &mut Writer, need: u64) -> Result<(u32, Arc<Pack>, u64), i64> {
@@ -469,13 +545,15 @@ impl LocalPacks {
             w.items.clear();
         }
         if let Some((id, pack, end)) = w.pack.clone() {
-            let gone = fstat(&pack.fd).map_or(true, |s| s.st_nlink == 0);
+            let fd = pack.fd();
+            let gone = fd.as_ref().map_or(true, |f| fstat(f).map_or(true, |s| s.st_nlink == 0));
             if !gone && (end == 0 || end + need <= self.pack_bytes) {
                 return Ok((id, pack, end));
             }
-            if !gone {
-                w.sealed += Self::seal_pack(&pack, end, &w.items);
+            if let (false, Ok(fd)) = (gone, fd) {
+                w.sealed += Self::seal_pack(&fd, end, &w.items);
             }
+            pack.unpin();
             w.pack = None;
         }
         w.items.clear();
@@ -483,8 +561,10 @@ impl LocalPacks {
         w.pid = std::process::id();
         let nonce = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
         let name = format!("{}-{}-{}-{nonce:09}.pack", self.tag, w.pid, w.made);
-        let fd = open_fd(&format!("{}/{name}", self.folder), libc::O_RDWR | libc::O_CREAT | libc::O_EXCL)?;
-        let pack = Arc::new(Pack { fd, touched: AtomicI64::new(now_secs()) });
+        let path = format!("{}/{name}", self.folder);
+        let fd = open_fd(&path, libc::O_RDWR | libc::O_CREAT | libc::O_EXCL)?;
+        let pack = Arc::new(Pack::new(path, Some(fd), self.budget.clone()));
+        pack.touched.store(now_secs(), Ordering::Relaxed);
         let id = lock(&self.index).add_pack(name, pack.clone(), 0);
         w.pack = Some((id, pack.clone(), 0));
         Ok((id, pack, 0))
@@ -493,7 +573,7 @@ impl LocalPacks {
     /// Closes a pack whose records end at `end`: its last record lists them all ([`seal_bytes`]),
     /// so that a process that meets the pack later reads that record alone. Best effort: a pack
     /// left unsealed is read record by record.
-    fn seal_pack(pack: &Pack, end: u64, items: &[u8]) -> u64 {
+    fn seal_pack(fd: &Fd, end: u64, items: &[u8]) -> u64 {
         let body = seal_bytes(items, end);
         let head = Header { seq: 0, obj_len: body.len(), key_len: 0, flags: SEAL, crc: crc32fast::hash(&body) }.encode(b"");
         let iov = vec![
@@ -502,7 +582,7 @@ impl LocalPacks {
         ];
         let len = (head.len() + body.len()) as u64;
         // The bytes on disk it added (for the capacity's count), none where it failed.
-        vectored_at(&pack.fd, iov, true, end as usize).map_or(0, |_| growth(end, len))
+        vectored_at(fd, iov, true, end as usize).map_or(0, |_| growth(end, len))
     }
 
     /// The answers of records `heads` (of `lens` bytes) written from `start` of pack `id`, whose
@@ -544,7 +624,7 @@ impl LocalPacks {
         let mut w = lock(&self.writer);
         let mut j = 0;
         while j < heads.len() {
-            let (id, pack, start) = match self.writer_pack(&mut w, len(j)) {
+            let (id, fd, start) = match self.writer_pack(&mut w, len(j)).and_then(|(id, p, start)| Ok((id, p.fd()?, start))) {
                 Ok(p) => p,
                 Err(e) => {
                     out.push(Err(e));
@@ -565,7 +645,7 @@ impl LocalPacks {
                 iov.push(libc::iovec { iov_base: head.as_ptr() as *mut libc::c_void, iov_len: head.len() });
                 iov.extend(iovecs(body));
             }
-            let (wrote, err) = match vectored_progress(&pack.fd, iov, true, start as usize) {
+            let (wrote, err) = match vectored_progress(&fd, iov, true, start as usize) {
                 (n, Some(e)) => (n as u64, e),
                 (n, None) => (n as u64, if (n as u64) < bytes { -(libc::ENOSPC as i64) } else { 0 }),
             };
@@ -574,14 +654,14 @@ impl LocalPacks {
             let whole = Self::written(&mut w, (id, start, start + wrote), &heads[j..k], &lens[j..k], failed, &mut out);
             if whole < start + bytes {
                 // SAFETY: an open descriptor; the torn records go (the pack is abandoned if not).
-                if unsafe { libc::ftruncate(pack.fd.0, whole as libc::off_t) } != 0 {
+                if unsafe { libc::ftruncate(fd.0, whole as libc::off_t) } != 0 {
                     w.pack = None;
                 }
             } else if writeback && !fsync {
-                start_writeback(&pack.fd);
+                start_writeback(&fd);
             }
             // SAFETY: an open descriptor.
-            if fsync && whole > start && unsafe { libc::fdatasync(pack.fd.0) } != 0 {
+            if fsync && whole > start && unsafe { libc::fdatasync(fd.0) } != 0 {
                 // The records stay (whole, and perhaps indexed by others already) but are not
                 // reported stored: their flush failed.
                 let e = errno();
@@ -722,10 +802,11 @@ impl LocalPacks {
         }
         let start = run[0].at;
         // Records read whole before an error still count; a pack shorter than its records was
-        // cut meanwhile: the rest are misses.
-        let (got, err) = match vectored_progress(&run[0].pack.fd, iov, false, start as usize) {
-            (n, Some(e)) => (n as u64, e),
-            (n, None) => (n as u64, OBJECT_NOT_FOUND),
+        // cut meanwhile: the rest are misses (so is a pack that cannot be opened: gone).
+        let (got, err) = match run[0].pack.fd().map(|fd| vectored_progress(&fd, iov, false, start as usize)) {
+            Ok((n, Some(e))) => (n as u64, e),
+            Ok((n, None)) => (n as u64, OBJECT_NOT_FOUND),
+            Err(_) => (0, OBJECT_NOT_FOUND),
         };
         let mut off = 0;
         for (w, &h) in run.iter().zip(&heads) {
@@ -784,9 +865,14 @@ impl LocalPacks {
             let p = &run[0].pack;
             if (now - p.touched.load(Ordering::Relaxed)) as f64 > touch_seconds {
                 p.touched.store(now, Ordering::Relaxed);
-                // SAFETY: a null times pointer sets both times to now (the eviction order).
-                unsafe { libc::futimens(p.fd.0, std::ptr::null()) };
+                if let Ok(fd) = p.fd() {
+                    // SAFETY: a null times pointer sets both times to now (the eviction order).
+                    unsafe { libc::futimens(fd.0, std::ptr::null()) };
+                }
             }
+        }
+        if self.budget.opened.load(Ordering::Relaxed) > OPEN_MAX {
+            self.trim(&lock(&self.index));
         }
         let (damaged, seqs): (Vec<Vec<u8>>, Vec<u64>) =
             seqs.into_iter().filter(|&(j, _)| out[j] == DAMAGED).map(|(j, s)| (keys[j].clone(), s)).unzip();
@@ -868,7 +954,7 @@ impl LocalPacks {
         let (mut damaged, mut seqs) = (Vec::new(), Vec::new());
         for (key, pack, e) in &live {
             let len = HEADER + key.len() + e.obj_len as usize;
-            let rec = pread_some(&pack.fd, len, e.at)?;
+            let rec = pread_some(&*pack.fd()?, len, e.at)?;
             let h = Header::parse(&rec).filter(|h| h.seq == e.seq && h.key_len == key.len() && h.record_len() == len && rec.len() == len);
             let intact = h.is_some_and(|h| {
                 let obj = &rec[HEADER + key.len()..];
@@ -910,7 +996,15 @@ impl LocalPacks {
         std::fs::create_dir_all(&folder)?;
         let counter = Counter::open(&format!("{directory}/packs.counter"))?;
         let pack_bytes = pack_bytes.max((HEADER + u16::MAX as usize + PACK_OBJECT_MAX) as u64);
-        Ok(LocalPacks { folder, tag: tag.to_string(), pack_bytes, counter, index: Mutex::default(), writer: Mutex::default() })
+        Ok(LocalPacks {
+            folder,
+            budget: Arc::default(),
+            tag: tag.to_string(),
+            pack_bytes,
+            counter,
+            index: Mutex::default(),
+            writer: Mutex::default(),
+        })
     }
 
     /// Reads objects `keys[j]` into their spans (as `local_get`'s, each inside one of
@@ -995,9 +1089,13 @@ impl LocalPacks {
             let mut w = lock(&self.writer);
             let ours = w.pid == std::process::id(); // a fork()ed child's inherited pack is its parent's
             if let Some((_, pack, end)) = w.pack.take() {
-                if ours && fstat(&pack.fd).is_ok_and(|s| s.st_nlink > 0) {
-                    w.sealed += Self::seal_pack(&pack, end, &w.items);
+                let fd = pack.fd();
+                if let (true, Ok(fd)) = (ours, fd) {
+                    if fstat(&fd).is_ok_and(|s| s.st_nlink > 0) {
+                        w.sealed += Self::seal_pack(&fd, end, &w.items);
+                    }
                 }
+                pack.unpin();
             }
             w.items.clear();
             std::mem::take(&mut w.sealed)

@@ -205,3 +205,25 @@ def test_packs_that_cannot_be_read_leave_files_readable(tmp_path, mem):
     os.rmdir(d / "packs")  # the packs cannot even be listed now
     assert c.batch_is_exist(["big"]) == [1] and c.get("big") == b"z" * 200_000
     assert got(c, mem, ["small"])[0] == [OBJECT_NOT_FOUND]
+
+
+def test_a_process_holds_a_bounded_number_of_pack_descriptors(tmp_path, mem):
+    """Each pack read is opened; past ``PACK_DESCRIPTORS`` the least recently used are closed
+    (and opened again when read), so a directory of many packs does not exhaust descriptors."""
+    d = tmp_path / "l3"
+    c = client(d, mem, capacity_bytes=64 << 20)  # 256 KiB packs: 30 of them below
+    for r in range(30):
+        assert put(c, mem, [f"r{r}-{j}" for j in range(32)]) == [0] * 32
+    c.close()
+    del c  # its descriptors go with it: those counted below are the reader's
+    assert len(packs(d)) >= 30
+
+    def pack_fds():
+        fds = os.listdir("/proc/self/fd")
+        return sum(1 for f in fds if os.path.realpath(f"/proc/self/fd/{f}").startswith(str(d / "packs")))
+
+    reader = client(d, mem)
+    for r in range(30):
+        assert got(reader, mem, [f"r{r}-{j}" for j in range(32)]) == ([SIZE] * 32, [True] * 32)
+        assert pack_fds() <= _native.PACK_DESCRIPTORS + 1
+    assert got(reader, mem, ["r0-0"]) == ([SIZE], [True])  # a closed one opens again

@@ -137,7 +137,6 @@ class LocalDiskClient:
         self._seq = itertools.count()  # next() is atomic: temporary names unique per thread
         self._regions: Dict[int, int] = {}
         #: Objects of up to ``_native.PACK_OBJECT_MAX`` bytes, packed (see the module docstring).
-        _descriptors_for(self.capacity)
         self.packs = self._packs()
         # A child of fork() gets packs of its own: the parent's pack, its index and its locks
         # (perhaps held by another thread at the fork) stay the parent's.
@@ -423,23 +422,9 @@ def _reopened(ref: Any) -> None:
 
 
 def pack_bytes(capacity: int) -> int:
-    """Where a writer closes its pack: a 256th of the capacity (a pack is the eviction's unit,
-    and each process holds a descriptor open for each pack it reads), between 256 KiB and 64 MiB."""
+    """Where a writer closes its pack: a 256th of the capacity (a pack is the eviction's unit),
+    between 256 KiB and 64 MiB."""
     return max(256 << 10, min(64 << 20, capacity // 256))
-
-
-def _descriptors_for(capacity: int) -> None:
-    """Raises this process's limit of open files (its soft limit, up to the hard one) where the
-    packs of a full directory would not fit it. sglang's server raises it too."""
-    try:
-        import resource
-
-        need = capacity // pack_bytes(capacity) + 1024
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft != resource.RLIM_INFINITY and soft < need:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (need if hard == resource.RLIM_INFINITY else min(hard, need), hard))
-    except (ImportError, ValueError, OSError) as e:
-        logger.warning("hicache-io L3 (local): could not raise the open-file limit for the packs: %s", e)
 
 
 def _on_disk(nbytes: int) -> int:
