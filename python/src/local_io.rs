@@ -64,7 +64,7 @@ pub(crate) type Span = (usize, usize);
 
 /// Per object, its spans `(address, bytes)`: `ptrs[j]` is an address and `sizes[j]` a size, or
 /// both are lists of them.
-pub(crate) fn spans_arg(ptrs: &Bound<'_, PyList>, sizes: &Bound<'_, PyList>) -> PyResult<Vec<Vec<Span>>> {
+fn spans_arg(ptrs: &Bound<'_, PyList>, sizes: &Bound<'_, PyList>) -> PyResult<Vec<Vec<Span>>> {
     if ptrs.len() != sizes.len() {
         return Err(PyValueError::new_err(format!("{} objects' addresses but {} sizes", ptrs.len(), sizes.len())));
     }
@@ -605,6 +605,15 @@ fn run_all(count: usize, bytes: usize, threads: usize, f: impl Fn(usize) -> i64 
     out.into_iter().map(AtomicI64::into_inner).collect()
 }
 
+/// The spans of a batch of `count` objects ([`spans_arg`]), unchecked.
+pub(crate) fn span_lists(ptrs: &Bound<'_, PyList>, sizes: &Bound<'_, PyList>, count: usize) -> PyResult<Vec<Vec<Span>>> {
+    let spans = spans_arg(ptrs, sizes)?;
+    if spans.len() != count {
+        return Err(PyValueError::new_err(format!("{count} objects but {} span lists", spans.len())));
+    }
+    Ok(spans)
+}
+
 /// Checked spans of a batch: per object its spans, `None` for an object outside registered memory.
 pub(crate) fn checked(
     regions: &[Span],
@@ -612,10 +621,7 @@ pub(crate) fn checked(
     sizes: &Bound<'_, PyList>,
     count: usize,
 ) -> PyResult<Vec<Option<Vec<Span>>>> {
-    let spans = spans_arg(ptrs, sizes)?;
-    if spans.len() != count {
-        return Err(PyValueError::new_err(format!("{count} objects but {} span lists", spans.len())));
-    }
+    let spans = span_lists(ptrs, sizes, count)?;
     Ok(spans.into_iter().map(|s| inside(regions, &s).then_some(s)).collect())
 }
 
@@ -683,10 +689,7 @@ pub(crate) fn local_put(
     }
     // Every object's bytes count, its spans checked or not (those outside fail below and are
     // uncounted by the caller with the rest): the reservation is what the sizes say.
-    let all = spans_arg(ptrs, sizes)?;
-    if all.len() != keys.len() {
-        return Err(PyValueError::new_err(format!("{} objects but {} span lists", keys.len(), all.len())));
-    }
+    let all = span_lists(ptrs, sizes, keys.len())?;
     let paths: Vec<String> = keys.iter().map(|k| object_path(objects, k.as_bytes())).collect();
     let (exists, need) = py.detach(|| {
         let exists: Vec<bool> = paths.iter().map(|p| cpath(p).is_some_and(|c| file_exists(&c))).collect();

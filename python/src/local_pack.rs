@@ -38,7 +38,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyAny, PyList};
 
 use crate::local_io::{
-    carries_trailer, checked, cpath, crc_of, errno, inside, iovecs, span_bytes, spans_arg, start_writeback, trailer_holds, vectored_at,
+    carries_trailer, checked, cpath, crc_of, errno, inside, iovecs, span_bytes, span_lists, start_writeback, trailer_holds, vectored_at,
     vectored_progress, Fd, Span, BUFFER_MISMATCH, DAMAGED, INVALID_PARAMS, IOV_MAX, OBJECT_NOT_FOUND,
 };
 
@@ -756,12 +756,16 @@ fn targets(spans: &[Span], n: usize, exact: bool) -> Result<Vec<Span>, i64> {
 /// is the one the index names, whole: header, key, number, length, and the object's CRC
 /// (unless it carries hicache-io's trailer, which the store checks, and `crc_trailered` is off).
 fn record_holds(w: &Want, head: &[u8], key: &[u8], crc_trailered: bool) -> bool {
-    let Some(h) = Header::parse(head) else { return false };
-    let same = h.seq == w.seq && h.key_len == key.len() && h.obj_len == w.obj_len && h.flags == 0;
-    if !same || !Header::holds(head, h.key_len) || &head[HEADER..] != key {
-        return false;
-    }
+    let Some(h) = named_record(head, key, w.seq, w.obj_len) else { return false };
     (!crc_trailered && carries_trailer(&w.targets)) || crc_of(&w.targets) == h.crc
+}
+
+/// The header at the start of `rec` (its header then key, at least), where it is the record an
+/// index names: this key's, numbered `seq`, of an object of `obj_len` bytes, its own CRC held.
+fn named_record(rec: &[u8], key: &[u8], seq: u64, obj_len: usize) -> Option<Header> {
+    let h = Header::parse(rec)?;
+    let same = h.seq == seq && h.key_len == key.len() && h.obj_len == obj_len && h.flags == 0;
+    (same && Header::holds(rec, h.key_len) && rec.get(HEADER..HEADER + key.len()) == Some(key)).then_some(h)
 }
 
 /// Runs of records adjacent in one pack (one vectored read each), within the call's limits.
@@ -955,13 +959,10 @@ impl LocalPacks {
         for (key, pack, e) in &live {
             let len = HEADER + key.len() + e.obj_len as usize;
             let rec = pread_some(&*pack.fd()?, len, e.at)?;
-            let h = Header::parse(&rec).filter(|h| h.seq == e.seq && h.key_len == key.len() && h.record_len() == len && rec.len() == len);
+            let h = named_record(&rec, key, e.seq, e.obj_len as usize).filter(|_| rec.len() == len);
             let intact = h.is_some_and(|h| {
                 let obj = &rec[HEADER + key.len()..];
-                Header::holds(&rec, key.len())
-                    && &rec[HEADER..HEADER + key.len()] == key.as_slice()
-                    && crc32fast::hash(obj) == h.crc
-                    && trailer_holds(obj, key).unwrap_or(false)
+                crc32fast::hash(obj) == h.crc && trailer_holds(obj, key).unwrap_or(false)
             });
             if !intact {
                 damaged.push(key.clone());
@@ -1043,10 +1044,7 @@ impl LocalPacks {
         fsync: bool,
         start_writeback: bool,
     ) -> PyResult<Option<(u64, Vec<i64>)>> {
-        let all = spans_arg(ptrs, sizes)?;
-        if all.len() != keys.len() {
-            return Err(pyo3::exceptions::PyValueError::new_err(format!("{} objects but {} span lists", keys.len(), all.len())));
-        }
+        let all = span_lists(ptrs, sizes, keys.len())?;
         let keys = key_bytes(keys);
         let fresh = match py.detach(|| self.fresh(&keys)) {
             Ok(f) => f,
