@@ -192,3 +192,29 @@ class Transport:
             rc = self.client.batch_put_from([key], [target_location], [target_sizes])[0]
         self.health.heard(np.array([rc], np.int64), started)
         return StorageError("put", rc, [key]) if rc != 0 else None
+
+
+def open_transport(store: str, options: Dict[str, Any], *, threads: int = 4, writes: str = "cached", reads: str = "auto", storage_config: Any = None) -> Transport:
+    """A :class:`Transport` on a new client: ``store="local"`` (a :class:`LocalDiskClient`;
+    ``options``: ``path``, ``capacity_bytes`` (a number, or a size such as ``"200gb"``), ``fsync``, and ``writes`` / ``reads`` overriding
+    the defaults given) or ``"mooncake"`` (``options``: a ``MooncakeStoreConfig``'s fields).
+    Unknown options raise ``TypeError``."""
+    options = dict(options)
+    if store == "local":
+        from .config import size_of
+        from .errors import LOCAL_STORE
+        from .local import LocalDiskClient
+
+        known = {"path", "capacity_bytes", "fsync", "writes", "reads"}
+        if set(options) - known:
+            raise TypeError(f"unknown options for the local store: {sorted(set(options) - known)}")
+        capacity = options.get("capacity_bytes")
+        client = LocalDiskClient(options.get("path"), capacity_bytes=None if capacity is None else size_of(capacity), threads=threads, fsync=bool(options.get("fsync", False)), writes=options.get("writes", writes), reads=options.get("reads", reads))
+        return Transport(client, Health(LOCAL_STORE, local=True))
+    if store == "mooncake":
+        from .config import MooncakeStoreConfig
+        from .errors import MOONCAKE_STORE
+        from .mooncake_client import open_client
+
+        return Transport(open_client(MooncakeStoreConfig.from_dict(options), storage_config), Health(MOONCAKE_STORE))
+    raise ValueError(f"store must be 'local' or 'mooncake', got {store!r}")

@@ -16,9 +16,9 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from .. import _native
-from ..l3.errors import DAMAGED, LOCAL_STORE, MOONCAKE_STORE
+from ..l3.errors import DAMAGED
 from ..l3.trailer import TRAILER_BYTES, matches, seal
-from ..l3.transport import OTHER_SIZE, Health, Spans, Transport
+from ..l3.transport import OTHER_SIZE, Spans, open_transport
 
 log = logging.getLogger(__name__)
 
@@ -90,20 +90,11 @@ class HicacheTier(SecondaryTierManager):
         self._chunks = len(self._mem) // row
         # One trailer per chunk slot: a slot belongs to one job at a time (vLLM pins it).
         self._trailers = np.zeros((max(self._chunks, 1), 2), dtype=np.uint64)
-        if store == "local":
-            if mooncake:
-                raise TypeError(f"unknown options for the local store: {sorted(mooncake)}")
-            from ..l3.local import LocalDiskClient
-
-            self.client = LocalDiskClient(path, capacity_bytes=capacity_bytes, threads=threads, fsync=fsync, writes=writes, reads=reads)
-        elif store == "mooncake":
-            from ..l3.config import MooncakeStoreConfig
-            from ..l3.mooncake_client import open_client
-
-            self.client = open_client(MooncakeStoreConfig.from_dict(mooncake), None)
-        else:
-            raise ValueError(f"store must be 'local' or 'mooncake', got {store!r}")
-        self._io = Transport(self.client, Health(LOCAL_STORE, local=True) if store == "local" else Health(MOONCAKE_STORE))
+        local = {"path": path, "capacity_bytes": capacity_bytes, "fsync": fsync, "writes": writes, "reads": reads}
+        if store == "local" and mooncake:
+            raise TypeError(f"unknown options for the local store: {sorted(mooncake)}")
+        self._io = open_transport(store, local if store == "local" else mooncake, threads=threads)
+        self.client = self._io.client
         self._registered = self._io.register([(self._mem.ctypes.data, len(self._mem)), (self._trailers.ctypes.data, self._trailers.nbytes)])
         # HicacheOffloadingSpec's own rows (each worker's blocks with their checksums) are laid out
         # unlike vLLM's CPU tier's and hold one topology's ranks: their chunks carry the layout
