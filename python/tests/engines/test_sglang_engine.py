@@ -11,8 +11,11 @@ device, host, storage), since a silent miss recomputes and still gives equal tok
   and from sglang's HTTP server (``python -m sglang.launch_server``), a new process over the same
   directory;
 - L3 on ``MooncakeStore`` against a master this test starts on loopback;
-- a negative control: the same engine with hicache-io's host->device loads broken must give other
-  tokens, so that the comparison can fail;
+- sglang's direct L3 (``UnifiedCacheLinker``, no host tier) on hicache-io's linker and the local
+  store: the prefix evicted by filler prompts comes back through the linker (sglang counts it as
+  "host"), tokens equal;
+- negative controls: the same engines with hicache-io's loads broken (HiCache's host->device
+  loads; the linker's copies) must give other tokens, so that the comparisons can fail;
 - hicache-io's counted calls, in the scheduler process, show that it moved the bytes and that
   the hook (not this test) installed it there.
 """
@@ -80,6 +83,11 @@ def hicache(layout: str, io: str, store: "tuple[str, str] | None") -> dict:
     return args
 
 
+def linker(where: str) -> dict:
+    extra = {"store": "local", "path": where}
+    return {"enable_unified_cache_external_linker": True, "unified_cache_external_linker_backend": "dynamic", "unified_cache_external_linker_config": {"linker": "HicacheLinker", "linker_module_path": "hicache_io.sglang_linker", "linker_extra_config": extra}}
+
+
 def steps(*, l2: int, l3: "int | None" = None) -> list:
     """Prompt 0 computes the prefix, the fillers evict it from the device (written through to the
     host pool), prompt ``l2`` reuses it from the host; with ``l3``, ``flush_cache()`` then empties
@@ -116,6 +124,8 @@ def runs(tiny_model, tmp_path_factory):
         # sglang's HTTP server (python -m sglang.launch_server), not Engine.
         ("restart", hicache("page_first", "kernel", ("local", first_local)), [{"op": "generate", "name": "l3", "prompts": [PROMPTS[3]]}], {}),
         ("broken", hicache("page_first", "kernel", None), steps(l2=1), {"HICACHE_ENGINE_TEST_BREAK_LOADS": "1"}),
+        ("linker", linker(os.path.join(work, "linker")), steps(l2=1), {}),
+        ("linker-broken", linker(os.path.join(work, "linker-broken")), steps(l2=1), {"HICACHE_ENGINE_TEST_BREAK_LOADS": "1"}),
     ]
     for cell in LOCAL_CELLS[1:]:
         layout, io = cell.split("/")
@@ -223,6 +233,23 @@ def test_broken_loads_change_the_tokens(runs):
     assert step(run, "l2")["details"]["host"] == PREFIX
     assert step(run, "l2")["tokens"] != expected(runs, 1), "tokens equal with the loads broken: the comparison cannot fail"
     assert calls(run).get("transfer_kv_per_layer_pf_lf", 0) > 0
+
+
+def test_linker_prefix_from_the_local_store_equal_tokens(runs):
+    """sglang's direct L3: the prefix the fillers evicted comes back through hicache-io's linker
+    (sglang reports a linker hit as "host": there is no host pool), tokens equal."""
+    run = get(runs, "linker")
+    assert step(run, "first")["cached"] == 0
+    details = step(run, "l2")["details"]
+    assert details["host"] == PREFIX and details["device"] == 0, details
+    assert_equal_tokens(runs, run, "l2", 1)
+    assert calls(run).get("transfer_kv_per_layer_mla", 0) > 0, "the linker moved no byte through hicache-io's ops"
+
+
+def test_linker_broken_loads_change_the_tokens(runs):
+    run = get(runs, "linker-broken")
+    assert step(run, "l2")["details"]["host"] == PREFIX
+    assert step(run, "l2")["tokens"] != expected(runs, 1), "tokens equal with the linker's copies broken: the comparison cannot fail"
 
 
 def test_engine_without_hicache_makes_no_transfer(runs):

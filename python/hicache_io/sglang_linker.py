@@ -1,0 +1,464 @@
+"""``HicacheLinker``: sglang's direct L3 (its ``UnifiedCacheLinker``) on hicache-io's stores.
+
+sglang 0.5.23 can link its ``UnifiedRadixCache`` straight to an external KV store, with no host
+tier between: pages go from the device pool to the store when the tree writes them through, and
+come back into slots of the request that matched them. This linker does that on hicache-io's L3
+transports (the local directory, the default, no server; or Mooncake Store) and moves the device
+bytes with hicache-io's ops (the cpu executor for pools in host memory, the cuda executor for CUDA
+pools, on the linker's own stream)::
+
+    --enable-unified-cache-external-linker --unified-cache-external-linker-backend dynamic
+    --unified-cache-external-linker-config '{"linker": "HicacheLinker",
+        "linker_module_path": "hicache_io.sglang_linker",
+        "linker_extra_config": {"store": "local", "path": "/var/cache/hicache-io"}}'
+
+``linker_extra_config``: ``store`` (``"local"`` or ``"mooncake"``); the local store's ``path``,
+``capacity_bytes``, ``fsync``; Mooncake's ``master_server_address``, ``metadata_server``,
+``protocol``, ``global_segment_size``, ``local_buffer_size``, ``local_hostname``,
+``device_name``; and ``namespace`` (a name of the deployment's own, part of every key),
+``staging_bytes`` (host memory for pages in flight, default 256 MiB: a load that does not fit is
+refused, and sglang computes its pages) and ``threads`` (the local store's I/O threads).
+
+Objects. A page of the KV pool is one object: the page's K rows of every layer, then its V rows
+(MLA: its one buffer's rows), then hicache-io's 16-byte integrity trailer, its checksum bound to
+the key. Keys are ``{namespace}/{page hash}_{ranks}_hio-link-{kind}-i{item bytes}-L{first}-{end}-P{page
+size}-n{digest}`` (``ranks``: ``tp{t}_cp{c}_pp{p}``, without the tp rank for MLA): the digest covers the model, the KV dtype, the pool's shape and the head split,
+so a page written by another model or shape is another key. MHA ranks hold different heads and
+store their own objects; MLA pages are the same on every rank, so only rank 0 writes them and
+every rank reads them.
+
+What is checked. ``load`` reads the request's objects and verifies every one against its trailer
+before it answers: a page missing, torn, damaged or stored under another key makes ``load``
+answer ``False``, so sglang computes that request's pages (it never sees wrong KV, and no other
+request is touched); the damaged object is removed. The layer-wise copy into the device slots
+(``start_layer_wise_loading``) then only moves verified bytes; it fails the batch
+(``finish_layer_wise_loading`` ``False``) only if a device copy raises. ``lookup`` answers the
+longest run of pages whose objects exist. Offloads wait for ``record_offload_ready``'s events,
+then write only the pages the store does not hold.
+
+Only the KV pool is stored: a model with Mamba state is refused; SWA layers are left to sglang,
+which keeps restored tails out of its window (it tombstones them).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import logging
+import queue
+import threading
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+from sglang.srt.mem_cache.unified_cache.unified_cache_linker import LayerWiseLoadCounter, UnifiedCacheLinker
+
+from . import _native, kvcacheio
+from .l3.errors import DAMAGED
+from .l3.trailer import TRAILER_BYTES, matches, seal
+from .l3.transport import OTHER_SIZE, Spans, open_transport
+
+logger = logging.getLogger(__name__)
+
+#: Version of what a linker page object holds, part of every key's digest.
+LINKER_FORMAT = 1
+#: Host memory for pages in flight when ``staging_bytes`` is not given.
+DEFAULT_STAGING_BYTES = 256 << 20
+
+
+class LinkerPages:
+    """A device KV pool's pages as objects: ``rows`` are the pool's layer buffers as rows of
+    ``item`` bytes (``[slots][item]``, uint8 views: K layers then V layers, or MLA's one buffer a
+    layer). Object ``j`` of a staging buffer starts at byte ``j × stride``: buffer ``b``'s rows of
+    the page at ``(b × P + t) × item``, the trailer after them."""
+
+    def __init__(self, kv: Any, page: int):
+        if getattr(kv, "k_buffer", None) is not None and getattr(kv, "v_buffer", None) is not None:
+            self.kind, layers = "mha", list(kv.k_buffer) + list(kv.v_buffer)
+        elif getattr(kv, "kv_buffer", None) is not None:
+            self.kind, layers = "mla", list(kv.kv_buffer)
+        else:
+            raise ValueError(f"hicache-io's linker takes MHA (k_buffer, v_buffer) or MLA (kv_buffer) KV pools, got {type(kv).__name__}")
+        self.rows = [_rows(t, i) for i, t in enumerate(layers)]
+        items = {r.shape[1] for r in self.rows}
+        if len(items) != 1:
+            raise ValueError(f"the pool's layers have rows of different sizes: {sorted(items)}")
+        self.item, self.page = items.pop(), int(page)
+        self.layers = len(self.rows) // (2 if self.kind == "mha" else 1)
+        self.start = int(getattr(kv, "start_layer", 0) or 0)
+        self.slots = min(r.shape[0] for r in self.rows)
+        self.dtype = str(getattr(kv, "dtype", self.rows[0].dtype)).replace("torch.", "")
+        self.device = self.rows[0].device
+        self.obj_bytes = len(self.rows) * self.page * self.item
+        # The trailer in whole rows after the object: the staging buffer is rows of `item` bytes.
+        self.stride = self.obj_bytes + -(-TRAILER_BYTES // self.item) * self.item
+
+    def check(self, device_indices: Any, n_pages: int) -> torch.Tensor:
+        """``device_indices`` as an int64 tensor on the pool's device; raises unless there are
+        ``P`` of them a page and each names a slot of the pool."""
+        idx = torch.as_tensor(device_indices).reshape(-1).to(torch.int64)
+        if idx.numel() != n_pages * self.page:
+            raise ValueError(f"{n_pages} pages need {n_pages * self.page} device indices, got {idx.numel()}")
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.slots):
+            raise IndexError(f"device indices outside the pool's {self.slots} slots")
+        return idx.to(self.device)
+
+    def staged_rows(self, n_pages: int) -> torch.Tensor:
+        """Per token of ``n_pages`` staged pages, its row of buffer 0 in the staging buffer seen
+        as rows of ``item`` bytes (buffer ``b``: plus ``b × P``)."""
+        per = self.stride // self.item
+        t = torch.arange(self.page, dtype=torch.int64)
+        return (torch.arange(n_pages, dtype=torch.int64)[:, None] * per + t[None, :]).reshape(-1)
+
+    def staging(self, n_pages: int) -> torch.Tensor:
+        """A staging buffer for ``n_pages`` objects (pinned when the pool is on a GPU)."""
+        return torch.zeros(n_pages * self.stride, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+
+    def move(self, staged: torch.Tensor, idx: torch.Tensor, buffers: Sequence[int], out: bool) -> None:
+        """Copies buffers ``buffers`` of the pages (device slots ``idx``) to the staging buffer
+        (``out``) or from it, through hicache-io's ops."""
+        n = idx.numel() // self.page
+        base = self.staged_rows(n).to(staged.device)
+        view = staged[: n * self.stride].view(-1, self.item)
+        for b in buffers:
+            rows = (base + b * self.page).to(idx.device) if idx.device.type == "cuda" else base + b * self.page
+            if out:
+                kvcacheio.transfer_kv_per_layer_mla(self.rows[b], view, idx, rows, self.item)
+            else:
+                kvcacheio.transfer_kv_per_layer_mla(view, self.rows[b], rows, idx, self.item)
+
+    def layer_buffers(self, layer: int) -> List[int]:
+        return [layer, self.layers + layer] if self.kind == "mha" else [layer]
+
+
+def _rows(t: torch.Tensor, i: int) -> torch.Tensor:
+    if t.dim() < 1 or not t.is_contiguous():
+        raise ValueError(f"layer buffer {i} is not a contiguous tensor of rows")
+    return t.view(t.shape[0], -1).view(torch.uint8)
+
+
+class Staged:
+    """One request's objects read and verified, waiting for the layer-wise copy."""
+
+    def __init__(self, rid: str, idx: torch.Tensor, buf: torch.Tensor):
+        self.rid, self.idx, self.buf = rid, idx, buf
+
+
+class HicacheLinker(UnifiedCacheLinker):
+    """sglang's ``UnifiedCacheLinker`` on hicache-io's L3 stores (see the module docstring)."""
+
+    def __init__(self, server_args: Any, params: Any, *, components: Any, extra_config: Optional[Dict[str, Any]] = None, forward_stream: Any = None):
+        cfg = dict(extra_config or {})
+        if ComponentType.MAMBA in set(components or ()):
+            raise ValueError("hicache-io's linker stores KV pages only; a model with Mamba state cannot use it")
+        self.forward_stream = forward_stream
+        kv = params.token_to_kv_pool_allocator.get_kvcache()
+        self.pages = LinkerPages(kv, params.page_size)
+        self.pools = {PoolName.KV: kv}
+        self.layer_done_counter = LayerWiseLoadCounter(self.pages.layers)
+        store = cfg.pop("store", "local")
+        namespace = str(cfg.pop("namespace", "hicache-io"))
+        self.staging_bytes = int(cfg.pop("staging_bytes", DEFAULT_STAGING_BYTES))
+        threads = int(cfg.pop("threads", 4))
+        self._io = open_transport(store, cfg, threads=threads, storage_config=_ranks(server_args))
+        self.client = self._io.client
+        tp, tp_size, others = _rank(params)
+        # MLA pages are the same on every tp rank: rank 0 writes them, every rank reads them.
+        self.writes = self.pages.kind == "mha" or tp == 0
+        rank = f"tp{tp}_{others}" if self.pages.kind == "mha" else others
+        self.prefix, self.tail = f"{namespace}/", _key_tail(self.pages, server_args, rank, tp_size)
+        self.stats = {"stored": 0, "store_failed": 0, "loaded": 0, "verified": 0, "corrupt": 0, "missing": 0}
+        self._lock = threading.Lock()
+        self._queued: Dict[str, Staged] = {}
+        self._staged_bytes = 0
+        self._done: Deque[bool] = collections.deque()
+        self._offloads: "queue.Queue[Optional[Tuple[Any, torch.Tensor, List[str]]]]" = queue.Queue()
+        self._loads: "queue.Queue[Optional[Tuple[int, List[Staged]]]]" = queue.Queue()
+        self._stream = torch.cuda.Stream(self.pages.device) if self.pages.device.type == "cuda" else None
+        self._closed = False
+        self._threads = [threading.Thread(target=f, name=f"hicache-io-linker-{n}", daemon=True) for n, f in (("offload", self._offload_loop), ("load", self._load_loop))]
+        for t in self._threads:
+            t.start()
+
+    def _checked(self, kv: PoolTransfer, what: str) -> Optional[torch.Tensor]:
+        """The transfer's device indices, or ``None`` (logged) where they do not fit its pages or
+        the pool: the call is refused before any byte moves, never raised into the scheduler."""
+        try:
+            return self.pages.check(kv.device_indices, len(kv.keys))
+        except (ValueError, IndexError, TypeError, RuntimeError) as e:
+            logger.error("hicache-io linker: %s of %d page(s) refused: %s", what, len(kv.keys), e)
+            return None
+
+    def object_keys(self, page_keys: Sequence[str]) -> List[str]:
+        return [f"{self.prefix}{k}{self.tail}" for k in page_keys]
+
+    # ---- lookup and loads --------------------------------------------------------------------
+
+    def lookup(self, rid: str, transfers: List[PoolTransfer]) -> List[int]:
+        kv = _kv(transfers)
+        if kv is None or not kv.keys:
+            return []
+        found = self._io.exists(self.object_keys(kv.keys))
+        missing = np.flatnonzero(found != 1)
+        n = int(missing[0]) if len(missing) else len(found)
+        return list(range(1, n + 1))
+
+    def load(self, rid: str, transfers: List[PoolTransfer]) -> bool:
+        """Reads and verifies the request's pages now (see the module docstring); ``False``
+        (sglang computes the pages) when any is missing or fails its checks, or when they do not
+        fit the staging memory left."""
+        kv = _kv(transfers)
+        if kv is None or not kv.keys:
+            return False
+        n = len(kv.keys)
+        idx = self._checked(kv, "load")
+        if idx is None:
+            return False
+        with self._lock:
+            if rid in self._queued or self._staged_bytes + n * self.pages.stride > self.staging_bytes:
+                logger.warning("hicache-io linker: %d page(s) of request %s do not fit the staging memory left; computed instead", n, rid)
+                return False
+            self._staged_bytes += n * self.pages.stride
+        try:
+            buf = self.pages.staging(n)
+            if self._read(self.object_keys(kv.keys), buf):
+                with self._lock:
+                    self._queued[rid] = Staged(rid, idx, buf)
+                return True
+        except Exception:
+            logger.exception("hicache-io linker: load of request %s failed", rid)
+        with self._lock:
+            self._staged_bytes -= n * self.pages.stride
+        return False
+
+    def _read(self, keys: List[str], buf: torch.Tensor) -> bool:
+        """Reads objects ``keys`` into ``buf`` and verifies them; True when every one is whole
+        and intact. Damaged objects are removed."""
+        stride, size, n = self.pages.stride, self.pages.obj_bytes, len(keys)
+        mem = buf.numpy()
+        addrs = self._io.register([(mem.ctypes.data, mem.nbytes)])
+        try:
+            base = mem.ctypes.data
+            got, _, _, _ = self._io.get(keys, keys, [Spans([base + j * stride for j in range(n)], [size + TRAILER_BYTES] * n, False, True)])
+        finally:
+            self._io.unregister(addrs)
+        whole = got == size + TRAILER_BYTES
+        objs = mem[: n * stride].reshape(n, stride)
+        trailers = np.ascontiguousarray(objs[:, size : size + TRAILER_BYTES]).view(np.uint64)
+        sums = np.array([_native.checksum(objs[j, :size], _native.STORAGE_SEED) if whole[j] else 0 for j in range(n)], dtype=np.uint64)
+        good = whole & matches(trailers, sums, keys)
+        bad = (whole & ~good) | np.isin(got, (OTHER_SIZE[False], DAMAGED))
+        for j in np.flatnonzero(bad):
+            if got[j] != DAMAGED:  # the local store removed a damaged object itself
+                self.client.remove(keys[j])
+            logger.warning("hicache-io linker: page object %s failed its checks (%d); removed", keys[j], int(got[j]))
+        with self._lock:
+            self.stats["loaded"] += n
+            self.stats["verified"] += int(good.sum())
+            self.stats["corrupt"] += int(bad.sum())
+            self.stats["missing"] += int((~good & ~bad).sum())
+        return bool(good.all())
+
+    def start_layer_wise_loading(self) -> int:
+        with self._lock:
+            batch, self._queued = list(self._queued.values()), {}
+        if not batch:
+            return -1
+        index = self.layer_done_counter.update_producer()
+        self._loads.put((index, batch))
+        return index
+
+    def finish_layer_wise_loading(self, counter_index: int) -> bool:
+        return self.layer_done_counter.finish(counter_index)
+
+    def cancel_queued_load(self, rid: str) -> bool:
+        with self._lock:
+            staged = self._queued.pop(rid, None)
+            if staged is not None:
+                self._staged_bytes -= staged.buf.numel()
+        return staged is not None
+
+    def _load_loop(self) -> None:
+        while True:
+            item = self._loads.get()
+            try:
+                if item is None:
+                    return
+                self._land(*item)
+            finally:
+                self._loads.task_done()
+
+    def _land(self, index: int, batch: List[Staged]) -> None:
+        """Copies the batch's pages into their device slots layer by layer, each layer reported
+        once its copies finished; a failure fails every layer not yet reported."""
+        try:
+            with torch.cuda.stream(self._stream) if self._stream is not None else _nothing():
+                for layer in range(self.pages.layers):
+                    for s in batch:
+                        self.pages.move(s.buf, s.idx, self.pages.layer_buffers(layer), out=False)
+                    if self._stream is not None:
+                        self._stream.synchronize()
+                    self.layer_done_counter.complete(index, layer)
+        except BaseException as e:  # noqa: BLE001 - reported to the scheduler through finish()
+            logger.exception("hicache-io linker: layer-wise load %d failed", index)
+            self.layer_done_counter.fail(index, e)
+        finally:
+            with self._lock:
+                self._staged_bytes -= sum(s.buf.numel() for s in batch)
+
+    # ---- offloads ------------------------------------------------------------------------------
+
+    def offload(self, transfers: List[PoolTransfer], session_id: Optional[str] = None) -> bool:
+        kv = _kv(transfers)
+        if kv is None or not kv.keys or self._closed:
+            return False
+        idx = self._checked(kv, "offload")
+        if idx is None:
+            return False
+        if not self.writes:  # MLA pages are rank 0's to write
+            with self._lock:
+                self._done.append(True)
+            return True
+        self._offloads.put((self.record_offload_ready(), idx, list(kv.keys)))
+        return True
+
+    def _offload_loop(self) -> None:
+        while True:
+            item = self._offloads.get()
+            try:
+                if item is None:
+                    return
+                ok = self._store(*item)
+                with self._lock:
+                    self._done.append(ok)
+            finally:
+                self._offloads.task_done()
+
+    def _store(self, events: Any, idx: torch.Tensor, page_keys: List[str]) -> bool:
+        """Writes the pages the store does not hold, in batches that fit the staging memory."""
+        try:
+            for ev in events:
+                ev.synchronize()
+            keys = self.object_keys(page_keys)
+            todo = np.flatnonzero(self._io.exists(keys) != 1)
+            per = max(1, min(len(todo), self.staging_bytes // 4 // self.pages.stride))
+            ok = True
+            for at in range(0, len(todo), per):
+                ok &= self._put([keys[j] for j in todo[at : at + per]], _page_slots(idx, todo[at : at + per], self.pages.page))
+            return ok
+        except Exception:
+            logger.exception("hicache-io linker: offload of %d page(s) failed", len(page_keys))
+            with self._lock:
+                self.stats["store_failed"] += len(page_keys)
+            return False
+
+    def _put(self, keys: List[str], idx: torch.Tensor) -> bool:
+        n, stride, size = len(keys), self.pages.stride, self.pages.obj_bytes
+        buf = self.pages.staging(n)
+        with torch.cuda.stream(self._stream) if self._stream is not None else _nothing():
+            self.pages.move(buf, idx, range(len(self.pages.rows)), out=True)
+            if self._stream is not None:
+                self._stream.synchronize()
+        mem = buf.numpy()
+        objs = mem.reshape(n, stride)
+        sums = np.array([_native.checksum(objs[j, :size], _native.STORAGE_SEED) for j in range(n)], dtype=np.uint64)
+        trailers = np.zeros((n, 2), dtype=np.uint64)
+        seal(trailers, np.arange(n), sums, keys)
+        objs[:, size : size + TRAILER_BYTES] = trailers.view(np.uint8).reshape(n, TRAILER_BYTES)
+        addrs = self._io.register([(mem.ctypes.data, mem.nbytes)])
+        try:
+            rcs, _ = self._io.put(keys, keys, Spans([mem.ctypes.data + j * stride for j in range(n)], [size + TRAILER_BYTES] * n, False, True))
+        finally:
+            self._io.unregister(addrs)
+        with self._lock:
+            self.stats["stored"] += int((rcs == 0).sum())
+            self.stats["store_failed"] += int((rcs != 0).sum())
+        if (rcs != 0).any():
+            logger.warning("hicache-io linker: %d of %d page(s) not stored (codes %s)", int((rcs != 0).sum()), n, sorted(set(rcs.tolist())))
+        return bool((rcs == 0).all())
+
+    def num_completed_offloads(self) -> int:
+        with self._lock:
+            return len(self._done)
+
+    def pop_completed_offload(self) -> bool:
+        with self._lock:
+            return self._done.popleft()
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Waits for the offloads and loads in flight, then forgets queued loads, results not
+        consumed and the layer counter."""
+        self._offloads.join()
+        self._loads.join()
+        with self._lock:
+            self._queued.clear()
+            self._done.clear()
+            self._staged_bytes = 0
+        self.layer_done_counter.reset()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self.reset()
+        self._closed = True
+        self._offloads.put(None)
+        self._loads.put(None)
+        for t in self._threads:
+            t.join()
+        self.client.close()
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _kv(transfers: Sequence[PoolTransfer]) -> Optional[PoolTransfer]:
+    return next((t for t in transfers if t.name == PoolName.KV), None)
+
+
+def _page_slots(idx: torch.Tensor, pages: np.ndarray, page: int) -> torch.Tensor:
+    """The device slots of pages ``pages`` of ``idx`` (``page`` slots a page), in that order."""
+    rows = torch.as_tensor(pages, dtype=torch.int64)[:, None] * page + torch.arange(page, dtype=torch.int64)[None, :]
+    return idx[rows.reshape(-1).to(idx.device)]
+
+
+def _group_rank(group: Any) -> Tuple[int, int]:
+    if group is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return 0, 1
+    return torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+
+
+def _rank(params: Any) -> Tuple[int, int, str]:
+    """This worker's tp rank, the tp size and its name among the other ranks (cp and pp)."""
+    tp, tp_size = _group_rank(getattr(params, "attn_tp_cache_group", None) or getattr(params, "tp_cache_group", None))
+    return tp, tp_size, f"cp{getattr(params, 'attn_cp_rank', 0)}_pp{getattr(params, 'pp_rank', 0)}"
+
+
+def _ranks(server_args: Any) -> Any:
+    """What the Mooncake client needs of the deployment: its tp and pp sizes."""
+    return type("Ranks", (), {"tp_size": getattr(server_args, "tp_size", 1) or 1, "pp_size": getattr(server_args, "pp_size", 1) or 1})()
+
+
+def _key_tail(pages: LinkerPages, server_args: Any, rank: str, tp_size: int) -> str:
+    """The key's part after the page hash: the rank (MHA only) and what the page's bytes mean."""
+    record = {
+        "format": LINKER_FORMAT,
+        "model": getattr(server_args, "served_model_name", None) or getattr(server_args, "model_path", None),
+        "kv_dtype": pages.dtype,
+        "kind": pages.kind,
+        "item": pages.item,
+        "layers": [pages.start, pages.start + pages.layers],
+        "page_size": pages.page,
+        "tp_size": tp_size if pages.kind == "mha" else None,
+    }
+    digest = hashlib.blake2b(json.dumps(record, sort_keys=True).encode(), digest_size=6).hexdigest()
+    return f"_{rank}_hio-link-{pages.kind}-i{pages.item}-L{pages.start}-{pages.start + pages.layers}-P{pages.page}-n{digest}"

@@ -1,0 +1,135 @@
+"""sglang's ``UnifiedRadixCache`` built by sglang's own factory with hicache-io's linker
+(``hicache_io.sglang_linker.HicacheLinker``, loaded by the ``dynamic`` linker backend), and the
+scheduler's steps around it: a request's KV computed and inserted (the tree offloads it), the
+device copy evicted, a later request matching the prefix (lookup, load into its own slots, the
+layer-wise copy the forward waits on, the verdict after the forward).
+
+Run as a script (``python -m sglang_client.linker_tree DIR TOKENS EXPECTED``), it is another
+process restoring pages a test stored: it prints ``EQUAL`` when the bytes restored are those of
+``EXPECTED`` (a ``.npy`` of every buffer's rows)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import types
+from array import array
+
+import numpy as np
+import torch
+
+from . import cpu_shims
+from . import sgl_pools as sp
+from .harness import as_bytes
+
+
+def ninja_on_path() -> None:
+    """sglang hashes pages with a C++ extension it builds on first use: ninja must be on PATH
+    (the venv's own)."""
+    here = os.path.dirname(sys.executable)
+    if here not in os.environ["PATH"].split(os.pathsep):
+        os.environ["PATH"] = here + os.pathsep + os.environ["PATH"]
+
+
+class LinkedTree:
+    """A ``UnifiedRadixCache`` on an MHA or MLA device pool on the CPU (``P`` tokens a page;
+    ``pool``: the pool's other shape arguments), linked to hicache-io's linker with ``extra`` as
+    its ``linker_extra_config``."""
+
+    def __init__(self, extra: dict, kind: str = "mha", layers: int = 3, size: int = 64, **pool):
+        from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+        from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
+        from sglang.srt.runtime_context import get_server_args
+
+        ninja_on_path()
+        cfg = {"linker": "HicacheLinker", "linker_module_path": "hicache_io.sglang_linker", "linker_extra_config": extra}
+        flags = dict(enable_hierarchical_cache=False, enable_unified_cache_external_linker=True, unified_cache_external_linker_backend="dynamic", unified_cache_external_linker_config=cfg)
+        with cpu_shims.memory_config(**flags):
+            self.dev = sp.mha_device(layer_num=layers, size=size, **pool) if kind == "mha" else sp.mla_device(layer_num=layers, size=size, **pool)
+            self.alloc = PagedTokenToKVPoolAllocator(size=self.dev.size, page_size=sp.P, dtype=self.dev.dtype, device="cpu", kvcache=self.dev, need_sort=False)
+            params = CacheInitParams(disable=False, req_to_token_pool=ReqToTokenPool(4, 256, "cpu", False), token_to_kv_pool_allocator=self.alloc, page_size=sp.P, tree_core_backend="python")
+            worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(forward_stream=torch.cpu.Stream()), register_hicache_layer_transfer_counter=lambda counter: None)
+            self.cache = create_tree_cache(TreeCacheBuildContext(get_server_args(), params, False, False, False, False, worker, None, 1, 0, None))
+        self.linker = self.cache.linker.cache_linker
+        self.buffers = list(self.dev.k_buffer) + list(self.dev.v_buffer) if kind == "mha" else list(self.dev.kv_buffer)
+        self.layers = layers
+
+    def rows(self, slots: torch.Tensor) -> np.ndarray:
+        """The bytes of rows ``slots`` of every buffer (``[buffers][slots][row bytes]``)."""
+        return np.stack([as_bytes(b)[slots].reshape(len(slots), -1).numpy() for b in self.buffers])
+
+    def compute(self, tokens: list, seed: int = 0) -> torch.Tensor:
+        """KV of ``tokens`` "computed" (random rows) into fresh slots, inserted into the tree,
+        which offloads it; returns once the tree has the linker's answer."""
+        from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        slots = self.alloc.alloc(len(tokens))
+        g = sp.gen(seed)
+        for b in self.buffers:
+            as_bytes(b)[slots] = torch.randint(0, 256, as_bytes(b)[slots].shape, dtype=torch.uint8, generator=g)
+        self.cache.insert(InsertParams(key=RadixKey(array("q", tokens)), value=slots.clone()))
+        self.settle()
+        return slots
+
+    def settle(self, timeout: float = 30.0) -> None:
+        """The scheduler's per-step event check until no offload is pending."""
+        end = time.monotonic() + timeout
+        while True:
+            self.cache.check_hicache_events()
+            if not self.cache.linker.pending_offloads:
+                return
+            if time.monotonic() > end:
+                raise TimeoutError("offloads still pending")
+            time.sleep(0.005)
+
+    def evict(self, slots: torch.Tensor) -> None:
+        """The device copy gone, its rows overwritten (a load that moves nothing must show)."""
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        assert self.cache.evict(EvictParams(num_tokens=len(slots))).num_tokens_evicted >= len(slots)
+        for b in self.buffers:
+            as_bytes(b)[slots] = 0
+
+    def restore(self, rid: str, tokens: list):
+        """A request for ``tokens`` plus one: the match, the load into its slots and the forward's
+        layer-wise waits. Returns ``(tokens restored, its slots or None, aborted rids)``."""
+        from sglang.srt.managers.schedule_batch import Req
+        from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        req = Req(rid, "", array("q", list(tokens) + [7]), SamplingParams(max_new_tokens=1))
+        req.init_next_round_input(self.cache)
+        if not self.cache.linker.has_hit(rid):
+            return 0, None, []
+        n, req.last_node = self.cache.init_load_back(InitLoadBackParams(best_match_node=req.best_match_node, host_hit_length=req.host_hit_length, req=req))
+        if n == 0:
+            return 0, None, []
+        slots = self.cache.linker.private_load_indices[rid].clone()
+        index = self.cache.ready_to_load_host_cache()
+        self.linker.layer_done_counter.set_consumer(index)
+        for layer in range(self.layers):  # the forward's attention reads, layer by layer
+            self.dev.get_key_buffer(layer)
+        return n, slots, [r.rid for r in self.cache.finish_external_linker_loads([req])]
+
+    def close(self) -> None:
+        self.cache.release_host_resources()
+
+
+def main(directory: str, tokens: str, expected: str) -> None:
+    import hicache_io.sglang
+
+    hicache_io.sglang.install()
+    cpu_shims.apply()
+    tree = LinkedTree({"store": "local", "path": directory})
+    n, slots, aborted = tree.restore("other-process", [int(t) for t in tokens.split(",")])
+    ok = n and not aborted and np.array_equal(tree.rows(slots), np.load(expected))
+    print("EQUAL" if ok else f"DIFFERENT (restored {n}, aborted {aborted})")
+    tree.close()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

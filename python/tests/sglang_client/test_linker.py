@@ -1,0 +1,149 @@
+"""hicache-io's direct L3 linker under sglang 0.5.23's own ``UnifiedRadixCache``: the tree is built
+by sglang's factory from the ``dynamic`` linker configuration, offloads what it inserts, and
+restores evicted prefixes through ``lookup`` / ``load`` / the layer-wise copy, every byte
+compared with what was computed. A damaged object fails only its request's load, before any
+byte reaches the device (sglang computes that request); another process reads what this one
+stored; another namespace never reads it; Mooncake Store works as the local directory does."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ._env import sglang_problem
+
+if sglang_problem() is not None:
+    pytest.skip(sglang_problem(), allow_module_level=True)
+
+from common import child_env, held_at  # noqa: E402
+
+import torch  # noqa: E402
+
+from .harness import as_bytes  # noqa: E402
+from .linker_tree import LinkedTree  # noqa: E402
+
+TOKENS = list(range(100, 112))  # three pages of sgl_pools.P = 4 tokens
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def local(tmp_path):
+    trees = []
+
+    def make(**kw):
+        extra = {"store": "local", "path": str(tmp_path / "l3"), **kw.pop("extra", {})}
+        trees.append(LinkedTree(extra, **kw))
+        return trees[-1]
+
+    yield make
+    for t in trees:
+        t.close()
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_factory_builds_the_linker_and_the_tree_restores_every_byte(local, kind):
+    from hicache_io.sglang_linker import HicacheLinker
+
+    tree = local(kind=kind)
+    assert type(tree.linker) is HicacheLinker
+    assert tree.dev.layer_transfer_counter is tree.linker.layer_done_counter
+    slots = tree.compute(TOKENS)
+    computed = tree.rows(slots)
+    assert tree.linker.stats["stored"] == 3
+    tree.evict(slots)
+    n, restored, aborted = tree.restore("r1", TOKENS)
+    assert (n, aborted) == (len(TOKENS), [])
+    assert np.array_equal(tree.rows(restored), computed)
+    assert tree.linker.stats["verified"] == 3
+    # The request inserts what it loaded: the tree offloads it again, and nothing is rewritten.
+    tree.compute(TOKENS, seed=1)
+    assert tree.linker.stats["stored"] == 3
+
+
+def test_damaged_object_fails_only_its_request_and_no_byte_lands(local):
+    tree = local()
+    slots = tree.compute(TOKENS)
+    computed = tree.rows(slots)
+    tree.evict(slots)
+    key = tree.linker.object_keys(_hashes(TOKENS))[2]
+    path, at = held_at(tree.linker.client, key)
+    with open(path, "r+b") as f:
+        f.seek(at + 100)
+        byte = f.read(1)
+        f.seek(at + 100)
+        f.write(bytes([byte[0] ^ 0x40]))
+    n, restored, aborted = tree.restore("r1", TOKENS)
+    assert (n, restored, aborted) == (0, None, [])  # load refused: sglang computes the request
+    assert tree.linker.stats["corrupt"] == 1
+    # The damaged page is gone; the pages before it still restore exactly.
+    n, restored, aborted = tree.restore("r2", TOKENS)
+    assert (n, aborted) == (8, [])
+    assert np.array_equal(tree.rows(restored), computed[:, :8])
+
+
+def _hashes(tokens):
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    return get_storage_hash_str(tokens, None, page_size=4)
+
+
+def test_another_process_restores_what_this_one_stored(local, tmp_path):
+    tree = local()
+    slots = tree.compute(TOKENS)
+    np.save(tmp_path / "expected.npy", tree.rows(slots))
+    out = subprocess.run(
+        [sys.executable, "-m", "sglang_client.linker_tree", str(tmp_path / "l3"), ",".join(map(str, TOKENS)), str(tmp_path / "expected.npy")],
+        cwd=HERE,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.stdout.strip().endswith("EQUAL"), out.stdout + out.stderr
+
+
+def test_another_namespace_or_shape_never_reads_the_pages(local):
+    tree = local()
+    slots = tree.compute(TOKENS)
+    other = local(extra={"namespace": "another-deployment"})
+    assert other.restore("r1", TOKENS)[0] == 0
+    # Pages of the same size that mean something else: twice the layers of half the heads.
+    other_shape = local(layers=6, head_num=1)
+    assert other_shape.linker.pages.obj_bytes == tree.linker.pages.obj_bytes
+    assert other_shape.restore("r2", TOKENS)[0] == 0
+    tree.evict(slots)
+    assert tree.restore("r3", TOKENS)[0] == len(TOKENS)
+
+
+def test_mooncake_store_round_trip(master):
+    extra = {"store": "mooncake", "master_server_address": master.address, "protocol": "tcp", "metadata_server": "P2PHANDSHAKE", "local_hostname": "127.0.0.1", "global_segment_size": 16 << 20, "local_buffer_size": 4 << 20, "namespace": "mc-linker"}
+    tree = LinkedTree(extra)
+    try:
+        slots = tree.compute(TOKENS)
+        computed = tree.rows(slots)
+        tree.evict(slots)
+        n, restored, aborted = tree.restore("r1", TOKENS)
+        assert (n, aborted) == (len(TOKENS), [])
+        assert np.array_equal(tree.rows(restored), computed)
+    finally:
+        tree.close()
+
+
+def test_refused_calls_move_no_byte(local):
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+    tree = local()
+    slots = tree.compute(TOKENS)
+    keys = _hashes(TOKENS)
+    before = [b.clone() for b in tree.buffers]
+    lk = tree.linker
+    for idx in (slots[:-1], slots + 10_000, slots - 10_000):  # a slot short, past the pool, negative
+        assert lk.load("r", [PoolTransfer(name=PoolName.KV, device_indices=idx, keys=keys)]) is False
+        assert lk.offload([PoolTransfer(name=PoolName.KV, device_indices=idx, keys=keys)]) is False
+    assert lk.start_layer_wise_loading() == -1 and lk.num_completed_offloads() == 0
+    assert all(torch.equal(as_bytes(a), as_bytes(b)) for a, b in zip(before, tree.buffers))
+    assert lk.stats["stored"] == 3
