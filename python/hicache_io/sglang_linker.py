@@ -36,8 +36,10 @@ request is touched); the damaged object is removed. The layer-wise copy into the
 longest run of pages whose objects exist. Offloads wait for ``record_offload_ready``'s events,
 then write only the pages the store does not hold.
 
-Only the KV pool is stored: a model with Mamba state is refused; SWA layers are left to sglang,
-which keeps restored tails out of its window (it tombstones them).
+Only plain MHA and MLA pools (token rows in the ``nhd`` layout, nothing else) are stored: a pool
+with scales (FP4, MXFP8), a DSA indexer, SWA or Mamba state is refused when the linker is built.
+The verdict of ``load`` is agreed by every rank of the attention's tp and cp groups (the minimum),
+since sglang runs the same batch on all of them.
 """
 
 from __future__ import annotations
@@ -65,6 +67,9 @@ logger = logging.getLogger(__name__)
 
 #: Version of what a linker page object holds, part of every key's digest.
 LINKER_FORMAT = 1
+#: The KV pools whose pages are their token rows and nothing else (with the ``nhd`` layout): FP4,
+#: MXFP8 and DSA pools hold scales or indexer buffers besides, which these objects do not carry.
+PLAIN_POOLS = ("MHATokenToKVPool", "MLATokenToKVPool")
 #: Host memory for pages in flight when ``staging_bytes`` is not given.
 DEFAULT_STAGING_BYTES = 256 << 20
 
@@ -76,6 +81,11 @@ class LinkerPages:
     the page at ``(b × P + t) × item``, the trailer after them."""
 
     def __init__(self, kv: Any, page: int):
+        plain = type(kv).__name__ in PLAIN_POOLS and getattr(kv, "kv_cache_layout", "nhd") == "nhd"
+        extra = [a for a in ("k_scale_buffer", "v_scale_buffer", "kv_scale_buffer", "index_k_with_scale_buffer") if getattr(kv, a, None) is not None]
+        if not plain or extra:
+            what = f"layout {getattr(kv, 'kv_cache_layout', None)}" if type(kv).__name__ in PLAIN_POOLS and not extra else f"buffers {extra}" if extra else "pool"
+            raise ValueError(f"hicache-io's linker stores plain MHA and MLA KV pools (token rows, no scales); got {type(kv).__name__} ({what})")
         if getattr(kv, "k_buffer", None) is not None and getattr(kv, "v_buffer", None) is not None:
             self.kind, layers = "mha", list(kv.k_buffer) + list(kv.v_buffer)
         elif getattr(kv, "kv_buffer", None) is not None:
@@ -158,6 +168,7 @@ class HicacheLinker(UnifiedCacheLinker):
         kv = params.token_to_kv_pool_allocator.get_kvcache()
         self.pages = LinkerPages(kv, params.page_size)
         self.pools = {PoolName.KV: kv}
+        self._groups = _groups(params)
         self.layer_done_counter = LayerWiseLoadCounter(self.pages.layers)
         store = cfg.pop("store", "local")
         namespace = str(cfg.pop("namespace", "hicache-io"))
@@ -177,9 +188,12 @@ class HicacheLinker(UnifiedCacheLinker):
         self._done: Deque[bool] = collections.deque()
         self._offloads: "queue.Queue[Optional[Tuple[Any, torch.Tensor, List[str]]]]" = queue.Queue()
         self._loads: "queue.Queue[Optional[Tuple[int, List[Staged]]]]" = queue.Queue()
-        self._stream = torch.cuda.Stream(self.pages.device) if self.pages.device.type == "cuda" else None
+        # Each thread copies on a stream of its own (loads never wait behind offloads).
+        cuda = self.pages.device.type == "cuda"
+        self._load_stream = torch.cuda.Stream(self.pages.device) if cuda else None
+        self._offload_stream = torch.cuda.Stream(self.pages.device) if cuda else None
         self._closed = False
-        self._threads = [threading.Thread(target=f, name=f"hicache-io-linker-{n}", daemon=True) for n, f in (("offload", self._offload_loop), ("load", self._load_loop))]
+        self._threads = [threading.Thread(target=self._serve, args=(q, f), name=f"hicache-io-linker-{n}", daemon=True) for n, q, f in (("offload", self._offloads, self._offload), ("load", self._loads, self._land))]
         for t in self._threads:
             t.start()
 
@@ -201,7 +215,13 @@ class HicacheLinker(UnifiedCacheLinker):
         kv = _kv(transfers)
         if kv is None or not kv.keys:
             return []
-        found = self._io.exists(self.object_keys(kv.keys))
+        # A run longer than the staging memory could never be loaded: it is not offered.
+        keys = kv.keys[: self.staging_bytes // self.pages.stride]
+        try:
+            found = self._io.exists(self.object_keys(keys))
+        except Exception:  # noqa: BLE001 - a store that cannot answer has nothing to offer
+            logger.exception("hicache-io linker: lookup failed")
+            return []
         missing = np.flatnonzero(found != 1)
         n = int(missing[0]) if len(missing) else len(found)
         return list(range(1, n + 1))
@@ -209,30 +229,53 @@ class HicacheLinker(UnifiedCacheLinker):
     def load(self, rid: str, transfers: List[PoolTransfer]) -> bool:
         """Reads and verifies the request's pages now (see the module docstring); ``False``
         (sglang computes the pages) when any is missing or fails its checks, or when they do not
-        fit the staging memory left."""
+        fit the staging memory left. The verdict is the same on every rank: sglang takes it
+        without a reduction of its own, and ranks that differ would run different batches."""
+        staged = None if self._closed else self._stage(rid, transfers)
+        agreed = self._agree(staged is not None)
+        if staged is not None and agreed:
+            with self._lock:
+                self._queued[rid] = staged
+            return True
+        if staged is not None:
+            self._release(staged.buf.numel())
+        return False
+
+    def _stage(self, rid: str, transfers: List[PoolTransfer]) -> Optional["Staged"]:
         kv = _kv(transfers)
         if kv is None or not kv.keys:
-            return False
+            return None
         n = len(kv.keys)
         idx = self._checked(kv, "load")
         if idx is None:
-            return False
+            return None
         with self._lock:
-            if rid in self._queued or self._staged_bytes + n * self.pages.stride > self.staging_bytes:
+            if rid in self._queued:
+                logger.error("hicache-io linker: request %s already has a load queued; refused", rid)
+                return None
+            if self._staged_bytes + n * self.pages.stride > self.staging_bytes:
                 logger.warning("hicache-io linker: %d page(s) of request %s do not fit the staging memory left; computed instead", n, rid)
-                return False
+                return None
             self._staged_bytes += n * self.pages.stride
         try:
             buf = self.pages.staging(n)
             if self._read(self.object_keys(kv.keys), buf):
-                with self._lock:
-                    self._queued[rid] = Staged(rid, idx, buf)
-                return True
-        except Exception:
+                return Staged(rid, idx, buf)
+        except Exception:  # noqa: BLE001 - a failed read is a refused load, never a crash
             logger.exception("hicache-io linker: load of request %s failed", rid)
+        self._release(n * self.pages.stride)
+        return None
+
+    def _release(self, nbytes: int) -> None:
         with self._lock:
-            self._staged_bytes -= n * self.pages.stride
-        return False
+            self._staged_bytes -= nbytes
+
+    def _agree(self, ok: bool) -> bool:
+        """``ok`` on every rank of the attention's tp and cp groups (the tree's own groups)."""
+        verdict = torch.tensor([int(ok)], dtype=torch.int)
+        for group in self._groups:
+            torch.distributed.all_reduce(verdict, op=torch.distributed.ReduceOp.MIN, group=group)
+        return bool(verdict.item())
 
     def _read(self, keys: List[str], buf: torch.Tensor) -> bool:
         """Reads objects ``keys`` into ``buf`` and verifies them; True when every one is whole
@@ -277,37 +320,53 @@ class HicacheLinker(UnifiedCacheLinker):
     def cancel_queued_load(self, rid: str) -> bool:
         with self._lock:
             staged = self._queued.pop(rid, None)
-            if staged is not None:
-                self._staged_bytes -= staged.buf.numel()
+        if staged is not None:
+            self._release(staged.buf.numel())
         return staged is not None
 
-    def _load_loop(self) -> None:
+    @staticmethod
+    def _serve(work: "queue.Queue[Any]", run: Any) -> None:
+        """A worker thread: ``run(*item)`` for each item of ``work`` until ``None``."""
         while True:
-            item = self._loads.get()
+            item = work.get()
             try:
                 if item is None:
                     return
-                self._land(*item)
+                run(*item)
             finally:
-                self._loads.task_done()
+                work.task_done()
 
     def _land(self, index: int, batch: List[Staged]) -> None:
         """Copies the batch's pages into their device slots layer by layer, each layer reported
-        once its copies finished; a failure fails every layer not yet reported."""
+        once its copies finished; a failure fails every layer not yet reported. The staging memory
+        is free again before the last layer is reported (sglang may load again right after)."""
+        held = sum(s.buf.numel() for s in batch)
         try:
-            with torch.cuda.stream(self._stream) if self._stream is not None else _nothing():
+            with self._on(self._load_stream):
                 for layer in range(self.pages.layers):
                     for s in batch:
                         self.pages.move(s.buf, s.idx, self.pages.layer_buffers(layer), out=False)
-                    if self._stream is not None:
-                        self._stream.synchronize()
+                    self._finished()
+                    if layer == self.pages.layers - 1:
+                        self._release(held)
+                        held = 0
                     self.layer_done_counter.complete(index, layer)
         except BaseException as e:  # noqa: BLE001 - reported to the scheduler through finish()
             logger.exception("hicache-io linker: layer-wise load %d failed", index)
             self.layer_done_counter.fail(index, e)
         finally:
-            with self._lock:
-                self._staged_bytes -= sum(s.buf.numel() for s in batch)
+            if held:
+                self._release(held)
+
+    def _on(self, stream: Any) -> Any:
+        return torch.cuda.stream(stream) if stream is not None else _nothing()
+
+    def _finished(self) -> None:
+        """Waits for the copies enqueued on this thread's stream; raises what they raised (the
+        cuda executor reports a failed copy at the next synchronize)."""
+        if self.pages.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+            kvcacheio.synchronize(self.pages.device.index)
 
     # ---- offloads ------------------------------------------------------------------------------
 
@@ -325,17 +384,10 @@ class HicacheLinker(UnifiedCacheLinker):
         self._offloads.put((self.record_offload_ready(), idx, list(kv.keys)))
         return True
 
-    def _offload_loop(self) -> None:
-        while True:
-            item = self._offloads.get()
-            try:
-                if item is None:
-                    return
-                ok = self._store(*item)
-                with self._lock:
-                    self._done.append(ok)
-            finally:
-                self._offloads.task_done()
+    def _offload(self, events: Any, idx: torch.Tensor, page_keys: List[str]) -> None:
+        ok = self._store(events, idx, page_keys)
+        with self._lock:
+            self._done.append(ok)
 
     def _store(self, events: Any, idx: torch.Tensor, page_keys: List[str]) -> bool:
         """Writes the pages the store does not hold, in batches that fit the staging memory."""
@@ -347,7 +399,7 @@ class HicacheLinker(UnifiedCacheLinker):
             per = max(1, min(len(todo), self.staging_bytes // 4 // self.pages.stride))
             ok = True
             for at in range(0, len(todo), per):
-                ok &= self._put([keys[j] for j in todo[at : at + per]], _page_slots(idx, todo[at : at + per], self.pages.page))
+                ok &= self._put([keys[j] for j in todo[at : at + per]], idx, todo[at : at + per])
             return ok
         except Exception:
             logger.exception("hicache-io linker: offload of %d page(s) failed", len(page_keys))
@@ -355,13 +407,13 @@ class HicacheLinker(UnifiedCacheLinker):
                 self.stats["store_failed"] += len(page_keys)
             return False
 
-    def _put(self, keys: List[str], idx: torch.Tensor) -> bool:
+    def _put(self, keys: List[str], idx: torch.Tensor, pages: np.ndarray) -> bool:
+        """Writes pages ``pages`` of the offload (device slots ``idx``) under ``keys``."""
         n, stride, size = len(keys), self.pages.stride, self.pages.obj_bytes
         buf = self.pages.staging(n)
-        with torch.cuda.stream(self._stream) if self._stream is not None else _nothing():
-            self.pages.move(buf, idx, range(len(self.pages.rows)), out=True)
-            if self._stream is not None:
-                self._stream.synchronize()
+        with self._on(self._offload_stream):  # the slots' gather on the stream of the copies
+            self.pages.move(buf, _page_slots(idx, pages, self.pages.page), range(len(self.pages.rows)), out=True)
+            self._finished()
         mem = buf.numpy()
         objs = mem.reshape(n, stride)
         sums = np.array([_native.checksum(objs[j, :size], _native.STORAGE_SEED) for j in range(n)], dtype=np.uint64)
@@ -431,6 +483,17 @@ def _page_slots(idx: torch.Tensor, pages: np.ndarray, page: int) -> torch.Tensor
     return idx[rows.reshape(-1).to(idx.device)]
 
 
+def _groups(params: Any) -> List[Any]:
+    """The groups whose ranks must agree on a load: the attention's cp and tp groups of more than
+    one rank (else the tp group), as the tree reduces its lookups."""
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return []
+    size = lambda g: torch.distributed.get_world_size(group=g)  # noqa: E731
+    out = [g for g in (getattr(params, "attn_cp_cache_group", None), getattr(params, "attn_tp_cache_group", None)) if g is not None and size(g) > 1]
+    tp = getattr(params, "tp_cache_group", None)
+    return out or ([tp] if tp is not None and size(tp) > 1 else [])
+
+
 def _group_rank(group: Any) -> Tuple[int, int]:
     if group is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
         return 0, 1
@@ -452,7 +515,9 @@ def _key_tail(pages: LinkerPages, server_args: Any, rank: str, tp_size: int) -> 
     """The key's part after the page hash: the rank (MHA only) and what the page's bytes mean."""
     record = {
         "format": LINKER_FORMAT,
-        "model": getattr(server_args, "served_model_name", None) or getattr(server_args, "model_path", None),
+        # Two models served under one name must not share pages: the path, revision, weight
+        # quantization and overrides too.
+        "model": [getattr(server_args, a, None) for a in ("model_path", "served_model_name", "revision", "quantization", "json_model_override_args", "kv_cache_dtype")],
         "kv_dtype": pages.dtype,
         "kind": pages.kind,
         "item": pages.item,

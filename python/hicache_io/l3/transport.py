@@ -197,8 +197,8 @@ class Transport:
 def open_transport(store: str, options: Dict[str, Any], *, threads: int = 4, writes: str = "cached", reads: str = "auto", storage_config: Any = None) -> Transport:
     """A :class:`Transport` on a new client: ``store="local"`` (a :class:`LocalDiskClient`;
     ``options``: ``path``, ``capacity_bytes`` (a number, or a size such as ``"200gb"``), ``fsync``, and ``writes`` / ``reads`` overriding
-    the defaults given) or ``"mooncake"`` (``options``: a ``MooncakeStoreConfig``'s fields).
-    Unknown options raise ``TypeError``."""
+    the defaults given; another option raises ``TypeError``) or ``"mooncake"`` (``options``: a
+    ``MooncakeStoreConfig``'s fields; others are kept as its extra settings)."""
     options = dict(options)
     if store == "local":
         from .config import size_of

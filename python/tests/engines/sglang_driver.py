@@ -34,9 +34,14 @@ def _instrument() -> None:
     import hicache_io.kvcacheio as kvcacheio
     from hicache_io.sglang import KVCACHEIO_OPS
 
+    import threading
+
     calls: dict = {}
     path = os.path.join(COUNTS, f"{os.getpid()}.json")
     broken = os.environ.get("HICACHE_ENGINE_TEST_BREAK_LOADS") == "1"
+    # Ops run on several threads of a process (sglang's linker has its own): one count and one
+    # file write at a time.
+    lock = threading.Lock()
 
     def dump() -> None:
         from hicache_io import _sglang_hook
@@ -51,8 +56,9 @@ def _instrument() -> None:
         load = name.startswith("transfer_kv_per_layer")
 
         def counted(*args, **kwargs):
-            calls[name] = calls.get(name, 0) + 1
-            dump()
+            with lock:
+                calls[name] = calls.get(name, 0) + 1
+                dump()
             if broken and load:
                 return None
             return fn(*args, **kwargs)

@@ -147,3 +147,37 @@ def test_refused_calls_move_no_byte(local):
     assert lk.start_layer_wise_loading() == -1 and lk.num_completed_offloads() == 0
     assert all(torch.equal(as_bytes(a), as_bytes(b)) for a, b in zip(before, tree.buffers))
     assert lk.stats["stored"] == 3
+
+
+def test_keys_name_the_model_and_staging_is_given_back(local):
+    import types
+
+    from hicache_io.sglang_linker import _key_tail
+
+    tree = local()
+    args = dict(model_path="m", served_model_name="llm", revision=None, quantization=None, json_model_override_args="{}", kv_cache_dtype="auto")
+    tails = {_key_tail(tree.linker.pages, types.SimpleNamespace(**{**args, **change}), "tp0_cp0_pp0", 1) for change in ({}, {"model_path": "other"}, {"revision": "v2"}, {"quantization": "fp8"})}
+    assert len(tails) == 4  # two models served under one name never share pages
+    slots = tree.compute(TOKENS)
+    tree.evict(slots)
+    assert tree.restore("r1", TOKENS)[0] == len(TOKENS)
+    assert tree.linker._staged_bytes == 0  # given back by the time the batch finished
+    # A load cancelled before its batch starts gives its staging back too, and moves nothing.
+    lk = tree.linker
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+    assert lk.load("r2", [PoolTransfer(name=PoolName.KV, device_indices=slots, keys=_hashes(TOKENS))])
+    assert lk._staged_bytes > 0 and lk.cancel_queued_load("r2") and lk._staged_bytes == 0
+    assert lk.start_layer_wise_loading() == -1
+
+
+def test_pools_the_objects_cannot_hold_are_refused():
+    import types
+
+    from hicache_io.sglang_linker import LinkerPages
+
+    from . import sgl_pools as sp
+
+    for pool in (sp.dsa_device(), types.SimpleNamespace(k_buffer=[], v_buffer=[])):
+        with pytest.raises(ValueError, match="plain MHA and MLA"):
+            LinkerPages(pool, sp.P)
