@@ -6,7 +6,9 @@ layer-wise copy the forward waits on, the verdict after the forward).
 
 Run as a script (``python -m sglang_client.linker_tree DIR TOKENS EXPECTED``), it is another
 process restoring pages a test stored: it prints ``EQUAL`` when the bytes restored are those of
-``EXPECTED`` (a ``.npy`` of every buffer's rows)."""
+``EXPECTED`` (a ``.npy`` of every buffer's rows). ``python -m sglang_client.linker_tree --rank R
+PORT DIR OUT`` is rank ``R`` of two tensor-parallel ranks (a gloo group on ``PORT``): see
+:func:`rank_main`."""
 
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ class LinkedTree:
     ``pool``: the pool's other shape arguments), linked to hicache-io's linker with ``extra`` as
     its ``linker_extra_config``."""
 
-    def __init__(self, extra: dict, kind: str = "mha", layers: int = 3, size: int = 64, **pool):
+    def __init__(self, extra: dict, kind: str = "mha", layers: int = 3, size: int = 64, group=None, **pool):
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
         from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
@@ -50,7 +52,7 @@ class LinkedTree:
         with cpu_shims.memory_config(**flags):
             self.dev = sp.mha_device(layer_num=layers, size=size, **pool) if kind == "mha" else sp.mla_device(layer_num=layers, size=size, **pool)
             self.alloc = PagedTokenToKVPoolAllocator(size=self.dev.size, page_size=sp.P, dtype=self.dev.dtype, device="cpu", kvcache=self.dev, need_sort=False)
-            params = CacheInitParams(disable=False, req_to_token_pool=ReqToTokenPool(4, 256, "cpu", False), token_to_kv_pool_allocator=self.alloc, page_size=sp.P, tree_core_backend="python")
+            params = CacheInitParams(disable=False, req_to_token_pool=ReqToTokenPool(4, 256, "cpu", False), token_to_kv_pool_allocator=self.alloc, page_size=sp.P, tree_core_backend="python", tp_cache_group=group, attn_tp_cache_group=group)
             worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(forward_stream=torch.cpu.Stream()), register_hicache_layer_transfer_counter=lambda counter: None)
             self.cache = create_tree_cache(TreeCacheBuildContext(get_server_args(), params, False, False, False, False, worker, None, 1, 0, None))
         self.linker = self.cache.linker.cache_linker
@@ -131,5 +133,48 @@ def main(directory: str, tokens: str, expected: str) -> None:
     tree.close()
 
 
+def rank_main(rank: str, port: str, directory: str, out: str) -> None:
+    """Rank ``rank`` of two: each stores its own heads' pages of one prefix and restores them
+    (``first``: tokens restored, bytes equal); then rank 1 flips a byte of its last page and both
+    restore again (``second``: tokens restored). Writes ``{"first": ..., "second": ...}`` to
+    ``OUT``."""
+    import json
+
+    import hicache_io.sglang
+
+    hicache_io.sglang.install()
+    cpu_shims.apply()
+    r = int(rank)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=2)
+    group = torch.distributed.new_group([0, 1], backend="gloo")
+    tree = LinkedTree({"store": "local", "path": directory}, group=group)
+    toks = list(range(100, 112))
+    slots = tree.compute(toks, seed=r)
+    computed = tree.rows(slots)
+    tree.evict(slots)
+    torch.distributed.barrier(group)
+    n, got, aborted = tree.restore("r1", toks)
+    first = [n, bool(n) and not aborted and np.array_equal(tree.rows(got), computed)]
+    if r == 1:
+        from common import held_at
+        from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+        path, at = held_at(tree.linker.client, tree.linker.object_keys(get_storage_hash_str(toks, None, page_size=sp.P))[2])
+        with open(path, "r+b") as f:
+            f.seek(at + 50)
+            b = f.read(1)
+            f.seek(at + 50)
+            f.write(bytes([b[0] ^ 1]))
+    torch.distributed.barrier(group)
+    second = tree.restore("r2", toks)[0]
+    with open(out, "w") as f:
+        json.dump({"first": first, "second": second}, f)
+    tree.close()
+    torch.distributed.destroy_process_group()
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    if sys.argv[1] == "--rank":
+        rank_main(*sys.argv[2:6])
+    else:
+        main(*sys.argv[1:4])

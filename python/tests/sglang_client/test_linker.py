@@ -181,3 +181,22 @@ def test_pools_the_objects_cannot_hold_are_refused():
     for pool in (sp.dsa_device(), types.SimpleNamespace(k_buffer=[], v_buffer=[])):
         with pytest.raises(ValueError, match="plain MHA and MLA"):
             LinkerPages(pool, sp.P)
+
+
+def test_two_ranks_agree_on_a_load_one_of_them_refuses(tmp_path):
+    """Two tensor-parallel ranks (processes, a gloo group): each restores its own heads' pages;
+    when rank 1's page is damaged, both refuse the load, so that both run the same batch."""
+    import json
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    outs = [tmp_path / f"rank{r}.json" for r in (0, 1)]
+    cmd = lambda r: [sys.executable, "-m", "sglang_client.linker_tree", "--rank", str(r), str(port), str(tmp_path / "l3"), str(outs[r])]  # noqa: E731
+    procs = [subprocess.Popen(cmd(r), cwd=HERE, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)
+    got = [json.loads(o.read_text()) for o in outs]
+    assert [g["first"] for g in got] == [[len(TOKENS), True]] * 2
+    assert [g["second"] for g in got] == [0, 0]  # rank 0's pages were intact: it refused with rank 1
