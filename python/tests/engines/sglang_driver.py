@@ -18,7 +18,9 @@ modules. It only observes and, for the negative control, breaks:
   moved the bytes, in which process, and that its hook had run there;
 - ``HICACHE_ENGINE_TEST_BREAK_LOADS=1`` makes the host->device loads (the per-layer ops) move
   nothing: the prefix then comes back as whatever the device slots held, and the tokens must
-  change (the comparison can fail)."""
+  change (the comparison can fail);
+- ``HICACHE_ENGINE_TEST_LINKER=1`` (runs with hicache-io's linker): the linker's copies are
+  counted by direction, and ``HICACHE_ENGINE_TEST_BREAK_LOADS=1`` breaks only its loads."""
 
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ def _instrument() -> None:
 
     calls: dict = {}
     path = os.path.join(COUNTS, f"{os.getpid()}.json")
+    linker = os.environ.get("HICACHE_ENGINE_TEST_LINKER") == "1"
     broken = os.environ.get("HICACHE_ENGINE_TEST_BREAK_LOADS") == "1"
     # Ops run on several threads of a process (sglang's linker has its own): one count and one
     # file write at a time.
@@ -59,7 +62,7 @@ def _instrument() -> None:
             with lock:
                 calls[name] = calls.get(name, 0) + 1
                 dump()
-            if broken and load:
+            if broken and load and not linker:
                 return None
             return fn(*args, **kwargs)
 
@@ -70,6 +73,28 @@ def _instrument() -> None:
     for name in KVCACHEIO_OPS:
         if name.startswith("transfer_"):
             setattr(kvcacheio, name, wrap(name, getattr(kvcacheio, name)))
+    if linker:
+        _instrument_linker(lock, calls, dump, broken)
+
+
+def _instrument_linker(lock, calls: dict, dump, broken: bool) -> None:
+    """The linker's copies counted by direction (``linker.load``: into the device slots,
+    ``linker.offload``: out of them); with ``broken`` its loads copy nothing (its offloads still
+    store every page)."""
+    from hicache_io.sglang_linker import LinkerPages
+
+    move = LinkerPages.move
+
+    def counted(self, staged, idx, buffers, out):
+        name = "linker.offload" if out else "linker.load"
+        with lock:
+            calls[name] = calls.get(name, 0) + 1
+            dump()
+        if broken and not out:
+            return None
+        return move(self, staged, idx, buffers, out)
+
+    LinkerPages.move = counted
 
 
 if COUNTS and os.environ.get("HICACHE_IO_SGLANG") == "1":
