@@ -124,8 +124,9 @@ class LinkerPages:
         return (torch.arange(n_pages, dtype=torch.int64)[:, None] * per + t[None, :]).reshape(-1)
 
     def staging(self, n_pages: int) -> torch.Tensor:
-        """A staging buffer for ``n_pages`` objects (pinned when the pool is on a GPU)."""
-        return torch.zeros(n_pages * self.stride, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        """A staging buffer for ``n_pages`` objects (pinned when the pool is on a GPU). Not
+        zeroed: only the bytes of objects read whole, or written from the pool, are ever used."""
+        return torch.empty(n_pages * self.stride, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
 
     def move(self, staged: torch.Tensor, idx: torch.Tensor, buffers: Sequence[int], out: bool) -> None:
         """Copies buffers ``buffers`` of the pages (device slots ``idx``) to the staging buffer

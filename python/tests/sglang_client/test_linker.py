@@ -44,11 +44,18 @@ def local(tmp_path):
         t.close()
 
 
-@pytest.mark.parametrize("kind", ["mha", "mla"])
-def test_factory_builds_the_linker_and_the_tree_restores_every_byte(local, kind):
+# (kind, pool shape): small pages (the local store packs them) and 96 KiB MHA pages (files).
+SHAPES = {"mha": ("mha", {}), "mla": ("mla", {}), "mha-files": ("mha", {"layers": 6, "head_num": 8, "head_dim": 128})}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_factory_builds_the_linker_and_the_tree_restores_every_byte(local, shape):
+    from hicache_io.l3 import local as local_store
     from hicache_io.sglang_linker import HicacheLinker
 
-    tree = local(kind=kind)
+    kind, pool = SHAPES[shape]
+    tree = local(kind=kind, **pool)
+    assert (tree.linker.pages.obj_bytes > local_store._native.PACK_OBJECT_MAX) == (shape == "mha-files")
     assert type(tree.linker) is HicacheLinker
     assert tree.dev.layer_transfer_counter is tree.linker.layer_done_counter
     slots = tree.compute(TOKENS)
