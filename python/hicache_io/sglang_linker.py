@@ -123,10 +123,10 @@ class LinkerPages:
         t = torch.arange(self.page, dtype=torch.int64)
         return (torch.arange(n_pages, dtype=torch.int64)[:, None] * per + t[None, :]).reshape(-1)
 
-    def staging(self, n_pages: int) -> torch.Tensor:
-        """A staging buffer for ``n_pages`` objects (pinned when the pool is on a GPU). Not
-        zeroed: only the bytes of objects read whole, or written from the pool, are ever used."""
-        return torch.empty(n_pages * self.stride, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+    def staging(self, nbytes: int) -> torch.Tensor:
+        """A staging buffer of ``nbytes`` (pinned when the pool is on a GPU). Not zeroed: only
+        the bytes of objects read whole, or written from the pool, are ever used."""
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
 
     def move(self, staged: torch.Tensor, idx: torch.Tensor, buffers: Sequence[int], out: bool) -> None:
         """Copies buffers ``buffers`` of the pages (device slots ``idx``) to the staging buffer
@@ -151,11 +151,54 @@ def _rows(t: torch.Tensor, i: int) -> torch.Tensor:
     return t.view(t.shape[0], -1).view(torch.uint8)
 
 
-class Staged:
-    """One request's objects read and verified, waiting for the layer-wise copy."""
+class StagingBuffers:
+    """Host buffers for pages in flight, registered with the store once and reused: a new
+    registration (and, for a GPU's pool, new pinned memory) costs more than reading a few pages.
+    Sizes are powers of two from 1 MiB; at most ``keep`` bytes of them stay while unused."""
 
-    def __init__(self, rid: str, idx: torch.Tensor, buf: torch.Tensor):
-        self.rid, self.idx, self.buf = rid, idx, buf
+    def __init__(self, pages: LinkerPages, io: Any, keep: int):
+        self.pages, self.io, self.keep = pages, io, keep
+        self._free: Dict[int, List[Tuple[torch.Tensor, List[int]]]] = {}
+        self._kept = 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> Tuple[torch.Tensor, List[int]]:
+        """A registered buffer of at least ``nbytes`` and its registration (raises where memory
+        or the registration fails)."""
+        size = max(1 << 20, 1 << (max(nbytes, 1) - 1).bit_length())
+        with self._lock:
+            free = self._free.get(size)
+            if free:
+                self._kept -= size
+                return free.pop()
+        buf = self.pages.staging(size)
+        mem = buf.numpy()
+        return buf, self.io.register([(mem.ctypes.data, mem.nbytes)])
+
+    def give(self, held: Tuple[torch.Tensor, List[int]]) -> None:
+        size = held[0].numel()
+        with self._lock:
+            if self._kept + size <= self.keep:
+                self._free.setdefault(size, []).append(held)
+                self._kept += size
+                return
+        self.io.unregister(held[1])
+
+    def close(self) -> None:
+        with self._lock:
+            held = [h for free in self._free.values() for h in free]
+            self._free, self._kept = {}, 0
+        for h in held:
+            self.io.unregister(h[1])
+
+
+class Staged:
+    """One request's objects read and verified (``held``: a buffer of :class:`StagingBuffers`,
+    ``nbytes`` of it counted), waiting for the layer-wise copy."""
+
+    def __init__(self, rid: str, idx: torch.Tensor, held: Tuple[torch.Tensor, List[int]], nbytes: int):
+        self.rid, self.idx, self.held, self.nbytes = rid, idx, held, nbytes
+        self.buf = held[0]
 
 
 class HicacheLinker(UnifiedCacheLinker):
@@ -177,6 +220,7 @@ class HicacheLinker(UnifiedCacheLinker):
         threads = int(cfg.pop("threads", 4))
         self._io = open_transport(store, cfg, threads=threads, storage_config=_ranks(server_args))
         self.client = self._io.client
+        self._staging = StagingBuffers(self.pages, self._io, self.staging_bytes)
         tp, tp_size, others = _rank(params)
         # MLA pages are the same on every tp rank: rank 0 writes them, every rank reads them.
         self.writes = self.pages.kind == "mha" or tp == 0
@@ -239,7 +283,7 @@ class HicacheLinker(UnifiedCacheLinker):
                 self._queued[rid] = staged
             return True
         if staged is not None:
-            self._release(staged.buf.numel())
+            self._release(staged)
         return False
 
     def _stage(self, rid: str, transfers: List[PoolTransfer]) -> Optional["Staged"]:
@@ -258,18 +302,25 @@ class HicacheLinker(UnifiedCacheLinker):
                 logger.warning("hicache-io linker: %d page(s) of request %s do not fit the staging memory left; computed instead", n, rid)
                 return None
             self._staged_bytes += n * self.pages.stride
+        staged = None
         try:
-            buf = self.pages.staging(n)
-            if self._read(self.object_keys(kv.keys), buf):
-                return Staged(rid, idx, buf)
+            staged = Staged(rid, idx, self._staging.take(n * self.pages.stride), n * self.pages.stride)
+            if self._read(self.object_keys(kv.keys), staged.buf):
+                return staged
         except Exception:  # noqa: BLE001 - a failed read is a refused load, never a crash
             logger.exception("hicache-io linker: load of request %s failed", rid)
-        self._release(n * self.pages.stride)
+        if staged is None:
+            with self._lock:
+                self._staged_bytes -= n * self.pages.stride
+        else:
+            self._release(staged)
         return None
 
-    def _release(self, nbytes: int) -> None:
+    def _release(self, staged: Staged) -> None:
+        """Gives ``staged``'s buffer back and uncounts its bytes."""
+        self._staging.give(staged.held)
         with self._lock:
-            self._staged_bytes -= nbytes
+            self._staged_bytes -= staged.nbytes
 
     def _agree(self, ok: bool) -> bool:
         """``ok`` on every rank of the attention's tp and cp groups (the tree's own groups)."""
@@ -283,12 +334,8 @@ class HicacheLinker(UnifiedCacheLinker):
         and intact. Damaged objects are removed."""
         stride, size, n = self.pages.stride, self.pages.obj_bytes, len(keys)
         mem = buf.numpy()
-        addrs = self._io.register([(mem.ctypes.data, mem.nbytes)])
-        try:
-            base = mem.ctypes.data
-            got, _, _, _ = self._io.get(keys, keys, [Spans([base + j * stride for j in range(n)], [size + TRAILER_BYTES] * n, False, True)])
-        finally:
-            self._io.unregister(addrs)
+        base = mem.ctypes.data
+        got, _, _, _ = self._io.get(keys, keys, [Spans([base + j * stride for j in range(n)], [size + TRAILER_BYTES] * n, False, True)])
         whole = got == size + TRAILER_BYTES
         objs = mem[: n * stride].reshape(n, stride)
         trailers = np.ascontiguousarray(objs[:, size : size + TRAILER_BYTES]).view(np.uint64)
@@ -322,7 +369,7 @@ class HicacheLinker(UnifiedCacheLinker):
         with self._lock:
             staged = self._queued.pop(rid, None)
         if staged is not None:
-            self._release(staged.buf.numel())
+            self._release(staged)
         return staged is not None
 
     @staticmethod
@@ -341,7 +388,7 @@ class HicacheLinker(UnifiedCacheLinker):
         """Copies the batch's pages into their device slots layer by layer, each layer reported
         once its copies finished; a failure fails every layer not yet reported. The staging memory
         is free again before the last layer is reported (sglang may load again right after)."""
-        held = sum(s.buf.numel() for s in batch)
+        held = list(batch)
         try:
             with self._on(self._load_stream):
                 for layer in range(self.pages.layers):
@@ -349,15 +396,16 @@ class HicacheLinker(UnifiedCacheLinker):
                         self.pages.move(s.buf, s.idx, self.pages.layer_buffers(layer), out=False)
                     self._finished()
                     if layer == self.pages.layers - 1:
-                        self._release(held)
-                        held = 0
+                        for s in held:
+                            self._release(s)
+                        held = []
                     self.layer_done_counter.complete(index, layer)
         except BaseException as e:  # noqa: BLE001 - reported to the scheduler through finish()
             logger.exception("hicache-io linker: layer-wise load %d failed", index)
             self.layer_done_counter.fail(index, e)
         finally:
-            if held:
-                self._release(held)
+            for s in held:
+                self._release(s)
 
     def _on(self, stream: Any) -> Any:
         return torch.cuda.stream(stream) if stream is not None else _nothing()
@@ -410,22 +458,24 @@ class HicacheLinker(UnifiedCacheLinker):
 
     def _put(self, keys: List[str], idx: torch.Tensor, pages: np.ndarray) -> bool:
         """Writes pages ``pages`` of the offload (device slots ``idx``) under ``keys``."""
+        held = self._staging.take(len(keys) * self.pages.stride)
+        try:
+            return self._seal_and_put(keys, idx, pages, held[0])
+        finally:
+            self._staging.give(held)
+
+    def _seal_and_put(self, keys: List[str], idx: torch.Tensor, pages: np.ndarray, buf: torch.Tensor) -> bool:
         n, stride, size = len(keys), self.pages.stride, self.pages.obj_bytes
-        buf = self.pages.staging(n)
         with self._on(self._offload_stream):  # the slots' gather on the stream of the copies
             self.pages.move(buf, _page_slots(idx, pages, self.pages.page), range(len(self.pages.rows)), out=True)
             self._finished()
         mem = buf.numpy()
-        objs = mem.reshape(n, stride)
+        objs = mem[: n * stride].reshape(n, stride)
         sums = np.array([_native.checksum(objs[j, :size], _native.STORAGE_SEED) for j in range(n)], dtype=np.uint64)
         trailers = np.zeros((n, 2), dtype=np.uint64)
         seal(trailers, np.arange(n), sums, keys)
         objs[:, size : size + TRAILER_BYTES] = trailers.view(np.uint8).reshape(n, TRAILER_BYTES)
-        addrs = self._io.register([(mem.ctypes.data, mem.nbytes)])
-        try:
-            rcs, _ = self._io.put(keys, keys, Spans([mem.ctypes.data + j * stride for j in range(n)], [size + TRAILER_BYTES] * n, False, True))
-        finally:
-            self._io.unregister(addrs)
+        rcs, _ = self._io.put(keys, keys, Spans([mem.ctypes.data + j * stride for j in range(n)], [size + TRAILER_BYTES] * n, False, True))
         with self._lock:
             self.stats["stored"] += int((rcs == 0).sum())
             self.stats["store_failed"] += int((rcs != 0).sum())
@@ -449,9 +499,10 @@ class HicacheLinker(UnifiedCacheLinker):
         self._offloads.join()
         self._loads.join()
         with self._lock:
-            self._queued.clear()
+            queued, self._queued = list(self._queued.values()), {}
             self._done.clear()
-            self._staged_bytes = 0
+        for s in queued:
+            self._release(s)
         self.layer_done_counter.reset()
 
     def close(self) -> None:
@@ -463,6 +514,7 @@ class HicacheLinker(UnifiedCacheLinker):
         self._loads.put(None)
         for t in self._threads:
             t.join()
+        self._staging.close()
         self.client.close()
 
 

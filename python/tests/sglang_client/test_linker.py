@@ -176,6 +176,10 @@ def test_keys_name_the_model_and_staging_is_given_back(local):
     assert lk.load("r2", [PoolTransfer(name=PoolName.KV, device_indices=slots, keys=_hashes(TOKENS))])
     assert lk._staged_bytes > 0 and lk.cancel_queued_load("r2") and lk._staged_bytes == 0
     assert lk.start_layer_wise_loading() == -1
+    # Staging buffers are registered once and reused: another load registers nothing new.
+    regions = dict(lk.client._regions)
+    assert lk.load("r3", [PoolTransfer(name=PoolName.KV, device_indices=slots, keys=_hashes(TOKENS))]) and lk.cancel_queued_load("r3")
+    assert lk.client._regions == regions
 
 
 def test_pools_the_objects_cannot_hold_are_refused():
