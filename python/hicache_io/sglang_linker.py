@@ -17,7 +17,11 @@ pools, on the linker's own stream)::
 ``protocol``, ``global_segment_size``, ``local_buffer_size``, ``local_hostname``,
 ``device_name``; and ``namespace`` (a name of the deployment's own, part of every key),
 ``staging_bytes`` (host memory for pages in flight, default 256 MiB: a load that does not fit is
-refused, and sglang computes its pages) and ``threads`` (the local store's I/O threads).
+refused, and sglang computes its pages), ``threads`` (the local store's I/O threads) and
+``key_scheme``: ``"rank"`` (the default) or ``"unified"`` with ``kv_heads`` (the model's kv head
+count) and ``head_group`` (heads an object holds, default 1): an MHA page is then one object a
+group of the model's heads, keyed ``..._H{group}`` with no tp rank or size, so that
+deployments of any tp size read each other's pages.
 
 Objects. A page of the KV pool is one object: the page's K rows of every layer, then its V rows
 (MLA: its one buffer's rows), then hicache-io's 16-byte integrity trailer, its checksum bound to
@@ -76,11 +80,13 @@ DEFAULT_STAGING_BYTES = 256 << 20
 
 class LinkerPages:
     """A device KV pool's pages as objects: ``rows`` are the pool's layer buffers as rows of
-    ``item`` bytes (``[slots][item]``, uint8 views: K layers then V layers, or MLA's one buffer a
-    layer). Object ``j`` of a staging buffer starts at byte ``j × stride``: buffer ``b``'s rows of
-    the page at ``(b × P + t) × item``, the trailer after them."""
+    ``item`` bytes (``[slots × groups][item]``, uint8 views: K layers then V layers, or MLA's one
+    buffer a layer), slot ``s``'s head group ``h`` at row ``s × groups + h``. A page is ``groups``
+    objects (one, unless ``head_group`` cuts an MHA rank's heads into groups of that many heads).
+    Object ``j`` of a staging buffer starts at byte ``j × stride``: buffer ``b``'s rows of the
+    object at ``(b × P + t) × item``, the trailer after them."""
 
-    def __init__(self, kv: Any, page: int):
+    def __init__(self, kv: Any, page: int, head_group: Optional[int] = None):
         plain = type(kv).__name__ in PLAIN_POOLS and getattr(kv, "kv_cache_layout", "nhd") == "nhd"
         extra = [a for a in ("k_scale_buffer", "v_scale_buffer", "kv_scale_buffer", "index_k_with_scale_buffer") if getattr(kv, a, None) is not None]
         if not plain or extra:
@@ -92,19 +98,24 @@ class LinkerPages:
             self.kind, layers = "mla", list(kv.kv_buffer)
         else:
             raise ValueError(f"hicache-io's linker takes MHA (k_buffer, v_buffer) or MLA (kv_buffer) KV pools, got {type(kv).__name__}")
-        self.rows = [_rows(t, i) for i, t in enumerate(layers)]
-        items = {r.shape[1] for r in self.rows}
+        rows = [_rows(t, i) for i, t in enumerate(layers)]
+        items = {r.shape[1] for r in rows}
         if len(items) != 1:
             raise ValueError(f"the pool's layers have rows of different sizes: {sorted(items)}")
-        self.item, self.page = items.pop(), int(page)
+        self.heads = int(getattr(kv, "head_num", 1)) if self.kind == "mha" else 1
+        self.groups = _groups_of(self.heads, head_group) if self.kind == "mha" else 1
+        self.item, self.page = items.pop() // self.groups, int(page)
+        self.rows = [r.reshape(-1, self.item) for r in rows]
         self.layers = len(self.rows) // (2 if self.kind == "mha" else 1)
         self.start = int(getattr(kv, "start_layer", 0) or 0)
-        self.slots = min(r.shape[0] for r in self.rows)
-        self.dtype = str(getattr(kv, "dtype", self.rows[0].dtype)).replace("torch.", "")
-        self.device = self.rows[0].device
+        self.slots = min(r.shape[0] for r in rows)
+        self.dtype = str(getattr(kv, "dtype", rows[0].dtype)).replace("torch.", "")
+        self.device = rows[0].device
         self.obj_bytes = len(self.rows) * self.page * self.item
         # The trailer in whole rows after the object: the staging buffer is rows of `item` bytes.
         self.stride = self.obj_bytes + -(-TRAILER_BYTES // self.item) * self.item
+        #: Staging bytes of one page (its objects).
+        self.page_bytes = self.groups * self.stride
 
     def check(self, device_indices: Any, n_pages: int) -> torch.Tensor:
         """``device_indices`` as an int64 tensor on the pool's device; raises unless there are
@@ -116,33 +127,53 @@ class LinkerPages:
             raise IndexError(f"device indices outside the pool's {self.slots} slots")
         return idx.to(self.device)
 
-    def staged_rows(self, n_pages: int) -> torch.Tensor:
-        """Per token of ``n_pages`` staged pages, its row of buffer 0 in the staging buffer seen
-        as rows of ``item`` bytes (buffer ``b``: plus ``b × P``)."""
+    def object_rows(self, idx: torch.Tensor, objects: Optional[np.ndarray] = None) -> torch.Tensor:
+        """The pool rows of objects ``objects`` (default: every object of ``idx``'s pages; object
+        ``j`` is page ``j // groups``'s head group ``j % groups``), ``P`` a object, in order."""
+        if objects is None:
+            objects = np.arange(idx.numel() // self.page * self.groups)
+        j = torch.as_tensor(objects, dtype=torch.int64)
+        t = torch.arange(self.page, dtype=torch.int64)
+        slots = idx[((j // self.groups)[:, None] * self.page + t[None, :]).reshape(-1).to(idx.device)]
+        return (slots.view(len(j), self.page) * self.groups + (j % self.groups).to(idx.device)[:, None]).reshape(-1)
+
+    def staged_rows(self, n_objects: int) -> torch.Tensor:
+        """Per token of ``n_objects`` staged objects, its row of buffer 0 in the staging buffer
+        seen as rows of ``item`` bytes (buffer ``b``: plus ``b × P``)."""
         per = self.stride // self.item
         t = torch.arange(self.page, dtype=torch.int64)
-        return (torch.arange(n_pages, dtype=torch.int64)[:, None] * per + t[None, :]).reshape(-1)
+        return (torch.arange(n_objects, dtype=torch.int64)[:, None] * per + t[None, :]).reshape(-1)
 
     def staging(self, nbytes: int) -> torch.Tensor:
         """A staging buffer of ``nbytes`` (pinned when the pool is on a GPU). Not zeroed: only
         the bytes of objects read whole, or written from the pool, are ever used."""
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
 
-    def move(self, staged: torch.Tensor, idx: torch.Tensor, buffers: Sequence[int], out: bool) -> None:
-        """Copies buffers ``buffers`` of the pages (device slots ``idx``) to the staging buffer
-        (``out``) or from it, through hicache-io's ops."""
-        n = idx.numel() // self.page
+    def move(self, staged: torch.Tensor, rows: torch.Tensor, buffers: Sequence[int], out: bool) -> None:
+        """Copies buffers ``buffers`` of the objects whose pool rows are ``rows`` (see
+        :meth:`object_rows`) to the staging buffer (``out``) or from it, through hicache-io's ops."""
+        n = rows.numel() // self.page
         base = self.staged_rows(n).to(staged.device)
         view = staged[: n * self.stride].view(-1, self.item)
         for b in buffers:
-            rows = (base + b * self.page).to(idx.device) if idx.device.type == "cuda" else base + b * self.page
+            at = (base + b * self.page).to(rows.device) if rows.device.type == "cuda" else base + b * self.page
             if out:
-                kvcacheio.transfer_kv_per_layer_mla(self.rows[b], view, idx, rows, self.item)
+                kvcacheio.transfer_kv_per_layer_mla(self.rows[b], view, rows, at, self.item)
             else:
-                kvcacheio.transfer_kv_per_layer_mla(view, self.rows[b], rows, idx, self.item)
+                kvcacheio.transfer_kv_per_layer_mla(view, self.rows[b], at, rows, self.item)
 
     def layer_buffers(self, layer: int) -> List[int]:
         return [layer, self.layers + layer] if self.kind == "mha" else [layer]
+
+
+def _groups_of(heads: int, head_group: Optional[int]) -> int:
+    """How many objects an MHA page of ``heads`` heads is cut into: one, or one a group of
+    ``head_group`` heads (which must divide them)."""
+    if head_group is None:
+        return 1
+    if head_group < 1 or heads % head_group:
+        raise ValueError(f"head_group {head_group} does not divide this rank's {heads} kv heads")
+    return heads // head_group
 
 
 def _rows(t: torch.Tensor, i: int) -> torch.Tensor:
@@ -194,10 +225,10 @@ class StagingBuffers:
 
 class Staged:
     """One request's objects read and verified (``held``: a buffer of :class:`StagingBuffers`,
-    ``nbytes`` of it counted), waiting for the layer-wise copy."""
+    ``nbytes`` of it counted), waiting for the layer-wise copy into pool rows ``rows``."""
 
-    def __init__(self, rid: str, idx: torch.Tensor, held: Tuple[torch.Tensor, List[int]], nbytes: int):
-        self.rid, self.idx, self.held, self.nbytes = rid, idx, held, nbytes
+    def __init__(self, rid: str, rows: torch.Tensor, held: Tuple[torch.Tensor, List[int]], nbytes: int):
+        self.rid, self.rows, self.held, self.nbytes = rid, rows, held, nbytes
         self.buf = held[0]
 
 
@@ -210,7 +241,15 @@ class HicacheLinker(UnifiedCacheLinker):
             raise ValueError("hicache-io's linker stores KV pages only; a model with Mamba state cannot use it")
         self.forward_stream = forward_stream
         kv = params.token_to_kv_pool_allocator.get_kvcache()
-        self.pages = LinkerPages(kv, params.page_size)
+        tp, tp_size, others = _rank(params)
+        scheme = cfg.pop("key_scheme", "rank")
+        if scheme not in ("rank", "unified"):
+            raise ValueError(f"key_scheme must be 'rank' or 'unified', got {scheme!r}")
+        head_group, kv_heads = int(cfg.pop("head_group", 1)), cfg.pop("kv_heads", None)
+        self.unified = scheme == "unified" and getattr(kv, "k_buffer", None) is not None
+        self.pages = LinkerPages(kv, params.page_size, head_group if self.unified else None)
+        if self.unified:
+            _check_heads(self.pages, kv_heads, tp_size)
         self.pools = {PoolName.KV: kv}
         self._groups = _groups(params)
         self.layer_done_counter = LayerWiseLoadCounter(self.pages.layers)
@@ -221,11 +260,12 @@ class HicacheLinker(UnifiedCacheLinker):
         self._io = open_transport(store, cfg, threads=threads, storage_config=_ranks(server_args))
         self.client = self._io.client
         self._staging = StagingBuffers(self.pages, self._io, self.staging_bytes)
-        tp, tp_size, others = _rank(params)
         # MLA pages are the same on every tp rank: rank 0 writes them, every rank reads them.
         self.writes = self.pages.kind == "mha" or tp == 0
-        rank = f"tp{tp}_{others}" if self.pages.kind == "mha" else others
-        self.prefix, self.tail = f"{namespace}/", _key_tail(self.pages, server_args, rank, tp_size)
+        rank = f"tp{tp}_{others}" if self.pages.kind == "mha" and not self.unified else others
+        self.prefix, self.tail = f"{namespace}/", _key_tail(self.pages, server_args, rank, tp_size, self.pages.heads * tp_size if self.unified else None)
+        # Unified keys name the model's head groups this rank holds, never the rank.
+        self.group_names = [f"_H{tp * self.pages.groups + h}" for h in range(self.pages.groups)] if self.unified else [""]
         self.stats = {"stored": 0, "store_failed": 0, "loaded": 0, "verified": 0, "corrupt": 0, "missing": 0}
         self._lock = threading.Lock()
         self._queued: Dict[str, Staged] = {}
@@ -252,7 +292,8 @@ class HicacheLinker(UnifiedCacheLinker):
             return None
 
     def object_keys(self, page_keys: Sequence[str]) -> List[str]:
-        return [f"{self.prefix}{k}{self.tail}" for k in page_keys]
+        """The objects of pages ``page_keys``, page by page (``groups`` a page)."""
+        return [f"{self.prefix}{k}{self.tail}{g}" for k in page_keys for g in self.group_names]
 
     # ---- lookup and loads --------------------------------------------------------------------
 
@@ -261,14 +302,14 @@ class HicacheLinker(UnifiedCacheLinker):
         if kv is None or not kv.keys:
             return []
         # A run longer than the staging memory could never be loaded: it is not offered.
-        keys = kv.keys[: self.staging_bytes // self.pages.stride]
+        keys = kv.keys[: self.staging_bytes // self.pages.page_bytes]
         try:
             found = self._io.exists(self.object_keys(keys))
         except Exception:  # noqa: BLE001 - a store that cannot answer has nothing to offer
             logger.exception("hicache-io linker: lookup failed")
             return []
-        missing = np.flatnonzero(found != 1)
-        n = int(missing[0]) if len(missing) else len(found)
+        missing = np.flatnonzero((np.asarray(found).reshape(len(keys), self.pages.groups) != 1).any(axis=1))
+        n = int(missing[0]) if len(missing) else len(keys)
         return list(range(1, n + 1))
 
     def load(self, rid: str, transfers: List[PoolTransfer]) -> bool:
@@ -294,24 +335,25 @@ class HicacheLinker(UnifiedCacheLinker):
         idx = self._checked(kv, "load")
         if idx is None:
             return None
+        nbytes = n * self.pages.page_bytes
         with self._lock:
             if rid in self._queued:
                 logger.error("hicache-io linker: request %s already has a load queued; refused", rid)
                 return None
-            if self._staged_bytes + n * self.pages.stride > self.staging_bytes:
+            if self._staged_bytes + nbytes > self.staging_bytes:
                 logger.warning("hicache-io linker: %d page(s) of request %s do not fit the staging memory left; computed instead", n, rid)
                 return None
-            self._staged_bytes += n * self.pages.stride
+            self._staged_bytes += nbytes
         staged = None
         try:
-            staged = Staged(rid, idx, self._staging.take(n * self.pages.stride), n * self.pages.stride)
+            staged = Staged(rid, self.pages.object_rows(idx), self._staging.take(nbytes), nbytes)
             if self._read(self.object_keys(kv.keys), staged.buf):
                 return staged
         except Exception:  # noqa: BLE001 - a failed read is a refused load, never a crash
             logger.exception("hicache-io linker: load of request %s failed", rid)
         if staged is None:
             with self._lock:
-                self._staged_bytes -= n * self.pages.stride
+                self._staged_bytes -= nbytes
         else:
             self._release(staged)
         return None
@@ -393,7 +435,7 @@ class HicacheLinker(UnifiedCacheLinker):
             with self._on(self._load_stream):
                 for layer in range(self.pages.layers):
                     for s in batch:
-                        self.pages.move(s.buf, s.idx, self.pages.layer_buffers(layer), out=False)
+                        self.pages.move(s.buf, s.rows, self.pages.layer_buffers(layer), out=False)
                     self._finished()
                     if layer == self.pages.layers - 1:
                         for s in held:
@@ -439,7 +481,7 @@ class HicacheLinker(UnifiedCacheLinker):
             self._done.append(ok)
 
     def _store(self, events: Any, idx: torch.Tensor, page_keys: List[str]) -> bool:
-        """Writes the pages the store does not hold, in batches that fit the staging memory."""
+        """Writes the objects the store does not hold, in batches that fit the staging memory."""
         try:
             for ev in events:
                 ev.synchronize()
@@ -456,18 +498,18 @@ class HicacheLinker(UnifiedCacheLinker):
                 self.stats["store_failed"] += len(page_keys)
             return False
 
-    def _put(self, keys: List[str], idx: torch.Tensor, pages: np.ndarray) -> bool:
-        """Writes pages ``pages`` of the offload (device slots ``idx``) under ``keys``."""
+    def _put(self, keys: List[str], idx: torch.Tensor, objects: np.ndarray) -> bool:
+        """Writes objects ``objects`` of the offload (device slots ``idx``) under ``keys``."""
         held = self._staging.take(len(keys) * self.pages.stride)
         try:
-            return self._seal_and_put(keys, idx, pages, held[0])
+            return self._seal_and_put(keys, idx, objects, held[0])
         finally:
             self._staging.give(held)
 
-    def _seal_and_put(self, keys: List[str], idx: torch.Tensor, pages: np.ndarray, buf: torch.Tensor) -> bool:
+    def _seal_and_put(self, keys: List[str], idx: torch.Tensor, objects: np.ndarray, buf: torch.Tensor) -> bool:
         n, stride, size = len(keys), self.pages.stride, self.pages.obj_bytes
-        with self._on(self._offload_stream):  # the slots' gather on the stream of the copies
-            self.pages.move(buf, _page_slots(idx, pages, self.pages.page), range(len(self.pages.rows)), out=True)
+        with self._on(self._offload_stream):  # the rows' gather on the stream of the copies
+            self.pages.move(buf, self.pages.object_rows(idx, objects), range(len(self.pages.rows)), out=True)
             self._finished()
         mem = buf.numpy()
         objs = mem[: n * stride].reshape(n, stride)
@@ -530,10 +572,13 @@ def _kv(transfers: Sequence[PoolTransfer]) -> Optional[PoolTransfer]:
     return next((t for t in transfers if t.name == PoolName.KV), None)
 
 
-def _page_slots(idx: torch.Tensor, pages: np.ndarray, page: int) -> torch.Tensor:
-    """The device slots of pages ``pages`` of ``idx`` (``page`` slots a page), in that order."""
-    rows = torch.as_tensor(pages, dtype=torch.int64)[:, None] * page + torch.arange(page, dtype=torch.int64)[None, :]
-    return idx[rows.reshape(-1).to(idx.device)]
+def _check_heads(pages: LinkerPages, kv_heads: Any, tp_size: int) -> None:
+    """Unified keys name the model's heads: this rank's ``heads`` must be its share of
+    ``kv_heads`` (sglang replicates heads where there are more ranks than heads)."""
+    if kv_heads is None:
+        raise ValueError("unified keys need kv_heads, the model's kv head count")
+    if int(kv_heads) != pages.heads * tp_size:
+        raise ValueError(f"unified keys need the model's kv_heads={kv_heads} split over the {tp_size} tp rank(s); this rank holds {pages.heads} (heads replicated over ranks cannot be named)")
 
 
 def _groups(params: Any) -> List[Any]:
@@ -564,8 +609,10 @@ def _ranks(server_args: Any) -> Any:
     return type("Ranks", (), {"tp_size": getattr(server_args, "tp_size", 1) or 1, "pp_size": getattr(server_args, "pp_size", 1) or 1})()
 
 
-def _key_tail(pages: LinkerPages, server_args: Any, rank: str, tp_size: int) -> str:
-    """The key's part after the page hash: the rank (MHA only) and what the page's bytes mean."""
+def _key_tail(pages: LinkerPages, server_args: Any, rank: str, tp_size: int, kv_heads: Optional[int] = None) -> str:
+    """The key's part after the page hash: the rank (MHA only) and what the page's bytes mean.
+    Unified keys (``kv_heads``, the model's kv heads, given) leave the tp rank and size out: an
+    object is a group of the model's heads, whichever ranks held them."""
     record = {
         "format": LINKER_FORMAT,
         # Two models served under one name must not share pages: the path, revision, weight
@@ -576,7 +623,10 @@ def _key_tail(pages: LinkerPages, server_args: Any, rank: str, tp_size: int) -> 
         "item": pages.item,
         "layers": [pages.start, pages.start + pages.layers],
         "page_size": pages.page,
-        "tp_size": tp_size if pages.kind == "mha" else None,
+        "tp_size": tp_size if pages.kind == "mha" and kv_heads is None else None,
     }
+    if kv_heads is not None:
+        record["unified"] = [kv_heads, pages.heads // pages.groups]
     digest = hashlib.blake2b(json.dumps(record, sort_keys=True).encode(), digest_size=6).hexdigest()
-    return f"_{rank}_hio-link-{pages.kind}-i{pages.item}-L{pages.start}-{pages.start + pages.layers}-P{pages.page}-n{digest}"
+    kind = pages.kind + ("-u" if kv_heads is not None else "")
+    return f"_{rank}_hio-link-{kind}-i{pages.item}-L{pages.start}-{pages.start + pages.layers}-P{pages.page}-n{digest}"

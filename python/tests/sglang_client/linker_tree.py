@@ -8,7 +8,8 @@ Run as a script (``python -m sglang_client.linker_tree DIR TOKENS EXPECTED``), i
 process restoring pages a test stored: it prints ``EQUAL`` when the bytes restored are those of
 ``EXPECTED`` (a ``.npy`` of every buffer's rows). ``python -m sglang_client.linker_tree --rank R
 PORT DIR OUT`` is rank ``R`` of two tensor-parallel ranks (a gloo group on ``PORT``): see
-:func:`rank_main`."""
+:func:`rank_main`; ``--unified R PORT DIR OUT`` is such a rank with unified keys: see
+:func:`unified_main`."""
 
 from __future__ import annotations
 
@@ -133,6 +134,12 @@ def main(directory: str, tokens: str, expected: str) -> None:
     tree.close()
 
 
+def _gloo(rank: int, port: str):
+    """This process as rank ``rank`` of two (gloo, on ``port``); their group."""
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    return torch.distributed.new_group([0, 1], backend="gloo")
+
+
 def rank_main(rank: str, port: str, directory: str, out: str) -> None:
     """Rank ``rank`` of two: each stores its own heads' pages of one prefix and restores them
     (``first``: tokens restored, bytes equal); then rank 1 flips a byte of its last page and both
@@ -145,8 +152,7 @@ def rank_main(rank: str, port: str, directory: str, out: str) -> None:
     hicache_io.sglang.install()
     cpu_shims.apply()
     r = int(rank)
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=2)
-    group = torch.distributed.new_group([0, 1], backend="gloo")
+    group = _gloo(r, port)
     tree = LinkedTree({"store": "local", "path": directory}, group=group)
     toks = list(range(100, 112))
     slots = tree.compute(toks, seed=r)
@@ -173,8 +179,34 @@ def rank_main(rank: str, port: str, directory: str, out: str) -> None:
     torch.distributed.destroy_process_group()
 
 
+#: Prefixes of the unified keys' exchange: ``A`` stored by one rank of all heads, ``B`` by two.
+UNIFIED_A, UNIFIED_B = list(range(200, 212)), list(range(300, 312))
+
+
+def unified_main(rank: str, port: str, directory: str, out: str) -> None:
+    """Rank ``rank`` of two tp ranks (two of a model's four kv heads each) with unified keys:
+    restores its heads of prefix ``UNIFIED_A``, which a process holding all four heads stored
+    (``OUT.a.npy``: the rows restored, empty where the restore fell short), then computes and
+    stores its heads of ``UNIFIED_B`` (``OUT.b.npy``: the rows computed)."""
+    import hicache_io.sglang
+
+    hicache_io.sglang.install()
+    cpu_shims.apply()
+    r = int(rank)
+    group = _gloo(r, port)
+    tree = LinkedTree({"store": "local", "path": directory, "key_scheme": "unified", "kv_heads": 4}, group=group, head_num=2)
+    n, got, aborted = tree.restore("a", UNIFIED_A)
+    np.save(out + ".a.npy", tree.rows(got) if n == len(UNIFIED_A) and not aborted else np.zeros(0))
+    np.save(out + ".b.npy", tree.rows(tree.compute(UNIFIED_B, seed=20 + r)))
+    torch.distributed.barrier(group)
+    tree.close()
+    torch.distributed.destroy_process_group()
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "--rank":
         rank_main(*sys.argv[2:6])
+    elif sys.argv[1] == "--unified":
+        unified_main(*sys.argv[2:6])
     else:
         main(*sys.argv[1:4])

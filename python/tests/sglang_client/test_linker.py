@@ -194,20 +194,69 @@ def test_pools_the_objects_cannot_hold_are_refused():
             LinkerPages(pool, sp.P)
 
 
-def test_two_ranks_agree_on_a_load_one_of_them_refuses(tmp_path):
-    """Two tensor-parallel ranks (processes, a gloo group): each restores its own heads' pages;
-    when rank 1's page is damaged, both refuse the load, so that both run the same batch."""
-    import json
+def _two_ranks(tmp_path, mode: str) -> list:
+    """Runs ``linker_tree``'s two ranks (``--rank`` or ``--unified``), processes in a gloo group,
+    on the store in ``tmp_path / "l3"``; their output files."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    outs = [tmp_path / f"rank{r}.json" for r in (0, 1)]
-    cmd = lambda r: [sys.executable, "-m", "sglang_client.linker_tree", "--rank", str(r), str(port), str(tmp_path / "l3"), str(outs[r])]  # noqa: E731
+    outs = [str(tmp_path / f"rank{r}.out") for r in (0, 1)]
+    cmd = lambda r: [sys.executable, "-m", "sglang_client.linker_tree", mode, str(r), str(port), str(tmp_path / "l3"), outs[r]]  # noqa: E731
     procs = [subprocess.Popen(cmd(r), cwd=HERE, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
     logs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(logs)
-    got = [json.loads(o.read_text()) for o in outs]
+    return outs
+
+
+def test_two_ranks_agree_on_a_load_one_of_them_refuses(tmp_path):
+    """Two tensor-parallel ranks (processes, a gloo group): each restores its own heads' pages;
+    when rank 1's page is damaged, both refuse the load, so that both run the same batch."""
+    import json
+
+    got = [json.loads(open(o).read()) for o in _two_ranks(tmp_path, "--rank")]
     assert [g["first"] for g in got] == [[len(TOKENS), True]] * 2
     assert [g["second"] for g in got] == [0, 0]  # rank 0's pages were intact: it refused with rank 1
+
+
+def test_unified_keys_share_pages_between_tp_shapes(local, tmp_path):
+    """Unified keys name the model's heads, not the rank: two tp ranks (two of four kv heads
+    each, processes) each restore their heads of a prefix that one rank of all four heads
+    stored, and that rank restores a prefix the two stored, assembled from both ranks'
+    objects, byte for byte; without one rank's object of a page, the prefix stops before it."""
+    from . import sgl_pools as sp
+    from .linker_tree import UNIFIED_A, UNIFIED_B
+
+    one = local(extra={"key_scheme": "unified", "kv_heads": 4}, head_num=4)
+    slots = one.compute(UNIFIED_A)
+    a = one.rows(slots)
+    one.evict(slots)
+    outs = _two_ranks(tmp_path, "--unified")
+    half = a.shape[-1] // 2
+    for r, out in enumerate(outs):
+        assert np.array_equal(np.load(out + ".a.npy"), a[..., r * half : (r + 1) * half])
+    n, got, aborted = one.restore("b", UNIFIED_B)
+    assert (n, aborted) == (len(UNIFIED_B), [])
+    assert np.array_equal(one.rows(got), np.concatenate([np.load(o + ".b.npy") for o in outs], axis=-1))
+    keys = one.linker.object_keys(_hashes(UNIFIED_B))
+    assert [k[-3:] for k in keys[:4]] == ["_H0", "_H1", "_H2", "_H3"]
+    one.linker.client.remove(keys[2 * 4 + 3])  # rank 1's second head of the third page
+    assert local(extra={"key_scheme": "unified", "kv_heads": 4}, head_num=4).restore("b2", UNIFIED_B)[0] == 2 * sp.P
+
+
+def test_unified_keys_head_groups_and_refusals(local):
+    """Groups of two heads: a page of four heads is two objects, restored byte for byte; a
+    reader of groups of one asks for other keys (misses). Unified keys refuse a pool whose
+    heads are not the model's kv heads over the tp ranks, or a group that does not divide them."""
+    two = local(extra={"key_scheme": "unified", "kv_heads": 4, "head_group": 2}, head_num=4)
+    slots = two.compute(TOKENS)
+    computed = two.rows(slots)
+    two.evict(slots)
+    assert [k[-3:] for k in two.linker.object_keys(["h"])] == ["_H0", "_H1"]
+    assert local(extra={"key_scheme": "unified", "kv_heads": 4}, head_num=4).restore("g1", TOKENS)[0] == 0
+    n, got, aborted = two.restore("g2", TOKENS)
+    assert (n, aborted) == (len(TOKENS), []) and np.array_equal(two.rows(got), computed)
+    for extra, match in (({"key_scheme": "unified"}, "need kv_heads"), ({"key_scheme": "unified", "kv_heads": 8}, "split over the 1 tp rank"), ({"key_scheme": "unified", "kv_heads": 4, "head_group": 3}, "does not divide"), ({"key_scheme": "tp"}, "key_scheme must be")):
+        with pytest.raises(Exception, match=match):
+            local(extra=extra, head_num=4)
