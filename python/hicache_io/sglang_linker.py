@@ -23,11 +23,14 @@ count) and ``head_group`` (heads an object holds, default 1): an MHA page is the
 group of the model's heads, keyed ``..._H{group}`` with no tp rank or size, so that
 deployments of any tp size read each other's pages.
 
-Objects. A page of the KV pool is one object: the page's K rows of every layer, then its V rows
-(MLA: its one buffer's rows), then hicache-io's 16-byte integrity trailer, its checksum bound to
-the key. Keys are ``{namespace}/{page hash}_{ranks}_hio-link-{kind}-i{item bytes}-L{first}-{end}-P{page
-size}-n{digest}`` (``ranks``: ``tp{t}_cp{c}_pp{p}``, without the tp rank for MLA): the digest covers the model, the KV dtype, the pool's shape and the head split,
-so a page written by another model or shape is another key. MHA ranks hold different heads and
+Objects. A page of the KV pool is one object (with unified keys, one a head group): the page's
+K rows of every layer, then its V rows (MLA: its one buffer's rows), then hicache-io's 16-byte
+integrity trailer, its checksum bound to the key. Keys are ``{namespace}/{page
+hash}_{ranks}_hio-link-{kind}-i{item bytes}-L{first}-{end}-P{page size}-n{digest}[_H{group}]``
+(``ranks``: ``tp{t}_cp{c}_pp{p}``, without the tp rank for MLA and for unified keys; ``kind``:
+``mha`` or ``mla``, then ``-u`` for unified keys, then ``-full`` or ``-swa`` for a
+sliding-window model's two pools): the digest covers the model, the KV dtype, the pool's shape,
+role and layers and the head split, so a page written by another model or shape is another key. MHA ranks hold different heads and
 store their own objects; MLA pages are the same on every rank, so only rank 0 writes them and
 every rank reads them.
 
@@ -37,11 +40,16 @@ answer ``False``, so sglang computes that request's pages (it never sees wrong K
 request is touched); the damaged object is removed. The layer-wise copy into the device slots
 (``start_layer_wise_loading``) then only moves verified bytes; it fails the batch
 (``finish_layer_wise_loading`` ``False``) only if a device copy raises. ``lookup`` answers the
-longest run of pages whose objects exist. Offloads wait for ``record_offload_ready``'s events,
+runs of pages whose objects exist (every one up to the first missing page; with a sliding
+window, those whose window pages exist too). Offloads wait for ``record_offload_ready``'s events,
 then write only the pages the store does not hold.
 
 Only plain MHA and MLA pools (token rows in the ``nhd`` layout, nothing else) are stored: a pool
-with scales (FP4, MXFP8), a DSA indexer, SWA or Mamba state is refused when the linker is built.
+with scales (FP4, MXFP8), a DSA indexer or Mamba state is refused when the linker is built. A
+sliding-window model (``SWAKVPool``) is two such pools: its full-attention layers' pages are
+sglang's ``KV`` pool, its window layers' its ``SWA`` pool, each stored under keys of its own; a
+restore reads the window's last pages only, and ``lookup`` answers every prefix whose full pages
+and window pages exist (with gaps where a window page is missing).
 The verdict of ``load`` is agreed by every rank of the attention's tp and cp groups (the minimum),
 since sglang runs the same batch on all of them.
 """
@@ -129,13 +137,15 @@ class LinkerPages:
 
     def object_rows(self, idx: torch.Tensor, objects: Optional[np.ndarray] = None) -> torch.Tensor:
         """The pool rows of objects ``objects`` (default: every object of ``idx``'s pages; object
-        ``j`` is page ``j // groups``'s head group ``j % groups``), ``P`` a object, in order."""
+        ``j`` is page ``j // groups``'s head group ``j % groups``), ``P`` a object, in order. On
+        the host: :meth:`move` takes them to the device on the stream of its copies."""
+        idx = idx.cpu()
         if objects is None:
             objects = np.arange(idx.numel() // self.page * self.groups)
         j = torch.as_tensor(objects, dtype=torch.int64)
         t = torch.arange(self.page, dtype=torch.int64)
-        slots = idx[((j // self.groups)[:, None] * self.page + t[None, :]).reshape(-1).to(idx.device)]
-        return (slots.view(len(j), self.page) * self.groups + (j % self.groups).to(idx.device)[:, None]).reshape(-1)
+        slots = idx[((j // self.groups)[:, None] * self.page + t[None, :]).reshape(-1)]
+        return (slots.view(len(j), self.page) * self.groups + (j % self.groups)[:, None]).reshape(-1)
 
     def staged_rows(self, n_objects: int) -> torch.Tensor:
         """Per token of ``n_objects`` staged objects, its row of buffer 0 in the staging buffer
@@ -153,6 +163,7 @@ class LinkerPages:
         """Copies buffers ``buffers`` of the objects whose pool rows are ``rows`` (see
         :meth:`object_rows`) to the staging buffer (``out``) or from it, through hicache-io's ops."""
         n = rows.numel() // self.page
+        rows = rows.to(self.device)  # on the caller's stream: the copies' own
         base = self.staged_rows(n).to(staged.device)
         view = staged[: n * self.stride].view(-1, self.item)
         for b in buffers:
@@ -225,11 +236,26 @@ class StagingBuffers:
 
 class Staged:
     """One request's objects read and verified (``held``: a buffer of :class:`StagingBuffers`,
-    ``nbytes`` of it counted), waiting for the layer-wise copy into pool rows ``rows``."""
+    ``nbytes`` of it counted), waiting for the layer-wise copy: ``parts`` are, per pool, its
+    objects, the pool rows they land in and where in the buffer they start."""
 
-    def __init__(self, rid: str, rows: torch.Tensor, held: Tuple[torch.Tensor, List[int]], nbytes: int):
-        self.rid, self.rows, self.held, self.nbytes = rid, rows, held, nbytes
+    def __init__(self, rid: str, parts: List[Tuple["PoolObjects", torch.Tensor, int]], held: Tuple[torch.Tensor, List[int]], nbytes: int):
+        self.rid, self.parts, self.held, self.nbytes = rid, parts, held, nbytes
         self.buf = held[0]
+
+
+class PoolObjects:
+    """One device pool of the linker as store objects: its pages (:class:`LinkerPages`), the
+    keys of its objects, whether this rank writes them, and which of the layer counter's layers
+    it holds (``local``: counter layer -> the pool's own layer)."""
+
+    def __init__(self, pages: LinkerPages, prefix: str, tail: str, group_names: List[str], writes: bool, layer_ids: Sequence[int]):
+        self.pages, self.prefix, self.tail, self.group_names, self.writes = pages, prefix, tail, group_names, writes
+        self.local = {int(g): i for i, g in enumerate(layer_ids)}
+
+    def keys(self, page_keys: Sequence[str]) -> List[str]:
+        """The objects of pages ``page_keys``, page by page (``groups`` a page)."""
+        return [f"{self.prefix}{k}{self.tail}{g}" for k in page_keys for g in self.group_names]
 
 
 class HicacheLinker(UnifiedCacheLinker):
@@ -241,37 +267,23 @@ class HicacheLinker(UnifiedCacheLinker):
             raise ValueError("hicache-io's linker stores KV pages only; a model with Mamba state cannot use it")
         self.forward_stream = forward_stream
         kv = params.token_to_kv_pool_allocator.get_kvcache()
-        tp, tp_size, others = _rank(params)
-        scheme = cfg.pop("key_scheme", "rank")
-        if scheme not in ("rank", "unified"):
-            raise ValueError(f"key_scheme must be 'rank' or 'unified', got {scheme!r}")
-        head_group, kv_heads = int(cfg.pop("head_group", 1)), cfg.pop("kv_heads", None)
-        self.unified = scheme == "unified" and getattr(kv, "k_buffer", None) is not None
-        self.pages = LinkerPages(kv, params.page_size, head_group if self.unified else None)
-        if self.unified:
-            _check_heads(self.pages, kv_heads, tp_size)
-        self.pools = {PoolName.KV: kv}
+        self.pools = dict(_device_pools(kv))
+        self.objects = _pool_objects(self.pools, kv, server_args, params, cfg)
+        self.pages = self.objects[PoolName.KV].pages
         self._groups = _groups(params)
-        self.layer_done_counter = LayerWiseLoadCounter(self.pages.layers)
+        self.layer_done_counter = LayerWiseLoadCounter(1 + max(g for o in self.objects.values() for g in o.local))
         store = cfg.pop("store", "local")
-        namespace = str(cfg.pop("namespace", "hicache-io"))
         self.staging_bytes = int(cfg.pop("staging_bytes", DEFAULT_STAGING_BYTES))
         threads = int(cfg.pop("threads", 4))
         self._io = open_transport(store, cfg, threads=threads, storage_config=_ranks(server_args))
         self.client = self._io.client
         self._staging = StagingBuffers(self.pages, self._io, self.staging_bytes)
-        # MLA pages are the same on every tp rank: rank 0 writes them, every rank reads them.
-        self.writes = self.pages.kind == "mha" or tp == 0
-        rank = f"tp{tp}_{others}" if self.pages.kind == "mha" and not self.unified else others
-        self.prefix, self.tail = f"{namespace}/", _key_tail(self.pages, server_args, rank, tp_size, self.pages.heads * tp_size if self.unified else None)
-        # Unified keys name the model's head groups this rank holds, never the rank.
-        self.group_names = [f"_H{tp * self.pages.groups + h}" for h in range(self.pages.groups)] if self.unified else [""]
         self.stats = {"stored": 0, "store_failed": 0, "loaded": 0, "verified": 0, "corrupt": 0, "missing": 0}
         self._lock = threading.Lock()
         self._queued: Dict[str, Staged] = {}
         self._staged_bytes = 0
         self._done: Deque[bool] = collections.deque()
-        self._offloads: "queue.Queue[Optional[Tuple[Any, torch.Tensor, List[str]]]]" = queue.Queue()
+        self._offloads: "queue.Queue[Optional[Tuple[Any, List[Tuple[PoolObjects, torch.Tensor, List[str]]]]]]" = queue.Queue()
         self._loads: "queue.Queue[Optional[Tuple[int, List[Staged]]]]" = queue.Queue()
         # Each thread copies on a stream of its own (loads never wait behind offloads).
         cuda = self.pages.device.type == "cuda"
@@ -282,35 +294,61 @@ class HicacheLinker(UnifiedCacheLinker):
         for t in self._threads:
             t.start()
 
-    def _checked(self, kv: PoolTransfer, what: str) -> Optional[torch.Tensor]:
-        """The transfer's device indices, or ``None`` (logged) where they do not fit its pages or
-        the pool: the call is refused before any byte moves, never raised into the scheduler."""
-        try:
-            return self.pages.check(kv.device_indices, len(kv.keys))
-        except (ValueError, IndexError, TypeError, RuntimeError) as e:
-            logger.error("hicache-io linker: %s of %d page(s) refused: %s", what, len(kv.keys), e)
+    def _parts(self, transfers: List[PoolTransfer], what: str) -> Optional[List[Tuple[PoolObjects, torch.Tensor, List[str]]]]:
+        """Per transfer of a pool this linker stores (KV first), its objects, its device indices
+        and its page keys; ``None`` (logged) where indices do not fit their pages or pool, the
+        KV transfer is missing, or the window's pages are not the KV pages' last: the call is
+        refused before any byte moves, never raised."""
+        parts = []
+        for t in sorted((t for t in transfers if t.name in self.objects and t.keys), key=lambda t: t.name != PoolName.KV):
+            try:
+                parts.append((self.objects[t.name], self.objects[t.name].pages.check(t.device_indices, len(t.keys)), list(t.keys)))
+                _check_window(t, parts[0][2])
+            except (ValueError, IndexError, TypeError, RuntimeError) as e:
+                logger.error("hicache-io linker: %s of %d %s page(s) refused: %s", what, len(t.keys), t.name, e)
+                return None
+        if not parts or parts[0][0] is not self.objects[PoolName.KV]:
+            if parts:
+                logger.error("hicache-io linker: %s refused: no KV pages with the window's", what)
             return None
+        return parts
 
     def object_keys(self, page_keys: Sequence[str]) -> List[str]:
-        """The objects of pages ``page_keys``, page by page (``groups`` a page)."""
-        return [f"{self.prefix}{k}{self.tail}{g}" for k in page_keys for g in self.group_names]
+        """The KV pool's objects of pages ``page_keys``, page by page."""
+        return self.objects[PoolName.KV].keys(page_keys)
 
     # ---- lookup and loads --------------------------------------------------------------------
 
     def lookup(self, rid: str, transfers: List[PoolTransfer]) -> List[int]:
-        kv = _kv(transfers)
+        """Every page count ``p`` whose pages restore: the KV objects of pages ``[0, p)``, and
+        with a sliding window (an SWA transfer of ``w`` keys) the SWA objects of the ``w`` pages
+        before ``p``; within the staging memory. The answer may have gaps: the tree takes the
+        longest count every rank offers."""
+        kv, swa = _kv(transfers), next((t for t in transfers if t.name == PoolName.SWA), None)
         if kv is None or not kv.keys:
             return []
-        # A run longer than the staging memory could never be loaded: it is not offered.
-        keys = kv.keys[: self.staging_bytes // self.pages.page_bytes]
+        full = self.objects[PoolName.KV]
+        keys = kv.keys[: self.staging_bytes // full.pages.page_bytes]
         try:
-            found = self._io.exists(self.object_keys(keys))
+            run = int(np.argmin(np.append(self._present(full, keys), False)))
+            if swa is None or not swa.keys or PoolName.SWA not in self.objects:
+                return list(range(1, run + 1))
+            window = self.objects[PoolName.SWA]
+            missing = np.concatenate([[0], np.cumsum(~self._present(window, keys[:run]))])
         except Exception:  # noqa: BLE001 - a store that cannot answer has nothing to offer
             logger.exception("hicache-io linker: lookup failed")
             return []
-        missing = np.flatnonzero((np.asarray(found).reshape(len(keys), self.pages.groups) != 1).any(axis=1))
-        n = int(missing[0]) if len(missing) else len(keys)
-        return list(range(1, n + 1))
+        p = np.arange(1, run + 1)
+        w = np.minimum(len(swa.keys), p)
+        ok = (missing[p] == missing[p - w]) & (p * full.pages.page_bytes + w * window.pages.page_bytes <= self.staging_bytes)
+        return p[ok].tolist()
+
+    def _present(self, objects: PoolObjects, page_keys: Sequence[str]) -> np.ndarray:
+        """Per page, whether every object of it exists."""
+        if not len(page_keys):
+            return np.zeros(0, dtype=bool)
+        found = np.asarray(self._io.exists(objects.keys(page_keys)))
+        return (found.reshape(len(page_keys), objects.pages.groups) == 1).all(axis=1)
 
     def load(self, rid: str, transfers: List[PoolTransfer]) -> bool:
         """Reads and verifies the request's pages now (see the module docstring); ``False``
@@ -318,7 +356,12 @@ class HicacheLinker(UnifiedCacheLinker):
         fit the staging memory left. The verdict is the same on every rank: sglang takes it
         without a reduction of its own, and ranks that differ would run different batches."""
         staged = None if self._closed else self._stage(rid, transfers)
-        agreed = self._agree(staged is not None)
+        try:
+            agreed = self._agree(staged is not None)
+        except BaseException:
+            if staged is not None:
+                self._release(staged)
+            raise
         if staged is not None and agreed:
             with self._lock:
                 self._queued[rid] = staged
@@ -328,26 +371,25 @@ class HicacheLinker(UnifiedCacheLinker):
         return False
 
     def _stage(self, rid: str, transfers: List[PoolTransfer]) -> Optional["Staged"]:
-        kv = _kv(transfers)
-        if kv is None or not kv.keys:
+        parts = self._parts(transfers, "load")
+        if parts is None:
             return None
-        n = len(kv.keys)
-        idx = self._checked(kv, "load")
-        if idx is None:
-            return None
-        nbytes = n * self.pages.page_bytes
+        sizes = [len(keys) * o.pages.page_bytes for o, _, keys in parts]
+        nbytes = sum(sizes)
         with self._lock:
             if rid in self._queued:
                 logger.error("hicache-io linker: request %s already has a load queued; refused", rid)
                 return None
             if self._staged_bytes + nbytes > self.staging_bytes:
-                logger.warning("hicache-io linker: %d page(s) of request %s do not fit the staging memory left; computed instead", n, rid)
+                logger.warning("hicache-io linker: %d page(s) of request %s do not fit the staging memory left; computed instead", len(parts[0][2]), rid)
                 return None
             self._staged_bytes += nbytes
         staged = None
         try:
-            staged = Staged(rid, self.pages.object_rows(idx), self._staging.take(nbytes), nbytes)
-            if self._read(self.object_keys(kv.keys), staged.buf):
+            offsets = np.cumsum([0] + sizes[:-1]).tolist()
+            staged = Staged(rid, [(o, o.pages.object_rows(idx), at) for (o, idx, _), at in zip(parts, offsets)], self._staging.take(nbytes), nbytes)
+            objects = [(key, at + j * o.pages.stride, o.pages.obj_bytes) for (o, _, keys), at in zip(parts, offsets) for j, key in enumerate(o.keys(keys))]
+            if self._read(objects, staged.buf):
                 return staged
         except Exception:  # noqa: BLE001 - a failed read is a refused load, never a crash
             logger.exception("hicache-io linker: load of request %s failed", rid)
@@ -371,17 +413,16 @@ class HicacheLinker(UnifiedCacheLinker):
             torch.distributed.all_reduce(verdict, op=torch.distributed.ReduceOp.MIN, group=group)
         return bool(verdict.item())
 
-    def _read(self, keys: List[str], buf: torch.Tensor) -> bool:
-        """Reads objects ``keys`` into ``buf`` and verifies them; True when every one is whole
-        and intact. Damaged objects are removed."""
-        stride, size, n = self.pages.stride, self.pages.obj_bytes, len(keys)
+    def _read(self, objects: List[Tuple[str, int, int]], buf: torch.Tensor) -> bool:
+        """Reads ``objects`` (key, offset in ``buf``, size without the trailer) into ``buf`` and
+        verifies them; True when every one is whole and intact. Damaged objects are removed."""
+        keys = [k for k, _, _ in objects]
+        at, size = np.array([a for _, a, _ in objects], dtype=np.int64), np.array([n for _, _, n in objects], dtype=np.int64)
         mem = buf.numpy()
-        base = mem.ctypes.data
-        got, _, _, _ = self._io.get(keys, keys, [Spans([base + j * stride for j in range(n)], [size + TRAILER_BYTES] * n, False, True)])
+        got, _, _, _ = self._io.get(keys, keys, [Spans((mem.ctypes.data + at).tolist(), (size + TRAILER_BYTES).tolist(), False, True)])
         whole = got == size + TRAILER_BYTES
-        objs = mem[: n * stride].reshape(n, stride)
-        trailers = np.ascontiguousarray(objs[:, size : size + TRAILER_BYTES]).view(np.uint64)
-        sums = np.array([_native.checksum(objs[j, :size], _native.STORAGE_SEED) if whole[j] else 0 for j in range(n)], dtype=np.uint64)
+        trailers = np.stack([mem[a + n : a + n + TRAILER_BYTES] for a, n in zip(at, size)]).view(np.uint64)
+        sums = np.array([_native.checksum(mem[a : a + n], _native.STORAGE_SEED) if w else 0 for a, n, w in zip(at, size, whole)], dtype=np.uint64)
         good = whole & matches(trailers, sums, keys)
         bad = (whole & ~good) | np.isin(got, (OTHER_SIZE[False], DAMAGED))
         for j in np.flatnonzero(bad):
@@ -389,7 +430,7 @@ class HicacheLinker(UnifiedCacheLinker):
                 self.client.remove(keys[j])
             logger.warning("hicache-io linker: page object %s failed its checks (%d); removed", keys[j], int(got[j]))
         with self._lock:
-            self.stats["loaded"] += n
+            self.stats["loaded"] += len(keys)
             self.stats["verified"] += int(good.sum())
             self.stats["corrupt"] += int(bad.sum())
             self.stats["missing"] += int((~good & ~bad).sum())
@@ -427,17 +468,20 @@ class HicacheLinker(UnifiedCacheLinker):
                 work.task_done()
 
     def _land(self, index: int, batch: List[Staged]) -> None:
-        """Copies the batch's pages into their device slots layer by layer, each layer reported
-        once its copies finished; a failure fails every layer not yet reported. The staging memory
-        is free again before the last layer is reported (sglang may load again right after)."""
-        held = list(batch)
+        """Copies the batch's pages into their device slots layer by layer (the counter's
+        layers: with SWA, the model's, each from the pool that holds it), each layer reported
+        once its copies finished; a failure fails every layer not yet reported. The staging
+        memory is free again before the last layer is reported (sglang may load right after)."""
+        held, last = list(batch), self.layer_done_counter.num_layers - 1
         try:
             with self._on(self._load_stream):
-                for layer in range(self.pages.layers):
+                for layer in range(last + 1):
                     for s in batch:
-                        self.pages.move(s.buf, s.rows, self.pages.layer_buffers(layer), out=False)
+                        for o, rows, at in s.parts:
+                            if layer in o.local:
+                                o.pages.move(s.buf[at:], rows, o.pages.layer_buffers(o.local[layer]), out=False)
                     self._finished()
-                    if layer == self.pages.layers - 1:
+                    if layer == last:
                         for s in held:
                             self._release(s)
                         held = []
@@ -462,35 +506,40 @@ class HicacheLinker(UnifiedCacheLinker):
     # ---- offloads ------------------------------------------------------------------------------
 
     def offload(self, transfers: List[PoolTransfer], session_id: Optional[str] = None) -> bool:
-        kv = _kv(transfers)
-        if kv is None or not kv.keys or self._closed:
+        """Queues the pages of the KV transfer (and of the SWA transfer, where the tree still
+        holds the node's window) to be written once the forward's events fired."""
+        parts = None if self._closed else self._parts(transfers, "offload")
+        if parts is None:
             return False
-        idx = self._checked(kv, "offload")
-        if idx is None:
-            return False
-        if not self.writes:  # MLA pages are rank 0's to write
+        parts = [p for p in parts if p[0].writes]  # MLA pages are rank 0's to write
+        if not parts:
             with self._lock:
                 self._done.append(True)
             return True
-        self._offloads.put((self.record_offload_ready(), idx, list(kv.keys)))
+        self._offloads.put((self.record_offload_ready(), parts))
         return True
 
-    def _offload(self, events: Any, idx: torch.Tensor, page_keys: List[str]) -> None:
-        ok = self._store(events, idx, page_keys)
-        with self._lock:
-            self._done.append(ok)
-
-    def _store(self, events: Any, idx: torch.Tensor, page_keys: List[str]) -> bool:
-        """Writes the objects the store does not hold, in batches that fit the staging memory."""
+    def _offload(self, events: Any, parts: List[Tuple[PoolObjects, torch.Tensor, List[str]]]) -> None:
         try:
             for ev in events:
                 ev.synchronize()
-            keys = self.object_keys(page_keys)
+            ok = all([self._store(o, idx, keys) for o, idx, keys in parts])
+        except Exception:  # noqa: BLE001 - a failed offload is reported, never raised
+            logger.exception("hicache-io linker: offload failed")
+            ok = False
+        with self._lock:
+            self._done.append(ok)
+
+    def _store(self, objects: PoolObjects, idx: torch.Tensor, page_keys: List[str]) -> bool:
+        """Writes the pool's objects the store does not hold, in batches that fit the staging
+        memory."""
+        try:
+            keys = objects.keys(page_keys)
             todo = np.flatnonzero(self._io.exists(keys) != 1)
-            per = max(1, min(len(todo), self.staging_bytes // 4 // self.pages.stride))
+            per = max(1, min(len(todo), self.staging_bytes // 4 // objects.pages.stride))
             ok = True
             for at in range(0, len(todo), per):
-                ok &= self._put([keys[j] for j in todo[at : at + per]], idx, todo[at : at + per])
+                ok &= self._put(objects, [keys[j] for j in todo[at : at + per]], idx, todo[at : at + per])
             return ok
         except Exception:
             logger.exception("hicache-io linker: offload of %d page(s) failed", len(page_keys))
@@ -498,18 +547,18 @@ class HicacheLinker(UnifiedCacheLinker):
                 self.stats["store_failed"] += len(page_keys)
             return False
 
-    def _put(self, keys: List[str], idx: torch.Tensor, objects: np.ndarray) -> bool:
-        """Writes objects ``objects`` of the offload (device slots ``idx``) under ``keys``."""
-        held = self._staging.take(len(keys) * self.pages.stride)
+    def _put(self, objects: PoolObjects, keys: List[str], idx: torch.Tensor, which: np.ndarray) -> bool:
+        """Writes objects ``which`` of the offload (device slots ``idx``) under ``keys``."""
+        held = self._staging.take(len(keys) * objects.pages.stride)
         try:
-            return self._seal_and_put(keys, idx, objects, held[0])
+            return self._seal_and_put(objects.pages, keys, objects.pages.object_rows(idx, which), held[0])
         finally:
             self._staging.give(held)
 
-    def _seal_and_put(self, keys: List[str], idx: torch.Tensor, objects: np.ndarray, buf: torch.Tensor) -> bool:
-        n, stride, size = len(keys), self.pages.stride, self.pages.obj_bytes
-        with self._on(self._offload_stream):  # the rows' gather on the stream of the copies
-            self.pages.move(buf, self.pages.object_rows(idx, objects), range(len(self.pages.rows)), out=True)
+    def _seal_and_put(self, pages: LinkerPages, keys: List[str], rows: torch.Tensor, buf: torch.Tensor) -> bool:
+        n, stride, size = len(keys), pages.stride, pages.obj_bytes
+        with self._on(self._offload_stream):  # the rows reach the device on the copies' stream
+            pages.move(buf, rows, range(len(pages.rows)), out=True)
             self._finished()
         mem = buf.numpy()
         objs = mem[: n * stride].reshape(n, stride)
@@ -572,6 +621,65 @@ def _kv(transfers: Sequence[PoolTransfer]) -> Optional[PoolTransfer]:
     return next((t for t in transfers if t.name == PoolName.KV), None)
 
 
+def _device_pools(kv: Any) -> List[Tuple[Any, Any]]:
+    """The pools whose pages the linker stores: the KV pool, or a sliding-window model's two
+    (its full-attention layers' pool as KV, its window layers' as SWA)."""
+    if getattr(kv, "full_kv_pool", None) is not None and getattr(kv, "swa_kv_pool", None) is not None:
+        return [(PoolName.KV, kv.full_kv_pool), (PoolName.SWA, kv.swa_kv_pool)]
+    return [(PoolName.KV, kv)]
+
+
+def _check_window(t: PoolTransfer, kv_keys: List[str]) -> None:
+    """Raises unless the window transfer ``t`` names the KV transfer's last pages (sglang's
+    only shape) and no padding slot (slot 0, what a window slot never mapped translates to)."""
+    if t.name != PoolName.SWA:
+        return
+    if len(t.keys) > len(kv_keys) or list(t.keys) != kv_keys[len(kv_keys) - len(t.keys) :]:
+        raise ValueError("the window's pages are not the last of the KV pages")
+    if bool((torch.as_tensor(t.device_indices) == 0).any()):
+        raise ValueError("the window's slots include the padding slot 0")
+
+
+def _layer_ids(kv: Any, name: Any, pool: Any, n: int) -> List[int]:
+    """The layer counter's layers of ``pool``'s layers, in order: the pool's own for a plain
+    pool; the model's for a sliding-window model's pools (the forward waits on the model's)."""
+    mapping = getattr(kv, "layers_mapping", None)
+    if pool is kv:
+        return list(range(n))
+    if not mapping:
+        raise ValueError(f"{type(kv).__name__} has two pools but no layers_mapping: which model layer each holds is unknown")
+    ids = sorted((local, g) for g, (local, is_swa) in mapping.items() if bool(is_swa) == (name == PoolName.SWA))
+    return [g for _, g in ids]
+
+
+def _pool_objects(pools: Dict[Any, Any], kv: Any, server_args: Any, params: Any, cfg: Dict[str, Any]) -> Dict[Any, "PoolObjects"]:
+    """Each pool's :class:`PoolObjects`, from the configuration's ``key_scheme``,
+    ``head_group``, ``kv_heads`` and ``namespace`` (taken out of ``cfg``)."""
+    tp, tp_size, others = _rank(params)
+    scheme = cfg.pop("key_scheme", "rank")
+    if scheme not in ("rank", "unified"):
+        raise ValueError(f"key_scheme must be 'rank' or 'unified', got {scheme!r}")
+    head_group, kv_heads = int(cfg.pop("head_group", 1)), cfg.pop("kv_heads", None)
+    prefix = f"{cfg.pop('namespace', 'hicache-io')}/"
+    out = {}
+    for name, pool in pools.items():
+        unified = scheme == "unified" and getattr(pool, "k_buffer", None) is not None
+        pages = LinkerPages(pool, params.page_size, head_group if unified else None)
+        if unified:
+            _check_heads(pages, kv_heads, tp_size)
+        layer_ids = _layer_ids(kv, name, pool, pages.layers)
+        if len(layer_ids) != pages.layers:
+            raise ValueError(f"the {name} pool has {pages.layers} layers, the model maps {len(layer_ids)} to it")
+        role = None if pool is kv else ("swa" if name == PoolName.SWA else "full", layer_ids)
+        rank = f"tp{tp}_{others}" if pages.kind == "mha" and not unified else others
+        tail = _key_tail(pages, server_args, rank, tp_size, pages.heads * tp_size if unified else None, role)
+        # Unified keys name the model's head groups this rank holds, never the rank.
+        groups = [f"_H{tp * pages.groups + h}" for h in range(pages.groups)] if unified else [""]
+        # MLA pages are the same on every tp rank: rank 0 writes them, every rank reads them.
+        out[name] = PoolObjects(pages, prefix, tail, groups, pages.kind == "mha" or tp == 0, layer_ids)
+    return out
+
+
 def _check_heads(pages: LinkerPages, kv_heads: Any, tp_size: int) -> None:
     """Unified keys name the model's heads: this rank's ``heads`` must be its share of
     ``kv_heads`` (sglang replicates heads where there are more ranks than heads)."""
@@ -609,10 +717,12 @@ def _ranks(server_args: Any) -> Any:
     return type("Ranks", (), {"tp_size": getattr(server_args, "tp_size", 1) or 1, "pp_size": getattr(server_args, "pp_size", 1) or 1})()
 
 
-def _key_tail(pages: LinkerPages, server_args: Any, rank: str, tp_size: int, kv_heads: Optional[int] = None) -> str:
+def _key_tail(pages: LinkerPages, server_args: Any, rank: str, tp_size: int, kv_heads: Optional[int] = None, role: Optional[Tuple[str, List[int]]] = None) -> str:
     """The key's part after the page hash: the rank (MHA only) and what the page's bytes mean.
     Unified keys (``kv_heads``, the model's kv heads, given) leave the tp rank and size out: an
-    object is a group of the model's heads, whichever ranks held them."""
+    object is a group of the model's heads, whichever ranks held them. A sliding-window model's
+    pools (``role``: ``"full"`` or ``"swa"`` and the model's layers the pool holds) are named
+    apart."""
     record = {
         "format": LINKER_FORMAT,
         # Two models served under one name must not share pages: the path, revision, weight
@@ -627,6 +737,8 @@ def _key_tail(pages: LinkerPages, server_args: Any, rank: str, tp_size: int, kv_
     }
     if kv_heads is not None:
         record["unified"] = [kv_heads, pages.heads // pages.groups]
+    if role is not None:
+        record["pool"] = [role[0], list(role[1])]
     digest = hashlib.blake2b(json.dumps(record, sort_keys=True).encode(), digest_size=6).hexdigest()
-    kind = pages.kind + ("-u" if kv_heads is not None else "")
+    kind = pages.kind + ("-u" if kv_heads is not None else "") + (f"-{role[0]}" if role is not None else "")
     return f"_{rank}_hio-link-{kind}-i{pages.item}-L{pages.start}-{pages.start + pages.layers}-P{pages.page}-n{digest}"

@@ -35,10 +35,26 @@ def ninja_on_path() -> None:
         os.environ["PATH"] = here + os.pathsep + os.environ["PATH"]
 
 
+#: Tokens of the sliding window of ``LinkedTree(kind="swa")``: one page.
+WINDOW = sp.P
+
+
+def _swa_pool(layers: int, size: int, head_num: int = 2, head_dim: int = 64):
+    """A sliding-window model's pool and allocator: even layers full attention, odd ones the
+    window's."""
+    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    ids = list(range(layers))
+    dev = SWAKVPool(size=size, size_swa=size, page_size=sp.P, dtype=torch.bfloat16, head_num=head_num, head_dim=head_dim, swa_attention_layer_ids=ids[1::2], full_attention_layer_ids=ids[0::2], device="cpu", enable_memory_saver=False)
+    return dev, SWATokenToKVPoolAllocator(size, size, sp.P, torch.bfloat16, "cpu", dev, need_sort=False)
+
+
 class LinkedTree:
     """A ``UnifiedRadixCache`` on an MHA or MLA device pool on the CPU (``P`` tokens a page;
-    ``pool``: the pool's other shape arguments), linked to hicache-io's linker with ``extra`` as
-    its ``linker_extra_config``."""
+    ``pool``: the pool's other shape arguments), or (``kind="swa"``) a sliding-window model's
+    two MHA pools (a window of ``WINDOW`` tokens), linked to hicache-io's linker with ``extra``
+    as its ``linker_extra_config``."""
 
     def __init__(self, extra: dict, kind: str = "mha", layers: int = 3, size: int = 64, group=None, **pool):
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
@@ -51,18 +67,38 @@ class LinkedTree:
         cfg = {"linker": "HicacheLinker", "linker_module_path": "hicache_io.sglang_linker", "linker_extra_config": extra}
         flags = dict(enable_hierarchical_cache=False, enable_unified_cache_external_linker=True, unified_cache_external_linker_backend="dynamic", unified_cache_external_linker_config=cfg)
         with cpu_shims.memory_config(**flags):
-            self.dev = sp.mha_device(layer_num=layers, size=size, **pool) if kind == "mha" else sp.mla_device(layer_num=layers, size=size, **pool)
-            self.alloc = PagedTokenToKVPoolAllocator(size=self.dev.size, page_size=sp.P, dtype=self.dev.dtype, device="cpu", kvcache=self.dev, need_sort=False)
-            params = CacheInitParams(disable=False, req_to_token_pool=ReqToTokenPool(4, 256, "cpu", False), token_to_kv_pool_allocator=self.alloc, page_size=sp.P, tree_core_backend="python", tp_cache_group=group, attn_tp_cache_group=group)
+            if kind == "swa":
+                self.dev, self.alloc = _swa_pool(layers, size, **pool)
+            else:
+                self.dev = sp.mha_device(layer_num=layers, size=size, **pool) if kind == "mha" else sp.mla_device(layer_num=layers, size=size, **pool)
+                self.alloc = PagedTokenToKVPoolAllocator(size=self.dev.size, page_size=sp.P, dtype=self.dev.dtype, device="cpu", kvcache=self.dev, need_sort=False)
+            window = dict(sliding_window_size=WINDOW) if kind == "swa" else {}
+            params = CacheInitParams(disable=False, req_to_token_pool=ReqToTokenPool(4, 256, "cpu", False), token_to_kv_pool_allocator=self.alloc, page_size=sp.P, tree_core_backend="python", tp_cache_group=group, attn_tp_cache_group=group, **window)
             worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(forward_stream=torch.cpu.Stream()), register_hicache_layer_transfer_counter=lambda counter: None)
-            self.cache = create_tree_cache(TreeCacheBuildContext(get_server_args(), params, False, False, False, False, worker, None, 1, 0, None))
+            self.cache = create_tree_cache(TreeCacheBuildContext(get_server_args(), params, kind == "swa", False, False, False, worker, None, 1, 0, None))
         self.linker = self.cache.linker.cache_linker
-        self.buffers = list(self.dev.k_buffer) + list(self.dev.v_buffer) if kind == "mha" else list(self.dev.kv_buffer)
+        full = self.dev.full_kv_pool if kind == "swa" else self.dev
+        self.buffers = list(full.k_buffer) + list(full.v_buffer) if kind != "mla" else list(full.kv_buffer)
+        #: The window layers' buffers (``kind="swa"``), whose slots are the full slots translated.
+        self.swa_buffers = list(self.dev.swa_kv_pool.k_buffer) + list(self.dev.swa_kv_pool.v_buffer) if kind == "swa" else []
         self.layers = layers
 
     def rows(self, slots: torch.Tensor) -> np.ndarray:
         """The bytes of rows ``slots`` of every buffer (``[buffers][slots][row bytes]``)."""
         return np.stack([as_bytes(b)[slots].reshape(len(slots), -1).numpy() for b in self.buffers])
+
+    def swa_rows(self, slots: torch.Tensor) -> np.ndarray:
+        """The window layers' rows of full slots ``slots`` (``[buffers][slots][row bytes]``)."""
+        at = self.alloc.translate_loc_from_full_to_swa(slots)
+        return np.stack([as_bytes(b)[at].reshape(len(slots), -1).numpy() for b in self.swa_buffers])
+
+    def _alloc(self, n: int) -> torch.Tensor:
+        """``n`` fresh slots (with a window: full slots, each mapped to a window slot)."""
+        if not self.swa_buffers:
+            return self.alloc.alloc(n)
+        full, swa = self.alloc.full_attn_allocator.alloc(n), self.alloc.swa_attn_allocator.alloc(n)
+        self.alloc.set_full_to_swa_mapping(full, swa)
+        return full
 
     def compute(self, tokens: list, seed: int = 0) -> torch.Tensor:
         """KV of ``tokens`` "computed" (random rows) into fresh slots, inserted into the tree,
@@ -70,10 +106,11 @@ class LinkedTree:
         from sglang.srt.mem_cache.base_prefix_cache import InsertParams
         from sglang.srt.mem_cache.radix_cache import RadixKey
 
-        slots = self.alloc.alloc(len(tokens))
+        slots = self._alloc(len(tokens))
         g = sp.gen(seed)
-        for b in self.buffers:
-            as_bytes(b)[slots] = torch.randint(0, 256, as_bytes(b)[slots].shape, dtype=torch.uint8, generator=g)
+        at = self.alloc.translate_loc_from_full_to_swa(slots) if self.swa_buffers else None
+        for b, rows in [(b, slots) for b in self.buffers] + [(b, at) for b in self.swa_buffers]:
+            as_bytes(b)[rows] = torch.randint(0, 256, as_bytes(b)[rows].shape, dtype=torch.uint8, generator=g)
         self.cache.insert(InsertParams(key=RadixKey(array("q", tokens)), value=slots.clone()))
         self.settle()
         return slots
@@ -93,9 +130,10 @@ class LinkedTree:
         """The device copy gone, its rows overwritten (a load that moves nothing must show)."""
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
+        at = self.alloc.translate_loc_from_full_to_swa(slots) if self.swa_buffers else None
         assert self.cache.evict(EvictParams(num_tokens=len(slots))).num_tokens_evicted >= len(slots)
-        for b in self.buffers:
-            as_bytes(b)[slots] = 0
+        for b, rows in [(b, slots) for b in self.buffers] + [(b, at) for b in self.swa_buffers]:
+            as_bytes(b)[rows] = 0
 
     def restore(self, rid: str, tokens: list):
         """A request for ``tokens`` plus one: the match, the load into its slots and the forward's

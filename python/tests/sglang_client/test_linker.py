@@ -76,13 +76,7 @@ def test_damaged_object_fails_only_its_request_and_no_byte_lands(local):
     slots = tree.compute(TOKENS)
     computed = tree.rows(slots)
     tree.evict(slots)
-    key = tree.linker.object_keys(_hashes(TOKENS))[2]
-    path, at = held_at(tree.linker.client, key)
-    with open(path, "r+b") as f:
-        f.seek(at + 100)
-        byte = f.read(1)
-        f.seek(at + 100)
-        f.write(bytes([byte[0] ^ 0x40]))
+    _flip(tree.linker.client, tree.linker.object_keys(_hashes(TOKENS))[2])
     n, restored, aborted = tree.restore("r1", TOKENS)
     assert (n, restored, aborted) == (0, None, [])  # load refused: sglang computes the request
     assert tree.linker.stats["corrupt"] == 1
@@ -90,6 +84,16 @@ def test_damaged_object_fails_only_its_request_and_no_byte_lands(local):
     n, restored, aborted = tree.restore("r2", TOKENS)
     assert (n, aborted) == (8, [])
     assert np.array_equal(tree.rows(restored), computed[:, :8])
+
+
+def _flip(client, key: str, byte: int = 100) -> None:
+    """Flips a bit of byte ``byte`` of object ``key`` where the local store holds it."""
+    path, at = held_at(client, key)
+    with open(path, "r+b") as f:
+        f.seek(at + byte)
+        b = f.read(1)
+        f.seek(at + byte)
+        f.write(bytes([b[0] ^ 0x40]))
 
 
 def _hashes(tokens):
@@ -260,3 +264,85 @@ def test_unified_keys_head_groups_and_refusals(local):
     for extra, match in (({"key_scheme": "unified"}, "need kv_heads"), ({"key_scheme": "unified", "kv_heads": 8}, "split over the 1 tp rank"), ({"key_scheme": "unified", "kv_heads": 4, "head_group": 3}, "does not divide"), ({"key_scheme": "tp"}, "key_scheme must be")):
         with pytest.raises(Exception, match=match):
             local(extra=extra, head_num=4)
+
+
+def test_sliding_window_model_restores_its_full_pages_and_the_window(local):
+    """A sliding-window model (sglang's SWAKVPool: full-attention and window layers in two
+    pools): both pools' pages are stored, each under keys of its own; a restore brings every
+    full layer's rows back and the window layers' rows of the window's last page, byte for
+    byte, each layer reported in the model's order."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    from .linker_tree import WINDOW
+
+    tree = local(kind="swa", layers=4)
+    assert set(tree.linker.pools) == {PoolName.KV, PoolName.SWA}
+    assert [sorted(tree.linker.objects[p].local) for p in (PoolName.KV, PoolName.SWA)] == [[0, 2], [1, 3]]
+    slots = tree.compute(TOKENS)
+    full, window = tree.rows(slots), tree.swa_rows(slots)
+    assert tree.linker.stats["stored"] == 2 * len(TOKENS) // 4  # every page of both pools
+    tree.evict(slots)
+    counter, reported = tree.linker.layer_done_counter, []
+    complete = counter.complete
+    counter.complete = lambda index, layer: (reported.append(layer), complete(index, layer))
+    n, got, aborted = tree.restore("r", TOKENS)
+    assert (n, aborted) == (len(TOKENS), []) and reported == [0, 1, 2, 3]
+    assert np.array_equal(tree.rows(got), full) and np.array_equal(tree.swa_rows(got[-WINDOW:]), window[:, -WINDOW:])
+    assert tree.linker.stats["loaded"] == len(TOKENS) // 4 + WINDOW // 4
+    keys = [tree.linker.objects[p].keys(_hashes(TOKENS)[:1])[0] for p in (PoolName.KV, PoolName.SWA)]
+    assert "-full-" in keys[0] and "-swa-" in keys[1]
+
+
+def test_sliding_window_lookups_have_gaps_and_a_damaged_window_fails_the_load(local):
+    """Where a page's window object is gone, the prefixes ending on that page do not restore,
+    but longer ones whose windows are whole do (sglang takes the longest): the lookup answers
+    with a gap. A damaged window object fails the load (sglang computes the request)."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+    from .linker_tree import WINDOW
+
+    tree = local(kind="swa", layers=4)
+    slots = tree.compute(TOKENS)
+    full, window = tree.rows(slots), tree.swa_rows(slots)
+    hashes = _hashes(TOKENS)
+    swa_keys = tree.linker.objects[PoolName.SWA].keys(hashes)
+    tree.linker.client.remove(swa_keys[1])
+    ask = lambda w: tree.linker.lookup("q", [PoolTransfer(name=PoolName.KV, keys=hashes), PoolTransfer(name=PoolName.SWA, keys=hashes[-w:])])  # noqa: E731
+    assert (ask(1), ask(2)) == ([1, 3], [1])  # a window of two pages needs pages p-2 and p-1
+    fresh = local(kind="swa", layers=4)
+    n, got, aborted = fresh.restore("a", TOKENS)
+    assert (n, aborted) == (len(TOKENS), []) and np.array_equal(fresh.rows(got), full)
+    assert np.array_equal(fresh.swa_rows(got[-WINDOW:]), window[:, -WINDOW:])
+    tree.linker.client.remove(swa_keys[2])
+    fresh = local(kind="swa", layers=4)
+    n, got, aborted = fresh.restore("b", TOKENS)
+    assert (n, aborted) == (4, []) and np.array_equal(fresh.rows(got), full[:, :4]) and np.array_equal(fresh.swa_rows(got), window[:, :4])
+    _flip(tree.linker.client, swa_keys[0])
+    fresh = local(kind="swa", layers=4)
+    before = [as_bytes(b).clone() for b in fresh.buffers + fresh.swa_buffers]
+    assert fresh.restore("c", TOKENS) == (0, None, []) and fresh.linker.stats["corrupt"] == 1
+    assert all(torch.equal(as_bytes(b), was) for b, was in zip(fresh.buffers + fresh.swa_buffers, before))
+
+
+def test_sliding_window_refused_calls_move_no_byte_and_staging_counts_the_window(local):
+    """A call whose window transfer does not fit (slots outside its pool, the padding slot,
+    pages that are not the KV pages' last, no KV pages) is refused whole, before any byte moves,
+    nothing staged; a prefix whose full pages and window do not fit the staging memory together
+    is not offered."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+    tree = local(kind="swa", layers=4)
+    slots = tree.compute(TOKENS)
+    hashes, lk = _hashes(TOKENS), tree.linker
+    at = tree.alloc.translate_loc_from_full_to_swa(slots)
+    bad = {"outside": (hashes[-1:], torch.full((4,), 10_000)), "padding": (hashes[-1:], torch.zeros(4, dtype=torch.int64)), "not last": (hashes[:1], at[:4]), "longer": (hashes + hashes[:1], torch.cat([at, at[:4]]))}
+    before = [as_bytes(b).clone() for b in tree.buffers + tree.swa_buffers]
+    for name, (keys, window) in bad.items():
+        call = [PoolTransfer(name=PoolName.KV, device_indices=slots, keys=hashes), PoolTransfer(name=PoolName.SWA, device_indices=window, keys=keys)]
+        assert lk.load(name, call) is False and lk.offload(call) is False, name
+    assert lk.load("swa only", [PoolTransfer(name=PoolName.SWA, device_indices=at[-4:], keys=hashes[-1:])]) is False
+    assert lk._staged_bytes == 0 and lk.start_layer_wise_loading() == -1 and lk.num_completed_offloads() == 0
+    assert all(torch.equal(as_bytes(b), was) for b, was in zip(tree.buffers + tree.swa_buffers, before))
+    kv_page, window_page = lk.objects[PoolName.KV].pages.page_bytes, lk.objects[PoolName.SWA].pages.page_bytes
+    small = local(kind="swa", layers=4, extra={"staging_bytes": 3 * kv_page + window_page - 1})
+    assert small.linker.lookup("q", [PoolTransfer(name=PoolName.KV, keys=hashes), PoolTransfer(name=PoolName.SWA, keys=hashes[-1:])]) == [1, 2]
