@@ -73,7 +73,7 @@ class LinkedTree:
                 self.dev = sp.mha_device(layer_num=layers, size=size, **pool) if kind == "mha" else sp.mla_device(layer_num=layers, size=size, **pool)
                 self.alloc = PagedTokenToKVPoolAllocator(size=self.dev.size, page_size=sp.P, dtype=self.dev.dtype, device="cpu", kvcache=self.dev, need_sort=False)
             window = dict(sliding_window_size=WINDOW) if kind == "swa" else {}
-            params = CacheInitParams(disable=False, req_to_token_pool=ReqToTokenPool(4, 256, "cpu", False), token_to_kv_pool_allocator=self.alloc, page_size=sp.P, tree_core_backend="python", tp_cache_group=group, attn_tp_cache_group=group, **window)
+            params = CacheInitParams(disable=False, req_to_token_pool=ReqToTokenPool(4, max(256, size), "cpu", False), token_to_kv_pool_allocator=self.alloc, page_size=sp.P, tree_core_backend="python", tp_cache_group=group, attn_tp_cache_group=group, **window)
             worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(forward_stream=torch.cpu.Stream()), register_hicache_layer_transfer_counter=lambda counter: None)
             self.cache = create_tree_cache(TreeCacheBuildContext(get_server_args(), params, kind == "swa", False, False, False, worker, None, 1, 0, None))
         self.linker = self.cache.linker.cache_linker
@@ -111,8 +111,11 @@ class LinkedTree:
         at = self.alloc.translate_loc_from_full_to_swa(slots) if self.swa_buffers else None
         for b, rows in [(b, slots) for b in self.buffers] + [(b, at) for b in self.swa_buffers]:
             as_bytes(b)[rows] = torch.randint(0, 256, as_bytes(b)[rows].shape, dtype=torch.uint8, generator=g)
+        start = time.perf_counter()
         self.cache.insert(InsertParams(key=RadixKey(array("q", tokens)), value=slots.clone()))
         self.settle()
+        #: Seconds the insert took until every offload was answered (scripts/bench-linker.py).
+        self.insert_seconds = time.perf_counter() - start
         return slots
 
     def settle(self, timeout: float = 30.0) -> None:
