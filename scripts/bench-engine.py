@@ -8,8 +8,10 @@ overhead, plus whatever brought the prefix back):
 
 - sglang 0.5.23 (``Engine``, ``HICACHE_IO_SGLANG=1``): *recompute* (no prefix anywhere: a prefix
   never seen), *host pool* (HiCache's L2 on hicache-io, after fillers evicted the device copy),
-  *L3 local* (``LocalStore`` after ``flush_cache()`` emptied device and host), and *device* (sglang's
-  own radix cache, for reference);
+  *L3 local* (``LocalStore`` after ``flush_cache()`` emptied device and host), *device* (sglang's
+  own radix cache, for reference), and, in an engine of its own, *direct L3* (sglang's external
+  linker on ``HicacheLinker`` and the local store, no host pool, after fillers evicted the
+  device copy);
 - vLLM 0.33.0 (``LLM``): *recompute*, *CPU tier* (``HicacheOffloadingSpec`` after
   ``reset_prefix_cache()``), *device* (vLLM's prefix cache), and *L3 local* (``HicacheTier`` on a
   local directory in the spec's ``secondary_tiers``: a new engine process over the directory
@@ -91,22 +93,44 @@ def sglang_rows(a, model_dir: str, work: str) -> list:
     }
     env = {"SGLANG_USE_CPU_ENGINE": "1", "HICACHE_IO_SGLANG": "1", "TORCH_EXTENSIONS_DIR": os.path.join(work, "torch-extensions")}
     r = run(a.sglang_python, "sglang_driver.py", {"model": model_dir, "engine": engine, "steps": steps}, work, "sglang", env, a.timeout)
-    reused = a.prefix // 16 * 16
-
-    def source(where):
-        def check(s):
-            d = s["details"] or {}
-            got = {k: d.get(k, 0) for k in ("device", "host", "storage")}
-            want = {k: (reused if k == where else 0) for k in got} if where else {k: 0 for k in got}
-            assert got == want, f"sglang {where or 'recompute'}: {got}, expected {want}"
-
-        return check
-
     rows = []
     for label, name, where in (("recompute", "recompute", None), ("device (sglang's radix cache)", "device", "device"), ("host pool (hicache-io L2)", "host", "host"), ("L3 local (LocalStore)", "l3", "storage")):
-        t, n = median_of(r, name, source(where))
+        t, n = median_of(r, name, sglang_source(a, where))
         rows.append(("sglang", label, t, n))
-    return rows
+    return rows + sglang_linker_rows(a, model_dir, work, fill, env)
+
+
+def sglang_source(a, where):
+    """A check of a step's report: the prefix came from ``where`` (sglang's cache details), or
+    from nowhere (``None``)."""
+    reused = a.prefix // 16 * 16
+
+    def check(s):
+        d = s["details"] or {}
+        got = {k: d.get(k, 0) for k in ("device", "host", "storage")}
+        want = {k: (reused if k == where else 0) for k in got} if where else {k: 0 for k in got}
+        assert got == want, f"sglang {where or 'recompute'}: {got}, expected {want}"
+
+    return check
+
+
+def sglang_linker_rows(a, model_dir: str, work: str, fill: list, env: dict) -> list:
+    """sglang's direct L3 (no host pool) on ``HicacheLinker`` and the local store: the prefix
+    the fillers evicted comes back from the store (sglang reports a linker hit as "host")."""
+    steps = []
+    for i in range(a.trials):
+        store, linked = model.prompts(a.prefix, 2, seed=400 + i)[1]
+        steps += [
+            {"op": "generate", "name": "store", "prompts": [store], "max_new_tokens": 1},
+            {"op": "generate", "name": "fill", "prompts": fill, "max_new_tokens": 1},
+            {"op": "generate", "name": "linker", "prompts": [linked], "max_new_tokens": 1},
+            {"op": "flush"},
+        ]
+    config = {"linker": "HicacheLinker", "linker_module_path": "hicache_io.sglang_linker", "linker_extra_config": {"store": "local", "path": os.path.join(work, "linker")}}
+    engine = {"max_total_tokens": a.fillers * (a.prefix + 32), "chunked_prefill_size": 4096, "context_length": a.prefix + 64, "enable_unified_cache_external_linker": True, "unified_cache_external_linker_backend": "dynamic", "unified_cache_external_linker_config": config}
+    r = run(a.sglang_python, "sglang_driver.py", {"model": model_dir, "engine": engine, "steps": steps}, work, "sglang-linker", env, a.timeout)
+    t, n = median_of(r, "linker", sglang_source(a, "host"))
+    return [("sglang", "direct L3 (HicacheLinker, local)", t, n)]
 
 
 def vllm_rows(a, model_dir: str, work: str) -> list:
