@@ -54,9 +54,10 @@ class LinkedTree:
     """A ``UnifiedRadixCache`` on an MHA or MLA device pool on the CPU (``P`` tokens a page;
     ``pool``: the pool's other shape arguments), or (``kind="swa"``) a sliding-window model's
     two MHA pools (a window of ``WINDOW`` tokens), linked to hicache-io's linker with ``extra``
-    as its ``linker_extra_config``."""
+    as its ``linker_extra_config``; ``core``: the tree's core, sglang's ``python`` or ``rust``
+    (its default in a server)."""
 
-    def __init__(self, extra: dict, kind: str = "mha", layers: int = 3, size: int = 64, group=None, **pool):
+    def __init__(self, extra: dict, kind: str = "mha", layers: int = 3, size: int = 64, group=None, core: str = "python", **pool):
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
         from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
@@ -73,7 +74,7 @@ class LinkedTree:
                 self.dev = sp.mha_device(layer_num=layers, size=size, **pool) if kind == "mha" else sp.mla_device(layer_num=layers, size=size, **pool)
                 self.alloc = PagedTokenToKVPoolAllocator(size=self.dev.size, page_size=sp.P, dtype=self.dev.dtype, device="cpu", kvcache=self.dev, need_sort=False)
             window = dict(sliding_window_size=WINDOW) if kind == "swa" else {}
-            params = CacheInitParams(disable=False, req_to_token_pool=ReqToTokenPool(4, max(256, size), "cpu", False), token_to_kv_pool_allocator=self.alloc, page_size=sp.P, tree_core_backend="python", tp_cache_group=group, attn_tp_cache_group=group, **window)
+            params = CacheInitParams(disable=False, req_to_token_pool=ReqToTokenPool(4, max(256, size), "cpu", False), token_to_kv_pool_allocator=self.alloc, page_size=sp.P, tree_core_backend=core, tp_cache_group=group, attn_tp_cache_group=group, **window)
             worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(forward_stream=torch.cpu.Stream()), register_hicache_layer_transfer_counter=lambda counter: None)
             self.cache = create_tree_cache(TreeCacheBuildContext(get_server_args(), params, kind == "swa", False, False, False, worker, None, 1, 0, None))
         self.linker = self.cache.linker.cache_linker

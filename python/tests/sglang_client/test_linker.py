@@ -346,3 +346,23 @@ def test_sliding_window_refused_calls_move_no_byte_and_staging_counts_the_window
     kv_page, window_page = lk.objects[PoolName.KV].pages.page_bytes, lk.objects[PoolName.SWA].pages.page_bytes
     small = local(kind="swa", layers=4, extra={"staging_bytes": 3 * kv_page + window_page - 1})
     assert small.linker.lookup("q", [PoolTransfer(name=PoolName.KV, keys=hashes), PoolTransfer(name=PoolName.SWA, keys=hashes[-1:])]) == [1, 2]
+
+
+@pytest.mark.parametrize("kind", ["mha", "swa"])
+def test_sglangs_rust_tree_core_and_unified_keys_round_trip_too(local, kind):
+    """sglang's rust tree core (a server's default; the others here run its python core) builds
+    its transfers natively: pages round-trip the same, with unified keys too, a sliding-window
+    model's both pools, and no staging memory left counted."""
+    from .linker_tree import WINDOW
+
+    tree = local(kind=kind, layers=4, core="rust", extra={"key_scheme": "unified", "kv_heads": 2})
+    assert type(tree.cache.tree_core).__name__ == "RustUnifiedTreeCore"
+    slots = tree.compute(TOKENS)
+    full, window = tree.rows(slots), tree.swa_rows(slots) if kind == "swa" else None
+    tree.evict(slots)
+    n, got, aborted = tree.restore("r", TOKENS)
+    assert (n, aborted) == (len(TOKENS), []) and np.array_equal(tree.rows(got), full)
+    assert window is None or np.array_equal(tree.swa_rows(got[-WINDOW:]), window[:, -WINDOW:])
+    assert tree.linker._staged_bytes == 0
+    keys = tree.linker.object_keys(["h"])
+    assert [k[-3:] for k in keys] == ["_H0", "_H1"] and all(f"-mha-u{'-full' if kind == 'swa' else ''}-" in k for k in keys)
