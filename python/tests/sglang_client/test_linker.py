@@ -130,16 +130,20 @@ def test_another_namespace_or_shape_never_reads_the_pages(local):
     assert tree.restore("r3", TOKENS)[0] == len(TOKENS)
 
 
-def test_mooncake_store_round_trip(master):
-    extra = {"store": "mooncake", "master_server_address": master.address, "protocol": "tcp", "metadata_server": "P2PHANDSHAKE", "local_hostname": "127.0.0.1", "global_segment_size": 16 << 20, "local_buffer_size": 4 << 20, "namespace": "mc-linker"}
-    tree = LinkedTree(extra)
+@pytest.mark.parametrize("kind", ["mha", "swa"])
+def test_mooncake_store_round_trip(master, kind):
+    from .linker_tree import WINDOW
+
+    extra = {"store": "mooncake", "master_server_address": master.address, "protocol": "tcp", "metadata_server": "P2PHANDSHAKE", "local_hostname": "127.0.0.1", "global_segment_size": 16 << 20, "local_buffer_size": 4 << 20, "namespace": f"mc-linker-{kind}"}
+    tree = LinkedTree(extra, kind=kind, layers=4)
     try:
         slots = tree.compute(TOKENS)
-        computed = tree.rows(slots)
+        computed, window = tree.rows(slots), tree.swa_rows(slots) if kind == "swa" else None
         tree.evict(slots)
         n, restored, aborted = tree.restore("r1", TOKENS)
         assert (n, aborted) == (len(TOKENS), [])
         assert np.array_equal(tree.rows(restored), computed)
+        assert window is None or np.array_equal(tree.swa_rows(restored[-WINDOW:]), window[:, -WINDOW:])
     finally:
         tree.close()
 
