@@ -167,7 +167,7 @@ def test_refused_calls_move_no_byte(local):
 def test_keys_name_the_model_and_staging_is_given_back(local):
     import types
 
-    from hicache_io.sglang_linker import _key_tail
+    from hicache_io.linker_objects import _key_tail
 
     tree = local()
     args = dict(model_path="m", served_model_name="llm", revision=None, quantization=None, json_model_override_args="{}", kv_cache_dtype="auto")
