@@ -42,6 +42,15 @@ drop_cache = import_module("bench-l3-local").drop_cache
 SHAPE = dict(layers=16, head_num=8, head_dim=128)
 
 
+def timed_restore(tree: LinkedTree, rid: str, tokens: list, computed) -> float:
+    """Seconds ``tree`` took to restore ``tokens`` (every one, bytes equal to ``computed``)."""
+    t = time.perf_counter()
+    n, got, aborted = tree.restore(rid, tokens)
+    seconds = time.perf_counter() - t
+    assert n == len(tokens) and not aborted and (tree.rows(got) == computed).all(), f"{rid} restore fell short or differs"
+    return seconds
+
+
 def one_round(directory: str, pages: int, seed: int) -> dict:
     tokens = [1000 * (seed + 1) + t for t in range(pages * 4)]
     tree = LinkedTree({"store": "local", "path": directory}, size=pages * 4 + 64, **SHAPE)
@@ -51,19 +60,13 @@ def one_round(directory: str, pages: int, seed: int) -> dict:
         offload = tree.insert_seconds
         computed = tree.rows(slots)
         tree.evict(slots)
-        t = time.perf_counter()
-        n, got, aborted = tree.restore("warm", tokens)
-        restore = time.perf_counter() - t
-        assert n == len(tokens) and not aborted and (tree.rows(got) == computed).all(), "restore fell short or differs"
+        restore = timed_restore(tree, "warm", tokens, computed)
     finally:
         tree.close()
     drop_cache(directory)
     cold_tree = LinkedTree({"store": "local", "path": directory}, size=pages * 4 + 64, **SHAPE)
     try:
-        t = time.perf_counter()
-        n, got, aborted = cold_tree.restore("cold", tokens)
-        cold = time.perf_counter() - t
-        assert n == len(tokens) and not aborted and (cold_tree.rows(got) == computed).all(), "cold restore fell short or differs"
+        cold = timed_restore(cold_tree, "cold", tokens, computed)
     finally:
         cold_tree.close()
     gb = pages * page_bytes / 1e9

@@ -103,10 +103,10 @@ class LinkerPages:
         :meth:`object_rows`) to the staging buffer (``out``) or from it, through hicache-io's ops."""
         n = rows.numel() // self.page
         rows = rows.to(self.device)  # on the caller's stream: the copies' own
-        base = self.staged_rows(n).to(staged.device)
+        base = self.staged_rows(n).to(self.device)
         view = staged[: n * self.stride].view(-1, self.item)
         for b in buffers:
-            at = (base + b * self.page).to(rows.device) if rows.device.type == "cuda" else base + b * self.page
+            at = base + b * self.page
             if out:
                 kvcacheio.transfer_kv_per_layer_mla(self.rows[b], view, rows, at, self.item)
             else:

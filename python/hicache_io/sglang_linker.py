@@ -57,6 +57,7 @@ since sglang runs the same batch on all of them.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import queue
 import threading
@@ -87,7 +88,10 @@ class Staged:
 
     def __init__(self, rid: str, parts: List[Tuple["PoolObjects", torch.Tensor, int]], held: Tuple[torch.Tensor, List[int]], nbytes: int):
         self.rid, self.parts, self.held, self.nbytes = rid, parts, held, nbytes
-        self.buf = held[0]
+
+    @property
+    def buf(self) -> torch.Tensor:
+        return self.held[0]
 
 
 class HicacheLinker(UnifiedCacheLinker):
@@ -156,7 +160,7 @@ class HicacheLinker(UnifiedCacheLinker):
         with a sliding window (an SWA transfer of ``w`` keys) the SWA objects of the ``w`` pages
         before ``p``; within the staging memory. The answer may have gaps: the tree takes the
         longest count every rank offers."""
-        kv, swa = _kv(transfers), next((t for t in transfers if t.name == PoolName.SWA), None)
+        kv, swa = _transfer(transfers, PoolName.KV), _transfer(transfers, PoolName.SWA)
         if kv is None or not kv.keys:
             return []
         full = self.objects[PoolName.KV]
@@ -326,7 +330,7 @@ class HicacheLinker(UnifiedCacheLinker):
                 self._release(s)
 
     def _on(self, stream: Any) -> Any:
-        return torch.cuda.stream(stream) if stream is not None else _nothing()
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
     def _finished(self) -> None:
         """Waits for the copies enqueued on this thread's stream; raises what they raised (the
@@ -441,16 +445,8 @@ class HicacheLinker(UnifiedCacheLinker):
         self.client.close()
 
 
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-
-def _kv(transfers: Sequence[PoolTransfer]) -> Optional[PoolTransfer]:
-    return next((t for t in transfers if t.name == PoolName.KV), None)
+def _transfer(transfers: Sequence[PoolTransfer], name: Any) -> Optional[PoolTransfer]:
+    return next((t for t in transfers if t.name == name), None)
 
 
 def _check_window(t: PoolTransfer, kv_keys: List[str]) -> None:

@@ -93,6 +93,11 @@ class LinkedTree:
         at = self.alloc.translate_loc_from_full_to_swa(slots)
         return np.stack([as_bytes(b)[at].reshape(len(slots), -1).numpy() for b in self.swa_buffers])
 
+    def _buffer_rows(self, slots: torch.Tensor) -> list:
+        """Per buffer, the rows of full slots ``slots`` (the window's buffers: translated)."""
+        at = self.alloc.translate_loc_from_full_to_swa(slots) if self.swa_buffers else None
+        return [(b, slots) for b in self.buffers] + [(b, at) for b in self.swa_buffers]
+
     def _alloc(self, n: int) -> torch.Tensor:
         """``n`` fresh slots (with a window: full slots, each mapped to a window slot)."""
         if not self.swa_buffers:
@@ -109,8 +114,7 @@ class LinkedTree:
 
         slots = self._alloc(len(tokens))
         g = sp.gen(seed)
-        at = self.alloc.translate_loc_from_full_to_swa(slots) if self.swa_buffers else None
-        for b, rows in [(b, slots) for b in self.buffers] + [(b, at) for b in self.swa_buffers]:
+        for b, rows in self._buffer_rows(slots):
             as_bytes(b)[rows] = torch.randint(0, 256, as_bytes(b)[rows].shape, dtype=torch.uint8, generator=g)
         start = time.perf_counter()
         self.cache.insert(InsertParams(key=RadixKey(array("q", tokens)), value=slots.clone()))
@@ -134,9 +138,9 @@ class LinkedTree:
         """The device copy gone, its rows overwritten (a load that moves nothing must show)."""
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-        at = self.alloc.translate_loc_from_full_to_swa(slots) if self.swa_buffers else None
+        held = self._buffer_rows(slots)  # before the eviction drops the window's mapping
         assert self.cache.evict(EvictParams(num_tokens=len(slots))).num_tokens_evicted >= len(slots)
-        for b, rows in [(b, slots) for b in self.buffers] + [(b, at) for b in self.swa_buffers]:
+        for b, rows in held:
             as_bytes(b)[rows] = 0
 
     def restore(self, rid: str, tokens: list):
