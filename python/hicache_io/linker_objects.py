@@ -116,6 +116,88 @@ class LinkerPages:
         return [layer, self.layers + layer] if self.kind == "mha" else [layer]
 
 
+class StatePages:
+    """A Mamba pool's slots as objects (``pool``: sglang's ``HybridReqToTokenPool``): a slot's
+    state of every mamba layer, packed as sglang's own direct linkers pack it: the temporal
+    (SSM) rows of layers ``0..L-1``, then each conv buffer's rows of layers ``0..L-1``.
+    ``rows[b × L + l]`` is buffer ``b``'s layer ``l`` as ``[slots][items[b]]`` (uint8 views);
+    its bytes start at ``offsets[b × L + l]`` of an object, the trailer after them. A "page" is
+    one slot, slot 0 the padding slot no state is ever loaded into. The ring buffers of
+    speculative decoding and ReplaySSM are a step's scratch, not a node's state: not stored."""
+
+    kind, groups, page, heads = "mamba", 1, 1, 1
+
+    def __init__(self, pool: Any):
+        _check_state_pool(pool)
+        state = pool.mamba_pool.mamba_cache
+        # A conv-only model's temporal state is empty: no rows to store.
+        bufs = [b for b in [state.temporal, *state.conv] if b.numel()]
+        self.layers = int(bufs[0].shape[0])
+        self.rows = [_rows(b[l], i * self.layers + l) for i, b in enumerate(bufs) for l in range(self.layers)]
+        self.items = [int(r.shape[1]) for r in self.rows]
+        self.offsets = np.cumsum([0] + self.items[:-1]).tolist()
+        self.shapes = [[list(b.shape[2:]), str(b.dtype).replace("torch.", "")] for b in bufs]
+        self.start = int(getattr(pool, "start_layer", 0) or 0)
+        self.slots = min(r.shape[0] for r in self.rows)
+        self.device = self.rows[0].device
+        self.obj_bytes = sum(self.items)
+        self.stride = self.page_bytes = -(-(self.obj_bytes + TRAILER_BYTES) // 64) * 64
+
+    def check(self, device_indices: Any, n_pages: int) -> torch.Tensor:
+        """``device_indices`` as an int64 tensor on the pool's device; raises unless there is
+        one a state and each names a slot of the pool other than the padding slot 0."""
+        idx = torch.as_tensor(device_indices).reshape(-1).to(torch.int64)
+        if idx.numel() != n_pages:
+            raise ValueError(f"{n_pages} state(s) need {n_pages} slot(s), got {idx.numel()}")
+        if idx.numel() and (int(idx.min()) < 1 or int(idx.max()) >= self.slots):
+            raise IndexError(f"state slots outside 1..{self.slots - 1} (slot 0 is the padding slot)")
+        return idx.to(self.device)
+
+    def object_rows(self, idx: torch.Tensor, objects: Optional[np.ndarray] = None) -> torch.Tensor:
+        """The slots of objects ``objects`` (default: all of ``idx``), on the host."""
+        idx = idx.cpu()
+        return idx if objects is None else idx[torch.as_tensor(objects, dtype=torch.int64)]
+
+    def staging(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+
+    def move(self, staged: torch.Tensor, rows: torch.Tensor, buffers: Sequence[int], out: bool) -> None:
+        """Copies buffers ``buffers`` of the states in slots ``rows`` (object ``j``: slot
+        ``rows[j]``) to the staging buffer (``out``) or from it, through hicache-io's ops."""
+        rows = rows.to(self.device)  # on the caller's stream: the copies' own
+        zero = torch.zeros(1, dtype=torch.int64, device=self.device)
+        for j in range(rows.numel()):
+            for b in buffers:
+                at = j * self.stride + self.offsets[b]
+                view = staged[at : at + self.items[b]].view(1, self.items[b])
+                if out:
+                    kvcacheio.transfer_kv_per_layer_mla(self.rows[b], view, rows[j : j + 1], zero, self.items[b])
+                else:
+                    kvcacheio.transfer_kv_per_layer_mla(view, self.rows[b], zero, rows[j : j + 1], self.items[b])
+
+    def layer_buffers(self, layer: int) -> List[int]:
+        return list(range(layer, len(self.rows), self.layers))
+
+
+def _check_state_pool(pool: Any) -> None:
+    """Raises where a slot's state is more than its temporal and conv rows, or a slot id is
+    not the row it names: sglang's int8 checkpoint pool (offloads name its slots, loads the
+    active pool's), side states riding on a slot, virtual slot ids (unified memory)."""
+    from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+
+    if getattr(pool, "mamba_pool", None) is None:
+        raise ValueError(f"a Mamba model's state lives in a HybridReqToTokenPool; got {type(pool).__name__}")
+    refused = [
+        ("the int8 Mamba checkpoint pool", getattr(pool, "mamba_ckpt_pool", None) is not None),
+        ("short-conv side states", bool(getattr(getattr(pool, "short_conv_pool", None), "enabled", False))),
+        ("n-gram side states", bool(getattr(getattr(pool, "ngram_pool", None), "enabled", False))),
+        ("virtual Mamba slot ids (unified memory)", getattr(pool, "mamba_v2p_table", None) is not None or type(pool).translate_mamba_indices is not HybridReqToTokenPool.translate_mamba_indices),
+    ]
+    what = [name for name, on in refused if on]
+    if what:
+        raise ValueError(f"hicache-io's linker stores a Mamba slot's temporal and conv state only; refused: {', '.join(what)}")
+
+
 def _groups_of(heads: int, head_group: Optional[int]) -> int:
     """How many objects an MHA page of ``heads`` heads is cut into: one, or one a group of
     ``head_group`` heads (which must divide them)."""
@@ -192,6 +274,8 @@ def device_pools(kv: Any) -> List[Tuple[Any, Any]]:
     (its full-attention layers' pool as KV, its window layers' as SWA)."""
     if getattr(kv, "full_kv_pool", None) is not None and getattr(kv, "swa_kv_pool", None) is not None:
         return [(PoolName.KV, kv.full_kv_pool), (PoolName.SWA, kv.swa_kv_pool)]
+    if getattr(kv, "full_kv_pool", None) is not None and getattr(kv, "full_attention_layer_id_mapping", None) is not None:
+        return [(PoolName.KV, kv.full_kv_pool)]  # a Mamba hybrid's attention layers
     return [(PoolName.KV, kv)]
 
 
@@ -201,15 +285,19 @@ def _layer_ids(kv: Any, name: Any, pool: Any, n: int) -> List[int]:
     mapping = getattr(kv, "layers_mapping", None)
     if pool is kv:
         return list(range(n))
+    hybrid = getattr(kv, "full_attention_layer_id_mapping", None)
+    if hybrid is not None:  # the forward waits on the model's layer less the pool's first
+        return [g - int(getattr(kv, "start_layer", 0) or 0) for g, _ in sorted(hybrid.items(), key=lambda e: e[1])]
     if not mapping:
         raise ValueError(f"{type(kv).__name__} has two pools but no layers_mapping: which model layer each holds is unknown")
     ids = sorted((local, g) for g, (local, is_swa) in mapping.items() if bool(is_swa) == (name == PoolName.SWA))
     return [g for _, g in ids]
 
 
-def pool_objects(pools: Dict[Any, Any], kv: Any, server_args: Any, params: Any, cfg: Dict[str, Any]) -> Dict[Any, "PoolObjects"]:
+def pool_objects(pools: Dict[Any, Any], kv: Any, server_args: Any, params: Any, cfg: Dict[str, Any], states: bool = False) -> Dict[Any, "PoolObjects"]:
     """Each pool's :class:`PoolObjects`, from the configuration's ``key_scheme``,
-    ``head_group``, ``kv_heads`` and ``namespace`` (taken out of ``cfg``)."""
+    ``head_group``, ``kv_heads`` and ``namespace`` (taken out of ``cfg``); with ``states``, the
+    Mamba states of ``params.req_to_token_pool`` too (as ``MAMBA``)."""
     tp, tp_size, others = _rank(params)
     scheme = cfg.pop("key_scheme", "rank")
     if scheme not in ("rank", "unified"):
@@ -232,7 +320,34 @@ def pool_objects(pools: Dict[Any, Any], kv: Any, server_args: Any, params: Any, 
         groups = [f"_H{tp * pages.groups + h}" for h in range(pages.groups)] if unified else [""]
         # MLA pages are the same on every tp rank: rank 0 writes them, every rank reads them.
         out[name] = PoolObjects(pages, prefix, tail, groups, pages.kind == "mha" or tp == 0, layer_ids)
+    if states:
+        out[PoolName.MAMBA] = _state_objects(params.req_to_token_pool, server_args, prefix, f"tp{tp}_{others}", tp_size)
     return out
+
+
+def _state_objects(pool: Any, server_args: Any, prefix: str, rank: str, tp_size: int) -> "PoolObjects":
+    """The Mamba states' objects: keyed by the KV page they end at, the tp rank always (a
+    state is split over the ranks whatever the KV's keys), every rank writing its own."""
+    pages = StatePages(pool)
+    mamba = sorted(pool.mamba_map.items(), key=lambda e: e[1])
+    if len(mamba) != pages.layers:
+        raise ValueError(f"the Mamba pool has {pages.layers} layers, the model maps {len(mamba)} to it")
+    record = {
+        "format": LINKER_FORMAT,
+        "model": _model(server_args),
+        "state": pages.shapes,
+        "layers": [g for g, _ in mamba],
+        "tp_size": tp_size,
+    }
+    digest = hashlib.blake2b(json.dumps(record, sort_keys=True).encode(), digest_size=6).hexdigest()
+    tail = f"_{rank}_hio-link-mamba-b{pages.obj_bytes}-L{mamba[0][0]}-{mamba[-1][0] + 1}-n{digest}"
+    return PoolObjects(pages, prefix, tail, [""], True, [g - pages.start for g, _ in mamba])
+
+
+def _model(server_args: Any) -> List[Any]:
+    """What names the model in a key's digest: two models served under one name must not share
+    pages, so the path, revision, weight quantization and overrides too."""
+    return [getattr(server_args, a, None) for a in ("model_path", "served_model_name", "revision", "quantization", "json_model_override_args", "kv_cache_dtype")]
 
 
 def _check_heads(pages: LinkerPages, kv_heads: Any, tp_size: int) -> None:
@@ -264,9 +379,7 @@ def _key_tail(pages: LinkerPages, server_args: Any, rank: str, tp_size: int, kv_
     apart."""
     record = {
         "format": LINKER_FORMAT,
-        # Two models served under one name must not share pages: the path, revision, weight
-        # quantization and overrides too.
-        "model": [getattr(server_args, a, None) for a in ("model_path", "served_model_name", "revision", "quantization", "json_model_override_args", "kv_cache_dtype")],
+        "model": _model(server_args),
         "kv_dtype": pages.dtype,
         "kind": pages.kind,
         "item": pages.item,

@@ -41,15 +41,19 @@ request is touched); the damaged object is removed. The layer-wise copy into the
 (``start_layer_wise_loading``) then only moves verified bytes; it fails the batch
 (``finish_layer_wise_loading`` ``False``) only if a device copy raises. ``lookup`` answers the
 runs of pages whose objects exist (every one up to the first missing page; with a sliding
-window, those whose window pages exist too). Offloads wait for ``record_offload_ready``'s events,
-then write only the pages the store does not hold.
+window, those whose window pages exist too; with Mamba state, those with a state at their end).
+Offloads wait for ``record_offload_ready``'s events, then write only the pages the store does not
+hold.
 
 Only plain MHA and MLA pools (token rows in the ``nhd`` layout, nothing else) are stored: a pool
-with scales (FP4, MXFP8), a DSA indexer or Mamba state is refused when the linker is built. A
-sliding-window model (``SWAKVPool``) is two such pools: its full-attention layers' pages are
-sglang's ``KV`` pool, its window layers' its ``SWA`` pool, each stored under keys of its own; a
-restore reads the window's last pages only, and ``lookup`` answers every prefix whose full pages
-and window pages exist (with gaps where a window page is missing).
+with scales (FP4, MXFP8) or a DSA indexer is refused when the linker is built. A sliding-window
+model (``SWAKVPool``) is two such pools: its full-attention layers' pages are sglang's ``KV``
+pool, its window layers' its ``SWA`` pool, each stored under keys of its own; a restore reads the
+window's last pages only, and ``lookup`` answers every prefix whose full pages and window pages
+exist (with gaps where a window page is missing). A Mamba hybrid's state (sglang's ``MAMBA``
+pool: one Mamba slot's temporal and conv rows of every Mamba layer) is one object keyed by the KV
+page it ends at and the tp rank; a load of KV pages without their state is refused, and the
+linker's layer counter gates the Mamba layers too (sglang registers it on the KV pool only).
 The verdict of ``load`` is agreed by every rank of the attention's tp and cp groups (the minimum),
 since sglang runs the same batch on all of them.
 """
@@ -99,15 +103,18 @@ class HicacheLinker(UnifiedCacheLinker):
 
     def __init__(self, server_args: Any, params: Any, *, components: Any, extra_config: Optional[Dict[str, Any]] = None, forward_stream: Any = None):
         cfg = dict(extra_config or {})
-        if ComponentType.MAMBA in set(components or ()):
-            raise ValueError("hicache-io's linker stores KV pages only; a model with Mamba state cannot use it")
+        states = ComponentType.MAMBA in set(components or ())
+        if states and getattr(params, "mtp_draft_mamba_pools", ()):
+            raise ValueError("hicache-io's linker stores the target model's Mamba state; a draft model's own Mamba pools are not stored")
         self.forward_stream = forward_stream
         kv = params.token_to_kv_pool_allocator.get_kvcache()
         self.pools = dict(device_pools(kv))
-        self.objects = pool_objects(self.pools, kv, server_args, params, cfg)
+        self.objects = pool_objects(self.pools, kv, server_args, params, cfg, states=states)
         self.pages = self.objects[PoolName.KV].pages
         self._groups = _groups(params)
         self.layer_done_counter = LayerWiseLoadCounter(1 + max(g for o in self.objects.values() for g in o.local))
+        if states:  # sglang registers the counter on the KV pool only; Mamba layers read this pool
+            params.req_to_token_pool.register_layer_transfer_counter(self.layer_done_counter)
         store = cfg.pop("store", "local")
         self.staging_bytes = int(cfg.pop("staging_bytes", DEFAULT_STAGING_BYTES))
         threads = int(cfg.pop("threads", 4))
@@ -139,13 +146,17 @@ class HicacheLinker(UnifiedCacheLinker):
         for t in sorted((t for t in transfers if t.name in self.objects and t.keys), key=lambda t: t.name != PoolName.KV):
             try:
                 parts.append((self.objects[t.name], self.objects[t.name].pages.check(t.device_indices, len(t.keys)), list(t.keys)))
-                _check_window(t, parts[0][2])
+                _check_shape(t, parts[0][2])
             except (ValueError, IndexError, TypeError, RuntimeError) as e:
                 logger.error("hicache-io linker: %s of %d %s page(s) refused: %s", what, len(t.keys), t.name, e)
                 return None
         if not parts or parts[0][0] is not self.objects[PoolName.KV]:
             if parts:
-                logger.error("hicache-io linker: %s refused: no KV pages with the window's", what)
+                logger.error("hicache-io linker: %s refused: no KV pages with the window's or the state", what)
+            return None
+        if what == "load" and PoolName.MAMBA in self.objects and all(o is not self.objects[PoolName.MAMBA] for o, _, _ in parts):
+            # KV without the state it ends at would run the model from a stale state.
+            logger.error("hicache-io linker: load refused: KV pages without their Mamba state")
             return None
         return parts
 
@@ -156,28 +167,36 @@ class HicacheLinker(UnifiedCacheLinker):
     # ---- lookup and loads --------------------------------------------------------------------
 
     def lookup(self, rid: str, transfers: List[PoolTransfer]) -> List[int]:
-        """Every page count ``p`` whose pages restore: the KV objects of pages ``[0, p)``, and
-        with a sliding window (an SWA transfer of ``w`` keys) the SWA objects of the ``w`` pages
-        before ``p``; within the staging memory. The answer may have gaps: the tree takes the
-        longest count every rank offers."""
-        kv, swa = _transfer(transfers, PoolName.KV), _transfer(transfers, PoolName.SWA)
+        """Every page count ``p`` whose pages restore: the KV objects of pages ``[0, p)``; with
+        a sliding window (an SWA transfer of ``w`` keys) the SWA objects of the ``w`` pages
+        before ``p``; with Mamba state (a MAMBA transfer) the state stored at page ``p``'s end;
+        within the staging memory. The answer may have gaps: the tree takes the longest count
+        every rank offers."""
+        kv = _transfer(transfers, PoolName.KV)
         if kv is None or not kv.keys:
             return []
         full = self.objects[PoolName.KV]
         keys = kv.keys[: self.staging_bytes // full.pages.page_bytes]
         try:
             run = int(np.argmin(np.append(self._present(full, keys), False)))
-            if swa is None or not swa.keys or PoolName.SWA not in self.objects:
-                return list(range(1, run + 1))
-            window = self.objects[PoolName.SWA]
-            missing = np.concatenate([[0], np.cumsum(~self._present(window, keys[:run]))])
+            p = np.arange(1, run + 1)
+            ok, need = np.ones(run, dtype=bool), p * full.pages.page_bytes
+            for name, t in ((n, _transfer(transfers, n)) for n in (PoolName.SWA, PoolName.MAMBA)):
+                if t is None or not t.keys or name not in self.objects:
+                    continue
+                o = self.objects[name]
+                present = self._present(o, keys[:run])
+                if name == PoolName.SWA:
+                    missing, w = np.concatenate([[0], np.cumsum(~present)]), np.minimum(len(t.keys), p)
+                    ok &= missing[p] == missing[p - w]
+                    need = need + w * o.pages.page_bytes
+                else:  # a state exists only where a node ended: stored under its last page
+                    ok &= present
+                    need = need + o.pages.page_bytes
         except Exception:  # noqa: BLE001 - a store that cannot answer has nothing to offer
             logger.exception("hicache-io linker: lookup failed")
             return []
-        p = np.arange(1, run + 1)
-        w = np.minimum(len(swa.keys), p)
-        ok = (missing[p] == missing[p - w]) & (p * full.pages.page_bytes + w * window.pages.page_bytes <= self.staging_bytes)
-        return p[ok].tolist()
+        return p[ok & (need <= self.staging_bytes)].tolist()
 
     def _present(self, objects: PoolObjects, page_keys: Sequence[str]) -> np.ndarray:
         """Per page, whether every object of it exists."""
@@ -449,9 +468,12 @@ def _transfer(transfers: Sequence[PoolTransfer], name: Any) -> Optional[PoolTran
     return next((t for t in transfers if t.name == name), None)
 
 
-def _check_window(t: PoolTransfer, kv_keys: List[str]) -> None:
-    """Raises unless the window transfer ``t`` names the KV transfer's last pages (sglang's
-    only shape) and no padding slot (slot 0, what a window slot never mapped translates to)."""
+def _check_shape(t: PoolTransfer, kv_keys: List[str]) -> None:
+    """Raises unless a window transfer ``t`` names the KV transfer's last pages (sglang's only
+    shape) and no padding slot (slot 0, what a window slot never mapped translates to), and a
+    Mamba transfer names the KV transfer's last page (the state is the one at its end)."""
+    if t.name == PoolName.MAMBA and list(t.keys) != kv_keys[-1:]:
+        raise ValueError("the Mamba state's key is not the KV pages' last")
     if t.name != PoolName.SWA:
         return
     if len(t.keys) > len(kv_keys) or list(t.keys) != kv_keys[len(kv_keys) - len(t.keys) :]:

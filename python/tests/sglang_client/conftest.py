@@ -54,3 +54,21 @@ def pytest_report_header(config):
     if PROBLEM is not None:
         return f"sglang_client: skipped ({PROBLEM})"
     return f"sglang_client: hicache_io.sglang.install() -> sglang {INSTALL_REPORT['sglang']}, sgl_kernel: {INSTALL_REPORT['sgl_kernel']}, jit: {INSTALL_REPORT['jit']}, {len(INSTALL_REPORT['torch_ops'])} torch ops"
+
+
+@pytest.fixture
+def local(tmp_path):
+    """``make(cls=LinkedTree, extra={...}, **kw)``: a linked tree (``linker_tree.LinkedTree``
+    or a subclass) on the local store in ``tmp_path / "l3"``, closed after the test."""
+    from .linker_tree import LinkedTree
+
+    trees = []
+
+    def make(cls=LinkedTree, **kw):
+        extra = {"store": "local", "path": str(tmp_path / "l3"), **kw.pop("extra", {})}
+        trees.append(cls(extra, **kw))
+        return trees[-1]
+
+    yield make
+    for t in trees:
+        t.close()

@@ -30,20 +30,6 @@ TOKENS = list(range(100, 112))  # three pages of sgl_pools.P = 4 tokens
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture
-def local(tmp_path):
-    trees = []
-
-    def make(**kw):
-        extra = {"store": "local", "path": str(tmp_path / "l3"), **kw.pop("extra", {})}
-        trees.append(LinkedTree(extra, **kw))
-        return trees[-1]
-
-    yield make
-    for t in trees:
-        t.close()
-
-
 # (kind, pool shape): small pages (the local store packs them) and 96 KiB MHA pages (files).
 SHAPES = {"mha": ("mha", {}), "mla": ("mla", {}), "mha-files": ("mha", {"layers": 6, "head_num": 8, "head_dim": 128})}
 
