@@ -274,8 +274,8 @@ def device_pools(kv: Any) -> List[Tuple[Any, Any]]:
     (its full-attention layers' pool as KV, its window layers' as SWA)."""
     if getattr(kv, "full_kv_pool", None) is not None and getattr(kv, "swa_kv_pool", None) is not None:
         return [(PoolName.KV, kv.full_kv_pool), (PoolName.SWA, kv.swa_kv_pool)]
-    if getattr(kv, "full_kv_pool", None) is not None and getattr(kv, "full_attention_layer_id_mapping", None) is not None:
-        return [(PoolName.KV, kv.full_kv_pool)]  # a Mamba hybrid's attention layers
+    if type(kv).__name__ == "HybridLinearKVPool":  # a Mamba hybrid's attention layers
+        return [(PoolName.KV, kv.full_kv_pool)]
     return [(PoolName.KV, kv)]
 
 
@@ -328,8 +328,10 @@ def pool_objects(pools: Dict[Any, Any], kv: Any, server_args: Any, params: Any, 
 def _state_objects(pool: Any, server_args: Any, prefix: str, rank: str, tp_size: int) -> "PoolObjects":
     """The Mamba states' objects: keyed by the KV page they end at, the tp rank always (a
     state is split over the ranks whatever the KV's keys), every rank writing its own."""
+    mamba = sorted(getattr(pool, "mamba_map", {}).items(), key=lambda e: e[1])
+    if not mamba:
+        raise ValueError("this pipeline stage holds no Mamba layer: hicache-io's linker stores a hybrid's state with the stage's Mamba layers")
     pages = StatePages(pool)
-    mamba = sorted(pool.mamba_map.items(), key=lambda e: e[1])
     if len(mamba) != pages.layers:
         raise ValueError(f"the Mamba pool has {pages.layers} layers, the model maps {len(mamba)} to it")
     record = {

@@ -123,6 +123,8 @@ class MambaTree(LinkedTree):
             return 0, None, None, []
         slots = self.cache.linker.private_load_indices[rid].clone()
         self.linker.layer_done_counter.set_consumer(self.cache.ready_to_load_host_cache())
+        #: The request's Mamba slot.
+        self.slot = int(req.kv.mamba_pool_idx.view(-1)[0])
         for layer in sorted(self.full + self.window + self.mamba):
             self.rtp.mamba2_layer_cache(layer) if layer in self.mamba else self.dev.get_key_buffer(layer)
         aborted = [r.rid for r in self.cache.finish_external_linker_loads([req])]

@@ -53,14 +53,23 @@ def test_state_and_pages_restore_every_byte(tree, kind, state):
     assert t.rtp.layer_transfer_counter is t.linker.layer_done_counter  # Mamba layers wait too
     rows, _, at12 = _stored(t)
     assert t.linker.stats["stored"] == 3 + 2 + (3 if kind == "swa" else 0)  # pages, states, window pages
-    done = []
+    done, landed = [], {}
     complete = t.linker.layer_done_counter.complete
-    t.linker.layer_done_counter.complete = lambda i, layer: (done.append(layer), complete(i, layer))
+
+    def completing(i, layer):  # what the forward may read once this layer is reported
+        if layer in t.mamba:
+            landed[layer] = [as_bytes(b[t.rtp.mamba_map[layer]]).clone().numpy() for b in t.states]
+        done.append(layer)
+        complete(i, layer)
+
+    t.linker.layer_done_counter.complete = completing
     n, slots, got, aborted = t.restore("r1", TOKENS)
     assert (n, aborted) == (len(TOKENS), [])
     assert np.array_equal(t.rows(slots), rows) and equal_states(got, at12)
     assert t.window_rows is None or np.array_equal(t.swa_rows(slots[-WINDOW:]), t.window_rows)
     assert done == sorted(t.full + t.window + t.mamba)
+    # Each Mamba layer's state had landed when the layer was reported.
+    assert all(equal_states([s[t.slot : t.slot + 1] for s in landed[g]], [b[i] for b in at12]) for i, g in enumerate(t.mamba))
     assert t.linker._staged_bytes == 0
 
 
@@ -122,6 +131,15 @@ def test_state_pools_the_objects_cannot_hold_are_refused(tree):
             StatePages(pool)
     with pytest.raises(ValueError, match="HybridReqToTokenPool"):
         StatePages(types.SimpleNamespace())
+    # A hybrid pool holding more than attention pages (Qwen4-Exp's indexer keys) is not plain.
+    from hicache_io.linker_objects import LinkerPages, device_pools
+
+    qsa = type("QSATokenToKVPool", (type(t.dev),), {})
+    pool = qsa.__new__(qsa)
+    pool.__dict__.update(t.dev.__dict__)
+    (_, kv), = device_pools(pool)
+    with pytest.raises(ValueError, match="plain MHA and MLA"):
+        LinkerPages(kv, 4)
 
 
 @pytest.mark.parametrize("where", ["rust-core", "mooncake"])
