@@ -370,6 +370,18 @@ def test_a_write_rule_the_store_does_not_know_is_refused(tmp_path):
         LocalStore(HiCacheStorageConfig(model_name="m"), {"hicache_io_local_writes": "fast"}, directory=str(tmp_path / "l3"))
 
 
+def _in_page_cache(path: str, nbytes: int) -> bool:
+    """Whether the page cache holds the first ``nbytes`` of ``path`` (a read that may not wait
+    for the disk)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.preadv(fd, [bytearray(nbytes)], 0, os.RWF_NOWAIT) == nbytes
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
 @pytest.mark.parametrize("reads", ["auto", "buffered"])
 @pytest.mark.parametrize("shift", [0, 8])
 def test_large_objects_out_of_the_page_cache_read_back_exactly(tmp_path, reads, shift):
@@ -405,6 +417,9 @@ def test_large_objects_out_of_the_page_cache_read_back_exactly(tmp_path, reads, 
         drop()
         assert c.batch_get_into_multi_buffers(["big"], [spans(dst)], [sizes]) == [total]
         assert np.array_equal(src, dst)
+        # ``auto`` saw the object out of the page cache and read it past it into aligned spans;
+        # buffered reads fill the cache.
+        assert _in_page_cache(c.path("big"), 1 << 20) == (reads == "buffered" or shift != 0)
         with open(c.path("big"), "r+b") as f:
             f.seek(total - 2)
             b = f.read(1)
