@@ -136,6 +136,8 @@ class StatePages:
         self.rows = [_rows(b[l], i * self.layers + l) for i, b in enumerate(bufs) for l in range(self.layers)]
         self.items = [int(r.shape[1]) for r in self.rows]
         self.offsets = np.cumsum([0] + self.items[:-1]).tolist()
+        # A copy op moves an item per warp on a GPU: a state row of megabytes moves as pieces.
+        self.pieces = [_pieces(n) for n in self.items]
         self.shapes = [[list(b.shape[2:]), str(b.dtype).replace("torch.", "")] for b in bufs]
         self.start = int(getattr(pool, "start_layer", 0) or 0)
         self.slots = min(r.shape[0] for r in self.rows)
@@ -165,18 +167,29 @@ class StatePages:
         """Copies buffers ``buffers`` of the states in slots ``rows`` (object ``j``: slot
         ``rows[j]``) to the staging buffer (``out``) or from it, through hicache-io's ops."""
         rows = rows.to(self.device)  # on the caller's stream: the copies' own
-        zero = torch.zeros(1, dtype=torch.int64, device=self.device)
         for j in range(rows.numel()):
             for b in buffers:
-                at = j * self.stride + self.offsets[b]
-                view = staged[at : at + self.items[b]].view(1, self.items[b])
+                k, at = self.pieces[b], j * self.stride + self.offsets[b]
+                piece = self.items[b] // k
+                view, pool = staged[at : at + self.items[b]].view(k, piece), self.rows[b].view(-1, piece)
+                mine = torch.arange(k, dtype=torch.int64, device=self.device)
+                theirs = rows[j] * k + mine
                 if out:
-                    kvcacheio.transfer_kv_per_layer_mla(self.rows[b], view, rows[j : j + 1], zero, self.items[b])
+                    kvcacheio.transfer_kv_per_layer_mla(pool, view, theirs, mine, piece)
                 else:
-                    kvcacheio.transfer_kv_per_layer_mla(view, self.rows[b], zero, rows[j : j + 1], self.items[b])
+                    kvcacheio.transfer_kv_per_layer_mla(view, pool, mine, theirs, piece)
 
     def layer_buffers(self, layer: int) -> List[int]:
         return list(range(layer, len(self.rows), self.layers))
+
+
+def _pieces(item: int, most: int = 64 << 10) -> int:
+    """Into how many equal pieces of at most ``most`` bytes (whole 16-byte words) a row of
+    ``item`` bytes is cut: the fewest, or 1 where no such cut exists among the first few."""
+    for k in range(-(-item // most), min(item // 16, -(-item // most) + 4096) + 1):
+        if item % k == 0 and (item // k) % 16 == 0:
+            return k
+    return 1
 
 
 def _check_state_pool(pool: Any) -> None:

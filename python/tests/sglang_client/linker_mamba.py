@@ -23,8 +23,9 @@ from .linker_tree import WINDOW, LinkedTree, ninja_on_path
 #: Per attention pool, the model's layers: full attention, the window's, Mamba.
 LAYERS = {"mha": ([0, 3], [], [1, 2]), "mla": ([0, 3], [], [1, 2]), "swa": ([0, 3], [1, 4], [2, 5])}
 #: State shapes (temporal: heads, head dim, state size; conv: dim, kernel − 1): ``small``
-#: states are packed by the local store, ``large`` ones (over 64 KiB) are files of their own.
-STATES = {"small": ((2, 4, 4), (8, 3)), "large": ((4, 32, 64), (256, 3))}
+#: states are packed by the local store, ``large`` ones (over 64 KiB) are files of their own, a
+#: temporal row of 128 KiB moved in two pieces.
+STATES = {"small": ((2, 4, 4), (8, 3)), "large": ((4, 64, 128), (256, 3))}
 
 
 def _pools(kind: str, state: str, size: int, **ckpt):

@@ -156,3 +156,13 @@ def test_rust_tree_core_and_mooncake_round_trip(request, tree, where):
     n, slots, got, aborted = t.restore("r1", TOKENS)
     assert (n, aborted) == (len(TOKENS), [])
     assert np.array_equal(t.rows(slots), rows) and equal_states(got, at12)
+
+
+def test_large_state_rows_move_in_pieces(tree):
+    """A GPU's copy op moves an item per warp: rows over 64 KiB move as equal pieces."""
+    from hicache_io.linker_objects import _pieces
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    assert [_pieces(n) for n in (2 << 20, 128 << 10, 48 << 10, 352, 16 * 65537)] == [32, 2, 1, 1, 1]
+    t = tree(state="large")
+    assert t.linker.objects[PoolName.MAMBA].pages.pieces == [2, 2, 1, 1]  # temporal of two layers, conv
