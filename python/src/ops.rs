@@ -3,7 +3,7 @@
 
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyTuple;
+use pyo3::types::{PyBytes, PyTuple};
 
 use hicache_io::kvcacheio::{self as kv, Memory, RawTensor};
 
@@ -323,10 +323,23 @@ pub(crate) fn copy_all_layer_kv_cache_cpu(
 #[pyfunction]
 #[pyo3(signature = (data, seed = hicache_io::integrity::STORAGE_SEED))]
 pub(crate) fn checksum(py: Python<'_>, data: &Bound<'_, PyAny>, seed: u64) -> PyResult<u64> {
-    let bytes = data_arg(data, "data")?;
-    py.detach(|| {
+    let sum = |bytes: &[u8]| -> hicache_io::Result<u64> {
         let keys = hicache_io::integrity::shared_keys(seed, hicache_io::integrity::words(bytes.len()))?;
-        Ok(hicache_io::integrity::checksum(&bytes, &keys))
+        Ok(hicache_io::integrity::checksum(bytes, &keys))
+    };
+    // Read in place, not copied first: a copy of a chunk of megabytes took as long as its sum.
+    if let Ok(b) = data.cast::<PyBytes>() {
+        return sum(b.as_bytes()).py();
+    }
+    let h = view(data, "data", Ctx { stream: None })?;
+    if !h.on_host() {
+        return Err(PyValueError::new_err("data: pass host memory"));
+    }
+    let (addr, len) = (h.raw.addr() as usize, h.raw.len() as usize);
+    py.detach(move || {
+        // SAFETY: a live host array of `len` bytes, kept by `h` until this function returns; only read.
+        let bytes: &[u8] = if len == 0 { &[] } else { unsafe { std::slice::from_raw_parts(addr as *const u8, len) } };
+        sum(bytes)
     })
     .py()
 }
