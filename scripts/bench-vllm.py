@@ -6,7 +6,9 @@
   (what a CPU offloading worker writes in torch; vLLM's own handler needs CUDA), GB/s of stores
   and loads over the engine's canonical KV tensors;
 - tier: ``HicacheTier`` (local directory, trailers checked on every load) against vLLM's own
-  ``fs`` tier (no verification), GB/s of stores and loads of whole chunks of the primary view.
+  ``fs`` tier (no verification), GB/s of stores and loads of whole chunks of the primary view;
+  loads warm (what the page cache holds after the first load) and cold (every file of both tiers
+  written back and dropped from the page cache before each load: a load after a restart).
 
     python scripts/bench-vllm.py [--layers 32] [--page 32768] [--blocks 4096] [--batch 256]
         [--chunk-mib 2] [--chunks 256] [--dir /tmp] [--seconds 3] [--json out.json]
@@ -30,16 +32,32 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 
-def timed(fn, seconds):
-    """Median seconds of ``fn()`` over repeats filling about ``seconds``."""
+def timed(fn, seconds, before=None):
+    """Median seconds of ``fn()`` over repeats filling about ``seconds`` (``before()``, untimed,
+    ahead of each)."""
     fn()
     times = []
     end = time.perf_counter() + seconds
     while time.perf_counter() < end or len(times) < 3:
+        if before is not None:
+            before()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def drop_cache(root):
+    """Every file under ``root`` written back and dropped from the page cache: what a load after
+    a restart (or long after the store) reads."""
+    os.sync()
+    for d, _dirs, files in os.walk(root):
+        for f in files:
+            fd = os.open(os.path.join(d, f), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
 
 
 def bench_worker(args, out):
@@ -150,7 +168,7 @@ def bench_tier(args, out):
 
     nbytes = n * row
     results = {}
-    for phase in ("store", "load"):
+    for phase in ("store", "load", "load cold"):
         for name, tier in (("hicache", ours), ("fs", fs)):
             if phase == "store":
                 # Fresh keys each time: a store of an existing key writes nothing.
@@ -158,12 +176,13 @@ def bench_tier(args, out):
             else:
                 keys = [make_offload_key(next(gen).to_bytes(8, "big"), 0) for _ in range(n)]
                 run(tier, keys, False)
-                t = timed(lambda: run(tier, keys, True), args.seconds)
+                cold = (lambda: drop_cache(root)) if phase == "load cold" else None
+                t = timed(lambda: run(tier, keys, True), args.seconds, cold)
             results[(phase, name)] = t
         a, b = results[(phase, "hicache")], results[(phase, "fs")]
         r = {"bench": "tier", "op": phase, "bytes": nbytes, "hicache_gbps": nbytes / a / 1e9, "fs_gbps": nbytes / b / 1e9, "ratio": b / a}
         out.append(r)
-        print(f"tier   {phase:5}: HicacheTier {r['hicache_gbps']:6.2f} GB/s (verified) | vLLM fs {r['fs_gbps']:6.2f} GB/s | {r['ratio']:.2f}x", flush=True)
+        print(f"tier   {phase:9}: HicacheTier {r['hicache_gbps']:6.2f} GB/s (verified) | vLLM fs {r['fs_gbps']:6.2f} GB/s | {r['ratio']:.2f}x", flush=True)
     ours.shutdown()
     fs.shutdown()
     shutil.rmtree(root, ignore_errors=True)

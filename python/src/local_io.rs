@@ -306,22 +306,6 @@ impl DirectRead {
         if unsafe { libc::fstat(fd.0, &mut same) } != 0 || (same.st_dev, same.st_ino) != (st.st_dev, st.st_ino) {
             return None;
         }
-        let mut done = 0usize;
-        while done < head {
-            // SAFETY: `head` bytes of the first buffer (registered memory, page-aligned) from the
-            // page-aligned offset `done` (whole pages read until the end of the file).
-            let n = unsafe { libc::pread(fd.0, (p0 + done) as *mut libc::c_void, head - done, done as libc::off_t) };
-            if n < 0 {
-                if errno() == -(libc::EINTR as i64) {
-                    continue;
-                }
-                return None;
-            }
-            done += n as usize;
-            if n == 0 || !(n as usize).is_multiple_of(DIRECT_ALIGN) {
-                return Some(done); // the file ends early: the caller sees a short read
-            }
-        }
         let padded = rest.div_ceil(DIRECT_ALIGN).max(1) * DIRECT_ALIGN;
         let layout = std::alloc::Layout::from_size_align(padded, DIRECT_ALIGN).ok()?;
         // SAFETY: a non-zero size; freed below.
@@ -329,13 +313,31 @@ impl DirectRead {
         if buf.is_null() {
             return None;
         }
-        let got = loop {
-            // SAFETY: `padded` bytes of the aligned buffer at the page-aligned offset `head`.
-            let n = unsafe { libc::pread(fd.0, buf as *mut libc::c_void, padded, head as libc::off_t) };
+        // One read of both: the head's whole pages into the first buffer (registered memory,
+        // page-aligned), the rest into the aligned buffer: one request of the disk, not two.
+        let both = [
+            libc::iovec { iov_base: p0 as *mut libc::c_void, iov_len: head },
+            libc::iovec { iov_base: buf as *mut libc::c_void, iov_len: padded },
+        ];
+        let n = loop {
+            // SAFETY: two page-aligned buffers of whole pages: `head` bytes of the first, `padded`
+            // of the aligned one, read from offset 0.
+            let n = unsafe { libc::preadv(fd.0, both.as_ptr(), 2, 0) };
             if n < 0 && errno() == -(libc::EINTR as i64) {
                 continue;
             }
-            break (n >= 0).then(|| (n as usize).min(rest));
+            break n;
+        };
+        let got = match usize::try_from(n) {
+            Ok(n) if n >= head => Some((n - head).min(rest)),
+            // The file ends inside the head (the caller sees a short read), or a read cut short
+            // on a page boundary: the caller reads the object again, buffered.
+            Ok(n) if n == 0 || !n.is_multiple_of(DIRECT_ALIGN) => {
+                // SAFETY: allocated above with this layout.
+                unsafe { std::alloc::dealloc(buf, layout) };
+                return Some(n);
+            }
+            _ => None,
         };
         if let Some(got) = got {
             // The bytes after the first buffer's whole pages, in order: its tail, then the others.

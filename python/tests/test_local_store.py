@@ -429,3 +429,34 @@ def test_large_objects_out_of_the_page_cache_read_back_exactly(tmp_path, reads, 
         assert c.batch_get_into_multi_buffers(["big"], [spans(dst)], [sizes]) == [DAMAGED]
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("cut", [0, 37, 4096 + 5])
+def test_large_object_cut_short_reads_cold_as_a_miss(tmp_path, cut):
+    """A large object out of the page cache read with ``O_DIRECT`` into one span larger than it
+    (``batch_get_into``): whole, its bytes exactly; cut short by ``cut`` bytes (its footer gone, or
+    the end of its pages), a miss (``DAMAGED``), never data."""
+    from hicache_io.l3.local import DAMAGED, LocalDiskClient
+
+    c = LocalDiskClient(str(tmp_path / "l3"), capacity_bytes=64 << 20, writes="direct", reads="auto")
+    n = (1 << 20) + 4096 + 100
+    raw = np.zeros(3 * n, np.uint8)
+    base = (-raw.ctypes.data) % 4096
+    at = base + -(-n // 4096) * 4096  # both spans start on a page
+    src, dst = raw[base : base + n], raw[at : at + n + 4096]
+    src[:] = np.random.default_rng(3).integers(0, 256, n, dtype=np.uint8)
+    c.register_buffer(raw.ctypes.data, raw.nbytes)
+    try:
+        assert c.batch_put_from(["big"], [src.ctypes.data], [n]) == [0]
+        p = c.path("big")
+        if cut:
+            os.truncate(p, os.path.getsize(p) - cut)
+        fd = os.open(p, os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+        got = c.batch_get_into(["big"], [dst.ctypes.data], [dst.nbytes])
+        assert got == ([DAMAGED] if cut else [n])
+        assert cut or (np.array_equal(dst[:n], src) and not _in_page_cache(p, 1 << 20))
+    finally:
+        c.close()
