@@ -32,15 +32,12 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 
-def timed(fn, seconds, before=None):
-    """Median seconds of ``fn()`` over repeats filling about ``seconds`` (``before()``, untimed,
-    ahead of each)."""
+def timed(fn, seconds):
+    """Median seconds of ``fn()`` over repeats filling about ``seconds``."""
     fn()
     times = []
     end = time.perf_counter() + seconds
     while time.perf_counter() < end or len(times) < 3:
-        if before is not None:
-            before()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
@@ -131,6 +128,27 @@ def tier_spec():
     return s
 
 
+def cold_loads(run, tiers, n, gen, root, seconds):
+    """Median seconds of each tier's load of ``n`` chunks from the disk: every tier stores its
+    chunks first, then the loads alternate between the tiers, every file dropped from the page
+    cache before each (a file just written may still be held below this machine, by the disk or
+    its host: neither tier reads what it wrote last)."""
+    from vllm.v1.kv_offload.base import make_offload_key
+
+    keys = {name: [make_offload_key(next(gen).to_bytes(8, "big"), 0) for _ in range(n)] for name in tiers}
+    for name, tier in tiers.items():
+        run(tier, keys[name], False)
+    times = {name: [] for name in tiers}
+    end = time.perf_counter() + 2 * seconds
+    while time.perf_counter() < end or min(len(t) for t in times.values()) < 3:
+        for name, tier in tiers.items():
+            drop_cache(root)
+            t0 = time.perf_counter()
+            run(tier, keys[name], True)
+            times[name].append(time.perf_counter() - t0)
+    return {("load cold", name): statistics.median(t) for name, t in times.items()}
+
+
 def bench_tier(args, out):
     from vllm.v1.kv_offload.base import ReqContext, make_offload_key
     from vllm.v1.kv_offload.tiering.base import TransferJob
@@ -169,15 +187,18 @@ def bench_tier(args, out):
     nbytes = n * row
     results = {}
     for phase in ("store", "load", "load cold"):
+        if phase == "load cold":
+            results.update(cold_loads(run, {"hicache": ours, "fs": fs}, n, gen, root, args.seconds))
         for name, tier in (("hicache", ours), ("fs", fs)):
             if phase == "store":
                 # Fresh keys each time: a store of an existing key writes nothing.
                 t = timed(lambda: run(tier, [make_offload_key(next(gen).to_bytes(8, "big"), 0) for _ in range(n)], False), args.seconds)
-            else:
+            elif phase == "load":
                 keys = [make_offload_key(next(gen).to_bytes(8, "big"), 0) for _ in range(n)]
                 run(tier, keys, False)
-                cold = (lambda: drop_cache(root)) if phase == "load cold" else None
-                t = timed(lambda: run(tier, keys, True), args.seconds, cold)
+                t = timed(lambda: run(tier, keys, True), args.seconds)
+            else:
+                continue
             results[(phase, name)] = t
         a, b = results[(phase, "hicache")], results[(phase, "fs")]
         r = {"bench": "tier", "op": phase, "bytes": nbytes, "hicache_gbps": nbytes / a / 1e9, "fs_gbps": nbytes / b / 1e9, "ratio": b / a}
