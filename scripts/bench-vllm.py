@@ -165,7 +165,8 @@ def bench_tier(args, out):
     view[:] = np.random.default_rng(1).integers(0, 256, view.shape, dtype=np.uint8)
     root = tempfile.mkdtemp(prefix="hicache-io-bench-vllm-", dir=args.dir)
     spec = tier_spec()
-    ours = HicacheTier(spec, memoryview(view), "hicache", store="local", path=os.path.join(root, "hicache"), capacity_bytes=4 * n * row + (1 << 30), threads=args.threads, writes=args.writes, reads=args.reads)
+    # Unbounded as `fs` is: no eviction inside the timed stores.
+    ours = HicacheTier(spec, memoryview(view), "hicache", store="local", path=os.path.join(root, "hicache"), capacity_bytes=1 << 40, threads=args.threads, writes=args.writes, reads=args.reads)
     fs = FileSystemTierManager(offloading_spec=spec, primary_kv_view=memoryview(view), tier_type="fs", root_dir=os.path.join(root, "fs"), n_read_threads=args.threads, n_write_threads=args.threads)
     ctx = ReqContext(req_id="bench")
     job = iter(range(1, 1 << 30))

@@ -57,7 +57,8 @@ struct WriteRule {
 const DIRECT_MIN: usize = 1 << 20;
 /// `O_DIRECT`'s alignment of addresses, offsets and lengths (a page covers every block size).
 const DIRECT_ALIGN: usize = 4096;
-/// At most this many bytes of a direct put go through its aligned bounce buffer.
+/// At most this many bytes of a direct put are written buffered after its pages (and of a
+/// direct get read through its aligned bounce buffer).
 const DIRECT_REST_MAX: usize = 256 << 10;
 
 pub(crate) type Span = (usize, usize);
@@ -212,9 +213,10 @@ fn page_size() -> usize {
     *PAGE.get_or_init(|| usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).ok().filter(|&p| p > 0).unwrap_or(4096))
 }
 
-/// `cachestat(2)` (Linux 6.5; one number on every architecture from 424 on).
+/// `cachestat(2)` (Linux 6.5; the number the generic syscall table gives it, x86-64's and
+/// arm64's; where it means something else the call fails and `mincore` answers).
 const SYS_CACHESTAT: libc::c_long = 451;
-/// Set once `cachestat` is refused (an older kernel, or a seccomp filter): `mincore` from then on.
+/// Set once the kernel does not have `cachestat` (`ENOSYS`): `mincore` from then on.
 static NO_CACHESTAT: AtomicBool = AtomicBool::new(false);
 
 #[repr(C)]
@@ -234,11 +236,13 @@ struct Cachestat {
 }
 
 /// Whether the page cache holds every page of `fd`'s first `size` bytes: `cachestat` where the
-/// kernel has it, else `mincore` over a mapping never touched, which reads nothing (but whose
-/// `munmap` interrupts every other thread of the process: 1 MiB warm gets ran at two thirds of
-/// their speed with it). A question neither can answer is a yes, so the read stays buffered. A
-/// read that asks the cache itself (`RWF_NOWAIT`) starts readahead when it misses, and the disk
-/// would be read twice.
+/// kernel answers it, else `mincore` over a mapping never touched, which reads nothing (but
+/// costs a mapping and its `munmap` a get: 1 MiB warm gets ran at two thirds of their speed with
+/// it). `cachestat` is refused (`EPERM`) for a file the process could not write (another user's
+/// object in a shared directory) and by some seccomp filters: that file alone is asked with
+/// `mincore`. A question neither can answer is a yes, so the read stays buffered. A read that
+/// asks the cache itself (`RWF_NOWAIT`) starts readahead when it misses, and the disk would be
+/// read twice.
 fn cached(fd: &Fd, size: usize) -> bool {
     if !NO_CACHESTAT.load(Ordering::Relaxed) {
         let range = CachestatRange { off: 0, len: size as u64 };
@@ -248,8 +252,7 @@ fn cached(fd: &Fd, size: usize) -> bool {
         if rc == 0 {
             return stat.nr_cache >= size.div_ceil(page_size()) as u64;
         }
-        let e = errno();
-        if e == -(libc::ENOSYS as i64) || e == -(libc::EPERM as i64) {
+        if errno() == -(libc::ENOSYS as i64) {
             NO_CACHESTAT.store(true, Ordering::Relaxed);
         }
     }
@@ -468,8 +471,9 @@ fn on_disk(nbytes: usize) -> i64 {
 }
 
 /// Writes object `key` from `spans` to temporary file `tmp` and publishes it at `path` by a
-/// link (whole or not at all; an object published meanwhile is kept: the caller checked that
-/// none existed before); the bytes it takes on disk (0 when kept), or a code. (`O_TMPFILE` measured no faster here: the file system's metadata work is
+/// rename that replaces nothing (else a link; whole or not at all; an object published meanwhile
+/// is kept: the caller checked that none existed before); the bytes it takes on disk (0 when
+/// kept), or a code. (`O_TMPFILE` measured no faster here: the file system's metadata work is
 /// the same.)
 fn put_one(path: &str, tmp: &str, key: &[u8], spans: &[Span], rule: WriteRule) -> i64 {
     let fsync = rule.fsync;
@@ -505,8 +509,8 @@ fn put_one(path: &str, tmp: &str, key: &[u8], spans: &[Span], rule: WriteRule) -
         }
     };
     let flags = libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC;
-    // Direct when the object is mostly its first span's whole pages: the rest goes through a
-    // bounce buffer, which must stay small.
+    // Direct when the object is mostly its first span's whole pages: the rest is written
+    // buffered, which must stay small.
     let direct = rule.direct
         && total >= DIRECT_MIN
         && spans.first().is_some_and(|&(p, n)| {
@@ -539,6 +543,21 @@ fn put_one(path: &str, tmp: &str, key: &[u8], spans: &[Span], rule: WriteRule) -
             write(&Fd(raw))
         }
     };
+    if written.is_ok() {
+        // One metadata change where the file system has it: the temporary file becomes the
+        // object, unless one is there already (then it stays, and ours goes below).
+        // SAFETY: NUL-terminated paths.
+        let rc = unsafe { libc::renameat2(libc::AT_FDCWD, tmp_c.as_ptr(), libc::AT_FDCWD, final_c.as_ptr(), libc::RENAME_NOREPLACE) };
+        let refused = rc != 0 && matches!(errno(), e if e == -(libc::EINVAL as i64) || e == -(libc::ENOSYS as i64));
+        if !refused {
+            let out = published(rc);
+            if rc != 0 {
+                // SAFETY: a NUL-terminated path.
+                unsafe { libc::unlink(tmp_c.as_ptr()) };
+            }
+            return out;
+        }
+    }
     // SAFETY: NUL-terminated paths.
     let rc = match written {
         Err(e) => e,
@@ -558,8 +577,9 @@ pub(crate) fn start_writeback(fd: &Fd) {
 }
 
 /// Writes an object to `fd` (opened with `O_DIRECT`): the page-aligned head of the first span
-/// straight from the caller's memory, the rest (its tail, the other spans, the key and footer)
-/// through one aligned block buffer padded to whole pages, then truncates the file to `total`.
+/// straight from the caller's memory, then, `O_DIRECT` turned off, the rest (its tail, the other
+/// spans, the key and footer) buffered: the file is its exact size with no padding to cut (a
+/// truncation, a metadata change, cost a tenth of a 2 MiB object's put here).
 fn write_direct(fd: &Fd, spans: &[Span], foot: &[u8], total: usize, fsync: bool) -> Result<(), i64> {
     let (p0, n0) = spans[0];
     let head = n0 - n0 % DIRECT_ALIGN;
@@ -579,46 +599,17 @@ fn write_direct(fd: &Fd, spans: &[Span], foot: &[u8], total: usize, fsync: bool)
         }
         done += n as usize;
     }
-    let rest = total - head;
-    let padded = rest.div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN;
-    let layout = std::alloc::Layout::from_size_align(padded.max(DIRECT_ALIGN), DIRECT_ALIGN).map_err(|_| -(libc::ENOMEM as i64))?;
-    // SAFETY: a non-zero size; freed below.
-    let buf = unsafe { std::alloc::alloc_zeroed(layout) };
-    if buf.is_null() {
-        return Err(-(libc::ENOMEM as i64));
-    }
-    let mut at = 0usize;
-    let mut put = |p: *const u8, n: usize| {
-        // SAFETY: `at + n <= rest <= padded` (the pieces add up to `total - head`); the source
-        // is a span in registered memory or the footer.
-        unsafe { std::ptr::copy_nonoverlapping(p, buf.add(at), n) };
-        at += n;
-    };
-    put((p0 + head) as *const u8, n0 - head);
-    for &(p, n) in &spans[1..] {
-        put(p as *const u8, n);
-    }
-    put(foot.as_ptr(), foot.len());
-    let r = loop {
-        // SAFETY: `padded` bytes of the aligned buffer at the page-aligned offset `head`.
-        let n = unsafe { libc::pwrite(fd.0, buf as *const libc::c_void, padded, head as libc::off_t) };
-        if n < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
-            continue;
-        }
-        break if n < 0 {
-            Err(errno())
-        } else if n as usize != padded {
-            Err(-(libc::EIO as i64))
-        } else {
-            Ok(())
-        };
-    };
-    // SAFETY: allocated above with this layout.
-    unsafe { std::alloc::dealloc(buf, layout) };
-    r?;
-    // SAFETY: an open descriptor; the padding goes.
-    if unsafe { libc::ftruncate(fd.0, total as libc::off_t) } != 0 {
+    // SAFETY: an open descriptor; its status flags read, then set without O_DIRECT.
+    let flags = unsafe { libc::fcntl(fd.0, libc::F_GETFL) };
+    if flags < 0 || unsafe { libc::fcntl(fd.0, libc::F_SETFL, flags & !libc::O_DIRECT) } != 0 {
         return Err(errno());
+    }
+    let mut rest = vec![libc::iovec { iov_base: (p0 + head) as *mut libc::c_void, iov_len: n0 - head }];
+    rest.extend(spans[1..].iter().map(|&(p, n)| libc::iovec { iov_base: p as *mut libc::c_void, iov_len: n }));
+    rest.push(libc::iovec { iov_base: foot.as_ptr() as *mut libc::c_void, iov_len: foot.len() });
+    // The spans' bytes after the head (registered memory) and the footer, after the head.
+    if vectored_at(fd, rest, true, head)? != total - head {
+        return Err(-(libc::EIO as i64));
     }
     // SAFETY: an open descriptor.
     if fsync && unsafe { libc::fsync(fd.0) } != 0 {
