@@ -499,15 +499,6 @@ fn put_one(path: &str, tmp: &str, key: &[u8], spans: &[Span], rule: WriteRule) -
             _ => Err(-(libc::EIO as i64)),
         }
     };
-    let published = |rc: libc::c_int| -> i64 {
-        if rc == 0 {
-            return on_disk(total);
-        }
-        match errno() {
-            e if e == -(libc::EEXIST as i64) => 0, // another writer published it meanwhile: the first one stays
-            e => e,
-        }
-    };
     let flags = libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC;
     // Direct when the object is mostly its first span's whole pages: the rest is written
     // buffered, which must stay small.
@@ -543,29 +534,45 @@ fn put_one(path: &str, tmp: &str, key: &[u8], spans: &[Span], rule: WriteRule) -
             write(&Fd(raw))
         }
     };
-    if written.is_ok() {
-        // One metadata change where the file system has it: the temporary file becomes the
-        // object, unless one is there already (then it stays, and ours goes below).
-        // SAFETY: NUL-terminated paths.
-        let rc = unsafe { libc::renameat2(libc::AT_FDCWD, tmp_c.as_ptr(), libc::AT_FDCWD, final_c.as_ptr(), libc::RENAME_NOREPLACE) };
-        let refused = rc != 0 && matches!(errno(), e if e == -(libc::EINVAL as i64) || e == -(libc::ENOSYS as i64));
-        if !refused {
-            let out = published(rc);
-            if rc != 0 {
-                // SAFETY: a NUL-terminated path.
-                unsafe { libc::unlink(tmp_c.as_ptr()) };
-            }
-            return out;
+    match written {
+        Ok(()) => publish(&tmp_c, &final_c, total),
+        Err(e) => {
+            // SAFETY: a NUL-terminated path.
+            unsafe { libc::unlink(tmp_c.as_ptr()) };
+            e
         }
     }
-    // SAFETY: NUL-terminated paths.
-    let rc = match written {
-        Err(e) => e,
-        Ok(()) => published(unsafe { libc::link(tmp_c.as_ptr(), final_c.as_ptr()) }),
+}
+
+/// Publishes the written temporary file `tmp` of `total` bytes as the object at `path`: one
+/// rename that replaces nothing where the file system has it, else a link and an unlink. An
+/// object already there stays (ours goes). The bytes it takes on disk, `0` when kept, or a code.
+fn publish(tmp: &CString, path: &CString, total: usize) -> i64 {
+    let published = |rc: libc::c_int| -> i64 {
+        if rc == 0 {
+            return on_disk(total);
+        }
+        match errno() {
+            e if e == -(libc::EEXIST as i64) => 0, // another writer published it meanwhile: the first one stays
+            e => e,
+        }
     };
+    // SAFETY: NUL-terminated paths.
+    let rc = unsafe { libc::renameat2(libc::AT_FDCWD, tmp.as_ptr(), libc::AT_FDCWD, path.as_ptr(), libc::RENAME_NOREPLACE) };
+    let refused = rc != 0 && matches!(errno(), e if e == -(libc::EINVAL as i64) || e == -(libc::ENOSYS as i64));
+    if !refused {
+        let out = published(rc);
+        if rc != 0 {
+            // SAFETY: a NUL-terminated path.
+            unsafe { libc::unlink(tmp.as_ptr()) };
+        }
+        return out;
+    }
+    // SAFETY: NUL-terminated paths.
+    let out = published(unsafe { libc::link(tmp.as_ptr(), path.as_ptr()) });
     // SAFETY: a NUL-terminated path.
-    unsafe { libc::unlink(tmp_c.as_ptr()) };
-    rc
+    unsafe { libc::unlink(tmp.as_ptr()) };
+    out
 }
 
 /// Starts `fd`'s writeback now, without waiting for it: its pages stay in the page cache (a get
