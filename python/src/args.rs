@@ -144,20 +144,41 @@ pub(crate) fn layers(obj: &Bound<'_, PyAny>, name: &str, writes: bool, extent: u
         .collect()
 }
 
-/// Bytes of any bytes-like object or host array.
-pub(crate) fn data_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u8>> {
+/// The bytes of a bytes object or a host array, read in place: the object is kept alive with them.
+pub(crate) struct HostBytes {
+    _held: Option<Held>,
+    _bytes: Option<Py<PyAny>>,
+    addr: usize,
+    len: usize,
+}
+
+impl HostBytes {
+    pub(crate) fn slice(&self) -> &[u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: `len` bytes of a live bytes object or host array (kept by `self`), only read.
+        unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len) }
+    }
+}
+
+/// [`HostBytes`] of any bytes-like object or host array.
+pub(crate) fn host_bytes(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<HostBytes> {
     if let Ok(b) = obj.cast::<PyBytes>() {
-        return Ok(b.as_bytes().to_vec());
+        let bytes = b.as_bytes();
+        return Ok(HostBytes { _held: None, _bytes: Some(obj.clone().unbind()), addr: bytes.as_ptr() as usize, len: bytes.len() });
     }
     let h = view(obj, name, Ctx { stream: None })?;
     if !h.on_host() {
         return Err(PyValueError::new_err(format!("{name}: pass host memory")));
     }
-    if h.raw.is_empty() {
-        return Ok(vec![]);
-    }
-    // SAFETY: a live host array of `len` bytes (kept by `h`).
-    Ok(unsafe { std::slice::from_raw_parts(h.raw.addr() as *const u8, h.raw.len() as usize) }.to_vec())
+    let (addr, len) = (h.raw.addr() as usize, h.raw.len() as usize);
+    Ok(HostBytes { _held: Some(h), _bytes: None, addr, len })
+}
+
+/// Bytes of any bytes-like object or host array, copied.
+pub(crate) fn data_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u8>> {
+    Ok(host_bytes(obj, name)?.slice().to_vec())
 }
 
 // ---- executors ---------------------------------------------------------------------------

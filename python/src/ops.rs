@@ -3,7 +3,7 @@
 
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyTuple};
+use pyo3::types::PyTuple;
 
 use hicache_io::kvcacheio::{self as kv, Memory, RawTensor};
 
@@ -328,20 +328,8 @@ pub(crate) fn checksum(py: Python<'_>, data: &Bound<'_, PyAny>, seed: u64) -> Py
         Ok(hicache_io::integrity::checksum(bytes, &keys))
     };
     // Read in place, not copied first: a copy of a chunk of megabytes took as long as its sum.
-    if let Ok(b) = data.cast::<PyBytes>() {
-        return sum(b.as_bytes()).py();
-    }
-    let h = view(data, "data", Ctx { stream: None })?;
-    if !h.on_host() {
-        return Err(PyValueError::new_err("data: pass host memory"));
-    }
-    let (addr, len) = (h.raw.addr() as usize, h.raw.len() as usize);
-    py.detach(move || {
-        // SAFETY: a live host array of `len` bytes, kept by `h` until this function returns; only read.
-        let bytes: &[u8] = if len == 0 { &[] } else { unsafe { std::slice::from_raw_parts(addr as *const u8, len) } };
-        sum(bytes)
-    })
-    .py()
+    let bytes = host_bytes(data, "data")?;
+    py.detach(|| sum(bytes.slice())).py()
 }
 
 /// 64-bit tags of names (FNV-1a of their UTF-8 bytes), as a `numpy.uint64` array: what the L3
