@@ -30,6 +30,11 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from importlib import import_module  # noqa: E402
+
+# Every file under a folder written back and dropped from the page cache: what a load after a
+# restart reads.
+drop_cache = import_module("bench-l3-local").drop_cache
 
 
 def timed(fn, seconds):
@@ -43,18 +48,6 @@ def timed(fn, seconds):
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
-
-def drop_cache(root):
-    """Every file under ``root`` written back and dropped from the page cache: what a load after
-    a restart (or long after the store) reads."""
-    os.sync()
-    for d, _dirs, files in os.walk(root):
-        for f in files:
-            fd = os.open(os.path.join(d, f), os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def bench_worker(args, out):

@@ -160,9 +160,6 @@ class StatePages:
         idx = idx.cpu()
         return idx if objects is None else idx[torch.as_tensor(objects, dtype=torch.int64)]
 
-    def staging(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
-
     def move(self, staged: torch.Tensor, rows: torch.Tensor, buffers: Sequence[int], out: bool) -> None:
         """Copies buffers ``buffers`` of the states in slots ``rows`` (object ``j``: slot
         ``rows[j]``) to the staging buffer (``out``) or from it, through hicache-io's ops."""
@@ -354,9 +351,14 @@ def _state_objects(pool: Any, server_args: Any, prefix: str, rank: str, tp_size:
         "layers": [g for g, _ in mamba],
         "tp_size": tp_size,
     }
-    digest = hashlib.blake2b(json.dumps(record, sort_keys=True).encode(), digest_size=6).hexdigest()
+    digest = _digest(record)
     tail = f"_{rank}_hio-link-mamba-b{pages.obj_bytes}-L{mamba[0][0]}-{mamba[-1][0] + 1}-n{digest}"
     return PoolObjects(pages, prefix, tail, [""], True, [g - pages.start for g, _ in mamba])
+
+
+def _digest(record: Dict[str, Any]) -> str:
+    """What a key's ``n`` part holds: 12 hex digits of the record's hash."""
+    return hashlib.blake2b(json.dumps(record, sort_keys=True).encode(), digest_size=6).hexdigest()
 
 
 def _model(server_args: Any) -> List[Any]:
@@ -406,6 +408,6 @@ def _key_tail(pages: LinkerPages, server_args: Any, rank: str, tp_size: int, kv_
         record["unified"] = [kv_heads, pages.heads // pages.groups]
     if role is not None:
         record["pool"] = [role[0], list(role[1])]
-    digest = hashlib.blake2b(json.dumps(record, sort_keys=True).encode(), digest_size=6).hexdigest()
+    digest = _digest(record)
     kind = pages.kind + ("-u" if kv_heads is not None else "") + (f"-{role[0]}" if role is not None else "")
     return f"_{rank}_hio-link-{kind}-i{pages.item}-L{pages.start}-{pages.start + pages.layers}-P{pages.page}-n{digest}"

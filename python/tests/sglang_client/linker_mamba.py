@@ -9,16 +9,14 @@ layer."""
 
 from __future__ import annotations
 
-import types
 from array import array
 
 import numpy as np
 import torch
 
-from . import cpu_shims
 from . import sgl_pools as sp
 from .harness import as_bytes
-from .linker_tree import WINDOW, LinkedTree, ninja_on_path
+from .linker_tree import WINDOW, LinkedTree, factory_tree, linker_settings
 
 #: Per attention pool, the model's layers: full attention, the window's, Mamba.
 LAYERS = {"mha": ([0, 3], [], [1, 2]), "mla": ([0, 3], [], [1, 2]), "swa": ([0, 3], [1, 4], [2, 5])}
@@ -54,20 +52,14 @@ class MambaTree(LinkedTree):
 
     def __init__(self, extra: dict, kind: str = "mha", state: str = "small", size: int = 64, core: str = "python"):
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-        from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
         from sglang.srt.runtime_context import get_server_args
 
-        ninja_on_path()
-        server_args = get_server_args()
-        server_args._mamba_cache_chunk_size = sp.P  # else read from a model's config
-        cfg = {"linker": "HicacheLinker", "linker_module_path": "hicache_io.sglang_linker", "linker_extra_config": extra}
-        flags = dict(enable_hierarchical_cache=False, enable_unified_cache_external_linker=True, unified_cache_external_linker_backend="dynamic", unified_cache_external_linker_config=cfg)
-        with cpu_shims.memory_config(**flags):
+        get_server_args()._mamba_cache_chunk_size = sp.P  # else read from a model's config
+        with linker_settings(extra):
             self.rtp, self.dev, self.alloc = _pools(kind, state, size)
             window = dict(sliding_window_size=WINDOW) if kind == "swa" else {}
             params = CacheInitParams(disable=False, req_to_token_pool=self.rtp, token_to_kv_pool_allocator=self.alloc, page_size=sp.P, tree_core_backend=core, enable_mamba_extra_buffer=True, **window)
-            worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(forward_stream=torch.cpu.Stream()), register_hicache_layer_transfer_counter=lambda counter: None)
-            self.cache = create_tree_cache(TreeCacheBuildContext(server_args, params, kind == "swa", True, False, False, worker, None, 1, 0, None))
+            self.cache = factory_tree(params, kind == "swa", ssm=True)
         self.linker = self.cache.linker.cache_linker
         full = self.dev.full_kv_pool
         self.buffers = list(full.kv_buffer) if kind == "mla" else list(full.k_buffer) + list(full.v_buffer)

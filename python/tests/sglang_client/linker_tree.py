@@ -35,6 +35,24 @@ def ninja_on_path() -> None:
         os.environ["PATH"] = here + os.pathsep + os.environ["PATH"]
 
 
+def linker_settings(extra: dict):
+    """sglang's memory settings (a context, ``cpu_shims.memory_config``) that link the trees
+    built inside to hicache-io's linker, with ``extra`` as its ``linker_extra_config``."""
+    ninja_on_path()
+    cfg = {"linker": "HicacheLinker", "linker_module_path": "hicache_io.sglang_linker", "linker_extra_config": extra}
+    return cpu_shims.memory_config(enable_hierarchical_cache=False, enable_unified_cache_external_linker=True, unified_cache_external_linker_backend="dynamic", unified_cache_external_linker_config=cfg)
+
+
+def factory_tree(params, swa: bool, ssm: bool = False):
+    """sglang's factory's tree for ``params`` (``swa``: a sliding-window model; ``ssm``: a Mamba
+    hybrid), on a CPU worker."""
+    from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
+    from sglang.srt.runtime_context import get_server_args
+
+    worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(forward_stream=torch.cpu.Stream()), register_hicache_layer_transfer_counter=lambda counter: None)
+    return create_tree_cache(TreeCacheBuildContext(get_server_args(), params, swa, ssm, False, False, worker, None, 1, 0, None))
+
+
 #: Tokens of the sliding window of ``LinkedTree(kind="swa")``: one page.
 WINDOW = sp.P
 
@@ -61,13 +79,8 @@ class LinkedTree:
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
         from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-        from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
-        from sglang.srt.runtime_context import get_server_args
 
-        ninja_on_path()
-        cfg = {"linker": "HicacheLinker", "linker_module_path": "hicache_io.sglang_linker", "linker_extra_config": extra}
-        flags = dict(enable_hierarchical_cache=False, enable_unified_cache_external_linker=True, unified_cache_external_linker_backend="dynamic", unified_cache_external_linker_config=cfg)
-        with cpu_shims.memory_config(**flags):
+        with linker_settings(extra):
             if kind == "swa":
                 self.dev, self.alloc = _swa_pool(layers, size, **pool)
             else:
@@ -75,8 +88,7 @@ class LinkedTree:
                 self.alloc = PagedTokenToKVPoolAllocator(size=self.dev.size, page_size=sp.P, dtype=self.dev.dtype, device="cpu", kvcache=self.dev, need_sort=False)
             window = dict(sliding_window_size=WINDOW) if kind == "swa" else {}
             params = CacheInitParams(disable=False, req_to_token_pool=ReqToTokenPool(4, max(256, size), "cpu", False), token_to_kv_pool_allocator=self.alloc, page_size=sp.P, tree_core_backend=core, tp_cache_group=group, attn_tp_cache_group=group, **window)
-            worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(forward_stream=torch.cpu.Stream()), register_hicache_layer_transfer_counter=lambda counter: None)
-            self.cache = create_tree_cache(TreeCacheBuildContext(get_server_args(), params, kind == "swa", False, False, False, worker, None, 1, 0, None))
+            self.cache = factory_tree(params, kind == "swa")
         self.linker = self.cache.linker.cache_linker
         full = self.dev.full_kv_pool if kind == "swa" else self.dev
         self.buffers = list(full.k_buffer) + list(full.v_buffer) if kind != "mla" else list(full.kv_buffer)
