@@ -11,13 +11,14 @@ from common import make_store, mooncake_problem
 
 
 @pytest.fixture(scope="module")
-def master():
+def master(request):
     problem = mooncake_problem()
     if problem is not None:
         pytest.skip(problem)
     from hicache_io.storage import LocalMaster
 
-    m = LocalMaster(lease_ms=200)
+    # A module whose tests never wait for a lease to end may ask for longer ones (MASTER_LEASE_MS).
+    m = LocalMaster(lease_ms=getattr(request.module, "MASTER_LEASE_MS", 200))
     yield m
     m.stop()
 

@@ -76,6 +76,12 @@ class Stores:
             t.join(60)
 
 
+#: Leases of this module's master: its gets run on the controller's threads, and on a busy CI
+#: machine a 200 ms lease once ran out inside one (LEASE_EXPIRED, a miss). No test here waits for
+#: a lease to end.
+MASTER_LEASE_MS = 2000
+
+
 @pytest.fixture(scope="module")
 def stores(master):
     s = Stores(master)
