@@ -7,7 +7,9 @@
   and loads over the engine's canonical KV tensors;
 - tier: ``HicacheTier`` (local directory, trailers checked on every load) against vLLM's own
   ``fs`` tier (no verification), GB/s of stores and loads of whole chunks of the primary view;
-  loads warm (what the page cache holds after the first load) and cold (every file of both tiers
+  stores into an unbounded tier (every store a new file, as ``fs`` always writes them) and into a
+  tier at its capacity (``--full-chunks``: every store evicts, and writes over an evicted chunk's
+  file; ``fs`` has no capacity: its row is its stores of new files again); loads warm (what the page cache holds after the first load) and cold (every file of both tiers
   written back and dropped from the page cache before each load: a load after a restart).
 
     python scripts/bench-vllm.py [--layers 32] [--page 32768] [--blocks 4096] [--batch 256]
@@ -160,6 +162,8 @@ def bench_tier(args, out):
     spec = tier_spec()
     # Unbounded as `fs` is: no eviction inside the timed stores.
     ours = HicacheTier(spec, memoryview(view), "hicache", store="local", path=os.path.join(root, "hicache"), capacity_bytes=1 << 40, threads=args.threads, writes=args.writes, reads=args.reads)
+    # At its capacity: stores evict (and write over the evicted chunks' files).
+    full = HicacheTier(spec, memoryview(view), "hicache", store="local", path=os.path.join(root, "full"), capacity_bytes=args.full_chunks * (row + 8192), threads=args.threads, writes=args.writes, reads=args.reads)
     fs = FileSystemTierManager(offloading_spec=spec, primary_kv_view=memoryview(view), tier_type="fs", root_dir=os.path.join(root, "fs"), n_read_threads=args.threads, n_write_threads=args.threads)
     ctx = ReqContext(req_id="bench")
     job = iter(range(1, 1 << 30))
@@ -180,11 +184,13 @@ def bench_tier(args, out):
 
     nbytes = n * row
     results = {}
-    for phase in ("store", "load", "load cold"):
+    for _ in range(args.full_chunks // n + 2):  # filled past its capacity before it is timed
+        run(full, [make_offload_key(next(gen).to_bytes(8, "big"), 0) for _ in range(n)], False)
+    for phase in ("store", "store full", "load", "load cold"):
         if phase == "load cold":
             results.update(cold_loads(run, {"hicache": ours, "fs": fs}, n, gen, root, args.seconds))
-        for name, tier in (("hicache", ours), ("fs", fs)):
-            if phase == "store":
+        for name, tier in (("hicache", full if phase == "store full" else ours), ("fs", fs)):
+            if phase.startswith("store"):
                 # Fresh keys each time: a store of an existing key writes nothing.
                 t = timed(lambda: run(tier, [make_offload_key(next(gen).to_bytes(8, "big"), 0) for _ in range(n)], False), args.seconds)
             elif phase == "load":
@@ -197,9 +203,9 @@ def bench_tier(args, out):
         a, b = results[(phase, "hicache")], results[(phase, "fs")]
         r = {"bench": "tier", "op": phase, "bytes": nbytes, "hicache_gbps": nbytes / a / 1e9, "fs_gbps": nbytes / b / 1e9, "ratio": b / a}
         out.append(r)
-        print(f"tier   {phase:9}: HicacheTier {r['hicache_gbps']:6.2f} GB/s (verified) | vLLM fs {r['fs_gbps']:6.2f} GB/s | {r['ratio']:.2f}x", flush=True)
-    ours.shutdown()
-    fs.shutdown()
+        print(f"tier   {phase:10}: HicacheTier {r['hicache_gbps']:6.2f} GB/s (verified) | vLLM fs {r['fs_gbps']:6.2f} GB/s | {r['ratio']:.2f}x", flush=True)
+    for tier in (ours, full, fs):
+        tier.shutdown()
     shutil.rmtree(root, ignore_errors=True)
 
 
@@ -212,6 +218,7 @@ def main():
     p.add_argument("--chunk-mib", type=int, default=2)
     p.add_argument("--chunks", type=int, default=128)
     p.add_argument("--threads", type=int, default=4)
+    p.add_argument("--full-chunks", type=int, default=512, help="chunks the tier at capacity holds")
     p.add_argument("--dir", default=None)
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--only", choices=["worker", "tier"])

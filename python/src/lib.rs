@@ -15,6 +15,7 @@ mod blocks;
 mod dlpack;
 mod errors;
 mod executors;
+mod local_free;
 mod local_io;
 mod local_pack;
 mod ops;
@@ -57,6 +58,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("PACK_DESCRIPTORS", local_pack::OPEN_MAX)?;
     m.add("LOCAL_FOOTER_BYTES", local_io::FOOTER)?;
     m.add("LOCAL_DAMAGED", local_io::DAMAGED)?;
+    m.add("LOCAL_RECYCLE_MIN", local_free::RECYCLE_MIN)?;
     m.add("STORAGE_SEED", hicache_io::integrity::STORAGE_SEED)?;
     m.add("IntegrityError", m.py().get_type::<IntegrityError>())?;
     m.add("DeviceLostError", m.py().get_type::<DeviceLostError>())?;

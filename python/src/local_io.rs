@@ -20,6 +20,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyAny, PyList};
 use sha2::{Digest, Sha256};
 
+use crate::local_free::{hold_for_read, put_claimed, FreeFiles, RECYCLE_MIN};
 use crate::IntoPy;
 
 /// Bytes of the footer (exported as `LOCAL_FOOTER_BYTES`: Python sizes files by it).
@@ -433,6 +434,9 @@ fn get_one(path: &str, key: &[u8], spans: &[Span], exact: bool, crc_trailered: b
     if unsafe { libc::fstat(fd.0, &mut st) } != 0 {
         return errno();
     }
+    if let Err(e) = hold_for_read(&fd, &c, &st) {
+        return e; // being written over (a recycled file), or its object went meanwhile
+    }
     let size = st.st_size.max(0) as usize;
     let Some(n) = size.checked_sub(key.len() + FOOTER) else { return OBJECT_NOT_FOUND };
     let Some(room) = span_bytes(spans) else { return INVALID_PARAMS };
@@ -475,12 +479,15 @@ fn on_disk(nbytes: usize) -> i64 {
 /// is kept: the caller checked that none existed before); the bytes it takes on disk (0 when
 /// kept), or a code. (`O_TMPFILE` measured no faster here: the file system's metadata work is
 /// the same.)
-fn put_one(path: &str, tmp: &str, key: &[u8], spans: &[Span], rule: WriteRule) -> i64 {
+fn put_one(path: &str, tmp: &str, key: &[u8], spans: &[Span], rule: WriteRule, claimed: Option<(Fd, &FreeFiles)>) -> i64 {
     let fsync = rule.fsync;
     let (Some(final_c), Some(tmp_c)) = (cpath(path), cpath(tmp)) else { return INVALID_PARAMS };
     let Some(n) = span_bytes(spans) else { return INVALID_PARAMS };
     let foot = footer(n, key, crc_of(spans));
     let Some(total) = n.checked_add(foot.len()) else { return INVALID_PARAMS };
+    if let Some((fd, free)) = claimed {
+        return put_claimed(fd, &tmp_c, &final_c, spans, &foot, total, fsync, free, publish);
+    }
     let write = |fd: &Fd| -> Result<(), i64> {
         let mut iov = iovecs(spans);
         iov.push(libc::iovec { iov_base: foot.as_ptr() as *mut libc::c_void, iov_len: foot.len() });
@@ -500,15 +507,8 @@ fn put_one(path: &str, tmp: &str, key: &[u8], spans: &[Span], rule: WriteRule) -
         }
     };
     let flags = libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC;
-    // Direct when the object is mostly its first span's whole pages: the rest is written
-    // buffered, which must stay small.
-    let direct = rule.direct
-        && total >= DIRECT_MIN
-        && spans.first().is_some_and(|&(p, n)| {
-            p.is_multiple_of(DIRECT_ALIGN) && n >= DIRECT_ALIGN && total - (n - n % DIRECT_ALIGN) <= DIRECT_REST_MAX
-        });
     let mut written = None;
-    if direct {
+    if writes_direct(rule, spans, total) {
         // SAFETY: a NUL-terminated path; the descriptor is closed by `Fd`.
         let raw = unsafe { libc::open(tmp_c.as_ptr(), flags | libc::O_DIRECT, 0o644) };
         let einval = -(libc::EINVAL as i64);
@@ -535,7 +535,7 @@ fn put_one(path: &str, tmp: &str, key: &[u8], spans: &[Span], rule: WriteRule) -
         }
     };
     match written {
-        Ok(()) => publish(&tmp_c, &final_c, total),
+        Ok(()) => publish(&tmp_c, &final_c, total, &unlink),
         Err(e) => {
             // SAFETY: a NUL-terminated path.
             unsafe { libc::unlink(tmp_c.as_ptr()) };
@@ -544,10 +544,22 @@ fn put_one(path: &str, tmp: &str, key: &[u8], spans: &[Span], rule: WriteRule) -
     }
 }
 
+/// Whether a put under `rule` writes an object of `total` bytes (file size) from `spans` with
+/// `O_DIRECT`: where the object is mostly its first span's whole pages (the rest is written
+/// buffered, which must stay small).
+fn writes_direct(rule: WriteRule, spans: &[Span], total: usize) -> bool {
+    rule.direct
+        && total >= DIRECT_MIN
+        && spans
+            .first()
+            .is_some_and(|&(p, n)| p.is_multiple_of(DIRECT_ALIGN) && n >= DIRECT_ALIGN && total - (n - n % DIRECT_ALIGN) <= DIRECT_REST_MAX)
+}
+
 /// Publishes the written temporary file `tmp` of `total` bytes as the object at `path`: one
 /// rename that replaces nothing where the file system has it, else a link and an unlink. An
-/// object already there stays (ours goes). The bytes it takes on disk, `0` when kept, or a code.
-fn publish(tmp: &CString, path: &CString, total: usize) -> i64 {
+/// object already there stays (ours goes to `discard`). The bytes it takes on disk, `0` when
+/// kept, or a code.
+pub(crate) fn publish(tmp: &CString, path: &CString, total: usize, discard: &dyn Fn(&CString)) -> i64 {
     let published = |rc: libc::c_int| -> i64 {
         if rc == 0 {
             return on_disk(total);
@@ -563,16 +575,26 @@ fn publish(tmp: &CString, path: &CString, total: usize) -> i64 {
     if !refused {
         let out = published(rc);
         if rc != 0 {
-            // SAFETY: a NUL-terminated path.
-            unsafe { libc::unlink(tmp.as_ptr()) };
+            discard(tmp);
         }
         return out;
     }
     // SAFETY: NUL-terminated paths.
-    let out = published(unsafe { libc::link(tmp.as_ptr(), path.as_ptr()) });
+    let rc = unsafe { libc::link(tmp.as_ptr(), path.as_ptr()) };
+    let out = published(rc);
+    if rc == 0 {
+        // SAFETY: a NUL-terminated path (now also the object's).
+        unsafe { libc::unlink(tmp.as_ptr()) };
+    } else {
+        discard(tmp);
+    }
+    out
+}
+
+/// Removes temporary file `tmp`.
+fn unlink(tmp: &CString) {
     // SAFETY: a NUL-terminated path.
     unsafe { libc::unlink(tmp.as_ptr()) };
-    out
 }
 
 /// Starts `fd`'s writeback now, without waiting for it: its pages stay in the page cache (a get
@@ -587,7 +609,7 @@ pub(crate) fn start_writeback(fd: &Fd) {
 /// straight from the caller's memory, then, `O_DIRECT` turned off, the rest (its tail, the other
 /// spans, the key and footer) buffered: the file is its exact size with no padding to cut (a
 /// truncation, a metadata change, cost a tenth of a 2 MiB object's put here).
-fn write_direct(fd: &Fd, spans: &[Span], foot: &[u8], total: usize, fsync: bool) -> Result<(), i64> {
+pub(crate) fn write_direct(fd: &Fd, spans: &[Span], foot: &[u8], total: usize, fsync: bool) -> Result<(), i64> {
     let (p0, n0) = spans[0];
     let head = n0 - n0 % DIRECT_ALIGN;
     let mut done = 0usize;
@@ -702,14 +724,18 @@ pub(crate) fn local_get(
 
 /// Writes objects `keys[j]` from their spans (as [`local_get`]'s) to temporary files `tmps[j]`
 /// and publishes each at its file under folder `objects` by a link. Each object's existence is
-/// checked once, here; then `reserve(need)` is called once, with the GIL, before any byte is
+/// checked once, here; then `reserve(need, again)` is called, with the GIL, before any byte is
 /// written: `need` is what the new objects' files take on disk (the directory's capacity is
-/// counted first). `reserve` answers false to refuse (nothing is written: `None`); an exception
-/// it raises propagates. Else `(need, per object: the bytes its file takes on disk (written),
-/// `0` (it existed, or a racing writer published it first: kept), `-600` (a span outside
-/// `regions`) or `-errno`)`: the caller uncounts what `need` holds beyond what was written.
+/// counted first). `reserve` answers false to refuse (nothing is written: `None`), or, where
+/// `again`, `None`: free files appeared, claim them and ask once more; an exception it raises
+/// propagates. Else `(need, per object: the bytes its file takes on disk (written),
+/// `0` (it existed, or a racing writer published it first: kept; or written over a free file),
+/// `-600` (a span outside `regions`) or `-errno`)`: the caller uncounts what `need` holds beyond
+/// what was written. With `free` (the store's folder of recycled files), objects written with
+/// `O_DIRECT` first claim a free file of as many blocks, whose bytes are on disk already: they
+/// are not in `need`.
 #[pyfunction]
-#[pyo3(signature = (regions, objects, tmps, keys, ptrs, sizes, fsync, threads, reserve, direct=true, start_writeback=false))]
+#[pyo3(signature = (regions, objects, tmps, keys, ptrs, sizes, fsync, threads, reserve, direct=true, start_writeback=false, free=None))]
 pub(crate) fn local_put(
     py: Python<'_>,
     regions: Vec<Span>,
@@ -723,6 +749,7 @@ pub(crate) fn local_put(
     reserve: &Bound<'_, PyAny>,
     direct: bool,
     start_writeback: bool,
+    free: Option<String>,
 ) -> PyResult<Option<(u64, Vec<i64>)>> {
     let rule = WriteRule { fsync, direct, start_writeback };
     if tmps.len() != keys.len() {
@@ -731,31 +758,80 @@ pub(crate) fn local_put(
     // Every object's bytes count, its spans checked or not (those outside fail below and are
     // uncounted by the caller with the rest): the reservation is what the sizes say.
     let all = span_lists(ptrs, sizes, keys.len())?;
+    let spans: Vec<Option<Vec<Span>>> = all.iter().map(|s| inside(&regions, s).then(|| s.clone())).collect();
     let paths: Vec<String> = keys.iter().map(|k| object_path(objects, k.as_bytes())).collect();
-    let (exists, need) = py.detach(|| {
-        let exists: Vec<bool> = paths.iter().map(|p| cpath(p).is_some_and(|c| file_exists(&c))).collect();
-        // Saturating: a sum past u64 exceeds any capacity, so the reservation refuses it.
-        let need = (0..keys.len()).filter(|&j| !exists[j]).fold(0u64, |acc, j| {
-            let file = span_bytes(&all[j]).and_then(|n| n.checked_add(FOOTER)).and_then(|n| n.checked_add(keys[j].len()));
-            acc.saturating_add(file.map_or(u64::MAX, |f| on_disk(f) as u64))
+    let files: Vec<Option<usize>> = all
+        .iter()
+        .zip(&keys)
+        .map(|(s, k)| span_bytes(s).and_then(|n| n.checked_add(FOOTER)).and_then(|n| n.checked_add(k.len())))
+        .collect();
+    let exists: Vec<bool> = py.detach(|| paths.iter().map(|p| cpath(p).is_some_and(|c| file_exists(&c))).collect());
+    let claimed: Vec<std::sync::Mutex<Option<Fd>>> = (0..keys.len()).map(|_| std::sync::Mutex::new(None)).collect();
+    let mut listed = None;
+    let mut need = 0;
+    for again in [true, false] {
+        (listed, need) = py.detach(|| {
+            let mut listed = free.as_deref().map(FreeFiles::list);
+            claims(listed.as_mut(), rule, &tmps, &files, &spans, &exists, &claimed);
+            // Saturating: a sum past u64 exceeds any capacity, so the reservation refuses it.
+            let need = (0..keys.len())
+                .filter(|&j| !exists[j] && claimed[j].lock().is_ok_and(|c| c.is_none()))
+                .fold(0u64, |acc, j| acc.saturating_add(files[j].map_or(u64::MAX, |f| on_disk(f) as u64)));
+            (listed, need)
         });
-        (exists, need)
-    });
-    if !reserve.call1((need,))?.is_truthy()? {
+        let answer = reserve.call1((need, again))?;
+        if again && answer.is_none() {
+            continue; // free files appeared meanwhile (another put's eviction): claim them first
+        }
+        if answer.is_truthy()? {
+            break;
+        }
+        // Nothing is written: the claimed files go back.
+        for (j, c) in claimed.iter().enumerate() {
+            if let (Some(free), Ok(Some(_)), Some(t)) = (&listed, c.lock().map(|mut c| c.take()), cpath(&tmps[j])) {
+                free.give_back(&t);
+            }
+        }
         return Ok(None);
     }
-    let spans: Vec<Option<Vec<Span>>> = all.into_iter().map(|s| inside(&regions, &s).then_some(s)).collect();
+    let free = listed;
     let bytes = spans.iter().flatten().flatten().fold(0usize, |a, s| a.saturating_add(s.1));
     let written = py.detach(|| {
-        run_all(keys.len(), bytes, threads, |j| match &spans[j] {
-            None => INVALID_PARAMS,
-            // Kept, unless it went meanwhile (the reservation's eviction, another process):
-            // then written, its bytes counted by the caller's correction.
-            Some(_) if exists[j] && cpath(&paths[j]).is_some_and(|c| file_exists(&c)) => 0,
-            Some(s) => put_one(&paths[j], &tmps[j], keys[j].as_bytes(), s, rule),
+        run_all(keys.len(), bytes, threads, |j| {
+            let mine = claimed[j].lock().ok().and_then(|mut c| c.take()).zip(free.as_ref());
+            match &spans[j] {
+                None => INVALID_PARAMS,
+                Some(s) if mine.is_some() => put_one(&paths[j], &tmps[j], keys[j].as_bytes(), s, rule, mine),
+                // Kept, unless it went meanwhile (the reservation's eviction, another process):
+                // then written, its bytes counted by the caller's correction.
+                Some(_) if exists[j] && cpath(&paths[j]).is_some_and(|c| file_exists(&c)) => 0,
+                Some(s) => put_one(&paths[j], &tmps[j], keys[j].as_bytes(), s, rule, None),
+            }
         })
     });
     Ok(Some((need, written)))
+}
+
+/// Claims free files (see [`local_put`]) for the objects that hold none in `claimed` yet: new
+/// objects (`!exists`) of [`RECYCLE_MIN`] bytes or more (`files`: their file sizes) written with
+/// `O_DIRECT`, whose spans lie in registered memory.
+fn claims(
+    mut free: Option<&mut FreeFiles>,
+    rule: WriteRule,
+    tmps: &[String],
+    files: &[Option<usize>],
+    spans: &[Option<Vec<Span>>],
+    exists: &[bool],
+    claimed: &[std::sync::Mutex<Option<Fd>>],
+) {
+    for j in 0..tmps.len() {
+        let Ok(mut slot) = claimed[j].lock() else { continue };
+        if let (None, Some(free), Some(f), Some(s)) = (slot.as_ref(), free.as_deref_mut(), files[j], &spans[j]) {
+            if !exists[j] && f >= RECYCLE_MIN && writes_direct(rule, s, f) {
+                *slot = cpath(&tmps[j]).and_then(|t| free.claim(f, &t));
+            }
+        }
+    }
 }
 
 /// Whether file `c` exists (as `os.path.exists`: any failure to find it is no).
@@ -771,7 +847,30 @@ fn file_exists(c: &CString) -> bool {
 #[pyfunction]
 pub(crate) fn local_intact(py: Python<'_>, objects: PathBuf, path: PathBuf) -> PyResult<bool> {
     py.detach(|| {
-        let Ok(data) = std::fs::read(&path) else { return Ok(false) };
+        let Some(c) = path.to_str().and_then(cpath) else { return Ok(false) };
+        // SAFETY: a NUL-terminated path; the descriptor is closed by `Fd`.
+        let raw = unsafe { libc::open(c.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
+        if raw < 0 {
+            return Ok(false);
+        }
+        let fd = Fd(raw);
+        // SAFETY: fstat fills the zeroed struct for an open descriptor.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        if unsafe { libc::fstat(fd.0, &mut st) } != 0 {
+            return Ok(false);
+        }
+        if hold_for_read(&fd, &c, &st).is_err() {
+            return Ok(true); // evicted or written over meanwhile: no longer this path's to judge
+        }
+        let mut data = Vec::new();
+        if data.try_reserve_exact(st.st_size.max(0) as usize).is_err() {
+            return Ok(false);
+        }
+        data.resize(st.st_size.max(0) as usize, 0u8);
+        let iov = vec![libc::iovec { iov_base: data.as_mut_ptr() as *mut libc::c_void, iov_len: data.len() }];
+        if vectored(&fd, iov, false) != Ok(data.len()) {
+            return Ok(false);
+        }
         let Some(foot_at) = data.len().checked_sub(FOOTER) else { return Ok(false) };
         let (head, foot) = data.split_at(foot_at);
         // The key's length as the footer says, then the object before it.

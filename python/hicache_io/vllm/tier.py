@@ -39,7 +39,8 @@ class HicacheTier(SecondaryTierManager):
     by the processes of a machine, no server: ``path``, ``capacity_bytes``, ``fsync``, ``writes``
     and ``reads``: how files are written and read, :data:`hicache_io.l3.local.WRITE_RULES` and
     ``READ_RULES``; chunks are written ``direct`` and read ``buffered`` by default, so a chunk loaded
-    once is cached for the next load) or
+    once is cached for the next load; at capacity, direct writes go over the files of the chunks
+    the store evicts, :mod:`hicache_io.l3.local`) or
     ``store="mooncake"`` (Mooncake Store: ``master_server_address``, ``metadata_server``,
     ``protocol``, ``global_segment_size``, ``local_buffer_size``, ``local_hostname``,
     ``device_name``).

@@ -1,0 +1,156 @@
+//! Recycled files of the local store (`hicache_io.l3.local`): where a put writes with `O_DIRECT`,
+//! eviction keeps the files of the objects it evicts under `free/` (named `<size>-<unique>`), and
+//! later puts of objects of exactly that size write over them instead of creating files. On this
+//! project's machines an `O_DIRECT` write over a file's existing blocks ran at 1.6–1.8× a write of
+//! a new file: the file system allocates no blocks and converts no unwritten extents.
+//!
+//! Readers. A get may have opened an object's file just before eviction moved it. So a reader of
+//! a file of [`RECYCLE_MIN`] bytes or more holds a shared `flock` on it while it reads, and once it
+//! holds it checks that the object's path still names the file it opened (else: a miss). A put
+//! claims a free file only under an exclusive lock taken without waiting (a file a reader holds
+//! is skipped), held until the file is published as its new object. A reader thus reads an old
+//! object whole, or misses; never a file half written over.
+
+use std::collections::HashMap;
+use std::ffi::CString;
+
+use crate::local_io::{cpath, errno, write_direct, Fd, Span, OBJECT_NOT_FOUND};
+
+/// Files of at least this many bytes may be recycled (and are read under a shared lock).
+pub(crate) const RECYCLE_MIN: usize = 1 << 20;
+
+/// The free files of a store's `free/` folder by the 4 KiB blocks they take, with their sizes,
+/// listed once for a batch of puts.
+pub(crate) struct FreeFiles {
+    dir: String,
+    by_blocks: HashMap<usize, Vec<(usize, String)>>,
+}
+
+/// 4 KiB blocks a file of `size` bytes takes: a put writes over a file of as many blocks.
+fn blocks(size: usize) -> usize {
+    size.div_ceil(4096)
+}
+
+impl FreeFiles {
+    /// One listing of folder `dir` (none where it is missing or unreadable); only names of the
+    /// form `<size>-<anything>` count.
+    pub(crate) fn list(dir: &str) -> FreeFiles {
+        let mut by_blocks: HashMap<usize, Vec<(usize, String)>> = HashMap::new();
+        for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            let name = entry.file_name();
+            let Some(name) = name.to_str() else { continue };
+            if let Some(size) = name.split_once('-').and_then(|(s, _)| s.parse::<usize>().ok()) {
+                by_blocks.entry(blocks(size)).or_default().push((size, format!("{dir}/{name}")));
+            }
+        }
+        FreeFiles { dir: dir.to_owned(), by_blocks }
+    }
+
+    /// Claims a free file for a put of a file of `size` bytes: one of as many 4 KiB blocks and
+    /// at most `size` bytes (the put writes all of it, and past its end within its last block),
+    /// moved to the put's temporary name `tmp`, open for writing with `O_DIRECT` and locked
+    /// (exclusive) until the descriptor is closed. `None` when there is none it can claim (none
+    /// of that size, all held by readers or claimed by other puts, a file system that refuses
+    /// `O_DIRECT` or `flock`).
+    pub(crate) fn claim(&mut self, size: usize, tmp: &CString) -> Option<Fd> {
+        let candidates = self.by_blocks.get_mut(&blocks(size))?;
+        while let Some(at) = candidates.iter().rposition(|&(s, _)| s <= size) {
+            let (_, p) = candidates.swap_remove(at);
+            let Some(c) = cpath(&p) else { continue };
+            // SAFETY: a NUL-terminated path; the descriptor is closed by `Fd`.
+            let raw = unsafe { libc::open(c.as_ptr(), libc::O_WRONLY | libc::O_DIRECT | libc::O_NOFOLLOW | libc::O_CLOEXEC) };
+            if raw < 0 {
+                continue; // claimed meanwhile, or refused
+            }
+            let fd = Fd(raw);
+            // SAFETY: an open descriptor. A reader that opened it before it was evicted holds it.
+            if unsafe { libc::flock(fd.0, libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+                continue;
+            }
+            // SAFETY: NUL-terminated paths. The rename is the claim: of two puts, one moves it.
+            if unsafe { libc::rename(c.as_ptr(), tmp.as_ptr()) } != 0 {
+                continue;
+            }
+            // SAFETY: fstat fills the zeroed struct for an open descriptor.
+            let mut st: libc::stat = unsafe { std::mem::zeroed() };
+            if unsafe { libc::fstat(fd.0, &mut st) } != 0
+                || st.st_size < 0
+                || st.st_size as usize > size
+                || blocks(st.st_size as usize) != blocks(size)
+                || st.st_mode & libc::S_IFMT != libc::S_IFREG
+                || st.st_nlink != 1
+            {
+                // Misnamed, or not this store's file alone (a link: never written through).
+                // SAFETY: a NUL-terminated path (the file this put just moved).
+                unsafe { libc::unlink(tmp.as_ptr()) };
+                continue;
+            }
+            return Some(fd);
+        }
+        None
+    }
+
+    /// Returns claimed file `tmp`, which its put did not publish, to the free files (the
+    /// directory's usage counter still counts it); removes it where that fails.
+    pub(crate) fn give_back(&self, tmp: &CString) {
+        // SAFETY: stat fills the zeroed struct for a NUL-terminated path.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        let size = if unsafe { libc::stat(tmp.as_ptr(), &mut st) } == 0 { st.st_size.max(0) } else { 0 };
+        let name = tmp.to_bytes().rsplit(|&b| b == b'/').next().map(String::from_utf8_lossy).unwrap_or_default();
+        let back = cpath(&format!("{}/{size}-{name}", self.dir));
+        // SAFETY: NUL-terminated paths.
+        if back.is_none_or(|b| unsafe { libc::rename(tmp.as_ptr(), b.as_ptr()) } != 0) {
+            // SAFETY: a NUL-terminated path.
+            unsafe { libc::unlink(tmp.as_ptr()) };
+        }
+    }
+}
+
+/// Writes object (`spans`, then `foot`: its key and footer; `total` bytes, at least the claimed
+/// file's size, as many blocks) over claimed file `fd` at `tmp` and publishes it at `path` (`publish`: the bytes it adds
+/// on disk, `0` when kept, or a code; it leaves `tmp` to the `discard` it is given). Every byte of
+/// the file is written, so nothing of its old object stays. `0` when published (its bytes were
+/// on disk already), or a code; a file not published goes back to the free files.
+pub(crate) fn put_claimed(
+    fd: Fd,
+    tmp: &CString,
+    path: &CString,
+    spans: &[Span],
+    foot: &[u8],
+    total: usize,
+    fsync: bool,
+    free: &FreeFiles,
+    publish: impl FnOnce(&CString, &CString, usize, &dyn Fn(&CString)) -> i64,
+) -> i64 {
+    let back = |t: &CString| free.give_back(t);
+    let out = match write_direct(&fd, spans, foot, total, fsync) {
+        Ok(()) => publish(tmp, path, total, &back).min(0),
+        Err(e) => {
+            back(tmp);
+            e
+        }
+    };
+    drop(fd); // the lock goes with it, once the file is published
+    out
+}
+
+/// Holds file `fd` (opened at `path`, whose `fstat` is `st`) for a read where it may have been
+/// recycled: a shared lock, then the path checked to name it still. `Err(OBJECT_NOT_FOUND)` (a
+/// miss) where a put is writing over it or its object is gone; files smaller than
+/// [`RECYCLE_MIN`], and file systems without `flock` (where no file is recycled), are read as
+/// they are.
+pub(crate) fn hold_for_read(fd: &Fd, path: &CString, st: &libc::stat) -> Result<(), i64> {
+    if st.st_size < 0 || (st.st_size as usize) < RECYCLE_MIN {
+        return Ok(());
+    }
+    // SAFETY: an open descriptor; released when it is closed.
+    if unsafe { libc::flock(fd.0, libc::LOCK_SH | libc::LOCK_NB) } != 0 {
+        return if errno() == -(libc::EWOULDBLOCK as i64) { Err(OBJECT_NOT_FOUND) } else { Ok(()) };
+    }
+    // SAFETY: stat fills the zeroed struct for a NUL-terminated path.
+    let mut now: libc::stat = unsafe { std::mem::zeroed() };
+    if unsafe { libc::stat(path.as_ptr(), &mut now) } != 0 || now.st_ino != st.st_ino || now.st_dev != st.st_dev {
+        return Err(OBJECT_NOT_FOUND);
+    }
+    Ok(())
+}

@@ -1,0 +1,198 @@
+"""The local store's recycled files: where puts write with ``O_DIRECT``, eviction keeps evicted
+objects' files of 1 MiB and more under ``free/`` and later puts write over them (the file system
+allocates nothing). Every object still reads back exactly or misses: a file a reader holds is never
+written over, a file being written over reads as a miss (never as damage), writers killed at random
+points leave exact objects or misses, and the directory stays within its capacity."""
+
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from common import child_env
+
+OBJ = (2 << 20) + 100  # a page-aligned head and a short tail, as the vLLM tier's chunks
+CAP = 24 << 20  # about eleven objects: an eviction keeps about one file
+WIDE = 64 << 20  # about thirty: an eviction keeps three files
+
+
+def data(seed):
+    return np.random.default_rng(seed).integers(0, 256, OBJ, dtype=np.uint8)
+
+
+class Objects:
+    """A store and page-aligned memory holding object ``k``'s bytes (drawn from seed ``k``)."""
+
+    def __init__(self, directory, writes="direct", capacity=CAP):
+        from hicache_io.l3.local import LocalDiskClient
+
+        self.c = LocalDiskClient(str(directory), capacity_bytes=capacity, writes=writes)
+        raw = np.zeros(OBJ + 8192, np.uint8)
+        at = (-raw.ctypes.data) % 4096
+        self.raw, self.src, self.dst = raw, raw[at : at + OBJ], np.zeros(OBJ, np.uint8)
+        for a in (self.raw, self.dst):
+            self.c.register_buffer(a.ctypes.data, a.nbytes)
+
+    def put(self, k):
+        self.src[:] = data(k)
+        assert self.c.batch_put_from(([f"key-{k}"]), [self.src.ctypes.data], [OBJ]) == [0]
+
+    def get(self, k):
+        self.dst[:] = 0
+        return self.c.batch_get_into([f"key-{k}"], [self.dst.ctypes.data], [OBJ])[0]
+
+    def exact(self, k):
+        return self.get(k) == OBJ and np.array_equal(self.dst, data(k))
+
+    def free(self):
+        return {os.stat(os.path.join(self.c.free, n)).st_ino: os.path.join(self.c.free, n) for n in os.listdir(self.c.free)}
+
+
+@pytest.mark.parametrize("writes", ["direct", "cached"])
+def test_puts_at_capacity_write_over_evicted_files(tmp_path, writes):
+    """At capacity, direct puts take free files (the evicted objects' inodes come back as new
+    objects'); cached puts keep none. Every object kept reads back exactly, the directory stays
+    within its capacity and its counter matches a count anew."""
+    from hicache_io.l3.local import stats
+
+    s = Objects(tmp_path / "l3", writes, WIDE)
+    try:
+        for k in range(40):
+            s.put(k)
+            assert stats(s.c.directory)["disk_bytes"] <= WIDE
+        free = s.free()
+        if writes == "cached":
+            assert free == {} and stats(s.c.directory)["free_bytes"] == 0
+            return
+        assert len(free) >= 2, f"eviction kept {len(free)} files to write over"
+        # Each free file held open (unlocked; its inode cannot go to another file meanwhile):
+        # what a put writes over it shows there.
+        watch = [os.open(p, os.O_RDONLY) for p in free.values()]
+        new = range(40, 40 + len(free))
+        for k in new:
+            s.put(k)
+        heads = {data(k)[:4096].tobytes() for k in new}
+        reused = [w for w in watch if os.pread(w, 4096, 0) in heads]
+        for w in watch:
+            os.close(w)
+        assert len(reused) == len(free), f"{len(reused)} of {len(free)} free files written over"
+        st = stats(s.c.directory)
+        assert st["disk_bytes"] <= WIDE and st["objects"] >= 25 and st["free_bytes"] == 0, st
+        kept = [k for k in range(new.stop) if s.get(k) == OBJ]
+        assert all(s.exact(k) for k in kept) and set(new) <= set(kept)
+        used = int.from_bytes(open(s.c.lock_path, "rb").read(8), "little")
+        assert used == s.c.resync(), "the counter lost track of the recycled files"
+    finally:
+        s.c.close()
+
+
+def test_a_file_a_reader_holds_is_not_written_over(tmp_path):
+    """A get that opened an object's file before eviction moved it holds a shared lock: puts pass
+    that file by, and its bytes stay the evicted object's."""
+    s = Objects(tmp_path / "l3", capacity=WIDE)
+    try:
+        for k in range(40):
+            s.put(k)
+        held = []
+        for ino, p in s.free().items():
+            f = open(p, "rb")
+            fcntl.flock(f, fcntl.LOCK_SH)
+            held.append((ino, f, f.read()))
+        assert len(held) >= 2, "eviction kept no file to write over"
+        for k in range(40, 40 + len(held)):
+            s.put(k)
+        inodes = {os.stat(s.c.path(f"key-{k}")).st_ino for k in range(40, 40 + len(held))}
+        assert not inodes & {ino for ino, _f, _b in held}, "a put wrote over a file a reader holds"
+        for _ino, f, before in held:
+            f.seek(0)
+            assert f.read() == before
+            f.close()
+        assert all(s.exact(k) for k in range(40, 40 + len(held)))
+    finally:
+        s.c.close()
+
+
+def test_links_in_the_free_files_are_never_written_through(tmp_path):
+    """A free file that is a symbolic link, or a file with a second name, is not written over:
+    what it names keeps its bytes."""
+    s = Objects(tmp_path / "l3", capacity=WIDE)
+    try:
+        for k in range(40):
+            s.put(k)
+        free = list(s.free().values())
+        assert len(free) >= 2
+        outside = tmp_path / "outside"
+        outside.write_bytes(bytes(os.path.getsize(free[0])))
+        os.unlink(free[0])
+        os.symlink(outside, free[0])
+        os.link(free[1], tmp_path / "second-name")
+        before = (tmp_path / "second-name").read_bytes()
+        for k in range(40, 40 + len(free)):
+            s.put(k)
+        assert not any(outside.read_bytes())
+        assert (tmp_path / "second-name").read_bytes() == before
+        assert all(s.exact(k) for k in range(40, 40 + len(free)))
+    finally:
+        s.c.close()
+
+
+def test_a_file_being_written_over_reads_as_a_miss_not_damage(tmp_path):
+    """While a put holds a file to write over it (an exclusive lock), a get of the object it held
+    misses and leaves it alone (not damaged: not removed, not counted); then reads it exactly."""
+    from hicache_io.l3.errors import OBJECT_NOT_FOUND
+
+    s = Objects(tmp_path / "l3", capacity=1 << 30)
+    try:
+        s.put(7)
+        with open(s.c.path("key-7"), "rb") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            assert s.get(7) == OBJECT_NOT_FOUND
+            assert os.path.exists(s.c.path("key-7"))
+        assert s.exact(7)
+    finally:
+        s.c.close()
+
+
+WRITER = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, sys.argv[3])
+    from test_local_recycle import Objects
+    s = Objects(sys.argv[1])
+    first = int(sys.argv[2])
+    s.put(first)
+    print("ready", flush=True)
+    for k in range(first + 1, first + 400):
+        s.put(k)
+    """
+)
+
+
+def test_writers_killed_while_writing_over_free_files_leave_exact_objects_or_misses(tmp_path):
+    from hicache_io.l3.local import scrub, stats
+
+    directory = tmp_path / "l3"
+    rng = np.random.default_rng(68)
+    for round_ in range(4):
+        cmd = [sys.executable, "-c", WRITER, str(directory), str(round_ * 400), os.path.dirname(os.path.abspath(__file__))]
+        proc = subprocess.Popen(cmd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        assert proc.stdout.readline().strip() == b"ready"
+        time.sleep(float(rng.uniform(0.05, 0.3)))  # into the puts, which write over free files
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+    s = Objects(directory)
+    try:
+        hits = [k for k in range(1600) if s.get(k) == OBJ]
+        assert hits, "no writer got as far as one object: the test tried nothing"
+        assert all(s.exact(k) for k in hits)
+        assert stats(str(directory))["disk_bytes"] <= CAP
+        assert scrub(str(directory))["damaged"] == 0
+    finally:
+        s.c.close()
