@@ -13,6 +13,10 @@
 
 use std::collections::HashMap;
 use std::ffi::CString;
+use std::os::unix::fs::MetadataExt;
+use std::path::PathBuf;
+
+use pyo3::prelude::*;
 
 use crate::local_io::{cpath, errno, write_direct, Fd, Span, OBJECT_NOT_FOUND};
 
@@ -153,4 +157,35 @@ pub(crate) fn hold_for_read(fd: &Fd, path: &CString, st: &libc::stat) -> Result<
         return Err(OBJECT_NOT_FOUND);
     }
     Ok(())
+}
+
+/// Every file under `directory` (not following links) as `(path, last modification, bytes on
+/// disk)` (bytes on disk: its blocks, or its length in whole 4 KiB blocks where it has none
+/// counted yet), and what the folders themselves take on disk: the eviction's count of a store,
+/// in native code (a walk in Python took about 7 ms for 600 files, under the lock every put of the
+/// directory waits on). Files and folders removed meanwhile are left out.
+#[pyfunction]
+pub(crate) fn local_walk(py: Python<'_>, directory: PathBuf) -> (u64, Vec<(String, f64, u64)>) {
+    py.detach(|| {
+        let (mut folders, mut files) = (0u64, Vec::new());
+        let mut todo = vec![directory];
+        while let Some(dir) = todo.pop() {
+            let Ok(meta) = std::fs::symlink_metadata(&dir) else { continue };
+            folders = folders.saturating_add(meta.blocks().saturating_mul(512));
+            for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+                let Ok(meta) = entry.metadata() else { continue };
+                if meta.is_dir() {
+                    todo.push(entry.path());
+                    continue;
+                }
+                let size = match meta.blocks().saturating_mul(512) {
+                    0 => meta.len().div_ceil(4096).saturating_mul(4096),
+                    b => b,
+                };
+                let mtime = meta.mtime() as f64 + meta.mtime_nsec() as f64 * 1e-9;
+                files.push((entry.path().to_string_lossy().into_owned(), mtime, size));
+            }
+        }
+        (folders, files)
+    })
 }

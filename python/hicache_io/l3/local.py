@@ -499,29 +499,20 @@ def scan(directory: str) -> Tuple[int, List[Tuple[float, int, str]]]:
     """A directory's bytes on disk (files, folders, the lock) and its files that eviction may
     remove (objects, packs, free files) as ``(last use, bytes, path)``. Removes temporary files
     of writers that have ended or stalled."""
-    tmp = os.path.join(directory, "tmp")
-    lock = os.path.join(directory, "lock")
-    counter = os.path.join(directory, "packs.counter")
-    total, objs = 0, []
-    for root, _dirs, files in os.walk(directory):
-        try:
-            total += os.stat(root).st_blocks * 512
-        except FileNotFoundError:
-            continue
-        for name in files:
-            p = os.path.join(root, name)
-            try:
-                st = os.stat(p)
-            except FileNotFoundError:
-                continue  # removed meanwhile
-            if root == tmp and (_writer_gone(name) or time.time() - st.st_mtime > STALE_TMP_SECONDS):
+    tmp = os.path.join(directory, "tmp") + os.sep
+    keep = (os.path.join(directory, "lock"), os.path.join(directory, "packs.counter"))
+    total, objs = _native.local_walk(directory)
+    out = []
+    now = time.time()
+    for p, mtime, size in objs:
+        if p.startswith(tmp):
+            if os.sep not in p[len(tmp) :] and (_writer_gone(p[len(tmp) :]) or now - mtime > STALE_TMP_SECONDS):
                 LocalDiskClient._unlink(p)
                 continue
-            size = st.st_blocks * 512 or _on_disk(st.st_size)
-            total += size
-            if root != tmp and p not in (lock, counter):
-                objs.append((st.st_mtime, size, p))
-    return total, objs
+        elif p not in keep:
+            out.append((mtime, size, p))
+        total += size
+    return total, out
 
 
 def stats(directory: str) -> Dict[str, int]:
