@@ -24,10 +24,11 @@ use crate::local_io::{cpath, errno, write_direct, Fd, Span, OBJECT_NOT_FOUND};
 pub(crate) const RECYCLE_MIN: usize = 1 << 20;
 
 /// The free files of a store's `free/` folder by the 4 KiB blocks they take, with their sizes,
-/// listed once for a batch of puts.
+/// listed once for a batch of puts. The folder is held open (never followed through a link), and
+/// its files are opened and moved relative to it.
 pub(crate) struct FreeFiles {
-    dir: String,
-    by_blocks: HashMap<usize, Vec<(usize, String)>>,
+    dir: Fd,
+    by_blocks: HashMap<usize, Vec<(usize, CString)>>,
 }
 
 /// 4 KiB blocks a file of `size` bytes takes: a put writes over a file of as many blocks.
@@ -35,58 +36,80 @@ fn blocks(size: usize) -> usize {
     size.div_ceil(4096)
 }
 
+/// Whether open file `st` may be written over as a free file for a put of `size` bytes: a
+/// regular file of this user's with one name (a link is never written through), of at least
+/// [`RECYCLE_MIN`] bytes (smaller files are read without a lock), at most `size` and of as many
+/// blocks, all of them allocated (a sparse file would grow the directory past its count).
+fn writable_over(st: &libc::stat, size: usize) -> bool {
+    let Ok(n) = usize::try_from(st.st_size) else { return false };
+    st.st_mode & libc::S_IFMT == libc::S_IFREG
+        && st.st_nlink == 1
+        // SAFETY: geteuid has no preconditions.
+        && st.st_uid == unsafe { libc::geteuid() }
+        && (RECYCLE_MIN..=size).contains(&n)
+        && blocks(n) == blocks(size)
+        && u64::try_from(st.st_blocks).is_ok_and(|b| b.saturating_mul(512) >= blocks(n) as u64 * 4096)
+}
+
 impl FreeFiles {
-    /// One listing of folder `dir` (none where it is missing or unreadable); only names of the
-    /// form `<size>-<anything>` count.
-    pub(crate) fn list(dir: &str) -> FreeFiles {
-        let mut by_blocks: HashMap<usize, Vec<(usize, String)>> = HashMap::new();
-        for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+    /// One listing of folder `dir` (none where it is missing, unreadable or a link); only names
+    /// of the form `<size>-<anything>` count.
+    pub(crate) fn list(dir: &str) -> Option<FreeFiles> {
+        let c = cpath(dir)?;
+        // SAFETY: a NUL-terminated path; the descriptor is closed by `Fd`.
+        let raw = unsafe { libc::open(c.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC) };
+        if raw < 0 {
+            return None;
+        }
+        let dir_fd = Fd(raw);
+        let mut by_blocks: HashMap<usize, Vec<(usize, CString)>> = HashMap::new();
+        for entry in std::fs::read_dir(format!("/proc/self/fd/{}", dir_fd.0)).into_iter().flatten().flatten() {
             let name = entry.file_name();
             let Some(name) = name.to_str() else { continue };
-            if let Some(size) = name.split_once('-').and_then(|(s, _)| s.parse::<usize>().ok()) {
-                by_blocks.entry(blocks(size)).or_default().push((size, format!("{dir}/{name}")));
+            if let (Some(size), Some(c)) = (name.split_once('-').and_then(|(s, _)| s.parse::<usize>().ok()), cpath(name)) {
+                by_blocks.entry(blocks(size)).or_default().push((size, c));
             }
         }
-        FreeFiles { dir: dir.to_owned(), by_blocks }
+        Some(FreeFiles { dir: dir_fd, by_blocks })
     }
 
-    /// Claims a free file for a put of a file of `size` bytes: one of as many 4 KiB blocks and
-    /// at most `size` bytes (the put writes all of it, and past its end within its last block),
-    /// moved to the put's temporary name `tmp`, open for writing with `O_DIRECT` and locked
-    /// (exclusive) until the descriptor is closed. `None` when there is none it can claim (none
-    /// of that size, all held by readers or claimed by other puts, a file system that refuses
-    /// `O_DIRECT` or `flock`).
+    /// Claims a free file for a put of a file of `size` bytes ([`writable_over`]: the put writes
+    /// all of it, and past its end within its last block), moved to the put's temporary name
+    /// `tmp`, open for writing with `O_DIRECT`, marked used now (a temporary file is old only when
+    /// its writer stalled) and locked (exclusive) until the descriptor is closed. `None` when there
+    /// is none it can claim (none of that size, all held by readers or claimed by other puts, a
+    /// file system that refuses `O_DIRECT` or `flock`).
     pub(crate) fn claim(&mut self, size: usize, tmp: &CString) -> Option<Fd> {
         let candidates = self.by_blocks.get_mut(&blocks(size))?;
-        while let Some(at) = candidates.iter().rposition(|&(s, _)| s <= size) {
-            let (_, p) = candidates.swap_remove(at);
-            let Some(c) = cpath(&p) else { continue };
-            // SAFETY: a NUL-terminated path; the descriptor is closed by `Fd`.
-            let raw = unsafe { libc::open(c.as_ptr(), libc::O_WRONLY | libc::O_DIRECT | libc::O_NOFOLLOW | libc::O_CLOEXEC) };
+        while let Some(at) = candidates.iter().rposition(|&(s, _)| (RECYCLE_MIN..=size).contains(&s)) {
+            let (_, name) = candidates.swap_remove(at);
+            let flags = libc::O_WRONLY | libc::O_DIRECT | libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC;
+            // SAFETY: an open folder and a NUL-terminated name; the descriptor is closed by `Fd`.
+            let raw = unsafe { libc::openat(self.dir.0, name.as_ptr(), flags) };
             if raw < 0 {
                 continue; // claimed meanwhile, or refused
             }
             let fd = Fd(raw);
+            // SAFETY: fstat fills the zeroed struct for an open descriptor.
+            let mut st: libc::stat = unsafe { std::mem::zeroed() };
+            if unsafe { libc::fstat(fd.0, &mut st) } != 0 || !writable_over(&st, size) {
+                continue; // not a free file to write over: left where it is
+            }
             // SAFETY: an open descriptor. A reader that opened it before it was evicted holds it.
             if unsafe { libc::flock(fd.0, libc::LOCK_EX | libc::LOCK_NB) } != 0 {
                 continue;
             }
-            // SAFETY: NUL-terminated paths. The rename is the claim: of two puts, one moves it.
-            if unsafe { libc::rename(c.as_ptr(), tmp.as_ptr()) } != 0 {
+            // SAFETY: an open descriptor; a null times pointer sets both times to now.
+            unsafe { libc::futimens(fd.0, std::ptr::null()) };
+            // SAFETY: an open folder, NUL-terminated names. The rename is the claim: of two puts,
+            // one moves it; the file moved must be the one locked (a name may have been reused).
+            if unsafe { libc::renameat(self.dir.0, name.as_ptr(), libc::AT_FDCWD, tmp.as_ptr()) } != 0 {
                 continue;
             }
-            // SAFETY: fstat fills the zeroed struct for an open descriptor.
-            let mut st: libc::stat = unsafe { std::mem::zeroed() };
-            if unsafe { libc::fstat(fd.0, &mut st) } != 0
-                || st.st_size < 0
-                || st.st_size as usize > size
-                || blocks(st.st_size as usize) != blocks(size)
-                || st.st_mode & libc::S_IFMT != libc::S_IFREG
-                || st.st_nlink != 1
-            {
-                // Misnamed, or not this store's file alone (a link: never written through).
-                // SAFETY: a NUL-terminated path (the file this put just moved).
-                unsafe { libc::unlink(tmp.as_ptr()) };
+            let mut moved: libc::stat = unsafe { std::mem::zeroed() };
+            // SAFETY: lstat fills the zeroed struct for a NUL-terminated path.
+            if unsafe { libc::lstat(tmp.as_ptr(), &mut moved) } != 0 || (moved.st_dev, moved.st_ino) != (st.st_dev, st.st_ino) {
+                give_back(&self.dir, tmp);
                 continue;
             }
             return Some(fd);
@@ -94,19 +117,25 @@ impl FreeFiles {
         None
     }
 
-    /// Returns claimed file `tmp`, which its put did not publish, to the free files (the
-    /// directory's usage counter still counts it); removes it where that fails.
+    /// Returns claimed file `tmp`, which its put did not publish, to the free files.
     pub(crate) fn give_back(&self, tmp: &CString) {
-        // SAFETY: stat fills the zeroed struct for a NUL-terminated path.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        let size = if unsafe { libc::stat(tmp.as_ptr(), &mut st) } == 0 { st.st_size.max(0) } else { 0 };
-        let name = tmp.to_bytes().rsplit(|&b| b == b'/').next().map(String::from_utf8_lossy).unwrap_or_default();
-        let back = cpath(&format!("{}/{size}-{name}", self.dir));
-        // SAFETY: NUL-terminated paths.
-        if back.is_none_or(|b| unsafe { libc::rename(tmp.as_ptr(), b.as_ptr()) } != 0) {
-            // SAFETY: a NUL-terminated path.
-            unsafe { libc::unlink(tmp.as_ptr()) };
-        }
+        give_back(&self.dir, tmp);
+    }
+}
+
+/// Returns claimed file `tmp` to the free files (folder `dir`) under a name no other file has
+/// (the directory's usage counter still counts it); removes it where that fails.
+fn give_back(dir: &Fd, tmp: &CString) {
+    // SAFETY: lstat fills the zeroed struct for a NUL-terminated path.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    let size = if unsafe { libc::lstat(tmp.as_ptr(), &mut st) } == 0 { st.st_size.max(0) } else { 0 };
+    let name = tmp.to_bytes().rsplit(|&b| b == b'/').next().map(String::from_utf8_lossy).unwrap_or_default();
+    let back = cpath(&format!("{size}-{}-{name}", st.st_ino));
+    // SAFETY: an open folder, NUL-terminated names.
+    let renamed = |b: &CString| unsafe { libc::renameat2(libc::AT_FDCWD, tmp.as_ptr(), dir.0, b.as_ptr(), libc::RENAME_NOREPLACE) } == 0;
+    if !back.is_some_and(|b| renamed(&b)) {
+        // SAFETY: a NUL-terminated path.
+        unsafe { libc::unlink(tmp.as_ptr()) };
     }
 }
 
@@ -139,7 +168,7 @@ pub(crate) fn put_claimed(
 }
 
 /// Holds file `fd` (opened at `path`, whose `fstat` is `st`) for a read where it may have been
-/// recycled: a shared lock, then the path checked to name it still. `Err(OBJECT_NOT_FOUND)` (a
+/// recycled: a shared lock, then the path checked to name it still, at the size `st` read. `Err(OBJECT_NOT_FOUND)` (a
 /// miss) where a put is writing over it or its object is gone; files smaller than
 /// [`RECYCLE_MIN`], and file systems without `flock` (where no file is recycled), are read as
 /// they are.
@@ -153,7 +182,7 @@ pub(crate) fn hold_for_read(fd: &Fd, path: &CString, st: &libc::stat) -> Result<
     }
     // SAFETY: stat fills the zeroed struct for a NUL-terminated path.
     let mut now: libc::stat = unsafe { std::mem::zeroed() };
-    if unsafe { libc::stat(path.as_ptr(), &mut now) } != 0 || now.st_ino != st.st_ino || now.st_dev != st.st_dev {
+    if unsafe { libc::stat(path.as_ptr(), &mut now) } != 0 || (now.st_dev, now.st_ino, now.st_size) != (st.st_dev, st.st_ino, st.st_size) {
         return Err(OBJECT_NOT_FOUND);
     }
     Ok(())

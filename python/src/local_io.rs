@@ -771,7 +771,7 @@ pub(crate) fn local_put(
     let mut need = 0;
     for again in [true, false] {
         (listed, need) = py.detach(|| {
-            let mut listed = free.as_deref().map(FreeFiles::list);
+            let mut listed = free.as_deref().and_then(FreeFiles::list);
             claims(listed.as_mut(), rule, &tmps, &files, &spans, &exists, &claimed);
             // Saturating: a sum past u64 exceeds any capacity, so the reservation refuses it.
             let need = (0..keys.len())
@@ -779,19 +779,20 @@ pub(crate) fn local_put(
                 .fold(0u64, |acc, j| acc.saturating_add(files[j].map_or(u64::MAX, |f| on_disk(f) as u64)));
             (listed, need)
         });
-        let answer = reserve.call1((need, again))?;
+        let answer = match reserve.call1((need, again)) {
+            Ok(a) => a,
+            Err(e) => {
+                give_back_all(listed.as_ref(), &claimed, &tmps);
+                return Err(e);
+            }
+        };
         if again && answer.is_none() {
             continue; // free files appeared meanwhile (another put's eviction): claim them first
         }
         if answer.is_truthy()? {
             break;
         }
-        // Nothing is written: the claimed files go back.
-        for (j, c) in claimed.iter().enumerate() {
-            if let (Some(free), Ok(Some(_)), Some(t)) = (&listed, c.lock().map(|mut c| c.take()), cpath(&tmps[j])) {
-                free.give_back(&t);
-            }
-        }
+        give_back_all(listed.as_ref(), &claimed, &tmps); // nothing is written
         return Ok(None);
     }
     let free = listed;
@@ -830,6 +831,15 @@ fn claims(
             if !exists[j] && f >= RECYCLE_MIN && writes_direct(rule, s, f) {
                 *slot = cpath(&tmps[j]).and_then(|t| free.claim(f, &t));
             }
+        }
+    }
+}
+
+/// Returns the files `claimed` (at their temporary names `tmps`) to the free files.
+fn give_back_all(free: Option<&FreeFiles>, claimed: &[std::sync::Mutex<Option<Fd>>], tmps: &[String]) {
+    for (c, t) in claimed.iter().zip(tmps) {
+        if let (Some(free), Ok(Some(_)), Some(t)) = (free, c.lock().map(|mut c| c.take()), cpath(t)) {
+            free.give_back(&t);
         }
     }
 }

@@ -118,26 +118,76 @@ def test_a_file_a_reader_holds_is_not_written_over(tmp_path):
         s.c.close()
 
 
-def test_links_in_the_free_files_are_never_written_through(tmp_path):
-    """A free file that is a symbolic link, or a file with a second name, is not written over:
-    what it names keeps its bytes."""
+def test_what_is_not_a_free_file_of_the_store_is_never_written_over(tmp_path):
+    """In ``free/``, a symbolic link, a file with a second name, a FIFO, a sparse file and a
+    file under 1 MiB (read without a lock) are passed by, and ``free/`` itself made a link to
+    another folder is not followed: what each names keeps its bytes, and puts neither hang nor
+    fail."""
     s = Objects(tmp_path / "l3", capacity=WIDE)
     try:
         for k in range(40):
             s.put(k)
         free = list(s.free().values())
         assert len(free) >= 2
+        size = os.path.getsize(free[0])
+        for p in free:
+            os.unlink(p)
         outside = tmp_path / "outside"
-        outside.write_bytes(bytes(os.path.getsize(free[0])))
-        os.unlink(free[0])
-        os.symlink(outside, free[0])
-        os.link(free[1], tmp_path / "second-name")
-        before = (tmp_path / "second-name").read_bytes()
-        for k in range(40, 40 + len(free)):
+        outside.mkdir()
+        target = outside / f"{size}-target"
+        target.write_bytes(bytes(size))
+        os.symlink(target, os.path.join(s.c.free, f"{size}-symlink"))
+        linked = tmp_path / "second-name"
+        linked.write_bytes(bytes(size))
+        os.link(linked, os.path.join(s.c.free, f"{size}-linked"))
+        os.mkfifo(os.path.join(s.c.free, f"{size}-fifo"))
+        with open(os.path.join(s.c.free, f"{size}-sparse"), "wb") as f:
+            f.truncate(size)
+        with open(os.path.join(s.c.free, f"{size}-small"), "wb") as f:
+            f.write(bytes((1 << 20) - 4096))
+        # Held open (their names may go: free files make room for new ones), to look at after.
+        sparse, small = (os.open(os.path.join(s.c.free, f"{size}-{n}"), os.O_RDONLY) for n in ("sparse", "small"))
+        for k in range(40, 43):
             s.put(k)
-        assert not any(outside.read_bytes())
-        assert (tmp_path / "second-name").read_bytes() == before
-        assert all(s.exact(k) for k in range(40, 40 + len(free)))
+        os.rename(s.c.free, tmp_path / "free-was")
+        os.symlink(outside, s.c.free)  # free/ a link to another folder
+        for k in range(43, 46):
+            s.put(k)
+        assert not any(target.read_bytes()) and not any(linked.read_bytes())
+        assert os.fstat(sparse).st_blocks == 0 and not any(os.pread(small, 1 << 20, 0))
+        os.close(sparse)
+        os.close(small)
+        assert all(s.exact(k) for k in range(40, 46))
+    finally:
+        s.c.close()
+
+
+def test_batches_write_over_free_files_left_long_ago(tmp_path):
+    """Free files last used long ago (older than a stalled writer's temporary file) are written
+    over by a batch that also needs room for new files: every put lands, the counter holds."""
+    from hicache_io.l3.local import STALE_TMP_SECONDS
+
+    s = Objects(tmp_path / "l3", capacity=WIDE)
+    try:
+        for k in range(40):
+            s.put(k)
+        free = s.free()
+        assert len(free) >= 2
+        old = time.time() - 2 * STALE_TMP_SECONDS
+        for p in free.values():
+            os.utime(p, (old, old))
+        keys = list(range(40, 40 + len(free) + 3))
+        rows = np.stack([data(k) for k in keys])
+        raw = np.zeros(rows.nbytes + 4096, np.uint8)
+        at = (-raw.ctypes.data) % 4096
+        mem = raw[at : at + rows.nbytes].reshape(rows.shape)
+        mem[:] = rows
+        s.c.register_buffer(raw.ctypes.data, raw.nbytes)
+        got = s.c.batch_put_from([f"key-{k}" for k in keys], [mem[j].ctypes.data for j in range(len(keys))], [OBJ] * len(keys))
+        assert got == [0] * len(keys)
+        assert all(s.exact(k) for k in keys)
+        used = int.from_bytes(open(s.c.lock_path, "rb").read(8), "little")
+        assert used == s.c.resync()
     finally:
         s.c.close()
 

@@ -72,6 +72,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -206,6 +207,11 @@ class LocalDiskClient:
             if recycle and again and _any_file(self.free):
                 waited.append(True)
                 return used
+            # Free files first, without counting the whole directory (a put of another size, or
+            # one that wrote through the page cache, would otherwise count it every time).
+            used = self._drop_free(used, nbytes)
+            if used + nbytes <= self.capacity:
+                return used + nbytes
             # What is on disk decides what goes; the counter (which also holds the reservations of
             # writers whose files are not complete yet) loses what was removed.
             total, objs = scan(self.directory)
@@ -233,10 +239,34 @@ class LocalDiskClient:
         if p.endswith(".pack"):
             return False
         try:
-            os.rename(p, os.path.join(self.free, f"{os.stat(p).st_size}-{os.getpid()}-{_HOST}-{next(self._seq)}"))
+            size = os.stat(p).st_size
+            if size < _native.LOCAL_RECYCLE_MIN:  # read without a lock: never written over
+                return False
+            with _Folder(self.free) as free:
+                os.rename(p, f"{size}-{uuid.uuid4().hex}", dst_dir_fd=free)
             return True
         except OSError:
             return False
+
+    def _drop_free(self, used: int, nbytes: int) -> int:
+        """Removes free files (the oldest first, listing ``free/`` alone) until ``nbytes`` more
+        fit in the capacity; the counter's new value."""
+        try:
+            with _Folder(self.free) as free:
+                with os.scandir(free) as it:
+                    files = sorted((e.stat(follow_symlinks=False).st_mtime, e.name) for e in it)
+                for _mtime, name in files:
+                    if used + nbytes <= self.capacity:
+                        break
+                    try:
+                        size = os.lstat(name, dir_fd=free).st_blocks * 512
+                        os.unlink(name, dir_fd=free)
+                    except OSError:
+                        continue
+                    used -= size
+        except OSError:
+            pass
+        return used
 
     def _reserve_new(self, need: int, recycle: bool = False, again: bool = False) -> Optional[bool]:
         """Counts ``need`` bytes of new objects before they are written (:meth:`_reserve`); False
@@ -469,6 +499,21 @@ def pack_bytes(capacity: int) -> int:
 def _on_disk(nbytes: int) -> int:
     """What a file of ``nbytes`` takes on disk: whole 4 KiB blocks."""
     return -(-nbytes // 4096) * 4096
+
+
+class _Folder:
+    """Folder ``path`` held open, never through a link (``free/``: a link put there must not make
+    the store move or remove files of another folder)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __enter__(self) -> int:
+        self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        return self.fd
+
+    def __exit__(self, *exc: Any) -> None:
+        os.close(self.fd)
 
 
 def _any_file(folder: str) -> bool:
