@@ -164,7 +164,16 @@ def bench_tier(args, out):
     ours = HicacheTier(spec, memoryview(view), "hicache", store="local", path=os.path.join(root, "hicache"), capacity_bytes=1 << 40, threads=args.threads, writes=args.writes, reads=args.reads)
     # At its capacity: stores evict (and write over the evicted chunks' files).
     full = HicacheTier(spec, memoryview(view), "hicache", store="local", path=os.path.join(root, "full"), capacity_bytes=args.full_chunks * (row + 8192), threads=args.threads, writes=args.writes, reads=args.reads)
-    fs = FileSystemTierManager(offloading_spec=spec, primary_kv_view=memoryview(view), tier_type="fs", root_dir=os.path.join(root, "fs"), n_read_threads=args.threads, n_write_threads=args.threads)
+    # `--threads` threads each in all: fs's read and write groups each drain either queue when
+    # their own is empty, so n_read + n_write threads serve every store and every load.
+    fs = FileSystemTierManager(
+        offloading_spec=spec,
+        primary_kv_view=memoryview(view),
+        tier_type="fs",
+        root_dir=os.path.join(root, "fs"),
+        n_read_threads=max(1, args.threads // 2),
+        n_write_threads=max(1, args.threads - args.threads // 2),
+    )
     ctx = ReqContext(req_id="bench")
     job = iter(range(1, 1 << 30))
     gen = iter(range(1, 1 << 40))
@@ -217,7 +226,7 @@ def main():
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--chunk-mib", type=int, default=2)
     p.add_argument("--chunks", type=int, default=128)
-    p.add_argument("--threads", type=int, default=4)
+    p.add_argument("--threads", type=int, default=4, help="I/O threads of each tier in all (fs: half read-first, half write-first)")
     p.add_argument("--full-chunks", type=int, default=512, help="chunks the tier at capacity holds")
     p.add_argument("--dir", default=None)
     p.add_argument("--seconds", type=float, default=3.0)
