@@ -53,7 +53,7 @@ at a fifth to a tenth of it on this project's machines) but leaves nothing cache
 
 Recycling. Where puts write with ``O_DIRECT`` (``writes="direct"``), eviction keeps the files of
 the objects it evicts beyond the room the put needs (1 MiB and more) under ``free/``, and later
-puts of objects of exactly such a size write over them instead of creating files: an ``O_DIRECT``
+puts of objects of as many 4 KiB blocks write over them instead of creating files: an ``O_DIRECT``
 write over a file's existing blocks ran at 1.6–1.8× a write of a new file on this project's
 machines (the file system allocates nothing). Free files count in the directory's size, and go
 first where a put needs room for new bytes. A reader holds a shared lock on a file of 1 MiB and
