@@ -5,6 +5,7 @@ written over, a file being written over reads as a miss (never as damage), write
 points leave exact objects or misses, and the directory stays within its capacity."""
 
 import fcntl
+import json
 import os
 import signal
 import subprocess
@@ -222,6 +223,55 @@ WRITER = textwrap.dedent(
         s.put(k)
     """
 )
+
+# Puts (``w``) or gets (``r``) of random keys among 40 for ``seconds``, in a process of its own;
+# prints hits, wrong hits, damaged answers and failed puts.
+RACER = textwrap.dedent(
+    """
+    import sys, time, json
+    import numpy as np
+    sys.path.insert(0, sys.argv[4])
+    from test_local_recycle import OBJ, Objects, data
+    from hicache_io.l3.errors import DAMAGED
+    s = Objects(sys.argv[1])
+    role, rng = sys.argv[2], np.random.default_rng(int(sys.argv[3]))
+    out = {"hits": 0, "wrong": 0, "damaged": 0, "failed": 0}
+    end = time.time() + 3
+    while time.time() < end:
+        k = int(rng.integers(0, 40))
+        if role == "w":
+            s.src[:] = data(k)
+            out["failed"] += s.c.batch_put_from([f"key-{k}"], [s.src.ctypes.data], [OBJ]) != [0]
+        else:
+            got = s.get(k)
+            out["hits"] += got == OBJ
+            out["wrong"] += got == OBJ and not np.array_equal(s.dst, data(k))
+            out["damaged"] += got == DAMAGED
+    s.c.close()
+    print(json.dumps(out))
+    """
+)
+
+
+def test_readers_and_writers_of_several_processes_at_capacity_read_exact_objects(tmp_path):
+    """Two processes putting and two getting keys among 40 objects of 2 MiB in a 24 MiB store
+    (every put evicts, and writes over evicted objects' files) for 3 s: every hit is exact, no
+    healthy object reads as damaged, no put fails, and the directory stays within its capacity."""
+    from hicache_io.l3.local import scrub, stats
+
+    directory = tmp_path / "l3"
+    Objects(directory).c.close()
+    here = os.path.dirname(os.path.abspath(__file__))
+    procs = [subprocess.Popen([sys.executable, "-c", RACER, str(directory), role, str(i), here], env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i, role in enumerate("wwrr")]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err.decode()[-2000:]
+        outs.append(json.loads(out.decode().strip().splitlines()[-1]))
+    assert sum(o["hits"] for o in outs) > 20, outs  # the readers met objects
+    assert not any(o["wrong"] or o["damaged"] or o["failed"] for o in outs), outs
+    assert stats(str(directory))["disk_bytes"] <= CAP
+    assert scrub(str(directory))["damaged"] == 0
 
 
 def test_writers_killed_while_writing_over_free_files_leave_exact_objects_or_misses(tmp_path):
