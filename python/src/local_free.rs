@@ -63,7 +63,9 @@ impl FreeFiles {
         }
         let dir_fd = Fd(raw);
         let mut by_blocks: HashMap<usize, Vec<(usize, CString)>> = HashMap::new();
-        for entry in std::fs::read_dir(format!("/proc/self/fd/{}", dir_fd.0)).into_iter().flatten().flatten() {
+        // Listed by its path; the names are opened and moved relative to the folder held open,
+        // so a listing of another folder put in its place names nothing there.
+        for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
             let name = entry.file_name();
             let Some(name) = name.to_str() else { continue };
             if let (Some(size), Some(c)) = (name.split_once('-').and_then(|(s, _)| s.parse::<usize>().ok()), cpath(name)) {
@@ -99,8 +101,13 @@ impl FreeFiles {
             if unsafe { libc::flock(fd.0, libc::LOCK_EX | libc::LOCK_NB) } != 0 {
                 continue;
             }
-            // SAFETY: an open descriptor; a null times pointer sets both times to now.
-            unsafe { libc::futimens(fd.0, std::ptr::null()) };
+            // SAFETY: an open descriptor; a null times pointer sets both times to now. A regular
+            // file's writes ignore O_NONBLOCK (there only so that a FIFO never blocked the open);
+            // it is cleared all the same.
+            unsafe {
+                libc::futimens(fd.0, std::ptr::null());
+                libc::fcntl(fd.0, libc::F_SETFL, libc::fcntl(fd.0, libc::F_GETFL) & !libc::O_NONBLOCK);
+            }
             // SAFETY: an open folder, NUL-terminated names. The rename is the claim: of two puts,
             // one moves it; the file moved must be the one locked (a name may have been reused).
             if unsafe { libc::renameat(self.dir.0, name.as_ptr(), libc::AT_FDCWD, tmp.as_ptr()) } != 0 {
@@ -131,12 +138,22 @@ fn give_back(dir: &Fd, tmp: &CString) {
     let size = if unsafe { libc::lstat(tmp.as_ptr(), &mut st) } == 0 { st.st_size.max(0) } else { 0 };
     let name = tmp.to_bytes().rsplit(|&b| b == b'/').next().map(String::from_utf8_lossy).unwrap_or_default();
     let back = cpath(&format!("{size}-{}-{name}", st.st_ino));
-    // SAFETY: an open folder, NUL-terminated names.
-    let renamed = |b: &CString| unsafe { libc::renameat2(libc::AT_FDCWD, tmp.as_ptr(), dir.0, b.as_ptr(), libc::RENAME_NOREPLACE) } == 0;
-    if !back.is_some_and(|b| renamed(&b)) {
+    let Some(back) = back else {
         // SAFETY: a NUL-terminated path.
         unsafe { libc::unlink(tmp.as_ptr()) };
+        return;
+    };
+    // SAFETY: an open folder, NUL-terminated names.
+    if unsafe { libc::renameat2(libc::AT_FDCWD, tmp.as_ptr(), dir.0, back.as_ptr(), libc::RENAME_NOREPLACE) } == 0 {
+        return;
     }
+    if matches!(errno(), e if e == -(libc::EINVAL as i64) || e == -(libc::ENOSYS as i64)) {
+        // A file system without the no-replace rename: a link, which replaces nothing either.
+        // SAFETY: as above.
+        unsafe { libc::linkat(libc::AT_FDCWD, tmp.as_ptr(), dir.0, back.as_ptr(), 0) };
+    }
+    // SAFETY: a NUL-terminated path (its file kept under `back` where the link was made).
+    unsafe { libc::unlink(tmp.as_ptr()) };
 }
 
 /// Writes object (`spans`, then `foot`: its key and footer; `total` bytes, at least the claimed
@@ -194,7 +211,7 @@ pub(crate) fn hold_for_read(fd: &Fd, path: &CString, st: &libc::stat) -> Result<
 /// in native code (a walk in Python took about 7 ms for 600 files, under the lock every put of the
 /// directory waits on). Files and folders removed meanwhile are left out.
 #[pyfunction]
-pub(crate) fn local_walk(py: Python<'_>, directory: PathBuf) -> (u64, Vec<(String, f64, u64)>) {
+pub(crate) fn local_walk(py: Python<'_>, directory: PathBuf) -> (u64, Vec<(std::ffi::OsString, f64, u64)>) {
     py.detach(|| {
         let (mut folders, mut files) = (0u64, Vec::new());
         let mut todo = vec![directory];
@@ -212,7 +229,7 @@ pub(crate) fn local_walk(py: Python<'_>, directory: PathBuf) -> (u64, Vec<(Strin
                     b => b,
                 };
                 let mtime = meta.mtime() as f64 + meta.mtime_nsec() as f64 * 1e-9;
-                files.push((entry.path().to_string_lossy().into_owned(), mtime, size));
+                files.push((entry.path().into_os_string(), mtime, size));
             }
         }
         (folders, files)

@@ -770,8 +770,10 @@ pub(crate) fn local_put(
     let mut listed = None;
     let mut need = 0;
     for again in [true, false] {
+        let before = listed.take();
         (listed, need) = py.detach(|| {
-            let mut listed = free.as_deref().and_then(FreeFiles::list);
+            // A listing that fails now keeps the one the files claimed so far came from.
+            let mut listed = free.as_deref().and_then(FreeFiles::list).or(before);
             claims(listed.as_mut(), rule, &tmps, &files, &spans, &exists, &claimed);
             // Saturating: a sum past u64 exceeds any capacity, so the reservation refuses it.
             let need = (0..keys.len())

@@ -163,6 +163,34 @@ def test_what_is_not_a_free_file_of_the_store_is_never_written_over(tmp_path):
         s.c.close()
 
 
+def test_files_under_1_mib_are_never_written_over(tmp_path):
+    """Files under 1 MiB are read without a lock, so a free file of 1 MiB - 100 bytes is passed by
+    even by a put of a 1 MiB file (as many blocks), which takes a free file of 1 MiB."""
+    from hicache_io import _native
+    from hicache_io.l3.local import LocalDiskClient
+
+    c = LocalDiskClient(str(tmp_path / "l3"), capacity_bytes=WIDE, writes="direct")
+    try:
+        held = {}
+        for size in ((1 << 20) - 100, 1 << 20):
+            p = os.path.join(c.free, f"{size}-planted")
+            with open(p, "wb") as f:
+                f.write(bytes(size))
+            held[size] = os.open(p, os.O_RDONLY)
+        n = (1 << 20) - len("key-b0") - _native.LOCAL_FOOTER_BYTES  # a file of exactly 1 MiB
+        raw = np.zeros(n + 8192, np.uint8)
+        src = raw[(-raw.ctypes.data) % 4096 :][:n]
+        src[:] = 7
+        c.register_buffer(raw.ctypes.data, raw.nbytes)
+        assert c.batch_put_from(["key-b0", "key-b1"], [src.ctypes.data] * 2, [n] * 2) == [0, 0]
+        assert os.pread(held[1 << 20], 4096, 0) == bytes([7]) * 4096, "the 1 MiB free file was not taken"
+        assert not any(os.pread(held[(1 << 20) - 100], 1 << 20, 0)), "a file under 1 MiB was written over"
+        for fd in held.values():
+            os.close(fd)
+    finally:
+        c.close()
+
+
 def test_batches_write_over_free_files_left_long_ago(tmp_path):
     """Free files last used long ago (older than a stalled writer's temporary file) are written
     over by a batch that also needs room for new files: every put lands, the counter holds."""

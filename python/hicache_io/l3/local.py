@@ -253,9 +253,14 @@ class LocalDiskClient:
         fit in the capacity; the counter's new value."""
         try:
             with _Folder(self.free) as free:
+                files = []
                 with os.scandir(free) as it:
-                    files = sorted((e.stat(follow_symlinks=False).st_mtime, e.name) for e in it)
-                for _mtime, name in files:
+                    for e in it:
+                        try:  # one claimed meanwhile is passed by
+                            files.append((e.stat(follow_symlinks=False).st_mtime, e.name))
+                        except OSError:
+                            continue
+                for _mtime, name in sorted(files):
                     if used + nbytes <= self.capacity:
                         break
                     try:
