@@ -1,6 +1,6 @@
 //! Recycled files of the local store (`hicache_io.l3.local`): where a put writes with `O_DIRECT`,
 //! eviction keeps the files of the objects it evicts under `free/` (named `<size>-<unique>`), and
-//! later puts of objects of exactly that size write over them instead of creating files. On this
+//! later puts of files of as many 4 KiB blocks write over them instead of creating files. On this
 //! project's machines an `O_DIRECT` write over a file's existing blocks ran at 1.6–1.8× a write of
 //! a new file: the file system allocates no blocks and converts no unwritten extents.
 //!
@@ -18,7 +18,7 @@ use std::path::PathBuf;
 
 use pyo3::prelude::*;
 
-use crate::local_io::{cpath, errno, write_direct, Fd, Span, OBJECT_NOT_FOUND};
+use crate::local_io::{cpath, errno, on_disk, publish, write_direct, Fd, Span, OBJECT_NOT_FOUND};
 
 /// Files of at least this many bytes may be recycled (and are read under a shared lock).
 pub(crate) const RECYCLE_MIN: usize = 1 << 20;
@@ -157,10 +157,9 @@ fn give_back(dir: &Fd, tmp: &CString) {
 }
 
 /// Writes object (`spans`, then `foot`: its key and footer; `total` bytes, at least the claimed
-/// file's size, as many blocks) over claimed file `fd` at `tmp` and publishes it at `path` (`publish`: the bytes it adds
-/// on disk, `0` when kept, or a code; it leaves `tmp` to the `discard` it is given). Every byte of
-/// the file is written, so nothing of its old object stays. `0` when published (its bytes were
-/// on disk already), or a code; a file not published goes back to the free files.
+/// file's size, as many blocks) over claimed file `fd` at `tmp` and publishes it at `path`. Every
+/// byte of the file is written, so nothing of its old object stays. `0` when published (its bytes
+/// were on disk already), or a code; a file not published goes back to the free files.
 pub(crate) fn put_claimed(
     fd: Fd,
     tmp: &CString,
@@ -170,7 +169,6 @@ pub(crate) fn put_claimed(
     total: usize,
     fsync: bool,
     free: &FreeFiles,
-    publish: impl FnOnce(&CString, &CString, usize, &dyn Fn(&CString)) -> i64,
 ) -> i64 {
     let back = |t: &CString| free.give_back(t);
     let out = match write_direct(&fd, spans, foot, total, fsync) {
@@ -225,7 +223,7 @@ pub(crate) fn local_walk(py: Python<'_>, directory: PathBuf) -> (u64, Vec<(std::
                     continue;
                 }
                 let size = match meta.blocks().saturating_mul(512) {
-                    0 => meta.len().div_ceil(4096).saturating_mul(4096),
+                    0 => usize::try_from(meta.len()).map_or(u64::MAX, |n| on_disk(n) as u64),
                     b => b,
                 };
                 let mtime = meta.mtime() as f64 + meta.mtime_nsec() as f64 * 1e-9;

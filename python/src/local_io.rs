@@ -470,7 +470,7 @@ fn get_one(path: &str, key: &[u8], spans: &[Span], exact: bool, crc_trailered: b
 }
 
 /// What a file of `nbytes` takes on disk: whole 4 KiB blocks.
-fn on_disk(nbytes: usize) -> i64 {
+pub(crate) fn on_disk(nbytes: usize) -> i64 {
     nbytes.div_ceil(4096).saturating_mul(4096) as i64
 }
 
@@ -486,7 +486,7 @@ fn put_one(path: &str, tmp: &str, key: &[u8], spans: &[Span], rule: WriteRule, c
     let foot = footer(n, key, crc_of(spans));
     let Some(total) = n.checked_add(foot.len()) else { return INVALID_PARAMS };
     if let Some((fd, free)) = claimed {
-        return put_claimed(fd, &tmp_c, &final_c, spans, &foot, total, fsync, free, publish);
+        return put_claimed(fd, &tmp_c, &final_c, spans, &foot, total, fsync, free);
     }
     let write = |fd: &Fd| -> Result<(), i64> {
         let mut iov = iovecs(spans);
@@ -804,11 +804,11 @@ pub(crate) fn local_put(
             let mine = claimed[j].lock().ok().and_then(|mut c| c.take()).zip(free.as_ref());
             match &spans[j] {
                 None => INVALID_PARAMS,
-                Some(s) if mine.is_some() => put_one(&paths[j], &tmps[j], keys[j].as_bytes(), s, rule, mine),
                 // Kept, unless it went meanwhile (the reservation's eviction, another process):
-                // then written, its bytes counted by the caller's correction.
+                // then written, its bytes counted by the caller's correction. (Only new objects
+                // claim free files.)
                 Some(_) if exists[j] && cpath(&paths[j]).is_some_and(|c| file_exists(&c)) => 0,
-                Some(s) => put_one(&paths[j], &tmps[j], keys[j].as_bytes(), s, rule, None),
+                Some(s) => put_one(&paths[j], &tmps[j], keys[j].as_bytes(), s, rule, mine),
             }
         })
     });
