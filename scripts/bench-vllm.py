@@ -54,8 +54,8 @@ def timed(fn, seconds):
 def paired(fns, seconds):
     """Median seconds of each of ``fns`` (name: function), in rounds that alternate which runs
     first, about ``seconds`` each in all (three rounds at least). Run one after the other for
-    their whole time, the second met whatever the first left the disk (writes below this VM are
-    absorbed and flushed by its host): `fs`, second each time, stored new files at 1.9-3.1 GB/s
+    their whole time, the second met whatever the first left the disk (most likely, writes below
+    this VM are absorbed and flushed by its host): `fs`, second each time, stored new files at 1.9-3.1 GB/s
     across four runs within an hour."""
     for fn in fns.values():
         fn()
