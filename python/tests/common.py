@@ -95,12 +95,62 @@ def tokens(pages):
     return np.concatenate([np.arange(p * P, (p + 1) * P) for p in pages]).astype(np.int64)
 
 
-def make_store(master, segment=64 << 20, extra=None, **kw):
-    """A ``MooncakeStore`` on ``master`` under a model name of its own."""
+def make_store(master, segment=64 << 20, extra=None, lender=None, **kw):
+    """A ``MooncakeStore`` on ``master`` under a model name of its own (its client lent by
+    ``lender``, a :class:`Lender`, where one is given)."""
     from hicache_io.storage import HiCacheStorageConfig, MooncakeStore
 
     cfg = HiCacheStorageConfig(model_name=f"test/{uuid.uuid4().hex[:8]}", extra_config={"master_server_address": master.address, "global_segment_size": segment, "local_buffer_size": 4 << 20, "protocol": "tcp", "metadata_server": "P2PHANDSHAKE", "local_hostname": "127.0.0.1", **(extra or {})})
-    return MooncakeStore(cfg, {}, **kw)
+    return lender.store(cfg, **kw) if lender is not None else MooncakeStore(cfg, {}, **kw)
+
+
+class Lender:
+    """Mooncake clients of one master, lent to the stores of a module's tests one after another
+    (the ``clients`` fixture). Closing a client takes 1-2 s: Mooncake's client joins threads that
+    sleep a second at a time, and holds the GIL while it waits (so closes cannot overlap other
+    work either). A store given back is unregistered and its client lent to the next store;
+    each client closes once, when the module ends. What the client once had registered is kept
+    until then, as a store keeps it until its own client closes.
+
+    Lent clients are the same clients a store opens (``open_client``, the same configuration
+    but for the segment: one of ``global_segment_size`` whatever the TP size). Tests of a
+    store's own opening and closing keep stores of their own."""
+
+    def __init__(self, master):
+        self.master, self.free, self.kept, self.opened = master, [], [], 0
+
+    def store(self, storage_config, kwargs=None, **kw):
+        """A ``MooncakeStore`` of ``storage_config`` on a lent client."""
+        from hicache_io.l3.config import MooncakeStoreConfig
+        from hicache_io.l3.mooncake_client import open_client
+        from hicache_io.storage import MooncakeStore
+
+        if not self.free:
+            extra = {**(getattr(storage_config, "extra_config", None) or {}), **(kwargs or {})}
+            self.free.append(open_client(MooncakeStoreConfig.load(extra), None))
+            self.opened += 1
+        client = self.free.pop()
+        try:
+            return MooncakeStore(storage_config, kwargs or {}, store=client, **kw)
+        except BaseException:
+            self.free.append(client)  # a configuration refused: the client was never used
+            raise
+
+    def give_back(self, s):
+        """Takes back ``s``'s client (``s`` is then closed: its calls fail as a closed store's do)."""
+        with s._lock:
+            client = s.store
+            if client is None:
+                return  # closed by the test: nothing to lend again
+            s.unregister_mem_pool_host()
+            self.kept.append(s._retired)
+            s.store = None
+        self.free.append(client)
+
+    def close(self):
+        for c in self.free:
+            c.close()
+        self.free, self.kept = [], []
 
 
 def pack_records(path):

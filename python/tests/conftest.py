@@ -1,4 +1,5 @@
-"""Fixtures shared by the L3 suites (``store``: one Mooncake store per module, on ``master``).
+"""Fixtures shared by the L3 suites (``store``: one Mooncake store per module, on ``master``;
+``clients``: a :class:`common.Lender` of Mooncake clients on ``master``, closed with the module).
 
 ``master``: a Mooncake master of the test module's own on free loopback ports, with short leases
 (200 ms) so that a test may remove or replace an object soon after reading it. One per module:
@@ -7,7 +8,7 @@ where Mooncake Store is not installed, unless ``HICACHE_REQUIRE_MOONCAKE=1`` (CI
 
 import pytest
 
-from common import make_store, mooncake_problem
+from common import Lender, make_store, mooncake_problem
 
 
 @pytest.fixture(scope="module")
@@ -31,3 +32,10 @@ def store(master):
     s = make_store(master, extra={"hicache_io_namespace_record": False})
     yield s
     s.close()
+
+
+@pytest.fixture(scope="module")
+def clients(master):
+    lender = Lender(master)
+    yield lender
+    lender.close()

@@ -46,12 +46,21 @@ def cases():
 
 
 def open_store(transport, request, tmp_path, extra=None):
-    """A store of its own on ``transport``."""
+    """A store of its own on ``transport`` (on Mooncake, over a client the module's ``clients``
+    lend: give it back with :func:`close_store`)."""
     if transport == "local":
         from hicache_io.storage import LocalStore
 
         return LocalStore(kwargs=dict(extra or {}), directory=str(tmp_path / "l3"))
-    return make_store(request.getfixturevalue("master"), extra=extra)
+    clients = request.getfixturevalue("clients")
+    return make_store(clients.master, extra=extra, lender=clients)
+
+
+def close_store(s, transport, request):
+    if transport == "local":
+        s.close()
+    else:
+        request.getfixturevalue("clients").give_back(s)
 
 
 def draw_batch(rng, universe, n_max=6):
@@ -142,7 +151,7 @@ def test_random_batches_match_a_dictionary_model(transport, executor, pool, requ
             else:
                 assert s.batch_exists(keys) == leading(keys, model), what
     finally:
-        s.close()
+        close_store(s, transport, request)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -183,4 +192,4 @@ def test_random_v2_batches_match_a_dictionary_model(transport, request, tmp_path
                 r = s.batch_exists_v2(keys, [T("indexer", keys, None)])
                 assert r.kv_hit_pages == leading(keys, kv_model, ix_model), what
     finally:
-        s.close()
+        close_store(s, transport, request)

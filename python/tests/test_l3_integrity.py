@@ -17,8 +17,6 @@ from common import P, build, executors, make_store, mooncake_problem, page_meta,
 if mooncake_problem() is not None:
     pytest.skip(mooncake_problem(), allow_module_level=True)
 
-from hicache_io.storage import MooncakeStore  # noqa: E402
-
 
 def _dsa_store_pages(store, pages=(1, 2), executor="cpu"):
     _, dev, host = build(executor, "dsa", "page_first", 1, 132, 4, (2, 4), 1)
@@ -225,8 +223,8 @@ def test_share_sums_are_the_checksums_of_the_gathered_shares(layout, heads, bpt)
     assert [host.page_checksums(q * P) for q in (1, 2)] == recorded
 
 
-def test_integrity_can_be_turned_off(master):
-    s = make_store(master, integrity=False)
+def test_integrity_can_be_turned_off(clients):
+    s = make_store(clients.master, integrity=False, lender=clients)
     try:
         host = _dsa_store_pages(s)
         s.register_mem_pool_host(host)
@@ -238,14 +236,14 @@ def test_integrity_can_be_turned_off(master):
         assert s.integrity_stats() == {"verified": 0, "unverified": 0, "corrupt": 0, "damaged_puts": 0, "foreign": 0, "incompatible": 0, "unreachable": 0, "outages": 0, "io_errors": 0, "put_batches": 1, "lookups": 1, "hits": 1, "never_read": 0}
         assert s.get_stats() is None  # sglang's metrics hook
     finally:
-        s.close()
+        clients.give_back(s)
 
 
 @pytest.mark.parametrize("executor", executors())
-def test_stores_with_and_without_checksums_read_each_other(store, executor):
+def test_stores_with_and_without_checksums_read_each_other(store, clients, executor):
     """Checksums off still reads objects that carry a trailer; checksums on reads trailer-less
     objects as unverified (zero copy on cpu, through the staging buffer on wgpu)."""
-    plain = MooncakeStore(store.storage_config, {}, integrity=False)
+    plain = clients.store(store.storage_config, integrity=False)
     try:
         a, b = _dsa_store_pages(store, executor=executor), _dsa_store_pages(plain, executor=executor)
         assert a.integrity and b.integrity
@@ -266,7 +264,7 @@ def test_stores_with_and_without_checksums_read_each_other(store, executor):
         assert a.page_checksums(9 * P) == a.page_checksums(1 * P) and None not in a.page_checksums(9 * P)
     finally:
         store.unregister_mem_pool_host()
-        plain.close()
+        clients.give_back(plain)
 
 
 

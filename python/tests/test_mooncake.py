@@ -231,7 +231,13 @@ def test_the_master_killed_mid_session():
             assert np.array_equal(host.read_buffer(c), before[c]), "a failed get wrote the host pool"
     finally:
         m.stop()
-        s.close()  # with the master gone this waits for Mooncake's own timeouts (seconds)
+        # A master back on the same port answers the close's calls at once; with none there the
+        # close waits out Mooncake's own RPC timeouts (about 10 s).
+        again = LocalMaster(port=m.port, lease_ms=200)
+        try:
+            s.close()
+        finally:
+            again.stop()
 
 
 def test_pools_cannot_vanish_while_registered(store):
@@ -365,11 +371,11 @@ class FakeSglangMhaPool:
         return ptrs, sizes
 
 
-def test_sglang_pools_and_hicache_io_pools_share_objects(master):
+def test_sglang_pools_and_hicache_io_pools_share_objects(clients):
     """A hicache-io MHA page_first pool writes; an sglang-shaped pool of the same model reads the
     same keys (sglang's own names), and gets the same bytes."""
-    writer = make_store(master)
-    reader = MooncakeStore(writer.storage_config, {})
+    writer = make_store(clients.master, lender=clients)
+    reader = clients.store(writer.storage_config)
     try:
         _, dev, host = build("cpu", "mha", "page_first", 1, 256, 3, None, 0)
         host.backup_from_device_all_layer(dev, tokens([2, 3]), tokens([5, 6]), "kernel")
@@ -384,8 +390,8 @@ def test_sglang_pools_and_hicache_io_pools_share_objects(master):
         np.testing.assert_array_equal(fake.buf[0][tokens([7, 9])], k[tokens([2, 3])])
         np.testing.assert_array_equal(fake.buf[1][tokens([7, 9])], v[tokens([2, 3])])
     finally:
-        reader.close()
-        writer.close()
+        clients.give_back(reader)
+        clients.give_back(writer)
 
 
 def test_an_existing_object_is_kept_and_counts_as_written(store):
@@ -404,9 +410,10 @@ def test_an_existing_object_is_kept_and_counts_as_written(store):
         store.unregister_mem_pool_host()
 
 
-def test_keys_name_layouts_ranks_and_items(master):
-    cfg = HiCacheStorageConfig(tp_rank=1, tp_size=2, pp_rank=0, pp_size=2, model_name="m", extra_config={"master_server_address": master.address, "global_segment_size": 64 << 20})  # 16 MiB per rank
-    s = MooncakeStore(cfg, {})
+def test_keys_name_layouts_ranks_and_items(clients):
+    master = clients.master
+    cfg = HiCacheStorageConfig(tp_rank=1, tp_size=2, pp_rank=0, pp_size=2, model_name="m", extra_config={"master_server_address": master.address, "global_segment_size": 64 << 20})
+    s = clients.store(cfg)
     try:
         _, _, host = build("cpu", "mha", "page_first", 1, 256, 3, None, 0)
         s.register_mem_pool_host(host)
@@ -420,7 +427,7 @@ def test_keys_name_layouts_ranks_and_items(master):
         assert v == k[:-1] + "v"
         s.unregister_mem_pool_host()
     finally:
-        s.close()
+        clients.give_back(s)
     with pytest.raises(ValueError, match="does not split heads"):
         MooncakeStore(HiCacheStorageConfig(should_split_heads=True, extra_config={"master_server_address": master.address}), {})
     with pytest.raises(ValueError, match="interface_v1"):
@@ -468,19 +475,19 @@ def test_bad_arguments_fail_every_page_and_move_nothing(store):
         store.unregister_mem_pool_host()
 
 
-def _namespaced(master, model, dtype, **extra):
-    cfg = HiCacheStorageConfig(model_name=model, extra_config={"master_server_address": master.address, "global_segment_size": 32 << 20, "local_buffer_size": 4 << 20, "protocol": "tcp", "metadata_server": "P2PHANDSHAKE", "local_hostname": "127.0.0.1", "hicache_io_kv_dtype": dtype, **extra})
-    return MooncakeStore(cfg, {})
+def _namespaced(clients, model, dtype, **extra):
+    cfg = HiCacheStorageConfig(model_name=model, extra_config={"master_server_address": clients.master.address, "global_segment_size": 32 << 20, "local_buffer_size": 4 << 20, "protocol": "tcp", "metadata_server": "P2PHANDSHAKE", "local_hostname": "127.0.0.1", "hicache_io_kv_dtype": dtype, **extra})
+    return clients.store(cfg)
 
 
 @pytest.mark.parametrize("layout", ["page_first_direct", "page_first"], ids=["own-names", "sglang-names"])
-def test_a_page_of_another_namespace_reads_as_a_miss(master, layout):
+def test_a_page_of_another_namespace_reads_as_a_miss(clients, layout):
     """Two deployments of one model name whose KV dtypes differ: a page one writes reads as a
     miss in the other (nothing lands in its pool), and as data in a third of the first's
     namespace. hicache-io's own names carry the namespace; sglang's names are guarded by the
     prefix's sidecar record, and the other namespace writes none of them."""
     model = f"ns/{uuid.uuid4().hex[:8]}"
-    a, b, c = _namespaced(master, model, "bfloat16"), _namespaced(master, model, "float8_e4m3fn"), _namespaced(master, model, "bfloat16")
+    a, b, c = _namespaced(clients, model, "bfloat16"), _namespaced(clients, model, "float8_e4m3fn"), _namespaced(clients, model, "bfloat16")
     try:
         _, dev, host = build("cpu", "mha", layout, 1, 256, 3, None, 0)
         host.backup_from_device_all_layer(dev, tokens([0, 1]), tokens([2, 3]), io_for(layout))
@@ -505,15 +512,15 @@ def test_a_page_of_another_namespace_reads_as_a_miss(master, layout):
                     assert reader.integrity_stats()["foreign"] >= 2
     finally:
         for s in (a, b, c):
-            s.close()
+            clients.give_back(s)
 
 
-def test_v2_sidecar_of_hicache_io_pools(master):
+def test_v2_sidecar_of_hicache_io_pools(clients):
     """storage v2 with hicache-io's own pools: an MLA KV anchor and a DSA indexer sidecar (both
     cpu, item checksums on). The sidecar's pages go out with trailers (a page damaged in host
     memory after its backup is not put), come back in place verified, and the pool's item
     checksums follow the bytes that landed: a load of them verifies, none reads as corrupt."""
-    s = make_store(master)
+    s = make_store(clients.master, lender=clients)
     try:
         _, kv_dev, kv = build("cpu", "mla", "page_first", 1, 64, 3, None, 0)
         _, ix_dev, ix = build("cpu", "dsa", "page_first", 1, 132, 4, None, 0, seed=1)
@@ -558,7 +565,7 @@ def test_v2_sidecar_of_hicache_io_pools(master):
         ix.load_to_device_per_layer(ix_dev, tokens([10]), tokens([0]), 0, "kernel")
         assert ix.integrity_stats()["mismatched"] == stats["mismatched"]
     finally:
-        s.close()
+        clients.give_back(s)
 
 
 def test_mooncake_loaded_first_leaves_the_vulkan_drivers_zstd_alone(tmp_path):

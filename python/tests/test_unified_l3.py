@@ -22,7 +22,7 @@ if mooncake_problem() is not None:
     pytest.skip(mooncake_problem(), allow_module_level=True)
 
 import hicache_io  # noqa: E402
-from hicache_io.storage import INTEGRITY, HiCacheStorageConfig, MooncakeStore  # noqa: E402
+from hicache_io.storage import INTEGRITY, HiCacheStorageConfig  # noqa: E402
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "python" / "unified_l3.py"
 _spec = importlib.util.spec_from_file_location("unified_l3", EXAMPLE)
@@ -116,9 +116,10 @@ def test_mla_pages_are_one_copy_for_every_rank(master, model):
 # ---- in one process: integrity, layer ranges, refusals ---------------------------------------
 
 
-def store_for(master, model, tp=1, rank=0, kv_heads=4, **extra):
+def store_for(clients, model, tp=1, rank=0, kv_heads=4, **extra):
+    """A unified-scheme store of TP rank ``rank`` of ``tp`` on a client lent by ``clients``."""
     cfg = {
-        "master_server_address": master.address,
+        "master_server_address": clients.master.address,
         "global_segment_size": 64 << 20,
         "local_buffer_size": 4 << 20,
         "protocol": "tcp",
@@ -128,7 +129,7 @@ def store_for(master, model, tp=1, rank=0, kv_heads=4, **extra):
         **({} if kv_heads is None else {"hicache_io_kv_heads": kv_heads}),
         **extra,
     }
-    return MooncakeStore(HiCacheStorageConfig(tp_rank=rank, tp_size=tp, model_name=model, extra_config=cfg), {})
+    return clients.store(HiCacheStorageConfig(tp_rank=rank, tp_size=tp, model_name=model, extra_config=cfg))
 
 
 def layer_bytes(seed, comp, layer, n):
@@ -149,9 +150,9 @@ def backed_up_pools(executor="cpu", layout="page_unified", groups=2, shard=None,
     return dev, host
 
 
-def test_a_replaced_object_fails_its_page(master, model):
+def test_a_replaced_object_fails_its_page(clients, model):
     dev, host = backed_up_pools()
-    s = store_for(master, model)
+    s = store_for(clients, model)
     try:
         s.register_mem_pool_host(host)
         keys = ["a", "b"]
@@ -172,14 +173,14 @@ def test_a_replaced_object_fails_its_page(master, model):
         page = host.get_page_buffer_meta(list(range(4)))[0][2]
         assert np.array_equal(after[2 * page : 3 * page], before[:page])
     finally:
-        s.close()
+        clients.give_back(s)
 
 
-def test_a_get_that_raises_forgets_the_pages_it_wrote(master, model):
+def test_a_get_that_raises_forgets_the_pages_it_wrote(clients, model):
     """raise_errors=True: a get whose object fails its trailer raises; the pages it may have written
     in place lose their item checksums (their loads read unverified, not corrupt)."""
     dev, host = backed_up_pools()
-    s = store_for(master, model)
+    s = store_for(clients, model)
     s.raise_errors = True
     try:
         s.register_mem_pool_host(host)
@@ -199,7 +200,7 @@ def test_a_get_that_raises_forgets_the_pages_it_wrote(master, model):
         stats = host.integrity_stats()
         assert stats["mismatched"] == 0 and stats["unverified"] > 0, stats
     finally:
-        s.close()
+        clients.give_back(s)
 
 
 def page_images(host, pages):
@@ -224,14 +225,14 @@ class Calls:
         return attr
 
 
-def test_sealed_objects_are_the_objects_moved_in_place(master, model):
+def test_sealed_objects_are_the_objects_moved_in_place(clients, model):
     """A store seals its objects (a share gathered with its trailer into one span of its staging
     buffer); a store of a release that moved them in place with the multi-buffer calls
     (``registered.seal(None)``) wrote and reads the same objects: each side reads the other's verified and
     exact, and objects stored without a trailer read as unverified."""
     _, a = backed_up_pools()
     _, b = backed_up_pools()
-    sealed, in_place = store_for(master, model), store_for(master, model)
+    sealed, in_place = store_for(clients, model), store_for(clients, model)
     try:
         sealed.register_mem_pool_host(a)
         in_place.register_mem_pool_host(b)
@@ -268,11 +269,11 @@ def test_sealed_objects_are_the_objects_moved_in_place(master, model):
         assert page_images(a, [1]) == page_images(b, [2])
         sealed.store = client
     finally:
-        sealed.close()
-        in_place.close()
+        clients.give_back(sealed)
+        clients.give_back(in_place)
 
 
-def test_a_staging_buffer_smaller_than_a_batch_moves_fewer_pages_a_batch(master, model, monkeypatch):
+def test_a_staging_buffer_smaller_than_a_batch_moves_fewer_pages_a_batch(clients, model, monkeypatch):
     """Sealed objects whose 128 pages would not fit the staging buffer's bound move in batches of
     as many pages as fit: a call of 4 pages through batches of 3 puts and reads every page exact."""
     from hicache_io.l3 import placements
@@ -281,7 +282,7 @@ def test_a_staging_buffer_smaller_than_a_batch_moves_fewer_pages_a_batch(master,
     monkeypatch.setattr(placements, "SEALED_MAX_BYTES", 3 * 8 * 576 + 100)
     _, a = backed_up_pools()
     _, b = backed_up_pools(seed=3)
-    w, r = store_for(master, model), store_for(master, model)
+    w, r = store_for(clients, model), store_for(clients, model)
     try:
         w.register_mem_pool_host(a)
         r.register_mem_pool_host(b)
@@ -292,8 +293,8 @@ def test_a_staging_buffer_smaller_than_a_batch_moves_fewer_pages_a_batch(master,
         assert r.integrity_stats()["verified"] == 4 * 8
         assert page_images(b, range(4)) == page_images(a, range(4))
     finally:
-        w.close()
-        r.close()
+        clients.give_back(w)
+        clients.give_back(r)
 
 
 def test_the_staging_pass_gathers_and_scatters_page_shares():
@@ -343,20 +344,20 @@ def test_the_staging_pass_gathers_and_scatters_page_shares():
 
 
 @pytest.mark.parametrize("executor", executors(addressable=True))
-def test_layer_ranges_let_pipeline_shapes_share(master, model, executor):
+def test_layer_ranges_let_pipeline_shapes_share(clients, model, executor):
     """Two pipeline stages (layers 0..1 and 2..3) write; one rank holding all four layers reads
     with the same ranges (cuda: pinned host pools, in place)."""
     stages = []
     try:
         for shard in ((0, 2), (2, 4)):
             dev, host = backed_up_pools(executor, shard=shard, seed=7)
-            s = store_for(master, model)
+            s = store_for(clients, model)
             s.register_mem_pool_host(host)
             assert s.batch_set_v1(["p"], np.arange(4)) == [True]
             assert s.object_keys("p")[0].endswith(f"_L{shard[0]}-{shard[1]}_H0_k")
             stages.append((s, dev, host))
         dev, host = backed_up_pools(executor, layout="page_first", groups=1, seed=99)
-        s = store_for(master, model, hicache_io_layer_ranges=[[0, 2], [2, 4]])
+        s = store_for(clients, model, hicache_io_layer_ranges=[[0, 2], [2, 4]])
         try:
             s.register_mem_pool_host(host)
             assert s.batch_get_v1(["p"], np.arange(4, 8)) == [True]
@@ -366,10 +367,10 @@ def test_layer_ranges_let_pipeline_shapes_share(master, model, executor):
                 for layer in range(4):
                     assert np.array_equal(dev.read_buffer(c, layer)[: 4 * 128], layer_bytes(7, c, layer, 16 * 128)[: 4 * 128])
         finally:
-            s.close()
+            clients.give_back(s)
     finally:
         for s, _, _ in stages:
-            s.close()
+            clients.give_back(s)
 
 
 @pytest.mark.parametrize(
@@ -385,33 +386,33 @@ def test_layer_ranges_let_pipeline_shapes_share(master, model, executor):
         ({"hicache_io_head_group": 0}, {}, "positive"),
     ],
 )
-def test_refusals(master, model, extra, build, message):
+def test_refusals(clients, model, extra, build, message):
     extra = dict(extra)
     tp = extra.pop("tp", 1)
     if build is None:
         with pytest.raises(ValueError, match=message):
-            store_for(master, model, tp=tp, **extra)
+            store_for(clients, model, tp=tp, **extra)
         return
-    s = store_for(master, model, tp=tp, **extra)
+    s = store_for(clients, model, tp=tp, **extra)
     try:
         dev, host = backed_up_pools(**build)
         with pytest.raises(ValueError, match=message):
             s.register_mem_pool_host(host)
         assert s.mem_pool_host is None and s.registered is None
     finally:
-        s.close()
+        clients.give_back(s)
 
 
-def test_wgpu_pools_are_refused(master, model):
+def test_wgpu_pools_are_refused(clients, model):
     try:
         dev, host = backed_up_pools(executor="wgpu")
     except Exception:  # noqa: BLE001
         if os.environ.get("CI"):
             raise
         pytest.skip("no wgpu adapter")
-    s = store_for(master, model)
+    s = store_for(clients, model)
     try:
         with pytest.raises(ValueError, match="wgpu"):
             s.register_mem_pool_host(host)
     finally:
-        s.close()
+        clients.give_back(s)
