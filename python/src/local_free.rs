@@ -124,6 +124,12 @@ impl FreeFiles {
         None
     }
 
+    /// Free files of this listing not yet claimed that a put of a file of `size` bytes could
+    /// claim (some may have been claimed by other puts since it was listed).
+    pub(crate) fn left(&self, size: usize) -> usize {
+        self.by_blocks.get(&blocks(size)).map_or(0, |c| c.iter().filter(|&&(s, _)| (RECYCLE_MIN..=size).contains(&s)).count())
+    }
+
     /// Returns claimed file `tmp`, which its put did not publish, to the free files.
     pub(crate) fn give_back(&self, tmp: &CString) {
         give_back(&self.dir, tmp);

@@ -56,7 +56,9 @@ the objects it evicts beyond the room the put needs (1 MiB and more) under ``fre
 puts of objects of as many 4 KiB blocks write over them instead of creating files: an ``O_DIRECT``
 write over a file's existing blocks ran at 1.6–1.8× a write of a new file on this project's
 machines (the file system allocates nothing). Free files count in the directory's size, and go
-first where a put needs room for new bytes. A reader holds a shared lock on a file of 1 MiB and
+first where a put needs room for new bytes; a put that leaves few of them makes more before it
+returns (:meth:`LocalDiskClient._refill`), so that other puts do not wait for an eviction once
+they are gone. A reader holds a shared lock on a file of 1 MiB and
 more while it reads it and checks its object's path still names it; a put claims a free file
 only under an exclusive lock, without waiting: a get reads an evicted object whole or misses,
 never a file half written over.
@@ -148,6 +150,7 @@ class LocalDiskClient:
             if f.tell() == 0:
                 f.write(bytes(8))  # the counter's room, so that the count below includes the file's block
         self.threads = max(1, threads)
+        self._refilling = threading.Lock()  # the one thread making free files ahead of need
         self._seq = itertools.count()  # next() is atomic: temporary names unique per thread
         self._regions: Dict[int, int] = {}
         #: Objects of up to ``_native.PACK_OBJECT_MAX`` bytes, packed (see the module docstring).
@@ -212,26 +215,63 @@ class LocalDiskClient:
             used = self._drop_free(used, nbytes)
             if used + nbytes <= self.capacity:
                 return used + nbytes
-            # What is on disk decides what goes; the counter (which also holds the reservations of
-            # writers whose files are not complete yet) loses what was removed.
-            total, objs = scan(self.directory)
-            base, goal = max(total, used), self.capacity * 9 // 10
-            freed, kept, packs = 0, 0, False
-            free = self.free + os.sep
-            for is_object, _mtime, size, p in sorted((not p.startswith(free), m, s, p) for m, s, p in objs):
-                if base - freed - kept + nbytes <= goal:
-                    break
-                if recycle and base - freed + nbytes <= self.capacity and size >= _native.LOCAL_RECYCLE_MIN and (not is_object or self._recycle(p)):
-                    kept += size  # a free file kept, or an object's file made one
-                elif self._unlink(p):
-                    freed += size
-                    packs = packs or p.endswith(".pack")
-            if packs:
-                self.packs.changed()  # every process drops the evicted packs' objects
-            return base - freed + nbytes
+            return self._evict(used, nbytes, recycle)
 
         self._counted(reserve)
         return not waited
+
+    def _evict(self, used: int, nbytes: int, recycle: bool) -> int:
+        """Under the directory's lock: removes the least recently used objects (with ``recycle``,
+        turns large ones into free files) until the directory, counted anew, and ``nbytes`` more
+        fit in nine tenths of the capacity; the counter's new value, ``nbytes`` counted."""
+        # What is on disk decides what goes; the counter (which also holds the reservations of
+        # writers whose files are not complete yet) loses what was removed.
+        total, objs = scan(self.directory)
+        base, goal = max(total, used), self.capacity * 9 // 10
+        freed, kept, packs = 0, 0, False
+        free = self.free + os.sep
+        for is_object, _mtime, size, p in sorted((not p.startswith(free), m, s, p) for m, s, p in objs):
+            if base - freed - kept + nbytes <= goal:
+                break
+            if recycle and base - freed + nbytes <= self.capacity and size >= _native.LOCAL_RECYCLE_MIN and (not is_object or self._recycle(p)):
+                kept += size  # a free file kept, or an object's file made one
+            elif self._unlink(p):
+                freed += size
+                packs = packs or p.endswith(".pack")
+        if packs:
+            self.packs.changed()  # every process drops the evicted packs' objects
+        return base - freed + nbytes
+
+    def _refill(self, file_bytes: int, left: int) -> None:
+        """After a put that wrote over free files (``left``: how many its listing had left): if
+        fewer than :meth:`_low_free` for files of ``file_bytes``, makes more now (an eviction, as
+        a put that found none would run it, while the other puts still claim the ones left),
+        rather than every put stalling on the directory's lock once they are gone. One thread of
+        the process at a time; the others go on. A failure is logged: the put itself is done."""
+        low = self._low_free(file_bytes)
+        if left >= low or not self._refilling.acquire(blocking=False):
+            return
+
+        def refill(used: int) -> int:
+            # Counted again under the lock: another process (or a put's eviction) may have made
+            # them meanwhile; and none are made while the directory has room for new files.
+            if used + low * file_bytes <= self.capacity or _count_files(self.free, low) >= low:
+                return used
+            return self._evict(used, 0, True)
+
+        try:
+            self._counted(refill)
+        except OSError as e:
+            logger.warning("hicache-io L3 (local): making free files failed: %s", e)
+        finally:
+            self._refilling.release()
+
+    def _low_free(self, file_bytes: int) -> int:
+        """Free files below which :meth:`_refill` makes more: enough for the puts that run while
+        one eviction does (four per I/O thread), and at most half of what an eviction makes (a
+        tenth of the capacity), so that one refill lifts the count above it."""
+        per_eviction = self.capacity // 10 // max(1, file_bytes)
+        return max(1, min(4 * self.threads, per_eviction // 2))
 
     def _recycle(self, p: str) -> bool:
         """Moves evicted object file ``p`` to the free files, named by its size; False where it
@@ -349,11 +389,13 @@ class LocalDiskClient:
             done = _native.local_put(self._regions_with(extra), self.objects, tmps, keys, list(ptrs), list(sizes), self.fsync, self.threads, reserve, free=self.free if recycle else None, **rule)
             if done is None:
                 return [-errno.ENOSPC] * len(keys)  # more than the whole directory may hold
-            need, written = done
+            need, written, left = done
             self._adjust(sum(w for w in written if w > 0) - need)
         except OSError as e:  # the lock or the directory itself failed: every put fails
             logger.warning("hicache-io L3 (local): puts failed: %s", e)
             return [-(e.errno or errno.EIO)] * len(keys)
+        if left >= 0:  # it wrote over free files: are enough left?
+            self._refill(max(map(_span_total, sizes)), left)
         return self._written(keys, written)
 
     @staticmethod
@@ -493,6 +535,7 @@ def _reopened(ref: Any) -> None:
     client = ref()
     if client is not None:
         client.packs = client._packs()
+        client._refilling = threading.Lock()  # perhaps held by a thread of the parent's
 
 
 def pack_bytes(capacity: int) -> int:
@@ -519,6 +562,20 @@ class _Folder:
 
     def __exit__(self, *exc: Any) -> None:
         os.close(self.fd)
+
+
+def _count_files(folder: str, limit: int) -> int:
+    """Entries of ``folder``, counted up to ``limit`` (0 where it cannot be read)."""
+    try:
+        with os.scandir(folder) as it:
+            return sum(1 for _ in itertools.islice(it, limit))
+    except OSError:
+        return 0
+
+
+def _span_total(size: Any) -> int:
+    """An object's bytes: its size, or the sum of its spans' sizes."""
+    return sum(size) if isinstance(size, (list, tuple)) else int(size)
 
 
 def _any_file(folder: str) -> bool:
