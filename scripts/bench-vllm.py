@@ -10,7 +10,9 @@
   stores into an unbounded tier (every store a new file, as ``fs`` always writes them) and into a
   tier at its capacity (``--full-chunks``: every store evicts, and writes over an evicted chunk's
   file; ``fs`` has no capacity: its row is its stores of new files again); loads warm (what the page cache holds after the first load) and cold (every file of both tiers
-  written back and dropped from the page cache before each load: a load after a restart).
+  written back and dropped from the page cache before each load: a load after a restart). Beside
+  them, the disk's ceiling for each row: plain ``O_DIRECT`` writes (new files, or over the same
+  files for the row at capacity) and reads of one file a chunk by as many threads, from Python.
 
     python scripts/bench-vllm.py [--layers 32] [--page 32768] [--blocks 4096] [--batch 256]
         [--chunk-mib 2] [--chunks 256] [--dir /tmp] [--seconds 3] [--json out.json]
@@ -26,6 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from unittest.mock import MagicMock
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -164,6 +167,50 @@ def cold_loads(run, tiers, n, gen, root, seconds):
     return {("load cold", name): statistics.median(t) for name, t in times.items()}
 
 
+class PlainFiles:
+    """The disk's ceiling for a tier's pattern: one file a chunk, written and read with
+    ``O_DIRECT`` by ``threads`` threads from Python, no key, footer or checksum: what neither tier
+    can beat where it reads or writes the disk. Stores write new files, or, with ``overwrite``
+    files, over the next of that many files in turn (as a tier at its capacity writes over
+    evicted chunks' files: over the same few files again, a disk or its host may absorb them)."""
+
+    def __init__(self, folder, view, threads, overwrite=0):
+        self.folder, self.view = folder, view
+        os.makedirs(folder, exist_ok=True)
+        self.pool = ThreadPoolExecutor(max_workers=max(1, threads))
+        self.names = iter(range(1 << 40))
+        self.ring = [os.path.join(folder, f"{next(self.names)}") for _ in range(overwrite)]
+        self.files, self.at = [], 0
+        for _ in range(0, len(self.ring), len(view)):  # the ring's files exist before it is timed
+            self.store()
+
+    def _write(self, path, c):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+        try:
+            os.pwrite(fd, memoryview(self.view[c]), 0)
+        finally:
+            os.close(fd)
+
+    def _read(self, path, c):
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        try:
+            assert os.preadv(fd, [memoryview(self.view[c])], 0) == self.view.shape[1]
+        finally:
+            os.close(fd)
+
+    def store(self):
+        n = len(self.view)
+        if self.ring:
+            self.files = [self.ring[(self.at + i) % len(self.ring)] for i in range(n)]
+            self.at += n
+        else:  # new files each time, as a tier's stores of new keys
+            self.files = [os.path.join(self.folder, f"{next(self.names)}") for _ in range(n)]
+        list(self.pool.map(self._write, self.files, range(n)))
+
+    def load(self):
+        list(self.pool.map(self._read, self.files, range(len(self.view))))
+
+
 def bench_tier(args, out):
     from vllm.v1.kv_offload.base import ReqContext, make_offload_key
     from vllm.v1.kv_offload.tiering.base import TransferJob
@@ -194,11 +241,15 @@ def bench_tier(args, out):
         n_read_threads=max(1, args.threads // 2),
         n_write_threads=max(1, args.threads - args.threads // 2),
     )
+    disk = PlainFiles(os.path.join(root, "disk"), view, args.threads)
+    disk_full = PlainFiles(os.path.join(root, "disk-over"), view, args.threads, overwrite=args.full_chunks)
     ctx = ReqContext(req_id="bench")
     job = iter(range(1, 1 << 30))
     gen = iter(range(1, 1 << 40))
 
     def run(tier, keys, load):
+        if isinstance(tier, PlainFiles):
+            return tier.load() if load else tier.store()
         j = next(job)
         # One job a chunk, as vLLM submits them per request; all in flight at once.
         ids = []
@@ -217,8 +268,8 @@ def bench_tier(args, out):
         run(full, [make_offload_key(next(gen).to_bytes(8, "big"), 0) for _ in range(n)], False)
     for phase in ("store", "store full", "load", "load cold"):
         if phase == "load cold":
-            results.update(cold_loads(run, {"hicache": ours, "fs": fs}, n, gen, root, args.seconds))
-        tiers = {"hicache": full if phase == "store full" else ours, "fs": fs}
+            results.update(cold_loads(run, {"hicache": ours, "fs": fs, "disk": disk}, n, gen, root, args.seconds))
+        tiers = {"hicache": full if phase == "store full" else ours, "fs": fs, "disk": disk_full if phase == "store full" else disk}
         if phase.startswith("store"):
             # Fresh keys each time: a store of an existing key writes nothing.
             fns = {name: (lambda tier=tier: run(tier, [make_offload_key(next(gen).to_bytes(8, "big"), 0) for _ in range(n)], False)) for name, tier in tiers.items()}
@@ -229,12 +280,18 @@ def bench_tier(args, out):
             fns = {name: (lambda tier=tier, name=name: run(tier, keys[name], True)) for name, tier in tiers.items()}
         if phase != "load cold":
             results.update({(phase, name): t for name, t in paired(fns, args.seconds).items()})
-        a, b = results[(phase, "hicache")], results[(phase, "fs")]
-        r = {"bench": "tier", "op": phase, "bytes": nbytes, "hicache_gbps": nbytes / a / 1e9, "fs_gbps": nbytes / b / 1e9, "ratio": b / a}
+        a, b, d = results[(phase, "hicache")], results[(phase, "fs")], results[(phase, "disk")]
+        r = {"bench": "tier", "op": phase, "bytes": nbytes, "hicache_gbps": nbytes / a / 1e9, "fs_gbps": nbytes / b / 1e9, "ratio": b / a, "disk_gbps": nbytes / d / 1e9, "fs_of_disk": d / b, "hicache_of_disk": d / a}
         out.append(r)
-        print(f"tier   {phase:10}: HicacheTier {r['hicache_gbps']:6.2f} GB/s (verified) | vLLM fs {r['fs_gbps']:6.2f} GB/s | {r['ratio']:.2f}x", flush=True)
+        print(
+            f"tier   {phase:10}: HicacheTier {r['hicache_gbps']:6.2f} GB/s (verified) | vLLM fs {r['fs_gbps']:6.2f} GB/s | {r['ratio']:.2f}x"
+            f" | plain O_DIRECT files {r['disk_gbps']:6.2f} GB/s (fs {r['fs_of_disk']:.2f}x of it, HicacheTier {r['hicache_of_disk']:.2f}x)",
+            flush=True,
+        )
     for tier in (ours, full, fs):
         tier.shutdown()
+    disk.pool.shutdown()
+    disk_full.pool.shutdown()
     shutil.rmtree(root, ignore_errors=True)
 
 
