@@ -734,8 +734,11 @@ pub(crate) fn local_get(
 /// what was written. With `free` (the store's folder of recycled files), objects written with
 /// `O_DIRECT` first claim a free file of as many blocks, whose bytes are on disk already: they
 /// are not in `need`. The tuple's third item: where the put claimed free files, the fewest its
-/// listing had left for any of the sizes it claimed (the caller makes more ahead of need), else
-/// `-1`.
+/// listing had left for any of the file sizes it claimed, and that size (the caller makes more
+/// ahead of need); else `(-1, 0)`.
+/// What [`local_put`] answers: `(need, per object: written or a code, (free files left, their size))`.
+type PutAnswer = (u64, Vec<i64>, (i64, usize));
+
 #[pyfunction]
 #[pyo3(signature = (regions, objects, tmps, keys, ptrs, sizes, fsync, threads, reserve, direct=true, start_writeback=false, free=None))]
 pub(crate) fn local_put(
@@ -752,7 +755,7 @@ pub(crate) fn local_put(
     direct: bool,
     start_writeback: bool,
     free: Option<String>,
-) -> PyResult<Option<(u64, Vec<i64>, i64)>> {
+) -> PyResult<Option<PutAnswer>> {
     let rule = WriteRule { fsync, direct, start_writeback };
     if tmps.len() != keys.len() {
         return Err(PyValueError::new_err(format!("{} temporary names for {} keys", tmps.len(), keys.len())));
@@ -800,12 +803,12 @@ pub(crate) fn local_put(
         return Ok(None);
     }
     let free = listed;
-    let left = free.as_ref().map_or(-1, |listing| {
+    let left = free.as_ref().map_or((-1, 0), |listing| {
         (0..keys.len())
             .filter(|&j| claimed[j].lock().is_ok_and(|c| c.is_some()))
-            .filter_map(|j| files[j].map(|f| i64::try_from(listing.left(f)).unwrap_or(i64::MAX)))
+            .filter_map(|j| files[j].map(|f| (i64::try_from(listing.left(f)).unwrap_or(i64::MAX), f)))
             .min()
-            .unwrap_or(-1)
+            .unwrap_or((-1, 0))
     });
     let bytes = spans.iter().flatten().flatten().fold(0usize, |a, s| a.saturating_add(s.1));
     let written = py.detach(|| {

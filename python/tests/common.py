@@ -112,12 +112,13 @@ class Lender:
     each client closes once, when the module ends. What the client once had registered is kept
     until then, as a store keeps it until its own client closes.
 
-    Lent clients are the same clients a store opens (``open_client``, the same configuration
-    but for the segment: one of ``global_segment_size`` whatever the TP size). Tests of a
-    store's own opening and closing keep stores of their own."""
+    Lent clients are clients as a store opens them (``open_client``), all of one configuration
+    whatever the store's (64 MiB segments, TCP on loopback), so that no test's configuration
+    depends on which test borrowed a client first. Tests of a store's own opening and closing,
+    or of its segment's size, keep stores of their own."""
 
     def __init__(self, master):
-        self.master, self.free, self.kept, self.opened = master, [], [], 0
+        self.master, self.free, self.kept, self.lent, self.opened = master, [], [], {}, 0
 
     def store(self, storage_config, kwargs=None, **kw):
         """A ``MooncakeStore`` of ``storage_config`` on a lent client."""
@@ -126,22 +127,25 @@ class Lender:
         from hicache_io.storage import MooncakeStore
 
         if not self.free:
-            extra = {**(getattr(storage_config, "extra_config", None) or {}), **(kwargs or {})}
-            self.free.append(open_client(MooncakeStoreConfig.load(extra), None))
+            cfg = {"master_server_address": self.master.address, "global_segment_size": 64 << 20, "local_buffer_size": 4 << 20, "protocol": "tcp", "metadata_server": "P2PHANDSHAKE", "local_hostname": "127.0.0.1"}
+            self.free.append(open_client(MooncakeStoreConfig.load(cfg), None))
             self.opened += 1
         client = self.free.pop()
         try:
-            return MooncakeStore(storage_config, kwargs or {}, store=client, **kw)
+            s = MooncakeStore(storage_config, kwargs or {}, store=client, **kw)
         except BaseException:
             self.free.append(client)  # a configuration refused: the client was never used
             raise
+        self.lent[id(s)] = client
+        return s
 
     def give_back(self, s):
-        """Takes back ``s``'s client (``s`` is then closed: its calls fail as a closed store's do)."""
+        """Takes back the client lent to ``s`` (whatever wraps it now in ``s.store``); ``s`` is
+        then closed: its calls fail as a closed store's do."""
+        client = self.lent.pop(id(s))
         with s._lock:
-            client = s.store
-            if client is None:
-                return  # closed by the test: nothing to lend again
+            if s.store is None:
+                return  # closed by the test, its client with it: nothing to lend again
             s.unregister_mem_pool_host()
             self.kept.append(s._retired)
             s.store = None

@@ -243,19 +243,21 @@ class LocalDiskClient:
         return base - freed + nbytes
 
     def _refill(self, file_bytes: int, left: int) -> None:
-        """After a put that wrote over free files (``left``: how many its listing had left): if
-        fewer than :meth:`_low_free` for files of ``file_bytes``, makes more now (an eviction, as
-        a put that found none would run it, while the other puts still claim the ones left),
-        rather than every put stalling on the directory's lock once they are gone. One thread of
-        the process at a time; the others go on. A failure is logged: the put itself is done."""
+        """After a put that wrote over free files of ``file_bytes`` bytes (``left``: how many of
+        that size its listing had left; other processes may have taken some since): if fewer
+        than :meth:`_low_free`, makes more now (an eviction, as a put that found none would run
+        it, while the other puts still claim the ones left), rather than every put stalling on
+        the directory's lock once they are gone. One thread of the process at a time; the others
+        go on. A failure is logged: the put itself is done."""
         low = self._low_free(file_bytes)
         if left >= low or not self._refilling.acquire(blocking=False):
             return
 
         def refill(used: int) -> int:
             # Counted again under the lock: another process (or a put's eviction) may have made
-            # them meanwhile; and none are made while the directory has room for new files.
-            if used + low * file_bytes <= self.capacity or _count_files(self.free, low) >= low:
+            # them meanwhile. None are made while the directory has room for new files, or where
+            # an eviction would keep all there is (it stops at nine tenths of the capacity).
+            if used + low * file_bytes <= self.capacity or used <= self.capacity * 9 // 10 or _free_files(self.free, file_bytes, low) >= low:
                 return used
             return self._evict(used, 0, True)
 
@@ -389,13 +391,13 @@ class LocalDiskClient:
             done = _native.local_put(self._regions_with(extra), self.objects, tmps, keys, list(ptrs), list(sizes), self.fsync, self.threads, reserve, free=self.free if recycle else None, **rule)
             if done is None:
                 return [-errno.ENOSPC] * len(keys)  # more than the whole directory may hold
-            need, written, left = done
+            need, written, (left, file_bytes) = done
             self._adjust(sum(w for w in written if w > 0) - need)
         except OSError as e:  # the lock or the directory itself failed: every put fails
             logger.warning("hicache-io L3 (local): puts failed: %s", e)
             return [-(e.errno or errno.EIO)] * len(keys)
-        if left >= 0:  # it wrote over free files: are enough left?
-            self._refill(max(map(_span_total, sizes)), left)
+        if left >= 0:  # it wrote over free files: are enough of that size left?
+            self._refill(file_bytes, left)
         return self._written(keys, written)
 
     @staticmethod
@@ -564,18 +566,23 @@ class _Folder:
         os.close(self.fd)
 
 
-def _count_files(folder: str, limit: int) -> int:
-    """Entries of ``folder``, counted up to ``limit`` (0 where it cannot be read)."""
+def _free_files(folder: str, file_bytes: int, limit: int) -> int:
+    """Free files under ``folder`` that a put of a file of ``file_bytes`` bytes could claim by
+    their names (``<size>-…``: as many 4 KiB blocks, ``_native.LOCAL_RECYCLE_MIN`` bytes to
+    ``file_bytes``), counted up to ``limit`` (0 where it cannot be read)."""
+    blocks = -(-file_bytes // 4096)
+    n = 0
     try:
         with os.scandir(folder) as it:
-            return sum(1 for _ in itertools.islice(it, limit))
+            for e in it:
+                size = e.name.split("-", 1)[0]
+                if size.isdigit() and _native.LOCAL_RECYCLE_MIN <= int(size) <= file_bytes and -(-int(size) // 4096) == blocks:
+                    n += 1
+                    if n >= limit:
+                        break
     except OSError:
         return 0
-
-
-def _span_total(size: Any) -> int:
-    """An object's bytes: its size, or the sum of its spans' sizes."""
-    return sum(size) if isinstance(size, (list, tuple)) else int(size)
+    return n
 
 
 def _any_file(folder: str) -> bool:
