@@ -803,13 +803,7 @@ pub(crate) fn local_put(
         return Ok(None);
     }
     let free = listed;
-    let left = free.as_ref().map_or((-1, 0), |listing| {
-        (0..keys.len())
-            .filter(|&j| claimed[j].lock().is_ok_and(|c| c.is_some()))
-            .filter_map(|j| files[j].map(|f| (i64::try_from(listing.left(f)).unwrap_or(i64::MAX), f)))
-            .min()
-            .unwrap_or((-1, 0))
-    });
+    let left = free.as_ref().map_or((-1, 0), |listing| free_left(listing, &files, &claimed));
     let bytes = spans.iter().flatten().flatten().fold(0usize, |a, s| a.saturating_add(s.1));
     let written = py.detach(|| {
         run_all(keys.len(), bytes, threads, |j| {
@@ -825,6 +819,16 @@ pub(crate) fn local_put(
         })
     });
     Ok(Some((need, written, left)))
+}
+
+/// The fewest free files `listing` has left for any file size of the objects that claimed one,
+/// and that size; `(-1, 0)` where none claimed any.
+fn free_left(listing: &FreeFiles, files: &[Option<usize>], claimed: &[std::sync::Mutex<Option<Fd>>]) -> (i64, usize) {
+    (0..files.len())
+        .filter(|&j| claimed[j].lock().is_ok_and(|c| c.is_some()))
+        .filter_map(|j| files[j].map(|f| (i64::try_from(listing.left(f)).unwrap_or(i64::MAX), f)))
+        .min()
+        .unwrap_or((-1, 0))
 }
 
 /// Claims free files (see [`local_put`]) for the objects that hold none in `claimed` yet: new
