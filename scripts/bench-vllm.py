@@ -24,6 +24,7 @@ of one run: medians of repeated timings of both sides, interleaved."""
 
 import argparse
 import json
+import mmap
 import os
 import shutil
 import statistics
@@ -223,10 +224,18 @@ def bench_tier(args, out):
 
     row = args.chunk_mib << 20
     n = args.chunks
-    # Page-aligned rows (vLLM's primary tier is an mmap; its fs tier uses O_DIRECT when it can).
-    raw = np.zeros(n * row + 4096, dtype=np.uint8)
-    off = (-raw.ctypes.data) % 4096
-    view = raw[off : off + n * row].reshape(n, row)
+    # The primary tier's memory, page-aligned rows (its fs tier uses O_DIRECT when it can). "shm"
+    # as vLLM's own: a file of /dev/shm mapped shared, of 4 KiB pages where shared memory gets no
+    # transparent huge pages (Linux's default); "heap": numpy's, of huge pages where the kernel
+    # gives them. O_DIRECT's speed depends on it (pinning 512 pages a chunk, or one).
+    if args.memory == "shm":
+        shm = tempfile.TemporaryFile(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        shm.truncate(n * row)
+        view = np.frombuffer(mmap.mmap(shm.fileno(), n * row), dtype=np.uint8).reshape(n, row)
+    else:
+        raw = np.zeros(n * row + 4096, dtype=np.uint8)
+        off = (-raw.ctypes.data) % 4096
+        view = raw[off : off + n * row].reshape(n, row)
     view[:] = np.random.default_rng(1).integers(0, 256, view.shape, dtype=np.uint8)
     root = tempfile.mkdtemp(prefix="hicache-io-bench-vllm-", dir=args.dir)
     spec = tier_spec()
@@ -320,6 +329,7 @@ def main():
     p.add_argument("--only", choices=["worker", "tier"])
     p.add_argument("--writes", default="direct", help="HicacheTier's local writes (direct, cached, buffered)")
     p.add_argument("--reads", default="buffered", help="HicacheTier's local reads (buffered, auto)")
+    p.add_argument("--memory", choices=["shm", "heap"], default="shm", help="the primary tier's memory: a /dev/shm mapping as vLLM's (shm), or numpy's (heap)")
     p.add_argument("--json")
     args = p.parse_args()
     out = []
