@@ -225,9 +225,8 @@ def bench_tier(args, out):
     row = args.chunk_mib << 20
     n = args.chunks
     # The primary tier's memory, page-aligned rows (its fs tier uses O_DIRECT when it can). "shm"
-    # as vLLM's own: a file of /dev/shm mapped shared, of 4 KiB pages where shared memory gets no
-    # transparent huge pages (Linux's default); "heap": numpy's, of huge pages where the kernel
-    # gives them. O_DIRECT's speed depends on it (pinning 512 pages a chunk, or one).
+    # as vLLM's own: a file of /dev/shm mapped shared; "heap": numpy's. O_DIRECT's speed depends
+    # on it here, for every writer alike (docs/performance.md; why is not established).
     if args.memory == "shm":
         shm = tempfile.TemporaryFile(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         shm.truncate(n * row)

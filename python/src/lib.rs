@@ -54,6 +54,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(local_io::local_put, m)?)?;
     m.add_function(wrap_pyfunction!(local_io::local_intact, m)?)?;
     m.add_function(wrap_pyfunction!(local_free::local_walk, m)?)?;
+    m.add_function(wrap_pyfunction!(local_free::local_free_left, m)?)?;
     m.add_class::<local_pack::LocalPacks>()?;
     m.add("PACK_OBJECT_MAX", local_pack::PACK_OBJECT_MAX)?;
     m.add("PACK_DESCRIPTORS", local_pack::OPEN_MAX)?;

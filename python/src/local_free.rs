@@ -36,6 +36,12 @@ fn blocks(size: usize) -> usize {
     size.div_ceil(4096)
 }
 
+/// Whether a free file named for `named` bytes may serve a put of a file of `size` bytes (one of
+/// as many blocks is also required; see [`FreeFiles::claim`]).
+fn claimable(named: usize, size: usize) -> bool {
+    (RECYCLE_MIN..=size).contains(&named)
+}
+
 /// Whether open file `st` may be written over as a free file for a put of `size` bytes: a
 /// regular file of this user's with one name (a link is never written through), of at least
 /// [`RECYCLE_MIN`] bytes (smaller files are read without a lock), at most `size` and of as many
@@ -83,7 +89,7 @@ impl FreeFiles {
     /// file system that refuses `O_DIRECT` or `flock`).
     pub(crate) fn claim(&mut self, size: usize, tmp: &CString) -> Option<Fd> {
         let candidates = self.by_blocks.get_mut(&blocks(size))?;
-        while let Some(at) = candidates.iter().rposition(|&(s, _)| (RECYCLE_MIN..=size).contains(&s)) {
+        while let Some(at) = candidates.iter().rposition(|&(s, _)| claimable(s, size)) {
             let (_, name) = candidates.swap_remove(at);
             let flags = libc::O_WRONLY | libc::O_DIRECT | libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC;
             // SAFETY: an open folder and a NUL-terminated name; the descriptor is closed by `Fd`.
@@ -127,7 +133,7 @@ impl FreeFiles {
     /// Free files of this listing not yet claimed that a put of a file of `size` bytes could
     /// claim (some may have been claimed by other puts since it was listed).
     pub(crate) fn left(&self, size: usize) -> usize {
-        self.by_blocks.get(&blocks(size)).map_or(0, |c| c.iter().filter(|&&(s, _)| (RECYCLE_MIN..=size).contains(&s)).count())
+        self.by_blocks.get(&blocks(size)).map_or(0, |c| c.iter().filter(|&&(s, _)| claimable(s, size)).count())
     }
 
     /// Returns claimed file `tmp`, which its put did not publish, to the free files.
@@ -207,6 +213,13 @@ pub(crate) fn hold_for_read(fd: &Fd, path: &CString, st: &libc::stat) -> Result<
         return Err(OBJECT_NOT_FOUND);
     }
     Ok(())
+}
+
+/// Free files in folder `free` that a put of a file of `size` bytes could claim by their names
+/// ([`FreeFiles::left`] of one listing; 0 where it cannot be listed).
+#[pyfunction]
+pub(crate) fn local_free_left(py: Python<'_>, free: &str, size: usize) -> usize {
+    py.detach(|| FreeFiles::list(free).map_or(0, |listing| listing.left(size)))
 }
 
 /// Every file under `directory` (not following links) as `(path, last modification, bytes on

@@ -118,7 +118,7 @@ class Lender:
     or of its segment's size, keep stores of their own."""
 
     def __init__(self, master):
-        self.master, self.free, self.kept, self.lent, self.opened = master, [], [], {}, 0
+        self.master, self.free, self.kept, self.lent = master, [], [], {}
 
     def store(self, storage_config, kwargs=None, **kw):
         """A ``MooncakeStore`` of ``storage_config`` on a lent client."""
@@ -129,7 +129,6 @@ class Lender:
         if not self.free:
             cfg = {"master_server_address": self.master.address, "global_segment_size": 64 << 20, "local_buffer_size": 4 << 20, "protocol": "tcp", "metadata_server": "P2PHANDSHAKE", "local_hostname": "127.0.0.1"}
             self.free.append(open_client(MooncakeStoreConfig.load(cfg), None))
-            self.opened += 1
         client = self.free.pop()
         try:
             s = MooncakeStore(storage_config, kwargs or {}, store=client, **kw)

@@ -257,7 +257,7 @@ class LocalDiskClient:
             # Counted again under the lock: another process (or a put's eviction) may have made
             # them meanwhile. None are made while the directory has room for new files, or where
             # an eviction would keep all there is (it stops at nine tenths of the capacity).
-            if used + low * file_bytes <= self.capacity or used <= self.capacity * 9 // 10 or _free_files(self.free, file_bytes, low) >= low:
+            if used + low * file_bytes <= self.capacity or used <= self.capacity * 9 // 10 or _native.local_free_left(self.free, file_bytes) >= low:
                 return used
             return self._evict(used, 0, True)
 
@@ -564,25 +564,6 @@ class _Folder:
 
     def __exit__(self, *exc: Any) -> None:
         os.close(self.fd)
-
-
-def _free_files(folder: str, file_bytes: int, limit: int) -> int:
-    """Free files under ``folder`` that a put of a file of ``file_bytes`` bytes could claim by
-    their names (``<size>-…``: as many 4 KiB blocks, ``_native.LOCAL_RECYCLE_MIN`` bytes to
-    ``file_bytes``), counted up to ``limit`` (0 where it cannot be read)."""
-    blocks = -(-file_bytes // 4096)
-    n = 0
-    try:
-        with os.scandir(folder) as it:
-            for e in it:
-                size = e.name.split("-", 1)[0]
-                if size.isdigit() and _native.LOCAL_RECYCLE_MIN <= int(size) <= file_bytes and -(-int(size) // 4096) == blocks:
-                    n += 1
-                    if n >= limit:
-                        break
-    except OSError:
-        return 0
-    return n
 
 
 def _any_file(folder: str) -> bool:
