@@ -9,8 +9,9 @@
   ``fs`` tier (no verification), GB/s of stores and loads of whole chunks of the primary view;
   stores into an unbounded tier (every store a new file, as ``fs`` always writes them) and into a
   tier at its capacity (``--full-chunks``: every store evicts, and writes over an evicted chunk's
-  file; ``fs`` has no capacity: its row is its stores of new files again); loads warm (what the page cache holds after the first load) and cold (every file of both tiers
-  written back and dropped from the page cache before each load: a load after a restart). Beside
+  file; ``fs`` has no capacity: its row is its stores of new files again); loads warm (what the page cache holds after the first loads) and cold (every file of both tiers
+  written back and dropped from the page cache before each load, each tier opened anew over its
+  files: a load after a restart). Beside
   them, plain ``O_DIRECT`` files: writes (new files, or over a ring of as many files as the tier
   at capacity holds) and reads (from the disk, warm or cold) of one file a chunk by as many
   threads, from Python, with no key, footer or checksum: the disk's ceiling for the store rows and
@@ -150,23 +151,30 @@ def tier_spec():
 
 
 def cold_loads(run, tiers, n, gen, root, seconds):
-    """Median seconds of each tier's load of ``n`` chunks from the disk: every tier stores its
-    chunks first, then the loads alternate between the tiers, every file dropped from the page
-    cache before each (a file just written may still be held below this machine, by the disk or
-    its host: neither tier reads what it wrote last)."""
+    """Median seconds of each tier's load of ``n`` chunks from the disk, as a restarted server
+    loads them: every tier stores its chunks first, then the loads alternate between the tiers,
+    each by a tier opened anew over the same files (``tiers``: name: (the tier, a function that
+    opens another over its files, or None where nothing is kept between loads)), every file
+    dropped from the page cache before each (a file just written may still be held below this
+    machine, by the disk or its host: neither tier reads what it wrote last)."""
     from vllm.v1.kv_offload.base import make_offload_key
 
     keys = {name: [make_offload_key(next(gen).to_bytes(8, "big"), 0) for _ in range(n)] for name in tiers}
-    for name, tier in tiers.items():
+    for name, (tier, _reopen) in tiers.items():
         run(tier, keys[name], False)
     times = {name: [] for name in tiers}
     end = time.perf_counter() + 2 * seconds
     while time.perf_counter() < end or min(len(t) for t in times.values()) < 3:
-        for name, tier in tiers.items():
-            drop_cache(root)
-            t0 = time.perf_counter()
-            run(tier, keys[name], True)
-            times[name].append(time.perf_counter() - t0)
+        for name, (tier, reopen) in tiers.items():
+            fresh = reopen() if reopen else tier
+            try:
+                drop_cache(root)
+                t0 = time.perf_counter()
+                run(fresh, keys[name], True)
+                times[name].append(time.perf_counter() - t0)
+            finally:
+                if reopen:
+                    fresh.shutdown()
     return {("load cold", name): statistics.median(t) for name, t in times.items()}
 
 
@@ -239,12 +247,13 @@ def bench_tier(args, out):
     root = tempfile.mkdtemp(prefix="hicache-io-bench-vllm-", dir=args.dir)
     spec = tier_spec()
     # Unbounded as `fs` is: no eviction inside the timed stores.
-    ours = HicacheTier(spec, memoryview(view), "hicache", store="local", path=os.path.join(root, "hicache"), capacity_bytes=1 << 40, threads=args.threads, writes=args.writes, reads=args.reads)
+    open_ours = lambda: HicacheTier(spec, memoryview(view), "hicache", store="local", path=os.path.join(root, "hicache"), capacity_bytes=1 << 40, threads=args.threads, writes=args.writes, reads=args.reads)  # noqa: E731
+    ours = open_ours()
     # At its capacity: stores evict (and write over the evicted chunks' files).
     full = HicacheTier(spec, memoryview(view), "hicache", store="local", path=os.path.join(root, "full"), capacity_bytes=args.full_chunks * (row + 8192), threads=args.threads, writes=args.writes, reads=args.reads)
     # `--threads` threads each in all: fs's read and write groups each drain either queue when
     # their own is empty, so n_read + n_write threads serve every store and every load.
-    fs = FileSystemTierManager(
+    open_fs = lambda: FileSystemTierManager(  # noqa: E731
         offloading_spec=spec,
         primary_kv_view=memoryview(view),
         tier_type="fs",
@@ -252,6 +261,7 @@ def bench_tier(args, out):
         n_read_threads=max(1, args.threads // 2),
         n_write_threads=max(1, args.threads - args.threads // 2),
     )
+    fs = open_fs()
     try:
         disk = PlainFiles(os.path.join(root, "disk"), view, args.threads)
         disk_full = PlainFiles(os.path.join(root, "disk-over"), view, args.threads, overwrite=max(args.full_chunks, n))
@@ -284,7 +294,8 @@ def bench_tier(args, out):
         run(full, [make_offload_key(next(gen).to_bytes(8, "big"), 0) for _ in range(n)], False)
     for phase in ("store", "store full", "load", "load cold"):
         if phase == "load cold":
-            results.update(cold_loads(run, {"hicache": ours, "fs": fs, **plain(phase)}, n, gen, root, args.seconds))
+            restarted = {"hicache": (ours, open_ours), "fs": (fs, open_fs), **{k: (v, None) for k, v in plain(phase).items()}}
+            results.update(cold_loads(run, restarted, n, gen, root, args.seconds))
         tiers = {"hicache": full if phase == "store full" else ours, "fs": fs, **plain(phase)}
         if phase.startswith("store"):
             # Fresh keys each time: a store of an existing key writes nothing.
@@ -327,7 +338,7 @@ def main():
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--only", choices=["worker", "tier"])
     p.add_argument("--writes", default="direct", help="HicacheTier's local writes (direct, cached, buffered)")
-    p.add_argument("--reads", default="buffered", help="HicacheTier's local reads (buffered, auto)")
+    p.add_argument("--reads", default="auto", help="HicacheTier's local reads (auto, its default; buffered)")
     p.add_argument("--memory", choices=["shm", "heap"], default="shm", help="the primary tier's memory: a /dev/shm mapping as vLLM's (shm), or numpy's (heap)")
     p.add_argument("--json")
     args = p.parse_args()

@@ -18,6 +18,7 @@ mod executors;
 mod local_free;
 mod local_io;
 mod local_pack;
+mod local_read;
 mod ops;
 mod pools;
 mod tools;
@@ -56,6 +57,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(local_free::local_walk, m)?)?;
     m.add_function(wrap_pyfunction!(local_free::local_free_left, m)?)?;
     m.add_class::<local_pack::LocalPacks>()?;
+    m.add_class::<local_read::ReadHistory>()?;
     m.add("PACK_OBJECT_MAX", local_pack::PACK_OBJECT_MAX)?;
     m.add("PACK_DESCRIPTORS", local_pack::OPEN_MAX)?;
     m.add("LOCAL_FOOTER_BYTES", local_io::FOOTER)?;

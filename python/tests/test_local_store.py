@@ -371,20 +371,43 @@ def test_a_write_rule_the_store_does_not_know_is_refused(tmp_path):
 
 
 def _in_page_cache(path: str, nbytes: int):
-    """Whether the page cache holds the first ``nbytes`` of ``path`` (a read that may not wait
-    for the disk); ``None`` where that cannot be told: a file system that reads past the page
-    cache refused (``O_DIRECT``: the store reads it buffered), or that cannot answer the read."""
+    """Whether the page cache holds every page of the first ``nbytes`` of ``path`` (``mincore``
+    over a mapping never touched: it reads nothing, and starts no readahead); ``None`` where that
+    cannot be told: a file system that refuses ``O_DIRECT`` (the store reads it buffered), or a
+    kernel that will not answer."""
+    import ctypes
+
     try:
         os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
     except OSError:
         return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     fd = os.open(path, os.O_RDONLY)
     try:
-        return os.preadv(fd, [bytearray(nbytes)], 0, os.RWF_NOWAIT) == nbytes
-    except BlockingIOError:
-        return False
-    except OSError:
-        return None
+        addr = libc.mmap(None, nbytes, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+        if addr in (None, ctypes.c_void_p(-1).value):
+            return None
+        pages = (ctypes.c_ubyte * -(-nbytes // os.sysconf("SC_PAGESIZE")))()
+        try:
+            if libc.mincore(addr, nbytes, pages) != 0:
+                return None
+        finally:
+            libc.munmap(addr, nbytes)
+        return all(p & 1 for p in pages)
+    finally:
+        os.close(fd)
+
+
+def _drop(path: str) -> None:
+    """Writes ``path`` back and drops it from the page cache."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
 
@@ -395,7 +418,7 @@ def test_large_objects_out_of_the_page_cache_read_back_exactly(tmp_path, reads, 
     """A large object the page cache does not hold (written ``direct``, its pages dropped) reads
     back exactly into page-aligned spans (``auto``: its whole pages with ``O_DIRECT``, the rest
     and the footer through an aligned buffer) and into unaligned ones (buffered); a flipped byte
-    in its last span is still damaged."""
+    in its last span is still damaged, read so by a client that never read it (a restart)."""
     from hicache_io.l3.local import DAMAGED, LocalDiskClient
 
     c = LocalDiskClient(str(tmp_path / "l3"), capacity_bytes=64 << 20, writes="direct", reads=reads)
@@ -411,17 +434,9 @@ def test_large_objects_out_of_the_page_cache_read_back_exactly(tmp_path, reads, 
     starts = np.cumsum([0] + sizes[:-1])
     spans = lambda a: [a.ctypes.data + int(s) for s in starts]  # noqa: E731
 
-    def drop():
-        fd = os.open(c.path("big"), os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
     try:
         assert c.batch_put_from_multi_buffers(["big"], [spans(src)], [sizes]) == [0]
-        drop()
+        _drop(c.path("big"))
         assert c.batch_get_into_multi_buffers(["big"], [spans(dst)], [sizes]) == [total]
         assert np.array_equal(src, dst)
         # ``auto`` saw the object out of the page cache and read it past it into aligned spans;
@@ -432,8 +447,13 @@ def test_large_objects_out_of_the_page_cache_read_back_exactly(tmp_path, reads, 
             b = f.read(1)
             f.seek(total - 2)
             f.write(bytes([b[0] ^ 1]))
-        drop()
-        assert c.batch_get_into_multi_buffers(["big"], [spans(dst)], [sizes]) == [DAMAGED]
+        _drop(c.path("big"))
+        again = LocalDiskClient(str(tmp_path / "l3"), capacity_bytes=64 << 20, writes="direct", reads=reads)
+        again.register_buffer(raw.ctypes.data, raw.nbytes)
+        try:
+            assert again.batch_get_into_multi_buffers(["big"], [spans(dst)], [sizes]) == [DAMAGED]
+        finally:
+            again.close()
     finally:
         c.close()
 
@@ -460,12 +480,56 @@ def test_large_object_cut_short_reads_cold_as_a_miss(tmp_path, cut):
         p = c.path("big")
         if cut:
             os.truncate(p, os.path.getsize(p) - cut)
-        fd = os.open(p, os.O_RDONLY)
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
+        _drop(p)
         got = c.batch_get_into(["big"], [dst.ctypes.data], [dst.nbytes])
         assert got == ([DAMAGED] if cut else [n])
         assert cut or (np.array_equal(dst[:n], src) and _in_page_cache(p, 1 << 20) in (None, False))
     finally:
         c.close()
+
+
+def test_a_large_object_read_again_is_read_through_the_page_cache(tmp_path):
+    """``auto``: a large object out of the page cache is read past it (``O_DIRECT``) the first
+    time a client reads it, and left uncached; read again, through the cache, which then holds it
+    (an object read twice is worth keeping in memory); read again from there. A client opened
+    anew (a restarted server) reads it past the cache once more; ``buffered`` never does. Every
+    read is exact."""
+    from hicache_io.l3.local import LocalDiskClient
+
+    n = 2 << 20
+    raw = np.zeros(3 * n + 4096, np.uint8)
+    base = (-raw.ctypes.data) % 4096
+    src, dst = raw[base : base + n], raw[base + n : base + 2 * n]
+    src[:] = np.random.default_rng(4).integers(0, 256, n, dtype=np.uint8)
+
+    def client(reads):
+        c = LocalDiskClient(str(tmp_path / "l3"), capacity_bytes=64 << 20, writes="direct", reads=reads)
+        c.register_buffer(raw.ctypes.data, raw.nbytes)
+        return c
+
+    def read(c):
+        dst[:] = 0
+        assert c.batch_get_into(["big"], [dst.ctypes.data], [n]) == [n]
+        assert np.array_equal(dst, src)
+        return _in_page_cache(c.path("big"), n)
+
+    c = client("auto")
+    try:
+        assert c.batch_put_from(["big"], [src.ctypes.data], [n]) == [0]
+        _drop(c.path("big"))
+        if _in_page_cache(c.path("big"), n) is None:
+            pytest.skip("this file system cannot tell what the page cache holds, or refuses O_DIRECT")
+        assert read(c) is False  # first read: past the cache
+        assert read(c) is True  # the second: through it
+        assert read(c) is True  # from it
+        _drop(c.path("big"))
+        assert read(c) is True  # known to this client: cached again
+    finally:
+        c.close()
+    for reads, cached in (("auto", False), ("buffered", True)):
+        _drop(c.path("big"))
+        again = client(reads)
+        try:
+            assert read(again) is cached, reads
+        finally:
+            again.close()

@@ -43,8 +43,9 @@ not fit, the putting process counts the directory anew and removes the least rec
 objects until the directory and the new bytes fit in nine tenths of the capacity.
 Removal is safe while other processes read (an open file stays readable; a file removed before it
 was opened is a miss). Reads follow ``reads`` (:data:`READ_RULES`): by default an object the page
-cache holds is read from it (shared by the processes of the machine), a large one it does not hold
-from the disk with ``O_DIRECT``.
+cache holds is read from it (shared by the processes of the machine); a large one it does not hold
+from the disk with ``O_DIRECT`` the first time this client reads it, through the page cache the next
+(an object read again stays cached).
 Writes follow ``writes`` (:data:`WRITE_RULES`): ``cached`` (``LocalStore``'s default) leaves a
 page just stored in the page cache, so it is read back from memory, and starts each file's
 writeback at once; ``direct`` (the vLLM tier's default) writes objects of 1 MiB and more with
@@ -95,11 +96,14 @@ WRITE_RULES = {
     "direct": {"direct": True, "start_writeback": False},
     "buffered": {"direct": False, "start_writeback": False},
 }
-#: How gets read files. ``auto``: from the page cache where it holds the object, else objects of
-#: 1 MiB and more with ``O_DIRECT`` (the disk's speed: cold buffered reads ran at half of it on
-#: this project's machines), which leaves them uncached; ``buffered``: always through the page
-#: cache (a cold read then leaves the object cached for the next reader: ranks that read the same
-#: rank-replicated objects, MLA's, may prefer it).
+#: How gets read files. ``auto``: from the page cache where it holds the object; else an object of
+#: 1 MiB and more that this client has not read so (of the last ~65,000 it read so) with
+#: ``O_DIRECT`` (the disk's speed: cold buffered reads ran at half of it on this project's
+#: machines), which leaves it uncached, and one it has through the page cache, which keeps it for
+#: the reads after: the first read after a restart runs at the disk's speed, an object read again
+#: comes from memory. ``buffered``: always through the page cache (a cold read leaves the object
+#: cached for the next reader: ranks that read the same rank-replicated objects, MLA's, may
+#: prefer it).
 READ_RULES = {"auto": True, "buffered": False}
 #: Default capacity: fits a laptop's disk.
 DEFAULT_CAPACITY = 8 << 30
@@ -134,6 +138,9 @@ class LocalDiskClient:
             raise ValueError(f"hicache_io_local_reads {reads!r}: expected one of {', '.join(READ_RULES)}")
         #: How gets read files (:data:`READ_RULES`).
         self.reads = reads
+        # ``auto``'s memory of the large objects read past the page cache (lock-free: a fork
+        # copies it whole).
+        self._history = _native.ReadHistory() if READ_RULES[reads] else None
         # Objects that carry hicache-io's trailer are verified by the store against it; with the
         # store's checksums off nothing would, so their CRC is checked here too.
         self.crc_trailered = crc_trailered
@@ -420,7 +427,7 @@ class LocalDiskClient:
             got = [OBJECT_NOT_FOUND] * len(keys)
         files = [j for j, g in enumerate(got) if g == OBJECT_NOT_FOUND]  # not in a pack: its own file, if any
         if files:
-            sub = _native.local_get(regions, self.objects, [keys[j] for j in files], [ptrs[j] for j in files], [sizes[j] for j in files], exact, self.crc_trailered, TOUCH_SECONDS, self.threads, READ_RULES[self.reads])
+            sub = _native.local_get(regions, self.objects, [keys[j] for j in files], [ptrs[j] for j in files], [sizes[j] for j in files], exact, self.crc_trailered, TOUCH_SECONDS, self.threads, self._history)
             for j, g in zip(files, sub):
                 got[j] = g
         for j, g in enumerate(got):

@@ -38,9 +38,11 @@ class HicacheTier(SecondaryTierManager):
     """Chunks of vLLM's CPU tier in hicache-io's L3 stores: ``store="local"`` (a directory shared
     by the processes of a machine, no server: ``path``, ``capacity_bytes``, ``fsync``, ``writes``
     and ``reads``: how files are written and read, :data:`hicache_io.l3.local.WRITE_RULES` and
-    ``READ_RULES``; chunks are written ``direct`` and read ``buffered`` by default, so a chunk loaded
-    once is cached for the next load; at capacity, direct writes go over the files of the chunks
-    the store evicts, :mod:`hicache_io.l3.local`) or
+    ``READ_RULES``; chunks are written ``direct`` and read ``auto`` by default: a chunk the page
+    cache does not hold is read past it the first time the tier loads it (a restarted server's
+    loads at the disk's speed), through it the next, so that a chunk loaded again is cached for the
+    loads after; at capacity, direct writes go over the files of the chunks the store evicts,
+    :mod:`hicache_io.l3.local`) or
     ``store="mooncake"`` (Mooncake Store: ``master_server_address``, ``metadata_server``,
     ``protocol``, ``global_segment_size``, ``local_buffer_size``, ``local_hostname``,
     ``device_name``).
@@ -75,7 +77,7 @@ class HicacheTier(SecondaryTierManager):
         fsync: bool = False,
         threads: int = 4,
         writes: str = "direct",
-        reads: str = "buffered",
+        reads: str = "auto",
         namespace: str = "hicache-io",
         **mooncake: Any,
     ):
