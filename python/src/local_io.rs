@@ -4,7 +4,11 @@
 //!
 //! File format (written, read and checked here only; the Python scrub calls [`local_intact`]): the object's bytes, its key,
 //! then a 32-byte footer: `HIOLOC01`, the object's length (u64), the key's length (u32), the
-//! CRC-32 (IEEE, as zlib's) of the object's bytes (u32), 8 zero bytes; little-endian.
+//! CRC-32 (IEEE, as zlib's) of the object's bytes (u32), a flags byte, 7 zero bytes;
+//! little-endian. Flags 0: the CRC is recorded. Flags 1 ([`NO_CRC`]): an object that ends in
+//! hicache-io's trailer, whose checksum verifies it, records none (CRC 0), so its bytes are
+//! hashed once, not twice; a build from before the flag reads such an object as damaged (a
+//! miss, never data) where it checks the CRC.
 //!
 //! Every span is checked to lie inside a region the caller registered before any byte moves:
 //! an address from Python reaches a system call only inside memory the caller vouched for. An
@@ -27,6 +31,8 @@ use crate::IntoPy;
 /// Bytes of the footer (exported as `LOCAL_FOOTER_BYTES`: Python sizes files by it).
 pub(crate) const FOOTER: usize = 32;
 const FOOTER_MAGIC: &[u8; 8] = b"HIOLOC01";
+/// The footer's flag (its byte 24): no CRC recorded, the object's trailer verifies it.
+const NO_CRC: u8 = 1;
 /// hicache-io's integrity trailer (the store verifies objects that end in one): its first word,
 /// and its bytes (that word, then the object's checksum bound to its key). The one spelling of
 /// the format: Python's `hicache_io.l3.trailer` takes both from here.
@@ -218,27 +224,74 @@ pub(crate) fn carries_trailer(spans: &[Span]) -> bool {
     }
 }
 
-fn footer(n: usize, key: &[u8], crc: u32) -> Vec<u8> {
+fn footer(n: usize, key: &[u8], crc: Option<u32>) -> Vec<u8> {
     let mut f = Vec::with_capacity(key.len() + FOOTER);
     f.extend_from_slice(key);
     f.extend_from_slice(FOOTER_MAGIC);
     f.extend_from_slice(&(n as u64).to_le_bytes());
     f.extend_from_slice(&(key.len() as u32).to_le_bytes());
-    f.extend_from_slice(&crc.to_le_bytes());
-    f.extend_from_slice(&[0u8; 8]);
+    f.extend_from_slice(&crc.unwrap_or(0).to_le_bytes());
+    f.push(if crc.is_some() { 0 } else { NO_CRC });
+    f.extend_from_slice(&[0u8; 7]);
     f
 }
 
-/// The CRC the footer `f` (the file's last [`FOOTER`] bytes) records, where it is this format's
-/// and names an object of `n` bytes and a key of `klen` bytes; `None` where it does not hold.
-fn footer_holds(f: &[u8], n: usize, klen: usize) -> Option<u32> {
+/// What the footer `f` (the file's last [`FOOTER`] bytes) records, where it is this format's and
+/// names an object of `n` bytes and a key of `klen` bytes: the object's CRC, or `None` where it
+/// records none (its trailer verifies it); `None` where it does not hold.
+fn footer_holds(f: &[u8], n: usize, klen: usize) -> Option<Option<u32>> {
     let f: &[u8; FOOTER] = f.try_into().ok()?;
     let (magic, rest) = f.split_first_chunk::<8>()?;
     let (len, rest) = rest.split_first_chunk::<8>()?;
     let (kl, rest) = rest.split_first_chunk::<4>()?;
-    let (crc, _pad) = rest.split_first_chunk::<4>()?;
-    (magic == FOOTER_MAGIC && u64::from_le_bytes(*len) == n as u64 && u32::from_le_bytes(*kl) as usize == klen)
-        .then_some(u32::from_le_bytes(*crc))
+    let (crc, rest) = rest.split_first_chunk::<4>()?;
+    let (&flags, pad) = rest.split_first()?;
+    let crc = u32::from_le_bytes(*crc);
+    let recorded = match flags {
+        0 => Some(crc),
+        NO_CRC if crc == 0 => None,
+        _ => return None, // a later format's flags: not this build's to read
+    };
+    (magic == FOOTER_MAGIC
+        && u64::from_le_bytes(*len) == n as u64
+        && u32::from_le_bytes(*kl) as usize == klen
+        && pad.iter().all(|&b| b == 0))
+    .then_some(recorded)
+}
+
+/// Whether an object read into `spans` (key `key`) holds what its footer records (`crc`): the
+/// CRC, checked where nothing else verifies the object (it carries no trailer, or
+/// `crc_trailered`: the caller does not check trailers); where none is recorded, a trailer,
+/// whose checksum is checked here with `crc_trailered` (else the caller checks it).
+fn object_holds(spans: &[Span], key: &[u8], crc: Option<u32>, crc_trailered: bool) -> bool {
+    let trailered = carries_trailer(spans);
+    match crc {
+        Some(crc) => (trailered && !crc_trailered) || crc_of(spans) == crc,
+        None => trailered && (!crc_trailered || spans_trailer_hold(spans, key)),
+    }
+}
+
+/// [`trailer_holds`] over an object read into `spans` (gathered first where there are several).
+fn spans_trailer_hold(spans: &[Span], key: &[u8]) -> bool {
+    let gathered;
+    let obj: &[u8] = match spans {
+        // SAFETY: a span of registered memory the object was just read into.
+        [(p, n)] => unsafe { std::slice::from_raw_parts(*p as *const u8, *n) },
+        _ => {
+            let Some(total) = span_bytes(spans) else { return false };
+            let mut v = Vec::new();
+            if v.try_reserve_exact(total).is_err() {
+                return false;
+            }
+            for &(p, n) in spans {
+                // SAFETY: as above, each span.
+                v.extend_from_slice(unsafe { std::slice::from_raw_parts(p as *const u8, n) });
+            }
+            gathered = v;
+            &gathered
+        }
+    };
+    trailer_holds(obj, key).unwrap_or(false)
 }
 
 /// The bytes of `spans` together; `None` past `usize` (no buffer of the caller can be that large).
@@ -293,7 +346,7 @@ fn get_one(
     }
     let (k, f) = tail.split_at(key.len());
     let Some(crc) = footer_holds(f, n, key.len()).filter(|_| k == key) else { return DAMAGED };
-    if (crc_trailered || !carries_trailer(&targets)) && crc_of(&targets) != crc {
+    if !object_holds(&targets, key, crc, crc_trailered) {
         return DAMAGED;
     }
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
@@ -319,7 +372,8 @@ fn put_one(path: &str, tmp: &str, key: &[u8], spans: &[Span], rule: WriteRule, c
     let fsync = rule.fsync;
     let (Some(final_c), Some(tmp_c)) = (cpath(path), cpath(tmp)) else { return INVALID_PARAMS };
     let Some(n) = span_bytes(spans) else { return INVALID_PARAMS };
-    let foot = footer(n, key, crc_of(spans));
+    // An object that ends in a trailer is verified by it: its bytes are not hashed again.
+    let foot = footer(n, key, (!carries_trailer(spans)).then(|| crc_of(spans)));
     let Some(total) = n.checked_add(foot.len()) else { return INVALID_PARAMS };
     if let Some((fd, free)) = claimed {
         return put_claimed(fd, &tmp_c, &final_c, spans, &foot, total, fsync, free);
@@ -750,12 +804,20 @@ pub(crate) fn local_intact(py: Python<'_>, objects: PathBuf, path: PathBuf) -> P
         let h = key_hash(key);
         let mut named = objects.into_os_string().into_vec();
         named.extend_from_slice(format!("/{}/{h}", &h[..2]).as_bytes());
-        if named != path.as_os_str().as_bytes() || crc32fast::hash(obj) != crc {
+        if named != path.as_os_str().as_bytes()
+            || crc.is_some_and(|c| crc32fast::hash(obj) != c)
+            || (crc.is_none() && !ends_in_trailer(obj))
+        {
             return Ok(false);
         }
         trailer_holds(obj, key)
     })
     .py()
+}
+
+/// Whether object `obj` ends in hicache-io's trailer (its first word).
+fn ends_in_trailer(obj: &[u8]) -> bool {
+    obj.len().checked_sub(TRAILER_BYTES).and_then(|at| obj.get(at..at + 8)).is_some_and(|w| w == TRAILER_MAGIC.to_le_bytes())
 }
 
 /// Whether object `obj` of key `key`, where it ends in hicache-io's trailer, holds it (the

@@ -533,3 +533,75 @@ def test_a_large_object_read_again_is_read_through_the_page_cache(tmp_path):
             assert read(again) is cached, reads
         finally:
             again.close()
+
+
+def test_an_object_that_ends_in_a_trailer_is_verified_by_it_not_by_a_crc(tmp_path):
+    """An object that ends in hicache-io's trailer records no CRC in its footer (flags 1, CRC 0):
+    its bytes are hashed once, for the trailer. A flipped byte of its body still reads (the
+    caller's trailer check fails it) where the caller checks trailers, and is damaged where it
+    does not (``crc_trailered``: the store's checksums off) and to the scrub; a flipped byte of its
+    trailer's magic is damaged to every reader. An object of the format before the flag (its CRC
+    recorded) reads as before."""
+    import zlib
+
+    from hicache_io import _native
+    from hicache_io.l3.local import DAMAGED, OBJECT_NOT_FOUND, LocalDiskClient
+    from hicache_io.l3.trailer import TRAILER_MAGIC, name_tag
+
+    n = 2 << 20
+    raw = np.zeros(4 * (n + 16), np.uint8)
+    src, dst = raw[: n + 16], raw[2 * (n + 16) : 3 * (n + 16)]
+
+    def sealed(key, seed):
+        src[:n] = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+        src[n:].view(np.uint64)[:] = [TRAILER_MAGIC, _native.checksum(src[:n], _native.STORAGE_SEED) ^ name_tag(key)]
+
+    def client(crc_trailered=False):
+        c = LocalDiskClient(str(tmp_path / "l3"), capacity_bytes=64 << 20, crc_trailered=crc_trailered)
+        c.register_buffer(raw.ctypes.data, raw.nbytes)
+        return c
+
+    def footer(key):
+        with open(c.path(key), "rb") as f:
+            f.seek(-32, os.SEEK_END)
+            return f.read()
+
+    def flip(key, at):
+        with open(c.path(key), "r+b") as f:
+            f.seek(at)
+            b = f.read(1)
+            f.seek(at)
+            f.write(bytes([b[0] ^ 1]))
+
+    def get(cl, key):
+        dst[:] = 0
+        return cl.batch_get_into([key], [dst.ctypes.data], [n + 16])[0]
+
+    c, strict = client(), client(crc_trailered=True)
+    try:
+        for key, seed in (("body", 1), ("magic", 2), ("old", 3)):
+            sealed(key, seed)
+            assert c.batch_put_from([key], [src.ctypes.data], [n + 16]) == [0]
+            f = footer(key)
+            assert f[20:24] == bytes(4) and f[24] == 1 and f[25:] == bytes(7), f
+            assert get(c, key) == n + 16 and np.array_equal(dst, src)
+            assert get(strict, key) == n + 16 and np.array_equal(dst, src)
+            assert _native.local_intact(c.objects, c.path(key))
+        flip("body", 5)
+        assert get(c, "body") == n + 16 and not np.array_equal(dst, src)  # for the caller's check
+        assert not _native.local_intact(c.objects, c.path("body"))
+        assert get(strict, "body") == DAMAGED
+        flip("magic", n + 3)
+        assert get(c, "magic") == DAMAGED and get(strict, "magic") == OBJECT_NOT_FOUND
+        # The format before the flag: the CRC recorded, flags 0.
+        with open(c.path("old"), "r+b") as f:
+            f.seek(-12, os.SEEK_END)
+            f.write(zlib.crc32(src.tobytes()).to_bytes(4, "little") + bytes(8))
+        assert get(c, "old") == n + 16 and np.array_equal(dst, src)
+        assert get(strict, "old") == n + 16 and np.array_equal(dst, src)
+        assert _native.local_intact(c.objects, c.path("old"))
+        flip("old", 7)
+        assert get(strict, "old") == DAMAGED
+    finally:
+        c.close()
+        strict.close()

@@ -17,8 +17,9 @@ eviction order below.
 Files. Larger objects (and small ones a directory written before packs holds) are files: object
 ``key`` is ``objects/<h[:2]>/<h>`` under the directory (``h``: SHA-256 of the key):
 the object's bytes, the key, and a footer (``_native.LOCAL_FOOTER_BYTES`` bytes: a magic, the
-object's length, the key's length, the CRC-32 of the object's bytes; read, written and checked in
-native code only, ``python/src/local_io.rs``). A put writes a temporary file (``tmp/``) and links it
+object's length, the key's length, the CRC-32 of the object's bytes, flags; an object that ends in
+hicache-io's trailer records no CRC, its trailer verifies it; read, written and checked in native
+code only, ``python/src/local_io.rs``). A put writes a temporary file (``tmp/``) and links it
 into place: an object is visible only when complete, and a writer killed at any instant leaves a
 temporary file (removed later) or nothing. Objects are never changed once published; a put of an
 existing key keeps the object (as Mooncake does), even when two writers race for a file. (Two
@@ -33,7 +34,8 @@ Python copy, the GIL released for the whole batch, and objects of 64 KiB and mor
 Reads. A get reads the object's bytes straight into the caller's memory, then checks the
 footer: a file too short, of another key or length, is a miss; an object that carries hicache-io's trailer is verified by
 the store against it; any other object against the footer's CRC (so a torn or flipped object
-without a trailer is a miss too), and a damaged object is removed. A get marks its file used (its
+without a trailer is a miss too), or, where the footer records none, against its trailer, here;
+a damaged object is removed. A get marks its file used (its
 modification time, at most every ``TOUCH_SECONDS``): the eviction order is least recently used.
 
 Capacity. The directory's size on disk (objects, temporary files, folders, the lock file) is kept
