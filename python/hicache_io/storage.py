@@ -58,7 +58,8 @@ class LocalStore(PageStore):
             _size(capacity) if capacity is not None else None,
             fsync=str(fsync).strip().lower() not in ("", "0", "false", "no", "off") if isinstance(fsync, str) else bool(fsync),
             # Objects that carry hicache-io's trailer are checked by the store; with its checksums
-            # off nothing else would, so the client checks their CRC too.
+            # off nothing else would, so the client checks them too (their CRC, or their trailer
+            # where the footer records no CRC).
             crc_trailered=not settings.integrity,
             writes=str(extra.get("hicache_io_local_writes", "cached")),
             reads=str(extra.get("hicache_io_local_reads", "auto")),

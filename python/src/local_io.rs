@@ -7,8 +7,9 @@
 //! CRC-32 (IEEE, as zlib's) of the object's bytes (u32), a flags byte, 7 zero bytes;
 //! little-endian. Flags 0: the CRC is recorded. Flags 1 ([`NO_CRC`]): an object that ends in
 //! hicache-io's trailer, whose checksum verifies it, records none (CRC 0), so its bytes are
-//! hashed once, not twice; a build from before the flag reads such an object as damaged (a
-//! miss, never data) where it checks the CRC.
+//! hashed once, not twice; a build from before the flag reads such an object as damaged where
+//! it checks the CRC (a miss, never data), and removes it. Flags or padding this build does not
+//! know (a later format's) read as a miss, and the file is left.
 //!
 //! Every span is checked to lie inside a region the caller registered before any byte moves:
 //! an address from Python reaches a system call only inside memory the caller vouched for. An
@@ -211,17 +212,26 @@ pub(crate) fn crc_of(spans: &[Span]) -> u32 {
     h.finalize()
 }
 
+/// The object's last [`TRAILER_BYTES`] bytes, wherever `spans` split them (`None` for a shorter object).
+fn object_tail(spans: &[Span]) -> Option<[u8; TRAILER_BYTES]> {
+    let mut tail = [0u8; TRAILER_BYTES];
+    let mut need = TRAILER_BYTES;
+    for &(p, n) in spans.iter().rev() {
+        let take = n.min(need);
+        // SAFETY: the last `take` bytes of a span inside registered memory (checked by the caller
+        // of this module's entry points), into `tail[need - take..need]`; only read.
+        unsafe { std::ptr::copy_nonoverlapping((p + n - take) as *const u8, tail[need - take..].as_mut_ptr(), take) };
+        need -= take;
+        if need == 0 {
+            return Some(tail);
+        }
+    }
+    None
+}
+
 /// Whether the object ends in hicache-io's integrity trailer (which the store verifies).
 pub(crate) fn carries_trailer(spans: &[Span]) -> bool {
-    match spans.last() {
-        Some(&(p, n)) if n >= TRAILER_BYTES => {
-            let mut w = [0u8; 8];
-            // SAFETY: 8 bytes inside the span (n >= TRAILER_BYTES), which lies in registered memory.
-            unsafe { std::ptr::copy_nonoverlapping((p + n - TRAILER_BYTES) as *const u8, w.as_mut_ptr(), 8) };
-            u64::from_le_bytes(w) == TRAILER_MAGIC
-        }
-        _ => false,
-    }
+    object_tail(spans).is_some_and(|t| t[..8] == TRAILER_MAGIC.to_le_bytes())
 }
 
 fn footer(n: usize, key: &[u8], crc: Option<u32>) -> Vec<u8> {
@@ -236,10 +246,21 @@ fn footer(n: usize, key: &[u8], crc: Option<u32>) -> Vec<u8> {
     f
 }
 
+/// What a footer that names its object and key records.
+#[derive(Clone, Copy)]
+enum Recorded {
+    /// The object's CRC.
+    Crc(u32),
+    /// No CRC: the object's trailer verifies it.
+    NoCrc,
+    /// Flags (or padding) this build does not know: a later format's, not this build's to read
+    /// or to remove.
+    Later,
+}
+
 /// What the footer `f` (the file's last [`FOOTER`] bytes) records, where it is this format's and
-/// names an object of `n` bytes and a key of `klen` bytes: the object's CRC, or `None` where it
-/// records none (its trailer verifies it); `None` where it does not hold.
-fn footer_holds(f: &[u8], n: usize, klen: usize) -> Option<Option<u32>> {
+/// names an object of `n` bytes and a key of `klen` bytes; `None` where it does not hold.
+fn footer_holds(f: &[u8], n: usize, klen: usize) -> Option<Recorded> {
     let f: &[u8; FOOTER] = f.try_into().ok()?;
     let (magic, rest) = f.split_first_chunk::<8>()?;
     let (len, rest) = rest.split_first_chunk::<8>()?;
@@ -248,50 +269,84 @@ fn footer_holds(f: &[u8], n: usize, klen: usize) -> Option<Option<u32>> {
     let (&flags, pad) = rest.split_first()?;
     let crc = u32::from_le_bytes(*crc);
     let recorded = match flags {
-        0 => Some(crc),
-        NO_CRC if crc == 0 => None,
-        _ => return None, // a later format's flags: not this build's to read
+        _ if pad.iter().any(|&b| b != 0) => Recorded::Later,
+        0 => Recorded::Crc(crc),
+        NO_CRC if crc == 0 => Recorded::NoCrc,
+        _ => Recorded::Later,
     };
-    (magic == FOOTER_MAGIC
-        && u64::from_le_bytes(*len) == n as u64
-        && u32::from_le_bytes(*kl) as usize == klen
-        && pad.iter().all(|&b| b == 0))
-    .then_some(recorded)
+    (magic == FOOTER_MAGIC && u64::from_le_bytes(*len) == n as u64 && u32::from_le_bytes(*kl) as usize == klen).then_some(recorded)
 }
 
 /// Whether an object read into `spans` (key `key`) holds what its footer records (`crc`): the
 /// CRC, checked where nothing else verifies the object (it carries no trailer, or
 /// `crc_trailered`: the caller does not check trailers); where none is recorded, a trailer,
-/// whose checksum is checked here with `crc_trailered` (else the caller checks it).
-fn object_holds(spans: &[Span], key: &[u8], crc: Option<u32>, crc_trailered: bool) -> bool {
+/// whose checksum is checked here with `crc_trailered` (else the caller checks it). A code
+/// where it cannot be told.
+fn object_holds(spans: &[Span], key: &[u8], crc: Option<u32>, crc_trailered: bool) -> Result<bool, i64> {
     let trailered = carries_trailer(spans);
-    match crc {
+    Ok(match crc {
         Some(crc) => (trailered && !crc_trailered) || crc_of(spans) == crc,
-        None => trailered && (!crc_trailered || spans_trailer_hold(spans, key)),
-    }
+        None => trailered && (!crc_trailered || spans_trailer_hold(spans, key)?),
+    })
 }
 
-/// [`trailer_holds`] over an object read into `spans` (gathered first where there are several).
-fn spans_trailer_hold(spans: &[Span], key: &[u8]) -> bool {
-    let gathered;
-    let obj: &[u8] = match spans {
-        // SAFETY: a span of registered memory the object was just read into.
-        [(p, n)] => unsafe { std::slice::from_raw_parts(*p as *const u8, *n) },
-        _ => {
-            let Some(total) = span_bytes(spans) else { return false };
-            let mut v = Vec::new();
-            if v.try_reserve_exact(total).is_err() {
-                return false;
+/// Whether the trailer that ends the object read into `spans` holds the checksum of the bytes
+/// before it bound to `key` (summed piece by piece in place, wherever the spans split it);
+/// `-ENOMEM` where the checksum's key table cannot be made.
+fn spans_trailer_hold(spans: &[Span], key: &[u8]) -> Result<bool, i64> {
+    use hicache_io::integrity as ig;
+    let (Some(tail), Some(total)) = (object_tail(spans), span_bytes(spans)) else { return Ok(false) };
+    let body = total - TRAILER_BYTES; // object_tail found TRAILER_BYTES
+    let keys = ig::shared_keys(ig::STORAGE_SEED, ig::words(body)).map_err(|_| -(libc::ENOMEM as i64))?;
+    let mut sum = PieceSum::default();
+    let mut left = body;
+    for &(p, n) in spans {
+        let take = n.min(left);
+        // SAFETY: the first `take` bytes of a span inside registered memory; only read.
+        sum.add(unsafe { std::slice::from_raw_parts(p as *const u8, take) }, &keys);
+        left -= take;
+    }
+    let mut want = [0u8; 8];
+    want.copy_from_slice(&tail[8..]);
+    Ok(sum.finish(&keys) ^ ig::name_hash(key) == u64::from_le_bytes(want))
+}
+
+/// hicache-io's integrity checksum of a string given in pieces of any lengths: whole words
+/// summed in place, a word split between pieces put together first.
+#[derive(Default)]
+struct PieceSum {
+    sum: u64,
+    words: usize,
+    carry: [u8; 4],
+    held: usize,
+}
+
+impl PieceSum {
+    fn add(&mut self, mut p: &[u8], keys: &hicache_io::integrity::Keys) {
+        use hicache_io::integrity::range_sum;
+        if self.held > 0 {
+            let take = (4 - self.held).min(p.len());
+            self.carry[self.held..self.held + take].copy_from_slice(&p[..take]);
+            self.held += take;
+            p = &p[take..];
+            if self.held < 4 {
+                return;
             }
-            for &(p, n) in spans {
-                // SAFETY: as above, each span.
-                v.extend_from_slice(unsafe { std::slice::from_raw_parts(p as *const u8, n) });
-            }
-            gathered = v;
-            &gathered
+            self.sum = self.sum.wrapping_add(range_sum(&self.carry, self.words, keys));
+            self.words += 1;
+            self.held = 0;
         }
-    };
-    trailer_holds(obj, key).unwrap_or(false)
+        let whole = p.len() - p.len() % 4;
+        self.sum = self.sum.wrapping_add(range_sum(&p[..whole], self.words, keys));
+        self.words += whole / 4;
+        self.held = p.len() - whole;
+        self.carry[..self.held].copy_from_slice(&p[whole..]);
+    }
+
+    /// The checksum (a partial last word zero-padded).
+    fn finish(self, keys: &hicache_io::integrity::Keys) -> u64 {
+        self.sum.wrapping_add(hicache_io::integrity::range_sum(&self.carry[..self.held], self.words, keys))
+    }
 }
 
 /// The bytes of `spans` together; `None` past `usize` (no buffer of the caller can be that large).
@@ -345,9 +400,16 @@ fn get_one(
         Err(e) => return e,
     }
     let (k, f) = tail.split_at(key.len());
-    let Some(crc) = footer_holds(f, n, key.len()).filter(|_| k == key) else { return DAMAGED };
-    if !object_holds(&targets, key, crc, crc_trailered) {
-        return DAMAGED;
+    let Some(recorded) = footer_holds(f, n, key.len()).filter(|_| k == key) else { return DAMAGED };
+    let crc = match recorded {
+        Recorded::Crc(c) => Some(c),
+        Recorded::NoCrc => None,
+        Recorded::Later => return OBJECT_NOT_FOUND, // a miss, left for the build that wrote it
+    };
+    match object_holds(&targets, key, crc, crc_trailered) {
+        Ok(true) => {}
+        Ok(false) => return DAMAGED,
+        Err(e) => return e,
     }
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
     if now - st.st_mtime as f64 > touch_seconds {
@@ -761,9 +823,11 @@ fn file_exists(c: &CString) -> bool {
 }
 
 /// Whether object file `path` holds what its footer says: its key (valid UTF-8, whose file
-/// under folder `objects` is `path`), the object's length and CRC-32, and, where the object
-/// ends in hicache-io's trailer, that trailer's checksum of the body bound to the key. The
-/// scrub's check (`hicache_io.l3.local.scrub`); a file that cannot be read is not intact.
+/// under folder `objects` is `path`), the object's length and CRC-32 (where the footer records
+/// one; where it records none, the object must end in hicache-io's trailer), and, where the
+/// object ends in a trailer, that trailer's checksum of the body bound to the key. The scrub's
+/// check (`hicache_io.l3.local.scrub`); a file that cannot be read is not intact, one whose
+/// footer is a later format's is (not this build's to judge).
 #[pyfunction]
 pub(crate) fn local_intact(py: Python<'_>, objects: PathBuf, path: PathBuf) -> PyResult<bool> {
     py.detach(|| {
@@ -797,7 +861,12 @@ pub(crate) fn local_intact(py: Python<'_>, objects: PathBuf, path: PathBuf) -> P
         let klen = foot.get(16..20).and_then(|b| b.try_into().ok()).map_or(0, u32::from_le_bytes) as usize;
         let Some(n) = foot_at.checked_sub(klen) else { return Ok(false) };
         let (obj, key) = head.split_at(n);
-        let Some(crc) = footer_holds(foot, n, key.len()) else { return Ok(false) };
+        let crc = match footer_holds(foot, n, key.len()) {
+            None => return Ok(false),
+            Some(Recorded::Later) => return Ok(true), // not this build's to judge
+            Some(Recorded::Crc(c)) => Some(c),
+            Some(Recorded::NoCrc) => None,
+        };
         if std::str::from_utf8(key).is_err() {
             return Ok(false);
         }

@@ -62,8 +62,9 @@ impl ReadHistory {
     fn first_read(&self, path: &CString) -> bool {
         let mut h = std::collections::hash_map::DefaultHasher::new();
         path.as_bytes().hash(&mut h);
-        let h = h.finish() | 1; // 0 marks an empty slot
-        self.slots[(h as usize) % self.slots.len()].swap(h, Ordering::Relaxed) != h
+        let h = h.finish();
+        // Slot from the whole hash; the value kept has its low bit set (0 marks an empty slot).
+        self.slots[(h as usize) % self.slots.len()].swap(h | 1, Ordering::Relaxed) != h | 1
     }
 }
 
@@ -101,7 +102,9 @@ struct Cachestat {
 /// costs a mapping and its `munmap` a get: 1 MiB warm gets ran at two thirds of their speed with
 /// it). `cachestat` is refused (`EPERM`) for a file the process could not write (another user's
 /// object in a shared directory) and by some seccomp filters: that file alone is asked with
-/// `mincore`. A question neither can answer is a yes, so the read stays buffered. A read that
+/// `mincore` (which, for a file the process may not write, answers since Linux 5.2 only for
+/// pages this process mapped: such a file reads as uncached, and its first read goes past the
+/// cache). A question neither can answer is a yes, so the read stays buffered. A read that
 /// asks the cache itself (`RWF_NOWAIT`) starts readahead when it misses, and the disk would be
 /// read twice.
 fn cached(fd: &Fd, size: usize) -> bool {

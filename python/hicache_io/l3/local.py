@@ -99,7 +99,8 @@ WRITE_RULES = {
     "buffered": {"direct": False, "start_writeback": False},
 }
 #: How gets read files. ``auto``: from the page cache where it holds the object; else an object of
-#: 1 MiB and more that this client has not read so (of the last ~65,000 it read so) with
+#: 1 MiB and more that this client has not read so lately (a table of 65,536 hashes: about two
+#: thirds of the last 65,536 it read so) with
 #: ``O_DIRECT`` (the disk's speed: cold buffered reads ran at half of it on this project's
 #: machines), which leaves it uncached, and one it has through the page cache, which keeps it for
 #: the reads after: the first read after a restart runs at the disk's speed, an object read again
@@ -144,7 +145,8 @@ class LocalDiskClient:
         # copies it whole).
         self._history = _native.ReadHistory() if READ_RULES[reads] else None
         # Objects that carry hicache-io's trailer are verified by the store against it; with the
-        # store's checksums off nothing would, so their CRC is checked here too.
+        # store's checksums off nothing would, so they are checked here too (their CRC, or their
+        # trailer where the footer records no CRC).
         self.crc_trailered = crc_trailered
         self.objects = os.path.join(self.directory, "objects")
         self.tmp = os.path.join(self.directory, "tmp")
@@ -440,7 +442,7 @@ class LocalDiskClient:
     def _damaged(self, key: str, p: str) -> int:
         """Removes damaged object ``key`` (file ``p``): its answer is ``DAMAGED``, a miss the
         store counts as corrupt."""
-        logger.warning("hicache-io L3 (local): object %s is damaged (its footer does not hold or it fails its CRC): a miss, removed", key)
+        logger.warning("hicache-io L3 (local): object %s is damaged (its footer does not hold, or it fails its CRC or its trailer): a miss, removed", key)
         try:
             size = os.stat(p).st_blocks * 512
         except OSError:
