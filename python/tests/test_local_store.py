@@ -623,3 +623,59 @@ def test_an_object_that_ends_in_a_trailer_is_verified_by_it_not_by_a_crc(tmp_pat
     finally:
         c.close()
         strict.close()
+
+
+def test_a_trailered_object_written_and_read_past_the_page_cache(tmp_path):
+    """The vLLM tier's shape: a chunk and its 16-byte trailer as two spans, written with
+    ``O_DIRECT`` (no CRC recorded), dropped from the page cache, read back with ``O_DIRECT``
+    (``auto``, a client that never read it) exactly, by a reader that checks no trailers too; a
+    flipped byte of the chunk is damaged to that reader."""
+    from hicache_io import _native
+    from hicache_io.l3.local import DAMAGED, LocalDiskClient
+    from hicache_io.l3.trailer import TRAILER_MAGIC, name_tag
+
+    n = 2 << 20
+    raw = np.zeros(2 * n + 3 * 4096, np.uint8)
+    base = (-raw.ctypes.data) % 4096
+    src, dst = raw[base : base + n], raw[base + n : base + 2 * n]  # page-aligned chunks
+    tsrc, tdst = raw[base + 2 * n : base + 2 * n + 16], raw[base + 2 * n + 16 : base + 2 * n + 32]
+    src[:] = np.random.default_rng(5).integers(0, 256, n, dtype=np.uint8)
+    tsrc.view(np.uint64)[:] = [TRAILER_MAGIC, _native.checksum(src, _native.STORAGE_SEED) ^ name_tag("chunk")]
+
+    def client(crc_trailered):
+        c = LocalDiskClient(str(tmp_path / "l3"), capacity_bytes=64 << 20, writes="direct", reads="auto", crc_trailered=crc_trailered)
+        c.register_buffer(raw.ctypes.data, raw.nbytes)
+        return c
+
+    def get(c):
+        dst[:] = 0
+        tdst[:] = 0
+        return c.batch_get_into_multi_buffers(["chunk"], [[dst.ctypes.data, tdst.ctypes.data]], [[n, 16]])[0]
+
+    w = client(False)
+    try:
+        assert w.batch_put_from_multi_buffers(["chunk"], [[src.ctypes.data, tsrc.ctypes.data]], [[n, 16]]) == [0]
+        p = w.path("chunk")
+    finally:
+        w.close()
+    _drop(p)
+    if _in_page_cache(p, n) is not False:
+        pytest.skip("this file system cannot tell what the page cache holds, refuses O_DIRECT, or keeps the pages")
+    for crc_trailered in (False, True):
+        c = client(crc_trailered)
+        try:
+            assert get(c) == n + 16 and np.array_equal(dst, src) and np.array_equal(tdst, tsrc)
+            assert _in_page_cache(p, n) is False  # read past the cache
+        finally:
+            c.close()
+    with open(p, "r+b") as f:
+        f.seek(n // 2)
+        b = f.read(1)
+        f.seek(n // 2)
+        f.write(bytes([b[0] ^ 1]))
+    _drop(p)
+    c = client(True)
+    try:
+        assert get(c) == DAMAGED
+    finally:
+        c.close()
