@@ -132,6 +132,44 @@ def test_free_files_are_made_before_the_last_is_taken(tmp_path, capacity):
         s.c.close()
 
 
+def test_an_eviction_soon_after_a_count_takes_the_next_least_recently_used(tmp_path, monkeypatch):
+    """Evictions that make free files soon after a count of the directory take the next least
+    recently used objects of that count without counting it again; an object used since that
+    count is passed by (it is no longer among the least recently used) and stays. The directory
+    stays within its capacity and its counter holds."""
+    import hicache_io.l3.local_evict as ev
+    from hicache_io.l3.local import stats
+
+    counts = []
+    real = ev.scan
+    monkeypatch.setattr(ev, "scan", lambda d: counts.append(d) or real(d))
+    s = Objects(tmp_path / "l3", capacity=WIDE)
+    try:
+        k = 0
+        while not s.free():  # to the capacity, and its first eviction (a count)
+            s.put(k)
+            k += 1
+            assert k < 200
+        assert counts, "the first eviction counted the directory"
+        first = len(counts)
+        alive = [j for j in range(k) if os.path.exists(s.c.path(f"key-{j}"))]
+        later = time.time() + 5  # used after the count
+        os.utime(s.c.path(f"key-{alive[0]}"), (later, later))
+        for k in range(k, k + 40):
+            s.put(k)
+            assert stats(s.c.directory)["disk_bytes"] <= WIDE
+            if not os.path.exists(s.c.path(f"key-{alive[1]}")):
+                break
+        else:
+            raise AssertionError("no eviction after the first")
+        assert len(counts) == first, "an eviction soon after a count counted the directory again"
+        assert s.exact(alive[0])
+        used = int.from_bytes(open(s.c.lock_path, "rb").read(8), "little")
+        assert used == s.c.resync()
+    finally:
+        s.c.close()
+
+
 def test_a_file_a_reader_holds_is_not_written_over(tmp_path):
     """A get that opened an object's file before eviction moved it holds a shared lock: puts pass
     that file by, and its bytes stay the evicted object's."""

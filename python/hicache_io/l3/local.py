@@ -74,10 +74,8 @@ import fcntl
 import itertools
 import logging
 import os
-import socket
 import threading
 import time
-import uuid
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -85,6 +83,8 @@ import numpy as np
 
 from .. import _native
 from .errors import BUFFER_MISMATCH, DAMAGED, INVALID_PARAMS, OBJECT_NOT_FOUND  # noqa: F401 (Mooncake's codes, as the store reads them)
+from .local_evict import HOST as _HOST
+from .local_evict import STALE_TMP_SECONDS, Eviction, any_file, scan, unlink  # noqa: F401 (STALE_TMP_SECONDS: read here by tests)
 
 logger = logging.getLogger(__name__)
 
@@ -112,10 +112,6 @@ READ_RULES = {"auto": True, "buffered": False}
 DEFAULT_CAPACITY = 8 << 30
 #: A get marks an object used (for the eviction order) when its last mark is older than this.
 TOUCH_SECONDS = 30.0
-#: This host in temporary files' names (a pid means something on its own host only).
-_HOST = (socket.gethostname() or "host").replace("-", "_")
-#: Temporary files of writers that died are removed after this long (seconds).
-STALE_TMP_SECONDS = 600.0
 
 
 def default_directory() -> str:
@@ -154,6 +150,7 @@ class LocalDiskClient:
         self.free = os.path.join(self.directory, "free")
         os.makedirs(self.tmp, exist_ok=True)
         os.makedirs(self.free, exist_ok=True)
+        self._eviction = Eviction(self.directory, self.free, self.capacity)
         for i in range(256):  # every object's folder, once
             os.makedirs(os.path.join(self.objects, f"{i:02x}"), exist_ok=True)
         self.lock_path = os.path.join(self.directory, "lock")
@@ -184,13 +181,7 @@ class LocalDiskClient:
         """The files of objects ``keys``: ``objects/<h[:2]>/<h>``, ``h`` the SHA-256 of the key."""
         return _native.local_paths(self.objects, list(keys))
 
-    @staticmethod
-    def _unlink(p: str) -> bool:
-        try:
-            os.unlink(p)
-            return True
-        except FileNotFoundError:
-            return False
+    _unlink = staticmethod(unlink)
 
     def _counted(self, change: Any) -> None:
         """Runs ``change(used) -> used`` on the directory's usage counter (the lock file's first
@@ -218,40 +209,18 @@ class LocalDiskClient:
         def reserve(used: int) -> int:
             if used + nbytes <= self.capacity:
                 return used + nbytes
-            if recycle and again and _any_file(self.free):
+            if recycle and again and any_file(self.free):
                 waited.append(True)
                 return used
             # Free files first, without counting the whole directory (a put of another size, or
             # one that wrote through the page cache, would otherwise count it every time).
-            used = self._drop_free(used, nbytes)
+            used = self._eviction.drop_free(used, nbytes)
             if used + nbytes <= self.capacity:
                 return used + nbytes
-            return self._evict(used, nbytes, recycle)
+            return self._eviction.evict(used, nbytes, recycle, self.packs.changed)
 
         self._counted(reserve)
         return not waited
-
-    def _evict(self, used: int, nbytes: int, recycle: bool) -> int:
-        """Under the directory's lock: removes the least recently used objects (with ``recycle``,
-        turns large ones into free files) until the directory, counted anew, and ``nbytes`` more
-        fit in nine tenths of the capacity; the counter's new value, ``nbytes`` counted."""
-        # What is on disk decides what goes; the counter (which also holds the reservations of
-        # writers whose files are not complete yet) loses what was removed.
-        total, objs = scan(self.directory)
-        base, goal = max(total, used), self.capacity * 9 // 10
-        freed, kept, packs = 0, 0, False
-        free = self.free + os.sep
-        for is_object, _mtime, size, p in sorted((not p.startswith(free), m, s, p) for m, s, p in objs):
-            if base - freed - kept + nbytes <= goal:
-                break
-            if recycle and base - freed + nbytes <= self.capacity and size >= _native.LOCAL_RECYCLE_MIN and (not is_object or self._recycle(p)):
-                kept += size  # a free file kept, or an object's file made one
-            elif self._unlink(p):
-                freed += size
-                packs = packs or p.endswith(".pack")
-        if packs:
-            self.packs.changed()  # every process drops the evicted packs' objects
-        return base - freed + nbytes
 
     def _refill(self, file_bytes: int, left: int) -> None:
         """After a put that wrote over free files of ``file_bytes`` bytes (``left``: how many of
@@ -270,7 +239,7 @@ class LocalDiskClient:
             # an eviction would keep all there is (it stops at nine tenths of the capacity).
             if used + low * file_bytes <= self.capacity or used <= self.capacity * 9 // 10 or _native.local_free_left(self.free, file_bytes) >= low:
                 return used
-            return self._evict(used, 0, True)
+            return self._eviction.evict(used, 0, True, self.packs.changed)
 
         try:
             self._counted(refill)
@@ -285,46 +254,6 @@ class LocalDiskClient:
         tenth of the capacity), so that one refill lifts the count above it."""
         per_eviction = self.capacity // 10 // max(1, file_bytes)
         return max(1, min(4 * self.threads, per_eviction // 2))
-
-    def _recycle(self, p: str) -> bool:
-        """Moves evicted object file ``p`` to the free files, named by its size; False where it
-        went meanwhile (or is a pack)."""
-        if p.endswith(".pack"):
-            return False
-        try:
-            size = os.stat(p).st_size
-            if size < _native.LOCAL_RECYCLE_MIN:  # read without a lock: never written over
-                return False
-            with _Folder(self.free) as free:
-                os.rename(p, f"{size}-{uuid.uuid4().hex}", dst_dir_fd=free)
-            return True
-        except OSError:
-            return False
-
-    def _drop_free(self, used: int, nbytes: int) -> int:
-        """Removes free files (the oldest first, listing ``free/`` alone) until ``nbytes`` more
-        fit in the capacity; the counter's new value."""
-        try:
-            with _Folder(self.free) as free:
-                files = []
-                with os.scandir(free) as it:
-                    for e in it:
-                        try:  # one claimed meanwhile is passed by
-                            files.append((e.stat(follow_symlinks=False).st_mtime, e.name))
-                        except OSError:
-                            continue
-                for _mtime, name in sorted(files):
-                    if used + nbytes <= self.capacity:
-                        break
-                    try:
-                        size = os.lstat(name, dir_fd=free).st_blocks * 512
-                        os.unlink(name, dir_fd=free)
-                    except OSError:
-                        continue
-                    used -= size
-        except OSError:
-            pass
-        return used
 
     def _reserve_new(self, need: int, recycle: bool = False, again: bool = False) -> Optional[bool]:
         """Counts ``need`` bytes of new objects before they are written (:meth:`_reserve`); False
@@ -562,65 +491,6 @@ def _on_disk(nbytes: int) -> int:
     return -(-nbytes // 4096) * 4096
 
 
-class _Folder:
-    """Folder ``path`` held open, never through a link (``free/``: a link put there must not make
-    the store move or remove files of another folder)."""
-
-    def __init__(self, path: str):
-        self.path = path
-
-    def __enter__(self) -> int:
-        self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        return self.fd
-
-    def __exit__(self, *exc: Any) -> None:
-        os.close(self.fd)
-
-
-def _any_file(folder: str) -> bool:
-    """Whether ``folder`` holds anything (one directory entry read)."""
-    try:
-        with os.scandir(folder) as it:
-            return next(it, None) is not None
-    except OSError:
-        return False
-
-
-def _writer_gone(name: str) -> bool:
-    """Whether the process that named temporary file ``name`` (``pid-host-thread-n``) has ended:
-    a process of this host (and pid namespace) that no longer runs. Others' files go by age."""
-    parts = name.split("-")
-    if len(parts) < 4 or "-".join(parts[1:-2]) != _HOST:
-        return False
-    try:
-        os.kill(int(parts[0]), 0)
-    except (ValueError, ProcessLookupError):
-        return True
-    except PermissionError:
-        return False
-    return False
-
-
-def scan(directory: str) -> Tuple[int, List[Tuple[float, int, str]]]:
-    """A directory's bytes on disk (files, folders, the lock) and its files that eviction may
-    remove (objects, packs, free files) as ``(last use, bytes, path)``. Removes temporary files
-    of writers that have ended or stalled."""
-    tmp = os.path.join(directory, "tmp") + os.sep
-    keep = (os.path.join(directory, "lock"), os.path.join(directory, "packs.counter"))
-    total, objs = _native.local_walk(directory)
-    out = []
-    now = time.time()
-    for p, mtime, size in objs:
-        if p.startswith(tmp):
-            if os.sep not in p[len(tmp) :] and (_writer_gone(p[len(tmp) :]) or now - mtime > STALE_TMP_SECONDS):
-                LocalDiskClient._unlink(p)
-                continue
-        elif p not in keep:
-            out.append((mtime, size, p))
-        total += size
-    return total, out
-
-
 def stats(directory: str) -> Dict[str, int]:
     """Objects (files of their own, and those packs hold), their bytes on disk (files and
     packs), the free files' bytes (evicted objects' files that puts will write over), and the
@@ -655,7 +525,7 @@ def scrub(directory: str) -> Dict[str, int]:
                 out["intact"] += 1
                 continue
             out["damaged"] += 1
-            if LocalDiskClient._unlink(p):
+            if unlink(p):
                 out["removed"] += 1
     if os.path.isdir(os.path.join(directory, "packs")):
         checked, damaged = _reader(directory).scrub()
