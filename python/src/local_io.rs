@@ -218,6 +218,9 @@ fn object_tail(spans: &[Span]) -> Option<[u8; TRAILER_BYTES]> {
     let mut need = TRAILER_BYTES;
     for &(p, n) in spans.iter().rev() {
         let take = n.min(need);
+        if take == 0 {
+            continue; // an empty span: no pointer to read from
+        }
         // SAFETY: the last `take` bytes of a span inside registered memory (checked by the caller
         // of this module's entry points), into `tail[need - take..need]`; only read.
         unsafe { std::ptr::copy_nonoverlapping((p + n - take) as *const u8, tail[need - take..].as_mut_ptr(), take) };
@@ -302,6 +305,9 @@ fn spans_trailer_hold(spans: &[Span], key: &[u8]) -> Result<bool, i64> {
     let mut left = body;
     for &(p, n) in spans {
         let take = n.min(left);
+        if take == 0 {
+            continue;
+        }
         // SAFETY: the first `take` bytes of a span inside registered memory; only read.
         sum.add(unsafe { std::slice::from_raw_parts(p as *const u8, take) }, &keys);
         left -= take;

@@ -7,7 +7,7 @@ system calls and 7 ms for 512 objects) is what an eviction cost most. An evictio
 free files ahead of need, within the capacity, soon after a count, takes the next least recently
 used objects of that count instead, each checked unchanged (not used, not written again since)
 with one ``stat``; a count is at most :data:`LISTED_SECONDS` old, and one that runs out is made
-anew. At capacity, where a put waits, every eviction counts anew, as before.
+anew. At capacity, where a put waits, every eviction counts the directory anew.
 """
 
 import os
