@@ -20,6 +20,9 @@ from ..l3.errors import DAMAGED
 from ..l3.trailer import TRAILER_BYTES, matches, seal
 from ..l3.transport import OTHER_SIZE, Spans, open_transport
 
+#: A load's answers that fail a chunk for good: damaged, or stored in another size.
+_REFUSED = frozenset((*OTHER_SIZE.values(), DAMAGED))
+
 log = logging.getLogger(__name__)
 
 
@@ -128,14 +131,16 @@ class HicacheTier(SecondaryTierManager):
         return np.array([_native.checksum(self._mem[int(c) * self._row : (int(c) + 1) * self._row], _native.STORAGE_SEED) for c in chunk_ids], dtype=np.uint64)
 
     def _check(self, job: TransferJob) -> np.ndarray:
-        chunk_ids = np.asarray(job.chunk_ids, dtype=np.int64)
-        if len(chunk_ids) != len(job.keys):
-            raise ValueError(f"job {job.job_id}: {len(job.keys)} keys for {len(chunk_ids)} chunks")
-        if len(chunk_ids) and (chunk_ids.min() < 0 or chunk_ids.max() >= self._chunks):
+        # A job names a few chunks (vLLM's: one): checked as Python ints, numpy's calls on arrays
+        # this small cost more than the checks.
+        ids = [int(c) for c in job.chunk_ids]
+        if len(ids) != len(job.keys):
+            raise ValueError(f"job {job.job_id}: {len(job.keys)} keys for {len(ids)} chunks")
+        if ids and (min(ids) < 0 or max(ids) >= self._chunks):
             raise IndexError(f"job {job.job_id}: chunk ids outside the primary tier's {self._chunks} chunks")
-        if len(np.unique(chunk_ids)) != len(chunk_ids):
+        if len(set(ids)) != len(ids):
             raise ValueError(f"job {job.job_id}: a chunk named twice")
-        return chunk_ids
+        return np.array(ids, dtype=np.int64)
 
     def stored(self, keys: Iterable[OffloadKey]) -> list[bool]:
         """Whether each chunk's object is in the store (one existence call)."""
@@ -154,49 +159,51 @@ class HicacheTier(SecondaryTierManager):
         t0 = time.perf_counter()
         try:
             seal(self._trailers, chunk_ids, self._sums(chunk_ids), keys)
-            rcs, _ = self._io.put(keys, keys, self._spans(chunk_ids))
-            ok = bool((rcs == 0).all())
+            rcs = self._io.put(keys, keys, self._spans(chunk_ids))[0].tolist()
+            ok = not any(rcs)
             if not ok:
-                log.warning("hicache-io tier: %d of %d chunks not stored (codes %s)", int((rcs != 0).sum()), len(keys), sorted(set(rcs.tolist())))
+                log.warning("hicache-io tier: %d of %d chunks not stored (codes %s)", sum(rc != 0 for rc in rcs), len(keys), sorted(set(rcs)))
         except Exception:
             log.exception("hicache-io tier: store job %d failed", job.job_id)
-            ok, rcs = False, np.full(len(keys), -1)
+            ok, rcs = False, [-1] * len(keys)
+        stored = [k for k, rc in zip(job.keys, rcs) if rc == 0]
         with self._lock:
-            self.stats["stored"] += int((rcs == 0).sum())
-            self.stats["store_failed"] += int((rcs != 0).sum())
+            self.stats["stored"] += len(stored)
+            self.stats["store_failed"] += len(rcs) - len(stored)
             # Lookup verdicts belong to the scheduler thread: applied in get_finished_jobs.
-            self._present.extend(k for k, rc in zip(job.keys, rcs.tolist()) if rc == 0)
+            self._present.extend(stored)
         self._finish(JobResult(job_id=job.job_id, success=ok, transfer_time=time.perf_counter() - t0, transfer_bytes=len(keys) * self._row))
 
     def _load(self, job: TransferJob, chunk_ids: np.ndarray, keys: list[str]) -> None:
         t0 = time.perf_counter()
         all_keys = list(job.keys)
-        good = bad = np.zeros(len(keys), dtype=bool)
+        good = bad = [False] * len(keys)
         try:
             self._trailers[chunk_ids] = 0
             got, _, _, _ = self._io.get(keys, keys, [self._spans(chunk_ids)])
-            whole = got == self._row + TRAILER_BYTES
-            if whole.any():
-                good = whole & matches(self._trailers[chunk_ids], self._sums(chunk_ids), keys)
+            got = got.tolist()
+            whole = [g == self._row + TRAILER_BYTES for g in got]
+            if any(whole):
+                good = (np.array(whole) & matches(self._trailers[chunk_ids], self._sums(chunk_ids), keys)).tolist()
             # Damaged, or stored in another size (refused by both transports as -600 / -800):
             # such an object would fail every later load, and a store keeps an existing object.
-            bad = (whole & ~good) | np.isin(got, (*OTHER_SIZE.values(), DAMAGED))
-            for j in np.flatnonzero(bad):
+            bad = [(w and not ok) or g in _REFUSED for w, ok, g in zip(whole, good, got)]
+            for j in (j for j, b in enumerate(bad) if b):
                 if got[j] != DAMAGED:  # the local store removed a damaged file itself
                     self.client.remove(keys[j])
-                log.warning("hicache-io tier: chunk %s failed its checks (%d); removed", keys[j], int(got[j]))
+                log.warning("hicache-io tier: chunk %s failed its checks (%d); removed", keys[j], got[j])
         except Exception:
             log.exception("hicache-io tier: load job %d failed", job.job_id)
-        failed = [all_keys[j] for j in np.flatnonzero(~good)]
+        failed = [k for k, ok in zip(all_keys, good) if not ok]
         with self._lock:
             self.stats["loaded"] += len(keys)
-            self.stats["verified"] += int(good.sum())
-            self.stats["corrupt"] += int(bad.sum())
-            self.stats["missing"] += int((~good & ~bad).sum())
+            self.stats["verified"] += len(keys) - len(failed)
+            self.stats["corrupt"] += sum(bad)
+            self.stats["missing"] += len(failed) - sum(bad)
             # Lookup verdicts belong to the scheduler thread: applied in get_finished_jobs.
             self._missed.extend(failed)
-        ok = bool(good.all())
-        successful = None if ok else (tuple(all_keys[j] for j in np.flatnonzero(good)) or None)
+        ok = not failed
+        successful = None if ok else (tuple(k for k, g in zip(all_keys, good) if g) or None)
         self._finish(JobResult(job_id=job.job_id, success=ok, successful_keys=successful, transfer_time=time.perf_counter() - t0, transfer_bytes=len(keys) * self._row))
 
     def _submit(self, job: TransferJob, work) -> None:
