@@ -212,18 +212,21 @@ pub(crate) fn crc_of(spans: &[Span]) -> u32 {
     h.finalize()
 }
 
-/// The object's last [`TRAILER_BYTES`] bytes, wherever `spans` split them (`None` for a shorter object).
-fn object_tail(spans: &[Span]) -> Option<[u8; TRAILER_BYTES]> {
+/// The bytes of `spans` as slices, empty spans left out (no pointer is taken from them).
+fn pieces(spans: &[Span]) -> Vec<&[u8]> {
+    // SAFETY: each span lies inside registered memory (checked by the caller of this module's
+    // entry points); only read, while the call that checked it runs.
+    spans.iter().filter(|s| s.1 > 0).map(|&(p, n)| unsafe { std::slice::from_raw_parts(p as *const u8, n) }).collect()
+}
+
+/// The object's last [`TRAILER_BYTES`] bytes, wherever `pieces` split them (`None` for a
+/// shorter object).
+fn object_tail(pieces: &[&[u8]]) -> Option<[u8; TRAILER_BYTES]> {
     let mut tail = [0u8; TRAILER_BYTES];
     let mut need = TRAILER_BYTES;
-    for &(p, n) in spans.iter().rev() {
-        let take = n.min(need);
-        if take == 0 {
-            continue; // an empty span: no pointer to read from
-        }
-        // SAFETY: the last `take` bytes of a span inside registered memory (checked by the caller
-        // of this module's entry points), into `tail[need - take..need]`; only read.
-        unsafe { std::ptr::copy_nonoverlapping((p + n - take) as *const u8, tail[need - take..].as_mut_ptr(), take) };
+    for piece in pieces.iter().rev() {
+        let take = piece.len().min(need);
+        tail[need - take..need].copy_from_slice(&piece[piece.len() - take..]);
         need -= take;
         if need == 0 {
             return Some(tail);
@@ -232,9 +235,14 @@ fn object_tail(spans: &[Span]) -> Option<[u8; TRAILER_BYTES]> {
     None
 }
 
+/// Whether an object (given in `pieces`) ends in hicache-io's integrity trailer.
+fn ends_in_trailer(pieces: &[&[u8]]) -> bool {
+    object_tail(pieces).is_some_and(|t| t[..8] == TRAILER_MAGIC.to_le_bytes())
+}
+
 /// Whether the object ends in hicache-io's integrity trailer (which the store verifies).
 pub(crate) fn carries_trailer(spans: &[Span]) -> bool {
-    object_tail(spans).is_some_and(|t| t[..8] == TRAILER_MAGIC.to_le_bytes())
+    ends_in_trailer(&pieces(spans))
 }
 
 fn footer(n: usize, key: &[u8], crc: Option<u32>) -> Vec<u8> {
@@ -294,27 +302,30 @@ fn object_holds(spans: &[Span], key: &[u8], crc: Option<u32>, crc_trailered: boo
 }
 
 /// Whether the trailer that ends the object read into `spans` holds the checksum of the bytes
-/// before it bound to `key` (summed piece by piece in place, wherever the spans split it);
-/// `-ENOMEM` where the checksum's key table cannot be made.
+/// before it bound to `key` ([`pieces_trailer_hold`]); no trailer is no; `-ENOMEM` where the
+/// checksum's key table cannot be made.
 fn spans_trailer_hold(spans: &[Span], key: &[u8]) -> Result<bool, i64> {
+    pieces_trailer_hold(&pieces(spans), key).map(|holds| holds == Some(true)).map_err(|_| -(libc::ENOMEM as i64))
+}
+
+/// Whether the trailer that ends an object given in `pieces` holds the checksum of the bytes
+/// before it bound to `key` (summed piece by piece in place, wherever the pieces split it);
+/// `None` where the object ends in no trailer.
+fn pieces_trailer_hold(pieces: &[&[u8]], key: &[u8]) -> hicache_io::Result<Option<bool>> {
     use hicache_io::integrity as ig;
-    let (Some(tail), Some(total)) = (object_tail(spans), span_bytes(spans)) else { return Ok(false) };
-    let body = total - TRAILER_BYTES; // object_tail found TRAILER_BYTES
-    let keys = ig::shared_keys(ig::STORAGE_SEED, ig::words(body)).map_err(|_| -(libc::ENOMEM as i64))?;
+    let Some(tail) = object_tail(pieces).filter(|t| t[..8] == TRAILER_MAGIC.to_le_bytes()) else { return Ok(None) };
+    let body = pieces.iter().map(|p| p.len()).sum::<usize>() - TRAILER_BYTES; // object_tail found them
+    let keys = ig::shared_keys(ig::STORAGE_SEED, ig::words(body))?;
     let mut sum = PieceSum::default();
     let mut left = body;
-    for &(p, n) in spans {
-        let take = n.min(left);
-        if take == 0 {
-            continue;
-        }
-        // SAFETY: the first `take` bytes of a span inside registered memory; only read.
-        sum.add(unsafe { std::slice::from_raw_parts(p as *const u8, take) }, &keys);
+    for piece in pieces {
+        let take = piece.len().min(left);
+        sum.add(&piece[..take], &keys);
         left -= take;
     }
     let mut want = [0u8; 8];
     want.copy_from_slice(&tail[8..]);
-    Ok(sum.finish(&keys) ^ ig::name_hash(key) == u64::from_le_bytes(want))
+    Ok(Some(sum.finish(&keys) ^ ig::name_hash(key) == u64::from_le_bytes(want)))
 }
 
 /// hicache-io's integrity checksum of a string given in pieces of any lengths: whole words
@@ -881,7 +892,7 @@ pub(crate) fn local_intact(py: Python<'_>, objects: PathBuf, path: PathBuf) -> P
         named.extend_from_slice(format!("/{}/{h}", &h[..2]).as_bytes());
         if named != path.as_os_str().as_bytes()
             || crc.is_some_and(|c| crc32fast::hash(obj) != c)
-            || (crc.is_none() && !ends_in_trailer(obj))
+            || (crc.is_none() && !ends_in_trailer(&[obj]))
         {
             return Ok(false);
         }
@@ -890,21 +901,8 @@ pub(crate) fn local_intact(py: Python<'_>, objects: PathBuf, path: PathBuf) -> P
     .py()
 }
 
-/// Whether object `obj` ends in hicache-io's trailer (its first word).
-fn ends_in_trailer(obj: &[u8]) -> bool {
-    obj.len().checked_sub(TRAILER_BYTES).and_then(|at| obj.get(at..at + 8)).is_some_and(|w| w == TRAILER_MAGIC.to_le_bytes())
-}
-
 /// Whether object `obj` of key `key`, where it ends in hicache-io's trailer, holds it (the
 /// checksum of the body bound to the key); an object without one holds.
 pub(crate) fn trailer_holds(obj: &[u8], key: &[u8]) -> hicache_io::Result<bool> {
-    let Some(body_len) = obj.len().checked_sub(TRAILER_BYTES) else { return Ok(true) };
-    let (body, trailer) = obj.split_at(body_len);
-    let word = |at: usize| trailer.get(at..at + 8).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes);
-    if word(0) != Some(TRAILER_MAGIC) {
-        return Ok(true);
-    }
-    use hicache_io::integrity as ig;
-    let keys = ig::shared_keys(ig::STORAGE_SEED, ig::words(body.len()))?;
-    Ok(Some(ig::checksum(body, &keys) ^ ig::name_hash(key)) == word(8))
+    Ok(pieces_trailer_hold(&[obj], key)? != Some(false))
 }

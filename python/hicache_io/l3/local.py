@@ -181,8 +181,6 @@ class LocalDiskClient:
         """The files of objects ``keys``: ``objects/<h[:2]>/<h>``, ``h`` the SHA-256 of the key."""
         return _native.local_paths(self.objects, list(keys))
 
-    _unlink = staticmethod(unlink)
-
     def _counted(self, change: Any) -> None:
         """Runs ``change(used) -> used`` on the directory's usage counter (the lock file's first
         8 bytes), under the directory's lock: every process counts every other's files."""
@@ -376,7 +374,7 @@ class LocalDiskClient:
             size = os.stat(p).st_blocks * 512
         except OSError:
             return DAMAGED
-        if self._unlink(p):
+        if unlink(p):
             self._adjust(-size)
         return DAMAGED
 
@@ -442,14 +440,14 @@ class LocalDiskClient:
             size = os.stat(p).st_blocks * 512
         except FileNotFoundError:
             return 0 if held[0] else OBJECT_NOT_FOUND
-        if not self._unlink(p):
+        if not unlink(p):
             return 0 if held[0] else OBJECT_NOT_FOUND
         self._adjust(-size)
         return 0
 
     def remove_all(self) -> int:
         n = self.packs.clear()
-        n += sum(self._unlink(p) for _m, _s, p in scan(self.directory)[1])
+        n += sum(unlink(p) for _m, _s, p in scan(self.directory)[1])
         self.resync()
         return n
 
