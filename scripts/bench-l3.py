@@ -19,7 +19,10 @@ place from a ``page_first_direct_hg`` pool (one span an object) and a ``page_uni
 span per layer) with Mooncake's scatter/gather calls, next to Mooncake's ``batch_put_from`` /
 ``batch_get_into`` of as many objects of that size from one registered buffer.
 For each row also hicache-io's own time: the same calls on a client that moves nothing (keys,
-staging and checksum passes, trailers, verdicts), and the ceiling that leaves, bare / (bare + own).
+staging and checksum passes, trailers, verdicts), and the ceiling that leaves, bare / (bare + own),
+for calls of one batch: in a call of several batches of 2 MiB or more (the head-group rows), the
+checksum passes run on the store's second thread beside the transport's calls. Then the same
+head-group calls with that overlap and without it (one batch after the other), in one run.
 Then a layer-sharded DSA indexer backup (layers 2..6 of 8 and one MTP draft layer, page_first,
 what sglang refuses) into the host pool followed by ``batch_set_v1`` of its pages: the pipeline
 an engine runs, end to end.
@@ -258,6 +261,35 @@ def object_case(store, name, kind, bytes_per_token, layers, page, pages, rounds,
     }
 
 
+def overlap_case(store, name, layout, rounds):
+    """A head-group pool's put and get of 2,048 objects in one call each, with the checksum passes
+    overlapping the transport (as shipped) and without (every batch overlap-sized refused), the
+    two alternating; median seconds of each."""
+    from hicache_io.l3 import pipeline
+
+    dev, host = pool_for("mha", 4 * 256, 8, 16, 256, layout, 4)
+    rng = np.random.default_rng(3)
+    for c in range(host.components):
+        host.write_buffer(c, rng.integers(0, 256, host.buffer_bytes, dtype=np.uint8))
+    toks = page_tokens(range(256), 16)
+    shipped, times = pipeline.OVERLAP_MIN_BYTES, {True: ([], []), False: ([], [])}
+    store.register_mem_pool_host(host)
+    try:
+        for r in range(rounds):
+            for on in (True, False) if r % 2 == 0 else (False, True):
+                pipeline.OVERLAP_MIN_BYTES = shipped if on else 1 << 62
+                keys = [uuid.uuid4().hex for _ in range(256)]
+                ok = []
+                times[on][0].append(timed(lambda: ok.extend(store.batch_set_v1(keys, toks))))
+                times[on][1].append(timed(lambda: ok.extend(store.batch_get_v1(keys, toks))))
+                assert all(ok), store.last_error
+                clear(store)
+    finally:
+        pipeline.OVERLAP_MIN_BYTES = shipped
+        store.unregister_mem_pool_host()
+    return {"case": name, "put_s": median(times[True][0]), "put_off_s": median(times[False][0]), "get_s": median(times[True][1]), "get_off_s": median(times[False][1])}
+
+
 def sharded_pipeline(store, rounds):
     """Layer-sharded DSA indexer backup (page_first) then L3 put of the same pages."""
     page, pages = 64, 512
@@ -312,10 +344,11 @@ def main():
         try:
             for layout, spans, summed in (("page_first_direct_hg", "1 span", True), ("page_unified", "8 spans", True), ("page_first_direct_hg", "1 span, no sum", False)):
                 rows.append(object_case(store, f"head group, {spans}", "mha", 4 * 256, 8, 16, 256, args.rounds, integrity=summed, layout=layout, groups=4))
+            overlapped = [overlap_case(store, f"head group, {spans}", layout, args.rounds) for layout, spans in (("page_first_direct_hg", "1 span"), ("page_unified", "8 spans"))]
         finally:
             store.close()
     if args.json:
-        print(json.dumps({"objects": rows, "pipeline": pipe}, indent=2))
+        print(json.dumps({"objects": rows, "pipeline": pipe, "overlap": overlapped}, indent=2))
         return
     # "+16 B": Mooncake's own two-buffer calls, each object with a 16-byte trailer buffer (the
     # shape of a checksummed object), and hicache-io's ratio to them.
@@ -341,6 +374,13 @@ def main():
             bare, own = r[f"mooncake_{d}_s"], r[f"own_{d}_s"]
             cells.append(f" {r[f'{d}_s'] * 1e3:>7.2f} {own * 1e3:>6.2f} {bare * 1e3:>6.2f} {bare / (bare + own):>7.2f}")
         print(f"{r['case']:<26}" + "".join(cells))
+    # The checksum passes beside the transport's calls (shipped) and one batch after the other.
+    print()
+    print(f"{'2048 objects, one call':<26} {'put ms':>7} {'serial':>7} {'ratio':>6} {'get ms':>7} {'serial':>7} {'ratio':>6}")
+    for o in overlapped:
+        print(f"{o['case']:<26} {o['put_s'] * 1e3:>7.2f} {o['put_off_s'] * 1e3:>7.2f} {o['put_off_s'] / o['put_s']:>6.2f}"
+              f" {o['get_s'] * 1e3:>7.2f} {o['get_off_s'] * 1e3:>7.2f} {o['get_off_s'] / o['get_s']:>6.2f}")
+    print()
     print(
         f"{pipe['case']}: {pipe['pages']} pages of {pipe['object_bytes']} B; backup {pipe['backup_gbs']:.2f} GB/s, "
         f"put {pipe['put_gbs']:.2f} GB/s, backup then put {pipe['pipeline_gbs']:.2f} GB/s"

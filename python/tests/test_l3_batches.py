@@ -18,7 +18,7 @@ import zlib
 import numpy as np
 import pytest
 
-from common import build, executors, io_for, make_store, page_bytes, page_meta, tokens
+from common import P, build, executors, io_for, make_store, page_bytes, page_meta, tokens
 
 SENTINEL = 0x5A
 HOST_PAGES = 16
@@ -119,6 +119,11 @@ def put_first(model, keys, want):
 
 @pytest.mark.parametrize("transport,executor,pool", list(cases()))
 def test_random_batches_match_a_dictionary_model(transport, executor, pool, request, tmp_path):
+    play_model(transport, executor, pool, request, tmp_path)
+
+
+def play_model(transport, executor, pool, request, tmp_path):
+    """The model's game on one store: a reproduction, then 30 random calls of up to 6 pages."""
     kind, layout, heads, bpt, layers, extra = pool
     rng = np.random.default_rng(zlib.crc32(f"{kind}-{layout}-{executor}".encode()))
     _, dev, host = build(executor, kind, layout, heads, bpt, layers, None, 0, pages=DEVICE_PAGES, host_pages=HOST_PAGES)
@@ -152,6 +157,37 @@ def test_random_batches_match_a_dictionary_model(transport, executor, pool, requ
                 assert s.batch_exists(keys) == leading(keys, model), what
     finally:
         close_store(s, transport, request)
+
+
+@pytest.fixture
+def overlapped(monkeypatch):
+    """Calls cut into batches of 2 pages, every batch overlapped with the next whatever its
+    bytes; yields the overlap's hand-offs (``[function name]``) as they happen."""
+    import hicache_io.l3.pipeline as pipeline
+    import hicache_io.l3.placements as placements
+    import hicache_io.l3.store as store
+
+    monkeypatch.setattr(store, "STORAGE_BATCH_SIZE", 2)
+    monkeypatch.setattr(placements, "STORAGE_BATCH_SIZE", 2)
+    monkeypatch.setattr(pipeline, "OVERLAP_MIN_BYTES", 0)
+    handed = []
+    submit = pipeline.Overlap.submit
+    monkeypatch.setattr(pipeline.Overlap, "submit", lambda self, fn, *a: handed.append(fn.__name__) or submit(self, fn, *a))
+    yield handed
+
+
+# The schemes whose batches overlap: checksummed objects, each batch with buffers of its own (sglang's
+# names carry no trailer; wgpu's staged pools move one batch at a time).
+OVERLAPPED = [p for p in SCHEMES if p[0] not in ("sglang-names", "shard-names-dsa")]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("pool", [pytest.param(p[1:], id=p[0]) for p in OVERLAPPED])
+def test_overlapped_batches_match_a_dictionary_model(transport, pool, overlapped, request, tmp_path):
+    """The same game with calls of several batches, each staged or landed on the store's second
+    thread while the transport moves the batch beside it."""
+    play_model(transport, "cpu", pool, request, tmp_path)
+    assert "_ready" in overlapped and "_land" in overlapped, overlapped
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -191,5 +227,40 @@ def test_random_v2_batches_match_a_dictionary_model(transport, request, tmp_path
             else:
                 r = s.batch_exists_v2(keys, [T("indexer", keys, None)])
                 assert r.kv_hit_pages == leading(keys, kv_model, ix_model), what
+    finally:
+        close_store(s, transport, request)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_failures_of_overlapped_batches_are_reported_in_batch_order(transport, overlapped, request, tmp_path):
+    """Batch 1 holds a replayed page (its objects' trailers bound to another key: refused by the
+    checksum pass, on the second thread) and batch 2 a missing one (refused by the transport's
+    get, which runs before batch 1's verdicts): each page has its own verdict, the item checksums
+    of the pages read whole are settled, and ``last_error`` is batch 2's failure, as when one
+    batch runs after the other."""
+    from hicache_io.storage import INTEGRITY
+
+    kind, layout, heads, bpt, layers, extra = OVERLAPPED[0][1:]
+    rng = np.random.default_rng(5)
+    _, dev, host = build("cpu", kind, layout, heads, bpt, layers, None, 0, pages=DEVICE_PAGES, host_pages=HOST_PAGES)
+    s = open_store(transport, request, tmp_path, extra)
+    a, replayed, missing, b = (f"{n}-{uuid.uuid4().hex[:8]}" for n in "armb")
+    try:
+        s.register_mem_pool_host(host)
+        want = fill_pages(host, dev, [0, 1], rng)
+        assert s.batch_set_v1([a, b], tokens([0, 1])) == [True, True], s.last_error
+        for src, dst in zip(s.object_keys(a), s.object_keys(replayed)):
+            assert s.set(dst, s.get(src)), s.last_error
+        blank_pages(host, [4, 5, 6, 7])
+        corrupt = s.stats["corrupt"]
+        got = s.batch_get_v1([a, replayed, missing, b], tokens([4, 5, 6, 7]))
+        assert got == [True, False, False, True]
+        assert s.stats["corrupt"] == corrupt + 2  # both of the replayed page's objects
+        assert s.last_error.code != INTEGRITY and s.last_error.keys == s.object_keys(missing), s.last_error
+        bufs = [host.read_buffer(c) for c in range(host.components)]
+        assert [page_bytes(host, p, bufs) for p in (4, 7)] == want
+        # Recorded from the bytes that landed for the verified pages, forgotten for the others.
+        assert all(c is not None for p in (4, 7) for c in host.page_checksums(p * P))
+        assert all(c is None for p in (5, 6) for c in host.page_checksums(p * P))
     finally:
         close_store(s, transport, request)

@@ -54,6 +54,13 @@ def pages_of(idx: Any, positions: Sequence[int], page: int) -> Any:
     return [x for i in positions for x in idx[i * page : (i + 1) * page]]
 
 
+def distinct_pages(idx: Any, page: int) -> bool:
+    """Whether the pages of ``idx`` (host indices, ``page`` a page, each page on its start) are
+    all different pages."""
+    firsts = np.asarray(idx[::page])
+    return len(np.unique(firsts)) == len(firsts)
+
+
 def in_rounds(keys: Sequence[str], idx: Any, page: int, run: Callable[[List[str], Any], List[bool]]) -> List[bool]:
     """``run(keys, idx)`` over the batch's rounds; one answer per key, in the batch's order."""
     rounds = occurrence_rounds(keys)

@@ -12,10 +12,20 @@ transport put → per page, whether every object is written (an existing object 
 written). Get: one transport get (the other form for objects written the other way) → objects
 read whole → land and checksum (settling the pool's item checksums) → verify the trailers → per
 page, whether every object was read whole and, where checked, verified.
+
+A call of several batches runs them in order. Where they are large enough (:func:`overlaps`),
+their checksum passes overlap the transport on the store's second thread (:class:`Overlap`):
+a put stages and sums batch ``k + 1`` while batch ``k`` is sent, a get lands and sums batch ``k``
+while batch ``k + 1`` is read. Each half that may run there (:func:`_ready`, :func:`_land`)
+touches no count and reports nothing; the calling thread reports every failure, in the
+batches' order, so ``last_error`` and the counts are those of one batch after the other.
 """
 
 import logging
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -25,6 +35,18 @@ from .trailer import TRAILER_BYTES, name_tags, seal, sealed_rows, verify
 from .transport import Transport
 
 logger = logging.getLogger(__name__)
+
+
+#: A call's batches overlap (:class:`Overlap`) where each holds at least this many bytes of
+#: objects. Measured on Mooncake over loopback, 2 cores: batches of 8448-byte DSA pages (1 MiB)
+#: were 2-8% slower overlapped, the hand-off costing more than it hid; batches of 32 KiB
+#: head-group objects (4 MiB) got 22-26% faster, their puts the same within 3%.
+OVERLAP_MIN_BYTES = 2 << 20
+
+
+def overlaps(batches: Sequence["Batch"]) -> bool:
+    """Whether a call's batches are worth overlapping: more than one, and large enough."""
+    return len(batches) > 1 and int(np.sum(batches[0].place.sizes)) >= OVERLAP_MIN_BYTES
 
 
 class StoreCalls(NamedTuple):
@@ -40,22 +62,61 @@ def pages_ok(ok: np.ndarray, per: int) -> np.ndarray:
     return ok.reshape(-1, per).all(axis=1) if len(ok) else np.zeros(0, bool)
 
 
+class Batch(NamedTuple):
+    """One batch of a call: its page keys, their objects' keys and where the objects lie."""
+
+    keys: List[str]
+    obj_keys: List[str]
+    place: Placement
+
+
 def put_pages(calls: StoreCalls, what: str, keys: List[str], obj_keys: List[str], place: Placement, config: Optional[Callable[[int], Any]] = None) -> List[bool]:
     """Writes the batch's objects (see the module docstring); one bool per page. ``config(n)``:
     the transport's put config for ``n`` objects, where the caller has one. A failure
     that escapes the pipeline (the store's, or a checksum pass) fails every page of the batch."""
-    ok = np.zeros(len(obj_keys), bool)
+    return _send(calls, what, Batch(keys, obj_keys, place), _ready(calls, Batch(keys, obj_keys, place)), config)
+
+
+class Ready(NamedTuple):
+    """What a put found before anything is sent: objects already stored (``ok``), the objects
+    to write (``todo``), their checksums and the pages' item checks; or what stopped it."""
+
+    ok: np.ndarray
+    todo: np.ndarray
+    sums: Optional[np.ndarray] = None
+    intact: Optional[np.ndarray] = None
+    error: Optional[Exception] = None
+
+
+def _ready(calls: StoreCalls, b: Batch) -> Ready:
+    """A put's first half: existence, staging and checksums. Touches no count and reports no
+    failure (the caller's thread does, in :func:`_send`), so it may run on the overlap thread."""
+    place = b.place
+    ok, todo = np.zeros(len(b.obj_keys), bool), np.arange(len(b.obj_keys))
     try:
         place.sync()
-        todo = np.arange(len(obj_keys))
         if place.asks_first:
-            ok = calls.io.exists(obj_keys) == 1
+            ok = calls.io.exists(b.obj_keys) == 1
             todo = np.flatnonzero(~ok)
-        if len(todo):
-            place.stage_out(todo)
-            sums, intact = place.put_sums()
-            if intact is not None:
-                todo = _without_damaged(calls, keys, todo, place.per, intact)
+        if not len(todo):
+            return Ready(ok, todo)
+        place.stage_out(todo)
+        sums, intact = place.put_sums()
+        return Ready(ok, todo, sums, intact)
+    except Exception as e:  # noqa: BLE001 - reported by _send, in the caller's thread
+        return Ready(ok, todo, error=e)
+
+
+def _send(calls: StoreCalls, what: str, b: Batch, ready: Ready, config: Optional[Callable[[int], Any]] = None) -> List[bool]:
+    """A put's second half: the objects of damaged pages dropped, trailers sealed, one transport
+    put, the verdicts."""
+    keys, obj_keys, place = b
+    ok, todo, sums = ready.ok.copy(), ready.todo, ready.sums
+    try:
+        if ready.error is not None:
+            raise ready.error
+        if len(todo) and ready.intact is not None:
+            todo = _without_damaged(calls, keys, todo, place.per, ready.intact)
         if len(todo):
             trailer = place.writes_trailers
             picked = obj_keys if len(todo) == len(obj_keys) else [obj_keys[j] for j in todo]
@@ -92,44 +153,101 @@ def get_pages(calls: StoreCalls, what: str, keys: List[str], obj_keys: List[str]
     """Reads the batch's objects (see the module docstring); one bool per page. A page whose get
     fails may have been written in part; the pool's item checksums of every page not verified
     are forgotten, also when the get raises."""
+    b = Batch(keys, obj_keys, place)
     try:
-        return _get(calls, what, keys, obj_keys, place).tolist()
+        f = _fetch(calls, b)
+        return _finish(calls, what, b, f, _land(b, f)).tolist()
     except BaseException:
         place.forget()
         raise
 
 
-def _get(calls: StoreCalls, what: str, keys: List[str], obj_keys: List[str], place: Placement) -> np.ndarray:
+class Fetched(NamedTuple):
+    """What a get's transport call answered: per object, read whole (``ok``), without a trailer
+    (``unverified``) and the form it was read into; or the pages' verdicts where it failed."""
+
+    ok: np.ndarray
+    unverified: np.ndarray
+    has_trailer: np.ndarray
+    form: np.ndarray
+    #: Its failures and the objects the transport found damaged, reported by :func:`_finish`
+    #: (in the batches' order, whatever ran in between).
+    errors: List[StorageError]
+    damaged: int = 0
+    failed: Optional[np.ndarray] = None
+
+
+class Landed(NamedTuple):
+    """The checksums of the bytes that landed, the objects' key tags, whether the pool's item
+    checksums were settled in the same pass; or what stopped it."""
+
+    sums: Optional[np.ndarray] = None
+    tags: Optional[np.ndarray] = None
+    settled: bool = False
+    error: Optional[Exception] = None
+
+
+def _fetch(calls: StoreCalls, b: Batch) -> Fetched:
+    """A get's first half: one transport get (the other form for objects written the other
+    way), the objects read whole."""
+    obj_keys, place = b.obj_keys, b.place
     n, t = len(obj_keys), place.trailers
     if t is not None:
         t[:n] = 0
     place.sync()
     try:
-        got, form, trailer, call = calls.io.get(keys, obj_keys, place.get_forms())
+        got, form, trailer, call = calls.io.get(b.keys, obj_keys, place.get_forms())
     except StorageError as e:
-        calls.fail(e)
         place.forget()
-        return np.zeros(len(keys), bool)
+        nothing = np.zeros(n, bool)
+        return Fetched(nothing, nothing, nothing, np.zeros(n, np.int8), [e], failed=np.zeros(len(b.keys), bool))
     # Read whole: the object's own bytes, or those and the trailer where the form has one.
     sizes = place.sizes
     has_trailer = trailer & (got == sizes + TRAILER_BYTES)
     ok = (got == sizes) | has_trailer
+    errors, damaged = [], 0
     if not ok.all():
         bad = np.flatnonzero(~ok)
         first = int(got[bad[0]])
         # Found damaged by the transport (the local store's CRC): a miss, counted as a trailer
         # mismatch is.
-        calls.stats["corrupt"] += int(np.count_nonzero(got == DAMAGED))
-        calls.fail(StorageError(call, first if first < 0 else SHORT_READ, [obj_keys[j] for j in bad]))
-    unverified = ~has_trailer
-    settled = False
+        damaged = int(np.count_nonzero(got == DAMAGED))
+        errors.append(StorageError(call, first if first < 0 else SHORT_READ, [obj_keys[j] for j in bad]))
+    return Fetched(ok, ~has_trailer, has_trailer, form, errors, damaged)
+
+
+def _land(b: Batch, f: Fetched) -> Landed:
+    """A get's checksum pass: the bytes that landed summed (and, where the placement does it in
+    the same pass, copied into the pool and its item checksums settled). Touches no count and
+    reports no failure, so it may run on the overlap thread."""
+    place, n = b.place, len(b.obj_keys)
+    if f.failed is not None or not place.verifies:
+        return Landed()
+    try:
+        t = place.trailers
+        tags = name_tags(b.obj_keys)
+        eligible = f.ok & f.has_trailer & sealed_rows(t[:n])
+        sums, settled = place.land(t[:n, 1] ^ tags, eligible, f.ok & (f.form == 0))
+        return Landed(sums, tags, settled)
+    except Exception as e:  # noqa: BLE001 - reported by _finish, in the caller's thread
+        return Landed(error=e)
+
+
+def _finish(calls: StoreCalls, what: str, b: Batch, f: Fetched, landed: Landed) -> np.ndarray:
+    """A get's second half: the trailers verified, the pages' verdicts, the pool's item checksums
+    settled where the checksum pass did not."""
+    keys, obj_keys, place = b
+    calls.stats["corrupt"] += f.damaged
+    for e in f.errors:
+        calls.fail(e)
+    if f.failed is not None:
+        return f.failed
+    ok, unverified = f.ok.copy(), f.unverified.copy()
     if place.verifies:
         try:
-            tags = name_tags(obj_keys)
-            expected = t[:n, 1] ^ tags
-            eligible = ok & has_trailer & sealed_rows(t[:n])
-            sums, settled = place.land(expected, eligible, ok & (form == 0))
-            corrupt = verify(t, sums, tags, ok, unverified, calls.stats)
+            if landed.error is not None:
+                raise landed.error
+            corrupt = verify(place.trailers, landed.sums, landed.tags, ok, unverified, calls.stats)
             if corrupt.any():
                 calls.fail(StorageError(what, INTEGRITY, [obj_keys[j] for j in np.flatnonzero(corrupt)]))
         except StorageError:
@@ -140,9 +258,82 @@ def _get(calls: StoreCalls, what: str, keys: List[str], obj_keys: List[str], pla
             return np.zeros(len(keys), bool)
     pages = pages_ok(ok, place.per)
     trusted = pages & pages_ok(~unverified, place.per) & place.verifies
-    if not settled:
+    if not landed.settled:
         place.settle(pages, trusted)
     return pages
+
+
+def put_batches(calls: StoreCalls, what: str, batches: Sequence[Batch], overlap: Optional["Overlap"]) -> List[bool]:
+    """:func:`put_pages` of each batch, in order; with ``overlap``, each batch is staged and
+    summed on its thread while the batch before it is sent (the batches' placements must use
+    buffers of their own, two in turn)."""
+    if overlap is None or len(batches) < 2:
+        return [v for b in batches for v in _send(calls, what, b, _ready(calls, b))]
+    out: List[bool] = []
+    pending: Optional[Future] = overlap.submit(_ready, calls, batches[0])
+    try:
+        for k, b in enumerate(batches):
+            ready = pending.result()
+            pending = overlap.submit(_ready, calls, batches[k + 1]) if k + 1 < len(batches) else None
+            out += _send(calls, what, b, ready)
+    finally:
+        if pending is not None:
+            wait([pending])  # no staging pass outlives the call
+    return out
+
+
+def get_batches(calls: StoreCalls, what: str, batches: Sequence[Batch], overlap: Optional["Overlap"]) -> List[bool]:
+    """:func:`get_pages` of each batch, in order; with ``overlap``, each batch is landed and
+    summed on its thread while the transport reads the next (the batches' placements must use
+    buffers of their own, two in turn, and pages of their own). Failures are reported in the
+    batches' order; when the call raises, the item checksums of every page it may have written
+    and not answered are forgotten."""
+    if overlap is None or len(batches) < 2:
+        return [v for b in batches for v in get_pages(calls, what, *b)]
+    out: List[bool] = []
+    landing: Optional[Tuple[Batch, Fetched, Future]] = None
+    answered = started = 0
+    try:
+        for b in batches:
+            started += 1
+            f = _fetch(calls, b)
+            if landing is not None:
+                out += _finish(calls, what, landing[0], landing[1], landing[2].result()).tolist()
+                answered += 1
+            landing = (b, f, overlap.submit(_land, b, f))
+        last, landing = landing, None
+        out += _finish(calls, what, last[0], last[1], last[2].result()).tolist()
+        return out
+    except BaseException:
+        if landing is not None:
+            wait([landing[2]])  # no checksum pass outlives the call
+        for b in batches[answered:started]:
+            b.place.forget()
+        raise
+
+
+class Overlap:
+    """A store's second thread, started on first use (and again in a forked child, where the
+    parent's threads do not run): a batch's staging or checksum pass runs there while the
+    calling thread waits on the transport for the batch beside it. Both passes release the GIL
+    (native code)."""
+
+    def __init__(self) -> None:
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._pid = 0
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        with self._lock:
+            if self._pool is None or self._pid != os.getpid():
+                self._pool, self._pid = ThreadPoolExecutor(1, thread_name_prefix="hicache-io-l3"), os.getpid()
+            return self._pool.submit(fn, *args)
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None and self._pid == os.getpid():
+            pool.shutdown(wait=True)
 
 
 def counted_exists(calls: StoreCalls, obj_keys: Sequence[str], per: int) -> Optional[int]:

@@ -51,12 +51,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .batches import CallScope, in_rounds, one_call
+from .batches import CallScope, distinct_pages, in_rounds, one_call
 from .config import STORAGE_BATCH_SIZE, HiCacheStorage, HiCacheStorageConfig, StoreSettings
 from .errors import LOCAL_STORE, REFUSED, StorageError
 from .keys import GridKeys, KeyScheme, RankKeys, claim_namespace, namespace_key, namespace_of, shard_descriptor
 from .layouts import PoolLayout, SglangLayout, host_list
-from .pipeline import StoreCalls, counted_exists, get_pages, put_pages
+from .pipeline import Batch, Overlap, StoreCalls, counted_exists, get_batches, overlaps, put_batches
 from .placements import Placement, PoolPages, SealedPages, SharePages, StagedPages, sealing
 from .sidecars import SidecarPools, pool_name, transfer_result
 from .transport import Health, Transport
@@ -86,23 +86,36 @@ def _weakly(method: Any) -> Any:
 class Registered:
     """The pool a store registered: its page objects (``layout``), their key scheme, the
     client addresses registered for it, and the buffers its batches move through (``staging``
-    for pools in executor buffers, ``trailers`` for checksummed objects, the sealed objects'
-    staging) and, under the unified keys, its share of the grid."""
+    for pools in executor buffers; per slot, ``trailers`` for checksummed objects and the sealed
+    objects' staging) and, under the unified keys, its share of the grid. Two slots let one
+    batch be staged or landed while the client moves the next (:mod:`hicache_io.l3.pipeline`)."""
 
-    def __init__(self, pool: Any, layout: Any, keys: KeyScheme, addrs: List[int], namespace: Dict[str, Any], *, staging: Optional[np.ndarray] = None, trailers: Optional[np.ndarray] = None, sealed: Optional[Sealing] = None, grid: Optional[UnifiedGrid] = None):
+    def __init__(self, pool: Any, layout: Any, keys: KeyScheme, addrs: List[int], namespace: Dict[str, Any], *, staging: Optional[np.ndarray] = None, trailers: Optional[List[np.ndarray]] = None, sealed: Optional[List[Sealing]] = None, grid: Optional[UnifiedGrid] = None):
         self.pool, self.layout, self.keys, self.addrs, self.namespace = pool, layout, keys, addrs, namespace
-        self.staging, self.trailers, self.grid = staging, trailers, grid
+        self.staging, self.grid = staging, grid
+        self.trailer_slots: List[Optional[np.ndarray]] = list(trailers) if trailers else [None]
         #: Whether the sglang-named objects under this prefix belong to another namespace.
         self.foreign = False
         self.seal(sealed)
 
-    def seal(self, sealed: Optional[Sealing]) -> None:
-        """Moves checksummed objects through ``sealed`` (``None``: in place)."""
-        self.sealed, self.seal_t, self.seal_stride, self.seal_pages = sealed if sealed is not None else (None, None, 0, STORAGE_BATCH_SIZE)
+    @property
+    def trailers(self) -> Optional[np.ndarray]:
+        return self.trailer_slots[0]
+
+    def seal(self, sealed: Optional[List[Sealing]]) -> None:
+        """Moves checksummed objects through ``sealed`` (one per slot; ``None``: in place)."""
+        self.seal_slots: List[Sealing] = list(sealed) if sealed else []
+        first = self.seal_slots[0] if self.seal_slots else (None, None, 0, STORAGE_BATCH_SIZE)
+        self.sealed, self.seal_t, self.seal_stride, self.seal_pages = first
+
+    @property
+    def slots(self) -> int:
+        """Batches whose buffers can be in use at once (1: one batch at a time)."""
+        return len(self.trailer_slots) if self.staging is None else 1
 
     def memory(self) -> List[Any]:
         """What owns memory the client may still write to."""
-        return [self.pool, self.layout, self.grid, self.staging, self.sealed, self.trailers]
+        return [self.pool, self.layout, self.grid, self.staging, self.seal_slots, self.trailer_slots]
 
     def misses(self) -> Optional[str]:
         """The count every page of a call adds to when this pool reads and writes misses only:
@@ -118,19 +131,30 @@ class Registered:
         sealed objects' staging buffer holds."""
         return self.seal_pages if self.sealed is not None and integrity else STORAGE_BATCH_SIZE
 
-    def placement(self, idx: Any, n_pages: int, integrity: bool) -> Placement:
+    def placement(self, idx: Any, n_pages: int, integrity: bool, slot: int = 0) -> Placement:
         """Where a batch's objects lie (:mod:`hicache_io.l3.placements`), for a call with
-        checksums ``integrity``."""
-        lay = self.layout
+        checksums ``integrity``, in buffer slot ``slot``."""
+        lay, trailers = self.layout, self.trailer_slots[slot]
         if self.grid is not None:
-            place: PoolPages = SharePages(lay, self.grid, idx, n_pages, self.trailers, integrity)
+            place: PoolPages = SharePages(lay, self.grid, idx, n_pages, trailers, integrity)
         elif not lay.zero_copy:
-            return StagedPages(lay, idx, n_pages, self.trailers, integrity, self.staging)
+            return StagedPages(lay, idx, n_pages, trailers, integrity, self.staging)
         else:
-            place = PoolPages(lay, idx, n_pages, self.trailers, integrity)
+            place = PoolPages(lay, idx, n_pages, trailers, integrity)
         if self.sealed is not None and integrity:
-            return SealedPages(place, self.sealed, self.seal_t, self.seal_stride)
+            sealed, seal_t, stride, _ = self.seal_slots[slot]
+            return SealedPages(place, sealed, seal_t, stride)
         return place
+
+
+def buffer_slots(trailer_rows: int, seal: Optional[Tuple[int, int]], slots: int) -> Tuple[List[np.ndarray], List[Sealing], List[Tuple[int, int]]]:
+    """``slots`` sets of a batch's buffers: trailers of ``trailer_rows`` rows and, where ``seal``
+    (an object's bytes, objects a page) can be sealed, a sealed objects' staging buffer; and the
+    regions they take."""
+    trailers = [np.zeros((trailer_rows, 2), "<u8") for _ in range(slots)]
+    sealed = [s for s in (sealing(*seal) for _ in range(slots if seal else 0)) if s is not None]
+    regions = [(t.ctypes.data, t.nbytes) for t in trailers] + [(s[0].ctypes.data, s[0].nbytes) for s in sealed]
+    return trailers, sealed, regions
 
 
 class PageStore(HiCacheStorage):
@@ -158,6 +182,7 @@ class PageStore(HiCacheStorage):
         # and a cycle back would keep a dropped store (and its client) alive until a collection.
         self._pages = StoreCalls(self._io, _weakly(self._fail), self.stats)
         self._reg: Optional[Registered] = None
+        self._overlap = Overlap()
         # What owned memory registered with the client (pools, staging and trailer buffers) after
         # it was unregistered: kept until the client has closed (see the module docstring). It
         # grows with each re-registration until close(), by design: a pool re-registered is rare,
@@ -227,12 +252,12 @@ class PageStore(HiCacheStorage):
         # Checksum trailers for hicache-io's own objects (read back whatever ``integrity`` says,
         # so a store with checksums off still reads objects that carry them); sglang-named
         # objects keep sglang's shape, its readers expecting the page's bytes exactly.
-        trailers = np.zeros((STORAGE_BATCH_SIZE * lay.comps, 2), "<u8") if descriptor is not None else None
-        if trailers is not None:
-            regions = regions + [(trailers.ctypes.data, trailers.nbytes)]
-        sealed = sealing(lay.obj_bytes, lay.comps) if trailers is not None and lay.zero_copy and hasattr(pool, "_stage_put") else None
-        if sealed is not None:
-            regions = regions + [(sealed[0].ctypes.data, sealed[0].nbytes)]
+        trailers: Optional[List[np.ndarray]] = None
+        sealed: List[Sealing] = []
+        if descriptor is not None:
+            seal = (lay.obj_bytes, lay.comps) if lay.zero_copy and hasattr(pool, "_stage_put") else None
+            trailers, sealed, more = buffer_slots(STORAGE_BATCH_SIZE * lay.comps, seal, 2 if staging is None else 1)
+            regions = regions + more
         addrs = self._io.register(regions)
         rank = self.mha_suffix if lay.kind == "mha" else self.mla_suffix
         keys = RankKeys(self._prefix(), rank, descriptor, lay.kind, lay.comps)
@@ -252,13 +277,11 @@ class PageStore(HiCacheStorage):
         grid = UnifiedGrid(pool, self.storage_config, self._settings.extra)
         lay = PoolLayout(pool, shares=max(1, len(grid.suffixes)))
         pool.synchronize()
-        trailers = np.zeros((STORAGE_BATCH_SIZE * lay.comps, 2), "<u8")
-        regions = list(grid.regions) + [(trailers.ctypes.data, trailers.nbytes)]
         # Objects of one size, small enough, are sealed: gathered with their trailer into one
         # span of a staging buffer (the single-buffer calls), summed in the same pass.
-        sealed = sealing(grid.object_bytes[0], len(grid.suffixes)) if len(set(grid.object_bytes)) == 1 and hasattr(pool, "_stage_put") else None
-        if sealed is not None:
-            regions.append((sealed[0].ctypes.data, sealed[0].nbytes))
+        seal = (grid.object_bytes[0], len(grid.suffixes)) if len(set(grid.object_bytes)) == 1 and hasattr(pool, "_stage_put") else None
+        trailers, sealed, more = buffer_slots(STORAGE_BATCH_SIZE * lay.comps, seal, 2)
+        regions = list(grid.regions) + more
         addrs = self._io.register(regions)
         keys = GridKeys(self._prefix(), grid.digest, grid.suffixes)
         if grid.missing:
@@ -340,15 +363,16 @@ class PageStore(HiCacheStorage):
             if missed:
                 self.stats[missed] += len(keys)
                 return [False] * len(keys)
-            move = put_pages if put else get_pages
             p, b = reg.layout.page, reg.pages_a_batch(integrity)
 
             def run(ks: List[str], hi: Any) -> List[bool]:
-                out: List[bool] = []
-                for at in range(0, len(ks), b):
+                batches = []
+                for k, at in enumerate(range(0, len(ks), b)):
                     bks = ks[at : at + b]
-                    out += move(self._pages, what, bks, reg.keys.keys(bks), reg.placement(hi[at * p : (at + b) * p], len(bks), integrity))
-                return out
+                    batches.append(Batch(bks, reg.keys.keys(bks), reg.placement(hi[at * p : (at + b) * p], len(bks), integrity, k % reg.slots)))
+                # A get's batches overlap only where they write pages of their own.
+                overlap = self._overlap if reg.slots > 1 and overlaps(batches) and (put or distinct_pages(hi, p)) else None
+                return (put_batches if put else get_batches)(self._pages, what, batches, overlap)
 
             return in_rounds(keys, idx, p, run)
 
@@ -536,6 +560,7 @@ class PageStore(HiCacheStorage):
             if self.store is None:
                 return
             self.unregister_mem_pool_host()
+            self._overlap.close()
             self.store.close()
             self.store = None
             self._retired.clear()
