@@ -178,7 +178,7 @@ def overlapped(monkeypatch):
 
 # The schemes whose batches overlap: checksummed objects, each batch with buffers of its own (sglang's
 # names carry no trailer; wgpu's staged pools move one batch at a time).
-OVERLAPPED = [p for p in SCHEMES if p[0] not in ("sglang-names", "shard-names-dsa")]
+OVERLAPPED = [p for p in SCHEMES if p[0] != "sglang-names"]
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -257,10 +257,39 @@ def test_failures_of_overlapped_batches_are_reported_in_batch_order(transport, o
         assert got == [True, False, False, True]
         assert s.stats["corrupt"] == corrupt + 2  # both of the replayed page's objects
         assert s.last_error.code != INTEGRITY and s.last_error.keys == s.object_keys(missing), s.last_error
+        assert "_land" in overlapped, overlapped
         bufs = [host.read_buffer(c) for c in range(host.components)]
         assert [page_bytes(host, p, bufs) for p in (4, 7)] == want
         # Recorded from the bytes that landed for the verified pages, forgotten for the others.
         assert all(c is not None for p in (4, 7) for c in host.page_checksums(p * P))
         assert all(c is None for p in (5, 6) for c in host.page_checksums(p * P))
     finally:
+        close_store(s, transport, request)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_store_that_raises_its_failures_reads_nothing_past_the_batch_that_failed(transport, overlapped, request, tmp_path):
+    """With ``raise_errors``, batches run one after the other: a missing page in the first batch
+    raises before the second is read, whose host pages stay as they were."""
+    from hicache_io.storage import StorageError
+
+    kind, layout, heads, bpt, layers, extra = OVERLAPPED[0][1:]
+    _, dev, host = build("cpu", kind, layout, heads, bpt, layers, None, 0, pages=DEVICE_PAGES, host_pages=HOST_PAGES)
+    s = open_store(transport, request, tmp_path, extra)
+    a, missing, b, c = (f"{n}-{uuid.uuid4().hex[:8]}" for n in "amb" + "c")
+    try:
+        s.register_mem_pool_host(host)
+        fill_pages(host, dev, [0, 1, 2], np.random.default_rng(6))
+        assert s.batch_set_v1([a, b, c], tokens([0, 1, 2])) == [True] * 3, s.last_error
+        blank_pages(host, [4, 5, 6, 7])
+        s.raise_errors = True
+        overlapped.clear()
+        with pytest.raises(StorageError) as failed:
+            s.batch_get_v1([a, missing, b, c], tokens([4, 5, 6, 7]))
+        assert failed.value.keys == s.object_keys(missing)
+        bufs = [host.read_buffer(c) for c in range(host.components)]
+        assert all(set(page_bytes(host, p, bufs)) == {SENTINEL} for p in (6, 7))
+        assert overlapped == []
+    finally:
+        s.raise_errors = False
         close_store(s, transport, request)

@@ -370,8 +370,10 @@ class PageStore(HiCacheStorage):
                 for k, at in enumerate(range(0, len(ks), b)):
                     bks = ks[at : at + b]
                     batches.append(Batch(bks, reg.keys.keys(bks), reg.placement(hi[at * p : (at + b) * p], len(bks), integrity, k % reg.slots)))
-                # A get's batches overlap only where they write pages of their own.
-                overlap = self._overlap if reg.slots > 1 and overlaps(batches) and (put or distinct_pages(hi, p)) else None
+                # A get's batches overlap only where they write pages of their own; a store that
+                # raises its failures moves one batch after the other (nothing read past the
+                # batch that raised).
+                overlap = self._overlap if reg.slots > 1 and not self.raise_errors and overlaps(batches) and (put or distinct_pages(hi, p)) else None
                 return (put_batches if put else get_batches)(self._pages, what, batches, overlap)
 
             return in_rounds(keys, idx, p, run)
@@ -559,11 +561,13 @@ class PageStore(HiCacheStorage):
         with self._lock:
             if self.store is None:
                 return
-            self.unregister_mem_pool_host()
-            self._overlap.close()
-            self.store.close()
-            self.store = None
-            self._retired.clear()
+            try:
+                self.unregister_mem_pool_host()
+                self.store.close()
+                self.store = None
+                self._retired.clear()
+            finally:
+                self._overlap.close()
 
     def __del__(self) -> None:
         # The client closes (its transfer threads stop) before the buffers it may still write to

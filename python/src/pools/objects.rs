@@ -107,7 +107,8 @@ impl PyHostPool {
         let (sums, intact) = py
             .detach(|| {
                 // SAFETY: the store passes its own live, writable numpy buffer of `nbytes` bytes,
-                // which nothing else touches during the call (it holds its lock).
+                // which nothing else touches during the call (the store gives each of its buffers
+                // to one batch at a time, and its calls hold its lock).
                 let staging = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, nbytes) };
                 self.inner.stage_put(&idx, objects(&shares), seed, staging, stride)
             })
