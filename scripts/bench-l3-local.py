@@ -16,6 +16,9 @@ pages of 1 MiB (4 layers x 8 tokens x 32 KiB, page_first; sglang's names). Media
 Gets are timed twice: warm (what a put just left in the page cache) and cold (every file of the
 folder written back and dropped from the page cache first, ``posix_fadvise(DONTNEED)``: what a
 restarted server reads from the disk).
+Then the checksum passes of a call of several batches beside the store's file calls (as shipped)
+and one batch after the other (``serial``), alternating: 256 head-group pages of the unified keys
+(8 objects of 32 KiB a page, 18 batches) put and got (warm) in one call each.
 
     python3 scripts/bench-l3-local.py [--rounds 5] [--dir DIR] [--json]
 """
@@ -158,6 +161,39 @@ def plain_rounds(root, host, toks, page, rounds):
     return median(puts), median(gets), median(colds), data.nbytes
 
 
+def overlap_rounds(root, rounds):
+    """Median seconds of a put and a warm get of 256 head-group pages in one call each, the
+    batches' checksum passes overlapping the file calls and not: ``{True: (put, get), False: ...}``."""
+    from hicache_io.l3 import pipeline
+
+    dev = hicache_io.DevicePool(hicache_io.Device("cpu"), "mha", 4 * 256, 256 * 16, 16, 8)
+    rng = np.random.default_rng(3)
+    for b in range(dev.buffer_count):
+        dev.write_buffer(0, b, rng.integers(0, 256, dev.slots * dev.item_bytes, dtype=np.uint8))
+    host = hicache_io.HostPool(dev, "page_first_direct_hg", 256 * 16, head_num=4, profile="extended")
+    toks = np.arange(256 * 16, dtype=np.int64)
+    host.backup_from_device_all_layer(dev, toks, toks, "kernel")
+    extra = {"hicache_io_key_scheme": "unified", "hicache_io_kv_heads": 8, "hicache_io_head_group": 1}
+    cfg = HiCacheStorageConfig(model_name="bench", tp_rank=0, tp_size=2, extra_config=extra)
+    shipped, times = pipeline.OVERLAP_MIN_BYTES, {True: ([], []), False: ([], [])}
+    s = LocalStore(cfg, {}, directory=os.path.join(root, "overlap"), capacity_bytes=1 << 40)
+    s.register_mem_pool_host(host)
+    try:
+        for r in range(rounds):
+            for on in (True, False) if r % 2 == 0 else (False, True):
+                pipeline.OVERLAP_MIN_BYTES = shipped if on else 1 << 62
+                keys = [f"r{r}-{on}-{i}" for i in range(256)]
+                ok = []
+                times[on][0].append(timed(lambda: ok.extend(s.batch_set_v1(keys, toks))))
+                times[on][1].append(timed(lambda: ok.extend(s.batch_get_v1(keys, toks))))
+                assert all(ok), s.last_error
+                s.clear()
+    finally:
+        pipeline.OVERLAP_MIN_BYTES = shipped
+        s.close()
+    return {on: (median(p), median(g)) for on, (p, g) in times.items()}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
@@ -183,10 +219,11 @@ def main():
             file_times, why = sglang_file_rounds(root, host, toks, page, pages, args.rounds)
             row["sglang file"] = [gb / t for t in file_times] if file_times else why
             rows.append(row)
+        overlap = overlap_rounds(root, args.rounds)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps({"rows": rows, "overlap": {"put_s": overlap[True][0], "get_s": overlap[True][1], "put_serial_s": overlap[False][0], "get_serial_s": overlap[False][1]}}, indent=2))
         return
     print(f"{'pages':<12} {'path':<22} {'put GB/s':>9} {'get GB/s':>9} {'cold get':>9} {'put x file':>11} {'get x file':>11} {'cold x file':>12} {'get x plain':>12}")
     for r in rows:
@@ -199,6 +236,10 @@ def main():
             fmt = lambda x: f"{x:.2f}" if isinstance(x, float) else x  # noqa: E731
             vs_file = [fmt(v[i] / f[i]) for i in range(3)] if f else ["-"] * 3
             print(f"{r['pages']:<12} {path:<22} {v[0]:>9.2f} {v[1]:>9.2f} {v[2]:>9.2f} {vs_file[0]:>11} {vs_file[1]:>11} {vs_file[2]:>12} {v[1] / r['plain'][1]:>12.2f}")
+    (put, get), (put1, get1) = overlap[True], overlap[False]
+    print()
+    print(f"{'2048 head-group objects, one call':<34} {'put ms':>7} {'serial':>7} {'ratio':>6} {'get ms':>7} {'serial':>7} {'ratio':>6}")
+    print(f"{'checksummed, unified keys':<34} {put * 1e3:>7.2f} {put1 * 1e3:>7.2f} {put1 / put:>6.2f} {get * 1e3:>7.2f} {get1 * 1e3:>7.2f} {get1 / get:>6.2f}")
 
 
 if __name__ == "__main__":
