@@ -77,7 +77,8 @@ def put_pages(calls: StoreCalls, what: str, keys: List[str], obj_keys: List[str]
     """Writes the batch's objects (see the module docstring); one bool per page. ``config(n)``:
     the transport's put config for ``n`` objects, where the caller has one. A failure
     that escapes the pipeline (the store's, or a checksum pass) fails every page of the batch."""
-    return _send(calls, what, Batch(keys, obj_keys, place), _ready(calls, Batch(keys, obj_keys, place)), config)
+    b = Batch(keys, obj_keys, place)
+    return _send(calls, what, b, _ready(calls, b), config)
 
 
 class Ready(NamedTuple):
@@ -181,8 +182,8 @@ class Fetched(NamedTuple):
     unverified: np.ndarray
     has_trailer: np.ndarray
     form: np.ndarray
-    #: Its failures and the objects the transport found damaged, reported by :func:`_finish`
-    #: (in the batches' order, whatever ran in between).
+    #: Its failures and the objects the transport found damaged, reported by the calling
+    #: thread (:func:`_reported`) in the batches' order, whatever ran in between.
     errors: List[StorageError]
     damaged: int = 0
     failed: Optional[np.ndarray] = None
