@@ -293,3 +293,56 @@ def test_a_store_that_raises_its_failures_reads_nothing_past_the_batch_that_fail
     finally:
         s.raise_errors = False
         close_store(s, transport, request)
+
+
+@pytest.mark.parametrize("at", [1, 2], ids=["a middle batch", "the last batch"])
+def test_an_interrupted_overlapped_get_leaves_no_pass_running(at, overlapped, monkeypatch, request, tmp_path):
+    """A get interrupted (KeyboardInterrupt in the calling thread) while it waits for batch
+    ``at``'s checksum pass waits for that pass to end before it raises, and forgets the item
+    checksums of the pages it read and did not answer; the batches before keep theirs."""
+    import threading
+    import time
+
+    import hicache_io.l3.pipeline as pipeline
+
+    kind, layout, heads, bpt, layers, extra = OVERLAPPED[0][1:]
+    _, dev, host = build("cpu", kind, layout, heads, bpt, layers, None, 0, pages=DEVICE_PAGES, host_pages=HOST_PAGES)
+    s = open_store("local", request, tmp_path, extra)
+    keys = [f"{n}-{uuid.uuid4().hex[:8]}" for n in range(6)]
+    finished, lands = [], []
+    land, submit = pipeline._land, pipeline.Overlap.submit
+
+    def slow_land(b, f):
+        time.sleep(0.2)
+        try:
+            return land(b, f)
+        finally:
+            finished.append((threading.current_thread().name, time.monotonic()))
+
+    def interrupting(self, fn, *a):
+        fut = submit(self, fn, *a)
+        if fn is slow_land:
+            lands.append(fut)
+            if len(lands) == at + 1:
+
+                def result(*_):
+                    raise KeyboardInterrupt
+
+                fut.result = result  # the interrupt arrives while the caller waits on this pass
+        return fut
+
+    try:
+        s.register_mem_pool_host(host)
+        fill_pages(host, dev, list(range(6)), np.random.default_rng(7))
+        assert s.batch_set_v1(keys, tokens(list(range(6)))) == [True] * 6, s.last_error
+        monkeypatch.setattr(pipeline, "_land", slow_land)
+        monkeypatch.setattr(pipeline.Overlap, "submit", interrupting)
+        with pytest.raises(KeyboardInterrupt):
+            s.batch_get_v1(keys, tokens(list(range(8, 14))))
+        raised = time.monotonic()
+        assert len(finished) == at + 1 and all(n.startswith("hicache-io-l3") and t <= raised for n, t in finished), (finished, raised)
+        answered = [8 + q for q in range(2 * at)]
+        assert all(c is not None for p in answered for c in host.page_checksums(p * P))
+        assert all(c is None for p in range(8 + 2 * at, 14) for c in host.page_checksums(p * P))
+    finally:
+        close_store(s, "local", request)
