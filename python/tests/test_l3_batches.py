@@ -182,11 +182,13 @@ OVERLAPPED = [p for p in SCHEMES if p[0] != "sglang-names"]
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("executor", executors(addressable=True))
 @pytest.mark.parametrize("pool", [pytest.param(p[1:], id=p[0]) for p in OVERLAPPED])
-def test_overlapped_batches_match_a_dictionary_model(transport, pool, overlapped, request, tmp_path):
+def test_overlapped_batches_match_a_dictionary_model(transport, executor, pool, overlapped, request, tmp_path):
     """The same game with calls of several batches, each staged or landed on the store's second
-    thread while the transport moves the batch beside it."""
-    play_model(transport, "cpu", pool, request, tmp_path)
+    thread while the transport moves the batch beside it (pools in this process's memory: cpu's,
+    and cuda's pinned ones)."""
+    play_model(transport, executor, pool, request, tmp_path)
     assert "_ready" in overlapped and "_land" in overlapped, overlapped
 
 
