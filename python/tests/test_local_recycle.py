@@ -272,7 +272,7 @@ def test_files_under_1_mib_are_never_written_over(tmp_path):
 def test_batches_write_over_free_files_left_long_ago(tmp_path):
     """Free files last used long ago (older than a stalled writer's temporary file) are written
     over by a batch that also needs room for new files: every put lands, the counter holds."""
-    from hicache_io.l3.local import STALE_TMP_SECONDS
+    from hicache_io.l3.local_evict import STALE_TMP_SECONDS
 
     s = Objects(tmp_path / "l3", capacity=WIDE)
     try:

@@ -84,7 +84,7 @@ import numpy as np
 from .. import _native
 from .errors import BUFFER_MISMATCH, DAMAGED, INVALID_PARAMS, OBJECT_NOT_FOUND  # noqa: F401 (Mooncake's codes, as the store reads them)
 from .local_evict import HOST as _HOST
-from .local_evict import STALE_TMP_SECONDS, Eviction, any_file, scan, unlink  # noqa: F401 (STALE_TMP_SECONDS: read here by tests)
+from .local_evict import Eviction, any_file, scan, unlink
 
 logger = logging.getLogger(__name__)
 

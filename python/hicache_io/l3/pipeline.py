@@ -278,7 +278,7 @@ def put_batches(calls: StoreCalls, what: str, batches: Sequence[Batch], overlap:
     summed on its thread while the batch before it is sent (the batches' placements must use
     buffers of their own, two in turn)."""
     if overlap is None or len(batches) < 2:
-        return [v for b in batches for v in _send(calls, what, b, _ready(calls, b))]
+        return [v for b in batches for v in put_pages(calls, what, *b)]
     out: List[bool] = []
     pending: Optional[Future] = overlap.submit(_ready, calls, batches[0])
     try:

@@ -111,7 +111,7 @@ class Registered:
     @property
     def slots(self) -> int:
         """Batches whose buffers can be in use at once (1: one batch at a time)."""
-        return len(self.trailer_slots) if self.staging is None else 1
+        return len(self.trailer_slots)
 
     def memory(self) -> List[Any]:
         """What owns memory the client may still write to."""
