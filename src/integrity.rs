@@ -240,6 +240,68 @@ pub fn item_part(chunk: &[u8], head: u64, keys: &Keys) -> u64 {
     range_sum(chunk, (head as usize).saturating_mul(words(chunk.len())), keys)
 }
 
+/// [`item_part`] of each of `count` chunks of `chunk` bytes, chunk `h` at byte `h · stride` of
+/// `region`, added: the checksum of one host item whose head chunks lie `stride` apart. `None`
+/// where `region` is shorter than the last chunk's end. Chunks of whole 32-byte blocks whose keys
+/// the table holds are summed by one vector loop over every chunk (per 256-byte chunk, the
+/// generic [`range_sum`]'s entry and tail costs were more than its sum).
+pub fn strided_item_sum(region: &[u8], stride: usize, count: usize, chunk: usize, keys: &Keys) -> Option<u64> {
+    let end = count.checked_sub(1).map_or(Some(0), |last| last.checked_mul(stride)?.checked_add(chunk))?;
+    if end > region.len() {
+        return None;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if chunk >= 32 && chunk.is_multiple_of(32) && count.checked_mul(chunk / 4).is_some_and(|w| w <= keys.table.len()) && has_avx2() {
+        // SAFETY: AVX2 present (checked); every chunk lies inside `region` (checked above) and
+        // the table holds `count · chunk / 4` keys (checked).
+        return Some(unsafe { strided_avx2(region.as_ptr(), stride, count, chunk / 32, keys.table.as_ptr()) });
+    }
+    (0..count).try_fold(0u64, |sum, h| Some(sum.wrapping_add(item_part(region.get(h * stride..h * stride + chunk)?, h as u64, keys))))
+}
+
+/// [`strided_item_sum`]'s vector loop: `count` chunks of `blocks` 32-byte blocks, chunk `h` at
+/// `base + h · stride`, their words keyed in order from `keys` (chunk `h` from word
+/// `h · 8 · blocks`: the item's chunks keyed as if they lay end to end).
+///
+/// # Safety
+/// AVX2 available; each chunk readable; `keys` valid for `count · 8 · blocks` words.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn strided_avx2(base: *const u8, stride: usize, count: usize, blocks: usize, keys: *const u32) -> u64 {
+    use std::arch::x86_64::*;
+    let mut kp = keys as *const u8;
+    let (mut e0, mut o0, mut e1, mut o1) = (_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256());
+    macro_rules! block {
+        ($even:ident, $odd:ident, $src:expr, $k:expr) => {{
+            // SAFETY: the block lies inside chunk `h` and its keys (see the contract).
+            unsafe {
+                let m = _mm256_loadu_si256($src as *const __m256i);
+                let k = _mm256_loadu_si256($k as *const __m256i);
+                $even = _mm256_add_epi64($even, _mm256_mul_epu32(k, m));
+                $odd = _mm256_add_epi64($odd, _mm256_mul_epu32(_mm256_srli_epi64(k, 32), _mm256_srli_epi64(m, 32)));
+            }
+        }};
+    }
+    for h in 0..count {
+        // SAFETY: chunk `h` starts here (see the contract).
+        let src = unsafe { base.add(h * stride) };
+        let mut b = 0;
+        while b + 2 <= blocks {
+            // Blocks `b` and `b + 1` of the chunk and of its keys.
+            block!(e0, o0, src.add(32 * b), kp.add(32 * b));
+            block!(e1, o1, src.add(32 * b + 32), kp.add(32 * b + 32));
+            b += 2;
+        }
+        if b < blocks {
+            // The chunk's last block and its keys.
+            block!(e0, o0, src.add(32 * b), kp.add(32 * b));
+        }
+        // SAFETY: the next chunk's keys follow (the contract covers `count` chunks' keys).
+        kp = unsafe { kp.add(32 * blocks) };
+    }
+    copy::lanes_sum(_mm256_add_epi64(_mm256_add_epi64(e0, o0), _mm256_add_epi64(e1, o1)))
+}
+
 pub use crate::error::ItemMismatch;
 
 /// What the host pool's checksum table knows: per item `(unit, layer, component)` one word,
@@ -489,6 +551,28 @@ mod tests {
             assert_eq!(&out[at..at + len], &m[..], "{len}");
             assert_eq!(sum, range_sum(&m, first, &keys), "{len} at word {first}");
         }
+    }
+
+    #[test]
+    fn a_strided_item_sum_is_the_sum_of_its_chunks_parts() {
+        let keys = Keys::new(STORAGE_SEED, 4096).unwrap();
+        // (chunk, count, stride): vector chunks (odd and even block counts), a chunk past the
+        // table, partial words, contiguous chunks, one chunk, none.
+        for (chunk, count, stride) in
+            [(256usize, 4usize, 1024usize), (96, 3, 100), (32, 8, 32), (4096, 8, 4096), (100, 4, 128), (6, 5, 7), (256, 1, 0), (256, 0, 0)]
+        {
+            let region = data(count.saturating_sub(1) * stride + chunk, chunk as u64);
+            let want = (0..count).fold(0u64, |s, h| s.wrapping_add(item_part(&region[h * stride..h * stride + chunk], h as u64, &keys)));
+            assert_eq!(strided_item_sum(&region, stride, count, chunk, &keys), Some(want), "{chunk} x {count} at {stride}");
+            if count > 0 {
+                assert_eq!(strided_item_sum(&region[..region.len() - 1], stride, count, chunk, &keys), None, "short region");
+            }
+        }
+        // Contiguous chunks of whole words are the checksum of the item's bytes.
+        let m = data(1024, 5);
+        assert_eq!(strided_item_sum(&m, 256, 4, 256, &keys), Some(checksum(&m, &keys)));
+        // Sizes that overflow are refused, not wrapped.
+        assert_eq!(strided_item_sum(&m, usize::MAX, 3, 256, &keys), None);
     }
 
     /// The table is the stream the shaders compute: `mix32(key_base(seed, 0) ^ i) | 1` below

@@ -474,3 +474,35 @@ fn settling_follows_issue_order_across_the_pipelines_streams() {
         assert_eq!((after.verified - before.verified, after.unverified - before.unverified, after.mismatched), (12 * 16, 0, 0), "{name}");
     }
 }
+
+#[test]
+fn a_flipped_byte_in_any_head_chunk_fails_its_pages_item_check() {
+    // What a put asks before it stores pages: pages_intact reads each layer's items of a page as
+    // one region where the pool is in this process (one loop over an item's head chunks), and
+    // chunk by chunk through the executor otherwise. A bit of every head chunk, in turn, of an
+    // item in the middle of a page must fail that page, and only it.
+    for device in common::devices() {
+        for layout in [Layout::PageFirst, Layout::PageHead, Layout::PageFirstDirectHeadGroups, Layout::PageUnified] {
+            for heads in [1, 2, 4] {
+                let name = format!("{} {layout:?} {heads}", device.name());
+                let (dev, mut host) = checked_pools(&device, PoolKind::Mha, layout, heads, None, Profile::Extended);
+                // Pages 2..6 of 4 tokens.
+                let hi: Vec<i64> = (8..24).collect();
+                let di: Vec<i64> = (0..16).collect();
+                host.backup_from_device_all_layer(&dev, &hi, &di, IoBackend::Kernel).unwrap();
+                assert_eq!(host.pages_intact(&hi).unwrap(), vec![true; 4], "{name}");
+                let g = host.geometry().clone();
+                let buffer = g.buffer_of(1) as usize;
+                for h in 0..g.head_num() {
+                    // The last byte of head chunk `h` of host item 13 (page 3), layer 1, V.
+                    let off = g.addr(1, 1).offset(13, h) + g.chunk_bytes() - 1;
+                    let before = host.read_buffer(buffer).unwrap()[off as usize];
+                    host.inject_host_corruption(buffer, off, &[before ^ 0x01]).unwrap();
+                    assert_eq!(host.pages_intact(&hi).unwrap(), vec![true, false, true, true], "{name}: head {h}");
+                    host.inject_host_corruption(buffer, off, &[before]).unwrap();
+                    assert_eq!(host.pages_intact(&hi).unwrap(), vec![true; 4], "{name}: head {h} restored");
+                }
+            }
+        }
+    }
+}

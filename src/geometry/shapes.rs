@@ -72,6 +72,20 @@ impl Addr {
         };
         self.base + paged + head * self.head_stride
     }
+    /// `(idx, offset(idx, 0))` of each item of `items`, found with one division in all (a
+    /// page's items are consecutive indices: a division per item cost more than summing it).
+    pub fn offsets(&self, items: std::ops::Range<u64>) -> impl Iterator<Item = (u64, u64)> + '_ {
+        let page = self.page.max(1);
+        let (mut q, mut r) = (items.start / page, items.start % page);
+        items.map(move |idx| {
+            let at = self.base + q * self.page_stride + r * self.row_stride;
+            r += 1;
+            if r == page {
+                (q, r) = (q + 1, 0);
+            }
+            (idx, at)
+        })
+    }
     /// The buffer this address is in.
     pub fn buf(&self) -> BufRef {
         self.buf

@@ -140,7 +140,7 @@ unsafe fn store_block(dst: *mut u8, m: std::arch::x86_64::__m256i, aligned: bool
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 #[inline]
-fn lanes_sum(v: std::arch::x86_64::__m256i) -> u64 {
+pub(super) fn lanes_sum(v: std::arch::x86_64::__m256i) -> u64 {
     use std::arch::x86_64::*;
     let half = _mm_add_epi64(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
     _mm_cvtsi128_si64(_mm_add_epi64(half, _mm_unpackhi_epi64(half, half))) as u64

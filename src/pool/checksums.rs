@@ -111,9 +111,23 @@ impl HostPool<'_> {
         (buffer, addr): (usize, crate::geometry::Addr),
         unit: u64,
     ) -> Result<u64> {
+        self.item_sum_from(bytes, keys, (buffer, addr), addr.offset(unit, 0))
+    }
+
+    /// [`HostPool::item_sum_at`] of the item whose first head chunk starts at byte `first` of
+    /// the buffer (`addr.offset(unit, 0)`).
+    #[inline]
+    pub(super) fn item_sum_from(
+        &self,
+        bytes: &mut super::pages::HostBytes<'_>,
+        keys: &integrity::Keys,
+        (buffer, addr): (usize, crate::geometry::Addr),
+        first: u64,
+    ) -> Result<u64> {
         let (chunk, heads) = (self.pair.host().chunk_bytes(), self.pair.host().head_num());
-        (0..heads)
-            .try_fold(0u64, |sum, h| Ok(sum.wrapping_add(integrity::item_part(bytes.get(buffer, addr.offset(unit, h), chunk)?, h, keys))))
+        (0..heads).try_fold(0u64, |sum, h| {
+            Ok(sum.wrapping_add(integrity::item_part(bytes.get(buffer, first + h * addr.head_stride, chunk)?, h, keys)))
+        })
     }
 
     /// For each page whose first token is `indices[0], indices[P], …` (as

@@ -207,19 +207,30 @@ pub(super) struct HostBytes<'a> {
 impl HostBytes<'_> {
     /// `len` bytes of component `comp` at byte `off`.
     pub(super) fn get(&mut self, comp: usize, off: u64, len: u64) -> Result<&[u8]> {
-        let Some(&Some((base, size))) = self.spans.get(comp) else {
+        if !matches!(self.spans.get(comp), Some(Some(_))) {
             self.staged.resize(len as usize, 0);
             self.pool.device.read(self.pool.buffer(comp)?, off, &mut self.staged)?;
             return Ok(&self.staged);
+        }
+        Ok(self.in_place(comp, off, len)?.unwrap_or_default())
+    }
+
+    /// `len` bytes of component `comp` at byte `off` where the pool's memory is in this process
+    /// (`None` where it is read through the executor: [`HostBytes::get`] stages it), borrowed for
+    /// reading only: nothing writes the pool through these bytes while the slice lives.
+    pub(super) fn in_place(&self, comp: usize, off: u64, len: u64) -> Result<Option<&[u8]>> {
+        let Some(&Some((base, size))) = self.spans.get(comp) else {
+            return Ok(None);
         };
         if off.checked_add(len).is_none_or(|end| end > size) {
             return Err(TransferError::BufferSize { what: "page span".into(), expected: off.saturating_add(len), actual: size });
         }
         // SAFETY: `off..off + len` lies inside component `comp`'s buffer (checked above), which
         // lives as long as the pool; the executor's queue was drained and the pool is borrowed
-        // (or, shared, the pages read are claimed), so no transfer of the pool writes it, and
-        // other writers of its memory are bound by the contract above.
-        Ok(unsafe { std::slice::from_raw_parts((base + off) as *const u8, len as usize) })
+        // (or, shared, the pages read are claimed), so no transfer of the pool writes it; the
+        // slice borrows `self`, so `put_with` cannot write the pool meanwhile, and other
+        // writers of its memory are bound by the contract above.
+        Ok(Some(unsafe { std::slice::from_raw_parts((base + off) as *const u8, len as usize) }))
     }
 
     /// `fill(span)` on the `len` bytes of component `comp` at byte `off`, in place (pools in this

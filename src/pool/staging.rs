@@ -228,43 +228,86 @@ impl HostPool<'_> {
         let g = self.pair.host();
         let (mut ok, mut items) = (true, 0u64);
         let units = self.units_of_page(first as u64);
+        let (chunk, heads) = (g.chunk_bytes(), g.head_num());
+        let shape = (usize::try_from(chunk), usize::try_from(heads));
         for comp in 0..g.kind().components() as u8 {
             let buffer = g.buffer_of(comp) as usize;
             for layer in 0..g.layer_num() {
                 let (entries, addr) = (s.layer_entries(layer, comp), g.addr(comp, layer));
-                for unit in units.clone() {
-                    let Some(e) = usize::try_from(unit).ok().and_then(|u| entries.get(u)) else {
-                        // Outside the table: the error that names the item.
-                        self.item_slot(s, unit, layer, comp)?;
-                        continue;
-                    };
-                    let expected = match want {
-                        PageItems::Check => match integrity::ChecksumTable::entry_expected(e) {
-                            Some(w) => Some(w),
-                            None => continue,
-                        },
-                        PageItems::Forget => {
-                            integrity::ChecksumTable::forget_entry(e);
-                            continue;
+                // Each item: skipped, or its sum taken (reused from an object that is exactly its
+                // bytes, else by `$sum(offset)`) and checked or recorded.
+                macro_rules! items {
+                    ($sum:expr) => {
+                        for (unit, at) in addr.offsets(units.clone()) {
+                            let Some(e) = usize::try_from(unit).ok().and_then(|u| entries.get(u)) else {
+                                // Outside the table: the error that names the item.
+                                self.item_slot(s, unit, layer, comp)?;
+                                continue;
+                            };
+                            let expected = match want {
+                                PageItems::Check => match integrity::ChecksumTable::entry_expected(e) {
+                                    Some(w) => Some(w),
+                                    None => continue,
+                                },
+                                PageItems::Forget => {
+                                    integrity::ChecksumTable::forget_entry(e);
+                                    continue;
+                                }
+                                PageItems::Record => None,
+                            };
+                            let span = (buffer, at, chunk);
+                            let sum = match objs.and_then(|(o, sums)| Some(sums[o.iter().position(|o| *o == span)?])) {
+                                Some(sum) => sum,
+                                None => $sum(at)?,
+                            };
+                            match expected {
+                                Some(w) => ok &= sum == w,
+                                None => {
+                                    integrity::ChecksumTable::record_entry(e, sum);
+                                    items += 1;
+                                }
+                            }
                         }
-                        PageItems::Record => None,
                     };
-                    let span = (buffer, addr.offset(unit, 0), g.chunk_bytes());
-                    let sum = match objs.and_then(|(o, sums)| Some(sums[o.iter().position(|o| *o == span)?])) {
-                        Some(sum) => sum,
-                        None => self.item_sum_at(bytes, s.keys(), (buffer, addr), unit)?,
-                    };
-                    match expected {
-                        Some(w) => ok &= sum == w,
-                        None => {
-                            integrity::ChecksumTable::record_entry(e, sum);
-                            items += 1;
-                        }
+                }
+                // Where the pool's memory is at hand, the layer's items of this page are read as
+                // one region, each summed by one loop over its
+                // head chunks: bounds and calls per item cost as much as a 1 KiB item's sum.
+                let region = match (self.items_extent(addr, units.clone()), shape, usize::try_from(addr.head_stride)) {
+                    (Some((lo, len)), (Ok(chunk), Ok(heads)), Ok(stride)) => {
+                        bytes.in_place(buffer, lo, len)?.map(|r| (r, lo, chunk, heads, stride))
                     }
+                    _ => None,
+                };
+                match region {
+                    Some((region, lo, chunk, heads, stride)) => items!(|at: u64| {
+                        let from = at.checked_sub(lo).and_then(|rel| region.get(usize::try_from(rel).ok()?..));
+                        from.and_then(|from| integrity::strided_item_sum(from, stride, heads, chunk, s.keys())).ok_or_else(|| {
+                            TransferError::BufferSize {
+                                what: "page span".into(),
+                                expected: at.saturating_add(chunk as u64),
+                                actual: lo.saturating_add(region.len() as u64),
+                            }
+                        })
+                    }),
+                    None => items!(|at: u64| self.item_sum_from(bytes, s.keys(), (buffer, addr), at)),
                 }
             }
         }
         Ok((ok, items))
+    }
+}
+
+impl HostPool<'_> {
+    /// `(first byte, bytes)` of the items `units` of one layer and component at `addr`: from the
+    /// lowest item's first head chunk to the highest's last; `None` where there are none or a
+    /// size overflows.
+    fn items_extent(&self, addr: crate::geometry::Addr, units: std::ops::Range<u64>) -> Option<(u64, u64)> {
+        let g = self.pair.host();
+        let item = g.head_num().checked_sub(1)?.checked_mul(addr.head_stride)?.checked_add(g.chunk_bytes())?;
+        let (lo, end) =
+            addr.offsets(units).try_fold((u64::MAX, 0u64), |(lo, end), (_, at)| Some((lo.min(at), end.max(at.checked_add(item)?))))?;
+        Some((lo, end.checked_sub(lo)?))
     }
 }
 
