@@ -103,17 +103,24 @@ def test_a_page_damaged_in_host_memory_is_not_put(store, executor):
     try:
         keys = [uuid.uuid4().hex for _ in range(2)]
         assert host.pages_intact(tokens([1, 2])) == [True, True]
-        # One byte of page 2 (tokens 16..24), as a fault in host memory would change it.
-        off = host.get_page_buffer_meta(tokens([2]))[0][1] + 7
+        # A whole batch of two pages first: the damaged batch below, of as many pages in the
+        # same buffers, must not be sent as a whole one.
+        before = [uuid.uuid4().hex for _ in range(2)]
+        assert store.batch_set_v1(before, tokens([1, 2])) == [True, True]
+        page2 = host.get_data_page(2 * P)
+        # One byte of page 1, as a fault in host memory would change it.
+        off = host.get_page_buffer_meta(tokens([1]))[0][1] + 7
         byte = np.asarray(host.read_buffer(0))[off]
         host.inject_host_corruption(0, off, bytes([byte ^ 0x08]))
-        assert host.pages_intact(tokens([1, 2])) == [True, False]
+        assert host.pages_intact(tokens([1, 2])) == [False, True]
         damaged = store.stats["damaged_puts"]
-        assert store.batch_set_v1(keys, tokens([1, 2])) == [True, False]
+        assert store.batch_set_v1(keys, tokens([1, 2])) == [False, True]
         assert store.stats["damaged_puts"] == damaged + 1
-        assert store.batch_exists(keys) == 1  # the leading pages that exist: only the first
-        assert store.batch_get_v1(keys[:1], tokens([8])) == [True]
-        assert store.batch_get_v1(keys[1:], tokens([9])) == [False]
+        assert store.batch_exists(keys) == 0  # the leading pages that exist: none
+        assert store.batch_exists(keys[1:]) == 1
+        assert store.batch_get_v1(keys[:1], tokens([8])) == [False]
+        assert store.batch_get_v1(keys[1:], tokens([9])) == [True]
+        assert np.array_equal(host.get_data_page(9 * P), page2)
     finally:
         store.unregister_mem_pool_host()
 

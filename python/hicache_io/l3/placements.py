@@ -25,7 +25,7 @@ v2's pools).
 """
 
 import ctypes
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -217,11 +217,14 @@ class SealedPages(Placement):
 
     writes_trailers = verifies = True
 
-    def __init__(self, inner: PoolPages, sealed: np.ndarray, seal_t: np.ndarray, stride: int):
+    def __init__(self, inner: PoolPages, sealed: np.ndarray, seal_t: np.ndarray, stride: int, whole: Optional[Dict[int, Spans]] = None):
         super().__init__(inner.idx, inner.page, inner.n_pages)
         self.inner, self.pool, self.shares, self.per, self.sizes = inner, inner.pool, inner.shares, inner.per, inner.sizes
         self.sealed, self.trailers, self.stride = sealed, seal_t, stride
         self.check = bool(getattr(self.pool, "integrity", False))
+        # The spans of a whole batch by its objects' count, shared by the batches of one buffer
+        # (their objects are all of one size): two lists a batch a direction, made once.
+        self.whole = whole if whole is not None else {}
 
     def sync(self) -> None:
         self.inner.sync()
@@ -232,8 +235,15 @@ class SealedPages(Placement):
         return _u64(sums), (np.asarray(intact, bool) if self.check else None)
 
     def put_spans(self, todo: np.ndarray, trailer: bool) -> Spans:
-        at = self.sealed.ctypes.data + self.stride * np.asarray(todo, dtype=np.int64)
-        return Spans(at.tolist(), (self.sizes[todo] + TRAILER_BYTES).tolist(), False, True)
+        whole = len(todo) == self.n
+        spans = self.whole.get(self.n) if whole else None
+        if spans is None:
+            at = self.sealed.ctypes.data + self.stride * np.asarray(todo, dtype=np.int64)
+            # Tuples: shared by every batch of this size, so no client may change them.
+            spans = Spans(tuple(at.tolist()), tuple((self.sizes[todo] + TRAILER_BYTES).tolist()), False, True)
+            if whole:
+                self.whole[self.n] = spans
+        return spans
 
     def get_forms(self) -> List[Spans]:
         # Objects stored without a trailer (by a store with checksums off) land in the staging

@@ -59,7 +59,7 @@ from .layouts import PoolLayout, SglangLayout, host_list
 from .pipeline import Batch, Overlap, StoreCalls, counted_exists, get_batches, overlaps, put_batches
 from .placements import Placement, PoolPages, SealedPages, SharePages, StagedPages, sealing
 from .sidecars import SidecarPools, pool_name, transfer_result
-from .transport import Health, Transport
+from .transport import Health, Spans, Transport
 from .unified import KEY_SCHEMES, UnifiedGrid
 from .watch import ReadBack
 
@@ -105,6 +105,9 @@ class Registered:
     def seal(self, sealed: Optional[List[Sealing]]) -> None:
         """Moves checksummed objects through ``sealed`` (one per slot; ``None``: in place)."""
         self.seal_slots: List[Sealing] = list(sealed) if sealed else []
+        # Per slot, the spans of a whole batch of ``n`` sealed objects (the same for every batch
+        # of that size: a slot's buffer and stride are fixed), made once.
+        self.whole_spans: List[Dict[int, Spans]] = [{} for _ in self.seal_slots]
         first = self.seal_slots[0] if self.seal_slots else (None, None, 0, STORAGE_BATCH_SIZE)
         self.sealed, self.seal_t, self.seal_stride, self.seal_pages = first
 
@@ -143,7 +146,7 @@ class Registered:
             place = PoolPages(lay, idx, n_pages, trailers, integrity)
         if self.sealed is not None and integrity:
             sealed, seal_t, stride, _ = self.seal_slots[slot]
-            return SealedPages(place, sealed, seal_t, stride)
+            return SealedPages(place, sealed, seal_t, stride, self.whole_spans[slot])
         return place
 
 
