@@ -191,7 +191,7 @@ fn tabled_portable(words: &[u8], keys: &[u32]) -> u64 {
 pub(crate) use crate::cpu_features::has_avx2;
 
 mod copy;
-pub(crate) use copy::{copy_and_sum, copy_and_sum_has_avx2};
+pub(crate) use copy::{copy_and_sum, copy_and_sum_has_avx2, copy_sum_run};
 #[cfg(target_arch = "x86_64")]
 pub(crate) use copy::{copy_and_sum_avx2, BlockKeys};
 
@@ -573,6 +573,34 @@ mod tests {
         assert_eq!(strided_item_sum(&m, 256, 4, 256, &keys), Some(checksum(&m, &keys)));
         // Sizes that overflow are refused, not wrapped.
         assert_eq!(strided_item_sum(&m, usize::MAX, 3, 256, &keys), None);
+    }
+
+    #[test]
+    fn a_run_copied_with_two_key_streams_is_the_copy_its_checksum_and_its_chunks_parts() {
+        let obj = Keys::new(STORAGE_SEED, 4096).unwrap();
+        let item = Keys::new(STORAGE_SEED ^ 1, 4096).unwrap();
+        // (chunk, chunks, first object word, first item word): the vector loop, the portable one.
+        for (chunk, n, ow, iw) in [(256usize, 16usize, 0usize, 64usize), (32, 3, 8, 0), (96, 5, 100, 24), (12, 7, 3, 1)] {
+            let from = data(chunk * n, chunk as u64);
+            let mut to = vec![0u8; from.len()];
+            let mut sums = vec![5u64; n];
+            let got = copy_sum_run(&from, &mut to, chunk, &obj.table()[ow..], &item.table()[iw..], &mut sums);
+            assert_eq!(to, from, "{chunk} x {n}");
+            assert_eq!(got, Some(range_sum(&from, ow, &obj)), "{chunk} x {n}");
+            for (c, s) in sums.iter().enumerate() {
+                assert_eq!(*s, 5u64.wrapping_add(range_sum(&from[c * chunk..(c + 1) * chunk], iw, &item)), "{chunk} x {n}: chunk {c}");
+            }
+        }
+        // Refused, nothing copied: a partial word, a chunk that does not divide the run, short keys or sums.
+        let from = data(256, 1);
+        let mut to = vec![0u8; 256];
+        for (chunk, o, i, n) in
+            [(6usize, 4096usize, 4096usize, 1usize), (96, 4096, 4096, 2), (256, 63, 4096, 1), (256, 4096, 63, 1), (128, 4096, 4096, 1)]
+        {
+            let mut sums = vec![0u64; n];
+            assert_eq!(copy_sum_run(&from, &mut to, chunk, &obj.table()[..o], &item.table()[..i], &mut sums), None, "{chunk}");
+            assert!(to.iter().all(|&b| b == 0));
+        }
     }
 
     /// The table is the stream the shaders compute: `mix32(key_base(seed, 0) ^ i) | 1` below

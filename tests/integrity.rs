@@ -506,3 +506,66 @@ fn a_flipped_byte_in_any_head_chunk_fails_its_pages_item_check() {
         }
     }
 }
+
+#[test]
+fn staging_page_shares_checks_and_records_their_items_in_the_same_read() {
+    // An L3 store's staging pass over head-split pages takes the items' sums from the copy's own
+    // read (pieces of each item in each share): the objects' sums and the page verdicts must be
+    // those of the separate calls, a flipped bit of any head must fail its page, and a landing
+    // must record the items' checksums the backup recorded.
+    use hicache_io::geometry::PageShare;
+    use hicache_io::PageObjects;
+    let device = Device::cpu();
+    for layout in [Layout::PageFirst, Layout::PageHead, Layout::PageFirstDirectHeadGroups, Layout::PageUnified] {
+        for heads in [2u64, 4] {
+            let (dev, mut host) = checked_pools(&device, PoolKind::Mha, layout, heads, None, Profile::Extended);
+            let g = host.geometry().clone();
+            let (item, layers) = (g.item_bytes(), g.layer_num());
+            // One share per head and component, then halves of the items cut at another layer.
+            let per_head: Vec<PageShare> = (0..2u8)
+                .flat_map(|comp| {
+                    (0..heads).map(move |h| PageShare { comp, layers: (0, layers), bytes: (h * item / heads, (h + 1) * item / heads) })
+                })
+                .collect();
+            let halves: Vec<PageShare> = (0..2u8)
+                .flat_map(|comp| {
+                    [(0, 1), (1, layers)]
+                        .into_iter()
+                        .flat_map(move |l| [(0, item / 2), (item / 2, item)].map(|b| PageShare { comp, layers: l, bytes: b }))
+                })
+                .collect();
+            let hi: Vec<i64> = (8..24).collect();
+            let di: Vec<i64> = (0..16).collect();
+            host.backup_from_device_all_layer(&dev, &hi, &di, IoBackend::Kernel).unwrap();
+            let recorded: Vec<_> = [8i64, 12, 16, 20].iter().map(|&p| host.page_checksums(p).unwrap()).collect();
+            for shares in [&per_head, &halves] {
+                let name = format!("{layout:?} {heads} heads, {} shares", shares.len());
+                let objects = PageObjects::Shares(shares);
+                let stride = (item * layers * 4).div_ceil(64) as usize * 64;
+                let mut staging = vec![0u8; stride * shares.len() * 4];
+                let (sums, intact) = host.stage_put(&hi, objects, STORAGE_SEED, &mut staging, stride).unwrap();
+                assert_eq!(sums, host.object_sums(&hi, objects, STORAGE_SEED).unwrap(), "{name}");
+                assert_eq!(intact, vec![true; 4], "{name}");
+                // A bit of the last head's chunk of an item of page 3, layer 1, V.
+                let buffer = g.buffer_of(1) as usize;
+                let off = g.addr(1, 1).offset(13, g.head_num() - 1) + g.chunk_bytes() - 2;
+                let byte = host.read_buffer(buffer).unwrap()[off as usize];
+                host.inject_host_corruption(buffer, off, &[byte ^ 0x40]).unwrap();
+                assert_eq!(
+                    host.stage_put(&hi, objects, STORAGE_SEED, &mut staging, stride).unwrap().1,
+                    vec![true, false, true, true],
+                    "{name}"
+                );
+                host.inject_host_corruption(buffer, off, &[byte]).unwrap();
+                host.stage_put(&hi, objects, STORAGE_SEED, &mut staging, stride).unwrap();
+                // Landed into other pages: the same items, recorded from the landing's sums.
+                let to: Vec<i64> = (40..56).collect();
+                let all = vec![true; sums.len()];
+                assert_eq!(host.land_staged(&to, objects, STORAGE_SEED, &staging, stride, &sums, &all, &all).unwrap(), sums, "{name}");
+                for (k, &p) in [40i64, 44, 48, 52].iter().enumerate() {
+                    assert_eq!(host.page_checksums(p).unwrap(), recorded[k], "{name}: page {p}");
+                }
+            }
+        }
+    }
+}

@@ -204,3 +204,68 @@ impl<const B: usize> BlockKeys<B> {
         lanes_sum(_mm256_add_epi64(e, o))
     }
 }
+
+/// Copies a run of chunks of `chunk` bytes (`from` and `to`: the run, `from.len() / chunk`
+/// chunks end to end) and returns its checksum terms under `obj` (word `i` of the run under
+/// `obj[i]`), adding each chunk's terms under `item` (word `i` of every chunk under `item[i]`)
+/// to `chunk_sums[c]`, in one pass: each block is loaded once and multiplied under both keys.
+/// What an L3 store's staging pass needs where an object's bytes are pieces of the pool's items:
+/// the object's checksum and its items' parts from one read. `None`, with nothing copied, where
+/// `chunk` is not a whole number of words or does not divide the run, the slices differ in
+/// length, a key table is short, or `chunk_sums` has not one entry a chunk.
+pub(crate) fn copy_sum_run(from: &[u8], to: &mut [u8], chunk: usize, obj: &[u32], item: &[u32], chunk_sums: &mut [u64]) -> Option<u64> {
+    let len = from.len();
+    if chunk == 0 || !chunk.is_multiple_of(4) || !len.is_multiple_of(chunk) || to.len() != len {
+        return None;
+    }
+    let (words, chunk_words) = (len / 4, chunk / 4);
+    if obj.len() < words || item.len() < chunk_words || chunk_sums.len() != len / chunk {
+        return None;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if chunk.is_multiple_of(32) && has_avx2() {
+        // SAFETY: AVX2 present (checked); `from` and `to` are `len` bytes each (checked), two
+        // slices so not overlapping; the tables hold the run's and a chunk's words (checked).
+        return Some(unsafe { copy_sum_run_avx2(from.as_ptr(), to.as_mut_ptr(), chunk / 32, chunk_sums, obj.as_ptr(), item.as_ptr()) });
+    }
+    to.copy_from_slice(from);
+    for (c, sum) in chunk_sums.iter_mut().enumerate() {
+        *sum = sum.wrapping_add(super::tabled_portable(&from[c * chunk..(c + 1) * chunk], &item[..chunk_words]));
+    }
+    Some(super::tabled_portable(from, &obj[..words]))
+}
+
+/// [`copy_sum_run`]'s vector loop: `chunk_sums.len()` chunks of `blocks` 32-byte blocks.
+///
+/// # Safety
+/// AVX2 available; `src` and `dst` valid for and not overlapping in `32 · blocks ·
+/// chunk_sums.len()` bytes; `obj` valid for as many bytes, `item` for `32 · blocks`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn copy_sum_run_avx2(src: *const u8, dst: *mut u8, blocks: usize, chunk_sums: &mut [u64], obj: *const u32, item: *const u32) -> u64 {
+    use std::arch::x86_64::*;
+    let (op, ip) = (obj as *const u8, item as *const u8);
+    let (mut oe, mut oo) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+    let mut at = 0;
+    for sum in chunk_sums.iter_mut() {
+        let (mut ie, mut io) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+        for b in 0..blocks {
+            // SAFETY: block `b` of this chunk lies inside both ranges and the object's keys, its
+            // item keys inside the chunk's (see the contract).
+            unsafe {
+                let m = _mm256_loadu_si256(src.add(at) as *const __m256i);
+                _mm256_storeu_si256(dst.add(at) as *mut __m256i, m);
+                let mh = _mm256_srli_epi64(m, 32);
+                let ko = _mm256_loadu_si256(op.add(at) as *const __m256i);
+                let ki = _mm256_loadu_si256(ip.add(32 * b) as *const __m256i);
+                oe = _mm256_add_epi64(oe, _mm256_mul_epu32(ko, m));
+                oo = _mm256_add_epi64(oo, _mm256_mul_epu32(_mm256_srli_epi64(ko, 32), mh));
+                ie = _mm256_add_epi64(ie, _mm256_mul_epu32(ki, m));
+                io = _mm256_add_epi64(io, _mm256_mul_epu32(_mm256_srli_epi64(ki, 32), mh));
+            }
+            at += 32;
+        }
+        *sum = sum.wrapping_add(lanes_sum(_mm256_add_epi64(ie, io)));
+    }
+    lanes_sum(_mm256_add_epi64(oe, oo))
+}

@@ -141,7 +141,7 @@ impl HostPool<'_> {
         if self.checksums.is_none() {
             return Ok(vec![true; indices.len() / self.pair.host().page_size().max(1) as usize]);
         }
-        Ok(self.page_pass(indices, None, PageCheck::Intact, |_, _, _| Ok(()))?.1)
+        Ok(self.page_pass(indices, super::staging::Reuse::Nothing, PageCheck::Intact, |_, _, _| Ok(()))?.1)
     }
 
     /// Records (or, for `None`, forgets) the checksums of host items `(host_index, 0, 0)`, after

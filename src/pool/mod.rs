@@ -19,6 +19,7 @@ mod host;
 mod objects;
 mod pages;
 mod pipeline;
+mod share_items;
 mod shared;
 mod staging;
 mod transfers;

@@ -184,7 +184,23 @@ impl HostPool<'_> {
         // others are gathered first (a partial word is padded only at the object's end).
         let in_place = spans.iter().all(|(v, _)| v.iter().all(|s| s.2.is_multiple_of(4)));
         let scratch = if in_place { Vec::new() } else { super::alloc_bytes("page share", widest)? };
-        Ok(ShareSummer { page: p as usize, spans, keys, scratch: std::cell::RefCell::new(scratch), in_place })
+        Ok(ShareSummer { page: p as usize, spans, keys, scratch: std::cell::RefCell::new(scratch), in_place, items: None })
+    }
+
+    /// [`HostPool::share_summer`] whose staging and landing passes also sum the pool's items
+    /// (see [`super::share_items`]), where the pool keeps item checksums, is in this process's
+    /// memory and the shares cover each item once in whole words.
+    pub(super) fn share_summer_with_items(&self, indices: &[i64], shares: &[crate::geometry::PageShare], seed: u64) -> Result<ShareSummer> {
+        let mut summer = self.share_summer(indices, shares, seed)?;
+        let g = self.pair.host();
+        let in_memory = (0..g.buffers()).all(|c| matches!(self.host_span(c), Ok(Some(_))));
+        if let (Some(table), true, true) = (&self.checksums, summer.in_place, in_memory) {
+            if let Some(runs) = super::share_items::ItemRuns::new(g, shares, &summer.spans) {
+                let words = usize::try_from(g.item_bytes() / 4).map_err(|_| TransferError::InvalidConfig("item too large".into()))?;
+                summer.items = Some((runs, crate::integrity::shared_keys(table.keys().seed(), words)?));
+            }
+        }
+        Ok(summer)
     }
     /// The pool's host memory as it is now, after its queued transfers (see [`HostBytes`]).
     pub(super) fn host_bytes(&self) -> Result<HostBytes<'_>> {
@@ -265,6 +281,29 @@ fn walk(
     Ok((sum, at))
 }
 
+/// The runs of span `i` (a share's runs are in its spans' order).
+fn of_span(runs: &[super::share_items::Run], i: usize) -> &[super::share_items::Run] {
+    &runs[runs.partition_point(|r| r.span < i)..runs.partition_point(|r| r.span <= i)]
+}
+
+/// `sums` made `n` zeros (fallibly: it holds a page's items).
+fn fresh(sums: &mut Vec<u64>, n: usize) -> Result<()> {
+    sums.clear();
+    sums.try_reserve(n).map_err(|_| TransferError::OutOfMemory {
+        what: "page item sums".into(),
+        requested: (n as u64).saturating_mul(8),
+        limit: "allocation failed".into(),
+    })?;
+    sums.resize(n, 0);
+    Ok(())
+}
+
+/// A run of item pieces that does not fit its span, object or keys: the runs are built from the
+/// same geometry as the spans, so this is a defect, reported instead of a wrong checksum.
+fn broken_run() -> TransferError {
+    TransferError::InvalidConfig("page share: a run of item pieces outside its span or keys".into())
+}
+
 /// The bytes of the longest of these shares.
 fn widest(spans: &[crate::geometry::ShareSpans]) -> u64 {
     spans.iter().map(|(v, _)| v.iter().map(|s| s.2).sum::<u64>()).max().unwrap_or(0)
@@ -277,6 +316,9 @@ pub(super) struct ShareSummer {
     keys: std::sync::Arc<crate::integrity::Keys>,
     scratch: std::cell::RefCell<Vec<u8>>,
     in_place: bool,
+    /// The shares' runs of item pieces and the items' keys, where the staging passes sum the
+    /// items too ([`HostPool::share_summer_with_items`]).
+    items: Option<(super::share_items::ItemRuns, std::sync::Arc<crate::integrity::Keys>)>,
 }
 
 impl ShareSummer {
@@ -308,6 +350,8 @@ impl ShareSummer {
     /// [`ShareSummer::sum_page`] with each share of page `k` also gathered into `staging`, object
     /// `j` of the call at byte `j · stride`, in the same read. The caller checked that the call's
     /// objects fit: `objects(indices) · stride <= staging.len()`, `widest() <= stride`.
+    /// Where the summer sums items ([`HostPool::share_summer_with_items`]), `items` is left
+    /// holding the checksum of each item of the page (in the table's order), else empty.
     pub(super) fn stage_page(
         &self,
         bytes: &mut HostBytes<'_>,
@@ -315,8 +359,30 @@ impl ShareSummer {
         k: usize,
         (staging, stride): (&mut [u8], usize),
         out: &mut Vec<u64>,
+        items: &std::cell::RefCell<Vec<u64>>,
     ) -> Result<()> {
         let page = indices[k * self.page] as u64 / self.page as u64;
+        if let Some((runs, item_keys)) = &self.items {
+            let mut sums = items.borrow_mut();
+            fresh(&mut sums, runs.items)?;
+            for (s, share) in self.spans.iter().enumerate() {
+                let base = (k * self.spans.len() + s) * stride;
+                let object = &mut staging[base..base + stride];
+                let mut sum = 0u64;
+                for (i, &(buffer, off, len)) in share.0.iter().enumerate() {
+                    let from = bytes.get(buffer, off + page * share.1, len)?;
+                    for run in of_span(&runs.runs[s], i) {
+                        let n = run.chunk * run.count;
+                        let (x, r) = (run.obj_word * 4, run.rel);
+                        let (Some(f), Some(t)) = (from.get(r..r + n), object.get_mut(x..x + n)) else { return Err(broken_run()) };
+                        sum = sum.wrapping_add(self.run_sums(f, t, run, item_keys, &mut sums)?);
+                    }
+                }
+                out.push(sum);
+            }
+            return Ok(());
+        }
+        items.borrow_mut().clear();
         for (s, share) in self.spans.iter().enumerate() {
             let base = (k * self.spans.len() + s) * stride;
             let object = &mut staging[base..base + stride];
@@ -340,6 +406,9 @@ impl ShareSummer {
     /// The reverse of [`ShareSummer::stage_page`] after a get into `staging`: each share of page
     /// `k` with `write[j]` scattered into the pool and summed in the same pass over the staged
     /// bytes (0 for the others). Checked as there, and `write` has an entry per object.
+    /// Where the summer sums items, `items` is left holding each item's checksum as landed (in
+    /// the table's order) when every share of the page was written, else empty.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn land_page(
         &self,
         bytes: &mut HostBytes<'_>,
@@ -348,8 +417,34 @@ impl ShareSummer {
         (staging, stride): (&[u8], usize),
         write: &[bool],
         out: &mut Vec<u64>,
+        items: &std::cell::RefCell<Vec<u64>>,
     ) -> Result<()> {
         let page = indices[k * self.page] as u64 / self.page as u64;
+        let n = self.spans.len();
+        if let (Some((runs, item_keys)), true) = (&self.items, write.get(k * n..(k + 1) * n).is_some_and(|w| w.iter().all(|&w| w))) {
+            let mut sums = items.borrow_mut();
+            fresh(&mut sums, runs.items)?;
+            for (s, share) in self.spans.iter().enumerate() {
+                let j = k * n + s;
+                let object = &staging[j * stride..(j + 1) * stride];
+                let mut sum = 0u64;
+                for (i, &(buffer, off, len)) in share.0.iter().enumerate() {
+                    sum = sum.wrapping_add(bytes.put_with(buffer, off + page * share.1, len, |to| {
+                        let mut part = 0u64;
+                        for run in of_span(&runs.runs[s], i) {
+                            let m = run.chunk * run.count;
+                            let (x, r) = (run.obj_word * 4, run.rel);
+                            let (Some(f), Some(t)) = (object.get(x..x + m), to.get_mut(r..r + m)) else { return Err(broken_run()) };
+                            part = part.wrapping_add(self.run_sums(f, t, run, item_keys, &mut sums)?);
+                        }
+                        Ok(part)
+                    })??);
+                }
+                out.push(sum);
+            }
+            return Ok(());
+        }
+        items.borrow_mut().clear();
         for (s, share) in self.spans.iter().enumerate() {
             let j = k * self.spans.len() + s;
             if !write[j] {
@@ -374,6 +469,37 @@ impl ShareSummer {
             out.push(self.finish(walked, object));
         }
         Ok(())
+    }
+    /// One run copied from `from` to `to` ([`crate::integrity::copy_sum_run`]): its object
+    /// terms, each piece's item terms added to its item of `items`.
+    fn run_sums(
+        &self,
+        from: &[u8],
+        to: &mut [u8],
+        run: &super::share_items::Run,
+        item_keys: &crate::integrity::Keys,
+        items: &mut [u64],
+    ) -> Result<u64> {
+        let mut parts = [0u64; 64];
+        let mut total = 0u64;
+        // At most 64 pieces at a time (a run is one layer's tokens of a page: 64 or fewer here).
+        for first in (0..run.count).step_by(parts.len()) {
+            let count = (run.count - first).min(parts.len());
+            let (a, b) = (first * run.chunk, (first + count) * run.chunk);
+            let (Some(obj), Some(item)) = (self.keys.table().get(run.obj_word + a / 4..), item_keys.table().get(run.item_word..)) else {
+                return Err(broken_run());
+            };
+            let pieces = &mut parts[..count];
+            pieces.fill(0);
+            let sum = crate::integrity::copy_sum_run(&from[a..b], &mut to[a..b], run.chunk, obj, item, pieces).ok_or_else(broken_run)?;
+            total = total.wrapping_add(sum);
+            for (c, part) in pieces.iter().enumerate() {
+                let at = (first + c).checked_mul(run.step).and_then(|d| d.checked_add(run.item));
+                let slot = at.and_then(|at| items.get_mut(at)).ok_or_else(broken_run)?;
+                *slot = slot.wrapping_add(*part);
+            }
+        }
+        Ok(total)
     }
     /// A share's checksum from [`walk`]'s `(sum, bytes)`: the spans' sums where they were summed
     /// where they lie (`in_place`), else the checksum of the object as gathered into `object`.

@@ -15,7 +15,7 @@ impl HostPool<'_> {
     /// summed once for both. Returns (per object, per page).
     pub(crate) fn put_checksums(&self, indices: &[i64], seed: u64) -> Result<(Vec<u64>, Vec<bool>)> {
         let (meta, keys, per) = self.object_spans(indices, seed)?;
-        self.page_pass(indices, Some((&meta, seed)), PageCheck::Intact, |bytes, k, out| {
+        self.page_pass(indices, Reuse::Objects(&meta, seed), PageCheck::Intact, |bytes, k, out| {
             for &(c, off, len) in &meta[k * per..(k + 1) * per] {
                 out.push(integrity::checksum(bytes.get(c, off, len)?, &keys));
             }
@@ -36,15 +36,17 @@ impl HostPool<'_> {
         stride: usize,
     ) -> Result<(Vec<u64>, Vec<bool>)> {
         if let PageObjects::Shares(shares) = objects {
-            let summer = self.share_summer(indices, shares, seed)?;
+            let summer = self.share_summer_with_items(indices, shares, seed)?;
             check_staging(summer.objects(indices), summer.widest(), staging.len(), stride)?;
-            return self.page_pass(indices, None, PageCheck::Intact, |bytes, k, out| {
-                summer.stage_page(bytes, indices, k, (&mut *staging, stride), out)
+            // The page's item checks from the staging copy's own read, where it sums them.
+            let items = std::cell::RefCell::new(Vec::new());
+            return self.page_pass(indices, Reuse::Items(&items), PageCheck::Intact, |bytes, k, out| {
+                summer.stage_page(bytes, indices, k, (&mut *staging, stride), out, &items)
             });
         }
         let (meta, keys, per) = self.object_spans(indices, seed)?;
         check_staging(meta.len(), longest(&meta), staging.len(), stride)?;
-        self.page_pass(indices, Some((&meta, seed)), PageCheck::Intact, |bytes, k, out| {
+        self.page_pass(indices, Reuse::Objects(&meta, seed), PageCheck::Intact, |bytes, k, out| {
             for (i, &(c, off, len)) in meta[k * per..(k + 1) * per].iter().enumerate() {
                 let from = bytes.get(c, off, len)?;
                 let at = (k * per + i) * stride;
@@ -75,19 +77,21 @@ impl HostPool<'_> {
         write: &[bool],
     ) -> Result<Vec<u64>> {
         if let PageObjects::Shares(shares) = objects {
-            let summer = self.share_summer(indices, shares, seed)?;
+            let summer = self.share_summer_with_items(indices, shares, seed)?;
             let n = summer.objects(indices);
             check_staging(n, summer.widest(), staging.len(), stride)?;
             let check = landed_writes(expected, eligible, write, n)?;
+            // The items recorded from the landing copy's own sums, where it takes them.
+            let items = std::cell::RefCell::new(Vec::new());
             let pass = |bytes: &mut super::pages::HostBytes<'_>, k, out: &mut Vec<u64>| {
-                summer.land_page(bytes, indices, k, (staging, stride), write, out)
+                summer.land_page(bytes, indices, k, (staging, stride), write, out, &items)
             };
-            return Ok(self.page_pass(indices, None, check, pass)?.0);
+            return Ok(self.page_pass(indices, Reuse::Items(&items), check, pass)?.0);
         }
         let (meta, keys, per) = self.object_spans(indices, seed)?;
         check_staging(meta.len(), longest(&meta), staging.len(), stride)?;
         let check = landed_writes(expected, eligible, write, meta.len())?;
-        let (sums, _) = self.page_pass(indices, Some((&meta, seed)), check, |bytes, k, out| {
+        let (sums, _) = self.page_pass(indices, Reuse::Objects(&meta, seed), check, |bytes, k, out| {
             for (i, &(c, off, len)) in meta[k * per..(k + 1) * per].iter().enumerate() {
                 let j = k * per + i;
                 if !write[j] {
@@ -117,7 +121,7 @@ impl HostPool<'_> {
         seed: u64,
     ) -> Result<(Vec<u64>, Vec<bool>)> {
         let sums = self.share_summer(indices, shares, seed)?;
-        self.page_pass(indices, None, PageCheck::Intact, |bytes, k, out| sums.sum_page(bytes, indices, k, out))
+        self.page_pass(indices, Reuse::Nothing, PageCheck::Intact, |bytes, k, out| sums.sum_page(bytes, indices, k, out))
     }
 
     /// After an L3 store wrote the pages starting at `indices[0], indices[P], …` in place: each
@@ -129,7 +133,7 @@ impl HostPool<'_> {
     pub(crate) fn landed_checksums(&self, indices: &[i64], seed: u64, expected: &[u64], eligible: &[bool]) -> Result<Vec<u64>> {
         let (meta, keys, per) = self.object_spans(indices, seed)?;
         let check = PageCheck::landed(expected, eligible, meta.len())?;
-        let (sums, _) = self.page_pass(indices, Some((&meta, seed)), check, |bytes, k, out| {
+        let (sums, _) = self.page_pass(indices, Reuse::Objects(&meta, seed), check, |bytes, k, out| {
             for &(c, off, len) in &meta[k * per..(k + 1) * per] {
                 out.push(integrity::checksum(bytes.get(c, off, len)?, &keys));
             }
@@ -150,7 +154,7 @@ impl HostPool<'_> {
     ) -> Result<Vec<u64>> {
         let sums = self.share_summer(indices, shares, seed)?;
         let check = PageCheck::landed(expected, eligible, sums.objects(indices))?;
-        let (sums, _) = self.page_pass(indices, None, check, |bytes, k, out| sums.sum_page(bytes, indices, k, out))?;
+        let (sums, _) = self.page_pass(indices, Reuse::Nothing, check, |bytes, k, out| sums.sum_page(bytes, indices, k, out))?;
         Ok(sums)
     }
 
@@ -159,12 +163,12 @@ impl HostPool<'_> {
     /// items are checked against the recorded checksums (`Intact`: per page, whether they match)
     /// or settled (`Landed`: recorded for a page whose objects are eligible and match, forgotten
     /// for every other; per page, whether trusted), from bytes the objects' pass just read.
-    /// `reuse`: the objects' spans and seed, where an item that is exactly one object takes its
-    /// sum. Returns (object checksums, per page).
+    /// `reuse`: what the objects' pass already knows of the items (see [`Reuse`]). Returns
+    /// (object checksums, per page).
     pub(super) fn page_pass(
         &self,
         indices: &[i64],
-        reuse: Option<(ObjectSpans<'_>, u64)>,
+        reuse: Reuse<'_>,
         check: PageCheck<'_>,
         mut objects: impl FnMut(&mut super::pages::HostBytes<'_>, usize, &mut Vec<u64>) -> Result<()>,
     ) -> Result<(Vec<u64>, Vec<bool>)> {
@@ -192,14 +196,22 @@ impl HostPool<'_> {
                 }
             };
             // The objects' spans, where an item that is exactly one object's bytes under the
-            // same keys takes that object's sum.
-            let objs = reuse.filter(|(_, seed)| g.head_num() == 1 && s.keys().seed() == *seed).map(|(meta, _)| &meta[first..sums.len()]);
+            // same keys takes that object's sum; or the items' sums the objects' pass took.
+            let objs = match reuse {
+                Reuse::Objects(meta, seed) if g.head_num() == 1 && s.keys().seed() == seed => Some(&meta[first..sums.len()]),
+                _ => None,
+            };
+            let known = match reuse {
+                Reuse::Items(cell) => Some(cell.borrow()),
+                _ => None,
+            };
             let want = match check {
                 PageCheck::Intact => PageItems::Check,
                 PageCheck::Landed { .. } if trusted => PageItems::Record,
                 PageCheck::Landed { .. } => PageItems::Forget,
             };
-            let (ok, items) = self.page_items_pass(s, &mut bytes, page[0], want, objs.map(|o| (o, &sums[first..])))?;
+            let known = known.as_deref().map(Vec::as_slice).filter(|k| !k.is_empty());
+            let (ok, items) = self.page_items_pass(s, &mut bytes, page[0], want, objs.map(|o| (o, &sums[first..])), known)?;
             if items > 0 {
                 s.count([items, 0, 0, 0]);
             }
@@ -217,6 +229,7 @@ impl HostPool<'_> {
     /// object's bytes takes that object's sum. Returns (every checked item matched, items
     /// recorded). The page's items in `items_of_page` order (component, layer, slot), each
     /// layer's entries and address found once (per item they cost as much as its sum did).
+    /// `known`: each item's sum, in that order, where the objects' pass took them.
     fn page_items_pass(
         &self,
         s: &integrity::ChecksumTable,
@@ -224,16 +237,18 @@ impl HostPool<'_> {
         first: i64,
         want: PageItems,
         objs: Option<(ObjectSpans<'_>, &[u64])>,
+        known: Option<&[u64]>,
     ) -> Result<(bool, u64)> {
         let g = self.pair.host();
         let (mut ok, mut items) = (true, 0u64);
         let units = self.units_of_page(first as u64);
-        let (chunk, heads) = (g.chunk_bytes(), g.head_num());
-        let shape = (usize::try_from(chunk), usize::try_from(heads));
+        let chunk = g.chunk_bytes();
         for comp in 0..g.kind().components() as u8 {
             let buffer = g.buffer_of(comp) as usize;
             for layer in 0..g.layer_num() {
                 let (entries, addr) = (s.layer_entries(layer, comp), g.addr(comp, layer));
+                // Where this layer's items start in `known`.
+                let layer_first = (comp as usize * g.layer_num() as usize + layer as usize) * (units.end - units.start) as usize;
                 // Each item: skipped, or its sum taken (reused from an object that is exactly its
                 // bytes, else by `$sum(offset)`) and checked or recorded.
                 macro_rules! items {
@@ -256,7 +271,8 @@ impl HostPool<'_> {
                                 PageItems::Record => None,
                             };
                             let span = (buffer, at, chunk);
-                            let sum = match objs.and_then(|(o, sums)| Some(sums[o.iter().position(|o| *o == span)?])) {
+                            let taken = known.and_then(|k| k.get(layer_first + (unit - units.start) as usize)).copied();
+                            let sum = match taken.or_else(|| objs.and_then(|(o, sums)| Some(sums[o.iter().position(|o| *o == span)?]))) {
                                 Some(sum) => sum,
                                 None => $sum(at)?,
                             };
@@ -271,25 +287,10 @@ impl HostPool<'_> {
                     };
                 }
                 // Where the pool's memory is at hand, the layer's items of this page are read as
-                // one region, each summed by one loop over its
-                // head chunks: bounds and calls per item cost as much as a 1 KiB item's sum.
-                let region = match (self.items_extent(addr, units.clone()), shape, usize::try_from(addr.head_stride)) {
-                    (Some((lo, len)), (Ok(chunk), Ok(heads)), Ok(stride)) => {
-                        bytes.in_place(buffer, lo, len)?.map(|r| (r, lo, chunk, heads, stride))
-                    }
-                    _ => None,
-                };
-                match region {
-                    Some((region, lo, chunk, heads, stride)) => items!(|at: u64| {
-                        let from = at.checked_sub(lo).and_then(|rel| region.get(usize::try_from(rel).ok()?..));
-                        from.and_then(|from| integrity::strided_item_sum(from, stride, heads, chunk, s.keys())).ok_or_else(|| {
-                            TransferError::BufferSize {
-                                what: "page span".into(),
-                                expected: at.saturating_add(chunk as u64),
-                                actual: lo.saturating_add(region.len() as u64),
-                            }
-                        })
-                    }),
+                // one region, each summed by one loop over its head chunks: bounds and calls per
+                // item cost as much as a 1 KiB item's sum.
+                match self.layer_region(bytes, buffer, addr, units.clone())? {
+                    Some(region) => items!(|at: u64| region.item_sum(at, s.keys())),
                     None => items!(|at: u64| self.item_sum_from(bytes, s.keys(), (buffer, addr), at)),
                 }
             }
@@ -298,7 +299,48 @@ impl HostPool<'_> {
     }
 }
 
+/// The items of one layer and component of a page, in place: the bytes from `lo` on, each item's
+/// `heads` chunks of `chunk` bytes `stride` apart.
+struct LayerRegion<'b> {
+    bytes: &'b [u8],
+    lo: u64,
+    chunk: usize,
+    heads: usize,
+    stride: usize,
+}
+
+impl LayerRegion<'_> {
+    /// The checksum of the item whose first chunk starts at byte `at` of the buffer.
+    fn item_sum(&self, at: u64, keys: &integrity::Keys) -> Result<u64> {
+        let from = at.checked_sub(self.lo).and_then(|rel| self.bytes.get(usize::try_from(rel).ok()?..));
+        from.and_then(|from| integrity::strided_item_sum(from, self.stride, self.heads, self.chunk, keys)).ok_or_else(|| {
+            TransferError::BufferSize {
+                what: "page span".into(),
+                expected: at.saturating_add(self.chunk as u64),
+                actual: self.lo.saturating_add(self.bytes.len() as u64),
+            }
+        })
+    }
+}
+
 impl HostPool<'_> {
+    /// The items `units` of one layer and component at `addr` as one region of the pool's
+    /// memory; `None` where it is not in this process or a size does not fit.
+    fn layer_region<'b>(
+        &self,
+        bytes: &'b super::pages::HostBytes<'_>,
+        buffer: usize,
+        addr: crate::geometry::Addr,
+        units: std::ops::Range<u64>,
+    ) -> Result<Option<LayerRegion<'b>>> {
+        let g = self.pair.host();
+        let shape = (usize::try_from(g.chunk_bytes()), usize::try_from(g.head_num()), usize::try_from(addr.head_stride));
+        let (Some((lo, len)), (Ok(chunk), Ok(heads), Ok(stride))) = (self.items_extent(addr, units), shape) else {
+            return Ok(None);
+        };
+        Ok(bytes.in_place(buffer, lo, len)?.map(|bytes| LayerRegion { bytes, lo, chunk, heads, stride }))
+    }
+
     /// `(first byte, bytes)` of the items `units` of one layer and component at `addr`: from the
     /// lowest item's first head chunk to the highest's last; `None` where there are none or a
     /// size overflows.
@@ -356,6 +398,19 @@ fn check_staging(objects: usize, longest: u64, staging: usize, stride: usize) ->
         return Err(TransferError::BufferSize { what: "staging buffer".into(), expected: need, actual: staging as u64 });
     }
     Ok(())
+}
+
+/// What a page pass's objects pass knows of the page's items ([`HostPool::page_pass`]).
+#[derive(Clone, Copy)]
+pub(super) enum Reuse<'a> {
+    /// Nothing: the items are read.
+    Nothing,
+    /// The objects' spans and seed: an item that is exactly one object's bytes under the same
+    /// keys takes that object's sum.
+    Objects(ObjectSpans<'a>, u64),
+    /// After each page, the sums of its items (in the table's order) where the pass took them
+    /// (empty where it did not).
+    Items(&'a std::cell::RefCell<Vec<u64>>),
 }
 
 /// What [`HostPool::page_items_pass`] does with a page's items.
