@@ -482,7 +482,7 @@ impl ShareSummer {
     ) -> Result<u64> {
         let mut parts = [0u64; 64];
         let mut total = 0u64;
-        // At most 64 pieces at a time (a run is one layer's tokens of a page: 64 or fewer here).
+        // At most 64 pieces a kernel call (a run may hold many more: its sums go to its items).
         for first in (0..run.count).step_by(parts.len()) {
             let count = (run.count - first).min(parts.len());
             let (a, b) = (first * run.chunk, (first + count) * run.chunk);

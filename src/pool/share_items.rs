@@ -64,11 +64,28 @@ impl ItemRuns {
         if pieces > MAX_PIECES {
             return None;
         }
+        let items = usize::try_from(comps.checked_mul(layers)?.checked_mul(p)?).ok()?;
         let mut runs = Vec::with_capacity(shares.len());
         for (share, (template, _)) in shares.iter().zip(spans) {
-            runs.push(share_runs(g, *share, template)?);
+            let share_runs = share_runs(g, *share, template)?;
+            // Every run inside its span, its object, its item and the page's items: the passes
+            // that follow then find nothing to refuse once they have begun writing.
+            let object = template.iter().try_fold(0u64, |n, s| n.checked_add(s.2))?;
+            let fits = |r: &Run| -> Option<bool> {
+                let bytes = r.chunk.checked_mul(r.count)? as u64;
+                let last = r.step.checked_mul(r.count - 1)?.checked_add(r.item)?;
+                Some(
+                    (r.rel as u64).checked_add(bytes)? <= template.get(r.span)?.2
+                        && (r.obj_word as u64 * 4).checked_add(bytes)? <= object
+                        && (r.item_word as u64 * 4).checked_add(r.chunk as u64)? <= item_bytes
+                        && last < items,
+                )
+            };
+            if !share_runs.iter().all(|r| fits(r) == Some(true)) {
+                return None;
+            }
+            runs.push(share_runs);
         }
-        let items = usize::try_from(comps.checked_mul(layers)?.checked_mul(p)?).ok()?;
         Some(ItemRuns { runs, items })
     }
 }
