@@ -477,6 +477,17 @@ pub const MAX_SHARE_SPANS: u64 = 1 << 16;
 /// Most pieces (layer × token × head chunk) a page share may be walked in.
 const MAX_SHARE_PIECES: u64 = 1 << 24;
 
+/// One piece of a page share ([`HostGeometry::share_pieces`]): bytes `byte..byte + len` of the
+/// item of `layer` and `token` (inside one head chunk), at byte `off` of its buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct SharePiece {
+    pub layer: u64,
+    pub token: u64,
+    pub byte: u64,
+    pub len: u64,
+    pub off: u64,
+}
+
 /// Where a page share lies: `(buffer, offset, bytes)` spans and the shift from one page to the next.
 pub type ShareSpans = (Vec<(usize, u64, u64)>, u64);
 
@@ -519,20 +530,10 @@ impl HostGeometry {
         }
         let buffer = self.buffer_of(comp) as usize;
         let mut out: Vec<(usize, u64, u64)> = Vec::new();
-        for layer in l0..l1 {
-            let a = self.addr(comp, layer);
-            for t in 0..p {
-                let mut b = b0;
-                while b < b1 {
-                    let (head, within) = (b / chunk, b % chunk);
-                    let len = (chunk - within).min(b1 - b);
-                    let off = a.offset(t, head) + within;
-                    match out.last_mut() {
-                        Some(last) if last.1 + last.2 == off => last.2 += len,
-                        _ => out.push((buffer, off, len)),
-                    }
-                    b += len;
-                }
+        for piece in self.share_pieces(share) {
+            match out.last_mut() {
+                Some(last) if last.1 + last.2 == piece.off => last.2 += piece.len,
+                _ => out.push((buffer, piece.off, piece.len)),
             }
         }
         if out.len() as u64 > MAX_SHARE_SPANS {
@@ -540,6 +541,29 @@ impl HostGeometry {
         }
         let a = self.addr(comp, 0);
         Ok((out, a.offset(p, 0) - a.offset(0, 0)))
+    }
+
+    /// The pieces of `share` (checked by [`HostGeometry::page_share_spans`]) of the page of token
+    /// slots `0..P`, in the share's order (layer, token, byte), each inside one head chunk of one
+    /// item: the one definition of a share's bytes.
+    pub(crate) fn share_pieces(&self, share: PageShare) -> impl Iterator<Item = SharePiece> + '_ {
+        let PageShare { comp, layers: (l0, l1), bytes: (b0, b1) } = share;
+        let (p, chunk) = (self.page_size, self.chunk_bytes().max(1));
+        (l0..l1).flat_map(move |layer| {
+            let a = self.addr(comp, layer);
+            (0..p).flat_map(move |token| {
+                let starts = std::iter::successors(Some(b0).filter(|&b| b < b1), move |&b| {
+                    Some(b + (chunk - b % chunk).min(b1 - b)).filter(|&n| n < b1)
+                });
+                starts.map(move |byte| SharePiece {
+                    layer,
+                    token,
+                    byte,
+                    len: (chunk - byte % chunk).min(b1 - byte),
+                    off: a.offset(token, byte / chunk) + byte % chunk,
+                })
+            })
+        })
     }
 }
 

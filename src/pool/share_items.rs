@@ -10,7 +10,7 @@
 //! chunk. Pieces that follow each other in memory, of one length and one item-key start, whose
 //! items step evenly, are one [`Run`] (a head group's 16 tokens of one layer: one run).
 
-use crate::geometry::{HostGeometry, PageShare, ShareSpans};
+use crate::geometry::{HostGeometry, PageShare, SharePiece, ShareSpans};
 
 /// `count` pieces of `chunk` bytes end to end, `rel` bytes into span `span` of a share (its
 /// [`ShareSpans`]) and at word `obj_word` of the object; piece `c` is the bytes from word
@@ -119,48 +119,37 @@ fn covers_every_item_once(shares: &[PageShare], layers: u64, comps: u64, item_by
 /// that holds it (the spans are the pieces merged where adjacent), merged where they continue a
 /// run.
 fn share_runs(g: &HostGeometry, share: PageShare, template: &[(usize, u64, u64)]) -> Option<Vec<Run>> {
-    let PageShare { comp, layers: (l0, l1), bytes: (b0, b1) } = share;
-    let (p, layers, chunk) = (g.page_size(), g.layer_num(), g.chunk_bytes());
+    let (p, layers) = (g.page_size(), g.layer_num());
     let mut runs: Vec<Run> = Vec::new();
     let (mut span, mut x) = (0usize, 0u64);
-    for layer in l0..l1 {
-        let a = g.addr(comp, layer);
-        for t in 0..p {
-            let mut b = b0;
-            while b < b1 {
-                let (head, within) = (b / chunk, b % chunk);
-                let len = (chunk - within).min(b1 - b);
-                let off = a.offset(t, head) + within;
-                // The spans hold the pieces in this order: the piece is in this span or a later one.
-                while !template.get(span).is_some_and(|&(_, at, n)| off >= at && off + len <= at + n) {
-                    span += 1;
-                    if span >= template.len() {
-                        return None;
-                    }
-                }
-                let piece = Run {
-                    span,
-                    rel: usize::try_from(off - template[span].1).ok()?,
-                    chunk: usize::try_from(len).ok()?,
-                    count: 1,
-                    obj_word: usize::try_from(x / 4).ok()?,
-                    item_word: usize::try_from(b / 4).ok()?,
-                    item: usize::try_from((comp as u64 * layers + layer) * p + t).ok()?,
-                    step: 0,
-                };
-                match runs.last_mut() {
-                    Some(r) if continues(r, &piece) => {
-                        if r.count == 1 {
-                            r.step = piece.item - r.item;
-                        }
-                        r.count += 1;
-                    }
-                    _ => runs.push(piece),
-                }
-                x += len;
-                b += len;
+    for SharePiece { layer, token, byte, len, off } in g.share_pieces(share) {
+        // The spans hold the pieces in this order: the piece is in this span or a later one.
+        while !template.get(span).is_some_and(|&(_, at, n)| off >= at && off + len <= at + n) {
+            span += 1;
+            if span >= template.len() {
+                return None;
             }
         }
+        let piece = Run {
+            span,
+            rel: usize::try_from(off - template[span].1).ok()?,
+            chunk: usize::try_from(len).ok()?,
+            count: 1,
+            obj_word: usize::try_from(x / 4).ok()?,
+            item_word: usize::try_from(byte / 4).ok()?,
+            item: usize::try_from((share.comp as u64 * layers + layer) * p + token).ok()?,
+            step: 0,
+        };
+        match runs.last_mut() {
+            Some(r) if continues(r, &piece) => {
+                if r.count == 1 {
+                    r.step = piece.item - r.item;
+                }
+                r.count += 1;
+            }
+            _ => runs.push(piece),
+        }
+        x += len;
     }
     Some(runs)
 }
