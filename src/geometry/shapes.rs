@@ -522,9 +522,8 @@ impl HostGeometry {
         if l0 >= l1 || l1 > self.layer_num || b0 >= b1 || b1 > self.item_bytes {
             return bad(format!("layers {l0}..{l1} of {}, bytes {b0}..{b1} of {}", self.layer_num, self.item_bytes));
         }
-        let (p, chunk) = (self.page_size, self.chunk_bytes());
-        let cuts = (b1 - 1) / chunk - b0 / chunk + 1;
-        let pieces = (l1 - l0).saturating_mul(p).saturating_mul(cuts);
+        let p = self.page_size;
+        let (pieces, cuts) = self.share_piece_count(share);
         if pieces > MAX_SHARE_PIECES {
             return bad(format!("{pieces} pieces (layers {l0}..{l1} × {p} tokens × {cuts} chunks), more than {MAX_SHARE_PIECES}"));
         }
@@ -541,6 +540,15 @@ impl HostGeometry {
         }
         let a = self.addr(comp, 0);
         Ok((out, a.offset(p, 0) - a.offset(0, 0)))
+    }
+
+    /// How many pieces [`HostGeometry::share_pieces`] walks `share` in (saturating), and the
+    /// chunks each of its items is cut into (`share`'s bytes non-empty).
+    pub(crate) fn share_piece_count(&self, share: PageShare) -> (u64, u64) {
+        let PageShare { layers: (l0, l1), bytes: (b0, b1), .. } = share;
+        let chunk = self.chunk_bytes().max(1);
+        let cuts = (b1.saturating_sub(1) / chunk).saturating_sub(b0 / chunk) + 1;
+        (l1.saturating_sub(l0).saturating_mul(self.page_size).saturating_mul(cuts), cuts)
     }
 
     /// The pieces of `share` (checked by [`HostGeometry::page_share_spans`]) of the page of token

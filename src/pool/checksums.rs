@@ -98,24 +98,12 @@ impl HostPool<'_> {
         (unit, layer, comp): (u64, u64, u8),
     ) -> Result<u64> {
         let g = self.pair.host();
-        self.item_sum_at(bytes, keys, (g.buffer_of(comp) as usize, g.addr(comp, layer)), unit)
+        let addr = g.addr(comp, layer);
+        self.item_sum_from(bytes, keys, (g.buffer_of(comp) as usize, addr), addr.offset(unit, 0))
     }
 
-    /// [`HostPool::item_sum`] of slot `unit` of the layer and component whose buffer and
-    /// addresses are given.
-    #[inline]
-    pub(super) fn item_sum_at(
-        &self,
-        bytes: &mut super::pages::HostBytes<'_>,
-        keys: &integrity::Keys,
-        (buffer, addr): (usize, crate::geometry::Addr),
-        unit: u64,
-    ) -> Result<u64> {
-        self.item_sum_from(bytes, keys, (buffer, addr), addr.offset(unit, 0))
-    }
-
-    /// [`HostPool::item_sum_at`] of the item whose first head chunk starts at byte `first` of
-    /// the buffer (`addr.offset(unit, 0)`).
+    /// [`HostPool::item_sum`] of the item of the layer and component whose buffer and addresses
+    /// are given, its first head chunk at byte `first` of the buffer (`addr.offset(unit, 0)`).
     #[inline]
     pub(super) fn item_sum_from(
         &self,

@@ -56,11 +56,7 @@ impl ItemRuns {
         if !covers_every_item_once(shares, layers, comps, item_bytes) {
             return None;
         }
-        let mut pieces = 0u64;
-        for s in shares {
-            let cuts = (s.bytes.1 - 1) / chunk - s.bytes.0 / chunk + 1;
-            pieces = pieces.checked_add((s.layers.1 - s.layers.0).checked_mul(p)?.checked_mul(cuts)?)?;
-        }
+        let pieces = shares.iter().try_fold(0u64, |n, &s| n.checked_add(g.share_piece_count(s).0))?;
         if pieces > MAX_PIECES {
             return None;
         }

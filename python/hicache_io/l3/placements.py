@@ -211,20 +211,21 @@ class SealedPages(Placement):
     at byte ``j × stride`` of ``sealed`` (the trailers viewed as ``seal_t``; :func:`sealing`).
     ``inner``: the in-place placement of the same batch (:class:`PoolPages`, or
     :class:`SharePages` of objects of one size), whose objects these are; objects stored without
-    a trailer are read through it. One read of the pages stages and checksums them for a put
-    (gathering a share's spans); one pass copies the objects read whole into the pool (scattering
-    them), checksums them and settles the pool's item checksums after a get."""
+    a trailer are read through it. ``whole``: the spans of whole batches in ``sealed`` by their
+    objects' count, kept by the registration. One read of the pages stages and checksums them for
+    a put (gathering a share's spans); one pass copies the objects read whole into the pool
+    (scattering them), checksums them and settles the pool's item checksums after a get."""
 
     writes_trailers = verifies = True
 
-    def __init__(self, inner: PoolPages, sealed: np.ndarray, seal_t: np.ndarray, stride: int, whole: Optional[Dict[int, Spans]] = None):
+    def __init__(self, inner: PoolPages, sealed: np.ndarray, seal_t: np.ndarray, stride: int, whole: Dict[int, Spans]):
         super().__init__(inner.idx, inner.page, inner.n_pages)
         self.inner, self.pool, self.shares, self.per, self.sizes = inner, inner.pool, inner.shares, inner.per, inner.sizes
         self.sealed, self.trailers, self.stride = sealed, seal_t, stride
         self.check = bool(getattr(self.pool, "integrity", False))
         # The spans of a whole batch by its objects' count, shared by the batches of one buffer
         # (their objects are all of one size): two lists a batch a direction, made once.
-        self.whole = whole if whole is not None else {}
+        self.whole = whole
 
     def sync(self) -> None:
         self.inner.sync()
