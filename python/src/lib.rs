@@ -22,6 +22,7 @@ mod local_read;
 mod ops;
 mod pools;
 mod tools;
+mod trailers;
 
 use pyo3::prelude::*;
 

@@ -296,3 +296,61 @@ def test_the_staging_pass_refuses_a_short_buffer_before_writing():
     assert list(sums) == list(host.object_sums(idx))
     for j, (c, off, n) in enumerate(host.get_page_buffer_meta(idx)):
         assert np.array_equal(buf[j * stride : j * stride + n], host.read_buffer(c)[off : off + n])
+
+
+def test_the_staging_pass_seals_and_the_landing_checks_trailers_as_the_trailer_module_does():
+    # The sealed objects' trailers are written by the staging pass and checked by the landing
+    # (one native call each way): the same words as `trailer.seal`, the same verdicts as
+    # `trailer.verify`, and refusals before any byte of the buffer or the pool is written.
+    from hicache_io.l3 import trailer as T
+
+    _, dev, host = build("cpu", "dsa", "page_first", 1, 132, 4, None, 0)
+    host.backup_from_device_all_layer(dev, tokens([1, 2]), tokens([3, 0]), "kernel")
+    idx, size = tokens([1, 2]), page_meta(host, 1)[0][2]
+    n = len(host.get_page_buffer_meta(idx))
+    stride = -(-(size + 16) // 64) * 64
+    keys = [uuid.uuid4().hex for _ in range(n)]
+    buf = np.full(n * stride, 7, np.uint8)
+    rows = buf.reshape(n, stride)[:, size : size + 16].view("<u8")
+    for nbytes, at, ks in [(buf.nbytes - 1, size, keys), (buf.nbytes, stride - 15, keys), (buf.nbytes, size, keys[:-1]), (buf.nbytes, size, keys + keys)]:
+        with pytest.raises(ValueError):
+            host._stage_put(idx, buf.ctypes.data, nbytes, stride, seal=(at, ks))
+        assert (buf == 7).all()
+    sums, intact = host._stage_put(idx, buf.ctypes.data, buf.nbytes, stride, seal=(size, keys))
+    assert intact == [True] * 2 and list(sums) == list(host.object_sums(idx))
+    want = np.zeros((n, 2), "<u8")
+    T.seal(want, np.arange(n), sums, keys)
+    assert np.array_equal(rows, want)
+
+    # Landed into pages 3 and 0 of a second pool: verified where the trailer holds; each other
+    # verdict as `verify` gives it.
+    _, dev2, other = build("cpu", "dsa", "page_first", 1, 132, 4, None, 0)
+    to = tokens([3, 0])
+    before = [other.get_data_page(p * P).copy() for p in (3, 0)]
+    yes, no = np.ones(n, bool), np.zeros(n, bool)
+    for args in [(keys[:-1], yes, yes), (keys, yes[:-1], yes), (keys, yes, yes[:-1])]:
+        with pytest.raises(ValueError):
+            other._land_sealed(to, buf.ctypes.data, buf.nbytes, stride, size, *args, yes.tolist())
+    with pytest.raises(ValueError):
+        other._land_sealed(to, buf.ctypes.data, buf.nbytes - 1, stride, size, keys, yes, yes, yes.tolist())
+    assert all(np.array_equal(other.get_data_page(p * P), b) for p, b in zip((3, 0), before))
+    got, verdicts = other._land_sealed(to, buf.ctypes.data, buf.nbytes, stride, size, keys, yes.tolist(), yes.tolist(), yes.tolist())
+    assert list(got) == list(sums) and list(verdicts) == [T.VERIFIED] * n
+    assert np.array_equal(other.get_data_page(3 * P), host.get_data_page(1 * P))
+
+    def verdicts_of(ks, whole, with_trailer):
+        landed, v = other._land_sealed(to, buf.ctypes.data, buf.nbytes, stride, size, ks, whole.tolist(), with_trailer.tolist(), whole.tolist())
+        ok, unverified, stats = whole.copy(), ~with_trailer, {"verified": 0, "unverified": 0, "corrupt": 0}
+        expected = T.verify(rows, landed, T.name_tags(ks), ok, unverified, stats)
+        assert list(v == T.CORRUPT) == list(expected), (list(v), stats)
+        return list(v)
+
+    swapped = keys[::-1] if n > 1 else ["another key"]
+    assert verdicts_of(swapped, yes, yes) == [T.CORRUPT] * n
+    assert verdicts_of(keys, no, yes) == [T.NOT_READ] * n
+    assert verdicts_of(keys, yes, no) == [T.UNVERIFIED] * n
+    rows[0, 0] = T.OLD_TRAILER_MAGICS[0]
+    assert verdicts_of(keys, yes, yes)[0] == T.UNVERIFIED
+    rows[0, 0] = T.TRAILER_MAGIC
+    buf[3] ^= 1
+    assert verdicts_of(keys, yes, yes)[0] == T.CORRUPT

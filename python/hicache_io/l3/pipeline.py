@@ -31,7 +31,7 @@ import numpy as np
 
 from .errors import DAMAGED, INTEGRITY, REFUSED, SHORT_READ, StorageError
 from .placements import Placement
-from .trailer import TRAILER_BYTES, name_tags, seal, sealed_rows, verify
+from .trailer import TRAILER_BYTES, counted, name_tags, seal, sealed_rows, verify
 from .transport import Transport
 
 logger = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ def _ready(calls: StoreCalls, b: Batch) -> Ready:
         if not len(todo):
             return Ready(ok, todo)
         place.stage_out(todo)
-        sums, intact = place.put_sums()
+        sums, intact = place.put_sums(b.obj_keys)
         return Ready(ok, todo, sums, intact)
     except Exception as e:  # noqa: BLE001 - reported by _send, in the caller's thread
         return Ready(ok, todo, error=e)
@@ -124,7 +124,7 @@ def _send(calls: StoreCalls, what: str, b: Batch, ready: Ready, config: Optional
         if len(todo):
             trailer = place.writes_trailers
             picked = obj_keys if len(todo) == len(obj_keys) else [obj_keys[j] for j in todo]
-            if trailer:
+            if trailer and not place.seals:
                 seal(place.trailers, todo, np.asarray(sums)[todo], picked)
             rcs, call = calls.io.put(keys, picked, place.put_spans(todo, trailer), config(len(picked)) if config else None)
             ok[todo] = rcs == 0
@@ -191,12 +191,14 @@ class Fetched(NamedTuple):
 
 class Landed(NamedTuple):
     """The checksums of the bytes that landed, the objects' key tags, whether the pool's item
-    checksums were settled in the same pass; or what stopped it."""
+    checksums were settled in the same pass, and where the landing checked the trailers itself
+    (a placement that ``seals``) each object's verdict; or what stopped it."""
 
     sums: Optional[np.ndarray] = None
     tags: Optional[np.ndarray] = None
     settled: bool = False
     error: Optional[Exception] = None
+    verdicts: Optional[np.ndarray] = None
 
 
 def _fetch(calls: StoreCalls, b: Batch) -> Fetched:
@@ -236,6 +238,9 @@ def _land(b: Batch, f: Fetched) -> Landed:
     if f.failed is not None or not place.verifies:
         return Landed()
     try:
+        if place.seals:
+            sums, verdicts = place.land_sealed(b.obj_keys, f.ok, f.has_trailer, f.ok & (f.form == 0))
+            return Landed(sums, settled=True, verdicts=verdicts)
         t = place.trailers
         tags = name_tags(b.obj_keys)
         eligible = f.ok & f.has_trailer & sealed_rows(t[:n])
@@ -257,7 +262,10 @@ def _finish(calls: StoreCalls, what: str, b: Batch, f: Fetched, landed: Landed) 
         try:
             if landed.error is not None:
                 raise landed.error
-            corrupt = verify(place.trailers, landed.sums, landed.tags, ok, unverified, calls.stats)
+            if landed.verdicts is not None:
+                corrupt = counted(landed.verdicts, ok, unverified, calls.stats)
+            else:
+                corrupt = verify(place.trailers, landed.sums, landed.tags, ok, unverified, calls.stats)
             if corrupt.any():
                 calls.fail(StorageError(what, INTEGRITY, [obj_keys[j] for j in np.flatnonzero(corrupt)]))
         except StorageError:

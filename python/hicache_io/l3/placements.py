@@ -11,11 +11,15 @@ objects a page, object ``j`` of the batch is object ``j % per`` of page ``j // p
   ``asks_first``: whether a put asks which objects exist before it stages or sums;
 * ``put_spans(todo, trailer)`` and ``get_forms()`` (the form this store writes first, then a
   function giving the other, for objects written the other way);
-* ``put_sums()``: the objects' checksums where trailers are written, and per page whether its
-  host bytes still match the item checksums their backup recorded (``None``: not checked);
+* ``put_sums(obj_keys)``: the objects' checksums where trailers are written, and per page whether
+  its host bytes still match the item checksums their backup recorded (``None``: not checked);
+  ``seals``: whether that call also wrote each object's trailer (bound to its key in
+  ``obj_keys``), so the put seals none itself;
 * ``land(expected, eligible, written)``: after a get, the checksums of the bytes that landed, and
   whether the pool's item checksums were settled in the same pass; ``settle(pages, trusted)``
-  otherwise (recorded for trusted pages, forgotten for the others; staged bytes copied in).
+  otherwise (recorded for trusted pages, forgotten for the others; staged bytes copied in). A
+  placement that ``seals`` lands with ``land_sealed(obj_keys, whole, with_trailer, written)``
+  instead: the checksums and each object's verdict from its trailer, in one native call.
 
 The kinds: :class:`PoolPages` (a host pool's page objects in place: hicache-io's and sglang's),
 :class:`StagedPages` (through a staging buffer: pools in executor buffers), :class:`SealedPages`
@@ -70,6 +74,7 @@ class Placement:
     trailers: Optional[np.ndarray] = None
     writes_trailers = False
     verifies = False
+    seals = False
 
     def __init__(self, idx: Any, page: int, n_pages: int):
         self.idx, self.page, self.n_pages = idx, page, n_pages
@@ -87,7 +92,7 @@ class Placement:
     def stage_out(self, todo: np.ndarray) -> None:
         pass
 
-    def put_sums(self) -> Sums:
+    def put_sums(self, obj_keys: Sequence[str]) -> Sums:
         return None, None
 
     def land(self, expected: np.ndarray, eligible: np.ndarray, written: np.ndarray) -> Tuple[Optional[np.ndarray], bool]:
@@ -130,7 +135,7 @@ class PoolPages(Placement):
             self._ptrs = self.lay.addrs(self.idx)
         return self._ptrs
 
-    def put_sums(self) -> Sums:
+    def put_sums(self, obj_keys: Sequence[str]) -> Sums:
         sums = intact = None
         if self.check:
             if self.writes_trailers and hasattr(self.pool, "put_object_sums"):
@@ -187,7 +192,7 @@ class StagedPages(PoolPages):
     def stage_out(self, todo: np.ndarray) -> None:
         self.lay.stage_out(self.staging, sorted({int(j) // self.per for j in todo}), self.idx)
 
-    def put_sums(self) -> Sums:
+    def put_sums(self, obj_keys: Sequence[str]) -> Sums:
         intact = np.asarray(self.pool.pages_intact(self.idx), bool) if self.check else None
         return (self._sums() if self.writes_trailers else None), intact
 
@@ -216,7 +221,7 @@ class SealedPages(Placement):
     a put (gathering a share's spans); one pass copies the objects read whole into the pool
     (scattering them), checksums them and settles the pool's item checksums after a get."""
 
-    writes_trailers = verifies = True
+    writes_trailers = verifies = seals = True
 
     def __init__(self, inner: PoolPages, sealed: np.ndarray, seal_t: np.ndarray, stride: int, whole: Dict[int, Spans]):
         super().__init__(inner.idx, inner.page, inner.n_pages)
@@ -226,14 +231,16 @@ class SealedPages(Placement):
         # The spans of a whole batch by its objects' count, shared by the batches of one buffer
         # (their objects are all of one size): two lists a batch a direction, made once.
         self.whole = whole
+        # Where each object's trailer lies in its slot: after the object (all of one size).
+        self.at = int(self.sizes[0]) if len(self.sizes) else 0
 
     def sync(self) -> None:
         self.inner.sync()
 
-    def put_sums(self) -> Sums:
+    def put_sums(self, obj_keys: Sequence[str]) -> Sums:
         S = self.sealed
-        sums, intact = self.pool._stage_put(self.idx, S.ctypes.data, S.nbytes, self.stride, self.shares)
-        return _u64(sums), (np.asarray(intact, bool) if self.check else None)
+        sums, intact = self.pool._stage_put(self.idx, S.ctypes.data, S.nbytes, self.stride, self.shares, seal=(self.at, list(obj_keys)))
+        return sums, (np.asarray(intact, bool) if self.check else None)
 
     def put_spans(self, todo: np.ndarray, trailer: bool) -> Spans:
         whole = len(todo) == self.n
@@ -253,10 +260,9 @@ class SealedPages(Placement):
         everything = np.arange(self.n)
         return [self.put_spans(everything, True), lambda: self.inner.put_spans(everything, False)]
 
-    def land(self, expected: np.ndarray, eligible: np.ndarray, written: np.ndarray) -> Tuple[Optional[np.ndarray], bool]:
+    def land_sealed(self, obj_keys: Sequence[str], whole: np.ndarray, with_trailer: np.ndarray, written: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         S = self.sealed
-        sums = self.pool._land_staged(self.idx, S.ctypes.data, S.nbytes, self.stride, expected.tolist(), eligible.tolist(), written.tolist(), self.shares)
-        return _u64(sums), True
+        return self.pool._land_sealed(self.idx, S.ctypes.data, S.nbytes, self.stride, self.at, list(obj_keys), whole.tolist(), with_trailer.tolist(), written.tolist(), self.shares)
 
     def settle(self, pages: np.ndarray, trusted: np.ndarray) -> None:
         self.inner.settle(pages, trusted)
@@ -312,7 +318,7 @@ class SidecarPages(Placement):
             out[j] = _native.checksum(np.frombuffer((ctypes.c_uint8 * int(s)).from_address(p), np.uint8))
         return out
 
-    def put_sums(self) -> Sums:
+    def put_sums(self, obj_keys: Sequence[str]) -> Sums:
         if self.side.ours:
             # The objects' checksums and (as for KV pages) the pages' item checks in one read.
             sums, intact = self.side.pool.put_object_sums(self.idx)

@@ -80,3 +80,21 @@ def verify(trailers: np.ndarray, sums: np.ndarray, tags: np.ndarray, ok: np.ndar
     stats["corrupt"] += int(corrupt.sum())
     ok &= ~corrupt
     return corrupt
+
+
+#: A native landing's verdict on an object (``HostPool._land_sealed``): not read whole, verified,
+#: unverified (no trailer, or one of an earlier format), corrupt.
+NOT_READ, VERIFIED, UNVERIFIED, CORRUPT = 0, 1, 2, 3
+
+
+def counted(verdicts: np.ndarray, ok: np.ndarray, unverified: np.ndarray, stats: Dict[str, int]) -> np.ndarray:
+    """:func:`verify`'s counts and updates from verdicts a native landing took: counts
+    ``verified``, ``unverified`` and ``corrupt`` objects in ``stats``, marks ``unverified`` and
+    fails the corrupt ones in ``ok`` (both in place); returns which objects are corrupt."""
+    corrupt = verdicts == CORRUPT
+    unverified |= verdicts == UNVERIFIED
+    stats["unverified"] += int(np.count_nonzero(verdicts == UNVERIFIED))
+    stats["verified"] += int(np.count_nonzero(verdicts == VERIFIED))
+    stats["corrupt"] += int(np.count_nonzero(corrupt))
+    ok &= ~corrupt
+    return corrupt

@@ -5,9 +5,10 @@
 //! pages once; sums come as `numpy.uint64` arrays, one per object (page by page), page verdicts
 //! as lists of bools; keys seeded by `seed` (the storage seed by default).
 
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use hicache_io::geometry::{PageShare, ShareSpans};
+use hicache_io::geometry::{HostGeometry, PageShare, ShareSpans};
 use hicache_io::PageObjects;
 
 use crate::*;
@@ -24,6 +25,23 @@ fn objects(shares: &Option<Vec<PageShare>>) -> PageObjects<'_> {
         Some(s) => PageObjects::Shares(s),
         None => PageObjects::Components,
     }
+}
+
+/// Sealed objects' trailers for `keys` (one an object of the pages at `idx`) fit `nbytes` bytes of
+/// slots of `stride` bytes, each `at` bytes in: checked before a pass writes anything.
+fn check_sealed(
+    host: &HostGeometry,
+    idx: &[i64],
+    shares: &Option<Vec<PageShare>>,
+    keys: usize,
+    (nbytes, stride, at): (usize, usize, usize),
+) -> PyResult<()> {
+    let per = shares.as_ref().map_or(host.buffers(), Vec::len);
+    let pages = idx.len() / host.page_size().max(1) as usize;
+    if pages.checked_mul(per) != Some(keys) {
+        return Err(PyValueError::new_err(format!("{keys} keys for {pages} pages of {per} objects")));
+    }
+    trailers::check(keys, nbytes, stride, at).map_err(PyValueError::new_err)
 }
 
 fn host_indices(indices: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
@@ -91,8 +109,11 @@ impl PyHostPool {
     }
     /// Private to the L3 store: `put_object_sums(indices, shares, seed)` with each object also copied into
     /// the store's staging buffer (`nbytes` bytes at address `addr`, a numpy array the store
-    /// owns), object `j` at byte `j * stride`.
-    #[pyo3(signature = (indices, addr, nbytes, stride, shares = None, seed = hicache_io::integrity::STORAGE_SEED))]
+    /// owns), object `j` at byte `j * stride`. `seal = (at, keys)`: each object's trailer (the
+    /// magic, its checksum bound to `keys[j]`) also written `at` bytes into its slot, in the same
+    /// call (one key an object; refused before anything is written where the slots do not fit).
+    #[pyo3(signature = (indices, addr, nbytes, stride, shares = None, seed = hicache_io::integrity::STORAGE_SEED, seal = None))]
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn _stage_put<'py>(
         &self,
         py: Python<'py>,
@@ -102,18 +123,67 @@ impl PyHostPool {
         stride: usize,
         shares: Option<Vec<Share>>,
         seed: u64,
+        seal: Option<(usize, Vec<String>)>,
     ) -> PyResult<(Bound<'py, PyAny>, Vec<bool>)> {
         let (idx, shares) = (host_indices(indices)?, page_shares(shares));
-        let (sums, intact) = py
-            .detach(|| {
-                // SAFETY: the store passes its own live, writable numpy buffer of `nbytes` bytes,
-                // which nothing else touches during the call (the store gives each of its buffers
-                // to one batch at a time, and its calls hold its lock).
-                let staging = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, nbytes) };
-                self.inner.stage_put(&idx, objects(&shares), seed, staging, stride)
-            })
-            .py()?;
+        if let Some((at, keys)) = &seal {
+            check_sealed(self.pair.host(), &idx, &shares, keys.len(), (nbytes, stride, *at))?;
+        }
+        let (sums, intact) = py.detach(|| -> PyResult<_> {
+            // SAFETY: the store passes its own live, writable numpy buffer of `nbytes` bytes,
+            // which nothing else touches during the call (the store gives each of its buffers
+            // to one batch at a time, and its calls hold its lock).
+            let staging = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, nbytes) };
+            let (sums, intact) = self.inner.stage_put(&idx, objects(&shares), seed, staging, stride).py()?;
+            if let Some((at, keys)) = &seal {
+                // One sum an object (checked above); `zip` would stop short were it not.
+                trailers::seal(staging, stride, *at, &sums, &trailers::tags(keys));
+            }
+            Ok((sums, intact))
+        })?;
         Ok((u64_array(py, sums)?, intact))
+    }
+    /// Private to the L3 store: after a get of sealed objects into its staging buffer (as
+    /// `_stage_put` lays them out, trailers `at` bytes into each slot), the objects' trailers read
+    /// and bound to `keys`, the objects with `write[j]` landed (as `_land_staged`, each trusted
+    /// where its trailer vouches for what landed), and each object's verdict: 0 not read whole
+    /// (`whole[j]` false), 1 verified, 2 unverified (read without a trailer, `with_trailer[j]`
+    /// false, or with one of an earlier format), 3 corrupt. Returns (checksums, verdicts as
+    /// bytes), one of each an object; refused before any byte moves where the lists are not one
+    /// an object or the slots do not fit.
+    #[pyo3(signature = (indices, addr, nbytes, stride, at, keys, whole, with_trailer, write, shares = None, seed = hicache_io::integrity::STORAGE_SEED))]
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn _land_sealed<'py>(
+        &self,
+        py: Python<'py>,
+        indices: &Bound<'_, PyAny>,
+        addr: usize,
+        nbytes: usize,
+        stride: usize,
+        at: usize,
+        keys: Vec<String>,
+        whole: Vec<bool>,
+        with_trailer: Vec<bool>,
+        write: Vec<bool>,
+        shares: Option<Vec<Share>>,
+        seed: u64,
+    ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+        let (idx, shares) = (host_indices(indices)?, page_shares(shares));
+        let n = keys.len();
+        if whole.len() != n || with_trailer.len() != n {
+            return Err(PyValueError::new_err(format!("{n} keys, {} read-whole flags, {} trailer flags", whole.len(), with_trailer.len())));
+        }
+        check_sealed(self.pair.host(), &idx, &shares, n, (nbytes, stride, at))?;
+        let (sums, verdicts) = py.detach(|| -> PyResult<_> {
+            // SAFETY: as in `_stage_put` (read only here).
+            let staging = unsafe { std::slice::from_raw_parts(addr as *const u8, nbytes) };
+            let tags = trailers::tags(&keys);
+            let (expected, eligible) = trailers::expected(staging, stride, at, &tags, &whole, &with_trailer);
+            let sums = self.inner.land_staged(&idx, objects(&shares), seed, staging, stride, &expected, &eligible, &write).py()?;
+            let verdicts = trailers::verdicts(staging, stride, at, &tags, &sums, &whole, &with_trailer);
+            Ok((sums, verdicts))
+        })?;
+        Ok((u64_array(py, sums)?, numpy_array(py, &verdicts, "u1")?))
     }
     /// Private to the L3 store: `landed_object_sums(indices, expected, eligible, shares, seed)` for objects
     /// it read into its staging buffer (as `_stage_put`'s), the objects with `write[j]` copied
