@@ -136,7 +136,11 @@ impl PyHostPool {
             let staging = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, nbytes) };
             let (sums, intact) = self.inner.stage_put(&idx, objects(&shares), seed, staging, stride).py()?;
             if let Some((at, keys)) = &seal {
-                // One sum an object (checked above); `zip` would stop short were it not.
+                // One key an object was checked above from the pool's objects a page; were the
+                // pass to answer another count, no trailer is written (`zip` would stop short).
+                if keys.len() != sums.len() {
+                    return Err(PyValueError::new_err(format!("{} keys for {} sealed objects", keys.len(), sums.len())));
+                }
                 trailers::seal(staging, stride, *at, &sums, &trailers::tags(keys));
             }
             Ok((sums, intact))
