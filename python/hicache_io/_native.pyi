@@ -134,6 +134,11 @@ STORAGE_SEED: int
 #: The integrity trailer's first word (``HIOSUM03``) and its size in bytes.
 TRAILER_MAGIC: int
 TRAILER_BYTES: int
+#: First words of earlier trailers (``HIOSUM01``, ``HIOSUM02``): their objects read as unverified.
+OLD_TRAILER_MAGICS: List[int]
+#: A sealed object's verdict codes from ``HostPool._land_sealed``: not read whole, verified,
+#: unverified, corrupt.
+SEALED_VERDICTS: Tuple[int, int, int, int]
 
 # The local L3 store's file I/O (``hicache_io.l3.local``); the object file format is local_io.rs's.
 class ReadHistory:

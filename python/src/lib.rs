@@ -51,6 +51,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ops::name_tags, m)?)?;
     m.add("TRAILER_MAGIC", local_io::TRAILER_MAGIC)?;
     m.add("TRAILER_BYTES", local_io::TRAILER_BYTES)?;
+    m.add("OLD_TRAILER_MAGICS", trailers::OLD_TRAILER_MAGICS.to_vec())?;
+    m.add("SEALED_VERDICTS", (trailers::NOT_READ, trailers::VERIFIED, trailers::UNVERIFIED, trailers::CORRUPT))?;
     m.add_function(wrap_pyfunction!(local_io::local_get, m)?)?;
     m.add_function(wrap_pyfunction!(local_io::local_paths, m)?)?;
     m.add_function(wrap_pyfunction!(local_io::local_put, m)?)?;

@@ -5,10 +5,12 @@
 
 use crate::local_io::{TRAILER_BYTES, TRAILER_MAGIC};
 
-/// Trailers of earlier key streams (`HIOSUM01`, `HIOSUM02`): their objects read as unverified.
+/// Trailers of earlier key streams (`HIOSUM01`, `HIOSUM02`): their objects read as unverified
+/// (exported as `OLD_TRAILER_MAGICS`: Python's trailer module takes them from here).
 pub(crate) const OLD_TRAILER_MAGICS: [u64; 2] = [u64::from_le_bytes(*b"HIOSUM01"), u64::from_le_bytes(*b"HIOSUM02")];
 
-/// A get's verdict on one object (what `hicache_io.l3.trailer.verify` decides, one code each).
+/// A get's verdict on one object (what `hicache_io.l3.trailer.verify` decides, one code each;
+/// exported as `SEALED_VERDICTS` in this order).
 pub(crate) const NOT_READ: u8 = 0;
 pub(crate) const VERIFIED: u8 = 1;
 pub(crate) const UNVERIFIED: u8 = 2;

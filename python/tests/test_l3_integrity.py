@@ -342,15 +342,39 @@ def test_the_staging_pass_seals_and_the_landing_checks_trailers_as_the_trailer_m
         landed, v = other._land_sealed(to, buf.ctypes.data, buf.nbytes, stride, size, ks, whole.tolist(), with_trailer.tolist(), whole.tolist())
         ok, unverified, stats = whole.copy(), ~with_trailer, {"verified": 0, "unverified": 0, "corrupt": 0}
         expected = T.verify(rows, landed, T.name_tags(ks), ok, unverified, stats)
-        assert list(v == T.CORRUPT) == list(expected), (list(v), stats)
+        ok2, unverified2, stats2 = whole.copy(), ~with_trailer, {"verified": 0, "unverified": 0, "corrupt": 0}
+        assert list(T.counted(v, ok2, unverified2, stats2)) == list(expected), (list(v), stats)
+        assert stats2 == stats and list(ok2) == list(ok) and list(unverified2 & ok2) == list(unverified & ok)
         return list(v)
 
     swapped = keys[::-1] if n > 1 else ["another key"]
     assert verdicts_of(swapped, yes, yes) == [T.CORRUPT] * n
     assert verdicts_of(keys, no, yes) == [T.NOT_READ] * n
     assert verdicts_of(keys, yes, no) == [T.UNVERIFIED] * n
+    # One batch of every verdict: read whole and verified, not read, without a trailer, another key.
+    mixed = np.array([True, False] * n)[:n]
+    assert verdicts_of([keys[0]] + ["another key"] * (n - 1), yes, yes) == [T.VERIFIED] + [T.CORRUPT] * (n - 1)
+    assert verdicts_of(keys, mixed, yes) == [T.VERIFIED if m else T.NOT_READ for m in mixed]
+    assert verdicts_of(keys, yes, mixed) == [T.VERIFIED if m else T.UNVERIFIED for m in mixed]
     rows[0, 0] = T.OLD_TRAILER_MAGICS[0]
     assert verdicts_of(keys, yes, yes)[0] == T.UNVERIFIED
     rows[0, 0] = T.TRAILER_MAGIC
     buf[3] ^= 1
     assert verdicts_of(keys, yes, yes)[0] == T.CORRUPT
+
+    # A pool whose page is several spans a buffer (layer_first: one a layer, K and V each): one
+    # key a span, as `get_page_buffer_meta` cuts it.
+    _, dev, lf = build("cpu", "mha", "layer_first", 2, 64, 3, None, 0)
+    lf.backup_from_device_all_layer(dev, tokens([1]), tokens([2]), "kernel")
+    meta = lf.get_page_buffer_meta(tokens([1]))
+    assert len(meta) == 6
+    span = max(m[2] for m in meta)
+    st = -(-(span + 16) // 64) * 64
+    lbuf = np.zeros(len(meta) * st, np.uint8)
+    lkeys = [uuid.uuid4().hex for _ in meta]
+    with pytest.raises(ValueError):
+        lf._stage_put(tokens([1]), lbuf.ctypes.data, lbuf.nbytes, st, seal=(span, lkeys[:2]))
+    lsums, _ = lf._stage_put(tokens([1]), lbuf.ctypes.data, lbuf.nbytes, st, seal=(span, lkeys))
+    lwant = np.zeros((len(meta), 2), "<u8")
+    T.seal(lwant, np.arange(len(meta)), lsums, lkeys)
+    assert np.array_equal(lbuf.reshape(len(meta), st)[:, span : span + 16].view("<u8"), lwant)

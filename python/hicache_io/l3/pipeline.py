@@ -11,7 +11,9 @@ objects of pages whose host bytes fail their recorded item checksums → seal th
 transport put → per page, whether every object is written (an existing object counts as
 written). Get: one transport get (the other form for objects written the other way) → objects
 read whole → land and checksum (settling the pool's item checksums) → verify the trailers → per
-page, whether every object was read whole and, where checked, verified.
+page, whether every object was read whole and, where checked, verified. A placement that
+``seals`` (small checksummed objects staged with their trailers) writes the trailers in its
+staging pass and checks them in its landing pass: the same steps, taken inside those calls.
 
 A call of several batches runs them in order. Where they are large enough (:func:`overlaps`),
 their checksum passes overlap the transport on the store's second thread (:class:`Overlap`):
@@ -93,8 +95,9 @@ class Ready(NamedTuple):
 
 
 def _ready(calls: StoreCalls, b: Batch) -> Ready:
-    """A put's first half: existence, staging and checksums. Touches no count and reports no
-    failure (the caller's thread does, in :func:`_send`), so it may run on the overlap thread."""
+    """A put's first half: existence, staging and checksums (and, where the placement seals,
+    the trailers). Touches no count and reports no failure (the caller's thread does, in
+    :func:`_send`), so it may run on the overlap thread."""
     place = b.place
     ok, todo = np.zeros(len(b.obj_keys), bool), np.arange(len(b.obj_keys))
     try:
@@ -112,8 +115,8 @@ def _ready(calls: StoreCalls, b: Batch) -> Ready:
 
 
 def _send(calls: StoreCalls, what: str, b: Batch, ready: Ready, config: Optional[Callable[[int], Any]] = None) -> List[bool]:
-    """A put's second half: the objects of damaged pages dropped, trailers sealed, one transport
-    put, the verdicts."""
+    """A put's second half: the objects of damaged pages dropped, trailers sealed (where the
+    staging pass did not), one transport put, the verdicts."""
     keys, obj_keys, place = b
     ok, todo, sums = ready.ok.copy(), ready.todo, ready.sums
     try:
@@ -190,9 +193,9 @@ class Fetched(NamedTuple):
 
 
 class Landed(NamedTuple):
-    """The checksums of the bytes that landed, the objects' key tags, whether the pool's item
-    checksums were settled in the same pass, and where the landing checked the trailers itself
-    (a placement that ``seals``) each object's verdict; or what stopped it."""
+    """The checksums of the bytes that landed, the objects' key tags and whether the pool's item
+    checksums were settled in the same pass; where the landing checked the trailers itself (a
+    placement that ``seals``), each object's verdict instead of the tags; or what stopped it."""
 
     sums: Optional[np.ndarray] = None
     tags: Optional[np.ndarray] = None
@@ -232,7 +235,8 @@ def _fetch(calls: StoreCalls, b: Batch) -> Fetched:
 
 def _land(b: Batch, f: Fetched) -> Landed:
     """A get's checksum pass: the bytes that landed summed (and, where the placement does it in
-    the same pass, copied into the pool and its item checksums settled). Touches no count and
+    the same pass, copied into the pool and its item checksums settled; where it seals, each
+    object's verdict from its trailer taken there too). Touches no count and
     reports no failure, so it may run on the overlap thread."""
     place, n = b.place, len(b.obj_keys)
     if f.failed is not None or not place.verifies:
@@ -251,8 +255,8 @@ def _land(b: Batch, f: Fetched) -> Landed:
 
 
 def _finish(calls: StoreCalls, what: str, b: Batch, f: Fetched, landed: Landed) -> np.ndarray:
-    """A get's second half: the trailers verified, the pages' verdicts, the pool's item checksums
-    settled where the checksum pass did not."""
+    """A get's second half: the trailers verified (or the landing's verdicts counted), the pages'
+    verdicts, the pool's item checksums settled where the checksum pass did not."""
     keys, obj_keys, place = b
     f = _reported(calls, f)
     if f.failed is not None:

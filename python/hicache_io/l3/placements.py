@@ -260,6 +260,9 @@ class SealedPages(Placement):
         everything = np.arange(self.n)
         return [self.put_spans(everything, True), lambda: self.inner.put_spans(everything, False)]
 
+    def land(self, expected: np.ndarray, eligible: np.ndarray, written: np.ndarray) -> Tuple[Optional[np.ndarray], bool]:
+        raise TypeError("sealed objects land with land_sealed (their trailers are checked in the landing)")
+
     def land_sealed(self, obj_keys: Sequence[str], whole: np.ndarray, with_trailer: np.ndarray, written: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         S = self.sealed
         return self.pool._land_sealed(self.idx, S.ctypes.data, S.nbytes, self.stride, self.at, list(obj_keys), whole.tolist(), with_trailer.tolist(), written.tolist(), self.shares)

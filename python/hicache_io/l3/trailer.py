@@ -26,7 +26,7 @@ TRAILER_BYTES: int = _native.TRAILER_BYTES
 assert TRAILER_BYTES == 16, f"the native module's trailer is {TRAILER_BYTES} bytes: this code holds two 8-byte words"
 #: Trailers of earlier key streams (``HIOSUM01``: 64-bit keys; ``HIOSUM02``: 32-bit keys of a
 #: 64-bit mixer): read as unverified.
-OLD_TRAILER_MAGICS = (int.from_bytes(b"HIOSUM01", "little"), int.from_bytes(b"HIOSUM02", "little"))
+OLD_TRAILER_MAGICS = tuple(_native.OLD_TRAILER_MAGICS)
 
 
 def name_tags(keys: Sequence[str]) -> np.ndarray:
@@ -84,7 +84,7 @@ def verify(trailers: np.ndarray, sums: np.ndarray, tags: np.ndarray, ok: np.ndar
 
 #: A native landing's verdict on an object (``HostPool._land_sealed``): not read whole, verified,
 #: unverified (no trailer, or one of an earlier format), corrupt.
-NOT_READ, VERIFIED, UNVERIFIED, CORRUPT = 0, 1, 2, 3
+NOT_READ, VERIFIED, UNVERIFIED, CORRUPT = _native.SEALED_VERDICTS
 
 
 def counted(verdicts: np.ndarray, ok: np.ndarray, unverified: np.ndarray, stats: Dict[str, int]) -> np.ndarray:

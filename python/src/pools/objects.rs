@@ -3,7 +3,9 @@
 //! names, per page K then V) or the given shares of it (`shares`: a list of `(comp, layer start,
 //! layer end, byte start, byte end)`, the unified key scheme's objects). Each call reads the
 //! pages once; sums come as `numpy.uint64` arrays, one per object (page by page), page verdicts
-//! as lists of bools; keys seeded by `seed` (the storage seed by default).
+//! as lists of bools; keys seeded by `seed` (the storage seed by default). For the store's sealed
+//! objects (each with its trailer in a slot of its staging buffer) the staging call also writes
+//! the trailers and the landing call checks them, one verdict an object (`numpy.uint8`).
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -36,7 +38,8 @@ fn check_sealed(
     keys: usize,
     (nbytes, stride, at): (usize, usize, usize),
 ) -> PyResult<()> {
-    let per = shares.as_ref().map_or(host.buffers(), Vec::len);
+    // As `get_page_buffer_meta` cuts a page: its template's spans, one per buffer each.
+    let per = shares.as_ref().map_or_else(|| host.flat_page_template().0.len() * host.buffers(), Vec::len);
     let pages = idx.len() / host.page_size().max(1) as usize;
     if pages.checked_mul(per) != Some(keys) {
         return Err(PyValueError::new_err(format!("{keys} keys for {pages} pages of {per} objects")));
