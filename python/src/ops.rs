@@ -336,5 +336,5 @@ pub(crate) fn checksum(py: Python<'_>, data: &Bound<'_, PyAny>, seed: u64) -> Py
 /// store folds into an object's checksum to bind it to its key.
 #[pyfunction]
 pub(crate) fn name_tags<'py>(py: Python<'py>, names: Vec<String>) -> PyResult<Bound<'py, PyAny>> {
-    u64_array(py, names.iter().map(|n| hicache_io::integrity::name_hash(n.as_bytes())))
+    u64_array(py, crate::trailers::tags(&names))
 }

@@ -242,13 +242,15 @@ def _land(b: Batch, f: Fetched) -> Landed:
     if f.failed is not None or not place.verifies:
         return Landed()
     try:
+        # Objects read whole into the placement's own form (the other form lands in place).
+        written = f.ok & (f.form == 0)
         if place.seals:
-            sums, verdicts = place.land_sealed(b.obj_keys, f.ok, f.has_trailer, f.ok & (f.form == 0))
+            sums, verdicts = place.land_sealed(b.obj_keys, f.ok, f.has_trailer, written)
             return Landed(sums, settled=True, verdicts=verdicts)
         t = place.trailers
         tags = name_tags(b.obj_keys)
         eligible = f.ok & f.has_trailer & sealed_rows(t[:n])
-        sums, settled = place.land(t[:n, 1] ^ tags, eligible, f.ok & (f.form == 0))
+        sums, settled = place.land(t[:n, 1] ^ tags, eligible, written)
         return Landed(sums, tags, settled)
     except Exception as e:  # noqa: BLE001 - reported by _finish, in the caller's thread
         return Landed(error=e)

@@ -62,6 +62,24 @@ def matches(trailers: np.ndarray, sums: np.ndarray, obj_keys: Sequence[str]) -> 
     return (trailers[:, 0] == TRAILER_MAGIC) & (trailers[:, 1] == bound(sums, obj_keys))
 
 
+#: A get's verdict on an object (:func:`verify`'s, or a native landing's: ``HostPool._land_sealed``):
+#: not read whole, verified, unverified (no trailer, or one of an earlier format), corrupt.
+NOT_READ, VERIFIED, UNVERIFIED, CORRUPT = _native.SEALED_VERDICTS
+
+
+def counted(verdicts: np.ndarray, ok: np.ndarray, unverified: np.ndarray, stats: Dict[str, int]) -> np.ndarray:
+    """Takes a get's verdicts (one an object): counts ``verified``, ``unverified`` and ``corrupt``
+    objects in ``stats``, marks ``unverified`` and fails the corrupt ones in ``ok`` (both in
+    place); returns which objects are corrupt."""
+    corrupt = verdicts == CORRUPT
+    unverified |= verdicts == UNVERIFIED
+    stats["unverified"] += int(np.count_nonzero(verdicts == UNVERIFIED))
+    stats["verified"] += int(np.count_nonzero(verdicts == VERIFIED))
+    stats["corrupt"] += int(np.count_nonzero(corrupt))
+    ok &= ~corrupt
+    return corrupt
+
+
 def verify(trailers: np.ndarray, sums: np.ndarray, tags: np.ndarray, ok: np.ndarray, unverified: np.ndarray, stats: Dict[str, int]) -> np.ndarray:
     """Checks each object read whole (``ok``) and not ``unverified`` (read without a trailer)
     against its trailer (row ``j`` of ``trailers``) and ``sums``, the checksums of the bytes that
@@ -74,27 +92,6 @@ def verify(trailers: np.ndarray, sums: np.ndarray, tags: np.ndarray, ok: np.ndar
     for old in OLD_TRAILER_MAGICS:  # two compares: np.isin costs ten times as much at a batch's size
         unverified |= magic == old
     good = (magic == TRAILER_MAGIC) & (trailers[:n, 1] == (sums ^ tags))
-    corrupt = ok & ~unverified & ~good
-    stats["unverified"] += int((ok & unverified).sum())
-    stats["verified"] += int((ok & ~unverified & good).sum())
-    stats["corrupt"] += int(corrupt.sum())
-    ok &= ~corrupt
-    return corrupt
+    verdicts = np.where(ok, np.where(unverified, UNVERIFIED, np.where(good, VERIFIED, CORRUPT)), NOT_READ)
+    return counted(verdicts, ok, unverified, stats)
 
-
-#: A native landing's verdict on an object (``HostPool._land_sealed``): not read whole, verified,
-#: unverified (no trailer, or one of an earlier format), corrupt.
-NOT_READ, VERIFIED, UNVERIFIED, CORRUPT = _native.SEALED_VERDICTS
-
-
-def counted(verdicts: np.ndarray, ok: np.ndarray, unverified: np.ndarray, stats: Dict[str, int]) -> np.ndarray:
-    """:func:`verify`'s counts and updates from verdicts a native landing took: counts
-    ``verified``, ``unverified`` and ``corrupt`` objects in ``stats``, marks ``unverified`` and
-    fails the corrupt ones in ``ok`` (both in place); returns which objects are corrupt."""
-    corrupt = verdicts == CORRUPT
-    unverified |= verdicts == UNVERIFIED
-    stats["unverified"] += int(np.count_nonzero(verdicts == UNVERIFIED))
-    stats["verified"] += int(np.count_nonzero(verdicts == VERIFIED))
-    stats["corrupt"] += int(np.count_nonzero(corrupt))
-    ok &= ~corrupt
-    return corrupt
